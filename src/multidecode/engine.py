@@ -1,0 +1,173 @@
+"""The engine: feeds forest nodes through a causal LM over one shared cache, and nothing else.
+
+One call, `feed`, adds nodes to the forest, runs them through the model's public `forward` in one
+pass, and returns the logits at the nodes asked for. Strategies (ask, complete, beam, ...) decide
+which nodes to add and which leaves stay alive; the engine does not know which one is running.
+
+A feed takes one of two paths:
+
+- **plain**: the new nodes form one chain that continues everything already cached (a prefix
+  prefill). The model's own causal mask is exact here and is the fastest path, so no mask is
+  passed.
+- **forest**: anything else. The model gets position ids equal to the nodes' positions and a 4D
+  float mask over `[cached slots + new nodes]` that lets each node see itself and its ancestors
+  (window-folded per layer type, see `masks`).
+
+The LM head runs only where logits are wanted (`logits_to_keep` with an index tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import SlotCache
+from .forest import ROOT, Forest
+from .masks import build_attention_mask
+from .models import check_supported, mask_layout, max_positions
+
+
+@dataclass
+class EngineStats:
+    """Counters a benchmark or a caller may read."""
+
+    forward_passes: int = 0
+    tokens_fed: int = 0
+    compactions: int = 0
+    peak_slots: int = 0
+    peak_cache_bytes: int = 0
+    slots_dropped: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    """A forest of token nodes decoded over one shared KV cache of `model`.
+
+    model: any transformers causal LM with eager or sdpa attention (checked on construction).
+    capacity: cache slots to preallocate; the cache grows by doubling past it.
+    """
+
+    def __init__(self, model, *, capacity: int = 0) -> None:
+        check_supported(model)
+        self.model = model
+        self.forest = Forest()
+        self.cache = SlotCache(capacity)
+        self.layout = mask_layout(model.config)
+        self.max_positions = max_positions(model.config)
+        self.stats = EngineStats()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    # ------------------------------------------------------------------ feeding
+    def feed(
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int],
+        *,
+        logits_for: Sequence[int] = (),
+        root_position: int = 0,
+    ) -> tuple[list[int], torch.Tensor]:
+        """Add nodes (see `Forest.add` for `parents`) and run them in one forward pass.
+
+        logits_for: indices into this call's nodes whose next-token logits to return.
+        Returns (new node ids, logits [len(logits_for), vocab] in float32).
+        """
+        forest = self.forest
+        nodes = forest.add(tokens, parents, root_position=root_position)
+        if not nodes:
+            return nodes, torch.empty(0, 0)
+        positions = forest.positions_of(nodes)  # [q]
+        top = int(positions.max())
+        if self.max_positions is not None and top >= self.max_positions:
+            from .errors import PromptTooLong
+
+            raise PromptTooLong(
+                f"position {top} is past the model's maximum of {self.max_positions} positions",
+                "shorten the document or lower max_new_tokens",
+            )
+        forest.place(nodes)
+        if forest.is_plain_continuation(nodes):
+            mask = None
+        else:
+            rows = forest.attention_rows(nodes)  # [q, past + q]
+            mask = build_attention_mask(
+                rows, positions, forest.slot_positions(), self.layout, self.dtype, self.device
+            )
+        if mask is None:
+            # Keep visibility rows in step for later forest feeds on top of this chain.
+            forest.attention_rows(nodes[-1:])
+        keep = torch.tensor(list(logits_for) or [len(nodes) - 1], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([list(tokens)], dtype=torch.long, device=self.device),
+                position_ids=positions[None].to(self.device),
+                attention_mask=mask,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+        self._count(len(nodes))
+        logits = out.logits[0].float() if logits_for else out.logits[0, :0].float()  # [len(logits_for), vocab]
+        return nodes, logits
+
+    def feed_chain(
+        self, tokens: Sequence[int], parent: int = ROOT, *, root_position: int = 0, logits: bool = True
+    ) -> tuple[list[int], torch.Tensor]:
+        """Feed one straight sequence under `parent`; logits of its last node if `logits`."""
+        parents = [parent] + [-(i + 2) for i in range(len(tokens) - 1)]
+        return self.feed(
+            tokens, parents[: len(tokens)], logits_for=[len(tokens) - 1] if logits and tokens else (),
+            root_position=root_position,
+        )
+
+    def feed_chains(
+        self, chains: Sequence[Sequence[int]], parents: Sequence[int], *, root_position: int = 0
+    ) -> tuple[list[list[int]], torch.Tensor]:
+        """Feed several sequences in one pass, chain i under `parents[i]`.
+
+        Returns the node ids of each chain and the logits at each non-empty chain's last node
+        ([number of non-empty chains, vocab]), in chain order.
+        """
+        tokens: list[int] = []
+        flat_parents: list[int] = []
+        last_index: list[int] = []
+        spans = []
+        for chain, parent in zip(chains, parents):
+            start = len(tokens)
+            for j, token in enumerate(chain):
+                tokens.append(token)
+                flat_parents.append(parent if j == 0 else -(start + j - 1 + 2))
+            spans.append((start, len(tokens)))
+            if chain:
+                last_index.append(len(tokens) - 1)
+        nodes, logits = self.feed(tokens, flat_parents, logits_for=last_index, root_position=root_position)
+        return [nodes[a:b] for a, b in spans], logits
+
+    # ------------------------------------------------------------------ memory
+    def reserve(self, slots: int) -> None:
+        """Preallocate the cache for `slots` slots in all."""
+        self.cache.reserve(slots)
+
+    def compact(self, live: Sequence[int]) -> int:
+        """Drop every cached slot that is not `live` or an ancestor of a live node.
+
+        Returns the number of slots dropped. Exact: positions are node data and do not move.
+        """
+        keep = self.forest.compaction_plan(live)
+        dropped = self.forest.num_slots - keep.numel()
+        if dropped == 0:
+            return 0
+        self.cache.compact(keep)
+        self.forest.compact(keep)
+        self.stats.compactions += 1
+        self.stats.slots_dropped += dropped
+        return dropped
+
+    def _count(self, fed: int) -> None:
+        s = self.stats
+        s.forward_passes += 1
+        s.tokens_fed += fed
+        s.peak_slots = max(s.peak_slots, self.forest.num_slots)
+        s.peak_cache_bytes = max(s.peak_cache_bytes, self.cache.allocated_bytes)

@@ -1,0 +1,41 @@
+"""Errors a user can cause, each with a message that names the problem and a hint that names the fix.
+
+The CLI prints `error: <message>` and `hint: <hint>` and exits non-zero for any `MultiDecodeError`;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class MultiDecodeError(Exception):
+    """Base class: a problem with the user's input, model or environment, not a bug."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class InvalidArgument(MultiDecodeError, ValueError):
+    """An argument is out of range or of the wrong kind."""
+
+
+class InvalidInput(MultiDecodeError, ValueError):
+    """A document, question or input file cannot be used."""
+
+
+class PromptTooLong(MultiDecodeError, ValueError):
+    """A prompt plus its new tokens does not fit in the model's positions."""
+
+
+class ModelNotFound(MultiDecodeError, FileNotFoundError):
+    """The named model is not a folder, a .gguf file, or a reachable hub id."""
+
+
+class UnsupportedModel(MultiDecodeError):
+    """The model cannot be decoded exactly as a forest (architecture or attention kind)."""

@@ -1,0 +1,226 @@
+"""The token forest: the data that MultiDecode decodes, with no model in sight.
+
+MultiDecode (the seed repository "Generating tokens faster using predictions from multiple
+token positions") runs many token sequences through one causal language model at once. The
+sequences form a *forest*: each **node** holds one token and points to its **parent** (or to
+nothing, for a **root**). A root-to-node path is one sequence as the model would see it alone.
+
+Terms used across the package:
+
+- **position**: the position id the model sees for a node. It is the node's depth in its tree
+  plus its root's offset, so a node sits at the position it would have in its own sequence.
+- **slot**: where the node's key/value lives in the shared KV cache (its column in the attention
+  mask). Slots are handed out in the order nodes are fed to the model and are renumbered by
+  compaction. A slot is never a position: two branches at the same depth share a position and
+  never a slot.
+- **visibility**: a node may attend to itself and its ancestors only. Its visibility row is a
+  boolean vector over slots. Because a child sees exactly what its parent sees plus itself, rows
+  are built incrementally from the parent's row.
+
+`Forest` keeps the tree and the node-to-slot map; `attention_rows` and `compaction_plan` are what
+the engine asks of it. Everything here is plain Python and boolean tensors and is tested without
+a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+ROOT = -1
+"""Parent id of a root node."""
+
+
+class Forest:
+    """Token nodes with parents, positions and cache slots.
+
+    Node ids are dense integers in creation order and never reused. A node gets a slot when it is
+    placed into the cache (`place`), and loses it when compaction drops it.
+    """
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.positions: list[int] = []
+        self.slot_of: list[int | None] = []
+        self.node_at_slot: list[int] = []
+        self._child_count: list[int] = []
+        # Visibility rows (over slots) of the nodes that may still get children or be queried:
+        # the newest nodes and every leaf. Others are rebuilt by walking up to a known row.
+        self._rows: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ building
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.node_at_slot)
+
+    def add(self, tokens: Sequence[int], parents: Sequence[int], *, root_position: int = 0) -> list[int]:
+        """Add nodes; `parents[i]` is a node id, an index into this call's nodes written as
+        `-(i + 2)`, or `ROOT`. Roots start at `root_position`; children sit one past their parent.
+
+        Returns the new node ids, in order.
+        """
+        if len(tokens) != len(parents):
+            raise ValueError(f"{len(tokens)} tokens but {len(parents)} parents")
+        first = len(self.tokens)
+        new: list[int] = []
+        for token, parent in zip(tokens, parents):
+            if parent <= -2:  # a node of this same call
+                parent = first + (-parent - 2)
+                if parent >= first + len(new):
+                    raise ValueError("a node's parent must come before it")
+            elif parent != ROOT and not 0 <= parent < first:
+                raise ValueError(f"unknown parent node {parent}")
+            node = len(self.tokens)
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            self.positions.append(root_position if parent == ROOT else self.positions[parent] + 1)
+            self.slot_of.append(None)
+            self._child_count.append(0)
+            if parent != ROOT:
+                self._child_count[parent] += 1
+            new.append(node)
+        return new
+
+    def add_chain(self, tokens: Sequence[int], parent: int = ROOT, *, root_position: int = 0) -> list[int]:
+        """Add a straight sequence under `parent` (or as a new tree)."""
+        parents = [parent] + [-(i + 2) for i in range(len(tokens) - 1)]
+        return self.add(tokens, parents[: len(tokens)], root_position=root_position)
+
+    def place(self, nodes: Sequence[int]) -> list[int]:
+        """Give `nodes` the next cache slots, in order (the model appends their keys in that order)."""
+        slots = []
+        for node in nodes:
+            if self.slot_of[node] is not None:
+                raise ValueError(f"node {node} is already in the cache")
+            parent = self.parents[node]
+            if parent != ROOT and self.slot_of[parent] is None:
+                raise ValueError(f"node {node} is placed before its parent {parent}")
+            slot = len(self.node_at_slot)
+            self.slot_of[node] = slot
+            self.node_at_slot.append(node)
+            slots.append(slot)
+        return slots
+
+    # ------------------------------------------------------------------ reading
+    def is_leaf(self, node: int) -> bool:
+        return self._child_count[node] == 0
+
+    def path(self, node: int) -> list[int]:
+        """Node ids from the root down to `node`."""
+        nodes = []
+        while node != ROOT:
+            nodes.append(node)
+            node = self.parents[node]
+        return nodes[::-1]
+
+    def path_tokens(self, node: int) -> list[int]:
+        """The token sequence the model sees at `node`, as if that path were run alone."""
+        return [self.tokens[n] for n in self.path(node)]
+
+    def slot_positions(self) -> torch.Tensor:
+        """Position id of the node in each slot. [num_slots]"""
+        return torch.tensor([self.positions[n] for n in self.node_at_slot], dtype=torch.long)
+
+    def positions_of(self, nodes: Sequence[int]) -> torch.Tensor:
+        """[len(nodes)]"""
+        return torch.tensor([self.positions[n] for n in nodes], dtype=torch.long)
+
+    def is_plain_continuation(self, nodes: Sequence[int]) -> bool:
+        """True when `nodes` is one chain that may use the model's own causal mask: every slot
+        already in the cache is an ancestor of the chain, so "see everything before you" is exact.
+        """
+        if not nodes:
+            return False
+        for prev, node in zip(nodes, nodes[1:]):
+            if self.parents[node] != prev:
+                return False
+        head_parent = self.parents[nodes[0]]
+        placed_before = self.slot_of[nodes[0]]
+        if placed_before is None:
+            raise ValueError("place the nodes before asking how to run them")
+        if head_parent == ROOT:
+            return placed_before == 0
+        return bool(self._row(head_parent)[:placed_before].all())
+
+    # ------------------------------------------------------------------ visibility
+    def _row(self, node: int) -> torch.Tensor:
+        """Visibility row of a placed node over the slots that existed when it was placed."""
+        row = self._rows.get(node)
+        if row is not None:
+            return row
+        # Walk up to the nearest node with a known row, then add the walked slots back.
+        walked = []
+        cur = node
+        while cur != ROOT and cur not in self._rows:
+            walked.append(cur)
+            cur = self.parents[cur]
+        width = max(self.slot_of[n] for n in walked) + 1  # type: ignore[type-var]
+        row = torch.zeros(width, dtype=torch.bool)
+        if cur != ROOT:
+            base = self._rows[cur]
+            row[: base.numel()] = base
+        slots = [self.slot_of[n] for n in walked]
+        if any(s is None for s in slots):
+            raise ValueError(f"node {node} has an ancestor that is not in the cache")
+        row[slots] = True
+        return row
+
+    def attention_rows(self, nodes: Sequence[int]) -> torch.Tensor:
+        """Boolean visibility of each of `nodes` (already placed) over all slots. [len(nodes), num_slots]
+
+        Row i is True at the slots of node i and of its ancestors, and False elsewhere.
+        """
+        width = self.num_slots
+        out = torch.zeros(len(nodes), width, dtype=torch.bool)
+        for i, node in enumerate(nodes):
+            slot = self.slot_of[node]
+            if slot is None:
+                raise ValueError(f"node {node} is not in the cache")
+            parent = self.parents[node]
+            if parent != ROOT:
+                prow = self._row(parent)
+                out[i, : prow.numel()] = prow
+            out[i, slot] = True
+            self._rows[node] = out[i, : slot + 1].clone()
+        self._forget_inner_rows(nodes)
+        return out
+
+    def _forget_inner_rows(self, newest: Iterable[int]) -> None:
+        keep = set(newest)
+        for node in list(self._rows):
+            if node not in keep and not self.is_leaf(node):
+                del self._rows[node]
+
+    # ------------------------------------------------------------------ compaction
+    def compaction_plan(self, live: Sequence[int]) -> torch.Tensor:
+        """Slots to keep so that `live` nodes (and hence their ancestors) stay, in slot order. [n_keep]"""
+        keep = torch.zeros(self.num_slots, dtype=torch.bool)
+        for node in live:
+            row = self._row(node)
+            keep[: row.numel()] |= row
+        return keep.nonzero().flatten()
+
+    def compact(self, keep_slots: torch.Tensor) -> None:
+        """Renumber slots after the cache kept only `keep_slots` (sorted ascending)."""
+        keep_list = keep_slots.tolist()
+        if keep_list != sorted(set(keep_list)):
+            raise ValueError("slots to keep must be sorted and unique")
+        new_index = torch.full((self.num_slots,), -1, dtype=torch.long)
+        new_index[keep_slots] = torch.arange(len(keep_list))
+        for node in self.node_at_slot:
+            self.slot_of[node] = None
+        self.node_at_slot = [self.node_at_slot[s] for s in keep_list]
+        for slot, node in enumerate(self.node_at_slot):
+            self.slot_of[node] = slot
+        rows = {}
+        for node, row in self._rows.items():
+            if self.slot_of[node] is None:
+                continue
+            kept_here = keep_slots[keep_slots < row.numel()]
+            rows[node] = row[kept_here]
+        self._rows = rows

@@ -1,0 +1,66 @@
+"""Prompts for many questions about one document, and where they may be split.
+
+Each question gets the full prompt it would get alone: the model's chat template (when it has one)
+around a user message holding the document and the question. Those prompts share a long start.
+
+**Where to split.** Tokenizers merge across boundaries, so tokenizing "document" and "question"
+separately can give other ids than tokenizing the whole prompt. We never tokenize parts: every
+prompt is tokenized whole, and the shared prefix is the longest run of *ids* common to all of
+them. Each branch's path (prefix + its own suffix) is then exactly its whole-prompt ids, which is
+what makes `ask` equal to generating from each prompt alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DEFAULT_INSTRUCTION = "Answer in one short sentence."
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """Several prompts as one shared prefix plus one suffix each.
+
+    prefix_ids + suffix_ids[i] == prompt_ids[i] for every i.
+    """
+
+    prefix_ids: list[int]
+    suffix_ids: list[list[int]]
+    prompt_ids: list[list[int]]
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer, user_message: str, *, system: str | None = None) -> str:
+    """The text a chat model sees for one user turn (chat template when available)."""
+    if has_chat_template(tokenizer):
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": user_message})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    head = f"{system}\n\n" if system else ""
+    return f"{head}{user_message}\nAnswer:"
+
+
+def question_message(document: str, question: str, instruction: str | None = DEFAULT_INSTRUCTION) -> str:
+    """The user message for one question: the document first, so every prompt starts alike."""
+    tail = f"\n{instruction}" if instruction else ""
+    return f"Here is a document.\n\n{document.strip()}\n\nQuestion: {question.strip()}{tail}"
+
+
+def tokenize_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a whole rendered prompt. Chat-templated text carries its own special tokens."""
+    special = not has_chat_template(tokenizer)
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def share_prefix(prompt_ids: Sequence[Sequence[int]]) -> SharedPrompts:
+    """Split whole-prompt ids into their longest common prefix and the rest of each."""
+    prompts = [list(p) for p in prompt_ids]
+    shortest = min(len(p) for p in prompts)
+    n = 0
+    while n < shortest and all(p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return SharedPrompts(prompts[0][:n], [p[n:] for p in prompts], prompts)

@@ -1,0 +1,173 @@
+"""Choosing the next token of each branch: logits processors and seeded samplers.
+
+Every branch has its own `SamplingParams` and, when it samples, its own `torch.Generator`. The
+processors run on all live branches at once with one parameter per row, and each row's draw uses
+only that row's generator, so a branch seeded with s gives the same tokens whatever branches run
+beside it.
+
+The processors follow the definitions (and order) of transformers' `generate`: repetition
+penalty first, then, when sampling, temperature, top-k, top-p and min-p, each keeping at least
+one token. Greedy branches take the arg-max after the repetition penalty, as `generate` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one branch picks its tokens. The defaults are greedy decoding."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise InvalidArgument(f"temperature must be > 0, got {self.temperature}", "use do_sample=False for greedy")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise InvalidArgument(f"top_k must be a positive integer, got {self.top_k}", "leave it unset to disable it")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            raise InvalidArgument(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+class BranchSampler:
+    """One branch's sampling state: its parameters, its generator and the tokens it has seen."""
+
+    def __init__(self, params: SamplingParams, context: Sequence[int] = ()) -> None:
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if params.do_sample:
+            self.generator = torch.Generator()
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+        # Repetition penalty looks at the whole sequence, prompt included, as transformers does.
+        self.seen: set[int] = set(context) if params.repetition_penalty not in (None, 1.0) else set()
+
+    def observe(self, token: int) -> None:
+        if self.params.repetition_penalty not in (None, 1.0):
+            self.seen.add(token)
+
+    def fork(self) -> BranchSampler:
+        """A copy that continues from the same state (used when a branch splits)."""
+        twin = BranchSampler.__new__(BranchSampler)
+        twin.params, twin.seen = self.params, set(self.seen)
+        twin.generator = None
+        if self.generator is not None:
+            twin.generator = torch.Generator()
+            twin.generator.set_state(self.generator.get_state())
+        return twin
+
+
+# ---------------------------------------------------------------------- processors
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """logits [n, V]; seen [n, V] bool; penalty [n, 1]. Seen tokens: negative logits are
+    multiplied by the penalty, positive ones divided."""
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [n, V]; temperature [n, 1]."""
+    return logits / temperature
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the k highest logits of each row. top_k [n] long; 0 leaves a row as it is."""
+    vocab = logits.shape[-1]
+    k = top_k.clamp(max=vocab)
+    k_max = int(k.max())
+    if k_max == 0:
+        return logits
+    top_values = torch.topk(logits, k_max, dim=-1).values  # [n, k_max]
+    threshold = top_values.gather(1, (k.clamp(min=1) - 1)[:, None])  # [n, 1]
+    threshold = torch.where(k[:, None] > 0, threshold, torch.full_like(threshold, -float("inf")))
+    return logits.masked_fill(logits < threshold, -float("inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p. top_p [n, 1]."""
+    sorted_logits, sorted_index = torch.sort(logits, descending=False)  # [n, V]
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1:] = False  # always keep the most likely token
+    remove = remove_sorted.scatter(1, sorted_index, remove_sorted)
+    return logits.masked_fill(remove, -float("inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one. min_p [n, 1]."""
+    probs = logits.softmax(dim=-1)
+    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    top = logits.argmax(dim=-1, keepdim=True)
+    remove.scatter_(1, top, False)  # always keep the most likely token
+    return logits.masked_fill(remove, -float("inf"))
+
+
+def process_logits(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
+    """Apply every branch's processors to its row. logits [n, V] float32 -> [n, V]."""
+    n, vocab = logits.shape
+    params = [s.params for s in samplers]
+    device = logits.device
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
+
+    if any(p.repetition_penalty not in (None, 1.0) for p in params):
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+        for i, s in enumerate(samplers):
+            if s.seen:
+                ids = torch.tensor(sorted(t for t in s.seen if t < vocab), dtype=torch.long, device=device)
+                seen[i, ids] = True
+        penalty = column([p.repetition_penalty or 1.0 for p in params])
+        logits = apply_repetition_penalty(logits, seen, penalty)
+
+    sampled = [p.do_sample for p in params]
+    if not any(sampled):
+        return logits
+    is_sampled = torch.tensor(sampled, device=device)[:, None]  # [n, 1]
+    warped = logits
+    if any(p.do_sample and p.temperature != 1.0 for p in params):
+        warped = apply_temperature(warped, column([p.temperature if p.do_sample else 1.0 for p in params]))
+    if any(p.do_sample and p.top_k for p in params):
+        top_k = torch.tensor([p.top_k if p.do_sample and p.top_k else 0 for p in params], device=device)
+        warped = apply_top_k(warped, top_k)
+    if any(p.do_sample and p.top_p is not None and p.top_p < 1 for p in params):
+        warped = apply_top_p(warped, column([p.top_p if p.do_sample and p.top_p is not None else 1.0 for p in params]))
+    if any(p.do_sample and p.min_p for p in params):
+        warped = apply_min_p(warped, column([p.min_p if p.do_sample and p.min_p else 0.0 for p in params]))
+    return torch.where(is_sampled, warped, logits)
+
+
+def choose_tokens(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> list[int]:
+    """Pick one token per row: arg-max for greedy rows, a draw from the row's generator otherwise.
+
+    logits [n, V] (any float dtype; processed in float32). Draws happen on the CPU so that a seed
+    gives the same tokens on every device.
+    """
+    scores = process_logits(logits.float(), samplers)
+    chosen = scores.argmax(dim=-1).tolist()
+    sampled_rows = [i for i, s in enumerate(samplers) if s.params.do_sample]
+    if sampled_rows:
+        probs = scores[sampled_rows].softmax(dim=-1).cpu()  # [n_sampled, V]
+        for row, i in enumerate(sampled_rows):
+            chosen[i] = int(torch.multinomial(probs[row], 1, generator=samplers[i].generator))
+    for token, sampler in zip(chosen, samplers):
+        sampler.observe(token)
+    return chosen

@@ -1,0 +1,138 @@
+"""When a branch stops, and the text it has produced so far.
+
+A branch stops on any of the model's end-of-sequence ids (the eos token is kept in its ids, as
+`generate` keeps it), on `max_new_tokens`, or when its text contains a stop string (the text is cut
+before the stop string; the ids keep every token generated).
+
+Text is produced incrementally: each token yields the *delta* that became certain. A delta never
+ends inside a multi-byte character, and text that could be the start of a stop string is held back
+until it is known not to be one, so a streamed answer never shows text the final answer drops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+STOP = "stop"  # an eos token or a stop string
+LENGTH = "length"  # max_new_tokens reached
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """One branch's stopping conditions."""
+
+    max_new_tokens: int
+    eos_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+
+
+def eos_ids_of(model, eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
+    """The eos ids to stop on: the argument if given, else all of the model's generation config ids."""
+    if eos_token_id is None:
+        config = getattr(model, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(model.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset([eos_token_id])
+    return frozenset(int(t) for t in eos_token_id)
+
+
+class TextStream:
+    """Turns token ids into text deltas, decoding only a short window each time."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the window whose text is already emitted
+        self._read = 0  # end of that window
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is left (an incomplete character at the very end, say)."""
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :]
+
+
+class BranchOutput:
+    """The tokens and text of one branch as it grows, and why it stopped."""
+
+    def __init__(self, rule: StopRule, tokenizer=None) -> None:
+        self.rule = rule
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._stream = TextStream(tokenizer) if tokenizer is not None else None
+        self._text = ""  # all text decoded so far
+        self._emitted = 0  # how much of it has been handed out
+        self._cut: int | None = None  # where a stop string begins
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self._text[: self._cut] if self._cut is not None else self._text
+
+    def accept(self, token: int) -> str:
+        """Record one generated token; returns the text delta it makes certain."""
+        if self.finished:
+            raise RuntimeError("this branch has already finished")
+        self.token_ids.append(token)
+        if token in self.rule.eos_ids:
+            self.finish_reason = STOP
+        if self._stream is not None:
+            self._text += self._stream.push(token)
+            if self.rule.stop_strings:
+                self._find_stop()
+        if not self.finished and len(self.token_ids) >= self.rule.max_new_tokens:
+            self.finish_reason = LENGTH
+        if self.finished and self._stream is not None and self._cut is None:
+            self._text += self._stream.flush()
+            if self.rule.stop_strings:
+                self._find_stop()
+        return self._release()
+
+    def _find_stop(self) -> None:
+        # Search only where a new stop string can have appeared.
+        longest = max(len(s) for s in self.rule.stop_strings)
+        start = max(0, self._emitted - longest)
+        hits = [i for s in self.rule.stop_strings if (i := self._text.find(s, start)) >= 0]
+        if hits:
+            self._cut = min(hits)
+            self.finish_reason = STOP
+
+    def _release(self) -> str:
+        end = len(self.text)
+        if not self.finished and self.rule.stop_strings:
+            end = min(end, self._safe_end())
+        delta = self.text[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        return delta
+
+    def _safe_end(self) -> int:
+        """Text up to here cannot be part of a stop string that is still being written."""
+        text = self._text
+        end = len(text)
+        for s in self.rule.stop_strings:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    end = min(end, len(text) - k)
+                    break
+        return end

@@ -1,0 +1,73 @@
+"""Tiny random-weight causal LMs, built from configs (nothing is downloaded).
+
+Each architecture is chosen for a trait a forest must get right: rotary positions (Llama, Qwen2),
+a sliding window shorter than the sequences (Mistral), hybrid sliding and full layers in one model
+(Gemma3, Qwen2-hybrid), learned absolute positions (GPT-2), partial rotary (Phi-3, GPT-NeoX).
+Weights are larger than the usual init so that greedy choices are not near-ties.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import transformers as tf
+
+VOCAB = 256
+EOS = 2
+
+COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
+ROPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
+
+ARCHITECTURES = {
+    "llama": lambda: (tf.LlamaConfig(**COMMON, **ROPE), tf.LlamaForCausalLM),
+    "qwen2": lambda: (tf.Qwen2Config(**COMMON, **ROPE), tf.Qwen2ForCausalLM),
+    "qwen2-hybrid": lambda: (
+        tf.Qwen2Config(**COMMON, **ROPE, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+        tf.Qwen2ForCausalLM,
+    ),
+    "mistral": lambda: (tf.MistralConfig(**COMMON, **ROPE, sliding_window=6), tf.MistralForCausalLM),
+    "gemma3": lambda: (
+        tf.Gemma3TextConfig(**COMMON, **{**ROPE, "num_hidden_layers": 4}, head_dim=16, sliding_window=6,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+        tf.Gemma3ForCausalLM,
+    ),
+    "gpt2": lambda: (
+        tf.GPT2Config(**COMMON, n_embd=64, n_layer=3, n_head=4, n_positions=512, initializer_range=0.1),
+        tf.GPT2LMHeadModel,
+    ),
+    "phi3": lambda: (tf.Phi3Config(**COMMON, **ROPE, partial_rotary_factor=0.5), tf.Phi3ForCausalLM),
+    "gpt_neox": lambda: (
+        tf.GPTNeoXConfig(**COMMON, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=512, initializer_range=0.1),
+        tf.GPTNeoXForCausalLM,
+    ),
+}
+"""Name -> () -> (config, model class)."""
+
+MAIN_ARCHITECTURES = ["llama", "qwen2", "mistral", "gemma3", "gpt2", "phi3", "gpt_neox"]
+ATTENTION = ["eager", "sdpa"]
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(arch: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32):
+    """A deterministic tiny model of `arch` with attention implementation `attn` (cached)."""
+    config, cls = ARCHITECTURES[arch]()
+    config._attn_implementation = attn
+    torch.manual_seed(1234)
+    model = cls(config).to(dtype).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def reference_generate(model, prompt: list[int], *, max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """What plain sequential greedy decoding gives after `prompt` (transformers' own generate)."""
+    kwargs = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=max_new_tokens, **kwargs,
+        )
+    return out[0, len(prompt):].tolist()
