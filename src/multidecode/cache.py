@@ -21,6 +21,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 class SlotLayer(CacheLayerMixin):
     """One attention layer's keys and values: `[1, heads, capacity, head_dim]` buffers, the first
     `length` columns filled. `keys`/`values` are always views of the filled part.
+
+    Every method that writes the buffers runs in inference mode: buffers first allocated inside
+    the model's forward are inference tensors, which may only be written in that mode.
     """
 
     is_sliding = False
@@ -38,6 +41,7 @@ class SlotLayer(CacheLayerMixin):
         self._allocate(max(self.capacity, key_states.shape[-2]), key_states, value_states)
         self.is_initialized = True
 
+    @torch.inference_mode()
     def _allocate(self, capacity: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         batch, heads, _, k_dim = like_k.shape
         v_dim = like_v.shape[-1]
@@ -53,6 +57,7 @@ class SlotLayer(CacheLayerMixin):
         self.keys = self._k[:, :, : self.length]
         self.values = self._v[:, :, : self.length]
 
+    @torch.inference_mode()
     def reserve(self, capacity: int) -> None:
         """Make room for `capacity` slots now, so that later steps never reallocate."""
         if capacity <= self.capacity:
@@ -62,6 +67,7 @@ class SlotLayer(CacheLayerMixin):
         else:
             self._allocate(capacity, self._k, self._v)
 
+    @torch.inference_mode()
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new keys/values ([1, heads, q, head_dim]) and return views of all slots."""
         if not self.is_initialized:
@@ -76,6 +82,7 @@ class SlotLayer(CacheLayerMixin):
         self._refresh_views()
         return self.keys, self.values
 
+    @torch.inference_mode()
     def compact(self, keep: torch.Tensor) -> None:
         """Keep only slots `keep` (sorted), moved to the front in order."""
         if not self.is_initialized:

@@ -145,7 +145,8 @@ class Forest:
             raise ValueError("place the nodes before asking how to run them")
         if head_parent == ROOT:
             return placed_before == 0
-        return bool(self._row(head_parent)[:placed_before].all())
+        row = self._row(head_parent)  # covers slots up to the parent's own
+        return row.numel() == placed_before and bool(row.all())
 
     # ------------------------------------------------------------------ visibility
     def _row(self, node: int) -> torch.Tensor:

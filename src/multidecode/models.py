@@ -150,6 +150,15 @@ def embedded_copy(*, convert: bool = True) -> Path | None:
     if not convert:
         return None
     gguf = embedded_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target.parent / ".convert.lock"):
+        if not (target / _COMPLETE).is_file():  # another process may have finished meanwhile
+            _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """De-quantize `gguf` to a float32 safetensors folder at `target`, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _quiet_transformers():
@@ -162,21 +171,32 @@ def embedded_copy(*, convert: bool = True) -> Path | None:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(quantized.state_dict())
         plain.generation_config = quantized.generation_config
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
         try:
             plain.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            (tmp / _COMPLETE).write_text("converted from " + str(gguf) + "\n")
-            if target.exists():  # a stale or partial copy from an older layout
-                shutil.rmtree(target, ignore_errors=True)
+            (tmp / _COMPLETE).write_text(f"converted from {gguf}\n")
+            if target.exists():  # an incomplete copy left by an older, interrupted layout
+                shutil.rmtree(target)
             os.replace(tmp, target)
-        except OSError:
-            if not (target / _COMPLETE).is_file():
-                raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive lock on `lock_path` (so that concurrent first runs convert only once)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename alone keeps the copy whole
+        yield
+        return
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

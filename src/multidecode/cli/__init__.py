@@ -1,2 +1,25 @@
-def main():
-    pass
+"""The `multidecode` command: one sub-command per use case, each a thin module in this package."""
+
+from __future__ import annotations
+
+import click
+
+from .. import __version__
+from .ask import ask
+from .bench import bench
+from .demo import demo
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="multidecode")
+def main() -> None:
+    """Generate many things at once from one causal language model, exactly.
+
+    MultiDecode puts many token sequences in one shared KV cache, each token at the position of
+    its depth and seeing only its ancestors, so one forward pass advances them all.
+    """
+
+
+main.add_command(ask)
+main.add_command(demo)
+main.add_command(bench)

@@ -1,0 +1,133 @@
+"""What every command shares: options, reading inputs, loading a model, printing errors.
+
+The CLI is a thin shell over the library: it parses, calls, and formats. Results go to stdout,
+progress and status to stderr, so `--json` output can be piped.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.markup import escape
+
+from ..errors import InvalidInput, MultiDecodeError
+
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+stdout = Console(highlight=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------------- options
+def model_options(command):
+    """--model, --dtype, --device."""
+    command = click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available).")(command)
+    command = click.option(
+        "--dtype", default=None, type=click.Choice(["float32", "bfloat16", "float16"]),
+        help="Weights dtype (default float32; exactness is guaranteed in float32).",
+    )(command)
+    command = click.option(
+        "--model", "model_name", default=None, metavar="NAME",
+        help="A local HF folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).",
+    )(command)
+    return command
+
+
+def sampling_options(command):
+    """--temperature, --top-k, --top-p, --min-p, --repetition-penalty, --seed (any of them turns sampling on)."""
+    for name, kind, text in reversed([
+        ("--temperature", float, "Sampling temperature (turns sampling on)."),
+        ("--top-k", int, "Sample from the k most likely tokens."),
+        ("--top-p", float, "Sample from the smallest set reaching this probability."),
+        ("--min-p", float, "Drop tokens less likely than min-p times the top token."),
+        ("--repetition-penalty", float, "Penalize tokens already in the sequence (1.0 = off); applies to greedy too."),
+        ("--seed", int, "Seed; branch i uses seed + i, so every branch is reproducible."),
+    ]):
+        command = click.option(name, type=kind, default=None, help=text)(command)
+    return command
+
+
+def sampling_from(options: dict) -> dict:
+    """The sampling settings the user gave, as keyword arguments for the library."""
+    keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    return {k: options[k] for k in keys if options.get(k) is not None}
+
+
+# ---------------------------------------------------------------------- inputs
+def read_text(path: str, what: str = "document") -> str:
+    """Read a UTF-8 text file, or stdin for '-'; refuse binary files with a clear message."""
+    if path == "-":
+        data = sys.stdin.buffer.read()
+        name = "standard input"
+    else:
+        file = Path(path)
+        if not file.exists():
+            raise InvalidInput(f"the {what} file {path} does not exist", "check the path")
+        if file.is_dir():
+            raise InvalidInput(f"the {what} file {path} is a folder", "pass a text file")
+        data = file.read_bytes()
+        name = path
+    if b"\x00" in data:
+        raise InvalidInput(f"{name} is not a text file (it holds binary data)", f"pass the {what} as plain UTF-8 text")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise InvalidInput(
+            f"{name} is not UTF-8 text (bad byte at offset {err.start})", f"convert the {what} to UTF-8 first"
+        ) from err
+
+
+def read_lines(path: str, what: str = "questions") -> list[str]:
+    """One entry per non-blank line."""
+    return [line.strip() for line in read_text(path, what).splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------- the model
+def load_decoder(model_name: str | None, dtype: str | None, device: str | None):
+    """Load a MultiDecoder, with a status line on stderr (and a note when the embedded model is converted)."""
+    from ..decoder import load
+    from ..models import embedded_copy
+
+    if model_name is None and embedded_copy(convert=False) is None:
+        message = "Converting the embedded model to a float32 cache (once, about 20 s)..."
+    else:
+        message = f"Loading {model_name or 'the embedded model'}..."
+    start = time.perf_counter()
+    with stderr.status(message):
+        decoder = load(model_name, dtype=dtype, device=device)
+    label = escape(_model_label(decoder, model_name))
+    stderr.print(f"[dim]Loaded {label} in {time.perf_counter() - start:.1f} s[/dim]")
+    return decoder
+
+
+def _model_label(decoder, model_name) -> str:
+    config = decoder.model.config
+    name = model_name or "SmolLM2-135M-Instruct (embedded)"
+    device = next(decoder.model.parameters()).device
+    dtype = str(decoder.model.dtype).removeprefix("torch.")
+    return f"{name} ({config.model_type}, {dtype}, {device})"
+
+
+# ---------------------------------------------------------------------- errors
+def report_errors(function):
+    """Turn user-caused errors into `error:`/`hint:` lines and a non-zero exit, never a traceback."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except MultiDecodeError as err:
+            stderr.print(f"[bold red]error:[/bold red] {err.message}")
+            if err.hint:
+                stderr.print(f"[yellow]hint:[/yellow] {err.hint}")
+            raise SystemExit(err.exit_code) from None
+        except KeyboardInterrupt:
+            stderr.print("[yellow]interrupted[/yellow]")
+            raise SystemExit(130) from None
+        except BrokenPipeError:
+            raise SystemExit(0) from None
+
+    return wrapper

@@ -1,0 +1,62 @@
+"""Model folders on disk, made offline, for tests of loading, the CLI and bad input.
+
+`tiny_model_folder` writes a random tiny Llama plus a byte-level BPE tokenizer trained in memory
+(with a chat template), i.e. a complete Hugging Face model folder that `multidecode.load` and
+`--model` accept, without touching the network.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Question: what is the answer? Answer in one short sentence.",
+    "Here is a document about support calls, routers, cables and tickets.",
+    "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(chat: bool = True) -> tf.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with eos `<|im_end|>` (id 2), trained on a few sentences."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = tf.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>",
+        pad_token="<unk>",
+    )
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_model_folder(path: Path, *, max_positions: int = 256, chat: bool = True) -> Path:
+    """Write a tiny Llama + tokenizer into `path`; returns `path`."""
+    tokenizer = tiny_tokenizer(chat)
+    config = tf.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

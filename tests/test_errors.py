@@ -1,0 +1,204 @@
+"""Bad input gets a clear message and a non-zero exit, never a traceback.
+
+Each case runs through the CLI (in-process, with click's runner) against an offline tiny model
+folder, and checks the exit code, the `error:` line, and that no traceback escaped. The library
+side raises a `MultiDecodeError` subclass that names the problem.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from click.testing import CliRunner
+
+import multidecode
+from multidecode.cli import main
+from local_models import tiny_model_folder, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"), max_positions=96)
+
+
+@pytest.fixture()
+def doc(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_text("Here is a document about support calls, routers and cables.\n")
+    return path
+
+
+def run(*args, stdin: str | None = None):
+    result = CliRunner().invoke(main, [str(a) for a in args], input=stdin)
+    return result
+
+
+def assert_clean_error(result, *needles: str) -> None:
+    """Exit code 2, an `error:` line naming the problem, and no traceback."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+    text = result.output + (result.stderr if result.stderr_bytes is not None else "")
+    assert "error:" in text
+    assert "Traceback" not in text
+    for needle in needles:
+        assert needle in text, (needle, text)
+
+
+def test_a_good_run_works(model_dir, doc):
+    """The fixture itself: a plain question gets a JSON answer (so the failures below are about the input)."""
+    result = run("ask", "--model", model_dir, "--document", doc, "-q", "what is it?", "--max-new-tokens", 4, "--json")
+    assert result.exit_code == 0, result.output
+    answers = json.loads(result.stdout)
+    assert len(answers) == 1 and len(answers[0]["token_ids"]) <= 4
+
+
+def test_empty_document(model_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\n")
+    assert_clean_error(run("ask", "--model", model_dir, "--document", empty, "-q", "why?"), "document is empty")
+
+
+def test_empty_document_from_stdin(model_dir):
+    assert_clean_error(run("ask", "--model", model_dir, "--document", "-", "-q", "why?", stdin=""), "document is empty")
+
+
+def test_no_questions(model_dir, doc):
+    assert_clean_error(run("ask", "--model", model_dir, "--document", doc), "no questions")
+
+
+def test_questions_file_with_only_blank_lines(model_dir, doc, tmp_path):
+    questions = tmp_path / "q.txt"
+    questions.write_text("\n   \n")
+    assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "--questions-file", questions), "no questions")
+
+
+def test_empty_question(model_dir, doc):
+    assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "-q", "  "), "question 2 is empty")
+
+
+def test_prompt_longer_than_the_model_positions(model_dir, tmp_path):
+    long_doc = tmp_path / "long.txt"
+    long_doc.write_text("routers and cables " * 200)
+    result = run("ask", "--model", model_dir, "--document", long_doc, "-q", "why?")
+    assert_clean_error(result, "at most 96 positions")
+    assert "the prompt is" in result.output + result.stderr
+
+
+def test_prompt_plus_new_tokens_past_the_model_positions(model_dir, tmp_path):
+    mid_doc = tmp_path / "mid.txt"
+    mid_doc.write_text("routers " * 20)
+    result = run("ask", "--model", model_dir, "--document", mid_doc, "-q", "why?", "--max-new-tokens", 90)
+    assert_clean_error(result, "lower max_new_tokens")
+
+
+def test_missing_model_path(doc, tmp_path):
+    assert_clean_error(run("ask", "--model", tmp_path / "nope", "--document", doc, "-q", "why?"), "does not exist")
+
+
+def test_a_file_that_is_not_a_model(doc, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    assert_clean_error(run("ask", "--model", notes, "--document", doc, "-q", "why?"), "not a .gguf model")
+
+
+def test_a_gguf_file_that_is_not_gguf(doc, tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not really a model")
+    assert_clean_error(run("ask", "--model", fake, "--document", doc, "-q", "why?"), "not a GGUF file")
+
+
+def test_a_folder_without_config(doc, tmp_path):
+    assert_clean_error(run("ask", "--model", tmp_path, "--document", doc, "-q", "why?"), "no config.json")
+
+
+def test_an_encoder_decoder_architecture(doc, tmp_path):
+    config = tf.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    tf.T5ForConditionalGeneration(config).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert_clean_error(run("ask", "--model", tmp_path, "--document", doc, "-q", "why?"), "not a causal language model")
+
+
+def test_a_recurrent_architecture(doc, tmp_path):
+    config = tf.MambaConfig(vocab_size=400, hidden_size=16, state_size=4, num_hidden_layers=1)
+    tf.MambaForCausalLM(config).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert_clean_error(run("ask", "--model", tmp_path, "--document", doc, "-q", "why?"), "recurrent layers")
+
+
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention"])
+def test_an_unsupported_attention_implementation_is_refused(impl):
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1)
+    model = tf.LlamaForCausalLM(config)
+    model.config._attn_implementation = impl
+    with pytest.raises(multidecode.UnsupportedModel, match="attn_implementation='sdpa'"):
+        multidecode.decode(model, [1, 2], [[3]], max_new_tokens=1)
+
+
+def test_sliding_chunked_and_bidirectional_models_are_refused():
+    config = tf.Gemma3TextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                 use_bidirectional_attention=True)
+    with pytest.raises(multidecode.UnsupportedModel, match="bidirectional"):
+        multidecode.MultiDecoder(tf.Gemma3ForCausalLM(config), None)
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_non_positive_max_new_tokens(model_dir, doc, value):
+    assert_clean_error(
+        run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--max-new-tokens", value),
+        "max_new_tokens must be a positive integer",
+    )
+
+
+def test_library_rejects_non_positive_max_new_tokens():
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(multidecode.InvalidArgument):
+        multidecode.decode(tf.LlamaForCausalLM(config).eval(), [1], [[2]], max_new_tokens=0)
+
+
+def test_a_document_that_is_not_text(model_dir, tmp_path):
+    binary = tmp_path / "image.png"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    assert_clean_error(run("ask", "--model", model_dir, "--document", binary, "-q", "why?"), "not a text file")
+
+
+def test_a_document_in_another_encoding(model_dir, tmp_path):
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    assert_clean_error(run("ask", "--model", model_dir, "--document", latin, "-q", "why?"), "not UTF-8 text")
+
+
+def test_a_missing_document_file(model_dir, tmp_path):
+    assert_clean_error(run("ask", "--model", model_dir, "--document", tmp_path / "nope.txt", "-q", "why?"),
+                       "does not exist")
+
+
+def test_bad_sampling_settings(model_dir, doc):
+    assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--temperature", 0),
+                       "temperature must be > 0")
+    assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--top-p", 1.5),
+                       "top_p must be in (0, 1]")
+
+
+def test_library_errors_name_the_problem():
+    """The same checks hold for library callers, as typed exceptions."""
+    config = tf.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    decoder = multidecode.MultiDecoder(tf.LlamaForCausalLM(config).eval(), tiny_tokenizer())
+    with pytest.raises(multidecode.InvalidInput, match="document is empty"):
+        decoder.ask("", ["why?"])
+    with pytest.raises(multidecode.InvalidInput, match="no questions"):
+        decoder.ask("text", [])
+    with pytest.raises(multidecode.InvalidInput, match="one string"):
+        decoder.ask("text", "why?")
+    with pytest.raises(multidecode.PromptTooLong, match="at most 64 positions"):
+        decoder.ask("routers and cables " * 100, ["why?"])
+    with pytest.raises(multidecode.InvalidInput, match="unknown sampling"):
+        decoder.ask("text", ["why?"], temprature=0.5)
+    with torch.no_grad():
+        assert decoder.ask("text", ["why?"], max_new_tokens=2)[0].finish_reason in ("stop", "length")

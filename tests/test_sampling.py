@@ -1,0 +1,291 @@
+"""Choosing tokens: per-row processors equal transformers' own, seeded branches do not depend on
+their neighbours, and sampled first tokens follow the processed softmax (chi-square)."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny_models import reference_generate, tiny_model
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import multidecode
+from multidecode import CompactionPolicy, SamplingParams
+from multidecode.decoding import stream_decode
+from multidecode.errors import InvalidArgument
+from multidecode.sampling import (
+    BranchSampler,
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    choose_tokens,
+    process_logits,
+)
+
+VOCAB = 50
+ROWS = 6
+
+
+def random_logits(seed: int = 0) -> torch.Tensor:
+    """[ROWS, VOCAB] float32 logits with a realistic spread."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(ROWS, VOCAB, generator=g) * 3
+
+
+def column(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)[:, None]
+
+
+def same(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Equal values, with -inf in the same places."""
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- processors vs transformers
+def test_temperature_per_row_equals_transformers():
+    logits = random_logits(1)
+    temps = [0.5, 1.0, 2.0, 0.7, 1.3, 1.0]
+    ours = apply_temperature(logits, column(temps))
+    for i, t in enumerate(temps):
+        same(ours[i : i + 1], TemperatureLogitsWarper(t)(None, logits[i : i + 1]))
+
+
+def test_top_k_per_row_equals_transformers():
+    """Each row keeps its own k (k above the vocabulary keeps all); k = 0 leaves a row untouched."""
+    logits = random_logits(2)
+    ks = [0, 1, 5, VOCAB, 3 * VOCAB, 3]
+    ours = apply_top_k(logits, torch.tensor(ks))
+    for i, k in enumerate(ks):
+        theirs = logits[i : i + 1] if k == 0 else TopKLogitsWarper(k)(None, logits[i : i + 1])
+        same(ours[i : i + 1], theirs)
+
+
+@pytest.mark.parametrize(
+    "ours_fn, theirs_cls, values",
+    [
+        (apply_top_p, TopPLogitsWarper, [1.0, 0.9, 0.5, 0.1, 0.999, 0.3]),  # top_p = 1 is a no-op
+        (apply_min_p, MinPLogitsWarper, [0.0, 0.05, 0.2, 0.5, 1.0, 0.1]),  # min_p = 0 is a no-op
+    ],
+    ids=["top_p", "min_p"],
+)
+def test_nucleus_and_min_p_per_row_equal_transformers(ours_fn, theirs_cls, values):
+    """Each row uses its own threshold; the first value of each list leaves its row untouched."""
+    logits = random_logits(3)
+    ours = ours_fn(logits, column(values))
+    for i, value in enumerate(values):
+        same(ours[i : i + 1], theirs_cls(value)(None, logits[i : i + 1]))
+    same(ours[0], logits[0])
+
+
+def test_repetition_penalty_per_row_equals_transformers():
+    """Seen tokens: negative logits times the penalty, positive ones divided; penalty 1 is a no-op."""
+    logits = random_logits(5)
+    penalties = [1.0, 1.2, 0.8, 2.0, 1.5, 1.0]
+    g = torch.Generator().manual_seed(5)
+    history = [torch.randint(0, VOCAB, (12,), generator=g) for _ in range(ROWS)]
+    seen = torch.zeros(ROWS, VOCAB, dtype=torch.bool)
+    for i, ids in enumerate(history):
+        seen[i, ids] = True
+    ours = apply_repetition_penalty(logits, seen, column(penalties))
+    for i, p in enumerate(penalties):
+        same(ours[i : i + 1], RepetitionPenaltyLogitsProcessor(p)(history[i][None], logits[i : i + 1]))
+
+
+MIXED = [
+    SamplingParams(),  # greedy
+    SamplingParams(repetition_penalty=1.3),  # greedy with a penalty
+    SamplingParams(do_sample=True, temperature=0.7, top_k=8, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=1),
+    SamplingParams(do_sample=True, seed=2),  # plain sampling: nothing warps this row
+    SamplingParams(do_sample=True, temperature=1.5, top_p=0.5, seed=3),
+    SamplingParams(do_sample=True, top_k=3, min_p=0.2, repetition_penalty=0.9, seed=4),
+]
+
+
+def transformers_processors(params: SamplingParams) -> LogitsProcessorList:
+    """The processors generate() would build for `params`, in its order."""
+    procs = LogitsProcessorList()
+    if params.repetition_penalty not in (None, 1.0):
+        procs.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.do_sample:
+        if params.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k:
+            procs.append(TopKLogitsWarper(params.top_k))
+        if params.top_p is not None and params.top_p < 1:
+            procs.append(TopPLogitsWarper(params.top_p))
+        if params.min_p:
+            procs.append(MinPLogitsWarper(params.min_p))
+    return procs
+
+
+def test_process_logits_mixed_rows_equal_transformers():
+    """One batched call over rows with different (or no) processors equals running transformers'
+    processor list for each row alone, greedy rows getting only the repetition penalty."""
+    logits = random_logits(6)
+    contexts = [[(7 * i + j) % VOCAB for j in range(10)] for i in range(ROWS)]
+    samplers = [BranchSampler(p, ctx) for p, ctx in zip(MIXED, contexts)]
+    ours = process_logits(logits, samplers)
+    for i, (params, ctx) in enumerate(zip(MIXED, contexts)):
+        theirs = transformers_processors(params)(torch.tensor([ctx]), logits[i : i + 1].clone())
+        same(ours[i : i + 1], theirs)
+
+
+def test_greedy_rows_take_the_arg_max_after_the_penalty():
+    logits = random_logits(7)
+    samplers = [BranchSampler(p, [int(logits[i].argmax())]) for i, p in enumerate(MIXED)]
+    chosen = choose_tokens(logits, samplers)
+    expected_first = int(logits[0].argmax())
+    penalized = RepetitionPenaltyLogitsProcessor(1.3)(logits[1:2].argmax(-1, keepdim=True), logits[1:2].clone())
+    assert chosen[0] == expected_first
+    assert chosen[1] == int(penalized.argmax())
+
+
+def test_sampled_tokens_stay_inside_the_kept_set():
+    """A row with top_k = 3 only ever draws one of its 3 best tokens."""
+    logits = random_logits(8)[:1].repeat(200, 1)
+    samplers = [BranchSampler(SamplingParams(do_sample=True, top_k=3, seed=s)) for s in range(200)]
+    chosen = set(choose_tokens(logits, samplers))
+    assert chosen <= set(logits[0].topk(3).indices.tolist())
+    assert len(chosen) > 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1),
+        dict(repetition_penalty=0.0),
+    ],
+)
+def test_bad_sampling_params_raise(kwargs):
+    with pytest.raises(InvalidArgument):
+        SamplingParams(**kwargs)
+
+
+# ---------------------------------------------------------------------- seeds and neighbours
+ARCH, ATTN = "llama", "sdpa"
+PREFIX = [17, 33, 95, 4, 250, 61, 78, 140]
+STEPS = 12
+TARGET = [40, 41]
+SEEDED = SamplingParams(do_sample=True, temperature=0.8, top_k=20, seed=7)
+
+
+def run(branches, sampling, **kwargs) -> list[list[int]]:
+    out = [[] for _ in branches]
+    model = tiny_model(ARCH, ATTN)
+    for event in stream_decode(model, PREFIX, branches, max_new_tokens=STEPS, sampling=sampling,
+                               eos_token_id=kwargs.pop("eos_token_id", 256), **kwargs):
+        out[event.branch].append(event.token_id)
+    return out
+
+
+@pytest.mark.xdist_group("sampling")
+def test_seeded_branch_does_not_depend_on_its_neighbours():
+    """A branch sampled with seed s gives the same tokens alone, first or last among others,
+    beside greedy and other sampled branches, and when neighbours stop early and get compacted."""
+    (alone,) = run([TARGET], [SEEDED])
+    assert len(alone) == STEPS
+    others = [SamplingParams(do_sample=True, temperature=1.5, seed=99), SamplingParams(),
+              SamplingParams(do_sample=True, top_p=0.5, seed=3)]
+    out = run([[5, 6, 7], TARGET, [], [8]], [others[0], SEEDED, others[1], others[2]])
+    assert out[1] == alone
+    out = run([[9], [], TARGET], [others[2], others[0], SEEDED])
+    assert out[2] == alone
+
+
+@pytest.mark.xdist_group("sampling")
+def test_seeded_branch_unchanged_when_neighbours_stop_and_are_compacted():
+    """Neighbours that stop on eos early and are compacted out of the cache do not change a
+    seeded branch's tokens."""
+    (alone,) = run([TARGET], [SEEDED])
+    others = [SamplingParams(do_sample=True, top_p=0.5, seed=3),
+              SamplingParams(do_sample=True, temperature=1.5, seed=99)]
+    free = run([[9], [], TARGET], [*others, SEEDED])
+    stops = [t for t in free[0][:2] + free[1][:2] if t not in alone]
+    assert stops
+    out = run([[9], [], TARGET], [*others, SEEDED], eos_token_id=stops, compaction=CompactionPolicy(every=1))
+    assert out[2] == alone
+    assert min(len(o) for o in out) < STEPS
+
+
+@pytest.mark.xdist_group("sampling")
+def test_seeds_matter_and_repeat():
+    """The same seed gives the same tokens twice; another seed gives other tokens."""
+    (first,) = run([TARGET], [SEEDED])
+    (again,) = run([TARGET], [SEEDED])
+    (other,) = run([TARGET], [SamplingParams(do_sample=True, temperature=0.8, top_k=20, seed=8)])
+    assert first == again
+    assert first != other
+
+
+@pytest.mark.xdist_group("sampling")
+def test_greedy_branch_beside_sampled_ones_stays_exact():
+    model = tiny_model(ARCH, ATTN)
+    out = run([[3, 4], TARGET], [SamplingParams(do_sample=True, seed=1), SamplingParams()])
+    assert out[1] == reference_generate(model, PREFIX + TARGET, max_new_tokens=STEPS, eos_token_id=256)
+
+
+@pytest.mark.xdist_group("sampling")
+def test_decode_seeds_branch_i_with_seed_plus_i():
+    """decode(seed=s) samples branch i as stream_decode does alone with seed s + i."""
+    model = tiny_model(ARCH, ATTN)
+    branches = [[3], TARGET, []]
+    out = multidecode.decode(model, PREFIX, branches, max_new_tokens=STEPS, eos_token_id=256,
+                             do_sample=True, temperature=0.9, top_k=30, top_p=0.95, seed=10)
+    for i, branch in enumerate(branches):
+        params = SamplingParams(do_sample=True, temperature=0.9, top_k=30, top_p=0.95, seed=10 + i)
+        assert out[i] == run([branch], [params])[0]
+
+
+# ---------------------------------------------------------------------- distribution
+def expected_first_token_probs(logits: np.ndarray, temperature: float, top_k, top_p) -> np.ndarray:
+    """The distribution generate samples from, computed independently in float64 numpy."""
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    keep = np.zeros(len(scaled), dtype=bool)
+    keep[order[: top_k or len(scaled)]] = True
+    probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    probs /= probs.sum()
+    if top_p is not None:
+        more_likely_mass = np.concatenate([[0.0], np.cumsum(probs[order])[:-1]])
+        nucleus = np.zeros(len(scaled), dtype=bool)
+        nucleus[order[more_likely_mass < top_p]] = True
+        probs = np.where(nucleus, probs, 0.0)
+        probs /= probs.sum()
+    return probs
+
+
+@pytest.mark.xdist_group("sampling")
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(0.5, None, None), (0.7, 12, None), (0.6, None, 0.4), (0.8, 30, 0.6)],
+)
+def test_first_token_frequencies_follow_the_processed_softmax(temperature, top_k, top_p):
+    """4000 seeded branches (seeds 0..3999) each draw one first token from the prefix's logits:
+    counts pass a chi-square test against softmax after temperature/top-k/top-p, and no token
+    outside the kept set is ever drawn."""
+    model = tiny_model(ARCH, ATTN)
+    draws = 4000
+    with torch.inference_mode():
+        logits = model(torch.tensor([PREFIX])).logits[0, -1].float().numpy()
+    probs = expected_first_token_probs(logits, temperature, top_k, top_p)
+    out = multidecode.decode(model, PREFIX, [[]] * draws, max_new_tokens=1, eos_token_id=256, do_sample=True,
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
+    counts = np.bincount([o[0] for o in out], minlength=len(probs))
+    assert counts[probs == 0].sum() == 0
+    expected = probs * draws
+    big = expected >= 5  # pool the rare tokens into one bin
+    f_obs = np.append(counts[big], counts[~big].sum())
+    f_exp = np.append(expected[big], expected[~big].sum())
+    if f_exp[-1] == 0:
+        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
+    assert len(f_obs) >= 5
+    assert chisquare(f_obs, f_exp).pvalue > 1e-3
