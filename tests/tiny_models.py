@@ -13,6 +13,8 @@ import functools
 import torch
 import transformers as tf
 
+from multidecode import attention
+
 VOCAB = 256
 EOS = 2
 
@@ -47,13 +49,17 @@ ARCHITECTURES = {
 """Name -> () -> (config, model class)."""
 
 MAIN_ARCHITECTURES = ["llama", "qwen2", "mistral", "gemma3", "gpt2", "phi3", "gpt_neox"]
-ATTENTION = ["eager", "sdpa"]
+ATTENTION = ["eager", "sdpa", "multidecode_sdpa"]
+"""multidecode_sdpa is our grouped-query sdpa kernel (`multidecode.attention`); generate() on a
+single unpadded sequence passes no mask, so references still run transformers' own sdpa."""
 
 
 @functools.lru_cache(maxsize=None)
 def tiny_model(arch: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32):
     """A deterministic tiny model of `arch` with attention implementation `attn` (cached)."""
     config, cls = ARCHITECTURES[arch]()
+    if attn == attention.NAME:
+        attention.register()
     config._attn_implementation = attn
     torch.manual_seed(1234)
     model = cls(config).to(dtype).eval()

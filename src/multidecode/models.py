@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import use_forest_sdpa
 from .errors import ModelNotFound, UnsupportedModel
 from .masks import FULL, SLIDING, MaskLayout
 
@@ -35,7 +36,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_COPY = "SmolLM2-135M-Instruct-float32"
 _COMPLETE = "multidecode-complete"
 
-SUPPORTED_ATTENTION = ("eager", "sdpa")
+SUPPORTED_ATTENTION = ("eager", "sdpa", "multidecode_sdpa")
 # Model types whose layers are not all attention, or whose positions are not position ids.
 _REFUSED_TYPES = {
     "rwkv": "recurrent layers",
@@ -264,6 +265,7 @@ def load_model_and_tokenizer(model: str | os.PathLike | None = None, *, dtype=No
     lm.to(torch_device)
     lm.eval()
     check_supported(lm)
+    use_forest_sdpa(lm)
     return lm, tokenizer
 
 

@@ -31,13 +31,13 @@ class AnswerBoard:
     def __init__(self, questions: Sequence[str]) -> None:
         self.questions = list(questions)
         self.texts = [""] * len(questions)
-        self.tokens = [0] * len(questions)
+        self.token_ids: list[list[int]] = [[] for _ in questions]
         self.reasons: list[str | None] = [None] * len(questions)
 
     def add(self, event: TokenEvent) -> bool:
         """Record an event; True when it finished its question."""
         self.texts[event.branch] += event.text
-        self.tokens[event.branch] += 1
+        self.token_ids[event.branch].append(event.token_id)
         self.reasons[event.branch] = event.finish_reason
         return event.finish_reason is not None
 
@@ -101,7 +101,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, dt
         generated = sum(len(a.token_ids) for a in answers)
     else:
         board = show_stream(decoder.stream(text, questions, **settings), questions)
-        generated = sum(board.tokens)
+        generated = sum(map(len, board.token_ids))
     elapsed = time.perf_counter() - start
     stderr.print(
         f"[dim]{len(questions)} answers, {generated} tokens in {elapsed:.1f} s "

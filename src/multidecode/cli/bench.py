@@ -1,7 +1,91 @@
-"""`multidecode bench` (placeholder)."""
+"""`multidecode bench ...`: MultiDecode against the transformers alternatives, side by side in one run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
 import click
+from rich.table import Table
+
+from ..errors import InvalidArgument
+from .common import load_decoder, model_options, report_errors, stderr, stdout
+
+
+def parse_ks(text: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise InvalidArgument(f"--ks must be comma-separated integers, got {text!r}", "for example --ks 1,2,4,8") from None
+    if not ks or min(ks) < 1:
+        raise InvalidArgument(f"--ks needs positive integers, got {text!r}", "for example --ks 1,2,4,8")
+    return ks
+
+
+def targets_table(result: dict) -> Table:
+    table = Table(title="Targets", title_justify="left")
+    for column in ("target", "wanted", "measured", "met"):
+        table.add_column(column)
+    for row in result.get("targets", []):
+        table.add_row(row["name"], row["target"], f"{row['measured']}", "[green]yes[/green]" if row["met"] else "[red]no[/red]")
+    return table
+
+
+SHORT_LABELS = {
+    "hf_sequential": "(a) one by one",
+    "hf_batched": "(b) padded batch",
+    "hf_shared_prefix": "(c) shared-prefix batch",
+    "multidecode": "(d) MultiDecode",
+}
+
+
+def methods_table(result: dict) -> Table:
+    main = result["main"]
+    labels = {**result.get("labels", {}), **SHORT_LABELS}
+    table = Table(title=f"{main['k']} answers, {result['config'].get('max_new_tokens')} new tokens each",
+                  title_justify="left")
+    for column in ("method", "wall s", "forwards", "tok/s", "KV MB", "(d) gain"):
+        table.add_column(column, justify="right" if column != "method" else "left", no_wrap=True)
+    for name, m in main["methods"].items():
+        ratio = main["multidecode_vs"].get(name, {}).get("speedup")
+        table.add_row(labels.get(name, name), f"{m['wall_s']:.2f}", str(m["forward_passes"]),
+                      f"{m['tokens_per_s']:.1f}", f"{m['peak_kv_bytes'] / 1e6:.1f}",
+                      f"{ratio:.2f}x" if ratio else "")
+    return table
 
 
 @click.group()
 def bench():
     """Benchmarks against the transformers alternatives, measured side by side in one run."""
+
+
+@bench.command("ask")
+@click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR",
+              help="Folder for bench_ask.json and bench_ask.png.")
+@click.option("--ks", default="1,2,4,8,16", show_default=True, help="Question counts for the sweep.")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True, help="Runs of (c) and (d) at the main point.")
+@click.option("--threads", type=int, default=None, help="torch threads for the run (default: torch's own).")
+@model_options
+@report_errors
+def bench_ask(output, ks, max_new_tokens, repeats, threads, model_name, dtype, device):
+    """Many questions about one document: (a) sequential generate, (b) a padded batch, (c) a shared
+    prefix cache copied to a batch, (d) MultiDecode. Asserts identical answers; writes JSON and a plot."""
+    from ..bench import run_ask_benchmark, write_results
+
+    sweep = parse_ks(ks)
+    decoder = load_decoder(model_name, dtype, device)
+    start = time.perf_counter()
+    with stderr.status("benchmarking...") as status:
+        def progress(message: str) -> None:
+            stderr.print(f"[dim]{time.perf_counter() - start:6.1f} s  {message}[/dim]")
+            status.update(f"benchmarking... {message}")
+
+        result = run_ask_benchmark(decoder, max_new_tokens=max_new_tokens, ks=sweep, repeats=repeats,
+                                   threads=threads, progress=progress)
+    paths = write_results(result, Path(output))
+    stdout.print(methods_table(result))
+    stdout.print(targets_table(result))
+    stdout.print("All four methods gave identical answers." if result.get("answers_identical") else "")
+    for path in paths:
+        stdout.print(f"wrote {path}")

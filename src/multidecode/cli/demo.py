@@ -1,7 +1,58 @@
-"""`multidecode demo` (placeholder until the benchmark baselines land)."""
+"""`multidecode demo`: 8 questions about a sample document in one pass, timed against one by one."""
+
+from __future__ import annotations
+
+import time
+
 import click
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .ask import show_stream
+from .common import load_decoder, model_options, report_errors, stderr, stdout
 
 
 @click.command()
-def demo():
-    """Answer 8 questions about a sample document in one pass, and compare with one by one."""
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--no-compare", is_flag=True, help="Skip asking the questions one by one.")
+@model_options
+@report_errors
+def demo(max_new_tokens, no_compare, model_name, dtype, device):
+    """Answer 8 questions about a sample support call in one MultiDecode pass, then one by one
+    with transformers' generate, and compare the times and the answers."""
+    from ..bench.ask import sample_document, sample_questions
+    from ..bench.common import ForwardCounter, hf_sequential, pad_id_of, quiet_transformers, trim_at_eos
+
+    decoder = load_decoder(model_name, dtype, device)
+    document, questions = sample_document(), sample_questions()
+    prompts = decoder.question_prompts(document, questions)
+    stdout.print(f"[bold]A support-call transcript ({len(decoder.tokenizer(document)['input_ids'])} tokens), "
+                 f"{len(questions)} questions, answered together in one MultiDecode pass:[/bold]\n")
+    start = time.perf_counter()
+    board = show_stream(decoder.stream(document, questions, max_new_tokens=max_new_tokens), questions)
+    together = time.perf_counter() - start
+    stdout.print(f"\nMultiDecode, all {len(questions)} at once: [bold]{together:.1f} s[/bold]")
+    if no_compare:
+        return
+
+    eos = sorted(decoder.eos_ids)
+    singles = []
+    start = time.perf_counter()
+    columns = [TextColumn("one by one (transformers generate)"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn()]
+    with quiet_transformers(), Progress(*columns, console=stderr, transient=True) as bar:
+        task = bar.add_task("", total=len(prompts))
+        for prompt in prompts:
+            with ForwardCounter(decoder.model) as counter:
+                out = hf_sequential(decoder.model, [prompt], counter, max_new_tokens=max_new_tokens, eos_ids=eos,
+                                    pad_id=pad_id_of(decoder.model, decoder.tokenizer))
+            singles.append(out.answers[0])
+            bar.advance(task)
+    alone = time.perf_counter() - start
+    ours = [trim_at_eos(ids, eos) for ids in board.token_ids]
+    same = ours == singles
+    stdout.print(f"One by one, with transformers' generate: [bold]{alone:.1f} s[/bold]")
+    stdout.print(f"Speed-up: [bold green]{alone / together:.1f}x[/bold green]; "
+                 f"answers identical token for token: {'[green]yes[/green]' if same else '[red]NO[/red]'}")
+    if not same:
+        raise SystemExit(1)
+

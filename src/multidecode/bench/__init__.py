@@ -1,0 +1,35 @@
+"""Benchmarks of MultiDecode against the transformers alternatives, measured side by side.
+
+`run_ask_benchmark(decoder, ...)` measures many questions about one document and returns a
+JSON-ready dict; `write_results(result, out_dir)` writes it as JSON and a PNG plot. The timing,
+forward-counting, KV-measuring helpers and the transformers baselines live in `common`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .ask import METHODS, run_ask_benchmark
+from .common import AnswersDiffer
+
+
+def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None) -> list[Path]:
+    """Write `result` as `<stem>.json` and `<stem>.png` in `out_dir` (created); returns the paths.
+
+    stem defaults to `bench_<benchmark name>`.
+    """
+    from .plot import plot_ask
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = stem or f"bench_{result.get('benchmark', 'results')}"
+    json_path = out / f"{stem}.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    paths = [json_path]
+    if result.get("benchmark") == "ask":
+        paths.append(plot_ask(result, out / f"{stem}.png"))
+    return paths
+
+
+__all__ = ["METHODS", "AnswersDiffer", "run_ask_benchmark", "write_results"]

@@ -1,0 +1,498 @@
+"""Shared benchmark machinery: counting forwards, timing, measuring KV caches, and the baselines.
+
+Every benchmark compares MultiDecode with what a user of plain transformers would run instead, on
+the same prompt ids, in one process, side by side. The pieces here are independent of the use
+case (questions, samples, beams, ...):
+
+- `ForwardCounter`: hooks on the model that count its forward calls and time each one, labelled
+  *prefill* or *decode* by the runner (hooks are removed on exit).
+- `measure`: runs a method, repeating it while that is cheap, and keeps the median run.
+- `cache_bytes`: the bytes held by a transformers `Cache` (or our `SlotCache`) at a given moment.
+- `hf_sequential`, `hf_batched`, `hf_shared_prefix`: the transformers baselines, taking any extra
+  `generate` settings (`num_return_sequences`, `num_beams`, ... for later benchmarks).
+- `multidecode_forest`: MultiDecode on the same prompts (`MultiDecoder._start`).
+- `trim_at_eos`, `check_identical`: compare answers up to and including the first eos.
+
+Nothing here prints; callers pass a `progress` callback where they want news.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+Progress = Callable[[str], None]
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+class AnswersDiffer(AssertionError):
+    """Two methods that must agree token for token gave different answers."""
+
+
+# ---------------------------------------------------------------------- counting forward passes
+class ForwardCounter:
+    """Counts and times the forward calls of `model` while active (a context manager).
+
+    Each call is labelled `prefill` or `decode`: `prefill(n)` labels the next n calls prefill
+    (the runner knows which calls read the prompt), every other call is decode.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.calls: list[tuple[str, float, tuple[int, ...]]] = []  # (phase, seconds, input shape)
+        self._prefill_left = 0
+        self._started = 0.0
+        self._phase = DECODE
+        self._shape: tuple[int, ...] = ()
+        self._handles: list = []
+
+    def __enter__(self) -> ForwardCounter:
+        self._handles = [
+            self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+            self.model.register_forward_hook(self._after, with_kwargs=True),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def prefill(self, n: int = 1) -> None:
+        """Label the next `n` forward calls prefill (0 ends a prefill phase early)."""
+        self._prefill_left = n
+
+    def _before(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else ()
+        if self._prefill_left > 0:
+            self._phase = PREFILL
+            self._prefill_left -= 1
+        else:
+            self._phase = DECODE
+        self._started = time.perf_counter()
+
+    def _after(self, module, args, kwargs, output) -> None:
+        self.calls.append((self._phase, time.perf_counter() - self._started, self._shape))
+
+    @property
+    def forward_passes(self) -> int:
+        return len(self.calls)
+
+    def seconds(self, phase: str) -> float:
+        return sum(s for p, s, _ in self.calls if p == phase)
+
+
+# ---------------------------------------------------------------------- memory
+def cache_bytes(cache) -> int:
+    """Bytes of key/value tensors `cache` holds now (a transformers `Cache`, legacy tuples, or
+    a `SlotCache`, whose preallocated buffer counts in full)."""
+    if cache is None:
+        return 0
+    if hasattr(cache, "allocated_bytes"):
+        return int(cache.allocated_bytes)
+    layers = getattr(cache, "layers", None)
+    total = 0
+    if layers is not None:
+        for layer in layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name, None)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+    for item in cache:  # legacy ((k, v), ...) tuples
+        for t in item:
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------- answers
+def trim_at_eos(ids: Iterable[int], eos_ids: Iterable[int]) -> list[int]:
+    """`ids` up to and including the first eos (padding after it dropped)."""
+    eos = set(eos_ids)
+    out: list[int] = []
+    for t in ids:
+        out.append(int(t))
+        if t in eos:
+            break
+    return out
+
+
+def check_identical(answers: dict[str, Sequence[Sequence[int]]], *, reference: str | None = None) -> None:
+    """Raise `AnswersDiffer` unless every method's answers equal the reference method's."""
+    if not answers:
+        return
+    reference = reference or next(iter(answers))
+    expected = [list(a) for a in answers[reference]]
+    for method, got in answers.items():
+        got = [list(a) for a in got]
+        if len(got) != len(expected):
+            raise AnswersDiffer(f"{method} gave {len(got)} answers, {reference} gave {len(expected)}")
+        for i, (a, b) in enumerate(zip(expected, got)):
+            if a != b:
+                at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                raise AnswersDiffer(
+                    f"answer {i} differs between {reference} and {method} at token {at}: "
+                    f"{a[at:at + 5]} vs {b[at:at + 5]}"
+                )
+
+
+# ---------------------------------------------------------------------- one run, and repeats
+@dataclass
+class RunOutput:
+    """What one run of a method returns: its answers (trimmed) and the KV bytes it held at most."""
+
+    answers: list[list[int]]
+    kv_bytes: int
+    forward_passes: int | None = None  # the method's own count, where it keeps one
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Measurement:
+    """One method at one setting: the median run of `runs`, with its costs."""
+
+    method: str
+    k: int
+    wall_s: float
+    forward_passes: int
+    new_tokens: int
+    tokens_per_s: float
+    peak_kv_bytes: int
+    prefill_s: float
+    decode_s: float
+    other_s: float  # wall time outside the model's forward calls (python, masks, sampling, copies)
+    runs_s: list[float]
+    hooked_forward_passes: int
+    decode_passes: int = 0  # forward calls labelled decode (the rest read prompts)
+    answers: list[list[int]] = field(repr=False, default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self, *, answers: bool = False) -> dict:
+        d = asdict(self)
+        if not answers:
+            d.pop("answers")
+        return d
+
+
+def run_once(method: str, run: Callable[[ForwardCounter], RunOutput], model) -> tuple[float, RunOutput, ForwardCounter]:
+    """One timed run of `run(counter)` with forward hooks on `model`."""
+    with ForwardCounter(model) as counter:
+        start = time.perf_counter()
+        out = run(counter)
+        wall = time.perf_counter() - start
+    return wall, out, counter
+
+
+def summarize(method: str, k: int, runs: Sequence[tuple[float, RunOutput, ForwardCounter]]) -> Measurement:
+    """The median-time run of `runs` (the faster of the middle two for an even count) as a
+    `Measurement`, with every run's time kept. All runs must have given the same answers."""
+    for _, out, _ in runs[1:]:
+        if out.answers != runs[0][1].answers:
+            raise AnswersDiffer(f"{method} gave different answers on a repeat run")
+    order = sorted(range(len(runs)), key=lambda i: runs[i][0])
+    wall, out, counter = runs[order[(len(order) - 1) // 2]]
+    tokens = sum(len(a) for a in out.answers)
+    prefill, decode = counter.seconds(PREFILL), counter.seconds(DECODE)
+    return Measurement(
+        method=method,
+        k=k,
+        wall_s=wall,
+        forward_passes=out.forward_passes if out.forward_passes is not None else counter.forward_passes,
+        new_tokens=tokens,
+        tokens_per_s=tokens / wall if wall > 0 else float("inf"),
+        peak_kv_bytes=out.kv_bytes,
+        prefill_s=prefill,
+        decode_s=decode,
+        other_s=max(0.0, wall - prefill - decode),
+        runs_s=[r[0] for r in runs],
+        hooked_forward_passes=counter.forward_passes,
+        decode_passes=sum(1 for phase, _, _ in counter.calls if phase == DECODE),
+        answers=out.answers,
+        extra=dict(out.extra),
+    )
+
+
+def measure(
+    method: str,
+    k: int,
+    run: Callable[[ForwardCounter], RunOutput],
+    model,
+    *,
+    repeats: int = 3,
+    budget_s: float = 8.0,
+) -> Measurement:
+    """Run `run(counter)` once, then again while under `repeats` runs and `budget_s` seconds in
+    all; report the median-time run."""
+    return measure_together({method: run}, k, model, repeats=repeats, budget_s=budget_s)[method]
+
+
+def measure_together(
+    runs: dict[str, Callable[[ForwardCounter], RunOutput]],
+    k: int,
+    model,
+    *,
+    repeats: int = 3,
+    budget_s: float = 8.0,
+) -> dict[str, Measurement]:
+    """Measure several methods in interleaved rounds (each method once per round), so that they
+    see the same machine conditions and get the same number of runs. A new round starts while
+    fewer than `repeats` rounds ran and all rounds so far took under `budget_s` seconds."""
+    done: dict[str, list] = {name: [] for name in runs}
+    spent, rounds = 0.0, 0
+    while rounds == 0 or (rounds < repeats and spent < budget_s):
+        for name, run in runs.items():
+            result = run_once(name, run, model)
+            done[name].append(result)
+            spent += result[0]
+        rounds += 1
+    return {name: summarize(name, k, results) for name, results in done.items()}
+
+
+def combine_sequential(method: str, parts: Sequence[Measurement]) -> Measurement:
+    """One method run item by item: the cost of the first len(parts) items is the sum of theirs."""
+    wall = sum(p.wall_s for p in parts)
+    tokens = sum(p.new_tokens for p in parts)
+    return Measurement(
+        method=method,
+        k=len(parts),
+        wall_s=wall,
+        forward_passes=sum(p.forward_passes for p in parts),
+        new_tokens=tokens,
+        tokens_per_s=tokens / wall if wall > 0 else float("inf"),
+        peak_kv_bytes=max(p.peak_kv_bytes for p in parts),
+        prefill_s=sum(p.prefill_s for p in parts),
+        decode_s=sum(p.decode_s for p in parts),
+        other_s=sum(p.other_s for p in parts),
+        runs_s=[p.wall_s for p in parts],
+        hooked_forward_passes=sum(p.hooked_forward_passes for p in parts),
+        decode_passes=sum(p.decode_passes for p in parts),
+        answers=[a for p in parts for a in p.answers],
+        extra={"summed_over_items": len(parts)},
+    )
+
+
+# ---------------------------------------------------------------------- the transformers baselines
+def pad_id_of(model, tokenizer=None) -> int:
+    """The id to pad batches with: the tokenizer's, else the generation config's, else eos."""
+    for source in (tokenizer, getattr(model, "generation_config", None), model.config):
+        pad = getattr(source, "pad_token_id", None) if source is not None else None
+        if isinstance(pad, int):
+            return pad
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        return eos
+    if eos:
+        return int(list(eos)[0])
+    return 0
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows padded on the left to one length: (input_ids [n, L], attention_mask [n, L])."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
+            mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def greedy_config(model, max_new_tokens: int, eos_ids: Iterable[int], pad_id: int, **settings):
+    """An explicit `GenerationConfig`: greedy (unless `settings` say otherwise), our eos and pad."""
+    from transformers import GenerationConfig
+
+    eos = sorted(set(int(e) for e in eos_ids))
+    base = dict(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                eos_token_id=eos or None, bos_token_id=getattr(model.generation_config, "bos_token_id", None))
+    base.update(settings)
+    return GenerationConfig(**base)
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
+    """(a) `model.generate` once per prompt, the whole prompt each time."""
+    config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
+    device = _device(model)
+    answers, peak = [], 0
+    with torch.inference_mode():
+        for prompt in prompts:
+            counter.prefill(1)
+            ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                 return_dict_in_generate=True)
+            peak = max(peak, cache_bytes(out.past_key_values))
+            answers += [trim_at_eos(row, eos_ids) for row in out.sequences[:, len(prompt):].tolist()]
+            del out
+    return RunOutput(answers, peak)
+
+
+def hf_batched(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
+    """(b) one `model.generate` over all prompts, left-padded, with their attention mask."""
+    config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
+    ids, mask = left_pad(prompts, pad_id, _device(model))
+    counter.prefill(1)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, generation_config=config, return_dict_in_generate=True)
+    peak = cache_bytes(out.past_key_values)
+    answers = [trim_at_eos(row, eos_ids) for row in out.sequences[:, ids.shape[1]:].tolist()]
+    return RunOutput(answers, peak, extra={"padded_width": int(ids.shape[1])})
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """Longest common prefix, leaving every prompt at least one token of its own to feed."""
+    shortest = min(len(p) for p in prompts)
+    n = 0
+    while n < shortest - 1 and all(p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
+
+
+def hf_shared_prefix(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
+    """(c) the best plain-transformers version: prefill the shared prefix once into a
+    `DynamicCache`, copy it to a batch (`batch_repeat_interleave`), and let `generate` feed only
+    the uncached tails. Tails differ in length, so each is padded on its left, inside the tail,
+    with attention-mask zeros; `generate` derives position ids from the mask
+    (`cumsum - 1`), so every real token keeps its exact position."""
+    from transformers import DynamicCache
+
+    config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
+    device = _device(model)
+    n = len(prompts)
+    p = shared_prefix_length(prompts)
+    prefix = list(prompts[0][:p])
+    tails = [list(q[p:]) for q in prompts]
+    tail_ids, tail_mask = left_pad(tails, pad_id, device)
+    ids = torch.cat([torch.tensor([prefix] * n, dtype=torch.long, device=device).reshape(n, p), tail_ids], dim=1)
+    mask = torch.cat([torch.ones((n, p), dtype=torch.long, device=device), tail_mask], dim=1)
+    cache = DynamicCache(config=model.config)
+    prefix_bytes = 0
+    with torch.inference_mode():
+        if p:
+            counter.prefill(1)
+            model(input_ids=ids[:1, :p], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            prefix_bytes = cache_bytes(cache)
+            cache.batch_repeat_interleave(n)
+        counter.prefill(1)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, generation_config=config,
+                             return_dict_in_generate=True)
+    peak = cache_bytes(out.past_key_values)
+    answers = [trim_at_eos(row, eos_ids) for row in out.sequences[:, ids.shape[1]:].tolist()]
+    return RunOutput(answers, peak, extra={"prefix_tokens": p, "padded_tail": int(tail_ids.shape[1]),
+                                           "prefix_cache_bytes": prefix_bytes})
+
+
+def multidecode_forest(decoder, prompts, counter, *, max_new_tokens, sampling=None, **start) -> RunOutput:
+    """(d) MultiDecode: the prompts' common prefix once, one forest branch each, one pass a step."""
+    from ..decoder import per_branch_sampling
+
+    params = per_branch_sampling(len(prompts), dict(sampling or {}))
+    counter.prefill(1 << 30)
+    run = decoder._start([list(p) for p in prompts], max_new_tokens=max_new_tokens, sampling=params, **start)
+    counter.prefill(0)
+    for _ in run.events:
+        pass
+    stats = run.engine.stats
+    answers = [list(b.output.token_ids) for b in run.branches]
+    return RunOutput(answers, stats.peak_cache_bytes, forward_passes=stats.forward_passes,
+                     extra={"peak_slots": stats.peak_slots, "tokens_fed": stats.tokens_fed,
+                            "compactions": stats.compactions, "prefix_tokens": _common_prefix(run.prompts)})
+
+
+def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    shortest = min(len(p) for p in prompts)
+    n = 0
+    while n < shortest and all(p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------- quiet, warm, described
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' own warnings (generation flags, padding hints) off while benchmarking."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """torch's intra-op thread count set to `threads` inside the block (None: left alone)."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def model_name(model) -> str:
+    name = getattr(model.config, "name_or_path", "") or getattr(model, "name_or_path", "")
+    if name and os.path.sep in str(name):
+        name = Path(str(name)).name
+    return str(name) or type(model).__name__
+
+
+def environment(model) -> dict:
+    """Versions, threads, machine and model facts to store beside the numbers."""
+    import transformers
+
+    from .. import __version__
+
+    param = next(model.parameters())
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {
+        "model": model_name(model),
+        "model_type": getattr(model.config, "model_type", None),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(param.dtype).replace("torch.", ""),
+        "device": str(param.device),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "multidecode": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": load,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def load_average() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None

@@ -1,0 +1,161 @@
+"""The benchmark harness on a tiny random model: structure, identical answers, files written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from multidecode import MultiDecoder
+from multidecode.bench import AnswersDiffer, run_ask_benchmark, write_results
+from multidecode.bench.common import (
+    ForwardCounter,
+    cache_bytes,
+    check_identical,
+    hf_shared_prefix,
+    left_pad,
+    shared_prefix_length,
+    trim_at_eos,
+)
+from tiny_models import EOS, VOCAB, reference_generate, tiny_model
+
+
+class ByteTokenizer:
+    """A minimal tokenizer for the tiny models: one id per character, bos first, no chat template."""
+
+    chat_template = None
+    pad_token_id = 0
+    eos_token_id = EOS
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        ids = [3 + ord(c) % (VOCAB - 3) for c in text]
+        return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+    def decode(self, ids, skip_special_tokens: bool = True, **kwargs) -> str:
+        return "".join(chr(i) for i in ids if i >= 3)
+
+
+DOCUMENT = "The red fox lives in the old barn near the river and eats apples every morning."
+QUESTIONS = ["Who lives there?", "Where?", "What does it eat at dawn?", "When?"]
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return MultiDecoder(tiny_model("llama"), ByteTokenizer())
+
+
+@pytest.fixture(scope="module")
+def result(decoder):
+    messages = []
+    out = run_ask_benchmark(
+        decoder, document=DOCUMENT, questions=QUESTIONS, extra_questions=["Which animal?"],
+        max_new_tokens=8, ks=(1, 2, 4, 6), repeats=2, repeat_budget_s=1.0, progress=messages.append,
+    )
+    out["_messages"] = messages
+    return out
+
+
+def test_result_structure(result):
+    assert result["benchmark"] == "ask"
+    assert result["answers_identical"] is True
+    meta = result["metadata"]
+    for key in ("model", "torch", "transformers", "threads", "date", "dtype"):
+        assert meta[key] is not None
+    config = result["config"]
+    assert config["main_k"] == 4 and config["ks"] == [1, 2, 4, 6]
+    assert config["document_tokens"] == len(DOCUMENT)
+    assert config["sweep_questions"][4] == "Which animal?" and config["sweep_questions"][5] == QUESTIONS[0]
+    main = result["main"]
+    assert set(main["methods"]) == {"hf_sequential", "hf_batched", "hf_shared_prefix", "multidecode"}
+    for m in main["methods"].values():
+        assert m["wall_s"] > 0 and m["forward_passes"] > 0 and m["peak_kv_bytes"] > 0
+        assert m["new_tokens"] == sum(len(a["token_ids"]) for a in main["answers"])
+    for name in ("hf_sequential", "hf_batched", "hf_shared_prefix"):
+        assert set(main["multidecode_vs"][name]) == {"speedup", "forward_passes_ratio", "tokens_per_s_ratio",
+                                                    "kv_bytes_ratio"}
+    assert [row["k"] for row in result["sweep"]] == [1, 2, 4, 6]
+    for row in result["sweep"]:
+        assert {"speedup_vs_hf_sequential", "speedup_vs_hf_batched", "speedup_vs_hf_shared_prefix",
+                "multidecode_time_vs_k1", "multidecode_decode_ms_per_step"} <= set(row)
+        assert len(row["answer_tokens"]) == row["k"]
+        assert all(m["k"] == row["k"] for m in row["methods"].values())
+    cost = result["scaling"]["answers_cost"]
+    assert cost["k"] == 4 and cost["times_one_answer"] > 0 and cost["longest_answer_tokens"] <= 8
+    assert {t["name"] for t in result["targets"]} and all(isinstance(t["met"], bool) for t in result["targets"])
+    assert any("K=4" in m for m in result["_messages"])
+    json.dumps({k: v for k, v in result.items() if k != "_messages"})
+
+
+def test_forward_counts(result):
+    """MultiDecode: one prefix pass, one pass for all suffixes, then one pass per step; the hooks agree."""
+    methods = result["main"]["methods"]
+    d = methods["multidecode"]
+    longest = max(len(a["token_ids"]) for a in result["main"]["answers"])
+    assert d["forward_passes"] == d["hooked_forward_passes"] == 2 + longest - 1
+    assert methods["hf_batched"]["forward_passes"] == longest
+    assert methods["hf_shared_prefix"]["forward_passes"] == 1 + longest
+    assert methods["hf_sequential"]["forward_passes"] == sum(len(a["token_ids"]) for a in result["main"]["answers"])
+
+
+def test_answers_match_plain_generate(decoder, result):
+    """The answers all four methods agreed on are what plain generate gives for each prompt."""
+    prompts = decoder.question_prompts(DOCUMENT, QUESTIONS)
+    model = decoder.model
+    for prompt, answer in zip(prompts, result["main"]["answers"]):
+        assert answer["prompt_tokens"] == len(prompt)
+        expected = trim_at_eos(reference_generate(model, prompt, max_new_tokens=8), [EOS])
+        assert answer["token_ids"] == expected
+
+
+def test_shared_prefix_baseline_is_exact_with_ragged_tails():
+    """(c) pads tails of different lengths inside the tail; positions stay exact."""
+    model = tiny_model("llama")
+    base = list(range(10, 60))
+    prompts = [base + [70], base + [71, 72, 73], base + [74, 75]]
+    assert shared_prefix_length(prompts) == 50
+    with ForwardCounter(model) as counter:
+        out = hf_shared_prefix(model, prompts, counter, max_new_tokens=6, eos_ids=[EOS], pad_id=0)
+    for prompt, answer in zip(prompts, out.answers):
+        assert answer == trim_at_eos(reference_generate(model, prompt, max_new_tokens=6), [EOS])
+    assert counter.calls[0][0] == "prefill" and counter.calls[1][0] == "prefill"
+    assert all(phase == "decode" for phase, _, _ in counter.calls[2:])
+    assert out.kv_bytes > out.extra["prefix_cache_bytes"] > 0
+
+
+def test_bad_arguments(decoder):
+    from multidecode import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
+        run_ask_benchmark(decoder, document=DOCUMENT, questions=QUESTIONS, ks=(0, 2))
+    with pytest.raises(InvalidArgument):
+        run_ask_benchmark(decoder, document=DOCUMENT, questions=QUESTIONS, sweep_methods=["beam"])
+
+
+def test_check_identical_raises_on_a_difference():
+    check_identical({"a": [[1, 2, EOS]], "b": [[1, 2, EOS]]})
+    with pytest.raises(AnswersDiffer, match="answer 0 differs between a and b at token 1"):
+        check_identical({"a": [[1, 2, EOS]], "b": [[1, 3, EOS]]})
+    with pytest.raises(AnswersDiffer):
+        check_identical({"a": [[1]], "b": [[1], [2]]})
+
+
+def test_helpers():
+    assert trim_at_eos([5, 6, EOS, 0, 0], [EOS]) == [5, 6, EOS]
+    assert trim_at_eos([5, 6], [EOS]) == [5, 6]
+    ids, mask = left_pad([[1, 2, 3], [4]], 0)
+    assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert shared_prefix_length([[1, 2], [1, 2]]) == 1  # every prompt keeps a token to feed
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.zeros(2, 3, 5, 4), torch.zeros(2, 3, 5, 4), 0)
+    assert cache_bytes(cache) == 2 * (2 * 3 * 5 * 4) * 4
+
+
+def test_write_results(result, tmp_path):
+    clean = {k: v for k, v in result.items() if k != "_messages"}
+    paths = write_results(clean, tmp_path / "out")
+    assert [p.suffix for p in paths] == [".json", ".png"]
+    assert json.loads(paths[0].read_text())["main"]["k"] == 4
+    assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
