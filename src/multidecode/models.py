@@ -205,16 +205,20 @@ def _quiet_transformers():
     """Silence transformers' progress bars and info logs while loading: the library prints nothing."""
     from transformers.utils import logging as hf_logging
 
+    from huggingface_hub.utils import logging as hub_logging
+
     bars = hf_logging.is_progress_bar_enabled()
-    level = hf_logging.get_verbosity()
+    level, hub_level = hf_logging.get_verbosity(), hub_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()
     try:
         # GGUF de-quantization draws its own tqdm bar on stderr.
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
             yield
     finally:
         hf_logging.set_verbosity(level)
+        hub_logging.set_verbosity(hub_level)
         if bars:
             hf_logging.enable_progress_bar()
 
@@ -305,7 +309,42 @@ def _locate(name: str) -> tuple[str, dict]:
     looks_like_path = name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1
     if looks_like_path or os.sep in name and Path(name.split(os.sep)[0]).exists():
         raise ModelNotFound(f"no model at {path}: the path does not exist", "check the path")
-    return name, {}  # a hub id: from_pretrained finds it in the local hub cache or fails clearly
+    return name, _hub_kwargs(name)
+
+
+def _hub_kwargs(repo_id: str) -> dict:
+    """How to load a hub id: from the local hub cache if it is there, else from the hub if it
+    answers within a few seconds (instead of a minute of retries), else a clear error."""
+    from transformers import AutoConfig
+
+    with _quiet_transformers():
+        try:
+            AutoConfig.from_pretrained(repo_id, local_files_only=True)
+            return {"local_files_only": True}
+        except (OSError, ValueError):
+            pass
+    if not _hub_reachable():
+        raise ModelNotFound(
+            f"{repo_id!r} is not a local path, is not in the local Hugging Face cache, and the hub is unreachable",
+            "pass a local model folder or .gguf file, or leave --model out for the embedded model",
+        )
+    return {}
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _first_line(err: BaseException) -> str:
