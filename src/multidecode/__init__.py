@@ -11,7 +11,7 @@ Entry points:
   SmolLM2-135M-Instruct or any local/hub model.
 """
 
-from .decoder import Answer, MultiDecoder, load
+from .decoder import MultiDecoder, load
 from .decoding import CompactionPolicy, TokenEvent, decode
 from .errors import (
     InvalidArgument,
@@ -22,12 +22,16 @@ from .errors import (
     UnsupportedModel,
 )
 from .sampling import SamplingParams
+from .strategies.ask import Answer
+from .strategies.complete import Completion
+from .strategies.vote import Trace, Vote, extract_answer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Answer",
     "CompactionPolicy",
+    "Completion",
     "InvalidArgument",
     "InvalidInput",
     "ModelNotFound",
@@ -36,7 +40,10 @@ __all__ = [
     "PromptTooLong",
     "SamplingParams",
     "TokenEvent",
+    "Trace",
     "UnsupportedModel",
+    "Vote",
     "decode",
+    "extract_answer",
     "load",
 ]

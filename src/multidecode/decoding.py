@@ -13,13 +13,14 @@ it is compacted.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .engine import Engine
 from .errors import InvalidArgument, InvalidInput, PromptTooLong
 from .forest import ROOT
+from .prompts import share_prefix
 from .sampling import BranchSampler, SamplingParams, choose_tokens
 from .stopping import BranchOutput, StopRule, eos_ids_of
 
@@ -157,36 +158,71 @@ def run_branches(
         live = [b for b, _ in going]
 
 
-def stream_decode(
+@dataclass
+class PromptsRun:
+    """Branches being decoded as one forest: iterate `events`; each branch's `output` fills in."""
+
+    engine: Engine
+    branches: list[Branch]
+    events: Iterator[TokenEvent]
+    prompts: list[list[int]] = field(default_factory=list)
+
+    def finish(self) -> PromptsRun:
+        """Drain the events (when only the final outputs are wanted)."""
+        for _ in self.events:
+            pass
+        return self
+
+
+def start_forest(
     model,
     prefix_ids: Sequence[int],
-    branch_ids: Sequence[Sequence[int]],
+    suffixes: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
     sampling: Sequence[SamplingParams],
-    eos_token_id=None,
-    stop_strings: Sequence[str] = (),
     tokenizer=None,
+    stop: Sequence[str] = (),
+    eos_token_id=None,
     compaction: CompactionPolicy | None = None,
     engine: Engine | None = None,
-) -> Iterator[TokenEvent]:
-    """Yield events while decoding every branch `prefix_ids + branch_ids[i]` in one forest."""
+) -> PromptsRun:
+    """Prefill `prefix_ids` once and every branch `prefix_ids + suffixes[i]`, ready to decode.
+
+    Inputs are checked and the prompts prefilled before this returns; tokens come as `events` is
+    iterated.
+    """
     check_positive("max_new_tokens", max_new_tokens)
-    if not branch_ids:
+    if not suffixes:
         raise InvalidInput("there are no branches to decode", "pass at least one branch")
     engine = engine or Engine(model)
     prefix_ids = list(prefix_ids)
-    suffixes = [list(b) for b in branch_ids]
-    check_fits(engine, [len(prefix_ids) + len(s) for s in suffixes], max_new_tokens)
+    prompts = [prefix_ids + list(s) for s in suffixes]
+    check_fits(engine, [len(p) for p in prompts], max_new_tokens)
     engine.reserve(engine.forest.num_slots + len(prefix_ids) + sum(map(len, suffixes)) + len(suffixes) * max_new_tokens)
-    rule = StopRule(max_new_tokens, eos_ids_of(model, eos_token_id), tuple(stop_strings))
+    rule = StopRule(max_new_tokens, eos_ids_of(model, eos_token_id), tuple(stop or ()))
     leaves, logits = open_branches(engine, prefix_ids, suffixes)
     branches = [
-        Branch(i, leaf, BranchSampler(sampling[i], prefix_ids + suffixes[i]), BranchOutput(rule, tokenizer),
-               len(prefix_ids) + len(suffixes[i]))
+        Branch(i, leaf, BranchSampler(sampling[i], prompts[i]), BranchOutput(rule, tokenizer), len(prompts[i]))
         for i, leaf in enumerate(leaves)
     ]
-    yield from run_branches(engine, branches, logits, compaction=compaction)
+    return PromptsRun(engine, branches, run_branches(engine, branches, logits, compaction=compaction), prompts)
+
+
+def decode_prompts(model, prompts: Sequence[Sequence[int]], **settings) -> PromptsRun:
+    """`start_forest` for whole prompts: their longest common run of ids is the shared prefix, so
+    branch i's path is exactly `prompts[i]`. Settings as for `start_forest`."""
+    if not prompts:
+        raise InvalidInput("there are no prompts to decode", "pass at least one prompt")
+    shared = share_prefix(prompts)
+    return start_forest(model, shared.prefix_ids, shared.suffix_ids, **settings)
+
+
+def stream_decode(
+    model, prefix_ids: Sequence[int], branch_ids: Sequence[Sequence[int]], **settings
+) -> Iterator[TokenEvent]:
+    """Yield events while decoding every branch `prefix_ids + branch_ids[i]` in one forest."""
+    return start_forest(model, prefix_ids, branch_ids, **settings).events
 
 
 def decode(

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, InvalidInput
+
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,39 @@ class SamplingParams:
             raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty is not None and not self.repetition_penalty > 0:
             raise InvalidArgument(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
+    """Expand sampling settings (each a value for all branches, or a list of n) into n params.
+
+    A single `seed` s gives branch i the seed s + i; a list gives each branch its own.
+    """
+    unknown = set(sampling) - set(SAMPLING_KEYS)
+    if unknown:
+        raise InvalidInput(f"unknown sampling setting(s): {', '.join(sorted(unknown))}",
+                           f"use {', '.join(SAMPLING_KEYS)}")
+    columns: dict[str, list] = {}
+    for key, value in sampling.items():
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise InvalidInput(f"{key} has {len(value)} values for {n} branches", "give one value, or one per branch")
+            columns[key] = list(value)
+        elif key == "seed" and value is not None:
+            columns[key] = [value + i for i in range(n)]
+        else:
+            columns[key] = [value] * n
+    sampled = {k: v for k, v in columns.items() if k != "do_sample"}
+    if "do_sample" not in columns:
+        # Asking for a temperature, top-k/p, min-p or a seed means sampling.
+        columns["do_sample"] = [
+            any(k in ("temperature", "top_k", "top_p", "min_p", "seed") and v[i] is not None for k, v in sampled.items())
+            for i in range(n)
+        ]
+    params = []
+    for i in range(n):
+        kwargs = {k: v[i] for k, v in columns.items() if v[i] is not None}
+        params.append(SamplingParams(**kwargs))
+    return params
 
 
 class BranchSampler:

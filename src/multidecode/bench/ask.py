@@ -7,7 +7,7 @@ Four methods answer the same questions from the same whole-prompt ids
 - (b) `hf_batched`: one `generate` over all full prompts, left-padded;
 - (c) `hf_shared_prefix`: the shared prefix prefilled once, its `DynamicCache` copied to a batch,
   then one `generate` over the (left-padded inside the tail) question tails;
-- (d) `multidecode`: one forest over one cache (`MultiDecoder._start`, what `ask` runs).
+- (d) `multidecode`: one forest over one cache (`MultiDecoder.start`, what `ask` runs).
 
 All four must give identical answer ids (compared up to and including the first eos); a
 difference raises `AnswersDiffer`. The main comparison is at K = len(questions); the sweep runs

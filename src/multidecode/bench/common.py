@@ -10,7 +10,7 @@ case (questions, samples, beams, ...):
 - `cache_bytes`: the bytes held by a transformers `Cache` (or our `SlotCache`) at a given moment.
 - `hf_sequential`, `hf_batched`, `hf_shared_prefix`: the transformers baselines, taking any extra
   `generate` settings (`num_return_sequences`, `num_beams`, ... for later benchmarks).
-- `multidecode_forest`: MultiDecode on the same prompts (`MultiDecoder._start`).
+- `multidecode_forest`: MultiDecode on the same prompts (`MultiDecoder.start`).
 - `trim_at_eos`, `check_identical`: compare answers up to and including the first eos.
 
 Nothing here prints; callers pass a `progress` callback where they want news.
@@ -399,11 +399,8 @@ def hf_shared_prefix(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id
 
 def multidecode_forest(decoder, prompts, counter, *, max_new_tokens, sampling=None, **start) -> RunOutput:
     """(d) MultiDecode: the prompts' common prefix once, one forest branch each, one pass a step."""
-    from ..decoder import per_branch_sampling
-
-    params = per_branch_sampling(len(prompts), dict(sampling or {}))
     counter.prefill(1 << 30)
-    run = decoder._start([list(p) for p in prompts], max_new_tokens=max_new_tokens, sampling=params, **start)
+    run = decoder.start([list(p) for p in prompts], max_new_tokens=max_new_tokens, **dict(sampling or {}), **start)
     counter.prefill(0)
     for _ in run.events:
         pass

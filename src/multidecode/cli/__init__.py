@@ -6,8 +6,12 @@ import click
 
 from .. import __version__
 from .ask import ask
+from .batch import batch
+from .beam import beam
 from .bench import bench
+from .complete import complete, vote
 from .demo import demo
+from .margins import margins
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -20,6 +24,5 @@ def main() -> None:
     """
 
 
-main.add_command(ask)
-main.add_command(demo)
-main.add_command(bench)
+for command in (ask, complete, beam, margins, vote, batch, demo, bench):
+    main.add_command(command)

@@ -1,0 +1,71 @@
+"""Many questions about one document, answered in one pass (the seed's motivating example).
+
+Each question gets the whole prompt it would get alone (chat template around the document and
+the question). The prompts' common run of ids (the document) is prefilled once; each question's
+remaining ids form one branch; all branches are decoded together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ..decoding import PromptsRun, TokenEvent, decode_prompts
+from ..errors import InvalidInput
+from ..prompts import question_message, render_prompt, tokenize_prompt
+from ..sampling import per_branch_sampling
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One question's answer. prompt_ids is the whole root-to-branch prompt it was generated from."""
+
+    question: str
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str
+
+
+def check_document(document: str) -> None:
+    if not isinstance(document, str):
+        raise InvalidInput(f"the document must be text, got {type(document).__name__}")
+    if not document.strip():
+        raise InvalidInput("the document is empty", "pass a document with some text in it")
+
+
+def check_questions(questions: Sequence[str]) -> None:
+    if isinstance(questions, str):
+        raise InvalidInput("questions must be a list of strings, got one string", "wrap it in a list: [question]")
+    if not questions:
+        raise InvalidInput("there are no questions", "ask at least one question")
+    for i, q in enumerate(questions):
+        if not isinstance(q, str) or not q.strip():
+            raise InvalidInput(f"question {i + 1} is empty", "remove it or write the question")
+
+
+def question_prompts(tokenizer, document: str, questions: Sequence[str], *, instruction: str | None = None) -> list[list[int]]:
+    """The whole prompt ids each question would be asked with alone."""
+    check_document(document)
+    check_questions(questions)
+    kwargs = {} if instruction is None else {"instruction": instruction}
+    return [tokenize_prompt(tokenizer, render_prompt(tokenizer, question_message(document, q, **kwargs)))
+            for q in questions]
+
+
+def start(decoder, document: str, questions: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
+          instruction: str | None = None, **sampling) -> PromptsRun:
+    prompts = question_prompts(decoder.tokenizer, document, questions, instruction=instruction)
+    return decode_prompts(decoder.model, prompts, max_new_tokens=max_new_tokens,
+                          sampling=per_branch_sampling(len(prompts), sampling), tokenizer=decoder.tokenizer,
+                          stop=stop, compaction=decoder.compaction)
+
+
+def stream(decoder, document: str, questions: Sequence[str], **settings) -> Iterator[TokenEvent]:
+    return start(decoder, document, questions, **settings).events
+
+
+def ask(decoder, document: str, questions: Sequence[str], **settings) -> list[Answer]:
+    run = start(decoder, document, questions, **settings).finish()
+    return [Answer(q, b.output.text, b.output.token_ids, run.prompts[i], b.output.finish_reason or "length")
+            for i, (q, b) in enumerate(zip(questions, run.branches))]

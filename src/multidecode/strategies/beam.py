@@ -1,0 +1,1 @@
+"""Beam search over one shared tree (placeholder: implemented in the beam-search change)."""

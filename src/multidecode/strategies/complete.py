@@ -1,0 +1,82 @@
+"""Parallel completions: n continuations of one prompt from one prefill.
+
+The prompt is prefilled once; n branches start from its last node and are sampled side by side,
+each with its own seeded generator. With `seed=s`, completion i uses seed `s + i` and equals the
+n=1 run with that seed. Without a seed, a random base seed is drawn and reported, so every
+completion can still be reproduced.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ..decoding import PromptsRun, TokenEvent, check_positive, decode_prompts
+from ..errors import InvalidInput
+from ..prompts import has_chat_template, render_prompt, tokenize_prompt
+from ..sampling import per_branch_sampling
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One completion. seed is the seed its branch drew with (None when greedy)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    seed: int | None
+    prompt_ids: list[int]
+
+
+def prompt_ids(tokenizer, prompt: str | Sequence[int], *, chat: bool | None = None) -> list[int]:
+    """Token ids of a prompt: text (through the chat template when the tokenizer has one, unless
+    chat=False) or ids given directly."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise InvalidInput("the prompt is empty", "pass some text to complete")
+        use_chat = has_chat_template(tokenizer) if chat is None else chat
+        if use_chat and not has_chat_template(tokenizer):
+            raise InvalidInput("this tokenizer has no chat template", "pass chat=False (--no-chat) to complete raw text")
+        if use_chat:
+            return tokenize_prompt(tokenizer, render_prompt(tokenizer, prompt))
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidInput("the prompt has no tokens", "pass some token ids or text")
+    return ids
+
+
+def sampled_settings(n: int, sampling: dict) -> dict:
+    """Sampling on by default; a random base seed when none is given, so each branch is reproducible."""
+    sampling = dict(sampling)
+    sampling.setdefault("do_sample", True)
+    if sampling.get("seed") is None and sampling["do_sample"] not in (False, [False] * n):
+        sampling["seed"] = secrets.randbits(31)
+    return sampling
+
+
+def start(decoder, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64, stop: Sequence[str] = (),
+          chat: bool | None = None, **sampling) -> PromptsRun:
+    check_positive("n", n)
+    ids = prompt_ids(decoder.tokenizer, prompt, chat=chat)
+    params = per_branch_sampling(n, sampled_settings(n, sampling))
+    return decode_prompts(decoder.model, [ids] * n, max_new_tokens=max_new_tokens, sampling=params,
+                          tokenizer=decoder.tokenizer, stop=stop, compaction=decoder.compaction)
+
+
+def stream(decoder, prompt, **settings) -> Iterator[TokenEvent]:
+    return start(decoder, prompt, **settings).events
+
+
+def completions(run: PromptsRun) -> list[Completion]:
+    return [
+        Completion(b.index, b.output.text, b.output.token_ids, b.output.finish_reason or "length",
+                   b.sampler.params.seed if b.sampler.params.do_sample else None, run.prompts[b.index])
+        for b in run.branches
+    ]
+
+
+def complete(decoder, prompt, **settings) -> list[Completion]:
+    return completions(start(decoder, prompt, **settings).finish())

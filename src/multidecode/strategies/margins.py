@@ -1,0 +1,1 @@
+"""Writing in the margins (placeholder: implemented in the margins change)."""

@@ -1,0 +1,89 @@
+"""Parallel reasoning and self-consistency: n sampled traces in one forest, and a majority vote.
+
+Self-consistency (Wang et al., 2022, arXiv 2203.11171) samples several reasoning traces for one
+question and answers with the most frequent final answer. Here the traces are branches of one
+forest over one prefill. An *extractor* turns a trace into its final answer; the default reads an
+"Answer:" line, else the last number, else the last line, and can be replaced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import InvalidInput
+from .complete import complete
+
+INSTRUCTION = "Think step by step. Then give the final answer on its own last line, as 'Answer: <answer>'."
+_ANSWER_LINE = re.compile(r"answer\s*(?:is)?\s*[:=]\s*(.+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One reasoning trace and the answer extracted from it (None when none was found)."""
+
+    text: str
+    answer: str | None
+    token_ids: list[int]
+    finish_reason: str
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class Vote:
+    """The majority answer (None if no trace gave one), the vote counts, most frequent first, and the traces."""
+
+    question: str
+    answer: str | None
+    counts: dict[str, int]
+    traces: list[Trace]
+
+    @property
+    def agreement(self) -> float:
+        """Share of all traces that gave the majority answer."""
+        return self.counts.get(self.answer, 0) / len(self.traces) if self.answer is not None else 0.0
+
+
+def normalize(answer: str) -> str | None:
+    """Comparable form of an answer: numbers without separators or trailing zeros, else lowercase
+    text without surrounding punctuation."""
+    text = answer.strip().strip("*").strip()
+    number = _NUMBER.fullmatch(text.rstrip(".").replace("$", "").strip())
+    if number:
+        value = number.group().replace(",", "")
+        if "." in value:
+            value = value.rstrip("0").rstrip(".")
+        return value
+    text = text.strip(" .,:;!?\"'").lower()
+    return text or None
+
+
+def extract_answer(trace: str) -> str | None:
+    """The final answer of a trace: an 'Answer: ...' line, else its last number, else its last line."""
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        match = _ANSWER_LINE.search(line)
+        if match:
+            return normalize(match.group(1))
+    numbers = _NUMBER.findall(trace)
+    if numbers:
+        return normalize(numbers[-1])
+    return normalize(lines[-1]) if lines else None
+
+
+def vote(decoder, question: str, *, n: int = 8, max_new_tokens: int = 256,
+         extract: Callable[[str], str | None] = extract_answer, instruction: str | None = INSTRUCTION,
+         **sampling) -> Vote:
+    """Sample n traces for `question` in one forest and vote on their extracted answers."""
+    if not isinstance(question, str) or not question.strip():
+        raise InvalidInput("the question is empty", "write the question to reason about")
+    sampling.setdefault("temperature", 0.7)
+    prompt = question.strip() + (f"\n{instruction}" if instruction else "")
+    done = complete(decoder, prompt, n=n, max_new_tokens=max_new_tokens, **sampling)
+    traces = [Trace(c.text, extract(c.text), c.token_ids, c.finish_reason, c.seed) for c in done]
+    counts = Counter(t.answer for t in traces if t.answer is not None)
+    ranked = dict(counts.most_common())  # ties keep the order in which answers first appeared
+    return Vote(question, next(iter(ranked), None), ranked, traces)
