@@ -159,3 +159,19 @@ def test_write_results(result, tmp_path):
     assert [p.suffix for p in paths] == [".json", ".png"]
     assert json.loads(paths[0].read_text())["main"]["k"] == 4
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sample_benchmark_structure_and_files(decoder, tmp_path):
+    """n completions both ways: equal work (n x max_new_tokens each), ratios, the KV floor, files."""
+    from multidecode.bench import run_sample_benchmark
+
+    result = run_sample_benchmark(decoder, n=4, ns=(1, 4), max_new_tokens=6, prompt_tokens=40, repeats=1)
+    assert result["benchmark"] == "sample" and [row["n"] for row in result["sweep"]] == [1, 4]
+    main = result["main"]
+    for method in main["methods"].values():
+        assert method["new_tokens"] == 4 * 6
+    assert main["forward_passes"]["multidecode"] == 6  # one prefill, then 5 steps for all branches
+    assert main["kv_ratio"] == pytest.approx(main["kv_floor"], rel=0.05)
+    paths = write_results(result, tmp_path)
+    assert [p.name for p in paths] == ["bench_sample.json", "bench_sample.png"]
+    assert json.loads(paths[0].read_text())["config"]["n"] == 4

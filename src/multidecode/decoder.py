@@ -40,11 +40,14 @@ class MultiDecoder:
 
     # ------------------------------------------------------------------ token level
     def start(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop: Sequence[str] = (),
-              **sampling) -> PromptsRun:
-        """Start decoding whole prompts (token ids) as one forest; iterate `.events` to decode."""
+              eos_token_id=None, **sampling) -> PromptsRun:
+        """Start decoding whole prompts (token ids) as one forest; iterate `.events` to decode.
+
+        eos_token_id: the ids that end a branch (default: the model's; [] never stops early).
+        """
         return decode_prompts(self.model, prompts, max_new_tokens=max_new_tokens,
                               sampling=per_branch_sampling(len(prompts), sampling), tokenizer=self.tokenizer,
-                              stop=stop, compaction=self.compaction)
+                              stop=stop, eos_token_id=eos_token_id, compaction=self.compaction)
 
     # ------------------------------------------------------------------ many questions, one document
     def question_prompts(self, document: str, questions: Sequence[str], *, instruction: str | None = None):

@@ -65,3 +65,46 @@ def plot_ask(result: dict, path: str | Path) -> Path:
     fig.tight_layout()
     fig.savefig(path)
     return path
+
+
+def plot_sweep(
+    path: str | Path,
+    *,
+    xs: list[int],
+    xlabel: str,
+    speedups: dict[str, list[float]],
+    memory_mb: dict[str, list[float]],
+    title: str,
+    target: float | None = None,
+) -> Path:
+    """Two panels over a sweep: MultiDecode's speed-up per baseline (left, with the target as a
+    dashed line) and each method's peak KV cache in MB (right)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    fig = Figure(figsize=(11, 4.2), dpi=120)
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    for (label, values), marker in zip(speedups.items(), "o^s"):
+        left.plot(xs, values, marker + "-", label=label)
+        for x, v in zip(xs, values):
+            left.annotate(f"{v:.2f}x", (x, v), textcoords="offset points", xytext=(5, 5), fontsize=7)
+    left.axhline(1.0, color="grey", lw=0.8, ls="--")
+    if target is not None:
+        left.axhline(target, color="tab:red", lw=0.8, ls=":", label=f"target {target:g}x")
+    left.set_title("speed-up of MultiDecode (wall-time ratio)")
+    for (label, values), marker in zip(memory_mb.items(), "oDs^"):
+        right.plot(xs, values, marker + "-", label=label)
+    right.set_title("peak KV cache (MB)")
+    right.set_yscale("log")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path

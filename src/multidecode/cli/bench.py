@@ -89,3 +89,59 @@ def bench_ask(output, ks, max_new_tokens, repeats, threads, model_name, dtype, d
     stdout.print("All four methods gave identical answers." if result.get("answers_identical") else "")
     for path in paths:
         stdout.print(f"wrote {path}")
+
+
+def sweep_table(result: dict, key: str, label: str, methods: dict[str, str]) -> Table:
+    """One row per sweep point: each method's wall time and KV, and MultiDecode's speed-up."""
+    table = Table(title=f"{result['benchmark']}: sweep over {label}", title_justify="left")
+    table.add_column(label, justify="right")
+    for short in methods.values():
+        table.add_column(f"{short} s", justify="right", no_wrap=True)
+        table.add_column(f"{short} KV MB", justify="right", no_wrap=True)
+    table.add_column("speed-up", justify="right")
+    for row in result["sweep"]:
+        cells = [str(row[key])]
+        for name in methods:
+            m = row["methods"][name]
+            cells += [f"{m['wall_s']:.2f}", f"{m['peak_kv_bytes'] / 1e6:.1f}"]
+        table.add_row(*cells, f"{row['speedup']:.2f}x")
+    return table
+
+
+def run_and_report(name: str, runner, output: str, table) -> None:
+    """Run one benchmark with progress on stderr, then print its tables and write its files."""
+    from ..bench import write_results
+
+    start = time.perf_counter()
+    with stderr.status(f"benchmarking {name}...") as status:
+        def progress(message: str) -> None:
+            stderr.print(f"[dim]{time.perf_counter() - start:6.1f} s  {message}[/dim]")
+            status.update(f"benchmarking {name}... {message}")
+
+        result = runner(progress)
+    paths = write_results(result, Path(output))
+    stdout.print(table(result))
+    stdout.print(targets_table(result))
+    for path in paths:
+        stdout.print(f"wrote {path}")
+
+
+@bench.command("sample")
+@click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR")
+@click.option("--n", "n", type=int, default=8, show_default=True, help="Completions at the main point.")
+@click.option("--ns", default="1,2,4,8,16", show_default=True, help="Completion counts for the sweep.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--prompt-tokens", type=int, default=200, show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--threads", type=int, default=None)
+@model_options
+@report_errors
+def bench_sample(output, n, ns, max_new_tokens, prompt_tokens, repeats, threads, model_name, dtype, device):
+    """n sampled completions of one prompt: transformers' num_return_sequences against MultiDecode."""
+    from ..bench import run_sample_benchmark
+
+    decoder = load_decoder(model_name, dtype, device)
+    run_and_report("sample", lambda progress: run_sample_benchmark(
+        decoder, n=n, ns=parse_ks(ns), max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
+        repeats=repeats, threads=threads, progress=progress), output,
+        lambda r: sweep_table(r, "n", "n", {"hf_num_return_sequences": "HF", "multidecode": "MD"}))

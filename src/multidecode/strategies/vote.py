@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import InvalidInput
-from .complete import complete
+from .complete import Completion, complete
 
 INSTRUCTION = "Think step by step. Then give the final answer on its own last line, as 'Answer: <answer>'."
 _ANSWER_LINE = re.compile(r"answer\s*(?:is)?\s*[:=]\s*(.+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_DECORATION = " \t.,:;!?\"'*_`"
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,15 @@ class Vote:
 
 def normalize(answer: str) -> str | None:
     """Comparable form of an answer: numbers without separators or trailing zeros, else lowercase
-    text without surrounding punctuation."""
-    text = answer.strip().strip("*").strip()
-    number = _NUMBER.fullmatch(text.rstrip(".").replace("$", "").strip())
+    text without surrounding punctuation or markdown emphasis."""
+    text = answer.strip().strip(_DECORATION)
+    number = _NUMBER.fullmatch(text.lstrip("$"))
     if number:
         value = number.group().replace(",", "")
         if "." in value:
             value = value.rstrip("0").rstrip(".")
         return value
-    text = text.strip(" .,:;!?\"'").lower()
-    return text or None
+    return text.lower() or None
 
 
 def extract_answer(trace: str) -> str | None:
@@ -74,16 +74,29 @@ def extract_answer(trace: str) -> str | None:
     return normalize(lines[-1]) if lines else None
 
 
-def vote(decoder, question: str, *, n: int = 8, max_new_tokens: int = 256,
-         extract: Callable[[str], str | None] = extract_answer, instruction: str | None = INSTRUCTION,
-         **sampling) -> Vote:
-    """Sample n traces for `question` in one forest and vote on their extracted answers."""
+def vote_prompt(question: str, instruction: str | None = INSTRUCTION) -> str:
     if not isinstance(question, str) or not question.strip():
         raise InvalidInput("the question is empty", "write the question to reason about")
-    sampling.setdefault("temperature", 0.7)
-    prompt = question.strip() + (f"\n{instruction}" if instruction else "")
-    done = complete(decoder, prompt, n=n, max_new_tokens=max_new_tokens, **sampling)
+    return question.strip() + (f"\n{instruction}" if instruction else "")
+
+
+def vote_settings(sampling: dict) -> dict:
+    """Self-consistency samples at temperature 0.7 unless told otherwise."""
+    return {"temperature": 0.7, **sampling}
+
+
+def tally(question: str, done: Sequence[Completion], extract: Callable[[str], str | None] = extract_answer) -> Vote:
+    """Extract each trace's answer and count the votes."""
     traces = [Trace(c.text, extract(c.text), c.token_ids, c.finish_reason, c.seed) for c in done]
     counts = Counter(t.answer for t in traces if t.answer is not None)
     ranked = dict(counts.most_common())  # ties keep the order in which answers first appeared
     return Vote(question, next(iter(ranked), None), ranked, traces)
+
+
+def vote(decoder, question: str, *, n: int = 8, max_new_tokens: int = 256,
+         extract: Callable[[str], str | None] = extract_answer, instruction: str | None = INSTRUCTION,
+         **sampling) -> Vote:
+    """Sample n traces for `question` in one forest and vote on their extracted answers."""
+    prompt = vote_prompt(question, instruction)
+    done = complete(decoder, prompt, n=n, max_new_tokens=max_new_tokens, **vote_settings(sampling))
+    return tally(question, done, extract)

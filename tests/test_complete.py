@@ -1,0 +1,225 @@
+"""Parallel completions and self-consistency: reproducible seeds, honest sampling, the vote.
+
+Text-level tests use the offline tiny model folder (a random model with a real tokenizer);
+distribution tests use a tiny random Llama on token ids, whose next-token distribution is spread
+out enough for a chi-square test to have power.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from scipy.stats import chisquare
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import multidecode
+from multidecode.cli import main
+from multidecode.strategies.vote import extract_answer, normalize, tally
+from local_models import tiny_model_folder
+from tiny_models import tiny_model
+
+PROMPT = [5, 17, 42, 99, 7, 3, 150, 23]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def text_decoder(model_dir):
+    return multidecode.load(str(model_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def id_decoder():
+    """A tiny Llama over token ids (no tokenizer needed for id prompts)."""
+    return multidecode.MultiDecoder(tiny_model("llama"), None)
+
+
+def first_token_probs(model, warpers) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPT])).logits[0, -1:].float()
+    for warp in warpers:
+        logits = warp(None, logits)
+    return logits.softmax(-1)[0]
+
+
+# ---------------------------------------------------------------------- reproducibility
+def test_each_completion_equals_the_single_run_with_its_seed(text_decoder):
+    together = text_decoder.complete("Tell me about cables.", n=4, max_new_tokens=10, temperature=0.9, seed=100)
+    assert [c.seed for c in together] == [100, 101, 102, 103]
+    assert len({tuple(c.token_ids) for c in together}) > 1  # they really differ
+    for c in together:
+        (alone,) = text_decoder.complete("Tell me about cables.", n=1, max_new_tokens=10, temperature=0.9, seed=c.seed)
+        assert alone.token_ids == c.token_ids and alone.text == c.text
+
+
+def test_without_a_seed_the_reported_seeds_still_reproduce(id_decoder):
+    first = id_decoder.complete(PROMPT, n=3, max_new_tokens=6)
+    assert all(c.seed is not None for c in first)
+    for c in first:
+        (again,) = id_decoder.complete(PROMPT, n=1, max_new_tokens=6, seed=c.seed)
+        assert again.token_ids == c.token_ids
+
+
+def test_settings_per_branch(id_decoder):
+    """Lists give each branch its own settings, and each branch equals its own single run."""
+    settings = dict(temperature=[0.5, 1.0, 1.5], top_k=[None, 5, 50], top_p=[0.9, None, 1.0], min_p=[None, 0.05, None])
+    together = id_decoder.complete(PROMPT, n=3, max_new_tokens=8, seed=[11, 22, 33], **settings)
+    for i, c in enumerate(together):
+        single = {k: v[i] for k, v in settings.items() if v[i] is not None}
+        (alone,) = id_decoder.complete(PROMPT, n=1, max_new_tokens=8, seed=[11, 22, 33][i], **single)
+        assert alone.token_ids == c.token_ids
+
+
+def test_greedy_completions_equal_generate(id_decoder):
+    model = id_decoder.model
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=12, eos_token_id=None)
+    outs = id_decoder.complete(PROMPT, n=3, max_new_tokens=12, do_sample=False)
+    for c in outs:
+        assert c.token_ids == ref[0, len(PROMPT):].tolist()[: len(c.token_ids)]
+        assert c.seed is None
+
+
+def test_repetition_penalty_equals_transformers_end_to_end(id_decoder):
+    """Greedy with a repetition penalty (prompt tokens included) matches generate's."""
+    model = id_decoder.model
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=16, repetition_penalty=1.8)
+    (ours,) = id_decoder.complete(PROMPT, n=1, max_new_tokens=16, do_sample=False, repetition_penalty=1.8)
+    assert ours.token_ids == ref[0, len(PROMPT):].tolist()[: len(ours.token_ids)]
+    (plain,) = id_decoder.complete(PROMPT, n=1, max_new_tokens=16, do_sample=False)
+    assert plain.token_ids != ours.token_ids  # the penalty matters here, so the test can fail
+
+
+# ---------------------------------------------------------------------- the distribution
+DRAWS = 4000
+
+
+def draw_first_tokens(decoder, **settings) -> np.ndarray:
+    """DRAWS one-token completions of PROMPT, all branches of one forest, seeded."""
+    outs = decoder.complete(PROMPT, n=DRAWS, max_new_tokens=1, seed=2024, **settings)
+    return np.bincount([c.token_ids[0] for c in outs], minlength=decoder.model.config.vocab_size)
+
+
+def chi_square_p(counts: np.ndarray, probs: torch.Tensor) -> float:
+    """Chi-square p-value of counts against probs, pooling cells expected below 5."""
+    expected = probs.double().numpy() * counts.sum()
+    assert counts[expected == 0].sum() == 0, "drew a token the warpers remove"
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+@pytest.mark.parametrize(
+    "settings, warpers",
+    [
+        ({"temperature": 1.0}, []),
+        ({"temperature": 0.7, "top_k": 20}, [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20)]),
+        ({"temperature": 1.3, "top_p": 0.8}, [TemperatureLogitsWarper(1.3), TopPLogitsWarper(0.8)]),
+    ],
+    ids=["plain", "temperature+top_k", "temperature+top_p"],
+)
+def test_first_token_frequencies_match_the_models_softmax(id_decoder, settings, warpers):
+    counts = draw_first_tokens(id_decoder, **settings)
+    assert chi_square_p(counts, first_token_probs(id_decoder.model, warpers)) > 1e-3
+
+
+def test_the_chi_square_test_can_fail(id_decoder):
+    """Draws at temperature 0.7 are rejected against the temperature-1 distribution."""
+    counts = draw_first_tokens(id_decoder, temperature=0.7)
+    assert chi_square_p(counts, first_token_probs(id_decoder.model, [])) < 1e-6
+
+
+def test_min_p_draws_stay_in_transformers_allowed_set(id_decoder):
+    allowed = first_token_probs(id_decoder.model, [MinPLogitsWarper(0.3)]) > 0
+    counts = draw_first_tokens(id_decoder, min_p=0.3)
+    assert counts[~allowed.numpy()].sum() == 0
+    assert (counts[allowed.numpy()] > 0).mean() > 0.8  # and it samples across that set
+
+
+# ---------------------------------------------------------------------- the vote
+@pytest.mark.parametrize(
+    "trace, answer",
+    [
+        ("First 3 + 4 = 7.\nAnswer: 7", "7"),
+        ("so the total is 1,250.00 dollars", "1250"),
+        ("Paris is the capital.\nAnswer: **Paris**.", "paris"),
+        ("The answer is: $42", "42"),
+        ("I think it is blue", "i think it is blue"),
+        ("", None),
+    ],
+)
+def test_the_default_extractor(trace, answer):
+    assert extract_answer(trace) == answer
+
+
+def test_normalize_makes_equal_answers_equal():
+    assert normalize("3.50") == normalize("3.5") == "3.5"
+    assert normalize(" Yes. ") == normalize("yes") == "yes"
+
+
+def test_tally_counts_and_breaks_ties_by_first_appearance():
+    done = [multidecode.Completion(i, text, [], "stop", i, []) for i, text in
+            enumerate(["Answer: 5", "Answer: 7", "Answer: 7", "no idea", "Answer: 5"])]
+    result = tally("q", done)
+    assert result.counts == {"5": 2, "7": 2, "no idea": 1}
+    assert result.answer == "5" and result.agreement == pytest.approx(0.4)
+
+
+def test_vote_runs_n_traces_with_a_replaceable_extractor(text_decoder):
+    result = text_decoder.vote("What is two plus two?", n=5, max_new_tokens=6, seed=3,
+                               extract=lambda text: "even" if len(text) % 2 == 0 else "odd")
+    assert len(result.traces) == 5 and sum(result.counts.values()) == 5
+    assert result.answer in ("even", "odd")
+    assert [t.seed for t in result.traces] == [3, 4, 5, 6, 7]
+
+
+# ---------------------------------------------------------------------- the CLI
+def test_cli_complete_json_and_seeds(model_dir):
+    args = ["complete", "--model", str(model_dir), "-p", "Tell me about cables.", "--n", "3",
+            "--max-new-tokens", "5", "--seed", "9", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [r["seed"] for r in rows] == [9, 10, 11]
+    single = CliRunner().invoke(main, args[:5] + ["--n", "1", "--max-new-tokens", "5", "--seed", "10", "--json"])
+    assert json.loads(single.stdout)[0]["token_ids"] == rows[1]["token_ids"]
+
+
+def test_cli_complete_streams_text(model_dir):
+    result = CliRunner().invoke(main, ["complete", "--model", str(model_dir), "-p", "Hi", "--n", "2",
+                                       "--max-new-tokens", "3", "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    assert "completion 1 (seed 1)" in result.stdout and "completion 2 (seed 2)" in result.stdout
+
+
+def test_cli_complete_needs_exactly_one_prompt(model_dir, tmp_path):
+    result = CliRunner().invoke(main, ["complete", "--model", str(model_dir)])
+    assert result.exit_code == 2 and "--prompt" in result.stderr
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hello")
+    both = CliRunner().invoke(main, ["complete", "--model", str(model_dir), "-p", "x", "--prompt-file", str(prompt)])
+    assert both.exit_code == 2
+
+
+def test_cli_vote_json(model_dir):
+    result = CliRunner().invoke(main, ["vote", "--model", str(model_dir), "-q", "What is 2 + 2?", "--n", "3",
+                                       "--max-new-tokens", "4", "--seed", "5", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)
+    assert len(row["traces"]) == 3 and sum(row["counts"].values()) <= 3
