@@ -1,9 +1,242 @@
-"""`multidecode batch` (placeholder, filled in by its change)."""
+"""`multidecode batch`: the same questions about many documents, resumable, into a JSON Lines file.
+
+The job itself (input format, output format, resuming) lives in `multidecode.batch`; this module
+parses options, shows progress on stderr and prints the summary. The first Ctrl-C (or SIGTERM)
+lets the current document finish and stops; a second one stops at once. Either way, running the
+same command again resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shlex
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
 
 import click
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ..batch import BatchJob, BatchSettings, BatchSummary, LineResult, model_identity, open_batch
+from .common import load_decoder, model_options, read_lines, report_errors, sampling_from, sampling_options, stderr
+
+#: failures printed as they happen; later ones are only counted (all are in the output)
+SHOWN_FAILURES = 20
+#: seconds between progress lines when stderr is not a terminal (a log file)
+PLAIN_EVERY_S = 10.0
 
 
+# ---------------------------------------------------------------------- progress
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+class ProgressView:
+    """A progress bar (lines done/total, failures, tokens/s, elapsed, ETA) on a terminal, or a
+    plain line every few seconds otherwise; failures are printed as they happen."""
+
+    def __init__(self, job: BatchJob) -> None:
+        self.job = job
+        self.shown_failures = 0
+        self.live = stderr.is_terminal
+        self.progress: Progress | None = None
+        self.last_plain = time.monotonic()
+
+    def __enter__(self) -> ProgressView:
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]batch[/bold]"), BarColumn(), MofNCompleteColumn(), TextColumn("lines"),
+                TextColumn("{task.fields[failed]}"), TextColumn("{task.fields[speed]}"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                console=stderr, transient=False,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("batch", total=self.job.total, completed=self.job.skipped,
+                                               failed="", speed="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def note(self, text: str) -> None:
+        (self.progress.console if self.progress is not None else stderr).print(text)
+
+    def advance(self, result: LineResult) -> None:
+        job = self.job
+        if not result.ok:
+            self.shown_failures += 1
+            if self.shown_failures <= SHOWN_FAILURES:
+                error = result.error
+                self.note(f"[yellow]line {result.line} (id {escape(str(result.id))}) failed:[/yellow] "
+                          f"{escape(error['type'])}: {escape(error['message'])}")
+            if self.shown_failures == SHOWN_FAILURES + 1:
+                self.note(f"[yellow]further failures are recorded in {escape(str(job.output_path))} "
+                          "without being printed[/yellow]")
+        speed = job.tokens / job.elapsed_s if job.elapsed_s > 0 else 0.0
+        if self.progress is not None:
+            failed = f"[yellow]{job.failed} failed[/yellow]" if job.failed else ""
+            self.progress.update(self.task, advance=1, failed=failed, speed=f"{speed:,.1f} tok/s")
+        elif job.pending and time.monotonic() - self.last_plain >= PLAIN_EVERY_S:
+            self.last_plain = time.monotonic()
+            finished = job.skipped + job.done
+            left = len(job.pending) / (job.done / job.elapsed_s) if job.done and job.elapsed_s > 0 else None
+            eta = f", about {_duration(left)} left" if left is not None else ""
+            stderr.print(f"batch: {finished}/{job.total} lines, {job.failed} failed, {speed:,.1f} tokens/s{eta}")
+
+
+# ---------------------------------------------------------------------- signals
+@contextlib.contextmanager
+def graceful_stop(job: BatchJob, view: ProgressView):
+    """First SIGINT/SIGTERM: finish the current document, then stop. Second: stop at once.
+    Yields a list that holds the first signal's number once one arrives."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum, frame):
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+        job.stop()
+        with contextlib.suppress(Exception):
+            view.note("[yellow]stopping after the current document (press Ctrl-C again to stop now)[/yellow]")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def resume_command() -> str | None:
+    """The command line to run again, when this process was started as `multidecode ...`."""
+    if Path(sys.argv[0]).name != "multidecode":
+        return None
+    return shlex.join(["multidecode", *sys.argv[1:]])
+
+
+# ---------------------------------------------------------------------- reporting
+def announce(job: BatchJob) -> None:
+    inp, out = escape(str(job.input_path)), escape(str(job.output_path))
+    parts = [f"{inp}: {job.total} lines"]
+    if job.skipped:
+        parts.append(f"{job.skipped} already in {out}")
+    parts.append(f"{len(job.pending)} to do")
+    stderr.print("[dim]" + ", ".join(parts) + "[/dim]")
+    if job.repaired:
+        stderr.print(f"[dim]removed the unfinished last line of {out} (an interrupted write); "
+                     "that line is done again[/dim]")
+    if job.retried:
+        stderr.print(f"[dim]redoing {job.retried} failed line{'s' * (job.retried != 1)}[/dim]")
+    if job.foreign:
+        stderr.print(f"[dim]{out} also holds {job.foreign} record{'s' * (job.foreign != 1)} for ids "
+                     "that are not in the input; they stay as they are[/dim]")
+
+
+def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
+    out = escape(summary.output)
+    finished = summary.total - summary.remaining
+    if summary.complete:
+        head = f"[green]Done:[/green] all {summary.total} lines of {escape(summary.input)} are in {out}"
+    else:
+        head = (f"[yellow]{'Stopped' if stopped else 'Ended'}:[/yellow] {finished} of {summary.total} lines "
+                f"are in {out}, {summary.remaining} to go")
+    stderr.print(head)
+    this_run = f"{summary.done} line{'s' * (summary.done != 1)} this run"
+    if summary.failed:
+        this_run += f" ([yellow]{summary.failed} failed[/yellow])"
+    if summary.skipped:
+        this_run += f", {summary.skipped} skipped as already done"
+    if summary.retried:
+        this_run += f", {summary.retried} failed before and redone"
+    stderr.print(f"  {this_run}")
+    if summary.done:
+        stderr.print(f"  {summary.tokens:,} tokens generated in {_duration(summary.elapsed_s)} "
+                     f"({summary.tokens_per_s:,.1f} tokens/s, {summary.lines_per_s:,.2f} lines/s)")
+    if summary.failures:
+        stderr.print("  failures:")
+        for failure in summary.failures:
+            stderr.print(f"    line {failure['line']} (id {escape(str(failure['id']))}): "
+                         f"{escape(failure['type'])}: {escape(failure['message'])}")
+        if summary.failed > len(summary.failures):
+            stderr.print(f"    ... and {summary.failed - len(summary.failures)} more (records with an \"error\" "
+                         f"in {out})")
+    failed_in_file = summary.failed + summary.earlier_failures
+    if failed_in_file:
+        one = failed_in_file == 1
+        stderr.print(f"[yellow]hint:[/yellow] {failed_in_file} line{'' if one else 's'} in {out} failed; fix the "
+                     f"input, then rerun with --retry-failed to redo {'it' if one else 'them'}")
+
+
+# ---------------------------------------------------------------------- the command
 @click.command()
-def batch():
-    """(not yet implemented)"""
-    raise click.ClickException("not implemented yet")
+@click.argument("input_path", metavar="INPUT.jsonl")
+@click.option("--output", "-o", required=True, metavar="OUT.jsonl",
+              help="Results, one JSON line per input line; appended to, so rerunning resumes.")
+@click.option("--questions-file", metavar="FILE", help="Questions for every document, one per line.")
+@click.option("--question", "-q", multiple=True, metavar="TEXT", help="A question for every document (repeatable).")
+@click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Longest answer, in tokens.")
+@click.option("--stop", multiple=True, metavar="TEXT", help="Stop an answer at this string (repeatable).")
+@click.option("--retry-failed", is_flag=True, help="Redo the lines whose result in OUT is an error.")
+@model_options
+@sampling_options
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@report_errors
+def batch(input_path, output, questions_file, question, max_new_tokens, stop, retry_failed, model_name, dtype,
+          device, as_json, **sampling):
+    """Answer questions about every document of a JSON Lines file, resumably.
+
+    Each input line is a JSON object: {"id": ..., "document": "...", "questions": ["...", ...]}.
+    "id" is optional (default: the line number); questions given with --questions-file or -q are
+    asked of every document, before the line's own, which are then optional.
+
+    Each result is appended to OUT as one JSON line as soon as it is done. After Ctrl-C, a kill
+    or a crash, the same command resumes: finished lines are never redone or duplicated. A line
+    that fails (bad JSON, an empty question, a document too long for the model, ...) is recorded
+    with its error and the job goes on; --retry-failed redoes those. Resuming needs the same
+    settings (model, dtype, job questions, --max-new-tokens, --stop, sampling), which
+    OUT.meta.json records. Exit status: 0 when every line has a result (failed ones included),
+    130 after Ctrl-C (143 after SIGTERM), 2 for a problem with the job.
+
+    \b
+    Example:
+      multidecode batch calls.jsonl --questions-file questions.txt --output answers.jsonl
+    """
+    questions = list(question) + (read_lines(questions_file) if questions_file else [])
+    settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
+                             sampling=sampling_from(sampling), model=model_identity(model_name), dtype=dtype)
+    with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
+        announce(job)
+        received: list[int] = []
+        if job.pending:
+            decoder = load_decoder(model_name, dtype, device)
+            try:
+                with ProgressView(job) as view, graceful_stop(job, view) as received:
+                    for result in job.run(decoder):
+                        view.advance(result)
+            except KeyboardInterrupt:
+                received = received or [signal.SIGINT]
+        summary = job.summary()
+    stopped = bool(received) and not summary.complete
+    print_summary(summary, stopped=stopped)
+    if as_json:
+        click.echo(json.dumps(summary.as_dict() | {"stopped": stopped}, ensure_ascii=False))
+    if stopped:
+        command = resume_command()
+        stderr.print("[yellow]hint:[/yellow] run the same command again to resume"
+                     + (f": {escape(command)}" if command else ""))
+        raise SystemExit(128 + received[0])

@@ -1,0 +1,449 @@
+"""`multidecode batch`: many documents, one resumable JSON Lines output.
+
+Runs against an offline tiny model folder (greedy, so every run gives the same answers). The
+resume tests interrupt real runs: a subprocess is killed with SIGKILL, or stopped with SIGINT,
+once its output holds some but not all lines, and the same command is run again; every id must
+then have exactly one record, equal to an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import multidecode
+from multidecode.batch import BatchAborted, BatchSettings, meta_path, open_batch, parse_line, run_batch
+from multidecode.cli import main
+from local_models import tiny_model_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+MULTIDECODE = Path(sys.executable).with_name("multidecode")
+WORDS = "router cable ticket fiber call modem line signal office evening light storm".split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"), max_positions=256)
+
+
+@contextmanager
+def one_thread():
+    """Subprocesses run with OMP_NUM_THREADS=1; in-process reference runs match their numerics."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(*args):
+    with one_thread():
+        return CliRunner().invoke(main, ["batch", *map(str, args)])
+
+
+def write_lines(path: Path, rows) -> Path:
+    """rows: dicts (written as JSON) or raw strings (written as they are)."""
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows),
+                    encoding="utf-8")
+    return path
+
+
+def records(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    assert text == "" or text.endswith("\n"), "the output ends with an unfinished line"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def by_id(rows: list[dict]) -> dict:
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), f"duplicate ids: {sorted(i for i in ids if ids.count(i) > 1)}"
+    return {r["id"]: r for r in rows}
+
+
+def results(rows: list[dict]) -> dict:
+    """What must not depend on interruptions: everything but the timing."""
+    return {r["id"]: {k: v for k, v in r.items() if k != "elapsed_s"} for r in rows}
+
+
+def documents(n: int) -> list[dict]:
+    return [{"id": f"doc-{i}", "document": f"Call {i}: the {WORDS[i % 12]} and the {WORDS[(i * 5) % 12]} failed.",
+             "questions": ["what failed?", f"when did call {i} happen?"]} for i in range(n)]
+
+
+def test_a_run_writes_one_complete_record_per_line(model_dir, tmp_path):
+    rows = [{"id": "a", "document": "The router drops the line every evening.", "questions": ["why?", "when?"]},
+            {"document": "The cable was cut by the storm.", "questions": ["what happened?"]},
+            {"id": 7, "document": "The modem light is red.", "questions": ["what colour?"]}]
+    source = write_lines(tmp_path / "in.jsonl", rows[:1] + [""] + rows[1:])  # a blank line is skipped
+    out = tmp_path / "out.jsonl"
+    result = run(source, "--output", out, "--model", model_dir, "--max-new-tokens", 6, "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert (summary["total"], summary["done"], summary["failed"], summary["remaining"]) == (3, 3, 0, 0)
+    assert summary["complete"] and summary["tokens"] > 0
+    assert "Done: all 3 lines" in result.stderr
+
+    got = by_id(records(out))
+    assert list(got) == ["a", 3, 7]  # input order; a line without an id takes its line number
+    assert [got[k]["line"] for k in got] == [1, 3, 4]
+    decoder = multidecode.load(str(model_dir))
+    settings = BatchSettings(max_new_tokens=6, model=str(Path(model_dir).resolve()), dtype=None)
+    for row, key in zip(rows, ["a", 3, 7]):
+        record = got[key]
+        assert record["error"] is None and record["settings"] == settings.fingerprint
+        with one_thread():
+            expected = decoder.ask(row["document"], row["questions"], max_new_tokens=6)
+        assert [a["question"] for a in record["answers"]] == row["questions"]
+        assert [a["answer"] for a in record["answers"]] == [a.text for a in expected]
+        assert [a["tokens"] for a in record["answers"]] == [len(a.token_ids) for a in expected]
+        assert [a["finish_reason"] for a in record["answers"]] == [a.finish_reason for a in expected]
+        assert record["tokens"] == sum(a["tokens"] for a in record["answers"])
+        assert record["elapsed_s"] >= 0
+    meta = json.loads(meta_path(out).read_text())
+    assert meta["fingerprint"] == settings.fingerprint and meta["settings"]["max_new_tokens"] == 6
+
+
+def test_job_questions_come_first_and_a_line_adds_its_own(model_dir, tmp_path):
+    questions = tmp_path / "questions.txt"
+    questions.write_text("what broke?\n\nwho called?\n")
+    source = write_lines(tmp_path / "in.jsonl", [
+        {"id": "plain", "document": "The router broke."},
+        {"id": "extra", "document": "The cable broke.", "questions": ["which cable?"]},
+        {"id": "empty-list", "document": "The modem broke.", "questions": []},
+    ])
+    out = tmp_path / "out.jsonl"
+    result = run(source, "-o", out, "--model", model_dir, "-q", "is it fixed?", "--questions-file", questions,
+                 "--max-new-tokens", 3)
+    assert result.exit_code == 0, result.output
+    asked = {k: [a["question"] for a in r["answers"]] for k, r in by_id(records(out)).items()}
+    job = ["is it fixed?", "what broke?", "who called?"]
+    assert asked == {"plain": job, "extra": job + ["which cable?"], "empty-list": job}
+
+
+def test_failed_lines_are_recorded_with_their_error_and_the_job_goes_on(model_dir, tmp_path):
+    good = {"document": "The router drops the line.", "questions": ["why?"]}
+    source = write_lines(tmp_path / "in.jsonl", [
+        {"id": "first", **good},
+        '{"id": "broken", "document": "no closing brace"',
+        '["a", "list"]',
+        {"id": "no-doc", "questions": ["why?"]},
+        {"id": "blank-doc", "document": "   ", "questions": ["why?"]},
+        {"id": "number-doc", "document": 42, "questions": ["why?"]},
+        {"id": "empty-question", "document": "text", "questions": ["why?", " "]},
+        {"id": "string-questions", "document": "text", "questions": "why?"},
+        {"id": "no-questions", "document": "text"},
+        {"id": "too-long", "document": "routers and cables " * 200, "questions": ["why?"]},
+        {"id": 1.5, **good},
+        {"id": "last", **good},
+    ])
+    out = tmp_path / "out.jsonl"
+    result = run(source, "--output", out, "--model", model_dir, "--max-new-tokens", 4, "--json")
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    summary = json.loads(result.stdout)
+    assert (summary["total"], summary["done"], summary["failed"]) == (12, 12, 10)
+    got = by_id(records(out))
+    assert got["first"]["error"] is None and got["last"]["error"] is None and len(got["last"]["answers"]) == 1
+
+    expected = {  # id -> (error type, text in the message); unreadable lines take their line number as id
+        2: ("InvalidInput", "line 2 is not valid JSON"),
+        3: ("InvalidInput", "line 3 is a list, not a JSON object"),
+        "no-doc": ("InvalidInput", 'no "document"'),
+        "blank-doc": ("InvalidInput", "the document is empty"),
+        "number-doc": ("InvalidInput", '"document" must be a string, got an integer'),
+        "empty-question": ("InvalidInput", "question 2 of the line is empty"),
+        "string-questions": ("InvalidInput", "got one string"),
+        "no-questions": ("InvalidInput", 'no "questions" and the job has none'),
+        "too-long": ("PromptTooLong", "at most 256 positions"),
+        11: ("InvalidInput", '"id" must be a string or an integer, got a number'),
+    }
+    for key, (kind, text) in expected.items():
+        error = got[key]["error"]
+        assert error["type"] == kind and text in error["message"], (key, error)
+        assert error["hint"], key
+        assert got[key]["answers"] == [] and got[key]["tokens"] == 0
+    assert "line 2 (id 2) failed" in result.stderr
+    assert "--retry-failed" in result.stderr
+
+
+def test_duplicate_ids_are_refused_before_anything_runs(model_dir, tmp_path):
+    source = write_lines(tmp_path / "in.jsonl", [
+        {"id": "x", "document": "a", "questions": ["q?"]},
+        {"document": "b", "questions": ["q?"]},          # id 2 (its line number)
+        {"id": "2", "document": "c", "questions": ["q?"]},  # "2" and 2 are one id
+        {"id": "x", "document": "d", "questions": ["q?"]},
+    ])
+    out = tmp_path / "out.jsonl"
+    result = run(source, "--output", out, "--model", model_dir)
+    assert result.exit_code == 2, result.output
+    assert "duplicate ids" in result.stderr and "lines 2 and 3" in result.stderr and "lines 1 and 4" in result.stderr
+    assert "Traceback" not in result.output and not out.exists()
+
+
+@pytest.mark.parametrize("case", ["missing input", "input folder", "compressed input", "no lines", "output folder",
+                                  "output is input", "missing model", "zero max tokens", "bad temperature",
+                                  "empty job question", "not a batch output"])
+def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
+    source = write_lines(tmp_path / "in.jsonl", [{"document": "text", "questions": ["why?"]}])
+    out = tmp_path / "out.jsonl"
+    args, needle = [source, "--output", out, "--model", model_dir], None
+    if case == "missing input":
+        args[0], needle = tmp_path / "nope.jsonl", "does not exist"
+    elif case == "input folder":
+        args[0], needle = tmp_path, "is a folder"
+    elif case == "compressed input":
+        (tmp_path / "in.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00" + bytes(50))
+        args[0], needle = tmp_path / "in.jsonl.gz", "not a text file"
+    elif case == "no lines":
+        source.write_text("\n  \n")
+        needle = "has no input lines"
+    elif case == "output folder":
+        args[2], needle = tmp_path / "missing" / "out.jsonl", "does not exist"
+    elif case == "output is input":
+        args[2], needle = source, "the output is the input file"
+    elif case == "missing model":
+        args[4], needle = tmp_path / "no-model", "does not exist"
+    elif case == "zero max tokens":
+        args, needle = args + ["--max-new-tokens", 0], "max_new_tokens must be a positive integer"
+    elif case == "bad temperature":
+        args, needle = args + ["--temperature", 0], "temperature must be > 0"
+    elif case == "empty job question":
+        args, needle = args + ["-q", "  "], "question 1 is empty"
+    elif case == "not a batch output":
+        out.write_text(source.read_text())
+        needle = "not a multidecode batch output"
+    before = out.read_bytes() if out.exists() else None
+    result = run(*args)
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert "error:" in result.stderr and "hint:" in result.stderr and needle in result.stderr, result.stderr
+    assert "Traceback" not in result.output
+    if before is not None:
+        assert out.read_bytes() == before  # never touched
+
+
+def test_resume_after_a_cut_short_last_line(model_dir, tmp_path):
+    source = write_lines(tmp_path / "in.jsonl", documents(6))
+    full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
+    assert run(source, "-o", full, "--model", model_dir, "--max-new-tokens", 5).exit_code == 0
+    lines = full.read_bytes().splitlines(keepends=True)
+    for cut in (lines[2][:40], lines[2][:-1], b'{"id": "doc-2", "li\n', b"\x00" * 30):
+        # what a crash mid-write can leave: part of a record, all of it but its newline, or zeros
+        out.write_bytes(b"".join(lines[:2]) + cut)
+        result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 5)
+        assert result.exit_code == 0, result.output
+        assert "removed the unfinished last line" in result.stderr and "2 already in" in result.stderr
+        assert results(records(out)) == results(records(full))
+        assert out.read_bytes().startswith(b"".join(lines[:2]))  # finished records are never rewritten
+
+
+def test_a_finished_job_is_not_redone_and_loads_no_model(model_dir, tmp_path):
+    source = write_lines(tmp_path / "in.jsonl", documents(3))
+    out = tmp_path / "out.jsonl"
+    assert run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 3).exit_code == 0
+    before = out.read_bytes()
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 3, "--json")
+    assert result.exit_code == 0, result.output
+    assert "Loaded" not in result.stderr and "0 to do" in result.stderr
+    assert json.loads(result.stdout)["skipped"] == 3 and out.read_bytes() == before
+
+    # lines appended to the input later: only they are done
+    write_lines(source, documents(5))
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 3, "--json")
+    assert json.loads(result.stdout)["done"] == 2
+    assert out.read_bytes().startswith(before) and list(by_id(records(out))) == [f"doc-{i}" for i in range(5)]
+
+
+def test_other_settings_are_refused(model_dir, tmp_path):
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    out = tmp_path / "out.jsonl"
+    assert run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 3).exit_code == 0
+    before = out.read_bytes()
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 4, "-q", "who?")
+    assert result.exit_code == 2, result.output
+    assert "other settings" in result.stderr and "max_new_tokens was 3, now 4" in result.stderr
+    assert 'questions was [], now ["who?"]' in result.stderr
+    # without the settings file, the fingerprints in the records still refuse it
+    meta_path(out).unlink()
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 4)
+    assert result.exit_code == 2 and "other settings" in result.stderr and "fingerprint" in result.stderr
+    assert out.read_bytes() == before
+    # the original settings resume (and write the settings file again)
+    assert run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 3).exit_code == 0
+    assert meta_path(out).exists()
+
+
+def test_retry_failed_redoes_only_the_failed_lines_and_keeps_one_record_per_id(model_dir, tmp_path):
+    rows = documents(4)
+    rows[1] = {**rows[1], "questions": ["what failed?", ""]}
+    source = write_lines(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 4).exit_code == 0
+    assert by_id(records(out))["doc-1"]["error"]["message"] == "question 2 of the line is empty"
+    good_lines = [line for line in out.read_text().splitlines() if '"doc-1"' not in line]
+
+    write_lines(source, documents(4))  # the input is fixed
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 4)
+    assert result.exit_code == 0 and "0 to do" in result.stderr  # a failure is a result: not redone by default
+    assert by_id(records(out))["doc-1"]["error"] is not None
+
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 4, "--retry-failed", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert (summary["retried"], summary["done"], summary["skipped"], summary["failed"]) == (1, 1, 3, 0)
+    got = by_id(records(out))
+    assert sorted(got) == [f"doc-{i}" for i in range(4)] and got["doc-1"]["error"] is None
+    assert out.read_text().splitlines()[:3] == good_lines  # the others are untouched
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_two_runs_cannot_write_one_output(tmp_path):
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    with open_batch(source, tmp_path / "out.jsonl", BatchSettings()):
+        with pytest.raises(multidecode.InvalidInput, match="being written by another"):
+            open_batch(source, tmp_path / "out.jsonl", BatchSettings())
+    open_batch(source, tmp_path / "out.jsonl", BatchSettings()).close()  # the lock went with the job
+
+
+def test_the_library_runs_silently_and_stops_on_request(model_dir, tmp_path, capsys):
+    source = write_lines(tmp_path / "in.jsonl", documents(4))
+    out = tmp_path / "out.jsonl"
+    decoder = multidecode.load(str(model_dir))
+    settings = BatchSettings(max_new_tokens=3, model="tiny")
+    with open_batch(source, out, settings) as job:
+        assert (job.total, job.skipped, len(job.pending)) == (4, 0, 4)
+        for result in job.run(decoder):
+            assert result.ok and result.id == "doc-0" and result.tokens > 0
+            job.stop()
+        summary = job.summary()
+    assert (summary.done, summary.remaining, summary.complete) == (1, 3, False)
+    summary = run_batch(decoder, source, out, max_new_tokens=3, model="tiny")
+    assert (summary.skipped, summary.done, summary.remaining, summary.failed) == (1, 3, 0, 0)
+    assert summary.as_dict()["tokens_per_s"] > 0
+    assert len(by_id(records(out))) == 4
+    assert capsys.readouterr() == ("", "")
+
+
+class Broken:
+    """A decoder whose every call fails unexpectedly (a device that went away)."""
+
+    def ask(self, document, questions, **settings):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
+
+
+def test_unexpected_errors_are_recorded_and_too_many_in_a_row_stop_the_job(tmp_path):
+    rows = documents(8)
+    rows[1] = {"id": "bad", "document": ""}  # input errors do not count as crashes
+    source = write_lines(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    with open_batch(source, out, BatchSettings()) as job:
+        with pytest.raises(BatchAborted, match="5 lines in a row failed"):
+            for _ in job.run(Broken()):
+                pass
+    got = records(out)
+    assert len(got) == 7 and got[1]["error"]["type"] == "InvalidInput"  # 1 crash, bad, then 5 crashes
+    error = got[0]["error"]
+    assert error["type"] == "RuntimeError"
+    assert error["message"] == "CUDA error: an illegal memory access was encountered"  # its first line
+    assert "--retry-failed" in error["hint"]
+
+
+def test_parse_line_reads_ids_and_falls_back_to_the_line_number():
+    assert parse_line(b'{"id": "a", "document": "d", "questions": ["q"]}', 4).key == "a"
+    assert parse_line(b'{"id": null, "document": "d", "questions": ["q"]}', 4).id == 4
+    assert parse_line(b'{"document": "d"}', 9, ["job?"]).questions == ("job?",)
+    assert parse_line(b"\xff\xfe", 5).error.message.startswith("line 5 is not UTF-8")
+    for bad in (b'{"id": true}', b'{"id": ""}', b'{"id": [1]}'):
+        item = parse_line(bad, 3)
+        assert item.id == 3 and "must be a string or an integer" in item.error.message
+
+
+# ---------------------------------------------------------------------- real interruptions
+def start(source: Path, out: Path, model_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.Popen([str(MULTIDECODE), "batch", str(source), "--output", str(out), "--model", str(model_dir),
+                             "--max-new-tokens", "8"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_lines(process: subprocess.Popen, out: Path, at_least: int, timeout: float = 60.0) -> int:
+    """Poll the output until it holds at least `at_least` finished lines; returns how many."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = out.read_bytes().count(b"\n") if out.exists() else 0
+        if done >= at_least:
+            return done
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before it was interrupted: {process.communicate()}")
+        time.sleep(0.002)
+    process.kill()
+    pytest.fail("the run wrote too few lines in time")
+
+
+@pytest.fixture()
+def job(model_dir, tmp_path):
+    """60 documents and the records of an uninterrupted run over them."""
+    source = write_lines(tmp_path / "in.jsonl", documents(60))
+    reference = tmp_path / "reference.jsonl"
+    result = run(source, "-o", reference, "--model", model_dir, "--max-new-tokens", 8)
+    assert result.exit_code == 0, result.output
+    return source, results(records(reference))
+
+
+@pytest.mark.slow
+def test_a_run_killed_part_way_resumes_without_losing_or_repeating_a_line(model_dir, tmp_path, job):
+    source, reference = job
+    out = tmp_path / "out.jsonl"
+    process = start(source, out, model_dir)
+    wait_for_lines(process, out, at_least=3)
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=30)
+    assert process.returncode == -signal.SIGKILL
+    kept = by_id([json.loads(line) for line in out.read_text().splitlines(keepends=True) if line.endswith("\n")])
+    assert 3 <= len(kept) < 60, len(kept)
+
+    again = start(source, out, model_dir)
+    stdout, stderr = again.communicate(timeout=120)
+    assert again.returncode == 0, stderr
+    assert f"{len(kept)} already in" in stderr and "Done: all 60 lines" in stderr
+    assert results(records(out)) == reference  # every id exactly once, with the answers of a clean run
+    assert [r["id"] for r in records(out)][:len(kept)] == list(kept)  # what was written stayed as it was
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_current_document_exits_130_and_resumes(model_dir, tmp_path, job):
+    source, reference = job
+    out = tmp_path / "out.jsonl"
+    process = start(source, out, model_dir)
+    wait_for_lines(process, out, at_least=2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130, stderr
+    assert "stopping after the current document" in stderr and "Traceback" not in stderr
+    assert "run the same command again to resume: multidecode batch" in stderr
+    done = records(out)  # whole lines only: it stopped between documents
+    assert 2 <= len(done) < 60 and f"{len(done)} of 60 lines" in stderr
+
+    result = run(source, "--output", out, "--model", model_dir, "--max-new-tokens", 8)
+    assert result.exit_code == 0, result.output
+    assert results(records(out)) == reference
+
+
+def test_the_example_input_is_valid():
+    from multidecode.batch import _input_lines, scan_input
+
+    data = Path(multidecode.__file__).parent / "data"
+    questions = (data / "support_call_questions.txt").read_text().splitlines()
+    assert len(scan_input(data / "example_batch.jsonl", questions)) == 4
+    for number, raw in _input_lines(data / "example_batch.jsonl"):
+        assert parse_line(raw, number, questions).error is None
