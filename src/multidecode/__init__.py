@@ -23,6 +23,7 @@ from .errors import (
 )
 from .sampling import SamplingParams
 from .strategies.ask import Answer
+from .strategies.beam import Beam
 from .strategies.complete import Completion
 from .strategies.vote import Trace, Vote, extract_answer
 
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Answer",
+    "Beam",
     "CompactionPolicy",
     "Completion",
     "InvalidArgument",

@@ -17,6 +17,7 @@ from .strategies import ask as _ask
 from .strategies import complete as _complete
 from .strategies import vote as _vote
 from .strategies.ask import Answer
+from .strategies.beam import Beam
 from .strategies.complete import Completion
 from .strategies.vote import Vote, extract_answer
 
@@ -99,8 +100,10 @@ class MultiDecoder:
     # ------------------------------------------------------------------ beam search
     def beam_search(self, prompt: str | Sequence[int], *, num_beams: int, max_new_tokens: int,
                     length_penalty: float = 1.0, early_stopping: bool | str = False,
-                    num_return_sequences: int = 1, chat: bool | None = None):
-        """Beam search with beams as branches of one tree; equals transformers' `num_beams` search."""
+                    num_return_sequences: int = 1, chat: bool | None = None) -> list[Beam]:
+        """Beam search with beams as branches of one tree, best first; sequences equal transformers'
+        `generate(num_beams=...)` and scores equal its `sequences_scores` to float32 rounding.
+        num_beams=1 is greedy search, as in transformers."""
         from .strategies.beam import beam_search
 
         return beam_search(self, prompt, num_beams=num_beams, max_new_tokens=max_new_tokens,

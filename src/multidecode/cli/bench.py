@@ -145,3 +145,24 @@ def bench_sample(output, n, ns, max_new_tokens, prompt_tokens, repeats, threads,
         decoder, n=n, ns=parse_ks(ns), max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
         repeats=repeats, threads=threads, progress=progress), output,
         lambda r: sweep_table(r, "n", "n", {"hf_num_return_sequences": "HF", "multidecode": "MD"}))
+
+
+@bench.command("beam")
+@click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR")
+@click.option("--num-beams", type=int, default=4, show_default=True, help="Beams at the main point.")
+@click.option("--beams", default="2,4,8", show_default=True, help="Beam counts for the sweep.")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--prompt-tokens", type=int, default=200, show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--threads", type=int, default=None)
+@model_options
+@report_errors
+def bench_beam(output, num_beams, beams, max_new_tokens, prompt_tokens, repeats, threads, model_name, dtype, device):
+    """Beam search: transformers' generate(num_beams=B) against beams as one tree (identical results asserted)."""
+    from ..bench import run_beam_benchmark
+
+    decoder = load_decoder(model_name, dtype, device)
+    run_and_report("beam", lambda progress: run_beam_benchmark(
+        decoder, num_beams=num_beams, beams_sweep=parse_ks(beams), max_new_tokens=max_new_tokens,
+        prompt_tokens=prompt_tokens, repeats=repeats, threads=threads, progress=progress), output,
+        lambda r: sweep_table(r, "num_beams", "beams", {"hf_beam": "HF", "multidecode_beam": "MD"}))

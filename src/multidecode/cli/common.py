@@ -80,6 +80,21 @@ def read_text(path: str, what: str = "document") -> str:
         ) from err
 
 
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt from exactly one of --prompt TEXT and --prompt-file FILE."""
+    if (prompt is None) == (prompt_file is None):
+        raise InvalidInput("give the prompt as --prompt TEXT or --prompt-file FILE (one of them)",
+                           "for example --prompt 'Write a haiku about the sea.'")
+    return prompt if prompt is not None else read_text(prompt_file, "prompt")
+
+
+def prompt_options(command):
+    """--prompt, --prompt-file, --no-chat."""
+    command = click.option("--no-chat", is_flag=True, help="Use the raw text, without the chat template.")(command)
+    command = click.option("--prompt-file", metavar="FILE", help="Read the prompt from a file ('-' for stdin).")(command)
+    return click.option("--prompt", "-p", metavar="TEXT", help="The prompt.")(command)
+
+
 def read_lines(path: str, what: str = "questions") -> list[str]:
     """One entry per non-blank line."""
     return [line.strip() for line in read_text(path, what).splitlines() if line.strip()]

@@ -9,31 +9,18 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..errors import InvalidInput
 from .ask import show_stream
 from .common import (
     load_decoder,
     model_options,
-    read_text,
+    prompt_options,
+    read_prompt,
     report_errors,
     sampling_from,
     sampling_options,
     stderr,
     stdout,
 )
-
-
-def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    if (prompt is None) == (prompt_file is None):
-        raise InvalidInput("give the prompt as --prompt TEXT or --prompt-file FILE (one of them)",
-                           "for example --prompt 'Write a haiku about the sea.'")
-    return prompt if prompt is not None else read_text(prompt_file, "prompt")
-
-
-def prompt_options(command):
-    command = click.option("--no-chat", is_flag=True, help="Complete raw text, without the chat template.")(command)
-    command = click.option("--prompt-file", metavar="FILE", help="Read the prompt from a file ('-' for stdin).")(command)
-    return click.option("--prompt", "-p", metavar="TEXT", help="The prompt.")(command)
 
 
 @click.command()

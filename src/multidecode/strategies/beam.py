@@ -1,1 +1,234 @@
-"""Beam search over one shared tree (placeholder: implemented in the beam-search change)."""
+"""Beam search with the beams as branches of one tree over one shared KV cache.
+
+The prompt is prefilled once. Every step scores the continuations of all running beams, keeps
+the best `num_beams` of them, and feeds their tokens *as children of their source beams' leaves*
+in one forward pass. Two beams that share a history share its nodes, so the prompt and every
+common stretch of generated tokens are stored once, never copied per beam (transformers keeps
+one cache row per beam and reorders, i.e. copies, the whole cache at every step). Beams that are
+dropped stop being fed at once; their slots are compacted out of the cache when enough of it is
+dead (`CompactionPolicy`). Finished hypotheses need no cache: a finished beam is its leaf node
+plus the one token that finished it.
+
+The search follows transformers' `generate(num_beams=B, do_sample=False)` (version 5.x) rule for
+rule, so its sequences and scores equal what `generate` returns for the same model and prompt:
+
+- each step: log_softmax of the float32 logits of the running beams, plus each beam's running
+  score; the top K = max(2, 1 + number of eos ids) * B of all B * vocab candidates;
+- a candidate *hits* when its token is an eos id or the sequence reaches max_length
+  (prompt + max_new_tokens). Hits among the first B candidates become finished hypotheses with
+  score = (sum of log-probs) / (generated length, eos included) ** length_penalty; hits ranked
+  B or later are dropped. The best B finished hypotheses are kept;
+- the next running beams are the first B candidates that did not hit, with their raw scores;
+- the search stops at max_length, or once B hypotheses are finished and `early_stopping` is True,
+  or (False / "never") when the best running beam can no longer beat the worst finished one by
+  transformers' heuristic.
+
+Scores agree with `generate` to about 1e-6 (log-probs computed over a different cache layout
+sum in a different order), which is why tests compare sequences exactly and scores to 1e-5.
+`generate` also applies the processors in the model's generation config (repetition_penalty,
+no_repeat_ngram_size, ...); this search applies none, so the equality holds for configs that set
+none (or when `generate` is given neutral values for them). For num_beams=1 `generate` runs greedy
+search, and so does this: the search then stops at the first finished hypothesis, whatever
+`early_stopping` says (its score is still the beam score).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..decoding import CompactionPolicy, check_fits, check_positive
+from ..engine import Engine, EngineStats
+from ..errors import InvalidArgument, InvalidInput
+from ..stopping import LENGTH, STOP, eos_ids_of
+from .complete import prompt_ids
+
+EARLY_STOPPING = (True, False, "never")
+
+
+@dataclass(frozen=True)
+class Beam:
+    """One returned hypothesis, best first.
+
+    token_ids: the generated ids (the eos that ended it included); score: transformers'
+    `sequences_scores` value (sum of log-probs over the generated tokens divided by their number
+    to the power length_penalty); finish_reason: "stop" (ended on eos) or "length".
+    """
+
+    index: int
+    token_ids: list[int]
+    score: float
+    text: str
+    finish_reason: str
+    prompt_ids: list[int]
+
+
+@dataclass
+class BeamSearchRun:
+    """A finished search: its beams (best first), the engine it ran on, and how many steps it took."""
+
+    beams: list[Beam]
+    engine: Engine
+    steps: int
+    prompt_ids: list[int]
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+
+@dataclass
+class _Hypothesis:
+    score: torch.Tensor  # 0-dim float32, length-penalized
+    leaf: int  # the node it grew from (the prompt's last node on the first step)
+    token: int  # the token that finished it (never fed to the model)
+
+
+def check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, num_return_sequences) -> None:
+    check_positive("num_beams", num_beams)
+    check_positive("max_new_tokens", max_new_tokens)
+    check_positive("num_return_sequences", num_return_sequences)
+    if num_return_sequences > num_beams:
+        raise InvalidArgument(
+            f"num_return_sequences ({num_return_sequences}) is more than num_beams ({num_beams})",
+            f"return at most {num_beams} sequences, or search with more beams",
+        )
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) or \
+            not torch.isfinite(torch.tensor(float(length_penalty))):
+        raise InvalidArgument(f"length_penalty must be a finite number, got {length_penalty!r}",
+                              "use 1.0 (the default); > 0 favours longer sequences, < 0 shorter ones")
+    if not (early_stopping is True or early_stopping is False or early_stopping == "never"):
+        raise InvalidArgument(f"early_stopping must be True, False or 'never', got {early_stopping!r}",
+                              "as in transformers' GenerationConfig")
+
+
+def run_beam_search(
+    model,
+    prompt_ids: Sequence[int],
+    *,
+    num_beams: int,
+    max_new_tokens: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    num_return_sequences: int = 1,
+    eos_token_id: int | Sequence[int] | None = None,
+    tokenizer=None,
+    compaction: CompactionPolicy | None = None,
+    engine: Engine | None = None,
+) -> BeamSearchRun:
+    """Beam search from `prompt_ids` on `model`; equals `model.generate(num_beams=num_beams,
+    do_sample=False, ...)` with the same settings (see the module notes).
+
+    eos_token_id: the ids that end a beam (default: all of the model's generation config ids).
+    tokenizer: used only to fill each `Beam.text`.
+    compaction: when dropped beams' slots leave the cache (default: a quarter of it dead).
+    engine: run on this engine (a fresh one by default); its stats count this search. Compaction
+        keeps only the beams' paths, so other trees on a shared engine may be compacted away.
+    """
+    check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, num_return_sequences)
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise InvalidInput("the prompt has no tokens", "pass some token ids or text")
+    engine = engine or Engine(model)
+    compaction = compaction or CompactionPolicy()
+    check_fits(engine, [len(prompt)], max_new_tokens)
+    eos = eos_ids_of(model, eos_token_id)
+    B, N, P = num_beams, max_new_tokens, len(prompt)
+    K = max(2, 1 + len(eos)) * B
+    max_length = P + N
+    engine.reserve(engine.forest.num_slots + P + B * (N - 1))
+
+    nodes, logits = engine.feed_chain(prompt)
+    start = nodes[-1]
+    # transformers starts with B copies of the prompt scored [0, -1e9, ...]; the copies share one
+    # node here, and the -1e9 scores keep every first-step candidate on the first copy.
+    leaves = [start] * B
+    scores = torch.full((B,), -1e9, dtype=torch.float32)
+    scores[0] = 0.0
+    finished: list[_Hypothesis] = []
+    cur_len, steps = P, 0
+    dropped = False
+    while True:
+        steps += 1
+        log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        vocab = log_probs.shape[-1]
+        log_probs = log_probs.expand(B, vocab) if log_probs.shape[0] == 1 else log_probs
+        top_scores, top_index = torch.topk((log_probs + scores[:, None]).reshape(-1), k=K)
+        sources = (top_index // vocab).tolist()
+        tokens = (top_index % vocab).tolist()
+        at_max = cur_len + 1 >= max_length
+        hits = [at_max or t in eos for t in tokens]
+
+        penalized = finished_scores(top_scores, cur_len + 1 - P, length_penalty)
+        new = [_Hypothesis(penalized[j], leaves[sources[j]], tokens[j]) for j in range(B) if hits[j]]
+        if new:
+            finished = sorted(finished + new, key=lambda h: -float(h.score))[:B]
+        cur_len += 1
+        if at_max:
+            break
+        keep = [j for j in range(K) if not hits[j]][:B]
+        scores = top_scores[keep]
+        parents = [leaves[sources[j]] for j in keep]
+        next_tokens = [tokens[j] for j in keep]
+        if len(finished) == B:
+            if early_stopping is True or B == 1:
+                break
+            if early_stopping == "never" and length_penalty > 0.0:
+                best_length = max_length - P
+            else:
+                best_length = cur_len - P
+            if not bool(scores[0] / (best_length ** length_penalty) > finished[-1].score):
+                break
+
+        dropped = dropped or not set(leaves) <= set(parents)  # a beam left behind: its slots may be dead
+        if dropped:
+            live = sorted(set(parents))
+            dead = engine.forest.num_slots - engine.forest.compaction_plan(live).numel()
+            if compaction.due(steps, dead, engine.forest.num_slots):
+                engine.compact(live)
+                dropped = False
+        leaves, logits = engine.feed(next_tokens, parents, logits_for=range(B))
+
+    beams = [_beam(i, h, engine, start, prompt, eos, tokenizer) for i, h in enumerate(finished[:num_return_sequences])]
+    return BeamSearchRun(beams, engine, steps, prompt)
+
+
+def finished_scores(top_scores: torch.Tensor, generated: int, length_penalty: float) -> torch.Tensor:
+    """transformers' score of a finished hypothesis: its summed log-probs over
+    (generated tokens, eos included) ** length_penalty."""
+    return top_scores / (generated ** length_penalty)
+
+
+def _beam(index: int, hyp: _Hypothesis, engine: Engine, start: int, prompt: list[int], eos, tokenizer) -> Beam:
+    forest = engine.forest
+    generated: list[int] = []
+    node = hyp.leaf
+    while node != start:
+        generated.append(forest.tokens[node])
+        node = forest.parents[node]
+    generated = generated[::-1] + [hyp.token]
+    text = ""
+    if tokenizer is not None:
+        text = tokenizer.decode(generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    reason = STOP if hyp.token in eos else LENGTH
+    return Beam(index, generated, float(hyp.score), text, reason, list(prompt))
+
+
+def search(decoder, prompt: str | Sequence[int], *, num_beams: int, max_new_tokens: int,
+           length_penalty: float = 1.0, early_stopping: bool | str = False, num_return_sequences: int = 1,
+           chat: bool | None = None, eos_token_id: int | Sequence[int] | None = None,
+           engine: Engine | None = None) -> BeamSearchRun:
+    """`run_beam_search` for a `MultiDecoder` and a text (chat-templated unless chat=False) or ids prompt."""
+    check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, num_return_sequences)
+    ids = prompt_ids(decoder.tokenizer, prompt, chat=chat)
+    return run_beam_search(decoder.model, ids, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                           length_penalty=length_penalty, early_stopping=early_stopping,
+                           num_return_sequences=num_return_sequences, eos_token_id=eos_token_id,
+                           tokenizer=decoder.tokenizer, compaction=decoder.compaction, engine=engine)
+
+
+def beam_search(decoder, prompt: str | Sequence[int], **settings) -> list[Beam]:
+    """The `num_return_sequences` best hypotheses, best first (settings as for `search`)."""
+    return search(decoder, prompt, **settings).beams
