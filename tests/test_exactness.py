@@ -262,6 +262,36 @@ def test_chain_under_an_inner_prefix_node_sees_only_its_ancestors(arch, attn):
     assert_close_to_paths(model, engine, nodes[-1:], logits)
 
 
+@pytest.mark.parametrize("arch, attn", combos())
+@pytest.mark.parametrize("with_prefix", [True, False], ids=["prefix", "roots"])
+def test_branches_prefilled_apart_match_reference(arch, attn, with_prefix):
+    """Suffixes prefilled each in its own pass (a scratch cache holding only their path, then
+    spliced into the shared cache) decode exactly like one forest pass and like generate."""
+    from multidecode.decoding import start_forest
+
+    prefix = PREFIX if with_prefix else []
+    suffixes = [_tokens_fixed(n, seed) for seed, n in enumerate((17, 9, 23, 1))]
+    run = start_forest(tiny_model(arch, attn), prefix, suffixes, max_new_tokens=10, sampling=[SamplingParams()] * 4,
+                       eos_token_id=NO_EOS, apart=True).finish()
+    for suffix, branch in zip(suffixes, run.branches):
+        assert tuple(branch.output.token_ids) == reference(arch, attn, tuple(prefix + suffix), 10)
+    assert run.engine.stats.forward_passes >= 4 + 9  # one pass per suffix, then the steps
+
+
+def _tokens_fixed(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def test_the_engine_chooses_apart_only_for_long_chains_under_a_short_path():
+    engine = Engine(tiny_model("llama"))
+    doc, _ = engine.feed_chain(_tokens_fixed(300, 1))
+    assert not engine.prefers_apart([20] * 8, doc[-1])  # questions under a long document: one pass
+    head, _ = engine.feed_chain(_tokens_fixed(10, 2))
+    assert engine.prefers_apart([300] * 8, head[-1])  # long chunks under a short instruction: apart
+    assert not engine.prefers_apart([40] * 8, head[-1])  # short notes: the extra passes cost more
+    assert not engine.prefers_apart([300], head[-1])  # a single chain: nothing to gain
+
 def test_empty_branch_going_on_alone_after_its_sibling_finished():
     """BUG (same cause, through decode): branch 0 is empty, branch 1 finishes on its first token;
     branch 0 then goes on alone under the prefix and must not see branch 1's suffix."""

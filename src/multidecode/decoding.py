@@ -93,9 +93,12 @@ def check_fits(engine: Engine, prompt_lengths: Sequence[int], max_new_tokens: in
 
 
 def open_branches(
-    engine: Engine, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *, root_position: int = 0
+    engine: Engine, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *, root_position: int = 0,
+    apart: bool | None = None,
 ) -> tuple[list[int], torch.Tensor]:
-    """Prefill a shared prefix (model's causal path) and the branch suffixes (one forest pass).
+    """Prefill a shared prefix (model's causal path) and the branch suffixes: in one forest pass,
+    or each in its own pass that sees only the prefix (`Engine.feed_apart`, cheaper for long
+    suffixes). apart=None lets the engine choose (`Engine.prefers_apart`).
 
     Returns each branch's leaf node and its next-token logits [K, vocab]. With an empty prefix each
     suffix is its own root.
@@ -109,9 +112,14 @@ def open_branches(
     elif empty:
         raise InvalidInput("a branch has no tokens and there is no prefix to continue", "give every branch a prompt")
     filled = [i for i, s in enumerate(suffixes) if s]
-    chains, suffix_logits = engine.feed_chains(
-        [suffixes[i] for i in filled], [parent] * len(filled), root_position=root_position
-    )
+    if apart is None:
+        apart = engine.prefers_apart([len(suffixes[i]) for i in filled], parent)
+    if apart:
+        chains, suffix_logits = engine.feed_apart([suffixes[i] for i in filled], parent, root_position=root_position)
+    else:
+        chains, suffix_logits = engine.feed_chains(
+            [suffixes[i] for i in filled], [parent] * len(filled), root_position=root_position
+        )
     leaves: list[int] = [parent] * len(suffixes)
     rows: list[torch.Tensor] = [None] * len(suffixes)  # type: ignore[list-item]
     for j, i in enumerate(filled):
@@ -186,11 +194,13 @@ def start_forest(
     eos_token_id=None,
     compaction: CompactionPolicy | None = None,
     engine: Engine | None = None,
+    apart: bool | None = None,
 ) -> PromptsRun:
     """Prefill `prefix_ids` once and every branch `prefix_ids + suffixes[i]`, ready to decode.
 
     Inputs are checked and the prompts prefilled before this returns; tokens come as `events` is
-    iterated.
+    iterated. apart: prefill each suffix in its own pass (True), in one (False), or let the engine
+    choose (None; see `open_branches`).
     """
     check_positive("max_new_tokens", max_new_tokens)
     if not suffixes:
@@ -201,7 +211,7 @@ def start_forest(
     check_fits(engine, [len(p) for p in prompts], max_new_tokens)
     engine.reserve(engine.forest.num_slots + len(prefix_ids) + sum(map(len, suffixes)) + len(suffixes) * max_new_tokens)
     rule = StopRule(max_new_tokens, eos_ids_of(model, eos_token_id), tuple(stop or ()))
-    leaves, logits = open_branches(engine, prefix_ids, suffixes)
+    leaves, logits = open_branches(engine, prefix_ids, suffixes, apart=apart)
     branches = [
         Branch(i, leaf, BranchSampler(sampling[i], prompts[i]), BranchOutput(rule, tokenizer), len(prompts[i]))
         for i, leaf in enumerate(leaves)

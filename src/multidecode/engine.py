@@ -29,6 +29,10 @@ from .masks import build_attention_mask
 from .models import check_supported, mask_layout, max_positions
 
 
+APART_MIN_MEAN_LENGTH = 64
+"""Chains shorter than this on average are prefilled together (see `Engine.prefers_apart`)."""
+
+
 @dataclass
 class EngineStats:
     """Counters a benchmark or a caller may read."""
@@ -78,15 +82,7 @@ class Engine:
         nodes = forest.add(tokens, parents, root_position=root_position)
         if not nodes:
             return nodes, torch.empty(0, 0)
-        positions = forest.positions_of(nodes)  # [q]
-        top = int(positions.max())
-        if self.max_positions is not None and top >= self.max_positions:
-            from .errors import PromptTooLong
-
-            raise PromptTooLong(
-                f"position {top} is past the model's maximum of {self.max_positions} positions",
-                "shorten the document or lower max_new_tokens",
-            )
+        positions = self._positions(nodes)  # [q]
         forest.place(nodes)
         if forest.is_plain_continuation(nodes):
             mask = None
@@ -145,6 +141,89 @@ class Engine:
         nodes, logits = self.feed(tokens, flat_parents, logits_for=last_index, root_position=root_position)
         return [nodes[a:b] for a, b in spans], logits
 
+    def feed_apart(
+        self, chains: Sequence[Sequence[int]], parent: int = ROOT, *, root_position: int = 0
+    ) -> tuple[list[list[int]], torch.Tensor]:
+        """Feed several sequences under `parent`, each in its own pass, as if `parent`'s path were
+        all that is cached.
+
+        The path's keys and values are gathered into a scratch cache; each chain runs there under
+        the model's own causal mask and its new keys and values are appended to the shared cache.
+        A chain so never pays attention work for the other chains' slots, which one forest pass
+        over long chains does (masked, but computed). Same result as `feed_chains` with every
+        parent equal; worth it when the chains are long and the path is short.
+
+        Returns the node ids of each chain and the logits at each non-empty chain's last node
+        ([number of non-empty chains, vocab]), in chain order.
+        """
+        forest = self.forest
+        path = forest.compaction_plan([parent]) if parent != ROOT else torch.empty(0, dtype=torch.long)
+        width = path.numel()
+        scratch = SlotCache(width + max((len(c) for c in chains), default=0))
+        with torch.inference_mode():
+            for i, layer in enumerate(self.cache.layers):
+                keep = path.to(layer.keys.device)
+                scratch.update(layer.keys.index_select(2, keep), layer.values.index_select(2, keep), i)
+        out_nodes: list[list[int]] = []
+        rows: list[torch.Tensor] = []
+        for chain in chains:
+            if not chain:
+                out_nodes.append([])
+                continue
+            nodes = forest.add_chain(chain, parent, root_position=root_position)
+            positions = self._positions(nodes)  # [len(chain)]
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=torch.tensor([list(chain)], dtype=torch.long, device=self.device),
+                    position_ids=positions[None].to(self.device),
+                    past_key_values=scratch,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                forest.place(nodes)
+                for i, layer in enumerate(scratch.layers):
+                    self.cache.update(layer.keys[:, :, width:], layer.values[:, :, width:], i)
+                scratch.crop(-len(chain))
+            forest.attention_rows(nodes[-1:])
+            self._count(len(nodes), extra_bytes=scratch.allocated_bytes)
+            out_nodes.append(nodes)
+            rows.append(out.logits[0, -1].float())
+        logits = torch.stack(rows) if rows else torch.empty(0, 0)
+        return out_nodes, logits
+
+    def prefers_apart(self, lengths: Sequence[int], parent: int = ROOT) -> bool:
+        """Whether `feed_apart` beats one forest pass for chains of `lengths` under `parent`.
+
+        One forest pass computes attention (masked, but computed) from every new token to every
+        slot: S x (slots + S) for S new tokens. Apart, a chain sees only its path of A slots:
+        L x (A + L) per chain, plus copying the path once per chain. The weights' matmuls cost
+        the same either way, but every extra pass reads all the weights again, which short chains
+        cannot repay: apart needs chains of `APART_MIN_MEAN_LENGTH` tokens on average. Many
+        questions of ~20 tokens under a long document stay together; long chunks under a short
+        instruction go apart.
+        """
+        lengths = [n for n in lengths if n]
+        if len(lengths) < 2 or sum(lengths) < APART_MIN_MEAN_LENGTH * len(lengths):
+            return False
+        total = sum(lengths)
+        path = len(self.forest.path(parent)) if parent != ROOT else 0
+        together = total * (self.forest.num_slots + total)
+        apart = sum(n * (path + n) for n in lengths) + len(lengths) * path
+        return together > 2 * apart
+
+    def _positions(self, nodes: Sequence[int]) -> torch.Tensor:
+        """Position ids of new nodes ([len(nodes)]), refused past the model's last position."""
+        positions = self.forest.positions_of(nodes)
+        top = int(positions.max())
+        if self.max_positions is not None and top >= self.max_positions:
+            from .errors import PromptTooLong
+
+            raise PromptTooLong(
+                f"position {top} is past the model's maximum of {self.max_positions} positions",
+                "shorten the document or lower max_new_tokens",
+            )
+        return positions
+
     # ------------------------------------------------------------------ memory
     def reserve(self, slots: int) -> None:
         """Preallocate the cache for `slots` slots in all."""
@@ -165,9 +244,10 @@ class Engine:
         self.stats.slots_dropped += dropped
         return dropped
 
-    def _count(self, fed: int) -> None:
+    def _count(self, fed: int, extra_bytes: int = 0) -> None:
+        """Count a forward pass; extra_bytes is KV held beside the shared cache (a scratch cache)."""
         s = self.stats
         s.forward_passes += 1
         s.tokens_fed += fed
         s.peak_slots = max(s.peak_slots, self.forest.num_slots)
-        s.peak_cache_bytes = max(s.peak_cache_bytes, self.cache.allocated_bytes)
+        s.peak_cache_bytes = max(s.peak_cache_bytes, self.cache.allocated_bytes + extra_bytes)

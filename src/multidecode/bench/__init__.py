@@ -13,6 +13,7 @@ from pathlib import Path
 from .ask import METHODS, run_ask_benchmark
 from .common import AnswersDiffer
 from .beam import run_beam_benchmark
+from .margins import run_margins_benchmark
 from .sample import run_sample_benchmark
 
 
@@ -43,4 +44,4 @@ def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None)
     return paths
 
 
-__all__ = ["METHODS", "AnswersDiffer", "run_ask_benchmark", "run_beam_benchmark", "run_sample_benchmark", "write_results"]
+__all__ = ["METHODS", "AnswersDiffer", "run_ask_benchmark", "run_beam_benchmark", "run_margins_benchmark", "run_sample_benchmark", "write_results"]

@@ -39,19 +39,24 @@ SHORT_LABELS = {
 }
 
 
-def methods_table(result: dict) -> Table:
-    main = result["main"]
-    labels = {**result.get("labels", {}), **SHORT_LABELS}
-    table = Table(title=f"{main['k']} answers, {result['config'].get('max_new_tokens')} new tokens each",
-                  title_justify="left")
+def methods_table(methods: dict, ratios: dict, title: str, labels: dict) -> Table:
+    """One row per method: wall time, forward passes, tokens/s, peak KV, and MultiDecode's gain."""
+    labels = {**labels, **SHORT_LABELS}
+    table = Table(title=title, title_justify="left")
     for column in ("method", "wall s", "forwards", "tok/s", "KV MB", "(d) gain"):
         table.add_column(column, justify="right" if column != "method" else "left", no_wrap=True)
-    for name, m in main["methods"].items():
-        ratio = main["multidecode_vs"].get(name, {}).get("speedup")
+    for name, m in methods.items():
+        ratio = ratios.get(name, {}).get("speedup")
         table.add_row(labels.get(name, name), f"{m['wall_s']:.2f}", str(m["forward_passes"]),
                       f"{m['tokens_per_s']:.1f}", f"{m['peak_kv_bytes'] / 1e6:.1f}",
                       f"{ratio:.2f}x" if ratio else "")
     return table
+
+
+def ask_table(result: dict) -> Table:
+    main = result["main"]
+    title = f"{main['k']} answers, {result['config'].get('max_new_tokens')} new tokens each"
+    return methods_table(main["methods"], main["multidecode_vs"], title, result.get("labels", {}))
 
 
 @click.group()
@@ -84,7 +89,7 @@ def bench_ask(output, ks, max_new_tokens, repeats, threads, model_name, dtype, d
         result = run_ask_benchmark(decoder, max_new_tokens=max_new_tokens, ks=sweep, repeats=repeats,
                                    threads=threads, progress=progress)
     paths = write_results(result, Path(output))
-    stdout.print(methods_table(result))
+    stdout.print(ask_table(result))
     stdout.print(targets_table(result))
     stdout.print("All four methods gave identical answers." if result.get("answers_identical") else "")
     for path in paths:
@@ -166,3 +171,28 @@ def bench_beam(output, num_beams, beams, max_new_tokens, prompt_tokens, repeats,
         decoder, num_beams=num_beams, beams_sweep=parse_ks(beams), max_new_tokens=max_new_tokens,
         prompt_tokens=prompt_tokens, repeats=repeats, threads=threads, progress=progress), output,
         lambda r: sweep_table(r, "num_beams", "beams", {"hf_beam": "HF", "multidecode_beam": "MD"}))
+
+
+@bench.command("margins")
+@click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR")
+@click.option("--chunks", type=int, default=8, show_default=True)
+@click.option("--chunk-tokens", type=int, default=300, show_default=True)
+@click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens per margin.")
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--threads", type=int, default=None)
+@model_options
+@report_errors
+def bench_margins(output, chunks, chunk_tokens, max_new_tokens, repeats, threads, model_name, dtype, device):
+    """Writing in the margins: margins one chunk at a time, as one padded batch, and as one forest."""
+    from ..bench import run_margins_benchmark
+
+    decoder = load_decoder(model_name, dtype, device)
+
+    def table(result: dict) -> Table:
+        config = result["config"]
+        title = f"{config['chunks']} margins of {config['max_new_tokens']} tokens, chunks of ~{config['chunk_tokens']} tokens"
+        return methods_table(result["methods"], result["multidecode_vs"], title, result.get("labels", {}))
+
+    run_and_report("margins", lambda progress: run_margins_benchmark(
+        decoder, chunks=chunks, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens, repeats=repeats,
+        threads=threads, progress=progress), output, table)

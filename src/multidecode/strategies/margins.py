@@ -1,1 +1,514 @@
-"""Writing in the margins (placeholder: implemented in the margins change)."""
+"""Writing in the margins (arXiv 2408.14906): a note per chunk of a long context, in one pass.
+
+A long document is cut into chunks. For every chunk the model writes a short note about the
+user's question (a *margin*); the margins are classified relevant or not; the final answer is
+generated from the question and the relevant margins.
+
+With MultiDecode all margins are written in one forest: each chunk's prompt is the whole prompt it
+would have alone (the chat template around the question, the instruction, and the chunk). The
+prompts' common run of ids (the template's start, the question and the instruction) is prefilled
+once; each chunk's own ids form one branch, so chunks never see each other, and every greedy
+margin equals greedy generation from that chunk's own prompt. The relevance check is one more
+forest pass (one branch per margin, no decoding: the yes/no logits at each branch's end), and the
+answer is one more branch.
+
+Stages, each usable on its own:
+
+- `split_document` / `chunks_from_list`: the chunks and their character spans;
+- `margin_prompts`: the whole prompt ids of each chunk;
+- `YesNoClassifier`: the default relevance classifier (replaceable by any callable);
+- `start` -> `MarginsRun`: stream the margins, then `judge()`, then stream the answer;
+- `margins`: all of it, returning a `Margins`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..decoding import PromptsRun, TokenEvent, check_fits, check_positive, decode_prompts, open_branches
+from ..engine import Engine
+from ..errors import InvalidArgument, InvalidInput
+from ..prompts import render_prompt, share_prefix, tokenize_prompt
+from ..sampling import per_branch_sampling
+
+NOTHING = "Nothing relevant."
+"""What a margin says when its chunk holds nothing about the question (the prompt asks for it)."""
+
+MARGIN_TEMPLATE = (
+    "Question: {question}\n\nBelow is one part of a long document. Write a short note with the facts from "
+    "this part that help answer the question. If this part says nothing about the question, write "
+    f"'{NOTHING}'\n\n\"\"\"\n{{chunk}}\n\"\"\""
+)
+"""The user message for one chunk. Everything before `{chunk}` (the question and the instruction)
+is common to all chunks, so it is prefilled once and each chunk's branch holds only its own text."""
+
+RELEVANCE_TEMPLATE = "Question: {question}\nNote: {note}\nIs this note relevant to the question? Answer yes or no."
+"""The user message for one margin's relevance check; the next token is read, not generated."""
+
+ANSWER_TEMPLATE = (
+    "Here are notes taken from the parts of a document that matter for a question.\n\n{notes}\n\n"
+    "Question: {question}\nAnswer in one short sentence."
+)
+"""The user message for the final answer; `{notes}` is one '- note' line per relevant margin."""
+
+NO_NOTES = "(No part of the document was found relevant.)"
+
+YES_WORDS = ("yes",)
+NO_WORDS = ("no",)
+
+Classifier = Callable[[str, Sequence[str]], Sequence[float]]
+"""classify(question, notes) -> one score per note; a note is relevant when its score is above
+the threshold (0 by default; a bool counts as 1.0 or 0.0)."""
+
+_PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n\s*")
+_LINE = re.compile(r"\n\s*")
+_SENTENCE = re.compile(r"""(?:(?<=[.!?])|(?<=[.!?]["')\]]))\s+""")
+_WORD = re.compile(r"\s+")
+_LEVELS = (_PARAGRAPH, _LINE, _SENTENCE, _WORD)
+_SENTENCE_LEVEL = 3  # levels below this (paragraph, line, sentence) always split
+CHUNK_FILL = 0.7
+"""A chunk ends at the strongest boundary that leaves it at least this full (of chunk_tokens)."""
+_NOTHING = re.compile(r"^\W*(nothing\b|none\W*$|n/?a\W*$|not relevant|no relevant)|nothing relevant", re.IGNORECASE)
+
+
+# ---------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class Chunk:
+    """One part of the document. `document[start:end] == text`; tokens is its (approximate) token count."""
+
+    index: int
+    start: int
+    end: int
+    text: str
+    tokens: int
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return (self.start, self.end)
+
+
+@dataclass(frozen=True)
+class Margin:
+    """One chunk's note and its verdict.
+
+    span: the chunk's (start, end) characters in `Margins.document`; prompt_ids: the whole prompt
+    the note was generated from (greedy generation from it alone gives token_ids).
+    relevance_score: the classifier's score (for the default, log P(yes) - log P(no)); None when
+    the note was set aside unclassified because it says nothing relevant (or is empty).
+    """
+
+    chunk_index: int
+    span: tuple[int, int]
+    chunk_text: str
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str
+    relevant: bool
+    relevance_score: float | None
+
+
+@dataclass(frozen=True)
+class Margins:
+    """The margins of every chunk, and the answer written from the relevant ones.
+
+    document: the text the spans index into (the document as given, or the chunks joined by a
+    blank line when a list of chunks was given).
+    stats: forward passes of each stage and the largest KV cache each held.
+    """
+
+    question: str
+    document: str
+    margins: list[Margin]
+    answer: str
+    answer_token_ids: list[int]
+    answer_prompt_ids: list[int]
+    answer_finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def relevant(self) -> list[Margin]:
+        return [m for m in self.margins if m.relevant]
+
+
+# ---------------------------------------------------------------------- chunks
+def check_question(question: str) -> None:
+    if not isinstance(question, str):
+        raise InvalidInput(f"the question must be text, got {type(question).__name__}")
+    if not question.strip():
+        raise InvalidInput("the question is empty", "write the question the margins should be about")
+
+
+@dataclass(frozen=True)
+class _Atom:
+    """A piece no chunk boundary falls inside, and how strong the boundary before it is."""
+
+    start: int
+    end: int
+    tokens: int
+    strength: int  # 4 paragraph, 3 line, 2 sentence, 1 word, 0 inside a word
+
+
+class _Counter:
+    """Token counts of pieces of one text (each piece tokenized alone: an estimate for chunking)."""
+
+    def __init__(self, tokenizer, text: str) -> None:
+        self.tokenizer, self.text = tokenizer, text
+
+    def __call__(self, start: int, end: int) -> int:
+        return len(self.tokenizer(self.text[start:end], add_special_tokens=False)["input_ids"])
+
+
+def _trimmed(text: str, start: int, end: int) -> tuple[int, int] | None:
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return (start, end) if start < end else None
+
+
+def _split(text: str, start: int, end: int, pattern: re.Pattern) -> list[tuple[int, int]]:
+    """The trimmed, non-empty parts of text[start:end] between matches of `pattern`."""
+    parts, at = [], start
+    for match in pattern.finditer(text, start, end):
+        if (span := _trimmed(text, at, match.start())) is not None:
+            parts.append(span)
+        at = match.end()
+    if (span := _trimmed(text, at, end)) is not None:
+        parts.append(span)
+    return parts
+
+
+def _atoms(text: str, span: tuple[int, int], limit: int, count: _Counter, level: int = 0,
+           strength: int = len(_LEVELS)) -> list[_Atom]:
+    """Cut `span` into sentences (and a sentence longer than `limit` tokens into words, a word
+    longer than that into runs of characters), each marked with the strength of the boundary
+    before it: 4 paragraph, 3 line, 2 sentence, 1 word, 0 inside a word."""
+    if level < _SENTENCE_LEVEL:  # paragraphs, lines and sentences are always separate atoms
+        parts = _split(text, *span, _LEVELS[level])
+        return [a for j, part in enumerate(parts)
+                for a in _atoms(text, part, limit, count, level + 1, strength if j == 0 else len(_LEVELS) - level)]
+    tokens = count(*span)
+    if tokens <= limit:
+        return [_Atom(*span, tokens, strength)]
+    if level < len(_LEVELS):
+        parts = _split(text, *span, _LEVELS[level])
+        if len(parts) > 1:
+            return [a for j, part in enumerate(parts)
+                    for a in _atoms(text, part, limit, count, level + 1, strength if j == 0 else len(_LEVELS) - level)]
+    # One word longer than the limit: runs of characters of equal length.
+    start, end = span
+    step = math.ceil((end - start) / math.ceil(tokens / limit))
+    return [_Atom(a, min(a + step, end), count(a, min(a + step, end)), strength if a == start else 0)
+            for a in range(start, end, step)]
+
+
+def _pack(atoms: list[_Atom], limit: int, fill: float) -> list[list[_Atom]]:
+    """Group consecutive atoms into chunks of at most `limit` tokens. When the next atom does not
+    fit, the chunk ends at the strongest boundary (paragraph > line > sentence > word) that keeps
+    it at least `fill` full, the latest such one on a tie."""
+    groups: list[list[_Atom]] = []
+    current: list[_Atom] = []
+    for atom in atoms:
+        while current and sum(a.tokens for a in current) + atom.tokens > limit:
+            best, best_strength, size = len(current), -1, 0
+            for j in range(1, len(current) + 1):
+                size += current[j - 1].tokens
+                strength = atom.strength if j == len(current) else current[j].strength
+                if size >= fill * limit and strength >= best_strength:
+                    best, best_strength = j, strength
+            groups.append(current[:best])
+            current = current[best:]
+        current.append(atom)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def split_document(tokenizer, document: str, chunk_tokens: int = 300) -> list[Chunk]:
+    """Cut `document` into chunks of about `chunk_tokens` tokens (at most that, unless a single
+    word is longer) at natural boundaries: paragraphs first, then lines, sentences, words.
+
+    Each chunk's span (start, end) indexes into `document` with surrounding whitespace left out;
+    spans come in order, do not overlap, and what lies between them is whitespace only.
+    Token counts tokenize each piece alone, so they are close to, not exactly, the ids a chunk
+    gets inside its prompt.
+    """
+    if not isinstance(document, str):
+        raise InvalidInput(f"the document must be text, got {type(document).__name__}")
+    if not document.strip():
+        raise InvalidInput("the document is empty", "pass a document with some text in it")
+    check_positive("chunk_tokens", chunk_tokens)
+    count = _Counter(tokenizer, document)
+    whole = _trimmed(document, 0, len(document))
+    groups = _pack(_atoms(document, whole, chunk_tokens, count), chunk_tokens, CHUNK_FILL)
+    chunks = []
+    for i, group in enumerate(groups):
+        start, end = group[0].start, group[-1].end
+        chunks.append(Chunk(i, start, end, document[start:end], sum(a.tokens for a in group)))
+    return chunks
+
+
+def chunks_from_list(tokenizer, chunks: Sequence[str]) -> tuple[str, list[Chunk]]:
+    """Chunks given by the caller, used as they are (whitespace around each trimmed).
+
+    Returns the document they form, joined by a blank line, which their spans index into.
+    """
+    if not chunks:
+        raise InvalidInput("there are no chunks", "pass a document, or a list of at least one chunk")
+    texts = []
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, str):
+            raise InvalidInput(f"chunk {i + 1} is not text (it is {type(chunk).__name__})", "pass strings")
+        if not chunk.strip():
+            raise InvalidInput(f"chunk {i + 1} is empty", "remove it or give it some text")
+        texts.append(chunk.strip())
+    out, at = [], 0
+    for i, text in enumerate(texts):
+        tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        out.append(Chunk(i, at, at + len(text), text, tokens))
+        at += len(text) + 2
+    return "\n\n".join(texts), out
+
+
+def make_chunks(tokenizer, document: str | Sequence[str], chunk_tokens: int) -> tuple[str, list[Chunk]]:
+    """(document, chunks) from a document (split) or a list of chunk strings (used as given)."""
+    if isinstance(document, str):
+        return document, split_document(tokenizer, document, chunk_tokens)
+    if document is None or not isinstance(document, Sequence):
+        raise InvalidInput(f"the document must be text or a list of chunks, got {type(document).__name__}")
+    return chunks_from_list(tokenizer, document)
+
+
+# ---------------------------------------------------------------------- prompts
+def margin_prompts(tokenizer, chunks: Sequence[Chunk | str], question: str, *,
+                   template: str = MARGIN_TEMPLATE) -> list[list[int]]:
+    """The whole prompt ids each chunk's margin is written from (each tokenized whole)."""
+    check_question(question)
+    texts = [c.text if isinstance(c, Chunk) else c for c in chunks]
+    messages = [template.format(chunk=t.strip(), question=question.strip()) for t in texts]
+    return [tokenize_prompt(tokenizer, render_prompt(tokenizer, m)) for m in messages]
+
+
+def says_nothing(note: str) -> bool:
+    """True for a note that is empty, says 'nothing relevant' anywhere, starts with 'nothing',
+    'not relevant' or 'no relevant', or is just 'none' or 'n/a'."""
+    return not note.strip() or bool(_NOTHING.search(note.strip()))
+
+
+def answer_prompt(tokenizer, question: str, notes: Sequence[str], *, template: str = ANSWER_TEMPLATE) -> list[int]:
+    """The whole prompt ids of the final answer: the question and the relevant notes."""
+    lines = "\n".join("- " + " ".join(n.split()) for n in notes) if notes else NO_NOTES
+    return tokenize_prompt(tokenizer, render_prompt(tokenizer, template.format(notes=lines, question=question.strip())))
+
+
+# ---------------------------------------------------------------------- relevance
+def word_token_ids(tokenizer, words: Sequence[str]) -> set[int]:
+    """Ids that start each word as the model may write it ('yes', 'Yes', ' yes', 'YES', ...):
+    the spellings that are one token, or, for a word with none, each spelling's first token."""
+    found: set[int] = set()
+    for word in words:
+        spellings = {v for w in (word, word.capitalize(), word.upper()) for v in (w, " " + w)}
+        encoded = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in sorted(spellings)]
+        single = {ids[0] for ids in encoded if len(ids) == 1}
+        found |= single or {ids[0] for ids in encoded if ids}
+    return found
+
+
+class YesNoClassifier:
+    """The default relevance check: ask the model whether each note is relevant, in one forest
+    pass (one branch per note, no decoding), and score it log P(yes) - log P(no) at the branch's
+    next token.
+
+    `last_stats` holds the engine counters of the latest call.
+    """
+
+    def __init__(self, decoder, *, template: str = RELEVANCE_TEMPLATE, yes: Sequence[str] = YES_WORDS,
+                 no: Sequence[str] = NO_WORDS) -> None:
+        self.decoder, self.template = decoder, template
+        tokenizer = decoder.tokenizer
+        yes_ids, no_ids = word_token_ids(tokenizer, yes), word_token_ids(tokenizer, no)
+        both = yes_ids & no_ids
+        self.yes_ids, self.no_ids = sorted(yes_ids - both), sorted(no_ids - both)
+        if not self.yes_ids or not self.no_ids:
+            raise InvalidArgument("this tokenizer has no distinct tokens for 'yes' and 'no'",
+                                  "pass your own classify= callable")
+        self.last_stats: dict = {}
+
+    def prompts(self, question: str, notes: Sequence[str]) -> list[list[int]]:
+        tokenizer = self.decoder.tokenizer
+        return [tokenize_prompt(tokenizer, render_prompt(tokenizer, self.template.format(
+            question=question.strip(), note=" ".join(n.split())))) for n in notes]
+
+    def __call__(self, question: str, notes: Sequence[str]) -> list[float]:
+        if not notes:
+            return []
+        prompts = self.prompts(question, notes)
+        logits = next_token_logits(self.decoder.model, prompts)
+        self.last_stats = dict(logits.stats)
+        yes = torch.logsumexp(logits.values[:, self.yes_ids], dim=-1)
+        no = torch.logsumexp(logits.values[:, self.no_ids], dim=-1)
+        return (yes - no).tolist()
+
+
+@dataclass
+class _Logits:
+    values: torch.Tensor
+    stats: dict
+
+
+def next_token_logits(model, prompts: Sequence[Sequence[int]]) -> _Logits:
+    """Next-token logits after each whole prompt ([len(prompts), vocab], float32), all from one
+    forest: the common prefix once, then every prompt's own ids in one pass."""
+    shared = share_prefix(prompts)
+    engine = Engine(model)
+    check_fits(engine, [len(p) for p in shared.prompt_ids], 1)
+    engine.reserve(len(shared.prefix_ids) + sum(map(len, shared.suffix_ids)))
+    _, logits = open_branches(engine, shared.prefix_ids, shared.suffix_ids)
+    s = engine.stats
+    return _Logits(logits, {"forward_passes": s.forward_passes, "tokens_fed": s.tokens_fed,
+                            "peak_cache_bytes": s.peak_cache_bytes, "prefix_tokens": len(shared.prefix_ids)})
+
+
+# ---------------------------------------------------------------------- the run
+def _scalar_sampling(sampling: dict) -> dict:
+    for key, value in sampling.items():
+        if isinstance(value, (list, tuple)):
+            raise InvalidInput(f"{key} takes one value here, got a list", "give one value for every margin")
+    return sampling
+
+
+class MarginsRun:
+    """Margins being written, then judged, then answered; each stage runs when first needed.
+
+    - iterate `events` for the margins' tokens as they are written (branch = chunk index);
+    - `judge()` classifies the finished margins (one more forest pass);
+    - iterate `answer_events()` for the final answer's tokens (branch 0);
+    - `result()` gives the `Margins` (running whatever is left).
+    Inputs are checked and the margin prompts prefilled before `start` returns.
+    """
+
+    def __init__(self, decoder, document: str, chunks: list[Chunk], question: str, *, max_margin_tokens: int,
+                 max_new_tokens: int, classify: Classifier | None, threshold: float, margin_template: str,
+                 answer_template: str, stop: Sequence[str], sampling: dict) -> None:
+        check_positive("max_new_tokens", max_new_tokens)
+        self.decoder, self.document, self.chunks, self.question = decoder, document, chunks, question.strip()
+        self.max_new_tokens, self.threshold, self.stop = max_new_tokens, threshold, stop
+        self.answer_template = answer_template
+        self.sampling = _scalar_sampling(dict(sampling))
+        self.classify = classify if classify is not None else YesNoClassifier(decoder)
+        self.prompts = margin_prompts(decoder.tokenizer, chunks, question, template=margin_template)
+        self.margin_run: PromptsRun = decode_prompts(
+            decoder.model, self.prompts, max_new_tokens=max_margin_tokens,
+            sampling=per_branch_sampling(len(chunks), self.sampling), tokenizer=decoder.tokenizer, stop=stop,
+            compaction=decoder.compaction)
+        self.events: Iterator[TokenEvent] = self.margin_run.events
+        self.verdicts: list[tuple[bool, float | None]] | None = None
+        self.answer_run: PromptsRun | None = None
+        self.stats: dict = {}
+
+    # -- margins
+    def margin_texts(self) -> list[str]:
+        """The finished margins' texts (writing whatever is left first)."""
+        self.margin_run.finish()
+        return [b.output.text.strip() for b in self.margin_run.branches]
+
+    # -- relevance
+    def judge(self) -> list[tuple[bool, float | None]]:
+        """(relevant, score) for every margin; notes that say nothing relevant are not classified."""
+        if self.verdicts is not None:
+            return self.verdicts
+        texts = self.margin_texts()
+        asked = [i for i, t in enumerate(texts) if not says_nothing(t)]
+        classify = self.classify
+        scores = list(classify(self.question, [texts[i] for i in asked])) if asked else []
+        if len(scores) != len(asked):
+            raise InvalidArgument(f"the classifier gave {len(scores)} scores for {len(asked)} notes",
+                                  "return one score (or bool) per note")
+        verdicts: list[tuple[bool, float | None]] = [(False, None)] * len(texts)
+        for i, score in zip(asked, scores):
+            value = float(score)
+            verdicts[i] = (value > self.threshold, value)
+        self.verdicts = verdicts
+        self.stats["relevance"] = dict(getattr(classify, "last_stats", {}) or {}) if asked else {}
+        return verdicts
+
+    # -- the answer
+    def start_answer(self) -> PromptsRun:
+        if self.answer_run is None:
+            texts = self.margin_texts()
+            notes = [t for t, (relevant, _) in zip(texts, self.judge()) if relevant]
+            ids = answer_prompt(self.decoder.tokenizer, self.question, notes, template=self.answer_template)
+            sampling = dict(self.sampling)
+            if sampling.get("seed") is not None:
+                sampling["seed"] += len(self.chunks)  # margins used seed .. seed + n - 1
+            self.answer_run = decode_prompts(
+                self.decoder.model, [ids], max_new_tokens=self.max_new_tokens,
+                sampling=per_branch_sampling(1, sampling), tokenizer=self.decoder.tokenizer, stop=self.stop,
+                compaction=self.decoder.compaction)
+        return self.answer_run
+
+    def answer_events(self) -> Iterator[TokenEvent]:
+        """The final answer's tokens as they are generated (judging the margins first)."""
+        return self.start_answer().events
+
+    # -- everything
+    def result(self) -> Margins:
+        texts = self.margin_texts()
+        verdicts = self.judge()
+        answer = self.start_answer().finish().branches[0]
+        margins = [
+            Margin(c.index, c.span, c.text, text, list(b.output.token_ids), self.prompts[i],
+                   b.output.finish_reason or "length", relevant, score)
+            for i, (c, b, text, (relevant, score)) in enumerate(
+                zip(self.chunks, self.margin_run.branches, texts, verdicts))
+        ]
+        stats = {"margins": _engine_stats(self.margin_run), "relevance": self.stats.get("relevance", {}),
+                 "answer": _engine_stats(self.answer_run)}
+        return Margins(self.question, self.document, margins, answer.output.text.strip(),
+                       list(answer.output.token_ids), self.answer_run.prompts[0],
+                       answer.output.finish_reason or "length", stats)
+
+
+def _engine_stats(run: PromptsRun) -> dict:
+    s = run.engine.stats
+    return {"forward_passes": s.forward_passes, "tokens_fed": s.tokens_fed, "peak_cache_bytes": s.peak_cache_bytes,
+            "compactions": s.compactions}
+
+
+def start(decoder, document: str | Sequence[str], question: str, *, chunk_tokens: int = 300,
+          max_margin_tokens: int = 48, max_new_tokens: int = 64, classify: Classifier | None = None,
+          threshold: float = 0.0, margin_template: str = MARGIN_TEMPLATE, answer_template: str = ANSWER_TEMPLATE,
+          stop: Sequence[str] = (), **sampling) -> MarginsRun:
+    """Cut the document into chunks and start writing every chunk's margin in one forest.
+
+    document: text (cut into chunks of about `chunk_tokens` tokens) or a list of chunk strings.
+    max_margin_tokens: longest margin; max_new_tokens: longest final answer.
+    classify: `classify(question, notes) -> scores` (default `YesNoClassifier(decoder)`), called
+        once with every note that does not say it found nothing (`says_nothing`); a note is
+        relevant when its score is above `threshold`. Notes that say nothing are not relevant.
+    margin_template: the margin prompt (with `{chunk}` and `{question}`); answer_template: the
+        answer prompt (with `{notes}` and `{question}`).
+    stop: stop strings for the margins and the answer.
+    Sampling settings (`do_sample`, `temperature`, ..., one value each) apply to the margins and
+    the answer; greedy by default. With `seed=s`, margin i uses seed s + i and the answer s + n.
+    Greedy margins equal greedy generation from each `Margin.prompt_ids` alone.
+    """
+    check_question(question)
+    check_positive("chunk_tokens", chunk_tokens)
+    check_positive("max_margin_tokens", max_margin_tokens)
+    text, chunks = make_chunks(decoder.tokenizer, document, chunk_tokens)
+    return MarginsRun(decoder, text, chunks, question, max_margin_tokens=max_margin_tokens,
+                      max_new_tokens=max_new_tokens, classify=classify, threshold=threshold,
+                      margin_template=margin_template,
+                      answer_template=answer_template, stop=tuple(stop or ()), sampling=sampling)
+
+
+def margins(decoder, document: str | Sequence[str], question: str, **settings) -> Margins:
+    """Writing in the margins, start to end: settings as for `start`."""
+    return start(decoder, document, question, **settings).result()
