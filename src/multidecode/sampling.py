@@ -155,53 +155,80 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove, -float("inf"))
 
 
-def process_logits(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
-    """Apply every branch's processors to its row. logits [n, V] float32 -> [n, V]."""
-    n, vocab = logits.shape
+CANDIDATE_LIMIT = 4096
+"""Rows that all use top-k at most this large are warped and drawn among their top-k only."""
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def penalize(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
+    """The repetition penalty of every row that has one (greedy rows included). [n, V] -> [n, V]"""
     params = [s.params for s in samplers]
-    device = logits.device
-
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
-
-    if any(p.repetition_penalty not in (None, 1.0) for p in params):
-        seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
-        for i, s in enumerate(samplers):
-            if s.seen:
-                ids = torch.tensor(sorted(t for t in s.seen if t < vocab), dtype=torch.long, device=device)
-                seen[i, ids] = True
-        penalty = column([p.repetition_penalty or 1.0 for p in params])
-        logits = apply_repetition_penalty(logits, seen, penalty)
-
-    sampled = [p.do_sample for p in params]
-    if not any(sampled):
+    if not any(p.repetition_penalty not in (None, 1.0) for p in params):
         return logits
-    is_sampled = torch.tensor(sampled, device=device)[:, None]  # [n, 1]
-    warped = logits
-    if any(p.do_sample and p.temperature != 1.0 for p in params):
-        warped = apply_temperature(warped, column([p.temperature if p.do_sample else 1.0 for p in params]))
-    if any(p.do_sample and p.top_k for p in params):
-        top_k = torch.tensor([p.top_k if p.do_sample and p.top_k else 0 for p in params], device=device)
-        warped = apply_top_k(warped, top_k)
-    if any(p.do_sample and p.top_p is not None and p.top_p < 1 for p in params):
-        warped = apply_top_p(warped, column([p.top_p if p.do_sample and p.top_p is not None else 1.0 for p in params]))
-    if any(p.do_sample and p.min_p for p in params):
-        warped = apply_min_p(warped, column([p.min_p if p.do_sample and p.min_p else 0.0 for p in params]))
-    return torch.where(is_sampled, warped, logits)
+    n, vocab = logits.shape
+    seen = torch.zeros(n, vocab, dtype=torch.bool, device=logits.device)
+    for i, s in enumerate(samplers):
+        if s.seen:
+            ids = torch.tensor(sorted(t for t in s.seen if t < vocab), dtype=torch.long, device=logits.device)
+            seen[i, ids] = True
+    return apply_repetition_penalty(logits, seen, _column([p.repetition_penalty or 1.0 for p in params], logits))
+
+
+def warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, one setting per row, for sampled rows. [n, m] -> [n, m]
+
+    m may be the whole vocabulary or each row's top candidates sorted by score: tokens outside a
+    row's top-k have probability zero either way, so both give the same distribution.
+    """
+    if any(p.temperature != 1.0 for p in params):
+        scores = apply_temperature(scores, _column([p.temperature for p in params], scores))
+    if any(p.top_k for p in params):
+        scores = apply_top_k(scores, torch.tensor([p.top_k or 0 for p in params], device=scores.device))
+    if any(p.top_p is not None and p.top_p < 1 for p in params):
+        scores = apply_top_p(scores, _column([1.0 if p.top_p is None else p.top_p for p in params], scores))
+    if any(p.min_p for p in params):
+        scores = apply_min_p(scores, _column([p.min_p or 0.0 for p in params], scores))
+    return scores
+
+
+def process_logits(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
+    """Every branch's processors on its row, over the whole vocabulary. logits [n, V] float32 -> [n, V]."""
+    logits = penalize(logits, samplers)
+    rows = [i for i, s in enumerate(samplers) if s.params.do_sample]
+    if not rows:
+        return logits
+    out = logits.clone()
+    out[rows] = warp(logits[rows], [samplers[i].params for i in rows])
+    return out
 
 
 def choose_tokens(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> list[int]:
     """Pick one token per row: arg-max for greedy rows, a draw from the row's generator otherwise.
 
-    logits [n, V] (any float dtype; processed in float32). Draws happen on the CPU so that a seed
-    gives the same tokens on every device.
+    logits [n, V] (any float dtype; processed in float32). A row with top-k is warped and drawn
+    among its own top-k candidates only (sorted, so top-p needs no sort of the vocabulary); a row
+    without, over the whole vocabulary. Which way a row goes, and its draw, depend on that row
+    alone, so a seeded branch gives the same tokens whatever runs beside it. Draws happen on the
+    CPU so that a seed gives the same tokens on every device.
     """
-    scores = process_logits(logits.float(), samplers)
+    scores = penalize(logits.float(), samplers)
     chosen = scores.argmax(dim=-1).tolist()
-    sampled_rows = [i for i, s in enumerate(samplers) if s.params.do_sample]
-    if sampled_rows:
-        probs = scores[sampled_rows].softmax(dim=-1).cpu()  # [n_sampled, V]
-        for row, i in enumerate(sampled_rows):
+    sampled = [i for i, s in enumerate(samplers) if s.params.do_sample]
+    short = [i for i in sampled if samplers[i].params.top_k and samplers[i].params.top_k <= CANDIDATE_LIMIT]
+    full = [i for i in sampled if i not in short]
+    if short:
+        k_max = min(max(samplers[i].params.top_k for i in short), scores.shape[-1])
+        values, candidates = torch.topk(scores[short], k_max, dim=-1)  # [n_short, k_max], best first
+        probs = warp(values, [samplers[i].params for i in short]).softmax(dim=-1).cpu()
+        for row, i in enumerate(short):
+            own = probs[row, : samplers[i].params.top_k]  # this row's own top-k, nothing more
+            chosen[i] = int(candidates[row, int(torch.multinomial(own, 1, generator=samplers[i].generator))])
+    if full:
+        probs = warp(scores[full], [samplers[i].params for i in full]).softmax(dim=-1).cpu()  # [n_full, V]
+        for row, i in enumerate(full):
             chosen[i] = int(torch.multinomial(probs[row], 1, generator=samplers[i].generator))
     for token, sampler in zip(chosen, samplers):
         sampler.observe(token)

@@ -75,6 +75,20 @@ def sample_document() -> str:
     return resources.files("multidecode").joinpath("data/support_call.txt").read_text(encoding="utf-8")
 
 
+def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
+    """`instruction`, a blank line, then the sample document's opening lines up to about `tokens`
+    ids in all (the whole document if it is shorter), through the chat template when there is one."""
+    from ..strategies.complete import prompt_ids
+
+    excerpt, ids = "", []
+    for line in sample_document().splitlines(keepends=True):
+        excerpt += line
+        ids = prompt_ids(tokenizer, f"{instruction}\n\n{excerpt.strip()}")
+        if len(ids) >= tokens:
+            break
+    return ids
+
+
 def sample_questions() -> list[str]:
     text = resources.files("multidecode").joinpath("data/support_call_questions.txt").read_text(encoding="utf-8")
     return [line.strip() for line in text.splitlines() if line.strip()]

@@ -25,7 +25,7 @@ from ..decoding import check_positive
 from ..errors import InvalidArgument
 from ..strategies.beam import check_settings, run_beam_search
 from ..strategies.complete import prompt_ids
-from .ask import sample_document
+from .ask import excerpt_prompt
 from .common import (
     AnswersDiffer,
     ForwardCounter,
@@ -52,21 +52,12 @@ LABELS = {
 }
 TARGETS = {"speedup_vs_hf_beam": 1.5}
 SCORE_ATOL, SCORE_RTOL = 1e-4, 1e-5
-INSTRUCTION = "Summarize this support call in one sentence.\n\n"
+INSTRUCTION = "Summarize this support call in one sentence."
 
 
 def sample_prompt(tokenizer, tokens: int = 200) -> list[int]:
-    """About `tokens` ids: a request to summarize the opening of the sample support call, through
-    the chat template when the tokenizer has one."""
-    lines = sample_document().splitlines(keepends=True)
-    excerpt = ""
-    ids: list[int] = []
-    for line in lines:
-        excerpt += line
-        ids = prompt_ids(tokenizer, INSTRUCTION + excerpt.strip())
-        if len(ids) >= tokens:
-            break
-    return ids
+    """A request to summarize the sample support call, about `tokens` ids long."""
+    return excerpt_prompt(tokenizer, tokens, INSTRUCTION)
 
 
 # ---------------------------------------------------------------------- the two methods

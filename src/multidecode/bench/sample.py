@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import InvalidArgument
-from .ask import sample_document
+from .ask import excerpt_prompt
 from .common import (
     Progress,
     RunOutput,
@@ -40,16 +40,8 @@ SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.95}
 
 
 def sample_prompt(decoder, tokens: int = 200) -> list[int]:
-    """A chat prompt of about `tokens` tokens: the start of the sample document and a request."""
-    from ..prompts import render_prompt, tokenize_prompt
-
-    words = sample_document().split()
-    for n_words in range(20, len(words), 5):
-        text = " ".join(words[:n_words]) + "\n\nContinue this transcript."
-        ids = tokenize_prompt(decoder.tokenizer, render_prompt(decoder.tokenizer, text))
-        if len(ids) >= tokens:
-            return ids
-    return ids
+    """A request to continue the sample support call, about `tokens` ids long."""
+    return excerpt_prompt(decoder.tokenizer, tokens, "Continue this support-call transcript.")
 
 
 def run_sample_benchmark(decoder, *, n: int = 8, ns: Sequence[int] = (1, 2, 4, 8, 16), max_new_tokens: int = 64,
