@@ -340,28 +340,28 @@ def _scaling(cells: dict[int, dict[str, Measurement]], main_k: int, per_question
     """How (d)'s time grows with K. "One answer" is the mean of (d) answering each of the K
     questions alone (`singles`): the sweep's K = 1 point is only the first question, whose answer
     may be much shorter than the longest of K (the forest decodes until its longest answer ends)."""
-    if 1 not in cells or MULTIDECODE not in cells[1]:
-        return {}
-    one = cells[1][MULTIDECODE]
-    times = {str(k): row[MULTIDECODE].wall_s / one.wall_s for k, row in cells.items() if MULTIDECODE in row}
     main = cells[main_k].get(MULTIDECODE)
+    if main is None:
+        return {}
     step = {str(k): 1000 * row[MULTIDECODE].decode_s / max(1, row[MULTIDECODE].decode_passes)
             for k, row in cells.items() if MULTIDECODE in row}
-    mean_single = sum(m.wall_s for m in singles) / len(singles) if singles else None
-    cost = {"k": main_k, "times_first_question_alone": times.get(str(main_k))}
-    if main is not None and mean_single:
-        cost["times_one_answer"] = main.wall_s / mean_single
-        cost["mean_single_answer_s"] = mean_single
-        cost["single_answer_s"] = [m.wall_s for m in singles]
-    if main is not None:
-        cost.update({
-            "one_answer_tokens": len(one.answers[0]),
-            "longest_answer_tokens": max(len(a) for a in main.answers),
-            "decode_step_ms_k1": step["1"],
-            "decode_step_ms_k": step[str(main_k)],
-            "times_mean_single_question_generate": main.wall_s / (
-                sum(p.wall_s for p in per_question[:main_k]) / main_k),
-        })
+    cost = {
+        "k": main_k,
+        "longest_answer_tokens": max(len(a) for a in main.answers),
+        "decode_step_ms_k": step[str(main_k)],
+        "times_mean_single_question_generate": main.wall_s / (sum(p.wall_s for p in per_question[:main_k]) / main_k),
+    }
+    if singles:
+        mean_single = sum(m.wall_s for m in singles) / len(singles)
+        cost.update({"times_one_answer": main.wall_s / mean_single, "mean_single_answer_s": mean_single,
+                     "single_answer_s": [m.wall_s for m in singles],
+                     "single_answer_tokens": [len(m.answers[0]) for m in singles]})
+    times = {}
+    one = cells.get(1, {}).get(MULTIDECODE)
+    if one is not None:
+        times = {str(k): row[MULTIDECODE].wall_s / one.wall_s for k, row in cells.items() if MULTIDECODE in row}
+        cost.update({"times_first_question_alone": times[str(main_k)], "one_answer_tokens": len(one.answers[0]),
+                     "decode_step_ms_k1": step["1"]})
     return {"multidecode_time_vs_one_answer": times, "multidecode_decode_ms_per_step": step, "answers_cost": cost}
 
 
