@@ -8,6 +8,7 @@ side raises a `MultiDecodeError` subclass that names the problem.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -202,3 +203,65 @@ def test_library_errors_name_the_problem():
         decoder.ask("text", ["why?"], temprature=0.5)
     with torch.no_grad():
         assert decoder.ask("text", ["why?"], max_new_tokens=2)[0].finish_reason in ("stop", "length")
+
+
+def _tiny_llama(vocab_size: int = 64):
+    config = tf.LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1)
+    return tf.LlamaForCausalLM(config).eval()
+
+
+def test_a_model_whose_forward_takes_no_position_ids_is_refused():
+    """BART's decoder is a causal LM, but it derives positions from the cache length, so tree
+    positions would be silently ignored: refuse it rather than decode wrong tokens."""
+    config = tf.BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                           decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                           is_encoder_decoder=False)
+    model = tf.BartForCausalLM(config).eval()
+    with pytest.raises(multidecode.UnsupportedModel, match="position_ids"):
+        multidecode.decode(model, [1, 2], [[3], [4, 5]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("prefix, branches, needle", [
+    ([1, 2], [7, 8, 9], "branch 0 must be a sequence of token ids"),      # flat, not one list per branch
+    (torch.tensor([[1, 2]]), [[3]], "shape (1, 2)"),                      # a batch tensor as the prefix
+    ([1, 2], [["hello"]], "must be a sequence of token ids"),             # text, not ids
+    ([1, 64], [[3]], "token id 64, outside the model's vocabulary of 64"),
+    ([1, 2], [[-1]], "token id -1"),
+    ([1, 2], [[True]], "must be a sequence of token ids"),
+])
+def test_token_ids_that_cannot_be_fed_are_named(prefix, branches, needle):
+    with pytest.raises(multidecode.InvalidInput, match=re.escape(needle)):
+        multidecode.decode(_tiny_llama(), prefix, branches, max_new_tokens=1)
+
+
+def test_token_ids_may_be_tensors():
+    model = _tiny_llama()
+    as_lists = multidecode.decode(model, [1, 2], [[3], [4, 5]], max_new_tokens=3)
+    as_tensors = multidecode.decode(model, torch.tensor([1, 2]), [torch.tensor([3]), torch.tensor([4, 5])],
+                                    max_new_tokens=3)
+    assert as_tensors == as_lists
+
+
+@pytest.mark.parametrize("settings, needle", [
+    ({"seed": "3"}, "seed must be an integer"),
+    ({"temperature": "0.7"}, "temperature must be a number"),
+    ({"do_sample": "yes"}, "do_sample must be True or False"),
+    ({"top_k": 2.5}, "top_k must be a positive integer"),
+])
+def test_sampling_settings_of_the_wrong_kind_are_named(settings, needle):
+    with pytest.raises(multidecode.InvalidArgument, match=needle):
+        multidecode.decode(_tiny_llama(), [1, 2], [[3]], max_new_tokens=1, **settings)
+
+
+@pytest.mark.parametrize("eos, needle", [("12", "eos_token_id must be a token id"), ([1.5], "eos_token_id")])
+def test_eos_ids_of_the_wrong_kind_are_named(eos, needle):
+    with pytest.raises(multidecode.InvalidArgument, match=needle):
+        multidecode.decode(_tiny_llama(), [1, 2], [[3]], max_new_tokens=1, eos_token_id=eos)
+
+
+@pytest.mark.parametrize("stop", [[""], [3], ["ok", None]])
+def test_stop_strings_must_be_non_empty_text(stop):
+    decoder = multidecode.MultiDecoder(_tiny_llama(vocab_size=400), tiny_tokenizer())
+    with pytest.raises(multidecode.InvalidArgument, match="stop strings must be non-empty strings"):
+        decoder.ask("text", ["why?"], max_new_tokens=2, stop=stop)

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .engine import Engine
-from .errors import InvalidArgument, InvalidInput, PromptTooLong
+from .errors import InvalidArgument, InvalidInput, PromptTooLong, is_int
 from .forest import ROOT
 from .prompts import share_prefix
-from .sampling import BranchSampler, SamplingParams, choose_tokens
-from .stopping import BranchOutput, StopRule, eos_ids_of
+from .sampling import BranchSampler, SamplingParams, choose_tokens, per_branch_sampling
+from .stopping import BranchOutput, StopRule, eos_ids_of, stop_strings_of
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,30 @@ class Branch:
 
 
 def check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", f"pass {name}=1 or more")
+
+
+def token_ids(ids, vocab_size: int, what: str = "a prompt") -> list[int]:
+    """`ids` (a sequence or 1-d tensor of ints) as a list, each checked against the vocabulary."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1:
+            raise InvalidInput(f"{what} must be a 1-d sequence of token ids, got a tensor of shape "
+                               f"{tuple(ids.shape)}", "pass one list of ints per prompt")
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not all(is_int(t) for t in ids):
+        raise InvalidInput(f"{what} must be a sequence of token ids (ints), got {_preview(ids)}",
+                           "tokenize text first, and pass one list of ints per prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidInput(f"{what} has token id {bad[0]}, outside the model's vocabulary of "
+                           f"{vocab_size}", "tokenize with this model's tokenizer")
+    return [int(t) for t in ids]
+
+
+def _preview(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_fits(engine: Engine, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
@@ -151,13 +173,10 @@ def run_branches(
                 going.append((branch, token))
         if not going:
             return
-        if dead_since_compaction:
-            leaves = [b.leaf for b, _ in going]
-            keep = engine.forest.compaction_plan(leaves)
-            dead = engine.forest.num_slots - keep.numel()
-            if compaction.due(step, dead, engine.forest.num_slots):
-                engine.compact(leaves)
-                dead_since_compaction = False
+        if dead_since_compaction and engine.compact_if_due(
+            [b.leaf for b, _ in going], lambda dead, total: compaction.due(step, dead, total)
+        ):
+            dead_since_compaction = False
         nodes, rows = engine.feed(
             [t for _, t in going], [b.leaf for b, _ in going], logits_for=range(len(going))
         )
@@ -203,14 +222,17 @@ def start_forest(
     choose (None; see `open_branches`).
     """
     check_positive("max_new_tokens", max_new_tokens)
+    if isinstance(suffixes, torch.Tensor):
+        suffixes = list(suffixes)
     if not suffixes:
         raise InvalidInput("there are no branches to decode", "pass at least one branch")
     engine = engine or Engine(model)
-    prefix_ids = list(prefix_ids)
-    prompts = [prefix_ids + list(s) for s in suffixes]
+    prefix_ids = token_ids(prefix_ids, engine.vocab_size, "the prefix")
+    suffixes = [token_ids(s, engine.vocab_size, f"branch {i}") for i, s in enumerate(suffixes)]
+    prompts = [prefix_ids + s for s in suffixes]
     check_fits(engine, [len(p) for p in prompts], max_new_tokens)
     engine.reserve(engine.forest.num_slots + len(prefix_ids) + sum(map(len, suffixes)) + len(suffixes) * max_new_tokens)
-    rule = StopRule(max_new_tokens, eos_ids_of(model, eos_token_id), tuple(stop or ()))
+    rule = StopRule(max_new_tokens, eos_ids_of(model, eos_token_id), stop_strings_of(stop))
     leaves, logits = open_branches(engine, prefix_ids, suffixes, apart=apart)
     branches = [
         Branch(i, leaf, BranchSampler(sampling[i], prompts[i]), BranchOutput(rule, tokenizer), len(prompts[i]))
@@ -224,7 +246,8 @@ def decode_prompts(model, prompts: Sequence[Sequence[int]], **settings) -> Promp
     branch i's path is exactly `prompts[i]`. Settings as for `start_forest`."""
     if not prompts:
         raise InvalidInput("there are no prompts to decode", "pass at least one prompt")
-    shared = share_prefix(prompts)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    shared = share_prefix([token_ids(p, vocab_size, f"prompt {i}") for i, p in enumerate(prompts)])
     return start_forest(model, shared.prefix_ids, shared.suffix_ids, **settings)
 
 
@@ -251,14 +274,14 @@ def decode(
     """Generate from `prefix_ids + branch_ids[i]` for every i at once; returns each branch's new ids.
 
     Greedy (do_sample=False) output equals per-branch `model.generate(..., do_sample=False)`,
-    eos included. With sampling and a seed, branch i draws from its own generator seeded
-    `seed + i`, so it does not depend on the other branches.
+    eos included, for a generation config that adds no logits processors of its own
+    (`repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, ...): settings are never read
+    from the model's generation config, only its eos ids. With sampling and a seed, branch i draws
+    from its own generator seeded `seed + i`, so it does not depend on the other branches.
     """
-    sampling = [
-        SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=None if seed is None else seed + i)
-        for i in range(len(branch_ids))
-    ]
+    sampling = per_branch_sampling(
+        len(branch_ids), dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    )
     out: list[list[int]] = [[] for _ in branch_ids]
     for event in stream_decode(
         model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos_token_id

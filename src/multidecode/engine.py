@@ -18,13 +18,13 @@ The LM head runs only where logits are wanted (`logits_to_keep` with an index te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 
 from .cache import SlotCache
-from .forest import ROOT, Forest
+from .forest import ROOT, Forest, chain_parents
 from .masks import build_attention_mask
 from .models import check_supported, mask_layout, max_positions
 
@@ -43,7 +43,9 @@ class EngineStats:
     peak_slots: int = 0
     peak_cache_bytes: int = 0
     slots_dropped: int = 0
-    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 class Engine:
@@ -60,6 +62,7 @@ class Engine:
         self.cache = SlotCache(capacity)
         self.layout = mask_layout(model.config)
         self.max_positions = max_positions(model.config)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self.stats = EngineStats()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -112,9 +115,8 @@ class Engine:
         self, tokens: Sequence[int], parent: int = ROOT, *, root_position: int = 0, logits: bool = True
     ) -> tuple[list[int], torch.Tensor]:
         """Feed one straight sequence under `parent`; logits of its last node if `logits`."""
-        parents = [parent] + [-(i + 2) for i in range(len(tokens) - 1)]
         return self.feed(
-            tokens, parents[: len(tokens)], logits_for=[len(tokens) - 1] if logits and tokens else (),
+            tokens, chain_parents(len(tokens), parent), logits_for=[len(tokens) - 1] if logits and tokens else (),
             root_position=root_position,
         )
 
@@ -132,9 +134,8 @@ class Engine:
         spans = []
         for chain, parent in zip(chains, parents):
             start = len(tokens)
-            for j, token in enumerate(chain):
-                tokens.append(token)
-                flat_parents.append(parent if j == 0 else -(start + j - 1 + 2))
+            tokens.extend(chain)
+            flat_parents.extend(chain_parents(len(chain), parent, start))
             spans.append((start, len(tokens)))
             if chain:
                 last_index.append(len(tokens) - 1)
@@ -157,6 +158,7 @@ class Engine:
         ([number of non-empty chains, vocab]), in chain order.
         """
         forest = self.forest
+        # [width] the slots of `parent`'s path, in cache order
         path = forest.compaction_plan([parent]) if parent != ROOT else torch.empty(0, dtype=torch.long)
         width = path.numel()
         scratch = SlotCache(width + max((len(c) for c in chains), default=0))
@@ -234,7 +236,17 @@ class Engine:
 
         Returns the number of slots dropped. Exact: positions are node data and do not move.
         """
+        return self._compact(self.forest.compaction_plan(live))
+
+    def compact_if_due(self, live: Sequence[int], due: Callable[[int, int], bool]) -> int:
+        """`compact(live)` if `due(dead slots, all slots)` says so; returns the slots dropped."""
         keep = self.forest.compaction_plan(live)
+        if not due(self.forest.num_slots - keep.numel(), self.forest.num_slots):
+            return 0
+        return self._compact(keep)
+
+    def _compact(self, keep: torch.Tensor) -> int:
+        """Keep only the slots `keep` ([n] slot indices, ascending), in the cache and the forest."""
         dropped = self.forest.num_slots - keep.numel()
         if dropped == 0:
             return 0

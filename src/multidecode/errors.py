@@ -6,6 +6,8 @@ anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+from numbers import Integral
+
 
 class MultiDecodeError(Exception):
     """Base class: a problem with the user's input, model or environment, not a bug."""
@@ -39,3 +41,8 @@ class ModelNotFound(MultiDecodeError, FileNotFoundError):
 
 class UnsupportedModel(MultiDecodeError):
     """The model cannot be decoded exactly as a forest (architecture or attention kind)."""
+
+
+def is_int(value) -> bool:
+    """An integer (Python or NumPy), but not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)

@@ -88,8 +88,7 @@ class Forest:
 
     def add_chain(self, tokens: Sequence[int], parent: int = ROOT, *, root_position: int = 0) -> list[int]:
         """Add a straight sequence under `parent` (or as a new tree)."""
-        parents = [parent] + [-(i + 2) for i in range(len(tokens) - 1)]
-        return self.add(tokens, parents[: len(tokens)], root_position=root_position)
+        return self.add(tokens, chain_parents(len(tokens), parent), root_position=root_position)
 
     def place(self, nodes: Sequence[int]) -> list[int]:
         """Give `nodes` the next cache slots, in order (the model appends their keys in that order)."""
@@ -150,7 +149,8 @@ class Forest:
 
     # ------------------------------------------------------------------ visibility
     def _row(self, node: int) -> torch.Tensor:
-        """Visibility row of a placed node over the slots that existed when it was placed."""
+        """Visibility row of a placed node over the slots up to its own (the cache never holds
+        an ancestor after its descendant)."""
         row = self._rows.get(node)
         if row is not None:
             return row
@@ -160,14 +160,13 @@ class Forest:
         while cur != ROOT and cur not in self._rows:
             walked.append(cur)
             cur = self.parents[cur]
-        width = max(self.slot_of[n] for n in walked) + 1  # type: ignore[type-var]
-        row = torch.zeros(width, dtype=torch.bool)
-        if cur != ROOT:
-            base = self._rows[cur]
-            row[: base.numel()] = base
         slots = [self.slot_of[n] for n in walked]
         if any(s is None for s in slots):
             raise ValueError(f"node {node} has an ancestor that is not in the cache")
+        row = torch.zeros(max(slots) + 1, dtype=torch.bool)  # type: ignore[type-var]
+        if cur != ROOT:
+            base = self._rows[cur]
+            row[: base.numel()] = base
         row[slots] = True
         return row
 
@@ -225,3 +224,9 @@ class Forest:
             kept_here = keep_slots[keep_slots < row.numel()]
             rows[node] = row[kept_here]
         self._rows = rows
+
+
+def chain_parents(length: int, parent: int = ROOT, start: int = 0) -> list[int]:
+    """`Forest.add` parents for a chain of `length` nodes under `parent`, when the chain begins at
+    index `start` of the call's nodes: each node's parent is the node before it."""
+    return ([parent] + [-(start + i + 2) for i in range(length - 1)])[:length]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -95,6 +96,12 @@ def check_supported(model) -> None:
         raise UnsupportedModel(
             f"{name} has {reason}, which a forest over one KV cache cannot run exactly",
             "use a model whose layers are all full or sliding-window attention",
+        )
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise UnsupportedModel(
+            f"{name}'s forward takes no position_ids, so a branch's tokens would get positions from "
+            "their cache order instead of their depth",
+            "use a model whose forward accepts position_ids, such as Llama, Qwen2, Mistral, Gemma or GPT-2",
         )
 
 
@@ -260,8 +267,6 @@ def load_model_and_tokenizer(model: str | os.PathLike | None = None, *, dtype=No
             tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
             lm = _from_pretrained(AutoModelForCausalLM, folder, torch_dtype, kwargs)
         except (OSError, ValueError, KeyError) as err:
-            if isinstance(err, UnsupportedModel):
-                raise
             raise ModelNotFound(
                 f"could not load a causal language model from {model}: {_first_line(err)}",
                 "pass a local Hugging Face model folder, a .gguf file, or nothing for the embedded model",

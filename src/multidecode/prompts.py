@@ -15,7 +15,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .errors import InvalidInput
+
 DEFAULT_INSTRUCTION = "Answer in one short sentence."
+
+
+def check_text(value, what: str, hint: str) -> None:
+    """Refuse a document, question or prompt that is not text or is blank."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"{what} must be text, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidInput(f"{what} is empty", hint)
 
 
 @dataclass(frozen=True)

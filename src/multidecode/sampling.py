@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 
-from .errors import InvalidArgument, InvalidInput
+from .errors import InvalidArgument, InvalidInput, is_int
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 
@@ -35,9 +36,17 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise InvalidArgument(f"do_sample must be True or False, got {self.do_sample!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
+                raise InvalidArgument(f"{name} must be a number, got {value!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise InvalidArgument(f"seed must be an integer, got {self.seed!r}")
         if not self.temperature > 0:
             raise InvalidArgument(f"temperature must be > 0, got {self.temperature}", "use do_sample=False for greedy")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
             raise InvalidArgument(f"top_k must be a positive integer, got {self.top_k}", "leave it unset to disable it")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
@@ -63,6 +72,8 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
                 raise InvalidInput(f"{key} has {len(value)} values for {n} branches", "give one value, or one per branch")
             columns[key] = list(value)
         elif key == "seed" and value is not None:
+            if not is_int(value):
+                raise InvalidArgument(f"seed must be an integer, got {value!r}")
             columns[key] = [value + i for i in range(n)]
         else:
             columns[key] = [value] * n
@@ -98,16 +109,6 @@ class BranchSampler:
     def observe(self, token: int) -> None:
         if self.params.repetition_penalty not in (None, 1.0):
             self.seen.add(token)
-
-    def fork(self) -> BranchSampler:
-        """A copy that continues from the same state (used when a branch splits)."""
-        twin = BranchSampler.__new__(BranchSampler)
-        twin.params, twin.seen = self.params, set(self.seen)
-        twin.generator = None
-        if self.generator is not None:
-            twin.generator = torch.Generator()
-            twin.generator.set_state(self.generator.get_state())
-        return twin
 
 
 # ---------------------------------------------------------------------- processors
@@ -212,7 +213,8 @@ def choose_tokens(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> li
     among its own top-k candidates only (sorted, so top-p needs no sort of the vocabulary); a row
     without, over the whole vocabulary. Which way a row goes, and its draw, depend on that row
     alone, so a seeded branch gives the same tokens whatever runs beside it. Draws happen on the
-    CPU so that a seed gives the same tokens on every device.
+    CPU, so a seed gives the same random stream on every device (the logits themselves may differ
+    slightly between devices).
     """
     scores = penalize(logits.float(), samplers)
     chosen = scores.argmax(dim=-1).tolist()

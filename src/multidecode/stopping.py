@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .errors import InvalidArgument, is_int
+
 STOP = "stop"  # an eos token or a stop string
 LENGTH = "length"  # max_new_tokens reached
 
@@ -36,9 +38,22 @@ def eos_ids_of(model, eos_token_id: int | Iterable[int] | None) -> frozenset[int
             eos_token_id = getattr(model.config, "eos_token_id", None)
     if eos_token_id is None:
         return frozenset()
-    if isinstance(eos_token_id, int):
-        return frozenset([eos_token_id])
-    return frozenset(int(t) for t in eos_token_id)
+    ids = [eos_token_id] if is_int(eos_token_id) else eos_token_id
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable) or not all(is_int(t) for t in ids):
+        raise InvalidArgument(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r}",
+                              "pass an int, a list of ints, or [] to never stop early")
+    return frozenset(int(t) for t in ids)
+
+
+def stop_strings_of(stop: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Stop strings as a tuple; one string is one stop string, not a set of characters."""
+    if stop is None:
+        return ()
+    strings = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in strings):
+        raise InvalidArgument(f"stop strings must be non-empty strings, got {stop!r}",
+                              "pass a string or a list of strings")
+    return strings
 
 
 class TextStream:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..decoding import PromptsRun, TokenEvent, decode_prompts
 from ..errors import InvalidInput
-from ..prompts import question_message, render_prompt, tokenize_prompt
+from ..prompts import check_text, question_message, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
 
 
@@ -28,10 +28,7 @@ class Answer:
 
 
 def check_document(document: str) -> None:
-    if not isinstance(document, str):
-        raise InvalidInput(f"the document must be text, got {type(document).__name__}")
-    if not document.strip():
-        raise InvalidInput("the document is empty", "pass a document with some text in it")
+    check_text(document, "the document", "pass a document with some text in it")
 
 
 def check_questions(questions: Sequence[str]) -> None:
@@ -40,8 +37,7 @@ def check_questions(questions: Sequence[str]) -> None:
     if not questions:
         raise InvalidInput("there are no questions", "ask at least one question")
     for i, q in enumerate(questions):
-        if not isinstance(q, str) or not q.strip():
-            raise InvalidInput(f"question {i + 1} is empty", "remove it or write the question")
+        check_text(q, f"question {i + 1}", "remove it or write the question")
 
 
 def question_prompts(tokenizer, document: str, questions: Sequence[str], *, instruction: str | None = None) -> list[list[int]]:
@@ -67,5 +63,5 @@ def stream(decoder, document: str, questions: Sequence[str], **settings) -> Iter
 
 def ask(decoder, document: str, questions: Sequence[str], **settings) -> list[Answer]:
     run = start(decoder, document, questions, **settings).finish()
-    return [Answer(q, b.output.text, b.output.token_ids, run.prompts[i], b.output.finish_reason or "length")
+    return [Answer(q, b.output.text, b.output.token_ids, run.prompts[i], b.output.finish_reason)
             for i, (q, b) in enumerate(zip(questions, run.branches))]

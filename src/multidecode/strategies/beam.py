@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import CompactionPolicy, check_fits, check_positive
+from ..decoding import CompactionPolicy, check_fits, check_positive, token_ids
 from ..engine import Engine, EngineStats
 from ..errors import InvalidArgument, InvalidInput
 from ..stopping import LENGTH, STOP, eos_ids_of
@@ -128,10 +128,10 @@ def run_beam_search(
         keeps only the beams' paths, so other trees on a shared engine may be compacted away.
     """
     check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, num_return_sequences)
-    prompt = [int(t) for t in prompt_ids]
+    engine = engine or Engine(model)
+    prompt = token_ids(prompt_ids, engine.vocab_size)
     if not prompt:
         raise InvalidInput("the prompt has no tokens", "pass some token ids or text")
-    engine = engine or Engine(model)
     compaction = compaction or CompactionPolicy()
     check_fits(engine, [len(prompt)], max_new_tokens)
     eos = eos_ids_of(model, eos_token_id)
@@ -145,17 +145,18 @@ def run_beam_search(
     # transformers starts with B copies of the prompt scored [0, -1e9, ...]; the copies share one
     # node here, and the -1e9 scores keep every first-step candidate on the first copy.
     leaves = [start] * B
-    scores = torch.full((B,), -1e9, dtype=torch.float32)
+    scores = torch.full((B,), -1e9, dtype=torch.float32)  # [B] each beam's summed log-prob
     scores[0] = 0.0
     finished: list[_Hypothesis] = []
     cur_len, steps = P, 0
     dropped = False
     while True:
         steps += 1
-        log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [1 or B, V]
         vocab = log_probs.shape[-1]
-        log_probs = log_probs.expand(B, vocab) if log_probs.shape[0] == 1 else log_probs
-        top_scores, top_index = torch.topk((log_probs + scores[:, None]).reshape(-1), k=K)
+        log_probs = log_probs.expand(B, vocab) if log_probs.shape[0] == 1 else log_probs  # [B, V]
+        # The K best (beam, token) pairs over all beams: scores [B] + log_probs [B, V], flattened.
+        top_scores, top_index = torch.topk((log_probs + scores[:, None]).reshape(-1), k=K)  # [K], [K]
         sources = (top_index // vocab).tolist()
         tokens = (top_index % vocab).tolist()
         at_max = cur_len + 1 >= max_length
@@ -183,12 +184,10 @@ def run_beam_search(
                 break
 
         dropped = dropped or not set(leaves) <= set(parents)  # a beam left behind: its slots may be dead
-        if dropped:
-            live = sorted(set(parents))
-            dead = engine.forest.num_slots - engine.forest.compaction_plan(live).numel()
-            if compaction.due(steps, dead, engine.forest.num_slots):
-                engine.compact(live)
-                dropped = False
+        if dropped and engine.compact_if_due(
+            sorted(set(parents)), lambda dead, total: compaction.due(steps, dead, total)
+        ):
+            dropped = False
         leaves, logits = engine.feed(next_tokens, parents, logits_for=range(B))
 
     beams = [_beam(i, h, engine, start, prompt, eos, tokenizer) for i, h in enumerate(finished[:num_return_sequences])]

@@ -72,7 +72,7 @@ def stream(decoder, prompt, **settings) -> Iterator[TokenEvent]:
 
 def completions(run: PromptsRun) -> list[Completion]:
     return [
-        Completion(b.index, b.output.text, b.output.token_ids, b.output.finish_reason or "length",
+        Completion(b.index, b.output.text, b.output.token_ids, b.output.finish_reason,
                    b.sampler.params.seed if b.sampler.params.do_sample else None, run.prompts[b.index])
         for b in run.branches
     ]

@@ -33,8 +33,10 @@ import torch
 from ..decoding import PromptsRun, TokenEvent, check_fits, check_positive, decode_prompts, open_branches
 from ..engine import Engine
 from ..errors import InvalidArgument, InvalidInput
-from ..prompts import render_prompt, share_prefix, tokenize_prompt
+from ..prompts import check_text, render_prompt, share_prefix, tokenize_prompt
 from ..sampling import per_branch_sampling
+from ..stopping import stop_strings_of
+from .ask import check_document
 
 NOTHING = "Nothing relevant."
 """What a margin says when its chunk holds nothing about the question (the prompt asks for it)."""
@@ -138,10 +140,7 @@ class Margins:
 
 # ---------------------------------------------------------------------- chunks
 def check_question(question: str) -> None:
-    if not isinstance(question, str):
-        raise InvalidInput(f"the question must be text, got {type(question).__name__}")
-    if not question.strip():
-        raise InvalidInput("the question is empty", "write the question the margins should be about")
+    check_text(question, "the question", "write the question the margins should be about")
 
 
 @dataclass(frozen=True)
@@ -239,10 +238,7 @@ def split_document(tokenizer, document: str, chunk_tokens: int = 300) -> list[Ch
     Token counts tokenize each piece alone, so they are close to, not exactly, the ids a chunk
     gets inside its prompt.
     """
-    if not isinstance(document, str):
-        raise InvalidInput(f"the document must be text, got {type(document).__name__}")
-    if not document.strip():
-        raise InvalidInput("the document is empty", "pass a document with some text in it")
+    check_document(document)
     check_positive("chunk_tokens", chunk_tokens)
     count = _Counter(tokenizer, document)
     whole = _trimmed(document, 0, len(document))
@@ -351,8 +347,9 @@ class YesNoClassifier:
         prompts = self.prompts(question, notes)
         logits = next_token_logits(self.decoder.model, prompts)
         self.last_stats = dict(logits.stats)
-        yes = torch.logsumexp(logits.values[:, self.yes_ids], dim=-1)
-        no = torch.logsumexp(logits.values[:, self.no_ids], dim=-1)
+        # logits.values [n, V]: the next-token logits after each note's verdict prompt.
+        yes = torch.logsumexp(logits.values[:, self.yes_ids], dim=-1)  # [n]
+        no = torch.logsumexp(logits.values[:, self.no_ids], dim=-1)  # [n]
         return (yes - no).tolist()
 
 
@@ -370,9 +367,7 @@ def next_token_logits(model, prompts: Sequence[Sequence[int]]) -> _Logits:
     check_fits(engine, [len(p) for p in shared.prompt_ids], 1)
     engine.reserve(len(shared.prefix_ids) + sum(map(len, shared.suffix_ids)))
     _, logits = open_branches(engine, shared.prefix_ids, shared.suffix_ids)
-    s = engine.stats
-    return _Logits(logits, {"forward_passes": s.forward_passes, "tokens_fed": s.tokens_fed,
-                            "peak_cache_bytes": s.peak_cache_bytes, "prefix_tokens": len(shared.prefix_ids)})
+    return _Logits(logits, {**engine.stats.as_dict(), "prefix_tokens": len(shared.prefix_ids)})
 
 
 # ---------------------------------------------------------------------- the run
@@ -464,21 +459,15 @@ class MarginsRun:
         answer = self.start_answer().finish().branches[0]
         margins = [
             Margin(c.index, c.span, c.text, text, list(b.output.token_ids), self.prompts[i],
-                   b.output.finish_reason or "length", relevant, score)
+                   b.output.finish_reason, relevant, score)
             for i, (c, b, text, (relevant, score)) in enumerate(
                 zip(self.chunks, self.margin_run.branches, texts, verdicts))
         ]
-        stats = {"margins": _engine_stats(self.margin_run), "relevance": self.stats.get("relevance", {}),
-                 "answer": _engine_stats(self.answer_run)}
+        stats = {"margins": self.margin_run.engine.stats.as_dict(), "relevance": self.stats.get("relevance", {}),
+                 "answer": self.answer_run.engine.stats.as_dict()}
         return Margins(self.question, self.document, margins, answer.output.text.strip(),
                        list(answer.output.token_ids), self.answer_run.prompts[0],
-                       answer.output.finish_reason or "length", stats)
-
-
-def _engine_stats(run: PromptsRun) -> dict:
-    s = run.engine.stats
-    return {"forward_passes": s.forward_passes, "tokens_fed": s.tokens_fed, "peak_cache_bytes": s.peak_cache_bytes,
-            "compactions": s.compactions}
+                       answer.output.finish_reason, stats)
 
 
 def start(decoder, document: str | Sequence[str], question: str, *, chunk_tokens: int = 300,
@@ -506,7 +495,7 @@ def start(decoder, document: str | Sequence[str], question: str, *, chunk_tokens
     return MarginsRun(decoder, text, chunks, question, max_margin_tokens=max_margin_tokens,
                       max_new_tokens=max_new_tokens, classify=classify, threshold=threshold,
                       margin_template=margin_template,
-                      answer_template=answer_template, stop=tuple(stop or ()), sampling=sampling)
+                      answer_template=answer_template, stop=stop_strings_of(stop), sampling=sampling)
 
 
 def margins(decoder, document: str | Sequence[str], question: str, **settings) -> Margins:
