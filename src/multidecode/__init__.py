@@ -14,6 +14,7 @@ Entry points:
 from .decoder import MultiDecoder, load
 from .decoding import CompactionPolicy, TokenEvent, decode
 from .errors import (
+    CacheUnwritable,
     InvalidArgument,
     InvalidInput,
     ModelNotFound,
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Answer",
     "Beam",
+    "CacheUnwritable",
     "CompactionPolicy",
     "Completion",
     "InvalidArgument",

@@ -70,7 +70,7 @@ class Branch:
 
 def check_positive(name: str, value: int) -> None:
     if not is_int(value) or value < 1:
-        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", f"pass {name}=1 or more")
+        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", "use 1 or more")
 
 
 def token_ids(ids, vocab_size: int, what: str = "a prompt") -> list[int]:

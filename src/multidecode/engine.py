@@ -28,7 +28,6 @@ from .forest import ROOT, Forest, chain_parents
 from .masks import build_attention_mask
 from .models import check_supported, mask_layout, max_positions
 
-
 APART_MIN_MEAN_LENGTH = 64
 """Chains shorter than this on average are prefilled together (see `Engine.prefers_apart`)."""
 

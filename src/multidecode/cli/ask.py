@@ -12,7 +12,9 @@ from rich.text import Text
 
 from ..decoding import TokenEvent
 from ..errors import InvalidInput
+from ..strategies.ask import check_document, check_questions
 from .common import (
+    check_early,
     load_decoder,
     model_options,
     read_lines,
@@ -42,9 +44,11 @@ class AnswerBoard:
         return event.finish_reason is not None
 
     def entry(self, i: int) -> Text:
-        mark = Text(" done", style="green") if self.reasons[i] else Text(" ...", style="cyan")
-        head = Text(f"{i + 1}. {self.questions[i]}", style="bold") + mark + "\n"
-        return head + Text("   " + self.texts[i].strip().replace("\n", "\n   ") + "\n")
+        entry = Text()
+        entry.append(f"{i + 1}. {self.questions[i]}", style="bold")
+        entry.append(" done" if self.reasons[i] else " ...", style="green" if self.reasons[i] else "cyan")
+        entry.append("\n   " + self.texts[i].strip().replace("\n", "\n   ") + "\n")
+        return entry
 
     def __rich__(self) -> Text:
         return Text("\n").join(self.entry(i) for i in range(len(self.questions)))
@@ -85,8 +89,14 @@ def gather_questions(question: Sequence[str], questions_file: str | None) -> lis
 @report_errors
 def ask(document, question, questions_file, max_new_tokens, stop, model_name, dtype, device, as_json, **sampling):
     """Answer many questions about one document in one pass over one shared KV cache."""
+    if document == "-" and questions_file == "-":
+        raise InvalidInput("--document and --questions-file cannot both read standard input",
+                           "give one of them as a file")
     text = read_text(document)
     questions = gather_questions(question, questions_file)
+    check_document(text)
+    check_questions(questions)
+    check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
     decoder = load_decoder(model_name, dtype, device)
     start = time.perf_counter()
     settings = dict(max_new_tokens=max_new_tokens, stop=stop, **sampling_from(sampling))
@@ -104,6 +114,6 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, dt
         generated = sum(map(len, board.token_ids))
     elapsed = time.perf_counter() - start
     stderr.print(
-        f"[dim]{len(questions)} answers, {generated} tokens in {elapsed:.1f} s "
+        f"[dim]{len(questions)} answer{'s' * (len(questions) != 1)}, {generated} tokens in {elapsed:.1f} s "
         f"({generated / elapsed:.1f} tokens/s), one shared pass[/dim]"
     )

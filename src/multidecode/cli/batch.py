@@ -22,7 +22,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..batch import BatchJob, BatchSettings, BatchSummary, LineResult, model_identity, open_batch
-from .common import load_decoder, model_options, read_lines, report_errors, sampling_from, sampling_options, stderr
+from .common import (
+    check_early,
+    load_decoder,
+    model_options,
+    read_lines,
+    report_errors,
+    sampling_from,
+    sampling_options,
+    stderr,
+)
 
 #: failures printed as they happen; later ones are only counted (all are in the output)
 SHOWN_FAILURES = 20
@@ -59,7 +68,9 @@ class ProgressView:
                 TextColumn("[bold]batch[/bold]"), BarColumn(), MofNCompleteColumn(), TextColumn("lines"),
                 TextColumn("{task.fields[failed]}"), TextColumn("{task.fields[speed]}"),
                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                console=stderr, transient=False,
+                # ETA from the whole run's average: rich's default (the last 30 s) has no
+                # estimate at all when one document takes longer than that.
+                console=stderr, transient=False, speed_estimate_period=7 * 24 * 3600,
             )
             self.progress.start()
             self.task = self.progress.add_task("batch", total=self.job.total, completed=self.job.skipped,
@@ -210,13 +221,15 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     with its error and the job goes on; --retry-failed redoes those. Resuming needs the same
     settings (model, dtype, job questions, --max-new-tokens, --stop, sampling), which
     OUT.meta.json records. Exit status: 0 when every line has a result (failed ones included),
-    130 after Ctrl-C (143 after SIGTERM), 2 for a problem with the job.
+    1 when lines are left undone (the input changed during the run, or repeated unexpected
+    errors aborted it), 130 after Ctrl-C (143 after SIGTERM), 2 for a problem with the job.
 
     \b
     Example:
       multidecode batch calls.jsonl --questions-file questions.txt --output answers.jsonl
     """
     questions = list(question) + (read_lines(questions_file) if questions_file else [])
+    check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
     settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
                              sampling=sampling_from(sampling), model=model_identity(model_name), dtype=dtype)
     with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
@@ -240,3 +253,5 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
         stderr.print("[yellow]hint:[/yellow] run the same command again to resume"
                      + (f": {escape(command)}" if command else ""))
         raise SystemExit(128 + received[0])
+    if not summary.complete:
+        raise SystemExit(1)

@@ -12,14 +12,39 @@ from ..errors import InvalidArgument
 from .common import load_decoder, model_options, report_errors, stderr, stdout
 
 
-def parse_ks(text: str) -> tuple[int, ...]:
+def parse_counts(text: str, flag: str) -> tuple[int, ...]:
+    """A sweep given as comma-separated positive integers, e.g. "1,2,4,8"."""
     try:
-        ks = tuple(int(part) for part in text.split(",") if part.strip())
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise InvalidArgument(f"--ks must be comma-separated integers, got {text!r}", "for example --ks 1,2,4,8") from None
-    if not ks or min(ks) < 1:
-        raise InvalidArgument(f"--ks needs positive integers, got {text!r}", "for example --ks 1,2,4,8")
-    return ks
+        raise InvalidArgument(f"{flag} must be comma-separated integers, got {text!r}",
+                              f"for example {flag} 1,2,4,8") from None
+    if not counts or min(counts) < 1:
+        raise InvalidArgument(f"{flag} needs positive integers, got {text!r}", f"for example {flag} 1,2,4,8")
+    return counts
+
+
+def output_options(command):
+    """--output DIR and --stem NAME (the results' file names)."""
+    command = click.option("--stem", default=None, metavar="NAME",
+                           help="File name for the results, without extension (default: bench_<benchmark>).")(command)
+    return click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR",
+                        help="Folder for the JSON results and the plot.")(command)
+
+
+def check_run(output: str, dtype: str | None, threads: int | None, **positive: int) -> None:
+    """Refuse settings a benchmark would trip on, before the model loads and the run starts."""
+    if Path(output).exists() and not Path(output).is_dir():
+        raise InvalidArgument(f"--output {output} is a file, not a folder", "name a folder for the results")
+    if dtype not in (None, "float32"):
+        raise InvalidArgument(f"the benchmarks compare outputs token for token, which holds in float32 only, "
+                              f"not {dtype}", "leave --dtype unset")
+    if threads is not None and threads < 1:
+        raise InvalidArgument(f"--threads must be 1 or more, got {threads}", "or leave it unset")
+    for name, value in positive.items():
+        if value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidArgument(f"{flag} must be 1 or more, got {value}", f"use {flag} 1 or more")
 
 
 def targets_table(result: dict) -> Table:
@@ -65,20 +90,20 @@ def bench():
 
 
 @bench.command("ask")
-@click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR",
-              help="Folder for bench_ask.json and bench_ask.png.")
+@output_options
 @click.option("--ks", default="1,2,4,8,16", show_default=True, help="Question counts for the sweep.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True, help="Runs of (c) and (d) at the main point.")
 @click.option("--threads", type=int, default=None, help="torch threads for the run (default: torch's own).")
 @model_options
 @report_errors
-def bench_ask(output, ks, max_new_tokens, repeats, threads, model_name, dtype, device):
+def bench_ask(output, stem, ks, max_new_tokens, repeats, threads, model_name, dtype, device):
     """Many questions about one document: (a) sequential generate, (b) a padded batch, (c) a shared
     prefix cache copied to a batch, (d) MultiDecode. Asserts identical answers; writes JSON and a plot."""
     from ..bench import run_ask_benchmark, write_results
 
-    sweep = parse_ks(ks)
+    sweep = parse_counts(ks, "--ks")
+    check_run(output, dtype, threads, max_new_tokens=max_new_tokens, repeats=repeats)
     decoder = load_decoder(model_name, dtype, device)
     start = time.perf_counter()
     with stderr.status("benchmarking...") as status:
@@ -88,7 +113,7 @@ def bench_ask(output, ks, max_new_tokens, repeats, threads, model_name, dtype, d
 
         result = run_ask_benchmark(decoder, max_new_tokens=max_new_tokens, ks=sweep, repeats=repeats,
                                    threads=threads, progress=progress)
-    paths = write_results(result, Path(output))
+    paths = write_results(result, Path(output), stem=stem)
     stdout.print(ask_table(result))
     stdout.print(targets_table(result))
     stdout.print("All four methods gave identical answers." if result.get("answers_identical") else "")
@@ -113,7 +138,7 @@ def sweep_table(result: dict, key: str, label: str, methods: dict[str, str]) -> 
     return table
 
 
-def run_and_report(name: str, runner, output: str, table) -> None:
+def run_and_report(name: str, runner, output: str, stem: str | None, table) -> None:
     """Run one benchmark with progress on stderr, then print its tables and write its files."""
     from ..bench import write_results
 
@@ -124,7 +149,7 @@ def run_and_report(name: str, runner, output: str, table) -> None:
             status.update(f"benchmarking {name}... {message}")
 
         result = runner(progress)
-    paths = write_results(result, Path(output))
+    paths = write_results(result, Path(output), stem=stem)
     stdout.print(table(result))
     stdout.print(targets_table(result))
     for path in paths:
@@ -132,7 +157,7 @@ def run_and_report(name: str, runner, output: str, table) -> None:
 
 
 @bench.command("sample")
-@click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR")
+@output_options
 @click.option("--n", "n", type=int, default=8, show_default=True, help="Completions at the main point.")
 @click.option("--ns", default="1,2,4,8,16", show_default=True, help="Completion counts for the sweep.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
@@ -141,19 +166,22 @@ def run_and_report(name: str, runner, output: str, table) -> None:
 @click.option("--threads", type=int, default=None)
 @model_options
 @report_errors
-def bench_sample(output, n, ns, max_new_tokens, prompt_tokens, repeats, threads, model_name, dtype, device):
+def bench_sample(output, stem, n, ns, max_new_tokens, prompt_tokens, repeats, threads, model_name, dtype, device):
     """n sampled completions of one prompt: transformers' num_return_sequences against MultiDecode."""
     from ..bench import run_sample_benchmark
 
+    sweep = parse_counts(ns, "--ns")
+    check_run(output, dtype, threads, n=n, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
+              repeats=repeats)
     decoder = load_decoder(model_name, dtype, device)
     run_and_report("sample", lambda progress: run_sample_benchmark(
-        decoder, n=n, ns=parse_ks(ns), max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
-        repeats=repeats, threads=threads, progress=progress), output,
+        decoder, n=n, ns=sweep, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
+        repeats=repeats, threads=threads, progress=progress), output, stem,
         lambda r: sweep_table(r, "n", "n", {"hf_num_return_sequences": "HF", "multidecode": "MD"}))
 
 
 @bench.command("beam")
-@click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR")
+@output_options
 @click.option("--num-beams", type=int, default=4, show_default=True, help="Beams at the main point.")
 @click.option("--beams", default="2,4,8", show_default=True, help="Beam counts for the sweep.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
@@ -162,19 +190,22 @@ def bench_sample(output, n, ns, max_new_tokens, prompt_tokens, repeats, threads,
 @click.option("--threads", type=int, default=None)
 @model_options
 @report_errors
-def bench_beam(output, num_beams, beams, max_new_tokens, prompt_tokens, repeats, threads, model_name, dtype, device):
+def bench_beam(output, stem, num_beams, beams, max_new_tokens, prompt_tokens, repeats, threads, model_name, dtype, device):
     """Beam search: transformers' generate(num_beams=B) against beams as one tree (identical results asserted)."""
     from ..bench import run_beam_benchmark
 
+    sweep = parse_counts(beams, "--beams")
+    check_run(output, dtype, threads, num_beams=num_beams, max_new_tokens=max_new_tokens,
+              prompt_tokens=prompt_tokens, repeats=repeats)
     decoder = load_decoder(model_name, dtype, device)
     run_and_report("beam", lambda progress: run_beam_benchmark(
-        decoder, num_beams=num_beams, beams_sweep=parse_ks(beams), max_new_tokens=max_new_tokens,
-        prompt_tokens=prompt_tokens, repeats=repeats, threads=threads, progress=progress), output,
+        decoder, num_beams=num_beams, beams_sweep=sweep, max_new_tokens=max_new_tokens,
+        prompt_tokens=prompt_tokens, repeats=repeats, threads=threads, progress=progress), output, stem,
         lambda r: sweep_table(r, "num_beams", "beams", {"hf_beam": "HF", "multidecode_beam": "MD"}))
 
 
 @bench.command("margins")
-@click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR")
+@output_options
 @click.option("--chunks", type=int, default=8, show_default=True)
 @click.option("--chunk-tokens", type=int, default=300, show_default=True)
 @click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens per margin.")
@@ -182,10 +213,12 @@ def bench_beam(output, num_beams, beams, max_new_tokens, prompt_tokens, repeats,
 @click.option("--threads", type=int, default=None)
 @model_options
 @report_errors
-def bench_margins(output, chunks, chunk_tokens, max_new_tokens, repeats, threads, model_name, dtype, device):
+def bench_margins(output, stem, chunks, chunk_tokens, max_new_tokens, repeats, threads, model_name, dtype, device):
     """Writing in the margins: margins one chunk at a time, as one padded batch, and as one forest."""
     from ..bench import run_margins_benchmark
 
+    check_run(output, dtype, threads, chunks=chunks, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens,
+              repeats=repeats)
     decoder = load_decoder(model_name, dtype, device)
 
     def table(result: dict) -> Table:
@@ -195,4 +228,4 @@ def bench_margins(output, chunks, chunk_tokens, max_new_tokens, repeats, threads
 
     run_and_report("margins", lambda progress: run_margins_benchmark(
         decoder, chunks=chunks, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens, repeats=repeats,
-        threads=threads, progress=progress), output, table)
+        threads=threads, progress=progress), output, stem, table)

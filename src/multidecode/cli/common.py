@@ -56,6 +56,20 @@ def sampling_from(options: dict) -> dict:
     return {k: options[k] for k in keys if options.get(k) is not None}
 
 
+def check_early(*, max_new_tokens: int | None = None, n: int = 1, sampling: dict | None = None,
+                stop=()) -> None:
+    """Check settings before the model loads (which can take minutes), so a typo fails at once."""
+    from ..decoding import check_positive
+    from ..sampling import per_branch_sampling
+    from ..stopping import stop_strings_of
+
+    if max_new_tokens is not None:
+        check_positive("max_new_tokens", max_new_tokens)
+    check_positive("n", n)
+    per_branch_sampling(n, dict(sampling or {}))
+    stop_strings_of(stop)
+
+
 # ---------------------------------------------------------------------- inputs
 def read_text(path: str, what: str = "document") -> str:
     """Read a UTF-8 text file, or stdin for '-'; refuse binary files with a clear message."""
@@ -109,7 +123,7 @@ def load_decoder(model_name: str | None, dtype: str | None, device: str | None):
     if model_name is None and embedded_copy(convert=False) is None:
         message = "Converting the embedded model to a float32 cache (once, about 20 s)..."
     else:
-        message = f"Loading {model_name or 'the embedded model'}..."
+        message = f"Loading {escape(model_name or 'the embedded model')}..."
     start = time.perf_counter()
     with stderr.status(message):
         decoder = load(model_name, dtype=dtype, device=device)
@@ -135,9 +149,9 @@ def report_errors(function):
         try:
             return function(*args, **kwargs)
         except MultiDecodeError as err:
-            stderr.print(f"[bold red]error:[/bold red] {err.message}")
+            stderr.print(f"[bold red]error:[/bold red] {escape(err.message)}")
             if err.hint:
-                stderr.print(f"[yellow]hint:[/yellow] {err.hint}")
+                stderr.print(f"[yellow]hint:[/yellow] {escape(err.hint)}")
             raise SystemExit(err.exit_code) from None
         except KeyboardInterrupt:
             stderr.print("[yellow]interrupted[/yellow]")

@@ -6,11 +6,16 @@ import json
 import time
 
 import click
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
+from ..errors import InvalidArgument
+from ..prompts import check_text
 from .ask import show_stream
 from .common import (
+    check_early,
     load_decoder,
     model_options,
     prompt_options,
@@ -41,11 +46,15 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     single completion run with `--seed S+i`.
     """
     text = read_prompt(prompt, prompt_file)
-    decoder = load_decoder(model_name, dtype, device)
-    settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None,
-                    **sampling_from(sampling))
+    chosen = sampling_from(sampling)
+    if greedy and set(chosen) - {"repetition_penalty"}:
+        flags = ", ".join("--" + k.replace("_", "-") for k in chosen if k != "repetition_penalty")
+        raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
     if greedy:
-        settings["do_sample"] = False
+        chosen["do_sample"] = False
+    check_early(max_new_tokens=max_new_tokens, n=n, sampling=chosen, stop=stop)
+    decoder = load_decoder(model_name, dtype, device)
+    settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None, **chosen)
     start = time.perf_counter()
     if as_json:
         done = decoder.complete(text, **settings)
@@ -61,7 +70,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
         board = show_stream(run.events, labels)
         generated = sum(map(len, board.token_ids))
     elapsed = time.perf_counter() - start
-    stderr.print(f"[dim]{n} completions, {generated} tokens in {elapsed:.1f} s ({generated / elapsed:.1f} tokens/s), "
+    stderr.print(f"[dim]{n} completion{'s' * (n != 1)}, {generated} tokens in {elapsed:.1f} s ({generated / elapsed:.1f} tokens/s), "
                  f"one prefill[/dim]")
 
 
@@ -79,6 +88,8 @@ def vote(question, n, max_new_tokens, model_name, dtype, device, show_traces, as
     from ..strategies import complete as strategy
     from ..strategies.vote import tally, vote_prompt, vote_settings
 
+    check_text(question, "the question", "write the question to reason about")
+    check_early(max_new_tokens=max_new_tokens, n=n, sampling=vote_settings(sampling_from(sampling)))
     decoder = load_decoder(model_name, dtype, device)
     prompt = vote_prompt(question)
     run = strategy.start(decoder, prompt, n=n, max_new_tokens=max_new_tokens,
@@ -100,17 +111,17 @@ def vote(question, n, max_new_tokens, model_name, dtype, device, show_traces, as
         return
     if show_traces:
         for i, trace in enumerate(result.traces):
-            stdout.print(f"[bold]trace {i + 1}[/bold] (seed {trace.seed}) -> {trace.answer!r}")
+            stdout.print(f"[bold]trace {i + 1}[/bold] (seed {trace.seed}) -> {escape(repr(trace.answer))}")
             stdout.print(trace.text.strip(), markup=False)
             stdout.print()
     table = Table(title=f"{n} traces", title_justify="left")
     table.add_column("answer")
     table.add_column("votes", justify="right")
     for answer, count in result.counts.items():
-        table.add_row(answer, str(count))
+        table.add_row(Text(answer), str(count))
     missing = sum(t.answer is None for t in result.traces)
     if missing:
         table.add_row("[dim](no answer found)[/dim]", str(missing))
     stdout.print(table)
-    stdout.print(f"Majority answer: [bold]{result.answer}[/bold] ({result.agreement:.0%} of traces)"
+    stdout.print(f"Majority answer: [bold]{escape(result.answer)}[/bold] ({result.agreement:.0%} of traces)"
                  if result.answer is not None else "No trace gave an answer.")

@@ -9,10 +9,13 @@ import click
 from rich.table import Table
 from rich.text import Text
 
+from ..decoding import check_positive
 from ..errors import InvalidInput
 from ..strategies import margins as _margins
+from ..strategies.ask import check_document
 from .ask import show_stream
 from .common import (
+    check_early,
     load_decoder,
     model_options,
     read_text,
@@ -72,6 +75,10 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
     text = read_text(document)
     if question is None or not question.strip():
         raise InvalidInput("there is no question", "pass --question TEXT")
+    check_document(text)
+    for name, value in (("chunk_tokens", chunk_tokens), ("max_margin_tokens", max_margin_tokens)):
+        check_positive(name, value)
+    check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling))
     decoder = load_decoder(model_name, dtype, device)
     start = time.perf_counter()
     run = _margins.start(decoder, text, question, chunk_tokens=chunk_tokens, max_margin_tokens=max_margin_tokens,
