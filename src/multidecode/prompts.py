@@ -74,8 +74,14 @@ def tokenize_prompt(tokenizer, text: str) -> list[int]:
 def share_prefix(prompt_ids: Sequence[Sequence[int]]) -> SharedPrompts:
     """Split whole-prompt ids into their longest common prefix and the rest of each."""
     prompts = [list(p) for p in prompt_ids]
+    n = common_prefix_length(prompts)
+    return SharedPrompts(prompts[0][:n], [p[n:] for p in prompts], prompts)
+
+
+def common_prefix_length(prompts: Sequence[Sequence[int]], *, leave: int = 0) -> int:
+    """How many leading ids all `prompts` share, stopping `leave` ids short of the shortest."""
     shortest = min(len(p) for p in prompts)
     n = 0
-    while n < shortest and all(p[n] == prompts[0][n] for p in prompts):
+    while n < shortest - leave and all(p[n] == prompts[0][n] for p in prompts):
         n += 1
-    return SharedPrompts(prompts[0][:n], [p[n:] for p in prompts], prompts)
+    return n

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from importlib import resources
 
 from ..errors import InvalidArgument
+from ..prompts import common_prefix_length
 from .common import (
     Measurement,
     Progress,
@@ -37,6 +38,7 @@ from .common import (
     multidecode_forest,
     pad_id_of,
     quiet_transformers,
+    shared_prefix_length,
     torch_threads,
 )
 
@@ -146,8 +148,6 @@ def _run(decoder, document, questions, extra_questions, max_new_tokens, ks, swee
     model, tokenizer = decoder.model, decoder.tokenizer
     if document is None:
         document = sample_document()
-        if questions is None:
-            questions = sample_questions()
         if extra_questions is None:
             extra_questions = SUPPORT_CALL_EXTRA_QUESTIONS
     if questions is None:
@@ -237,9 +237,7 @@ def _line(m: Measurement) -> str:
 
 def _short_prompts(prompts: Sequence[Sequence[int]], keep: int = 96) -> list[list[int]]:
     """Cheap warm-up prompts: the first `keep` shared tokens plus each prompt's own tail."""
-    n = 0
-    while n < min(map(len, prompts)) - 1 and all(p[n] == prompts[0][n] for p in prompts):
-        n += 1
+    n = shared_prefix_length(prompts)
     return [list(p[: min(keep, n)]) + list(p[n:]) for p in prompts]
 
 
@@ -253,12 +251,6 @@ def _warm_runner(method, prompts, model, decoder, eos_ids, pad_id):
         return lambda c: hf_shared_prefix(model, prompts, c, **hf)
     return lambda c: multidecode_forest(decoder, prompts, c, max_new_tokens=2)
 
-
-def _common(prompts) -> int:
-    n = 0
-    while n < min(map(len, prompts)) and all(p[n] == prompts[0][n] for p in prompts):
-        n += 1
-    return n
 
 
 def _config(decoder, document, questions, pool, prompts, main_k, ks, max_new_tokens, sweep_methods, repeats,
@@ -279,7 +271,7 @@ def _config(decoder, document, questions, pool, prompts, main_k, ks, max_new_tok
         "sweep_repeat_budget_s": budget[1],
         "document_tokens": doc_tokens,
         "prompt_tokens": [len(p) for p in main_prompts],
-        "shared_prefix_tokens": _common(main_prompts),
+        "shared_prefix_tokens": common_prefix_length(main_prompts),
         "questions": list(questions),
         "sweep_questions": list(pool),
         "eos_ids": list(eos_ids),

@@ -15,6 +15,7 @@ The main comparison is at `num_beams`; the sweep repeats it for each B in `beams
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,7 +76,7 @@ def hf_beam(model, prompt: Sequence[int], counter: ForwardCounter, *, num_beams:
                              return_dict_in_generate=True, output_scores=True)
     peak = cache_bytes(out.past_key_values)
     answers = [trim_at_eos(row, eos_ids) for row in out.sequences[:, len(prompt):].tolist()]
-    fed = sum(_numel(shape) for _, _, shape in counter.calls)
+    fed = sum(math.prod(shape) for _, _, shape in counter.calls)
     return RunOutput(answers, peak, extra={"scores": out.sequences_scores.float().tolist(), "tokens_fed": fed,
                                            "peak_used_kv_bytes": peak})
 
@@ -95,13 +96,6 @@ def multidecode_beam(model, prompt: Sequence[int], counter: ForwardCounter, *, n
                "peak_slots": stats.peak_slots, "peak_used_kv_bytes": stats.peak_slots * per_slot,
                "compactions": stats.compactions, "slots_dropped": stats.slots_dropped},
     )
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def check_scores(hf: Measurement, ours: Measurement) -> float:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from ..prompts import common_prefix_length
+
 Progress = Callable[[str], None]
 
 PREFILL = "prefill"
@@ -356,11 +358,7 @@ def hf_batched(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **se
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
     """Longest common prefix, leaving every prompt at least one token of its own to feed."""
-    shortest = min(len(p) for p in prompts)
-    n = 0
-    while n < shortest - 1 and all(p[n] == prompts[0][n] for p in prompts):
-        n += 1
-    return n
+    return common_prefix_length(prompts, leave=1)
 
 
 def hf_shared_prefix(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
@@ -408,15 +406,7 @@ def multidecode_forest(decoder, prompts, counter, *, max_new_tokens, sampling=No
     answers = [list(b.output.token_ids) for b in run.branches]
     return RunOutput(answers, stats.peak_cache_bytes, forward_passes=stats.forward_passes,
                      extra={"peak_slots": stats.peak_slots, "tokens_fed": stats.tokens_fed,
-                            "compactions": stats.compactions, "prefix_tokens": _common_prefix(run.prompts)})
-
-
-def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
-    shortest = min(len(p) for p in prompts)
-    n = 0
-    while n < shortest and all(p[n] == prompts[0][n] for p in prompts):
-        n += 1
-    return n
+                            "compactions": stats.compactions, "prefix_tokens": common_prefix_length(run.prompts)})
 
 
 # ---------------------------------------------------------------------- quiet, warm, described
@@ -465,10 +455,6 @@ def environment(model) -> dict:
     from .. import __version__
 
     param = next(model.parameters())
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
     return {
         "model": model_name(model),
         "model_type": getattr(model.config, "model_type", None),
@@ -483,7 +469,7 @@ def environment(model) -> dict:
         "platform": platform.platform(),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "load_average_at_start": load,
+        "load_average_at_start": load_average(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 

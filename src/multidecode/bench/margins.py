@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import InvalidArgument
+from ..prompts import common_prefix_length
 from ..strategies.margins import margin_prompts, split_document, start
 from .common import (
     ForwardCounter,
@@ -180,7 +181,7 @@ def _run(decoder, document, question, n_chunks, chunk_tokens, max_new_tokens, re
             "chunk_token_counts": [c.tokens for c in chunks],
             "chunk_spans": [list(c.span) for c in chunks],
             "prompt_tokens": [len(p) for p in prompts],
-            "shared_prefix_tokens": _common(prompts),
+            "shared_prefix_tokens": common_prefix_length(prompts),
             "max_new_tokens": max_new_tokens,
             "decoding": "greedy",
             "repeats": repeats,
@@ -213,13 +214,6 @@ def _line(m: Measurement) -> str:
     return f"{LABELS[m.method]}: {m.wall_s:.2f} s{runs}, {m.forward_passes} forwards"
 
 
-def _common(prompts) -> int:
-    n = 0
-    while n < min(map(len, prompts)) and all(p[n] == prompts[0][n] for p in prompts):
-        n += 1
-    return n
-
-
 def _targets(ratios: dict) -> list[dict]:
     rows = []
     got = ratios[SEQUENTIAL]["speedup"]
@@ -237,6 +231,8 @@ def plot_margins(result: dict, path: str | Path) -> Path:
     """Wall time, forward passes and peak KV memory of each method, as bars (PNG at `path`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    from .plot import machine_label
 
     path = Path(path)
     methods = result["methods"]
@@ -264,11 +260,10 @@ def plot_margins(result: dict, path: str | Path) -> Path:
         ax.tick_params(axis="x", labelsize=7)
         ax.margins(y=0.2)
         ax.grid(alpha=0.3, axis="y")
-    meta, config = result.get("metadata", {}), result.get("config", {})
+    config = result.get("config", {})
     fig.suptitle(
         f"Writing in the margins: {config.get('chunks', '?')} chunks of ~{config.get('chunk_tokens', '?')} tokens, "
-        f"{config.get('max_new_tokens', '?')} new tokens each, greedy - {meta.get('model', '?')} "
-        f"({meta.get('dtype', '?')}, {meta.get('device', '?')}, threads={meta.get('threads', '?')})",
+        f"{config.get('max_new_tokens', '?')} new tokens each, greedy - {machine_label(result)}",
         fontsize=9,
     )
     fig.tight_layout()

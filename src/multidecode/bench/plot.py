@@ -5,6 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def machine_label(result: dict) -> str:
+    """What ran the benchmark, for a plot's title: model (dtype, device, threads)."""
+    meta = result.get("metadata", {})
+    return (f"{meta.get('model', '?')} ({meta.get('dtype', '?')}, {meta.get('device', '?')}, "
+            f"threads={meta.get('threads', '?')})")
+
+
 def plot_ask(result: dict, path: str | Path) -> Path:
     """Speedup of MultiDecode over each baseline vs K (left) and wall time per method vs K (right)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -55,10 +62,9 @@ def plot_ask(result: dict, path: str | Path) -> Path:
     right.legend(fontsize=7, loc="upper left")
     right.grid(alpha=0.3, which="both")
 
-    meta, config = result.get("metadata", {}), result.get("config", {})
+    config = result.get("config", {})
     fig.suptitle(
-        f"{meta.get('model', '?')} ({meta.get('dtype', '?')}, {meta.get('device', '?')}, "
-        f"threads={meta.get('threads', '?')}): ~{max(config.get('prompt_tokens') or [0])}-token prompts, "
+        f"{machine_label(result)}: ~{max(config.get('prompt_tokens') or [0])}-token prompts, "
         f"{config.get('max_new_tokens', '?')} new tokens, greedy",
         fontsize=9,
     )

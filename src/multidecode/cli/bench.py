@@ -32,6 +32,14 @@ def output_options(command):
                         help="Folder for the JSON results and the plot.")(command)
 
 
+def run_options(command):
+    """--repeats N and --threads N."""
+    command = click.option("--threads", type=int, default=None,
+                           help="torch threads for the run (default: torch's own).")(command)
+    return click.option("--repeats", type=int, default=3, show_default=True,
+                        help="Timed runs at the main point (the median is reported).")(command)
+
+
 def check_run(output: str, dtype: str | None, threads: int | None, **positive: int) -> None:
     """Refuse settings a benchmark would trip on, before the model loads and the run starts."""
     if Path(output).exists() and not Path(output).is_dir():
@@ -93,32 +101,20 @@ def bench():
 @output_options
 @click.option("--ks", default="1,2,4,8,16", show_default=True, help="Question counts for the sweep.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
-@click.option("--repeats", type=int, default=3, show_default=True, help="Runs of (c) and (d) at the main point.")
-@click.option("--threads", type=int, default=None, help="torch threads for the run (default: torch's own).")
+@run_options
 @model_options
 @report_errors
 def bench_ask(output, stem, ks, max_new_tokens, repeats, threads, model_name, dtype, device):
     """Many questions about one document: (a) sequential generate, (b) a padded batch, (c) a shared
     prefix cache copied to a batch, (d) MultiDecode. Asserts identical answers; writes JSON and a plot."""
-    from ..bench import run_ask_benchmark, write_results
+    from ..bench import run_ask_benchmark
 
     sweep = parse_counts(ks, "--ks")
     check_run(output, dtype, threads, max_new_tokens=max_new_tokens, repeats=repeats)
     decoder = load_decoder(model_name, dtype, device)
-    start = time.perf_counter()
-    with stderr.status("benchmarking...") as status:
-        def progress(message: str) -> None:
-            stderr.print(f"[dim]{time.perf_counter() - start:6.1f} s  {message}[/dim]")
-            status.update(f"benchmarking... {message}")
-
-        result = run_ask_benchmark(decoder, max_new_tokens=max_new_tokens, ks=sweep, repeats=repeats,
-                                   threads=threads, progress=progress)
-    paths = write_results(result, Path(output), stem=stem)
-    stdout.print(ask_table(result))
-    stdout.print(targets_table(result))
-    stdout.print("All four methods gave identical answers." if result.get("answers_identical") else "")
-    for path in paths:
-        stdout.print(f"wrote {path}")
+    run_and_report("ask", lambda progress: run_ask_benchmark(
+        decoder, max_new_tokens=max_new_tokens, ks=sweep, repeats=repeats, threads=threads, progress=progress),
+        output, stem, ask_table)
 
 
 def sweep_table(result: dict, key: str, label: str, methods: dict[str, str]) -> Table:
@@ -152,6 +148,8 @@ def run_and_report(name: str, runner, output: str, stem: str | None, table) -> N
     paths = write_results(result, Path(output), stem=stem)
     stdout.print(table(result))
     stdout.print(targets_table(result))
+    if result.get("answers_identical"):
+        stdout.print("All methods gave identical answers.")
     for path in paths:
         stdout.print(f"wrote {path}")
 
@@ -162,8 +160,7 @@ def run_and_report(name: str, runner, output: str, stem: str | None, table) -> N
 @click.option("--ns", default="1,2,4,8,16", show_default=True, help="Completion counts for the sweep.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--prompt-tokens", type=int, default=200, show_default=True)
-@click.option("--repeats", type=int, default=3, show_default=True)
-@click.option("--threads", type=int, default=None)
+@run_options
 @model_options
 @report_errors
 def bench_sample(output, stem, n, ns, max_new_tokens, prompt_tokens, repeats, threads, model_name, dtype, device):
@@ -186,8 +183,7 @@ def bench_sample(output, stem, n, ns, max_new_tokens, prompt_tokens, repeats, th
 @click.option("--beams", default="2,4,8", show_default=True, help="Beam counts for the sweep.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
 @click.option("--prompt-tokens", type=int, default=200, show_default=True)
-@click.option("--repeats", type=int, default=3, show_default=True)
-@click.option("--threads", type=int, default=None)
+@run_options
 @model_options
 @report_errors
 def bench_beam(output, stem, num_beams, beams, max_new_tokens, prompt_tokens, repeats, threads, model_name, dtype, device):
@@ -209,8 +205,7 @@ def bench_beam(output, stem, num_beams, beams, max_new_tokens, prompt_tokens, re
 @click.option("--chunks", type=int, default=8, show_default=True)
 @click.option("--chunk-tokens", type=int, default=300, show_default=True)
 @click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens per margin.")
-@click.option("--repeats", type=int, default=3, show_default=True)
-@click.option("--threads", type=int, default=None)
+@run_options
 @model_options
 @report_errors
 def bench_margins(output, stem, chunks, chunk_tokens, max_new_tokens, repeats, threads, model_name, dtype, device):

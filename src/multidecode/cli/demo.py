@@ -35,6 +35,7 @@ def demo(max_new_tokens, no_compare, model_name, dtype, device):
         return
 
     eos = sorted(decoder.eos_ids)
+    pad_id = pad_id_of(decoder.model, decoder.tokenizer)
     singles = []
     start = time.perf_counter()
     columns = [TextColumn("one by one (transformers generate)"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -44,7 +45,7 @@ def demo(max_new_tokens, no_compare, model_name, dtype, device):
         for prompt in prompts:
             with ForwardCounter(decoder.model) as counter:
                 out = hf_sequential(decoder.model, [prompt], counter, max_new_tokens=max_new_tokens, eos_ids=eos,
-                                    pad_id=pad_id_of(decoder.model, decoder.tokenizer))
+                                    pad_id=pad_id)
             singles.append(out.answers[0])
             bar.advance(task)
     alone = time.perf_counter() - start
