@@ -356,7 +356,8 @@ def test_embedded_model_matches_generate(embedded, settings):
     """SmolLM2-135M-Instruct, a short chat prompt, 16 new tokens: the beams and their scores equal
     generate's; some beams end on eos before others."""
     num_beams, lp, early, r = settings
-    run = beam_module.search(embedded, "Name one colour of the sky.", num_beams=num_beams, max_new_tokens=16,
+    run = beam_module.search(embedded.scheduler(), embedded.tokenizer, "Name one colour of the sky.",
+                             num_beams=num_beams, max_new_tokens=16,
                              length_penalty=lp, early_stopping=early, num_return_sequences=r)
     eos = sorted(embedded.eos_ids)
     assert_same(run, _generate(embedded.model, run.prompt_ids, num_beams, 16, lp, early, r, eos))

@@ -109,7 +109,7 @@ def result(decoder):
         calls.append((question, list(notes)))
         return [1.0 if i % 2 == 0 else -1.0 for i in range(len(notes))]
 
-    out = wim.margins(decoder, DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=10, max_new_tokens=8,
+    out = decoder.margins(DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=10, max_new_tokens=8,
                       classify=classify)
     return out, calls
 
@@ -145,8 +145,8 @@ def test_chunks_do_not_see_each_other(decoder):
     chunks = ["The router is old and the light is red.", "The cable is red.", "The ticket is open."]
     changed = chunks[:2] + ["Something else entirely, about foxes and dogs."]
     keep_all = lambda question, notes: [True] * len(notes)  # noqa: E731
-    a = wim.margins(decoder, chunks, QUESTION, max_margin_tokens=8, max_new_tokens=2, classify=keep_all)
-    b = wim.margins(decoder, changed, QUESTION, max_margin_tokens=8, max_new_tokens=2, classify=keep_all)
+    a = decoder.margins(chunks, QUESTION, max_margin_tokens=8, max_new_tokens=2, classify=keep_all)
+    b = decoder.margins(changed, QUESTION, max_margin_tokens=8, max_new_tokens=2, classify=keep_all)
     assert [m.token_ids for m in a.margins[:2]] == [m.token_ids for m in b.margins[:2]]
     assert a.margins[2].prompt_ids != b.margins[2].prompt_ids
     assert a.margins[2].token_ids == alone(decoder, a.margins[2].prompt_ids, 8)
@@ -154,8 +154,8 @@ def test_chunks_do_not_see_each_other(decoder):
 
 
 def test_streaming_stages_give_the_same_result(decoder):
-    run = wim.start(decoder, DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=6, max_new_tokens=4,
-                    classify=lambda q, notes: [0.5] * len(notes))
+    run = wim.start(decoder.scheduler(), decoder.tokenizer, DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=6,
+                    max_new_tokens=4, classify=lambda q, notes: [0.5] * len(notes))
     ids = [[] for _ in run.chunks]
     for event in run.events:
         ids[event.branch].append(event.token_id)
@@ -200,7 +200,7 @@ def test_notes_that_say_nothing_are_not_relevant():
 
 def test_threshold_and_bools(decoder):
     chunks = ["The router is old.", "The cable is red.", "The ticket is open."]
-    out = wim.margins(decoder, chunks, QUESTION, max_margin_tokens=3, max_new_tokens=1, threshold=0.5,
+    out = decoder.margins(chunks, QUESTION, max_margin_tokens=3, max_new_tokens=1, threshold=0.5,
                       classify=lambda q, notes: [0.4, 0.6, True][: len(notes)])
     asked = [m for m in out.margins if m.relevance_score is not None]
     assert [m.relevant for m in asked] == [s > 0.5 for s in [0.4, 0.6, 1.0][: len(asked)]]
@@ -224,7 +224,7 @@ def test_threshold_and_bools(decoder):
 ])
 def test_bad_input_names_the_problem(decoder, document, question, settings, error, needle):
     with pytest.raises(error) as info:
-        wim.margins(decoder, document, question, **{"chunk_tokens": 30, "max_margin_tokens": 2, **settings})
+        decoder.margins(document, question, **{"chunk_tokens": 30, "max_margin_tokens": 2, **settings})
     assert needle in str(info.value)
 
 
@@ -240,7 +240,7 @@ def test_cli_json(model_dir, tmp_path, decoder):
                     "--max-margin-tokens", 5, "--max-new-tokens", 4, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    expected = wim.margins(decoder, DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=5, max_new_tokens=4)
+    expected = decoder.margins(DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=5, max_new_tokens=4)
     assert [m["token_ids"] for m in data["margins"]] == [m.token_ids for m in expected.margins]
     assert [tuple(m["span"]) for m in data["margins"]] == [m.span for m in expected.margins]
     assert [m["relevant"] for m in data["margins"]] == [m.relevant for m in expected.margins]
@@ -288,7 +288,7 @@ def test_benchmark_structure_and_plot(decoder, tmp_path):
     assert d["forward_passes"] <= 1 + 3 + 3  # the common start, the chunks, one pass per further token
     assert result["methods"]["hf_sequential"]["forward_passes"] > d["forward_passes"]
     assert {r["name"][:3] for r in result["targets"]} == {"(d)"}
-    expected = wim.margins(decoder, DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=4, max_new_tokens=1,
+    expected = decoder.margins(DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=4, max_new_tokens=1,
                            classify=lambda q, notes: [0] * len(notes))
     assert [m["token_ids"] for m in result["margins"]] == [m.token_ids for m in expected.margins[:3]]
     json.dumps(result)
@@ -307,7 +307,7 @@ def test_embedded_margins_equal_sequential_generation():
     decoder = multidecode.load()
     document = sample_document()
     document = document[: document.index("Helen Marsh: Thank you, Victor.")]  # ~700 tokens
-    out = wim.margins(decoder, document, "How many bacteriological samples were taken?", chunk_tokens=250,
+    out = decoder.margins(document, "How many bacteriological samples were taken?", chunk_tokens=250,
                       max_margin_tokens=12, max_new_tokens=12)
     assert len(out.margins) >= 3
     for m in out.margins:

@@ -8,7 +8,8 @@ model sees an ordinary `Cache`.
 
 Slots are columns of that buffer, appended in the order nodes are fed. `compact(keep)` moves the
 kept columns to the front (in order) so that finished or pruned branches stop costing memory and
-attention work. Every layer keeps all of its keys: sliding windows are enforced by the mask, so
+attention work. Columns before the first dropped one stay where they are, so a rollback (rejected
+draft tokens at the tail) moves only the accepted tail columns, then crops: never the whole cache. Every layer keeps all of its keys: sliding windows are enforced by the mask, so
 the mask width is always the number of slots.
 """
 
@@ -83,14 +84,16 @@ class SlotLayer(CacheLayerMixin):
         return self.keys, self.values
 
     @torch.inference_mode()
-    def compact(self, keep: torch.Tensor) -> None:
-        """Keep only slots `keep` (sorted), moved to the front in order."""
+    def compact(self, keep: torch.Tensor, first: int = 0) -> None:
+        """Keep only slots `keep` (sorted), moved to the front in order. first: how many leading
+        slots `keep` leaves in place (see `forest.unchanged_prefix`); only the rest is moved."""
         if not self.is_initialized:
             return
-        keep = keep.to(self._k.device)
         n = keep.numel()
-        self._k[:, :, :n] = self._k.index_select(2, keep)
-        self._v[:, :, :n] = self._v.index_select(2, keep)
+        moved = keep[first:].to(self._k.device)  # [n - first] old slots, ascending
+        if moved.numel():
+            self._k[:, :, first:n] = self._k.index_select(2, moved)
+            self._v[:, :, first:n] = self._v.index_select(2, moved)
         self.length = n
         self._refresh_views()
 
@@ -153,9 +156,9 @@ class SlotCache(Cache):
         for layer in self.layers:
             layer.reserve(capacity)
 
-    def compact(self, keep: torch.Tensor) -> None:
+    def compact(self, keep: torch.Tensor, first: int = 0) -> None:
         for layer in self.layers:
-            layer.compact(keep)
+            layer.compact(keep, first)
 
     @property
     def allocated_bytes(self) -> int:

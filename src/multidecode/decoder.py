@@ -1,20 +1,27 @@
 """`MultiDecoder`: a model and its tokenizer, with the user-facing strategies as methods.
 
-Each method runs one strategy from `multidecode.strategies` over a fresh `Engine`; this class
-only holds the model, the tokenizer and the compaction policy, and prints nothing. `stream*`
-methods yield `TokenEvent`s as tokens are produced; the others return finished results.
+This class only holds the model, the tokenizer and the compaction policy, and forwards each call
+to a strategy in `multidecode.strategies` on a new `Scheduler` (one engine, one cache) for that
+call; it prints nothing. `stream*` methods yield `TokenEvent`s as tokens are produced; the others
+return finished results.
+
+`speculate=` (None, "lookup", "auto", a `Proposer` or a `Speculation`) lets every branch carry a
+draft tree verified in the same forward; it changes how fast tokens come, never which tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from .decoding import CompactionPolicy, PromptsRun, TokenEvent, decode_prompts
+from .decoding import BranchRun, CompactionPolicy, TokenEvent, new_scheduler, start_prompts
 from .models import check_supported, load_model_and_tokenizer
 from .sampling import per_branch_sampling
+from .scheduler import Scheduler
 from .stopping import eos_ids_of
 from .strategies import ask as _ask
+from .strategies import beam as _beam
 from .strategies import complete as _complete
+from .strategies import margins as _margins
 from .strategies import vote as _vote
 from .strategies.ask import Answer
 from .strategies.beam import Beam
@@ -39,16 +46,43 @@ class MultiDecoder:
     def eos_ids(self) -> frozenset[int]:
         return eos_ids_of(self.model, None)
 
+    def scheduler(self) -> Scheduler:
+        """A new scheduler (with its own engine and cache) for this model."""
+        return new_scheduler(self.model, compaction=self.compaction)
+
     # ------------------------------------------------------------------ token level
     def start(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop: Sequence[str] = (),
-              eos_token_id=None, **sampling) -> PromptsRun:
+              eos_token_id=None, speculate=None, **sampling) -> BranchRun:
         """Start decoding whole prompts (token ids) as one forest; iterate `.events` to decode.
 
         eos_token_id: the ids that end a branch (default: the model's; [] never stops early).
         """
-        return decode_prompts(self.model, prompts, max_new_tokens=max_new_tokens,
-                              sampling=per_branch_sampling(len(prompts), sampling), tokenizer=self.tokenizer,
-                              stop=stop, eos_token_id=eos_token_id, compaction=self.compaction)
+        return start_prompts(self.scheduler(), prompts, max_new_tokens=max_new_tokens,
+                             sampling=per_branch_sampling(len(prompts), sampling), tokenizer=self.tokenizer,
+                             stop=stop, eos_token_id=eos_token_id, speculate=speculate)
+
+    # ------------------------------------------------------------------ one prompt
+    def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate=None,
+                 chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None, **sampling) -> Completion:
+        """One completion of one prompt, greedy unless sampling settings say otherwise.
+
+        A text prompt goes through the chat template when the tokenizer has one (chat=False for
+        raw text); a list of ids is used as given. speculate: "auto" drafts with prompt lookup
+        only where the measured cost of a forward says it pays; "lookup" always drafts.
+        Greedy output equals `model.generate(do_sample=False)`; `.stats` says how many forwards
+        it took and how many draft tokens were accepted.
+        """
+        return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
+                                  stop=stop, chat=chat, sample=False, speculate=speculate,
+                                  eos_token_id=eos_token_id, **sampling)[0]
+
+    def stream_generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate=None,
+                        chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None,
+                        **sampling) -> Iterator[TokenEvent]:
+        """`TokenEvent`s as `generate` produces them."""
+        return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
+                                stop=stop, chat=chat, sample=False, speculate=speculate,
+                                eos_token_id=eos_token_id, **sampling)
 
     # ------------------------------------------------------------------ many questions, one document
     def question_prompts(self, document: str, questions: Sequence[str], *, instruction: str | None = None):
@@ -56,46 +90,52 @@ class MultiDecoder:
         return _ask.question_prompts(self.tokenizer, document, questions, instruction=instruction)
 
     def ask(self, document: str, questions: Sequence[str], *, max_new_tokens: int = 48, stop: Sequence[str] = (),
-            instruction: str | None = None, **sampling) -> list[Answer]:
+            instruction: str | None = None, speculate=None, **sampling) -> list[Answer]:
         """Answer every question about `document` in one MultiDecode pass.
 
         Greedy by default; each answer equals greedy generation from its `.prompt_ids` alone.
         Sampling settings (`do_sample`, `temperature`, `top_k`, `top_p`, `min_p`,
-        `repetition_penalty`, `seed`) take one value or one per question.
+        `repetition_penalty`, `seed`) take one value or one per question. speculate: every
+        question's branch carries its own draft tree ("lookup", "auto", ...).
         """
-        return _ask.ask(self, document, questions, max_new_tokens=max_new_tokens, stop=stop,
-                        instruction=instruction, **sampling)
+        return _ask.ask(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
+                        stop=stop, instruction=instruction, speculate=speculate, **sampling)
 
     def stream(self, document: str, questions: Sequence[str], *, max_new_tokens: int = 48,
-               stop: Sequence[str] = (), instruction: str | None = None, **sampling) -> Iterator[TokenEvent]:
+               stop: Sequence[str] = (), instruction: str | None = None, speculate=None,
+               **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s (branch = question index) as `ask` answers; inputs are checked and the
         prompts prefilled before this returns."""
-        return _ask.stream(self, document, questions, max_new_tokens=max_new_tokens, stop=stop,
-                           instruction=instruction, **sampling)
+        return _ask.stream(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
+                           stop=stop, instruction=instruction, speculate=speculate, **sampling)
 
     # ------------------------------------------------------------------ parallel completions
     def complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
-                 stop: Sequence[str] = (), chat: bool | None = None, **sampling) -> list[Completion]:
+                 stop: Sequence[str] = (), chat: bool | None = None, speculate=None, **sampling) -> list[Completion]:
         """n completions of one prompt from one prefill, sampled by default.
 
         Sampling settings take one value or a list of n. With `seed=s`, completion i uses seed
         s + i and equals `complete(prompt, n=1, seed=s + i)`; without one, a random base seed is
         drawn and each `Completion.seed` says how to reproduce it. Text prompts go through the
         chat template when the tokenizer has one (chat=False for raw text); ids are used as given.
+        speculate never changes the tokens of a seeded completion.
         """
-        return _complete.complete(self, prompt, n=n, max_new_tokens=max_new_tokens, stop=stop, chat=chat,
-                                  **sampling)
+        return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
+                                  stop=stop, chat=chat, speculate=speculate, **sampling)
 
     def stream_complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
-                        stop: Sequence[str] = (), chat: bool | None = None, **sampling) -> Iterator[TokenEvent]:
+                        stop: Sequence[str] = (), chat: bool | None = None, speculate=None,
+                        **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s (branch = completion index) as `complete` generates."""
-        return _complete.stream(self, prompt, n=n, max_new_tokens=max_new_tokens, stop=stop, chat=chat, **sampling)
+        return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
+                                stop=stop, chat=chat, speculate=speculate, **sampling)
 
     # ------------------------------------------------------------------ self-consistency
     def vote(self, question: str, *, n: int = 8, max_new_tokens: int = 256,
-             extract: Callable[[str], str | None] = extract_answer, **sampling) -> Vote:
+             extract: Callable[[str], str | None] = extract_answer, speculate=None, **sampling) -> Vote:
         """n sampled reasoning traces in one forest, an answer extracted from each, and the majority."""
-        return _vote.vote(self, question, n=n, max_new_tokens=max_new_tokens, extract=extract, **sampling)
+        return _vote.vote(self.scheduler(), self.tokenizer, question, n=n, max_new_tokens=max_new_tokens,
+                          extract=extract, speculate=speculate, **sampling)
 
     # ------------------------------------------------------------------ beam search
     def beam_search(self, prompt: str | Sequence[int], *, num_beams: int, max_new_tokens: int,
@@ -104,18 +144,15 @@ class MultiDecoder:
         """Beam search with beams as branches of one tree, best first; sequences equal transformers'
         `generate(num_beams=...)` and scores equal its `sequences_scores` to float32 rounding.
         num_beams=1 is greedy search, as in transformers."""
-        from .strategies.beam import beam_search
-
-        return beam_search(self, prompt, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                           length_penalty=length_penalty, early_stopping=early_stopping,
-                           num_return_sequences=num_return_sequences, chat=chat)
+        return _beam.beam_search(self.scheduler(), self.tokenizer, prompt, num_beams=num_beams,
+                                 max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                                 early_stopping=early_stopping, num_return_sequences=num_return_sequences, chat=chat)
 
     # ------------------------------------------------------------------ writing in the margins
     def margins(self, document: str | Sequence[str], question: str, *, chunk_tokens: int = 300, **settings):
         """Writing in the margins: a note per chunk (all in one pass), relevance, then the answer."""
-        from .strategies.margins import margins
-
-        return margins(self, document, question, chunk_tokens=chunk_tokens, **settings)
+        return _margins.margins(self.scheduler(), self.tokenizer, document, question, chunk_tokens=chunk_tokens,
+                                **settings)
 
 
 def load(model: str | None = None, *, dtype=None, device=None) -> MultiDecoder:

@@ -1,28 +1,38 @@
-"""Decoding independent branches over one forest: the loop most strategies share.
+"""Decoding independent branches on the scheduler: the work most strategies share.
 
-A **branch** is a prompt path in the forest (a shared prefix plus its own suffix) that grows by
-one token per step. Each step picks one token for every live branch, emits an event for it, and
-feeds the tokens of the branches that go on as children of their leaves, in one forward pass.
+A **branch** is a prompt path in the forest (a shared prefix plus its own suffix) that grows as
+tokens are chosen for it. Its **head** is its newest token: chosen and emitted, not yet fed. Each
+step a `BranchGroup` feeds every live branch's head under the branch's **leaf** (its last cached
+node), with a draft tree under the head when the run speculates; `verify.walk` then emits the
+target's tokens and accepts the draft nodes that match them, and the rest are taken back. A
+branch so gains one token per step without speculation, and one plus the accepted drafts with it.
 Finished branches are no longer fed; once enough of the cache belongs only to finished branches,
-it is compacted.
+the scheduler compacts it.
 
 `decode` is the model-level entry point: with `do_sample=False`, branch i's ids equal what
-`model.generate(prefix_ids + branch_ids[i], do_sample=False, ...)` returns after the prompt.
+`model.generate(prefix_ids + branch_ids[i], do_sample=False, ...)` returns after the prompt,
+with or without speculation.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .cost import AcceptanceTracker
 from .engine import Engine
 from .errors import InvalidArgument, InvalidInput, PromptTooLong, is_int
 from .forest import ROOT
 from .prompts import share_prefix
-from .sampling import BranchSampler, SamplingParams, choose_tokens, per_branch_sampling
+from .proposers import UNDER_LEAF, BranchContext, DraftTree
+from .sampling import BranchSampler, SamplingParams, per_branch_sampling
+from .scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work
+from .speculation import Speculation, resolve
 from .stopping import BranchOutput, StopRule, eos_ids_of, stop_strings_of
+from .verify import walk
 
 
 @dataclass(frozen=True)
@@ -39,35 +49,63 @@ class TokenEvent:
     finish_reason: str | None = None
 
 
-@dataclass(frozen=True)
-class CompactionPolicy:
-    """When to drop finished branches' slots from the cache.
-
-    Compact once at least `min_slots` slots and `min_fraction` of the cache belong only to finished
-    branches; `every` forces a compaction every that many steps (tests use it).
-    """
-
-    min_fraction: float = 0.25
-    min_slots: int = 32
-    every: int | None = None
-
-    def due(self, step: int, dead: int, total: int) -> bool:
-        if self.every is not None and step % self.every == 0:
-            return dead > 0
-        return dead >= self.min_slots and dead >= self.min_fraction * total
-
-
 @dataclass
 class Branch:
     """A growing branch: where it ends in the forest, how it samples, and what it has produced."""
 
     index: int
-    leaf: int
     sampler: BranchSampler
     output: BranchOutput
-    prompt_length: int
+    context: BranchContext
+    leaf: int | None = None  # its last cached node (None until its prompt is fed)
+    head: int | None = None  # its newest token, emitted but not yet fed
+
+    @property
+    def prompt_length(self) -> int:
+        return self.context.prompt_length
 
 
+@dataclass
+class DecodeStats:
+    """What a run did: forwards it took part in, tokens it emitted, drafts fed and accepted.
+
+    forward_passes counts the model calls of the steps this run took part in (one per step, more
+    when a prefill ran chains apart); draft_budgets holds, per step, the draft nodes fed.
+    """
+
+    steps: int = 0
+    forward_passes: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_budgets: list[int] = field(default_factory=list)
+    speculate: str | None = None
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.forward_passes if self.forward_passes else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def as_dict(self) -> dict:
+        budgets = self.draft_budgets
+        return {
+            "speculate": self.speculate,
+            "steps": self.steps,
+            "forward_passes": self.forward_passes,
+            "tokens": self.tokens,
+            "tokens_per_forward": round(self.tokens_per_forward, 4),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": None if self.acceptance is None else round(self.acceptance, 4),
+            "mean_draft_budget": round(sum(budgets) / len(budgets), 3) if budgets else 0.0,
+            "steps_speculating": sum(1 for b in budgets if b),
+        }
+
+
+# ---------------------------------------------------------------------- checks
 def check_positive(name: str, value: int) -> None:
     if not is_int(value) or value < 1:
         raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", "use 1 or more")
@@ -114,95 +152,247 @@ def check_fits(engine: Engine, prompt_lengths: Sequence[int], max_new_tokens: in
         )
 
 
-def open_branches(
-    engine: Engine, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *, root_position: int = 0,
-    apart: bool | None = None,
-) -> tuple[list[int], torch.Tensor]:
-    """Prefill a shared prefix (model's causal path) and the branch suffixes: in one forest pass,
-    or each in its own pass that sees only the prefix (`Engine.feed_apart`, cheaper for long
-    suffixes). apart=None lets the engine choose (`Engine.prefers_apart`).
+# ---------------------------------------------------------------------- the work
+class BranchGroup(Work):
+    """Independent branches `prefix_ids + suffixes[i]`, decoded together (see the module notes).
 
-    Returns each branch's leaf node and its next-token logits [K, vocab]. With an empty prefix each
-    suffix is its own root.
+    The first step feeds the prompts: the prefix once, each suffix under it (an empty suffix
+    branches at the prefix's end; with no prefix each suffix is its own root). Every later step
+    feeds each live branch's head and, when speculating, its draft tree.
     """
-    empty = [i for i, s in enumerate(suffixes) if not s]
-    parent = ROOT
-    prefix_logits = None
-    if prefix_ids:
-        nodes, prefix_logits = engine.feed_chain(prefix_ids, root_position=root_position, logits=bool(empty))
-        parent = nodes[-1]
-    elif empty:
-        raise InvalidInput("a branch has no tokens and there is no prefix to continue", "give every branch a prompt")
-    filled = [i for i, s in enumerate(suffixes) if s]
-    if apart is None:
-        apart = engine.prefers_apart([len(suffixes[i]) for i in filled], parent)
-    if apart:
-        chains, suffix_logits = engine.feed_apart([suffixes[i] for i in filled], parent, root_position=root_position)
-    else:
-        chains, suffix_logits = engine.feed_chains(
-            [suffixes[i] for i in filled], [parent] * len(filled), root_position=root_position
-        )
-    leaves: list[int] = [parent] * len(suffixes)
-    rows: list[torch.Tensor] = [None] * len(suffixes)  # type: ignore[list-item]
-    for j, i in enumerate(filled):
-        leaves[i], rows[i] = chains[j][-1], suffix_logits[j]
-    for i in empty:
-        rows[i] = prefix_logits[0]
-    return leaves, torch.stack(rows)
+
+    def __init__(self, prefix_ids: list[int], suffixes: list[list[int]], *, rule: StopRule,
+                 sampling: Sequence[SamplingParams], tokenizer=None, speculation: Speculation | None = None) -> None:
+        self.prefix_ids, self.suffixes = prefix_ids, suffixes
+        self.prompts = [prefix_ids + s for s in suffixes]
+        self.speculation = speculation
+        self.tracker = AcceptanceTracker() if speculation is not None and speculation.auto else None
+        self.branches = [
+            Branch(i, BranchSampler(sampling[i], prompt), BranchOutput(rule, tokenizer), BranchContext(list(prompt), len(prompt)))
+            for i, prompt in enumerate(self.prompts)
+        ]
+        self.events: deque[TokenEvent] = deque()
+        self.stats = DecodeStats(speculate=None if speculation is None else speculation.name)
+        self.done = False
+        self._started = False
+        self._feed = Feed()  # this step's feed, and what its nodes are:
+        self._heads: dict[int, int] = {}  # branch -> feed index of the node whose logits pick its next token
+        self._draft_nodes: dict[int, tuple[int, int]] = {}  # feed index -> (branch, node of its draft)
+        self._drafts: dict[int, DraftTree] = {}  # branch -> its draft this step
+
+    # ------------------------------------------------------------------ planning
+    def plan(self) -> Feed:
+        self._heads, self._draft_nodes, self._drafts = {}, {}, {}
+        self._feed = self._decode_feed() if self._started else self._prompt_feed()
+        return self._feed
+
+    def _prompt_feed(self) -> Feed:
+        feed, ends = prompt_feed(self.prefix_ids, self.suffixes)
+        self._heads = dict(enumerate(ends))
+        return feed
+
+    def _decode_feed(self) -> Feed:
+        feed = Feed()
+        for b in self.branches:
+            if b.output.finished:
+                continue
+            head = feed.add(b.head, b.leaf)
+            self._heads[b.index] = head
+            draft = self._draft(b)
+            if not len(draft):
+                continue
+            self._drafts[b.index] = draft
+            chances = self.tracker.node_chances(b.index, draft) if self.tracker is not None else [None] * len(draft)
+            at: list[int] = []
+            for n, (token, parent, chance) in enumerate(zip(draft.tokens, draft.parents, chances)):
+                at.append(feed.add(token, Feed.ref(head if parent == UNDER_LEAF else at[parent]), chance=chance))
+                self._draft_nodes[at[-1]] = (b.index, n)
+        return feed
+
+    def _draft(self, branch: Branch) -> DraftTree:
+        """The branch's draft tree for this step: no deeper than its remaining tokens allow."""
+        spec = self.speculation
+        if spec is None:
+            return DraftTree()
+        room = branch.output.rule.max_new_tokens - len(branch.output.token_ids) - 1
+        if room < 1:
+            return DraftTree()
+        draft = spec.proposer.propose(branch.context, spec.size).truncate(spec.size, room)
+        if self.tracker is not None:
+            self.tracker.record_proposal(branch.index, len(branch.output.token_ids), draft)
+        return draft
+
+    # ------------------------------------------------------------------ settling
+    def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor) -> Settled:
+        self._started = True
+        node_of = dict(zip(fed, nodes))  # feed index -> node id
+        row_of = {i: r for r, i in enumerate(i for i in fed if self._feed.logits[i])}  # feed index -> logits row
+        node_at_row = {r: node_of[i] for i, r in row_of.items()}
+        fed_drafts = {i: bn for i, bn in self._draft_nodes.items() if i in node_of}
+        draft_row = {bn: row_of[i] for i, bn in fed_drafts.items()}  # (branch, draft node) -> row
+        children: dict[int, dict[int, dict[int, int]]] = {}  # branch -> row -> token -> child row
+        for (branch, n), row in draft_row.items():
+            draft = self._drafts[branch]
+            parent = draft.parents[n]
+            parent_row = row_of[self._heads[branch]] if parent == UNDER_LEAF else draft_row[branch, parent]
+            children.setdefault(branch, {}).setdefault(parent_row, {})[draft.tokens[n]] = row
+        order = sorted(self._heads)
+        finished_before = sum(b.output.finished for b in self.branches)
+        paths = walk(logits, [row_of[self._heads[b]] for b in order], [children.get(b, {}) for b in order],
+                     [self.branches[b].sampler for b in order], lambda j, token: self._emit(order[j], token))
+
+        accepted: set[int] = set()
+        for j, path in zip(order, paths):
+            branch = self.branches[j]
+            branch.leaf = node_at_row[path[-1]]
+            branch.head = branch.output.token_ids[-1]
+            accepted.update(node_at_row[r] for r in path)
+            draft = self._drafts.get(j)
+            if draft is not None:
+                node_at = {row: n for (b, n), row in draft_row.items() if b == j}
+                self.speculation.proposer.observe(branch.context, draft, [node_at[r] for r in path[1:]])
+                self.stats.drafted += len(node_at)
+                self.stats.accepted += len(path) - 1
+            if self.tracker is not None:
+                self.tracker.resolve(j, branch.output.token_ids, branch.output.finished)
+        rejected = [node_of[i] for i in fed_drafts if node_of[i] not in accepted]
+        self.stats.steps += 1
+        self.stats.draft_budgets.append(len(fed_drafts))
+        self.done = all(b.output.finished for b in self.branches)
+        return Settled(rejected, dead=sum(b.output.finished for b in self.branches) > finished_before)
+
+    def _emit(self, index: int, token: int) -> bool:
+        branch = self.branches[index]
+        delta = branch.output.accept(token)
+        branch.context.tokens.append(token)
+        self.stats.tokens += 1
+        self.events.append(TokenEvent(index, token, delta, branch.output.finish_reason))
+        return not branch.output.finished
+
+    def live(self) -> list[int]:
+        return [b.leaf for b in self.branches if not b.output.finished]
 
 
-def run_branches(
-    engine: Engine, branches: list[Branch], logits: torch.Tensor, *, compaction: CompactionPolicy | None = None
-) -> Iterator[TokenEvent]:
-    """Decode `branches` step by step from their first logits ([K, vocab]), yielding events."""
-    compaction = compaction or CompactionPolicy()
-    live = [b for b in branches if not b.output.finished]
-    rows = logits
-    step = 0
-    dead_since_compaction = False
-    while live:
-        step += 1
-        tokens = choose_tokens(rows, [b.sampler for b in live])
-        going: list[tuple[Branch, int]] = []
-        for branch, token in zip(live, tokens):
-            delta = branch.output.accept(token)
-            yield TokenEvent(branch.index, token, delta, branch.output.finish_reason)
-            if branch.output.finished:
-                dead_since_compaction = True
-            else:
-                going.append((branch, token))
-        if not going:
-            return
-        if dead_since_compaction and engine.compact_if_due(
-            [b.leaf for b, _ in going], lambda dead, total: compaction.due(step, dead, total)
-        ):
-            dead_since_compaction = False
-        nodes, rows = engine.feed(
-            [t for _, t in going], [b.leaf for b, _ in going], logits_for=range(len(going))
-        )
-        for (branch, _), node in zip(going, nodes):
-            branch.leaf = node
-        live = [b for b, _ in going]
+def prompt_feed(prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]]) -> tuple[Feed, list[int]]:
+    """The prompts `prefix_ids + suffixes[i]` as one feed: the prefix once, each suffix under it
+    (an empty suffix ends at the prefix's last token; with no prefix each suffix is a root).
+    Returns the feed, with logits at each prompt's last node, and that node's index per prompt."""
+    feed = Feed()
+    end = None  # feed index of the prefix's last token
+    for token in prefix_ids:
+        end = feed.add(token, ROOT if end is None else Feed.ref(end), logits=False)
+    ends = []
+    for suffix in suffixes:
+        at = end
+        for token in suffix:
+            at = feed.add(token, ROOT if at is None else Feed.ref(at), logits=False)
+        if at is None:
+            raise InvalidInput("a branch has no tokens and there is no prefix to continue", "give every branch a prompt")
+        feed.logits[at] = True
+        ends.append(at)
+    return feed, ends
 
 
+class PromptLogits(Work):
+    """Feeds whole prompts (their common prefix once) and keeps each one's next-token logits in
+    `values` ([prompts, vocab] float32); nothing is generated."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]]) -> None:
+        shared = share_prefix(prompts)
+        self.feed, self.ends = prompt_feed(shared.prefix_ids, shared.suffix_ids)
+        self.prefix_tokens = len(shared.prefix_ids)
+        self.values = torch.empty(0, 0)
+        self.done = False
+
+    def plan(self) -> Feed:
+        return self.feed
+
+    def settle(self, fed, nodes, logits: torch.Tensor) -> Settled:
+        row_of = {i: r for r, i in enumerate(i for i in fed if self.feed.logits[i])}
+        self.values = logits[[row_of[end] for end in self.ends]]  # [prompts, vocab]
+        self.done = True
+        return Settled()
+
+    def live(self) -> list[int]:
+        return []
+
+
+def prompt_logits(scheduler: Scheduler, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, dict]:
+    """Next-token logits after each whole prompt ([len(prompts), vocab], float32), all from one
+    feed on `scheduler`, and what it cost (forwards, tokens fed, the shared prefix)."""
+    if not prompts:
+        raise InvalidInput("there are no prompts to score", "pass at least one prompt")
+    engine = scheduler.engine
+    prompts = [token_ids(p, engine.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
+    check_fits(engine, [len(p) for p in prompts], 1)
+    before = engine.stats.as_dict()
+    work = PromptLogits(prompts)
+    engine.reserve(engine.forest.num_slots + len(work.feed))
+    scheduler.admit(work)
+    scheduler.run(work)
+    after = engine.stats.as_dict()
+    stats = {"forward_passes": after["forward_passes"] - before["forward_passes"],
+             "tokens_fed": after["tokens_fed"] - before["tokens_fed"], "prefix_tokens": work.prefix_tokens}
+    return work.values, stats
+
+
+# ---------------------------------------------------------------------- runs
 @dataclass
-class PromptsRun:
-    """Branches being decoded as one forest: iterate `events`; each branch's `output` fills in."""
+class BranchRun:
+    """Branches being decoded as one group on a scheduler: iterate `events`; each branch's
+    `output` fills in; `stats` counts forwards, tokens and drafts."""
 
-    engine: Engine
-    branches: list[Branch]
-    events: Iterator[TokenEvent]
-    prompts: list[list[int]] = field(default_factory=list)
+    scheduler: Scheduler
+    group: BranchGroup
 
-    def finish(self) -> PromptsRun:
+    @property
+    def engine(self) -> Engine:
+        return self.scheduler.engine
+
+    @property
+    def branches(self) -> list[Branch]:
+        return self.group.branches
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.group.prompts
+
+    @property
+    def stats(self) -> DecodeStats:
+        return self.group.stats
+
+    @property
+    def events(self) -> Iterator[TokenEvent]:
+        return self._events()
+
+    def _events(self) -> Iterator[TokenEvent]:
+        group = self.group
+        while True:
+            while group.events:
+                yield group.events.popleft()
+            if group.done:
+                return
+            self.step()
+
+    def step(self) -> None:
+        """One scheduler step (every work on the scheduler advances)."""
+        before = self.scheduler.engine.stats.forward_passes
+        self.scheduler.step()
+        self.group.stats.forward_passes += self.scheduler.engine.stats.forward_passes - before
+
+    def finish(self) -> BranchRun:
         """Drain the events (when only the final outputs are wanted)."""
         for _ in self.events:
             pass
         return self
 
 
-def start_forest(
-    model,
+PromptsRun = BranchRun
+"""The earlier name of `BranchRun`."""
+
+
+def start(
+    scheduler: Scheduler,
     prefix_ids: Sequence[int],
     suffixes: Sequence[Sequence[int]],
     *,
@@ -211,44 +401,64 @@ def start_forest(
     tokenizer=None,
     stop: Sequence[str] = (),
     eos_token_id=None,
-    compaction: CompactionPolicy | None = None,
-    engine: Engine | None = None,
-    apart: bool | None = None,
-) -> PromptsRun:
-    """Prefill `prefix_ids` once and every branch `prefix_ids + suffixes[i]`, ready to decode.
+    speculate=None,
+) -> BranchRun:
+    """Admit branches `prefix_ids + suffixes[i]` to `scheduler` and feed their prompts.
 
-    Inputs are checked and the prompts prefilled before this returns; tokens come as `events` is
-    iterated. apart: prefill each suffix in its own pass (True), in one (False), or let the engine
-    choose (None; see `open_branches`).
+    Inputs are checked and the prompts prefilled before this returns (the first tokens are chosen
+    too and wait in the events); the rest comes as `events` is iterated. speculate: see
+    `speculation`.
     """
     check_positive("max_new_tokens", max_new_tokens)
     if isinstance(suffixes, torch.Tensor):
         suffixes = list(suffixes)
     if not suffixes:
         raise InvalidInput("there are no branches to decode", "pass at least one branch")
-    engine = engine or Engine(model)
+    engine = scheduler.engine
+    spec = resolve(speculate, engine.dtype)
     prefix_ids = token_ids(prefix_ids, engine.vocab_size, "the prefix")
     suffixes = [token_ids(s, engine.vocab_size, f"branch {i}") for i, s in enumerate(suffixes)]
-    prompts = [prefix_ids + s for s in suffixes]
-    check_fits(engine, [len(p) for p in prompts], max_new_tokens)
-    engine.reserve(engine.forest.num_slots + len(prefix_ids) + sum(map(len, suffixes)) + len(suffixes) * max_new_tokens)
-    rule = StopRule(max_new_tokens, eos_ids_of(model, eos_token_id), stop_strings_of(stop))
-    leaves, logits = open_branches(engine, prefix_ids, suffixes, apart=apart)
-    branches = [
-        Branch(i, leaf, BranchSampler(sampling[i], prompts[i]), BranchOutput(rule, tokenizer), len(prompts[i]))
-        for i, leaf in enumerate(leaves)
-    ]
-    return PromptsRun(engine, branches, run_branches(engine, branches, logits, compaction=compaction), prompts)
+    if not prefix_ids and not all(suffixes):
+        raise InvalidInput("a branch has no tokens and there is no prefix to continue", "give every branch a prompt")
+    check_fits(engine, [len(prefix_ids) + len(s) for s in suffixes], max_new_tokens)
+    rule = StopRule(max_new_tokens, eos_ids_of(engine.model, eos_token_id), stop_strings_of(stop))
+    group = BranchGroup(prefix_ids, suffixes, rule=rule, sampling=sampling, tokenizer=tokenizer, speculation=spec)
+    draft_room = 0 if spec is None else len(suffixes) * spec.size
+    engine.reserve(engine.forest.num_slots + len(prefix_ids) + sum(map(len, suffixes))
+                   + len(suffixes) * max_new_tokens + draft_room)
+    run = BranchRun(scheduler, scheduler.admit(group))
+    run.step()
+    return run
 
 
-def decode_prompts(model, prompts: Sequence[Sequence[int]], **settings) -> PromptsRun:
-    """`start_forest` for whole prompts: their longest common run of ids is the shared prefix, so
-    branch i's path is exactly `prompts[i]`. Settings as for `start_forest`."""
+def start_prompts(scheduler: Scheduler, prompts: Sequence[Sequence[int]], **settings) -> BranchRun:
+    """`start` for whole prompts: their longest common run of ids is the shared prefix, so
+    branch i's path is exactly `prompts[i]`. Settings as for `start`."""
     if not prompts:
         raise InvalidInput("there are no prompts to decode", "pass at least one prompt")
-    vocab_size = model.get_input_embeddings().num_embeddings
+    vocab_size = scheduler.engine.vocab_size
     shared = share_prefix([token_ids(p, vocab_size, f"prompt {i}") for i, p in enumerate(prompts)])
-    return start_forest(model, shared.prefix_ids, shared.suffix_ids, **settings)
+    return start(scheduler, shared.prefix_ids, shared.suffix_ids, **settings)
+
+
+def new_scheduler(model, *, engine: Engine | None = None, compaction: CompactionPolicy | None = None,
+                  apart: bool | None = None) -> Scheduler:
+    """A scheduler over `engine` (a fresh `Engine(model)` by default)."""
+    return Scheduler(engine or Engine(model, apart=apart), compaction=compaction)
+
+
+def start_forest(model, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *,
+                 compaction: CompactionPolicy | None = None, engine: Engine | None = None,
+                 apart: bool | None = None, **settings) -> BranchRun:
+    """`start` on a new scheduler for `model` (over `engine` when given). apart: see `Engine`."""
+    return start(new_scheduler(model, engine=engine, compaction=compaction, apart=apart), prefix_ids, suffixes,
+                 **settings)
+
+
+def decode_prompts(model, prompts: Sequence[Sequence[int]], *, compaction: CompactionPolicy | None = None,
+                   engine: Engine | None = None, **settings) -> BranchRun:
+    """`start_prompts` on a new scheduler for `model`."""
+    return start_prompts(new_scheduler(model, engine=engine, compaction=compaction), prompts, **settings)
 
 
 def stream_decode(
@@ -270,6 +480,7 @@ def decode(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
+    speculate=None,
 ) -> list[list[int]]:
     """Generate from `prefix_ids + branch_ids[i]` for every i at once; returns each branch's new ids.
 
@@ -278,13 +489,19 @@ def decode(
     (`repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, ...): settings are never read
     from the model's generation config, only its eos ids. With sampling and a seed, branch i draws
     from its own generator seeded `seed + i`, so it does not depend on the other branches.
+    speculate: None, "lookup", "auto", a `Proposer` or a `Speculation` (see `speculation`); it
+    never changes the output.
     """
     sampling = per_branch_sampling(
         len(branch_ids), dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     )
     out: list[list[int]] = [[] for _ in branch_ids]
-    for event in stream_decode(
-        model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos_token_id
-    ):
+    for event in stream_decode(model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                               eos_token_id=eos_token_id, speculate=speculate):
         out[event.branch].append(event.token_id)
     return out
+
+
+__all__ = ["Branch", "BranchGroup", "BranchRun", "CompactionPolicy", "DecodeStats", "PromptLogits", "PromptsRun",
+           "TokenEvent", "decode", "decode_prompts", "prompt_logits", "start", "start_forest", "start_prompts",
+           "stream_decode"]

@@ -1,19 +1,28 @@
 """The engine: feeds forest nodes through a causal LM over one shared cache, and nothing else.
 
-One call, `feed`, adds nodes to the forest, runs them through the model's public `forward` in one
-pass, and returns the logits at the nodes asked for. Strategies (ask, complete, beam, ...) decide
-which nodes to add and which leaves stay alive; the engine does not know which one is running.
+One call, `feed`, adds nodes to the forest, runs them through the model's public `forward`, and
+returns the logits at the nodes asked for. It is the only caller of `model.forward` in the
+package. Strategies and the scheduler decide which nodes to add, which to take back and which
+leaves stay alive; the engine does not know which strategy or proposer is running.
 
-A feed takes one of two paths:
+A feed is planned as one or more forwards over contiguous runs of its nodes:
 
-- **plain**: the new nodes form one chain that continues everything already cached (a prefix
-  prefill). The model's own causal mask is exact here and is the fastest path, so no mask is
-  passed.
-- **forest**: anything else. The model gets position ids equal to the nodes' positions and a 4D
-  float mask over `[cached slots + new nodes]` that lets each node see itself and its ancestors
+- **plain**: a chain that continues everything already cached (a prefix prefill, or one branch
+  alone) runs under the model's own causal mask, the fastest path; no mask is passed.
+- **apart**: several long chains (chunks of a document under a short instruction) each run in a
+  scratch cache holding only their parent's path, so none pays attention work for the others'
+  slots; their keys are then appended to the shared cache (`prefers_apart` decides).
+- **forest**: anything else, in one forward. Position ids are the nodes' positions and a 4D float
+  mask over `[cached slots + new nodes]` lets each node see itself and its ancestors
   (window-folded per layer type, see `masks`).
 
-The LM head runs only where logits are wanted (`logits_to_keep` with an index tensor).
+A long plain trunk at the head of a feed (a document, then its questions) runs plain first, and
+the rest goes apart or as a forest. The LM head runs only where logits are wanted
+(`logits_to_keep` with an index tensor).
+
+Taking nodes back: `drop(nodes)` removes rejected draft nodes from the forest and their slots from
+the cache (the accepted slots after the first rejected one move down, then the cache is cropped);
+`compact(live, owner=...)` frees the slots of one owner's finished work.
 """
 
 from __future__ import annotations
@@ -24,12 +33,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .cache import SlotCache
-from .forest import ROOT, Forest, chain_parents
+from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
 from .masks import build_attention_mask
 from .models import check_supported, mask_layout, max_positions
 
 APART_MIN_MEAN_LENGTH = 64
 """Chains shorter than this on average are prefilled together (see `Engine.prefers_apart`)."""
+
+TRUNK_MIN_LENGTH = 64
+"""A plain chain at the head of a mixed feed runs as its own forward from this length on: below
+it, one more pass over the weights costs more than the mask work it saves."""
 
 
 @dataclass
@@ -42,6 +55,7 @@ class EngineStats:
     peak_slots: int = 0
     peak_cache_bytes: int = 0
     slots_dropped: int = 0
+    rolled_back: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -52,10 +66,13 @@ class Engine:
 
     model: any transformers causal LM with eager or sdpa attention (checked on construction).
     capacity: cache slots to preallocate; the cache grows by doubling past it.
+    apart: run a feed made of separate chains apart always (True), never (False), or when
+        `prefers_apart` says it pays (None). Results are the same; only the cost differs.
     """
 
-    def __init__(self, model, *, capacity: int = 0) -> None:
+    def __init__(self, model, *, capacity: int = 0, apart: bool | None = None) -> None:
         check_supported(model)
+        self.apart = apart
         self.model = model
         self.forest = Forest()
         self.cache = SlotCache(capacity)
@@ -74,126 +91,79 @@ class Engine:
         *,
         logits_for: Sequence[int] = (),
         root_position: int = 0,
+        owners: Sequence[object] | None = None,
     ) -> tuple[list[int], torch.Tensor]:
-        """Add nodes (see `Forest.add` for `parents`) and run them in one forward pass.
+        """Add nodes (see `Forest.add` for `parents` and `owners`) and run them through the model.
 
         logits_for: indices into this call's nodes whose next-token logits to return.
-        Returns (new node ids, logits [len(logits_for), vocab] in float32).
+        Returns (new node ids, logits [len(logits_for), vocab] in float32, in `logits_for` order).
         """
         forest = self.forest
-        nodes = forest.add(tokens, parents, root_position=root_position)
+        nodes = forest.add(tokens, parents, root_position=root_position, owners=owners)
         if not nodes:
             return nodes, torch.empty(0, 0)
         positions = self._positions(nodes)  # [q]
         forest.place(nodes)
-        if forest.is_plain_continuation(nodes):
-            mask = None
-        else:
-            rows = forest.attention_rows(nodes)  # [q, past + q]
-            mask = build_attention_mask(
-                rows, positions, forest.slot_positions(), self.layout, self.dtype, self.device
-            )
-        if mask is None:
-            # Keep visibility rows in step for later forest feeds on top of this chain.
-            forest.attention_rows(nodes[-1:])
-        keep = torch.tensor(list(logits_for) or [len(nodes) - 1], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=torch.tensor([list(tokens)], dtype=torch.long, device=self.device),
-                position_ids=positions[None].to(self.device),
-                attention_mask=mask,
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=keep,
-            )
-        self._count(len(nodes))
-        logits = out.logits[0].float() if logits_for else out.logits[0, :0].float()  # [len(logits_for), vocab]
-        return nodes, logits
+        wanted = list(logits_for)
+        rows: dict[int, torch.Tensor] = {}  # index into nodes -> [vocab] float32
+        for kind, start, end in self._plan(nodes):
+            keep = [i - start for i in wanted if start <= i < end]
+            if kind == "apart":
+                out = self._run_apart(nodes, start, end, keep)
+            else:
+                out = self._run(nodes[start:end], positions[start:end], keep, plain=kind == "plain")
+            rows.update({start + i: row for i, row in zip(keep, out)})
+        if not wanted:
+            return nodes, torch.empty(0, 0)
+        return nodes, torch.stack([rows[i] for i in wanted])
 
     def feed_chain(
-        self, tokens: Sequence[int], parent: int = ROOT, *, root_position: int = 0, logits: bool = True
+        self, tokens: Sequence[int], parent: int = ROOT, *, root_position: int = 0, logits: bool = True,
+        owner: object = None,
     ) -> tuple[list[int], torch.Tensor]:
         """Feed one straight sequence under `parent`; logits of its last node if `logits`."""
         return self.feed(
             tokens, chain_parents(len(tokens), parent), logits_for=[len(tokens) - 1] if logits and tokens else (),
-            root_position=root_position,
+            root_position=root_position, owners=[owner] * len(tokens),
         )
 
     def feed_chains(
         self, chains: Sequence[Sequence[int]], parents: Sequence[int], *, root_position: int = 0
     ) -> tuple[list[list[int]], torch.Tensor]:
-        """Feed several sequences in one pass, chain i under `parents[i]`.
+        """Feed several sequences in one call, chain i under `parents[i]`.
 
         Returns the node ids of each chain and the logits at each non-empty chain's last node
         ([number of non-empty chains, vocab]), in chain order.
         """
-        tokens: list[int] = []
-        flat_parents: list[int] = []
-        last_index: list[int] = []
-        spans = []
-        for chain, parent in zip(chains, parents):
-            start = len(tokens)
-            tokens.extend(chain)
-            flat_parents.extend(chain_parents(len(chain), parent, start))
-            spans.append((start, len(tokens)))
-            if chain:
-                last_index.append(len(tokens) - 1)
-        nodes, logits = self.feed(tokens, flat_parents, logits_for=last_index, root_position=root_position)
+        tokens, flat_parents, spans = chain_layout(chains, parents)
+        nodes, logits = self.feed(tokens, flat_parents, logits_for=[b - 1 for a, b in spans if b > a],
+                                  root_position=root_position)
         return [nodes[a:b] for a, b in spans], logits
 
-    def feed_apart(
-        self, chains: Sequence[Sequence[int]], parent: int = ROOT, *, root_position: int = 0
-    ) -> tuple[list[list[int]], torch.Tensor]:
-        """Feed several sequences under `parent`, each in its own pass, as if `parent`'s path were
-        all that is cached.
-
-        The path's keys and values are gathered into a scratch cache; each chain runs there under
-        the model's own causal mask and its new keys and values are appended to the shared cache.
-        A chain so never pays attention work for the other chains' slots, which one forest pass
-        over long chains does (masked, but computed). Same result as `feed_chains` with every
-        parent equal; worth it when the chains are long and the path is short.
-
-        Returns the node ids of each chain and the logits at each non-empty chain's last node
-        ([number of non-empty chains, vocab]), in chain order.
-        """
+    # ------------------------------------------------------------------ planning the forwards
+    def _plan(self, nodes: list[int]) -> list[tuple[str, int, int]]:
+        """Split a feed into forwards: (kind, start, end) runs of `nodes`, in order."""
         forest = self.forest
-        # [width] the slots of `parent`'s path, in cache order
-        path = forest.compaction_plan([parent]) if parent != ROOT else torch.empty(0, dtype=torch.long)
-        width = path.numel()
-        scratch = SlotCache(width + max((len(c) for c in chains), default=0))
-        with torch.inference_mode():
-            for i, layer in enumerate(self.cache.layers):
-                keep = path.to(layer.keys.device)
-                scratch.update(layer.keys.index_select(2, keep), layer.values.index_select(2, keep), i)
-        out_nodes: list[list[int]] = []
-        rows: list[torch.Tensor] = []
-        for chain in chains:
-            if not chain:
-                out_nodes.append([])
-                continue
-            nodes = forest.add_chain(chain, parent, root_position=root_position)
-            positions = self._positions(nodes)  # [len(chain)]
-            with torch.inference_mode():
-                out = self.model(
-                    input_ids=torch.tensor([list(chain)], dtype=torch.long, device=self.device),
-                    position_ids=positions[None].to(self.device),
-                    past_key_values=scratch,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                forest.place(nodes)
-                for i, layer in enumerate(scratch.layers):
-                    self.cache.update(layer.keys[:, :, width:], layer.values[:, :, width:], i)
-                scratch.crop(-len(chain))
-            forest.attention_rows(nodes[-1:])
-            self._count(len(nodes), extra_bytes=scratch.allocated_bytes)
-            out_nodes.append(nodes)
-            rows.append(out.logits[0, -1].float())
-        logits = torch.stack(rows) if rows else torch.empty(0, 0)
-        return out_nodes, logits
+        trunk = 1
+        while trunk < len(nodes) and forest.parents[nodes[trunk]] == nodes[trunk - 1]:
+            trunk += 1
+        plain = forest.is_plain_continuation(nodes[:trunk])
+        if plain and trunk == len(nodes):
+            return [("plain", 0, trunk)]
+        plan, start = [], 0
+        if plain and trunk >= TRUNK_MIN_LENGTH:
+            plan.append(("plain", 0, trunk))
+            start = trunk
+        spans = chain_spans(forest, nodes, start) if self.apart is not False else None
+        if spans is not None and (self.apart or self.prefers_apart(
+            [b - a for a, b in spans], [forest.parents[nodes[a]] for a, b in spans]
+        )):
+            return plan + [("apart", a, b) for a, b in spans]
+        return plan + [("forest", start, len(nodes))]
 
-    def prefers_apart(self, lengths: Sequence[int], parent: int = ROOT) -> bool:
-        """Whether `feed_apart` beats one forest pass for chains of `lengths` under `parent`.
+    def prefers_apart(self, lengths: Sequence[int], parents: int | Sequence[int] = ROOT) -> bool:
+        """Whether running chains of `lengths` (chain i under `parents[i]`, or all under one
+        parent) each in its own forward beats one forest forward.
 
         One forest pass computes attention (masked, but computed) from every new token to every
         slot: S x (slots + S) for S new tokens. Apart, a chain sees only its path of A slots:
@@ -203,14 +173,74 @@ class Engine:
         questions of ~20 tokens under a long document stay together; long chunks under a short
         instruction go apart.
         """
-        lengths = [n for n in lengths if n]
-        if len(lengths) < 2 or sum(lengths) < APART_MIN_MEAN_LENGTH * len(lengths):
+        if isinstance(parents, int):
+            parents = [parents] * len(lengths)
+        pairs = [(n, p) for n, p in zip(lengths, parents) if n]
+        if len(pairs) < 2 or sum(n for n, _ in pairs) < APART_MIN_MEAN_LENGTH * len(pairs):
             return False
-        total = sum(lengths)
-        path = len(self.forest.path(parent)) if parent != ROOT else 0
+        total = sum(n for n, _ in pairs)
+        paths = {p: (len(self.forest.path(p)) if p != ROOT else 0) for _, p in pairs}
         together = total * (self.forest.num_slots + total)
-        apart = sum(n * (path + n) for n in lengths) + len(lengths) * path
+        apart = sum(n * (paths[p] + n) + paths[p] for n, p in pairs)
         return together > 2 * apart
+
+    # ------------------------------------------------------------------ the forwards
+    def _run(self, nodes: list[int], positions: torch.Tensor, keep: list[int], *, plain: bool) -> torch.Tensor:
+        """One forward of `nodes` (placed at the cache's next slots) on the shared cache; logits
+        at `keep` (indices into nodes) as [len(keep), vocab] float32."""
+        forest = self.forest
+        mask = None
+        if plain:
+            forest.attention_rows(nodes[-1:])  # keep visibility rows in step for later forest feeds
+        else:
+            rows = forest.attention_rows(nodes)  # [q, past + q]
+            width = forest.slot_of[nodes[-1]] + 1
+            mask = build_attention_mask(
+                rows[:, :width], positions, forest.slot_positions()[:width], self.layout, self.dtype, self.device
+            )
+        logits = self._forward(nodes, positions, self.cache, keep, mask)
+        self._count(len(nodes))
+        return logits
+
+    def _run_apart(self, nodes: list[int], start: int, end: int, keep: list[int]) -> torch.Tensor:
+        """The chain nodes[start:end] in its own forward, in a scratch cache holding only its
+        parent's path; its new keys and values are then appended to the shared cache.
+
+        Same result as a forest forward: the chain sees exactly its ancestors, at their positions.
+        """
+        forest = self.forest
+        chain = nodes[start:end]
+        parent = forest.parents[chain[0]]
+        # [width] the slots of the parent's path, in cache order
+        path = forest.compaction_plan([parent]) if parent != ROOT else torch.empty(0, dtype=torch.long)
+        width = path.numel()
+        scratch = SlotCache(width + len(chain))
+        with torch.inference_mode():
+            for i, layer in enumerate(self.cache.layers):
+                index = path.to(layer.keys.device)
+                scratch.update(layer.keys.index_select(2, index), layer.values.index_select(2, index), i)
+        logits = self._forward(chain, forest.positions_of(chain), scratch, keep, None)
+        with torch.inference_mode():
+            for i, layer in enumerate(scratch.layers):
+                self.cache.update(layer.keys[:, :, width:], layer.values[:, :, width:], i)
+        forest.attention_rows(chain[-1:])
+        self._count(len(chain), extra_bytes=scratch.allocated_bytes)
+        return logits
+
+    def _forward(self, nodes: list[int], positions: torch.Tensor, cache, keep: list[int], mask) -> torch.Tensor:
+        """The model's forward over `nodes`: [len(keep), vocab] float32 logits at `keep`."""
+        index = torch.tensor(keep or [len(nodes) - 1], dtype=torch.long, device=self.device)
+        tokens = [self.forest.tokens[n] for n in nodes]
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
+                position_ids=positions[None].to(self.device),
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=index,
+            )
+        return out.logits[0].float() if keep else out.logits[0, :0].float()
 
     def _positions(self, nodes: Sequence[int]) -> torch.Tensor:
         """Position ids of new nodes ([len(nodes)]), refused past the model's last position."""
@@ -225,34 +255,60 @@ class Engine:
             )
         return positions
 
-    # ------------------------------------------------------------------ memory
+    # ------------------------------------------------------------------ taking nodes back, memory
+    def drop(self, nodes: Sequence[int]) -> int:
+        """Take rejected nodes back: out of the forest, and their slots out of the cache.
+
+        `nodes` must come with all of their descendants (a rejected draft subtree). Slots before
+        the first dropped one stay put; the kept slots after it move down; the cache is cropped.
+        Returns the number of slots freed.
+        """
+        if not nodes:
+            return 0
+        forest = self.forest
+        dropped = torch.tensor(sorted(forest.slot_of[n] for n in nodes), dtype=torch.long)
+        keep = torch.ones(forest.num_slots, dtype=torch.bool)
+        keep[dropped] = False
+        forest.remove(nodes)
+        self._keep_slots(keep.nonzero().flatten())
+        self.stats.rolled_back += len(nodes)
+        return len(nodes)
+
     def reserve(self, slots: int) -> None:
         """Preallocate the cache for `slots` slots in all."""
         self.cache.reserve(slots)
 
-    def compact(self, live: Sequence[int]) -> int:
-        """Drop every cached slot that is not `live` or an ancestor of a live node.
+    def compact(self, live: Sequence[int], *, owner: object = EVERYONE) -> int:
+        """Drop every cached slot of `owner` (any owner by default) that is not `live` or an
+        ancestor of a live node. Returns the number of slots dropped.
 
-        Returns the number of slots dropped. Exact: positions are node data and do not move.
+        Exact: positions are node data and do not move.
         """
-        return self._compact(self.forest.compaction_plan(live))
+        return self._compact(self.forest.compaction_plan(live, owner=owner))
 
-    def compact_if_due(self, live: Sequence[int], due: Callable[[int, int], bool]) -> int:
-        """`compact(live)` if `due(dead slots, all slots)` says so; returns the slots dropped."""
-        keep = self.forest.compaction_plan(live)
+    def compact_if_due(self, live: Sequence[int], due: Callable[[int, int], bool], *,
+                       owner: object = EVERYONE) -> int:
+        """`compact(live, owner=owner)` if `due(dead slots, all slots)` says so; returns the slots dropped."""
+        keep = self.forest.compaction_plan(live, owner=owner)
         if not due(self.forest.num_slots - keep.numel(), self.forest.num_slots):
             return 0
         return self._compact(keep)
 
     def _compact(self, keep: torch.Tensor) -> int:
+        dropped = self._keep_slots(keep)
+        if dropped:
+            self.stats.compactions += 1
+            self.stats.slots_dropped += dropped
+        return dropped
+
+    def _keep_slots(self, keep: torch.Tensor) -> int:
         """Keep only the slots `keep` ([n] slot indices, ascending), in the cache and the forest."""
         dropped = self.forest.num_slots - keep.numel()
         if dropped == 0:
             return 0
-        self.cache.compact(keep)
+        first = unchanged_prefix(keep)
+        self.cache.compact(keep, first)
         self.forest.compact(keep)
-        self.stats.compactions += 1
-        self.stats.slots_dropped += dropped
         return dropped
 
     def _count(self, fed: int, extra_bytes: int = 0) -> None:
@@ -262,3 +318,34 @@ class Engine:
         s.tokens_fed += fed
         s.peak_slots = max(s.peak_slots, self.forest.num_slots)
         s.peak_cache_bytes = max(s.peak_cache_bytes, self.cache.allocated_bytes + extra_bytes)
+
+
+def chain_layout(chains: Sequence[Sequence[int]], parents: Sequence[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """Several chains as one feed: (tokens, parents, (start, end) of each chain), chain i under
+    `parents[i]`."""
+    tokens: list[int] = []
+    flat_parents: list[int] = []
+    spans = []
+    for chain, parent in zip(chains, parents):
+        start = len(tokens)
+        tokens.extend(chain)
+        flat_parents.extend(chain_parents(len(chain), parent, start))
+        spans.append((start, len(tokens)))
+    return tokens, flat_parents, spans
+
+
+def chain_spans(forest: Forest, nodes: Sequence[int], start: int = 0) -> list[tuple[int, int]] | None:
+    """nodes[start:] as separate chains, each hanging under a node fed before them: their
+    (start, end) runs, or None when some node hangs under another new node that is not the one
+    just before it (a tree, not chains)."""
+    fresh = set(nodes[start:])
+    spans: list[tuple[int, int]] = []
+    for i in range(start, len(nodes)):
+        parent = forest.parents[nodes[i]]
+        if i > start and parent == nodes[i - 1]:
+            continue
+        if parent in fresh:
+            return None
+        spans.append((i, i))
+    ends = [a for a, _ in spans[1:]] + [len(nodes)]
+    return [(a, b) for (a, _), b in zip(spans, ends)]

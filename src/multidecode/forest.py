@@ -16,6 +16,12 @@ Terms used across the package:
 - **visibility**: a node may attend to itself and its ancestors only. Its visibility row is a
   boolean vector over slots. Because a child sees exactly what its parent sees plus itself, rows
   are built incrementally from the parent's row.
+- **owner**: who a node belongs to (a branch group, a request). Compaction acts on one owner's
+  nodes and never touches another's, so unrelated work can share one forest.
+- **removal**: a node that should never have been there (a rejected draft token) leaves the tree:
+  its parent's child count drops, it can no longer be a parent, and its slot is freed. A
+  *compacted* node, by contrast, stays in the tree as history (tokens and parents can still be
+  read) but holds no slot.
 
 `Forest` keeps the tree and the node-to-slot map; `attention_rows` and `compaction_plan` are what
 the engine asks of it. Everything here is plain Python and boolean tensors and is tested without
@@ -31,6 +37,9 @@ import torch
 ROOT = -1
 """Parent id of a root node."""
 
+EVERYONE = object()
+"""`compaction_plan(owner=EVERYONE)`: any owner's slots may go."""
+
 
 class Forest:
     """Token nodes with parents, positions and cache slots.
@@ -43,9 +52,11 @@ class Forest:
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.positions: list[int] = []
+        self.owners: list[object] = []
         self.slot_of: list[int | None] = []
         self.node_at_slot: list[int] = []
         self._child_count: list[int] = []
+        self._removed: list[bool] = []
         # Visibility rows (over slots) of the nodes that may still get children or be queried:
         # the newest nodes and every leaf. Others are rebuilt by walking up to a known row.
         self._rows: dict[int, torch.Tensor] = {}
@@ -58,29 +69,37 @@ class Forest:
     def num_slots(self) -> int:
         return len(self.node_at_slot)
 
-    def add(self, tokens: Sequence[int], parents: Sequence[int], *, root_position: int = 0) -> list[int]:
+    def add(self, tokens: Sequence[int], parents: Sequence[int], *, root_position: int = 0,
+            owners: Sequence[object] | None = None) -> list[int]:
         """Add nodes; `parents[i]` is a node id, an index into this call's nodes written as
         `-(i + 2)`, or `ROOT`. Roots start at `root_position`; children sit one past their parent.
+        owners: one owner per node (default None for all).
 
         Returns the new node ids, in order.
         """
         if len(tokens) != len(parents):
             raise ValueError(f"{len(tokens)} tokens but {len(parents)} parents")
+        if owners is not None and len(owners) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {len(owners)} owners")
         first = len(self.tokens)
         new: list[int] = []
-        for token, parent in zip(tokens, parents):
+        for i, (token, parent) in enumerate(zip(tokens, parents)):
             if parent <= -2:  # a node of this same call
                 parent = first + (-parent - 2)
                 if parent >= first + len(new):
                     raise ValueError("a node's parent must come before it")
             elif parent != ROOT and not 0 <= parent < first:
                 raise ValueError(f"unknown parent node {parent}")
+            elif parent != ROOT and self._removed[parent]:
+                raise ValueError(f"parent node {parent} was removed")
             node = len(self.tokens)
             self.tokens.append(int(token))
             self.parents.append(parent)
             self.positions.append(root_position if parent == ROOT else self.positions[parent] + 1)
+            self.owners.append(None if owners is None else owners[i])
             self.slot_of.append(None)
             self._child_count.append(0)
+            self._removed.append(False)
             if parent != ROOT:
                 self._child_count[parent] += 1
             new.append(node)
@@ -109,6 +128,12 @@ class Forest:
     def is_leaf(self, node: int) -> bool:
         return self._child_count[node] == 0
 
+    def is_removed(self, node: int) -> bool:
+        return self._removed[node]
+
+    def children_count(self, node: int) -> int:
+        return self._child_count[node]
+
     def path(self, node: int) -> list[int]:
         """Node ids from the root down to `node`."""
         nodes = []
@@ -120,6 +145,10 @@ class Forest:
     def path_tokens(self, node: int) -> list[int]:
         """The token sequence the model sees at `node`, as if that path were run alone."""
         return [self.tokens[n] for n in self.path(node)]
+
+    def slot_owners(self) -> list[object]:
+        """Owner of the node in each slot. [num_slots]"""
+        return [self.owners[n] for n in self.node_at_slot]
 
     def slot_positions(self) -> torch.Tensor:
         """Position id of the node in each slot. [num_slots]"""
@@ -196,34 +225,77 @@ class Forest:
             if node not in keep and not self.is_leaf(node):
                 del self._rows[node]
 
-    # ------------------------------------------------------------------ compaction
-    def compaction_plan(self, live: Sequence[int]) -> torch.Tensor:
-        """Slots to keep so that `live` nodes (and hence their ancestors) stay, in slot order. [n_keep]"""
+    # ------------------------------------------------------------------ compaction and removal
+    def compaction_plan(self, live: Sequence[int], *, owner: object = EVERYONE) -> torch.Tensor:
+        """Slots to keep so that `live` nodes (and hence their ancestors) stay, in slot order. [n_keep]
+
+        owner: only this owner's slots may go (every other owner's are kept whatever `live`
+        says); EVERYONE lets any slot go.
+        """
         keep = torch.zeros(self.num_slots, dtype=torch.bool)
+        if owner is not EVERYONE:
+            keep |= torch.tensor([o != owner for o in self.slot_owners()], dtype=torch.bool)
         for node in live:
             row = self._row(node)
             keep[: row.numel()] |= row
         return keep.nonzero().flatten()
 
+    def remove(self, nodes: Iterable[int]) -> None:
+        """Take `nodes` out of the tree (rejected drafts). Each must be a placed node whose children
+        are all removed with it; their slots are freed by the `compact` that must follow."""
+        nodes = set(nodes)
+        for node in nodes:
+            if self._removed[node] or self.slot_of[node] is None:
+                raise ValueError(f"node {node} is not in the cache")
+        for node in nodes:
+            parent = self.parents[node]
+            if parent != ROOT:
+                self._child_count[parent] -= 1
+        for node in nodes:
+            if self._child_count[node]:
+                raise ValueError(f"node {node} still has children that are not removed with it")
+            self._removed[node] = True
+            self._rows.pop(node, None)
+
     def compact(self, keep_slots: torch.Tensor) -> None:
-        """Renumber slots after the cache kept only `keep_slots` (sorted ascending)."""
-        keep_list = keep_slots.tolist()
-        if keep_list != sorted(set(keep_list)):
-            raise ValueError("slots to keep must be sorted and unique")
-        new_index = torch.full((self.num_slots,), -1, dtype=torch.long)
-        new_index[keep_slots] = torch.arange(len(keep_list))
-        for node in self.node_at_slot:
+        """Renumber slots after the cache kept only `keep_slots` (sorted ascending).
+
+        Slots before the first change keep their numbers, and rows that end before it are left as
+        they are, so dropping a few slots at the tail (a rollback) costs work for the tail only.
+        """
+        first = unchanged_prefix(keep_slots)
+        kept_tail = keep_slots[first:]  # [n_tail] old slot numbers, ascending
+        tail_list = kept_tail.tolist()
+        if any(b <= a for a, b in zip(tail_list, tail_list[1:])) or (
+                tail_list and (tail_list[0] < first or tail_list[-1] >= self.num_slots)):
+            raise ValueError("slots to keep must be sorted, unique and in the cache")
+        for node in self.node_at_slot[first:]:
             self.slot_of[node] = None
-        self.node_at_slot = [self.node_at_slot[s] for s in keep_list]
-        for slot, node in enumerate(self.node_at_slot):
+        tail = [self.node_at_slot[s] for s in tail_list]
+        self.node_at_slot[first:] = tail
+        for slot, node in enumerate(tail, start=first):
             self.slot_of[node] = slot
         rows = {}
         for node, row in self._rows.items():
             if self.slot_of[node] is None:
                 continue
-            kept_here = keep_slots[keep_slots < row.numel()]
-            rows[node] = row[kept_here]
+            if row.numel() > first:
+                row = torch.cat([row[:first], row[kept_tail[kept_tail < row.numel()]]])
+            rows[node] = row
         self._rows = rows
+
+
+def unchanged_prefix(keep: Sequence[int] | torch.Tensor) -> int:
+    """How many leading slots `keep` (sorted, unique) leaves where they are: the first i with
+    keep[i] != i. A binary search: keep[i] == i holds exactly for a prefix of i."""
+    lo, hi = 0, len(keep)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(keep[mid]) == mid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def chain_parents(length: int, parent: int = ROOT, start: int = 0) -> list[int]:

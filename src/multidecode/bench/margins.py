@@ -69,7 +69,7 @@ def multidecode_margins(decoder, chunk_texts, question, counter: ForwardCounter,
                         expected=None) -> RunOutput:
     """(d): the margins stage of `strategies.margins.start` on the given chunks, drained."""
     counter.prefill(1 << 30)
-    run = start(decoder, list(chunk_texts), question, max_margin_tokens=max_new_tokens, classify=_unused)
+    run = start(decoder.scheduler(), decoder.tokenizer, list(chunk_texts), question, max_margin_tokens=max_new_tokens, classify=_unused)
     counter.prefill(0)
     if expected is not None and run.prompts != expected:
         raise AssertionError("the margins run built other prompts than the baselines got")

@@ -11,6 +11,7 @@ from .beam import beam
 from .bench import bench
 from .complete import complete, vote
 from .demo import demo
+from .generate import generate
 from .margins import margins
 
 
@@ -24,5 +25,5 @@ def main() -> None:
     """
 
 
-for command in (ask, complete, beam, margins, vote, batch, demo, bench):
+for command in (ask, generate, complete, beam, margins, vote, batch, demo, bench):
     main.add_command(command)

@@ -12,16 +12,20 @@ from rich.text import Text
 
 from ..decoding import TokenEvent
 from ..errors import InvalidInput
+from ..strategies import ask as ask_strategy
 from ..strategies.ask import check_document, check_questions
 from .common import (
     check_early,
     load_decoder,
     model_options,
+    print_stats,
     read_lines,
     read_text,
     report_errors,
     sampling_from,
     sampling_options,
+    speculate_options,
+    speculation_from,
     stderr,
     stdout,
 )
@@ -85,9 +89,11 @@ def gather_questions(question: Sequence[str], questions_file: str | None) -> lis
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop an answer at this string (repeatable).")
 @model_options
 @sampling_options
+@speculate_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of answers instead of streaming text.")
 @report_errors
-def ask(document, question, questions_file, max_new_tokens, stop, model_name, dtype, device, as_json, **sampling):
+def ask(document, question, questions_file, max_new_tokens, stop, model_name, dtype, device, as_json, speculate,
+        draft_budget, show_stats, **sampling):
     """Answer many questions about one document in one pass over one shared KV cache."""
     if document == "-" and questions_file == "-":
         raise InvalidInput("--document and --questions-file cannot both read standard input",
@@ -97,11 +103,13 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, dt
     check_document(text)
     check_questions(questions)
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
+    spec = speculation_from(speculate, draft_budget, dtype)
     decoder = load_decoder(model_name, dtype, device)
     start = time.perf_counter()
-    settings = dict(max_new_tokens=max_new_tokens, stop=stop, **sampling_from(sampling))
+    settings = dict(max_new_tokens=max_new_tokens, stop=stop, speculate=spec, **sampling_from(sampling))
+    run = ask_strategy.start(decoder.scheduler(), decoder.tokenizer, text, questions, **settings)
     if as_json:
-        answers = decoder.ask(text, questions, **settings)
+        answers = ask_strategy.answers(run.finish(), questions)
         rows = [
             {"question": a.question, "answer": a.text, "finish_reason": a.finish_reason,
              "token_ids": a.token_ids, "prompt_tokens": len(a.prompt_ids)}
@@ -110,9 +118,11 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, dt
         click.echo(json.dumps(rows, ensure_ascii=False))
         generated = sum(len(a.token_ids) for a in answers)
     else:
-        board = show_stream(decoder.stream(text, questions, **settings), questions)
+        board = show_stream(run.events, questions)
         generated = sum(map(len, board.token_ids))
     elapsed = time.perf_counter() - start
+    if show_stats:
+        print_stats(run.stats.as_dict())
     stderr.print(
         f"[dim]{len(questions)} answer{'s' * (len(questions) != 1)}, {generated} tokens in {elapsed:.1f} s "
         f"({generated / elapsed:.1f} tokens/s), one shared pass[/dim]"

@@ -42,7 +42,7 @@ def beam(prompt, prompt_file, no_chat, num_beams, max_new_tokens, length_penalty
     decoder = load_decoder(model_name, dtype, device)
     start = time.perf_counter()
     with stderr.status("searching..."):
-        run = search(decoder, text, chat=False if no_chat else None, **settings)
+        run = search(decoder.scheduler(), decoder.tokenizer, text, chat=False if no_chat else None, **settings)
     elapsed = time.perf_counter() - start
     if as_json:
         click.echo(json.dumps([

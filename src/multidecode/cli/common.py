@@ -15,7 +15,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import InvalidInput, MultiDecodeError
+from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 stdout = Console(highlight=False, soft_wrap=True)
@@ -54,6 +54,43 @@ def sampling_from(options: dict) -> dict:
     """The sampling settings the user gave, as keyword arguments for the library."""
     keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
     return {k: options[k] for k in keys if options.get(k) is not None}
+
+
+def speculate_options(command):
+    """--speculate MODE, --draft-budget N, --stats."""
+    command = click.option("--stats", "show_stats", is_flag=True,
+                           help="Print forwards, tokens per forward, draft acceptance and budget on stderr.")(command)
+    command = click.option("--draft-budget", type=int, default=None, metavar="N",
+                           help="Draft tokens per branch per step (for auto: the most it may propose).")(command)
+    return click.option("--speculate", default=None, metavar="MODE",
+                        help="Speculative decoding inside every branch: lookup (prompt lookup) or auto (only "
+                             "where the measured cost says it pays). Never changes the output.")(command)
+
+
+def speculation_from(speculate: str | None, draft_budget: int | None, dtype: str | None):
+    """The `speculate=` value for the library, checked before the model loads (unknown mode, bad
+    budget, a dtype where speculation cannot be exact)."""
+    from ..models import resolve_dtype
+    from ..speculation import resolve
+
+    if speculate is None or speculate in ("off", "none"):
+        if draft_budget is not None:
+            raise InvalidArgument("--draft-budget needs --speculate", "add --speculate lookup or --speculate auto")
+        return None
+    return resolve(speculate, resolve_dtype(dtype), budget=draft_budget)
+
+
+def print_stats(stats: dict) -> None:
+    """One dim line on stderr: forwards, tokens per forward, drafts and acceptance, mean budget."""
+    line = f"{stats.get('forward_passes', 0)} forwards, {stats.get('tokens_per_forward', 0):.2f} tokens per forward"
+    if stats.get("speculate"):
+        acceptance = stats.get("acceptance")
+        line += (f"; speculate={stats['speculate']}: {stats.get('drafted', 0)} draft tokens fed, "
+                 f"{stats.get('accepted', 0)} accepted"
+                 + (f" ({acceptance:.0%})" if acceptance is not None else "")
+                 + f", {stats.get('mean_draft_budget', 0):.1f} per step on average,"
+                 f" speculating in {stats.get('steps_speculating', 0)} of {stats.get('steps', 0)} steps")
+    stderr.print(f"[dim]{escape(line)}[/dim]")
 
 
 def check_early(*, max_new_tokens: int | None = None, n: int = 1, sampling: dict | None = None,

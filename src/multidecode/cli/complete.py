@@ -13,16 +13,20 @@ from rich.text import Text
 
 from ..errors import InvalidArgument
 from ..prompts import check_text
+from ..strategies import complete as strategy
 from .ask import show_stream
 from .common import (
     check_early,
     load_decoder,
     model_options,
+    print_stats,
     prompt_options,
     read_prompt,
     report_errors,
     sampling_from,
     sampling_options,
+    speculate_options,
+    speculation_from,
     stderr,
     stdout,
 )
@@ -36,10 +40,11 @@ from .common import (
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop a completion at this string (repeatable).")
 @model_options
 @sampling_options
+@speculate_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of completions.")
 @report_errors
 def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, model_name, dtype, device, as_json,
-             **sampling):
+             speculate, draft_budget, show_stats, **sampling):
     """n completions of one prompt from one prefill, sampled side by side.
 
     Each completion reports its seed; `--seed S` makes completion i use S + i, the same as a
@@ -53,23 +58,25 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     if greedy:
         chosen["do_sample"] = False
     check_early(max_new_tokens=max_new_tokens, n=n, sampling=chosen, stop=stop)
+    spec = speculation_from(speculate, draft_budget, dtype)
     decoder = load_decoder(model_name, dtype, device)
-    settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None, **chosen)
+    settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None, speculate=spec,
+                    **chosen)
     start = time.perf_counter()
+    run = strategy.start(decoder.scheduler(), decoder.tokenizer, text, **settings)
     if as_json:
-        done = decoder.complete(text, **settings)
+        done = strategy.completions(run.finish())
         click.echo(json.dumps([{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "seed": c.seed,
                                 "token_ids": c.token_ids} for c in done], ensure_ascii=False))
         generated = sum(len(c.token_ids) for c in done)
     else:
-        from ..strategies import complete as strategy
-
-        run = strategy.start(decoder, text, **settings)
         labels = [f"completion {b.index + 1}" + (f" (seed {b.sampler.params.seed})" if b.sampler.params.do_sample
                                                    else "") for b in run.branches]
         board = show_stream(run.events, labels)
         generated = sum(map(len, board.token_ids))
     elapsed = time.perf_counter() - start
+    if show_stats:
+        print_stats(run.stats.as_dict())
     stderr.print(f"[dim]{n} completion{'s' * (n != 1)}, {generated} tokens in {elapsed:.1f} s ({generated / elapsed:.1f} tokens/s), "
                  f"one prefill[/dim]")
 
@@ -80,20 +87,22 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @model_options
 @sampling_options
+@speculate_options
 @click.option("--show-traces", is_flag=True, help="Print every trace, not only the answers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the vote as JSON.")
 @report_errors
-def vote(question, n, max_new_tokens, model_name, dtype, device, show_traces, as_json, **sampling):
+def vote(question, n, max_new_tokens, model_name, dtype, device, show_traces, as_json, speculate, draft_budget,
+         show_stats, **sampling):
     """Self-consistency: n sampled reasoning traces in one forest, and the majority answer."""
-    from ..strategies import complete as strategy
     from ..strategies.vote import tally, vote_prompt, vote_settings
 
     check_text(question, "the question", "write the question to reason about")
     check_early(max_new_tokens=max_new_tokens, n=n, sampling=vote_settings(sampling_from(sampling)))
+    spec = speculation_from(speculate, draft_budget, dtype)
     decoder = load_decoder(model_name, dtype, device)
     prompt = vote_prompt(question)
-    run = strategy.start(decoder, prompt, n=n, max_new_tokens=max_new_tokens,
-                         **vote_settings(sampling_from(sampling)))
+    run = strategy.start(decoder.scheduler(), decoder.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
+                         speculate=spec, **vote_settings(sampling_from(sampling)))
     columns = [TextColumn("reasoning"), BarColumn(), MofNCompleteColumn(), TextColumn("traces done"),
                TimeElapsedColumn()]
     with Progress(*columns, console=stderr, transient=True) as bar:
@@ -102,6 +111,8 @@ def vote(question, n, max_new_tokens, model_name, dtype, device, show_traces, as
             if event.finish_reason is not None:
                 bar.advance(task)
     result = tally(question, strategy.completions(run))
+    if show_stats:
+        print_stats(run.stats.as_dict())
     if as_json:
         click.echo(json.dumps({"question": question, "answer": result.answer, "counts": result.counts,
                                "agreement": result.agreement,

@@ -81,8 +81,9 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling))
     decoder = load_decoder(model_name, dtype, device)
     start = time.perf_counter()
-    run = _margins.start(decoder, text, question, chunk_tokens=chunk_tokens, max_margin_tokens=max_margin_tokens,
-                         max_new_tokens=max_new_tokens, threshold=threshold, **sampling_from(sampling))
+    run = _margins.start(decoder.scheduler(), decoder.tokenizer, text, question, chunk_tokens=chunk_tokens,
+                         max_margin_tokens=max_margin_tokens, max_new_tokens=max_new_tokens, threshold=threshold,
+                         **sampling_from(sampling))
     stderr.print(f"[dim]{len(run.chunks)} chunks of at most {chunk_tokens} tokens; "
                  "writing their margins in one pass[/dim]")
     if as_json:

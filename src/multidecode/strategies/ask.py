@@ -8,23 +8,26 @@ remaining ids form one branch; all branches are decoded together.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..decoding import PromptsRun, TokenEvent, decode_prompts
+from ..decoding import BranchRun, TokenEvent, start_prompts
 from ..errors import InvalidInput
 from ..prompts import check_text, question_message, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
+from ..scheduler import Scheduler
 
 
 @dataclass(frozen=True)
 class Answer:
-    """One question's answer. prompt_ids is the whole root-to-branch prompt it was generated from."""
+    """One question's answer. prompt_ids is the whole root-to-branch prompt it was generated from;
+    stats describes the whole run it came from (forwards, tokens, drafts; see `DecodeStats`)."""
 
     question: str
     text: str
     token_ids: list[int]
     prompt_ids: list[int]
     finish_reason: str
+    stats: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def check_document(document: str) -> None:
@@ -49,19 +52,23 @@ def question_prompts(tokenizer, document: str, questions: Sequence[str], *, inst
             for q in questions]
 
 
-def start(decoder, document: str, questions: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-          instruction: str | None = None, **sampling) -> PromptsRun:
-    prompts = question_prompts(decoder.tokenizer, document, questions, instruction=instruction)
-    return decode_prompts(decoder.model, prompts, max_new_tokens=max_new_tokens,
-                          sampling=per_branch_sampling(len(prompts), sampling), tokenizer=decoder.tokenizer,
-                          stop=stop, compaction=decoder.compaction)
+def start(scheduler: Scheduler, tokenizer, document: str, questions: Sequence[str], *, max_new_tokens: int,
+          stop: Sequence[str] = (), instruction: str | None = None, speculate=None, **sampling) -> BranchRun:
+    """Admit one branch per question to `scheduler` and prefill them (see `decoding.start`)."""
+    prompts = question_prompts(tokenizer, document, questions, instruction=instruction)
+    return start_prompts(scheduler, prompts, max_new_tokens=max_new_tokens,
+                         sampling=per_branch_sampling(len(prompts), sampling), tokenizer=tokenizer, stop=stop,
+                         speculate=speculate)
 
 
-def stream(decoder, document: str, questions: Sequence[str], **settings) -> Iterator[TokenEvent]:
-    return start(decoder, document, questions, **settings).events
+def stream(scheduler: Scheduler, tokenizer, document: str, questions: Sequence[str], **settings) -> Iterator[TokenEvent]:
+    return start(scheduler, tokenizer, document, questions, **settings).events
 
 
-def ask(decoder, document: str, questions: Sequence[str], **settings) -> list[Answer]:
-    run = start(decoder, document, questions, **settings).finish()
-    return [Answer(q, b.output.text, b.output.token_ids, run.prompts[i], b.output.finish_reason)
+def answers(run: BranchRun, questions: Sequence[str]) -> list[Answer]:
+    return [Answer(q, b.output.text, b.output.token_ids, run.prompts[i], b.output.finish_reason, run.stats.as_dict())
             for i, (q, b) in enumerate(zip(questions, run.branches))]
+
+
+def ask(scheduler: Scheduler, tokenizer, document: str, questions: Sequence[str], **settings) -> list[Answer]:
+    return answers(start(scheduler, tokenizer, document, questions, **settings).finish(), questions)

@@ -39,9 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import CompactionPolicy, check_fits, check_positive, token_ids
+from ..decoding import check_fits, check_positive, new_scheduler, token_ids
 from ..engine import Engine, EngineStats
 from ..errors import InvalidArgument, InvalidInput
+from ..forest import ROOT
+from ..scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work
 from ..stopping import LENGTH, STOP, eos_ids_of
 from .complete import prompt_ids
 
@@ -104,6 +106,87 @@ def check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, nu
                               "as in transformers' GenerationConfig")
 
 
+class BeamWork(Work):
+    """One beam search as scheduler work: the prompt first, then each step the beams' next tokens
+    under their source leaves; `settle` applies the selection rule (see the module notes)."""
+
+    def __init__(self, prompt: list[int], *, num_beams: int, max_new_tokens: int, length_penalty: float,
+                 early_stopping: bool | str, eos: frozenset[int]) -> None:
+        self.prompt, self.eos = prompt, eos
+        self.B, self.N, self.P = num_beams, max_new_tokens, len(prompt)
+        self.K = max(2, 1 + len(eos)) * num_beams
+        self.max_length = self.P + max_new_tokens
+        self.length_penalty, self.early_stopping = length_penalty, early_stopping
+        self.done = False
+        self.start: int | None = None  # the prompt's last node
+        self.leaves: list[int] = []
+        # transformers starts with B copies of the prompt scored [0, -1e9, ...]; the copies share one
+        # node here, and the -1e9 scores keep every first-step candidate on the first copy.
+        self.scores = torch.full((num_beams,), -1e9, dtype=torch.float32)  # [B] each beam's summed log-prob
+        self.scores[0] = 0.0
+        self.finished: list[_Hypothesis] = []
+        self.cur_len, self.steps = self.P, 0
+        self.parents: list[int] = []
+        self.next_tokens: list[int] = []
+
+    def plan(self) -> Feed:
+        feed = Feed()
+        if self.start is None:
+            for i, token in enumerate(self.prompt):
+                feed.add(token, ROOT if i == 0 else Feed.ref(i - 1), logits=i == self.P - 1)
+        else:
+            for token, parent in zip(self.next_tokens, self.parents):
+                feed.add(token, parent)
+        return feed
+
+    def settle(self, fed, nodes, logits: torch.Tensor) -> Settled:
+        if self.start is None:
+            self.start = nodes[-1]
+            self.leaves = [self.start] * self.B
+        else:
+            self.leaves = list(nodes)
+        B, K, P = self.B, self.K, self.P
+        self.steps += 1
+        log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [1 or B, V]
+        vocab = log_probs.shape[-1]
+        log_probs = log_probs.expand(B, vocab) if log_probs.shape[0] == 1 else log_probs  # [B, V]
+        # The K best (beam, token) pairs over all beams: scores [B] + log_probs [B, V], flattened.
+        top_scores, top_index = torch.topk((log_probs + self.scores[:, None]).reshape(-1), k=K)  # [K], [K]
+        sources = (top_index // vocab).tolist()
+        tokens = (top_index % vocab).tolist()
+        at_max = self.cur_len + 1 >= self.max_length
+        hits = [at_max or t in self.eos for t in tokens]
+
+        penalized = finished_scores(top_scores, self.cur_len + 1 - P, self.length_penalty)
+        new = [_Hypothesis(penalized[j], self.leaves[sources[j]], tokens[j]) for j in range(B) if hits[j]]
+        if new:
+            self.finished = sorted(self.finished + new, key=lambda h: -float(h.score))[:B]
+        self.cur_len += 1
+        if at_max:
+            self.done = True
+            return Settled()
+        keep = [j for j in range(K) if not hits[j]][:B]
+        self.scores = top_scores[keep]
+        self.parents = [self.leaves[sources[j]] for j in keep]
+        self.next_tokens = [tokens[j] for j in keep]
+        if len(self.finished) == B:
+            if self.early_stopping is True or B == 1:
+                self.done = True
+                return Settled()
+            if self.early_stopping == "never" and self.length_penalty > 0.0:
+                best_length = self.max_length - P
+            else:
+                best_length = self.cur_len - P
+            if not bool(self.scores[0] / (best_length ** self.length_penalty) > self.finished[-1].score):
+                self.done = True
+                return Settled()
+        # a beam left behind: its slots may be dead
+        return Settled(dead=not set(self.leaves) <= set(self.parents))
+
+    def live(self) -> list[int]:
+        return sorted(set(self.parents))
+
+
 def run_beam_search(
     model,
     prompt_ids: Sequence[int],
@@ -117,6 +200,7 @@ def run_beam_search(
     tokenizer=None,
     compaction: CompactionPolicy | None = None,
     engine: Engine | None = None,
+    scheduler: Scheduler | None = None,
 ) -> BeamSearchRun:
     """Beam search from `prompt_ids` on `model`; equals `model.generate(num_beams=num_beams,
     do_sample=False, ...)` with the same settings (see the module notes).
@@ -124,74 +208,25 @@ def run_beam_search(
     eos_token_id: the ids that end a beam (default: all of the model's generation config ids).
     tokenizer: used only to fill each `Beam.text`.
     compaction: when dropped beams' slots leave the cache (default: a quarter of it dead).
-    engine: run on this engine (a fresh one by default); its stats count this search. Compaction
-        keeps only the beams' paths, so other trees on a shared engine may be compacted away.
+    engine, scheduler: run on this engine or scheduler (a fresh one by default); the engine's stats
+        count this search. Compaction acts on the search's own nodes only.
     """
     check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, num_return_sequences)
-    engine = engine or Engine(model)
+    scheduler = scheduler or new_scheduler(model, engine=engine, compaction=compaction)
+    engine = scheduler.engine
     prompt = token_ids(prompt_ids, engine.vocab_size)
     if not prompt:
         raise InvalidInput("the prompt has no tokens", "pass some token ids or text")
-    compaction = compaction or CompactionPolicy()
     check_fits(engine, [len(prompt)], max_new_tokens)
-    eos = eos_ids_of(model, eos_token_id)
-    B, N, P = num_beams, max_new_tokens, len(prompt)
-    K = max(2, 1 + len(eos)) * B
-    max_length = P + N
-    engine.reserve(engine.forest.num_slots + P + B * (N - 1))
-
-    nodes, logits = engine.feed_chain(prompt)
-    start = nodes[-1]
-    # transformers starts with B copies of the prompt scored [0, -1e9, ...]; the copies share one
-    # node here, and the -1e9 scores keep every first-step candidate on the first copy.
-    leaves = [start] * B
-    scores = torch.full((B,), -1e9, dtype=torch.float32)  # [B] each beam's summed log-prob
-    scores[0] = 0.0
-    finished: list[_Hypothesis] = []
-    cur_len, steps = P, 0
-    dropped = False
-    while True:
-        steps += 1
-        log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [1 or B, V]
-        vocab = log_probs.shape[-1]
-        log_probs = log_probs.expand(B, vocab) if log_probs.shape[0] == 1 else log_probs  # [B, V]
-        # The K best (beam, token) pairs over all beams: scores [B] + log_probs [B, V], flattened.
-        top_scores, top_index = torch.topk((log_probs + scores[:, None]).reshape(-1), k=K)  # [K], [K]
-        sources = (top_index // vocab).tolist()
-        tokens = (top_index % vocab).tolist()
-        at_max = cur_len + 1 >= max_length
-        hits = [at_max or t in eos for t in tokens]
-
-        penalized = finished_scores(top_scores, cur_len + 1 - P, length_penalty)
-        new = [_Hypothesis(penalized[j], leaves[sources[j]], tokens[j]) for j in range(B) if hits[j]]
-        if new:
-            finished = sorted(finished + new, key=lambda h: -float(h.score))[:B]
-        cur_len += 1
-        if at_max:
-            break
-        keep = [j for j in range(K) if not hits[j]][:B]
-        scores = top_scores[keep]
-        parents = [leaves[sources[j]] for j in keep]
-        next_tokens = [tokens[j] for j in keep]
-        if len(finished) == B:
-            if early_stopping is True or B == 1:
-                break
-            if early_stopping == "never" and length_penalty > 0.0:
-                best_length = max_length - P
-            else:
-                best_length = cur_len - P
-            if not bool(scores[0] / (best_length ** length_penalty) > finished[-1].score):
-                break
-
-        dropped = dropped or not set(leaves) <= set(parents)  # a beam left behind: its slots may be dead
-        if dropped and engine.compact_if_due(
-            sorted(set(parents)), lambda dead, total: compaction.due(steps, dead, total)
-        ):
-            dropped = False
-        leaves, logits = engine.feed(next_tokens, parents, logits_for=range(B))
-
-    beams = [_beam(i, h, engine, start, prompt, eos, tokenizer) for i, h in enumerate(finished[:num_return_sequences])]
-    return BeamSearchRun(beams, engine, steps, prompt)
+    eos = eos_ids_of(engine.model, eos_token_id)
+    engine.reserve(engine.forest.num_slots + len(prompt) + num_beams * (max_new_tokens - 1))
+    work = BeamWork(prompt, num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                    early_stopping=early_stopping, eos=eos)
+    scheduler.admit(work)
+    scheduler.run(work)
+    beams = [_beam(i, h, engine, work.start, prompt, eos, tokenizer)
+             for i, h in enumerate(work.finished[:num_return_sequences])]
+    return BeamSearchRun(beams, engine, work.steps, prompt)
 
 
 def finished_scores(top_scores: torch.Tensor, generated: int, length_penalty: float) -> torch.Tensor:
@@ -215,19 +250,18 @@ def _beam(index: int, hyp: _Hypothesis, engine: Engine, start: int, prompt: list
     return Beam(index, generated, float(hyp.score), text, reason, list(prompt))
 
 
-def search(decoder, prompt: str | Sequence[int], *, num_beams: int, max_new_tokens: int,
+def search(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, num_beams: int, max_new_tokens: int,
            length_penalty: float = 1.0, early_stopping: bool | str = False, num_return_sequences: int = 1,
-           chat: bool | None = None, eos_token_id: int | Sequence[int] | None = None,
-           engine: Engine | None = None) -> BeamSearchRun:
-    """`run_beam_search` for a `MultiDecoder` and a text (chat-templated unless chat=False) or ids prompt."""
+           chat: bool | None = None, eos_token_id: int | Sequence[int] | None = None) -> BeamSearchRun:
+    """`run_beam_search` on `scheduler` for a text (chat-templated unless chat=False) or ids prompt."""
     check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, num_return_sequences)
-    ids = prompt_ids(decoder.tokenizer, prompt, chat=chat)
-    return run_beam_search(decoder.model, ids, num_beams=num_beams, max_new_tokens=max_new_tokens,
+    ids = prompt_ids(tokenizer, prompt, chat=chat)
+    return run_beam_search(scheduler.engine.model, ids, num_beams=num_beams, max_new_tokens=max_new_tokens,
                            length_penalty=length_penalty, early_stopping=early_stopping,
                            num_return_sequences=num_return_sequences, eos_token_id=eos_token_id,
-                           tokenizer=decoder.tokenizer, compaction=decoder.compaction, engine=engine)
+                           tokenizer=tokenizer, scheduler=scheduler)
 
 
-def beam_search(decoder, prompt: str | Sequence[int], **settings) -> list[Beam]:
+def beam_search(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], **settings) -> list[Beam]:
     """The `num_return_sequences` best hypotheses, best first (settings as for `search`)."""
-    return search(decoder, prompt, **settings).beams
+    return search(scheduler, tokenizer, prompt, **settings).beams

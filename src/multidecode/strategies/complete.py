@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..decoding import PromptsRun, TokenEvent, check_positive, decode_prompts
+from ..decoding import BranchRun, TokenEvent, check_positive, start_prompts
 from ..errors import InvalidInput
 from ..prompts import has_chat_template, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
+from ..scheduler import Scheduler
 
 
 @dataclass(frozen=True)
 class Completion:
-    """One completion. seed is the seed its branch drew with (None when greedy)."""
+    """One completion. seed is the seed its branch drew with (None when greedy); stats describes
+    the whole run it came from (forwards, tokens per forward, drafts; see `DecodeStats`)."""
 
     index: int
     text: str
@@ -28,6 +30,7 @@ class Completion:
     finish_reason: str
     seed: int | None
     prompt_ids: list[int]
+    stats: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def prompt_ids(tokenizer, prompt: str | Sequence[int], *, chat: bool | None = None) -> list[int]:
@@ -57,26 +60,33 @@ def sampled_settings(n: int, sampling: dict) -> dict:
     return sampling
 
 
-def start(decoder, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64, stop: Sequence[str] = (),
-          chat: bool | None = None, **sampling) -> PromptsRun:
+def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
+          stop: Sequence[str] = (), chat: bool | None = None, sample: bool = True, speculate=None,
+          eos_token_id=None, **sampling) -> BranchRun:
+    """Admit n branches of one prompt to `scheduler` and prefill it once.
+
+    sample: sample by default (a random base seed when none is given); False keeps the given
+    settings as they are (greedy unless they ask for sampling), as `generate` does.
+    """
     check_positive("n", n)
-    ids = prompt_ids(decoder.tokenizer, prompt, chat=chat)
-    params = per_branch_sampling(n, sampled_settings(n, sampling))
-    return decode_prompts(decoder.model, [ids] * n, max_new_tokens=max_new_tokens, sampling=params,
-                          tokenizer=decoder.tokenizer, stop=stop, compaction=decoder.compaction)
+    ids = prompt_ids(tokenizer, prompt, chat=chat)
+    params = per_branch_sampling(n, sampled_settings(n, sampling) if sample else sampling)
+    return start_prompts(scheduler, [ids] * n, max_new_tokens=max_new_tokens, sampling=params, tokenizer=tokenizer,
+                         stop=stop, eos_token_id=eos_token_id, speculate=speculate)
 
 
-def stream(decoder, prompt, **settings) -> Iterator[TokenEvent]:
-    return start(decoder, prompt, **settings).events
+def stream(scheduler: Scheduler, tokenizer, prompt, **settings) -> Iterator[TokenEvent]:
+    return start(scheduler, tokenizer, prompt, **settings).events
 
 
-def completions(run: PromptsRun) -> list[Completion]:
+def completions(run: BranchRun) -> list[Completion]:
+    stats = run.stats.as_dict()
     return [
         Completion(b.index, b.output.text, b.output.token_ids, b.output.finish_reason,
-                   b.sampler.params.seed if b.sampler.params.do_sample else None, run.prompts[b.index])
+                   b.sampler.params.seed if b.sampler.params.do_sample else None, run.prompts[b.index], stats)
         for b in run.branches
     ]
 
 
-def complete(decoder, prompt, **settings) -> list[Completion]:
-    return completions(start(decoder, prompt, **settings).finish())
+def complete(scheduler: Scheduler, tokenizer, prompt, **settings) -> list[Completion]:
+    return completions(start(scheduler, tokenizer, prompt, **settings).finish())

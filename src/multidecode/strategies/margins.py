@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decoding import PromptsRun, TokenEvent, check_fits, check_positive, decode_prompts, open_branches
-from ..engine import Engine
+from ..decoding import BranchRun, TokenEvent, check_positive, new_scheduler, prompt_logits, start_prompts
 from ..errors import InvalidArgument, InvalidInput
-from ..prompts import check_text, render_prompt, share_prefix, tokenize_prompt
+from ..prompts import check_text, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
+from ..scheduler import Scheduler
 from ..stopping import stop_strings_of
 from .ask import check_document
 
@@ -321,14 +321,16 @@ class YesNoClassifier:
     pass (one branch per note, no decoding), and score it log P(yes) - log P(no) at the branch's
     next token.
 
-    `last_stats` holds the engine counters of the latest call.
+    source: the `Scheduler` to run on, or anything with a `.model` (a `MultiDecoder`), for which
+    each call runs on a new scheduler. tokenizer: the model's (default: `source.tokenizer`).
+    `last_stats` holds the forwards of the latest call.
     """
 
-    def __init__(self, decoder, *, template: str = RELEVANCE_TEMPLATE, yes: Sequence[str] = YES_WORDS,
-                 no: Sequence[str] = NO_WORDS) -> None:
-        self.decoder, self.template = decoder, template
-        tokenizer = decoder.tokenizer
-        yes_ids, no_ids = word_token_ids(tokenizer, yes), word_token_ids(tokenizer, no)
+    def __init__(self, source, tokenizer=None, *, template: str = RELEVANCE_TEMPLATE,
+                 yes: Sequence[str] = YES_WORDS, no: Sequence[str] = NO_WORDS) -> None:
+        self.source, self.template = source, template
+        self.tokenizer = tokenizer if tokenizer is not None else source.tokenizer
+        yes_ids, no_ids = word_token_ids(self.tokenizer, yes), word_token_ids(self.tokenizer, no)
         both = yes_ids & no_ids
         self.yes_ids, self.no_ids = sorted(yes_ids - both), sorted(no_ids - both)
         if not self.yes_ids or not self.no_ids:
@@ -337,37 +339,19 @@ class YesNoClassifier:
         self.last_stats: dict = {}
 
     def prompts(self, question: str, notes: Sequence[str]) -> list[list[int]]:
-        tokenizer = self.decoder.tokenizer
+        tokenizer = self.tokenizer
         return [tokenize_prompt(tokenizer, render_prompt(tokenizer, self.template.format(
             question=question.strip(), note=" ".join(n.split())))) for n in notes]
 
     def __call__(self, question: str, notes: Sequence[str]) -> list[float]:
         if not notes:
             return []
-        prompts = self.prompts(question, notes)
-        logits = next_token_logits(self.decoder.model, prompts)
-        self.last_stats = dict(logits.stats)
-        # logits.values [n, V]: the next-token logits after each note's verdict prompt.
-        yes = torch.logsumexp(logits.values[:, self.yes_ids], dim=-1)  # [n]
-        no = torch.logsumexp(logits.values[:, self.no_ids], dim=-1)  # [n]
+        source = self.source
+        scheduler = source if isinstance(source, Scheduler) else new_scheduler(source.model)
+        values, self.last_stats = prompt_logits(scheduler, self.prompts(question, notes))  # [n, V]
+        yes = torch.logsumexp(values[:, self.yes_ids], dim=-1)  # [n]
+        no = torch.logsumexp(values[:, self.no_ids], dim=-1)  # [n]
         return (yes - no).tolist()
-
-
-@dataclass
-class _Logits:
-    values: torch.Tensor
-    stats: dict
-
-
-def next_token_logits(model, prompts: Sequence[Sequence[int]]) -> _Logits:
-    """Next-token logits after each whole prompt ([len(prompts), vocab], float32), all from one
-    forest: the common prefix once, then every prompt's own ids in one pass."""
-    shared = share_prefix(prompts)
-    engine = Engine(model)
-    check_fits(engine, [len(p) for p in shared.prompt_ids], 1)
-    engine.reserve(len(shared.prefix_ids) + sum(map(len, shared.suffix_ids)))
-    _, logits = open_branches(engine, shared.prefix_ids, shared.suffix_ids)
-    return _Logits(logits, {**engine.stats.as_dict(), "prefix_tokens": len(shared.prefix_ids)})
 
 
 # ---------------------------------------------------------------------- the run
@@ -388,23 +372,23 @@ class MarginsRun:
     Inputs are checked and the margin prompts prefilled before `start` returns.
     """
 
-    def __init__(self, decoder, document: str, chunks: list[Chunk], question: str, *, max_margin_tokens: int,
-                 max_new_tokens: int, classify: Classifier | None, threshold: float, margin_template: str,
-                 answer_template: str, stop: Sequence[str], sampling: dict) -> None:
+    def __init__(self, scheduler: Scheduler, tokenizer, document: str, chunks: list[Chunk], question: str, *,
+                 max_margin_tokens: int, max_new_tokens: int, classify: Classifier | None, threshold: float,
+                 margin_template: str, answer_template: str, stop: Sequence[str], sampling: dict) -> None:
         check_positive("max_new_tokens", max_new_tokens)
-        self.decoder, self.document, self.chunks, self.question = decoder, document, chunks, question.strip()
+        self.scheduler, self.tokenizer = scheduler, tokenizer
+        self.document, self.chunks, self.question = document, chunks, question.strip()
         self.max_new_tokens, self.threshold, self.stop = max_new_tokens, threshold, stop
         self.answer_template = answer_template
         self.sampling = _scalar_sampling(dict(sampling))
-        self.classify = classify if classify is not None else YesNoClassifier(decoder)
-        self.prompts = margin_prompts(decoder.tokenizer, chunks, question, template=margin_template)
-        self.margin_run: PromptsRun = decode_prompts(
-            decoder.model, self.prompts, max_new_tokens=max_margin_tokens,
-            sampling=per_branch_sampling(len(chunks), self.sampling), tokenizer=decoder.tokenizer, stop=stop,
-            compaction=decoder.compaction)
+        self.classify = classify if classify is not None else YesNoClassifier(scheduler, tokenizer)
+        self.prompts = margin_prompts(tokenizer, chunks, question, template=margin_template)
+        self.margin_run: BranchRun = start_prompts(
+            scheduler, self.prompts, max_new_tokens=max_margin_tokens,
+            sampling=per_branch_sampling(len(chunks), self.sampling), tokenizer=tokenizer, stop=stop)
         self.events: Iterator[TokenEvent] = self.margin_run.events
         self.verdicts: list[tuple[bool, float | None]] | None = None
-        self.answer_run: PromptsRun | None = None
+        self.answer_run: BranchRun | None = None
         self.stats: dict = {}
 
     # -- margins
@@ -434,18 +418,17 @@ class MarginsRun:
         return verdicts
 
     # -- the answer
-    def start_answer(self) -> PromptsRun:
+    def start_answer(self) -> BranchRun:
         if self.answer_run is None:
             texts = self.margin_texts()
             notes = [t for t, (relevant, _) in zip(texts, self.judge()) if relevant]
-            ids = answer_prompt(self.decoder.tokenizer, self.question, notes, template=self.answer_template)
+            ids = answer_prompt(self.tokenizer, self.question, notes, template=self.answer_template)
             sampling = dict(self.sampling)
             if sampling.get("seed") is not None:
                 sampling["seed"] += len(self.chunks)  # margins used seed .. seed + n - 1
-            self.answer_run = decode_prompts(
-                self.decoder.model, [ids], max_new_tokens=self.max_new_tokens,
-                sampling=per_branch_sampling(1, sampling), tokenizer=self.decoder.tokenizer, stop=self.stop,
-                compaction=self.decoder.compaction)
+            self.answer_run = start_prompts(
+                self.scheduler, [ids], max_new_tokens=self.max_new_tokens,
+                sampling=per_branch_sampling(1, sampling), tokenizer=self.tokenizer, stop=self.stop)
         return self.answer_run
 
     def answer_events(self) -> Iterator[TokenEvent]:
@@ -463,14 +446,14 @@ class MarginsRun:
             for i, (c, b, text, (relevant, score)) in enumerate(
                 zip(self.chunks, self.margin_run.branches, texts, verdicts))
         ]
-        stats = {"margins": self.margin_run.engine.stats.as_dict(), "relevance": self.stats.get("relevance", {}),
-                 "answer": self.answer_run.engine.stats.as_dict()}
+        stats = {"margins": self.margin_run.stats.as_dict(), "relevance": self.stats.get("relevance", {}),
+                 "answer": self.answer_run.stats.as_dict()}
         return Margins(self.question, self.document, margins, answer.output.text.strip(),
                        list(answer.output.token_ids), self.answer_run.prompts[0],
                        answer.output.finish_reason, stats)
 
 
-def start(decoder, document: str | Sequence[str], question: str, *, chunk_tokens: int = 300,
+def start(scheduler: Scheduler, tokenizer, document: str | Sequence[str], question: str, *, chunk_tokens: int = 300,
           max_margin_tokens: int = 48, max_new_tokens: int = 64, classify: Classifier | None = None,
           threshold: float = 0.0, margin_template: str = MARGIN_TEMPLATE, answer_template: str = ANSWER_TEMPLATE,
           stop: Sequence[str] = (), **sampling) -> MarginsRun:
@@ -478,7 +461,7 @@ def start(decoder, document: str | Sequence[str], question: str, *, chunk_tokens
 
     document: text (cut into chunks of about `chunk_tokens` tokens) or a list of chunk strings.
     max_margin_tokens: longest margin; max_new_tokens: longest final answer.
-    classify: `classify(question, notes) -> scores` (default `YesNoClassifier(decoder)`), called
+    classify: `classify(question, notes) -> scores` (default `YesNoClassifier(scheduler, tokenizer)`), called
         once with every note that does not say it found nothing (`says_nothing`); a note is
         relevant when its score is above `threshold`. Notes that say nothing are not relevant.
     margin_template: the margin prompt (with `{chunk}` and `{question}`); answer_template: the
@@ -491,13 +474,13 @@ def start(decoder, document: str | Sequence[str], question: str, *, chunk_tokens
     check_question(question)
     check_positive("chunk_tokens", chunk_tokens)
     check_positive("max_margin_tokens", max_margin_tokens)
-    text, chunks = make_chunks(decoder.tokenizer, document, chunk_tokens)
-    return MarginsRun(decoder, text, chunks, question, max_margin_tokens=max_margin_tokens,
+    text, chunks = make_chunks(tokenizer, document, chunk_tokens)
+    return MarginsRun(scheduler, tokenizer, text, chunks, question, max_margin_tokens=max_margin_tokens,
                       max_new_tokens=max_new_tokens, classify=classify, threshold=threshold,
                       margin_template=margin_template,
                       answer_template=answer_template, stop=stop_strings_of(stop), sampling=sampling)
 
 
-def margins(decoder, document: str | Sequence[str], question: str, **settings) -> Margins:
+def margins(scheduler: Scheduler, tokenizer, document: str | Sequence[str], question: str, **settings) -> Margins:
     """Writing in the margins, start to end: settings as for `start`."""
-    return start(decoder, document, question, **settings).result()
+    return start(scheduler, tokenizer, document, question, **settings).result()

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import InvalidInput
+from ..scheduler import Scheduler
 from .complete import Completion, complete
 
 INSTRUCTION = "Think step by step. Then give the final answer on its own last line, as 'Answer: <answer>'."
@@ -93,10 +94,10 @@ def tally(question: str, done: Sequence[Completion], extract: Callable[[str], st
     return Vote(question, next(iter(ranked), None), ranked, traces)
 
 
-def vote(decoder, question: str, *, n: int = 8, max_new_tokens: int = 256,
+def vote(scheduler: Scheduler, tokenizer, question: str, *, n: int = 8, max_new_tokens: int = 256,
          extract: Callable[[str], str | None] = extract_answer, instruction: str | None = INSTRUCTION,
-         **sampling) -> Vote:
+         **settings) -> Vote:
     """Sample n traces for `question` in one forest and vote on their extracted answers."""
     prompt = vote_prompt(question, instruction)
-    done = complete(decoder, prompt, n=n, max_new_tokens=max_new_tokens, **vote_settings(sampling))
+    done = complete(scheduler, tokenizer, prompt, n=n, max_new_tokens=max_new_tokens, **vote_settings(settings))
     return tally(question, done, extract)

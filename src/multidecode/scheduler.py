@@ -1,0 +1,263 @@
+"""The step-wise scheduler: every strategy's work, advanced together, one feed per step.
+
+A **work** is anything that owns nodes in the forest and wants some of them fed each step: a
+group of independent branches (`decoding.BranchGroup`: ask, complete, vote, margins, decode,
+generate), a beam search, a scoring pass. The scheduler holds one long-lived `Engine` and the
+works admitted to it, and each `step`:
+
+1. asks every work for its **feed**: the nodes it wants in the next forward. Some are
+   *required* (a prompt, each branch's newest token, the beams' next tokens); some are
+   *optional* draft nodes that carry their estimated chance of being accepted;
+2. keeps the optional nodes that pay for their rows, by the measured cost of a forward on this
+   hardware (`cost.choose_draft_count`), when any work asks for that;
+3. runs everything in one `Engine.feed` (the only door to `model.forward`);
+4. hands each work its nodes' logits to **settle**: emit tokens, accept or reject drafts, pick
+   beams. Rejected nodes are taken back (`Engine.drop`) in one pass over the cache tail;
+5. compacts a work's dead slots when enough of the cache is dead, acting on that work's own
+   nodes only (its **owner**), and retires finished works. A retired work's slots are freed
+   before the next step that feeds anything (so the cache of a finished one-off run can still be
+   inspected, and a long-lived scheduler does not keep dead work).
+
+Works may be admitted between any two steps, so new requests can join a running forest. The
+scheduler knows nothing about sampling, drafts or beams beyond what a `Feed` says, and the
+engine knows nothing about works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cost import choose_draft_count, cost_curve
+from .engine import Engine
+from .forest import ROOT
+
+
+@dataclass
+class Feed:
+    """The nodes one work wants in the next forward, parents before children.
+
+    parents[i]: a node id already in the forest, `ROOT`, or `-(j + 2)` for node j of this feed.
+    logits[i]: whether node i's next-token logits are needed.
+    chances[i]: None for a required node; for an optional draft node, its estimated chance of
+        being accepted (never above its parent's, so the most likely nodes form a subtree).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    logits: list[bool] = field(default_factory=list)
+    chances: list[float | None] = field(default_factory=list)
+    root_position: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int, *, logits: bool = True, chance: float | None = None) -> int:
+        """Append a node; returns its index in this feed (refer to it as a parent by `ref`)."""
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.logits.append(logits)
+        self.chances.append(chance)
+        return len(self.tokens) - 1
+
+    @staticmethod
+    def ref(index: int) -> int:
+        """How a later node of the same feed names node `index` as its parent."""
+        return -(index + 2)
+
+
+@dataclass
+class Settled:
+    """What a work reports after a step: the nodes it rejects, and whether part of what it holds
+    in the cache died (a branch finished, a beam was dropped), so compaction may pay."""
+
+    rejected: list[int] = field(default_factory=list)
+    dead: bool = False
+
+
+class Work:
+    """Base class of scheduled work (see the module notes).
+
+    Subclasses implement `plan`, `settle` and `live`, and set `done` when finished. `owner`
+    marks the work's nodes in the forest; by default the work itself.
+    """
+
+    done: bool = False
+
+    @property
+    def owner(self) -> object:
+        return self
+
+    def plan(self) -> Feed | None:
+        """The nodes to feed this step (None or an empty feed: nothing this step)."""
+        raise NotImplementedError
+
+    def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor) -> Settled:
+        """After the forward: `fed[j]` is the index in this step's feed of the j-th node fed
+        (optional nodes may have been left out), `nodes[j]` its node id; `logits` holds one row
+        per fed node whose logits were asked for, in order."""
+        raise NotImplementedError
+
+    def live(self) -> Sequence[int]:
+        """Nodes whose paths must stay cached (the leaves future feeds will hang under)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class CompactionPolicy:
+    """When to drop a work's dead slots from the cache.
+
+    Compact once at least `min_slots` slots and `min_fraction` of the cache belong only to a
+    work's finished branches; `every` forces a compaction every that many of the work's steps
+    (tests use it).
+    """
+
+    min_fraction: float = 0.25
+    min_slots: int = 32
+    every: int | None = None
+
+    def due(self, step: int, dead: int, total: int) -> bool:
+        if self.every is not None and step % self.every == 0:
+            return dead > 0
+        return dead >= self.min_slots and dead >= self.min_fraction * total
+
+
+@dataclass
+class StepRecord:
+    """One step as it ran: rows fed, of which optional draft rows, and how many were offered."""
+
+    rows: int
+    drafts: int
+    offered: int
+
+
+class Scheduler:
+    """Runs works over one engine, one feed per step (see the module notes).
+
+    compaction: when a work's dead slots leave the cache (default: a quarter of it dead).
+    cost: the cost curve used to choose optional nodes (`cost.CostCurve`); measured or loaded
+        from disk on first need when not given.
+    """
+
+    def __init__(self, engine: Engine, *, compaction: CompactionPolicy | None = None, cost=None) -> None:
+        self.engine = engine
+        self.compaction = compaction or CompactionPolicy()
+        self.cost = cost
+        self.works: list[Work] = []
+        self.history: list[StepRecord] = []
+        self._steps: dict[int, int] = {}  # id(work) -> steps it took part in
+        self._dirty: set[int] = set()  # ids of works with dead slots not yet compacted
+        self._retired: list[object] = []  # owners whose slots are freed before the next feed
+
+    @property
+    def idle(self) -> bool:
+        return not self.works
+
+    def admit(self, work: Work) -> Work:
+        """Add a work; it takes part from the next step on."""
+        self.works.append(work)
+        return work
+
+    def run(self, work: Work | None = None) -> None:
+        """Step until `work` (or every work) is done."""
+        while (not work.done) if work is not None else self.works:
+            self.step()
+
+    def step(self) -> None:
+        """One forward for every work that wants one, then settle, roll back, compact, retire."""
+        plans = [(w, w.plan()) for w in list(self.works) if not w.done]
+        plans = [(w, f) for w, f in plans if f is not None and len(f)]
+        if plans:
+            for owner in self._retired:
+                self.engine.compact([], owner=owner)
+            self._retired.clear()
+            kept = self._choose(plans)
+            self._feed(plans, kept)
+        for work in [w for w in self.works if w.done]:
+            self.retire(work)
+
+    def retire(self, work: Work) -> None:
+        """Remove a work; the slots it owns are freed before the next feed."""
+        self.works.remove(work)
+        self._steps.pop(id(work), None)
+        self._dirty.discard(id(work))
+        self._retired.append(work.owner)
+
+    # ------------------------------------------------------------------ one step
+    def _choose(self, plans: list[tuple[Work, Feed]]) -> list[list[int]]:
+        """Which nodes of each feed to feed: all required ones, and the optional ones worth their rows."""
+        required = sum(c is None for _, f in plans for c in f.chances)
+        expected = sum(1 for _, f in plans for c, wants in zip(f.chances, f.logits) if c is None and wants)
+        offered = [(chance, w, i) for w, (work, f) in enumerate(plans) for i, chance in enumerate(f.chances)
+                   if chance is not None]
+        take: set[tuple[int, int]] = set()
+        if offered:
+            if self.cost is None:
+                self.cost = cost_curve(self.engine.model)
+            # best first; equal chances keep feed order, so parents come before their children
+            ranked = sorted(offered, key=lambda x: -x[0])
+            count = choose_draft_count(self.cost, required=required, expected=expected,
+                                       chances=[c for c, _, _ in ranked], context=self.engine.forest.num_slots)
+            take = {(w, i) for _, w, i in ranked[:count]}
+        kept = []
+        for w, (_, feed) in enumerate(plans):
+            chosen, index = [], {}
+            for i, (chance, parent) in enumerate(zip(feed.chances, feed.parents)):
+                if chance is not None:
+                    local = -parent - 2 if parent <= -2 else None
+                    if (w, i) not in take or (local is not None and local not in index):
+                        continue  # left out, or its parent was
+                index[i] = len(chosen)
+                chosen.append(i)
+            kept.append(chosen)
+        drafts = sum(1 for w, (_, f) in enumerate(plans) for i in kept[w] if f.chances[i] is not None)
+        self.history.append(StepRecord(sum(map(len, kept)), drafts, len(offered)))
+        return kept
+
+    def _feed(self, plans: list[tuple[Work, Feed]], kept: list[list[int]]) -> None:
+        tokens, parents, logits_for, owners = [], [], [], []
+        spans = []
+        root_positions = {f.root_position for _, f in plans}
+        if len(root_positions) > 1:
+            raise ValueError("works fed together must share one root position")
+        for (work, feed), chosen in zip(plans, kept):
+            start = len(tokens)
+            index = {i: start + j for j, i in enumerate(chosen)}
+            for i in chosen:
+                parent = feed.parents[i]
+                parents.append(-(index[-parent - 2] + 2) if parent <= -2 else parent)
+                tokens.append(feed.tokens[i])
+                owners.append(work.owner)
+                if feed.logits[i]:
+                    logits_for.append(len(tokens) - 1)
+            spans.append((start, len(tokens)))
+        nodes, logits = self.engine.feed(tokens, parents, logits_for=logits_for,
+                                         root_position=root_positions.pop(), owners=owners)
+        rejected: list[int] = []
+        row = 0
+        for (work, feed), chosen, (start, end) in zip(plans, kept, spans):
+            rows = sum(feed.logits[i] for i in chosen)
+            settled = work.settle(chosen, nodes[start:end], logits[row : row + rows])
+            row += rows
+            rejected.extend(settled.rejected)
+            key = id(work)
+            self._steps[key] = self._steps.get(key, 0) + 1
+            if settled.dead:
+                self._dirty.add(key)
+        self.engine.drop(rejected)
+        for work, _ in plans:
+            self._compact_if_due(work)
+
+    def _compact_if_due(self, work: Work) -> None:
+        key = id(work)
+        if work.done or key not in self._dirty:
+            return
+        step = self._steps.get(key, 0)
+        if self.engine.compact_if_due(list(work.live()), lambda dead, total: self.compaction.due(step, dead, total),
+                                      owner=work.owner):
+            self._dirty.discard(key)
+
+
+__all__ = ["ROOT", "CompactionPolicy", "Feed", "Scheduler", "Settled", "StepRecord", "Work"]

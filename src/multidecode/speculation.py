@@ -1,0 +1,109 @@
+"""How a run speculates: which proposer drafts, and how many draft tokens a step may feed.
+
+`speculate=` on every decoding entry point takes:
+
+- None (or False): no speculation, one token per branch per step;
+- "lookup": prompt lookup (`proposers.lookup`), up to `DEFAULT_BUDGET` draft nodes per branch
+  per step, all fed;
+- "auto": prompt lookup, with the draft nodes of each step chosen by the measured cost of a
+  forward on this hardware and the acceptance seen so far (`cost`), so that it speculates only
+  where that pays, and not at all where it does not;
+- a `Proposer`: that proposer, at the default budget;
+- a `Speculation`: all of it spelled out.
+
+Speculation never changes what is generated: greedy output equals plain greedy decoding and a
+seeded sampled run equals the same run without speculation (see `verify`). That holds in
+float32, where the forest is exact; in bfloat16 or float16 a masked forward takes other kernels
+and near-ties can break differently, so explicit speculation is refused there and "auto" does
+not speculate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidArgument, is_int
+from .proposers import Proposer
+from .proposers.lookup import PromptLookup
+
+DEFAULT_BUDGET = 8
+"""Draft nodes per branch per step for a fixed-budget mode ("lookup", or a proposer object)."""
+
+AUTO_MAX_DRAFT = 16
+"""In "auto", the most draft nodes a branch proposes per step (the cost model keeps fewer)."""
+
+MODES = ("lookup", "auto")
+EXACT_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A proposer and its budget.
+
+    budget: draft nodes per branch per step, all fed; None lets the cost model choose each step
+        among up to `max_draft` proposed nodes per branch ("auto").
+    """
+
+    proposer: Proposer
+    budget: int | None = DEFAULT_BUDGET
+    max_draft: int = AUTO_MAX_DRAFT
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.proposer, Proposer):
+            raise InvalidArgument(f"a Speculation needs a Proposer, got {type(self.proposer).__name__}",
+                                  "use multidecode.proposers.lookup.PromptLookup() or a subclass of Proposer")
+        for name in ("budget", "max_draft"):
+            value = getattr(self, name)
+            if value is None and name == "budget":
+                continue
+            if not is_int(value) or value < 1:
+                raise InvalidArgument(f"the draft {name.replace('_', ' ')} must be a positive integer, got {value!r}",
+                                      "use 1 or more draft tokens per step, or turn speculation off")
+
+    @property
+    def auto(self) -> bool:
+        return self.budget is None
+
+    @property
+    def name(self) -> str:
+        return "auto" if self.auto else self.proposer.name
+
+    @property
+    def size(self) -> int:
+        """The most draft nodes a branch proposes in one step."""
+        return self.max_draft if self.budget is None else self.budget
+
+
+def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None) -> Speculation | None:
+    """`speculate` (see the module notes) as a `Speculation`, or None for none.
+
+    budget: overrides the draft budget of a named mode or proposer (for "auto", the most nodes a
+    branch may propose). Raises `InvalidArgument` for an unknown mode, a bad budget, or explicit
+    speculation in a dtype where it cannot be exact.
+    """
+    if budget is not None and (not is_int(budget) or budget < 1):
+        raise InvalidArgument(f"the draft budget must be a positive integer, got {budget!r}",
+                              "use 1 or more draft tokens per step")
+    if speculate is None or speculate is False:
+        return None
+    if isinstance(speculate, Speculation):
+        spec = speculate
+    elif isinstance(speculate, Proposer):
+        spec = Speculation(speculate, budget or DEFAULT_BUDGET)
+    elif speculate == "lookup":
+        spec = Speculation(PromptLookup(), budget or DEFAULT_BUDGET)
+    elif speculate == "auto":
+        spec = Speculation(PromptLookup(), None, budget or AUTO_MAX_DRAFT)
+    else:
+        raise InvalidArgument(f"unknown speculation mode {speculate!r}",
+                              f"use one of {', '.join(MODES)}, a Proposer, or None")
+    if dtype not in EXACT_DTYPES:
+        if spec.auto:
+            return None
+        raise InvalidArgument(
+            f"speculation ({spec.name}) cannot be exact in {str(dtype).removeprefix('torch.')}: masked forwards "
+            "take other kernels there, so near-ties may break differently than in plain decoding",
+            "load the model in float32, or use speculate='auto' (which then does not speculate)")
+    return spec
