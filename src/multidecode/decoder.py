@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
+from .cost import CostCurve
 from .decoding import BranchRun, CompactionPolicy, TokenEvent, new_scheduler, start_prompts
 from .models import check_supported, load_model_and_tokenizer
 from .sampling import per_branch_sampling
@@ -34,13 +35,17 @@ class MultiDecoder:
 
     model: any transformers causal LM loaded with eager or sdpa attention.
     compaction: when to drop finished branches from the cache (default: a quarter of it dead).
+    cost: the forward cost curve that speculate="auto" uses (default: measured on first use and
+        kept on disk, see `cost.cost_curve`).
     """
 
-    def __init__(self, model, tokenizer, *, compaction: CompactionPolicy | None = None) -> None:
+    def __init__(self, model, tokenizer, *, compaction: CompactionPolicy | None = None,
+                 cost: CostCurve | None = None) -> None:
         check_supported(model)
         self.model = model
         self.tokenizer = tokenizer
         self.compaction = compaction or CompactionPolicy()
+        self.cost = cost
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -48,7 +53,7 @@ class MultiDecoder:
 
     def scheduler(self) -> Scheduler:
         """A new scheduler (with its own engine and cache) for this model."""
-        return new_scheduler(self.model, compaction=self.compaction)
+        return new_scheduler(self.model, compaction=self.compaction, cost=self.cost)
 
     # ------------------------------------------------------------------ token level
     def start(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop: Sequence[str] = (),

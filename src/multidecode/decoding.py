@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cost import AcceptanceTracker
+from .cost import AcceptanceTracker, CostCurve
 from .engine import Engine
 from .errors import InvalidArgument, InvalidInput, PromptTooLong, is_int
 from .forest import ROOT
@@ -188,7 +188,9 @@ class BranchGroup(Work):
 
     def _prompt_feed(self) -> Feed:
         feed, ends = prompt_feed(self.prefix_ids, self.suffixes)
-        self._heads = dict(enumerate(ends))
+        for b, end in zip(self.branches, ends):
+            self._heads[b.index] = end
+            self._add_draft(feed, b, end)
         return feed
 
     def _decode_feed(self) -> Feed:
@@ -198,19 +200,25 @@ class BranchGroup(Work):
                 continue
             head = feed.add(b.head, b.leaf)
             self._heads[b.index] = head
-            draft = self._draft(b)
-            if not len(draft):
-                continue
-            self._drafts[b.index] = draft
-            chances = self.tracker.node_chances(b.index, draft) if self.tracker is not None else [None] * len(draft)
-            at: list[int] = []
-            for n, (token, parent, chance) in enumerate(zip(draft.tokens, draft.parents, chances)):
-                at.append(feed.add(token, Feed.ref(head if parent == UNDER_LEAF else at[parent]), chance=chance))
-                self._draft_nodes[at[-1]] = (b.index, n)
+            self._add_draft(feed, b, head)
         return feed
 
+    def _add_draft(self, feed: Feed, branch: Branch, head: int) -> None:
+        """Hang the branch's draft tree for this step under its head (feed index `head`)."""
+        draft = self._draft(branch)
+        if not len(draft):
+            return
+        self._drafts[branch.index] = draft
+        tracker = self.tracker
+        chances = tracker.node_chances(branch.index, draft) if tracker is not None else [None] * len(draft)
+        at: list[int] = []
+        for n, (token, parent, chance) in enumerate(zip(draft.tokens, draft.parents, chances)):
+            at.append(feed.add(token, Feed.ref(head if parent == UNDER_LEAF else at[parent]), chance=chance))
+            self._draft_nodes[at[-1]] = (branch.index, n)
+
     def _draft(self, branch: Branch) -> DraftTree:
-        """The branch's draft tree for this step: no deeper than its remaining tokens allow."""
+        """The branch's draft tree for this step: no deeper than its remaining tokens allow (a
+        step emits the accepted drafts and one token more)."""
         spec = self.speculation
         if spec is None:
             return DraftTree()
@@ -442,23 +450,24 @@ def start_prompts(scheduler: Scheduler, prompts: Sequence[Sequence[int]], **sett
 
 
 def new_scheduler(model, *, engine: Engine | None = None, compaction: CompactionPolicy | None = None,
-                  apart: bool | None = None) -> Scheduler:
-    """A scheduler over `engine` (a fresh `Engine(model)` by default)."""
-    return Scheduler(engine or Engine(model, apart=apart), compaction=compaction)
+                  apart: bool | None = None, cost: CostCurve | None = None) -> Scheduler:
+    """A scheduler over `engine` (a fresh `Engine(model)` by default). apart: see `Engine`;
+    cost: the cost curve "auto" speculation uses (default: measured once and kept on disk)."""
+    return Scheduler(engine or Engine(model, apart=apart), compaction=compaction, cost=cost)
 
 
 def start_forest(model, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *,
                  compaction: CompactionPolicy | None = None, engine: Engine | None = None,
-                 apart: bool | None = None, **settings) -> BranchRun:
-    """`start` on a new scheduler for `model` (over `engine` when given). apart: see `Engine`."""
-    return start(new_scheduler(model, engine=engine, compaction=compaction, apart=apart), prefix_ids, suffixes,
-                 **settings)
+                 apart: bool | None = None, cost: CostCurve | None = None, **settings) -> BranchRun:
+    """`start` on a new scheduler for `model` (see `new_scheduler`)."""
+    scheduler = new_scheduler(model, engine=engine, compaction=compaction, apart=apart, cost=cost)
+    return start(scheduler, prefix_ids, suffixes, **settings)
 
 
 def decode_prompts(model, prompts: Sequence[Sequence[int]], *, compaction: CompactionPolicy | None = None,
-                   engine: Engine | None = None, **settings) -> BranchRun:
-    """`start_prompts` on a new scheduler for `model`."""
-    return start_prompts(new_scheduler(model, engine=engine, compaction=compaction), prompts, **settings)
+                   engine: Engine | None = None, cost: CostCurve | None = None, **settings) -> BranchRun:
+    """`start_prompts` on a new scheduler for `model` (see `new_scheduler`)."""
+    return start_prompts(new_scheduler(model, engine=engine, compaction=compaction, cost=cost), prompts, **settings)
 
 
 def stream_decode(
@@ -481,6 +490,7 @@ def decode(
     top_p: float | None = None,
     seed: int | None = None,
     speculate=None,
+    cost: CostCurve | None = None,
 ) -> list[list[int]]:
     """Generate from `prefix_ids + branch_ids[i]` for every i at once; returns each branch's new ids.
 
@@ -490,14 +500,14 @@ def decode(
     from the model's generation config, only its eos ids. With sampling and a seed, branch i draws
     from its own generator seeded `seed + i`, so it does not depend on the other branches.
     speculate: None, "lookup", "auto", a `Proposer` or a `Speculation` (see `speculation`); it
-    never changes the output.
+    never changes the output. cost: the cost curve for "auto" (default: measured once, kept on disk).
     """
     sampling = per_branch_sampling(
         len(branch_ids), dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     )
     out: list[list[int]] = [[] for _ in branch_ids]
     for event in stream_decode(model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                               eos_token_id=eos_token_id, speculate=speculate):
+                               eos_token_id=eos_token_id, speculate=speculate, cost=cost):
         out[event.branch].append(event.token_id)
     return out
 

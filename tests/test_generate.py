@@ -1,0 +1,160 @@
+"""`MultiDecoder.generate`, `speculate=` on every strategy, and the CLI's `generate` and
+`--speculate`: on a tiny model folder (Llama + a BPE tokenizer made offline) and the embedded model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from local_models import tiny_model_folder
+
+import multidecode
+from multidecode.cli import main
+from multidecode.cost import CostCurve
+
+FLAT = CostCurve.from_relative({1: 1.0, 2: 1.02, 64: 1.5})
+DOCUMENT = ("The router is old and the light is red. The cable is red. The ticket is open. "
+            "The router is old and the cable is red.")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama-generate"), max_positions=256)
+
+
+@pytest.fixture(scope="module")
+def decoder(model_dir):
+    md = multidecode.load(str(model_dir))
+    md.cost = FLAT
+    return md
+
+
+def hf_greedy(model, ids, n):
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.xdist_group("cli")
+@pytest.mark.parametrize("speculate", [None, "lookup", "auto"])
+def test_generate_equals_transformers_generate(decoder, speculate):
+    done = decoder.generate("hello, the router is old and the cable", max_new_tokens=24, speculate=speculate)
+    assert done.token_ids == hf_greedy(decoder.model, done.prompt_ids, 24)[: len(done.token_ids)]
+    assert done.text == decoder.tokenizer.decode(done.token_ids, skip_special_tokens=True)
+    assert done.finish_reason in ("stop", "length") and done.seed is None
+    stats = done.stats
+    assert stats["speculate"] == speculate and stats["tokens"] == len(done.token_ids)
+    assert stats["forward_passes"] >= 1 and stats["tokens_per_forward"] > 0
+    if speculate is None:
+        assert stats["forward_passes"] == len(done.token_ids) and stats["drafted"] == 0
+
+
+@pytest.mark.xdist_group("cli")
+def test_generate_takes_ids_as_given_and_streams(decoder):
+    ids = decoder.tokenizer("The cable is red. The cable", add_special_tokens=False)["input_ids"]
+    done = decoder.generate(ids, max_new_tokens=12, speculate="lookup", chat=False)
+    assert done.prompt_ids == ids and done.token_ids == hf_greedy(decoder.model, ids, 12)[: len(done.token_ids)]
+    events = list(decoder.stream_generate(ids, max_new_tokens=12, speculate="lookup"))
+    assert [e.token_id for e in events] == done.token_ids
+    assert "".join(e.text for e in events) == done.text
+
+
+@pytest.mark.xdist_group("cli")
+def test_speculation_never_changes_ask_complete_or_vote(decoder):
+    questions = ["What colour is the cable?", "Is the ticket open?", "How old is the router?"]
+    plain = decoder.ask(DOCUMENT, questions, max_new_tokens=16)
+    for speculate in ("lookup", "auto"):
+        assert [a.token_ids for a in decoder.ask(DOCUMENT, questions, max_new_tokens=16, speculate=speculate)] == \
+            [a.token_ids for a in plain]
+    sampled = decoder.complete("The cable is", n=3, max_new_tokens=12, seed=4, temperature=0.8)
+    again = decoder.complete("The cable is", n=3, max_new_tokens=12, seed=4, temperature=0.8, speculate="lookup")
+    assert [c.token_ids for c in again] == [c.token_ids for c in sampled]
+    assert again[0].stats["speculate"] == "lookup"
+    votes = decoder.vote("What is 2 + 2?", n=3, max_new_tokens=10, seed=1)
+    assert decoder.vote("What is 2 + 2?", n=3, max_new_tokens=10, seed=1, speculate="auto").traces == votes.traces
+
+
+# ---------------------------------------------------------------------- the CLI
+@pytest.mark.xdist_group("cli")
+def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path))  # where "auto" keeps its cost curve
+    runner = CliRunner()
+    args = ["generate", "--model", str(model_dir), "-p", "hello, the router is old", "--max-new-tokens", "10"]
+    result = runner.invoke(main, [*args, "--speculate", "lookup", "--draft-budget", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = decoder.generate("hello, the router is old", max_new_tokens=10)
+    assert row["token_ids"] == expected.token_ids and row["text"] == expected.text
+    assert row["stats"]["speculate"] == "lookup" and row["stats"]["forward_passes"] >= 1
+    human = runner.invoke(main, [*args, "--speculate", "auto", "--stats"])
+    assert human.exit_code == 0, human.output
+    assert expected.text.strip() in human.stdout
+    assert "tokens per forward" in human.stderr and "speculate=auto" in human.stderr
+    assert list(tmp_path.glob("costs/*.json"))  # measured once, kept for the next run
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("hello, the router is old", encoding="utf-8")
+    from_file = runner.invoke(main, ["generate", "--model", str(model_dir), "--prompt-file", str(prompt_file),
+                                     "--max-new-tokens", "10", "--json"])
+    assert json.loads(from_file.stdout.strip().splitlines()[-1])["token_ids"] == expected.token_ids
+
+
+@pytest.mark.xdist_group("cli")
+@pytest.mark.parametrize("extra, message", [
+    (["--speculate", "medusa"], "unknown speculation mode"),
+    (["--speculate", "lookup", "--draft-budget", "0"], "positive integer"),
+    (["--speculate", "lookup", "--dtype", "bfloat16"], "cannot be exact in bfloat16"),
+    (["--draft-budget", "4"], "--draft-budget needs --speculate"),
+])
+def test_cli_bad_speculation_settings_exit_2_before_loading(model_dir, extra, message):
+    for command in (["generate", "-p", "hi"], ["ask", "--document", "-", "-q", "Why?"],
+                    ["complete", "-p", "hi"], ["vote", "-q", "Why?"]):
+        result = CliRunner().invoke(main, [*command, "--model", str(model_dir), *extra], input="A document.")
+        assert result.exit_code == 2, (command, result.output)
+        assert message in result.output and "hint:" in result.output and "Traceback" not in result.output
+        assert "Loaded" not in result.output  # refused before the model loads
+
+
+@pytest.mark.xdist_group("cli")
+def test_cli_ask_complete_vote_take_speculate(model_dir, tmp_path):
+    document = tmp_path / "doc.txt"
+    document.write_text(DOCUMENT, encoding="utf-8")
+    runner = CliRunner()
+    base = ["ask", "--model", str(model_dir), "--document", str(document), "-q", "What colour is the cable?",
+            "--max-new-tokens", "8", "--json"]
+    plain = runner.invoke(main, base)
+    spec = runner.invoke(main, [*base, "--speculate", "lookup", "--stats"])
+    assert spec.exit_code == 0, spec.output
+    assert json.loads(spec.stdout) == json.loads(plain.stdout)
+    assert "speculate=lookup" in spec.stderr
+    comp = runner.invoke(main, ["complete", "--model", str(model_dir), "-p", "The cable", "--n", "2", "--seed", "3",
+                                "--max-new-tokens", "6", "--speculate", "lookup", "--json"])
+    assert comp.exit_code == 0, comp.output
+    vote = runner.invoke(main, ["vote", "--model", str(model_dir), "-q", "What is 2 + 2?", "--n", "2",
+                                "--max-new-tokens", "6", "--seed", "1", "--speculate", "lookup", "--json"])
+    assert vote.exit_code == 0, vote.output
+
+
+# ---------------------------------------------------------------------- the embedded model
+@pytest.fixture(scope="module")
+def embedded():
+    md = multidecode.load()
+    md.cost = CostCurve.from_relative({1: 1.0, 2: 1.73, 8: 1.79, 16: 2.21, 64: 3.79})  # this CPU's shape
+    return md
+
+
+@pytest.mark.embedded
+@pytest.mark.xdist_group("embedded")
+def test_embedded_generate_with_speculation_equals_plain_greedy(embedded):
+    """SmolLM2 copying from its prompt: prompt lookup and auto give plain greedy's tokens, in fewer
+    forwards."""
+    text = ("Repeat this list exactly: apples, pears, plums, cherries, apricots, peaches, figs, dates, "
+            "grapes, lemons, limes, oranges.")
+    plain = embedded.generate(text, max_new_tokens=40)
+    assert plain.token_ids == hf_greedy(embedded.model, plain.prompt_ids, 40)[: len(plain.token_ids)]
+    for speculate in ("lookup", "auto"):
+        done = embedded.generate(text, max_new_tokens=40, speculate=speculate)
+        assert done.token_ids == plain.token_ids
+        assert done.stats["forward_passes"] < plain.stats["forward_passes"]
