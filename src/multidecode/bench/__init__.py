@@ -14,6 +14,7 @@ from .common import AnswersDiffer
 from .harness import write_results
 from .margins import run_margins_benchmark
 from .sample import run_sample_benchmark
+from .speculate import run_speculate_benchmark
 
 __all__ = ["METHODS", "AnswersDiffer", "run_ask_benchmark", "run_beam_benchmark", "run_margins_benchmark",
-           "run_sample_benchmark", "write_results"]
+           "run_sample_benchmark", "run_speculate_benchmark", "write_results"]

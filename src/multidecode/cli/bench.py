@@ -185,3 +185,26 @@ def bench_margins(chunks, chunk_tokens, max_new_tokens):
     check_counts(chunks=chunks, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens)
     return functools.partial(run_margins_benchmark, chunks=chunks, chunk_tokens=chunk_tokens,
                              max_new_tokens=max_new_tokens)
+
+
+@bench_command(
+    "speculate",
+    click.option("--workloads", default="summary,code_edit,story", show_default=True,
+                 help="Which shipped workloads to run, comma-separated."),
+    click.option("--max-new-tokens", type=int, default=None, help="Override every workload's own (quick runs)."),
+    click.option("--budget", type=float, default=90.0, show_default=True, metavar="SECONDS",
+                 help="Time budget for each workload's rounds of all methods."),
+)
+def bench_speculate(workloads, max_new_tokens, budget):
+    """Speculative decoding of one sequence, greedy: plain generate, transformers' prompt lookup at 3 and
+    10 tokens, and MultiDecode's lookup and auto modes. Asserts identical tokens; writes JSON, a plot and markdown."""
+    from ..bench import run_speculate_benchmark
+    from ..bench.harness import declared_only
+    from ..bench.speculate import workloads as shipped
+
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    declared_only(names, [w.name for w in shipped()], "workload(s)")
+    check_counts(**({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}))
+    if budget <= 0:
+        raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}", "for example --budget 90")
+    return functools.partial(run_speculate_benchmark, names=names, max_new_tokens=max_new_tokens, budget_s=budget)
