@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from tiny_models import EOS, VOCAB, reference_generate, tiny_model
 
 from multidecode import MultiDecoder
 from multidecode.bench import AnswersDiffer, run_ask_benchmark, write_results
@@ -18,7 +19,6 @@ from multidecode.bench.common import (
     shared_prefix_length,
     trim_at_eos,
 )
-from tiny_models import EOS, VOCAB, reference_generate, tiny_model
 
 
 class ByteTokenizer:
@@ -142,8 +142,8 @@ class Speculating(MultiDecoder):
 
 
 def test_ask_speculate_is_skipped_where_start_cannot_and_runs_where_it_can(decoder):
-    settings = dict(document=DOCUMENT, questions=QUESTIONS[:2], max_new_tokens=4, ks=(2,), repeats=1,
-                    warmup=False, speculate="auto")
+    settings = {"document": DOCUMENT, "questions": QUESTIONS[:2], "max_new_tokens": 4, "ks": (2,), "repeats": 1,
+                    "warmup": False, "speculate": "auto"}
     plain = run_ask_benchmark(decoder, **settings)
     assert "multidecode_speculate" not in plain["methods"]
     assert "speculate=" in plain["skipped"]["multidecode_speculate"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import EOS, reference_generate, tiny_model
 
 from multidecode.bench import AnswersDiffer
 from multidecode.bench.common import hf_sequential
@@ -22,7 +23,6 @@ from multidecode.bench.harness import (
     tables,
     write_results,
 )
-from tiny_models import EOS, reference_generate, tiny_model
 
 MODEL = tiny_model("llama")
 PROMPTS = [[1, 5, 6, 7], [1, 8, 9], [1, 10, 11, 12, 13]]

@@ -9,13 +9,13 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from test_bench import ByteTokenizer
+from tiny_models import EOS, reference_generate, tiny_model
 from transformers.generation import candidate_generator
 
 from multidecode import MultiDecoder
 from multidecode.bench.common import ForwardCounter, data_text
 from multidecode.bench.speculate import draft_counts, hf_generate, run_speculate_benchmark, workloads
-from test_bench import ByteTokenizer
-from tiny_models import EOS, reference_generate, tiny_model
 
 HF = ("hf_greedy", "hf_lookup_3", "hf_lookup_10")
 OURS = ("multidecode_lookup", "multidecode_auto")
@@ -39,8 +39,8 @@ def test_the_shipped_workloads():
 
 def test_draft_counts_worked_example():
     """A 10-token prompt, forwards feeding 10+3, 1+3 and 1+0 tokens, 6 new tokens."""
-    counter = SimpleNamespace(calls=[("prefill", 0.0, (1, 13)), ("decode", 0.0, (1, 4)), ("decode", 0.0, (1, 1))],
-                              forward_passes=3)
+    counter = ForwardCounter(model=None)
+    counter.calls = [("prefill", 0.0, (1, 13)), ("decode", 0.0, (1, 4)), ("decode", 0.0, (1, 1))]
     assert draft_counts(counter, 10, 6) == {"drafted": 6, "accepted": 3, "acceptance": 0.5}
 
 
@@ -91,7 +91,7 @@ class WithGenerate(MultiDecoder):
 
 
 def test_our_methods_are_left_out_until_the_decoder_can_generate():
-    settings = dict(names=["story"], max_new_tokens=6, repeats=1, warmup=False)
+    settings = {"names": ["story"], "max_new_tokens": 6, "repeats": 1, "warmup": False}
     plain = run_speculate_benchmark(MultiDecoder(tiny_model("llama"), ByteTokenizer()), **settings)
     assert plain["workload"] == "story" and plain["answers_identical"] is True  # one case: its row on top
     assert list(plain["methods"]) == list(HF) and set(plain["skipped"]) == set(OURS)

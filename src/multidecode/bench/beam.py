@@ -15,7 +15,6 @@ The main comparison is at `num_beams`; the sweep repeats it for each B in `beams
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -30,11 +29,9 @@ from .common import (
     Measurement,
     Progress,
     RunOutput,
-    cache_bytes,
     excerpt_prompt,
-    greedy_config,
+    hf_sequential,
     pad_id_of,
-    trim_at_eos,
 )
 from .harness import Benchmark, Case, Method, Plot, Target, ratios, run
 from .plot import plot
@@ -53,23 +50,12 @@ def sample_prompt(tokenizer, tokens: int = 200) -> list[int]:
 
 
 # ---------------------------------------------------------------------- the two methods
-def hf_beam(model, prompt: Sequence[int], counter: ForwardCounter, *, num_beams: int, max_new_tokens: int,
-            length_penalty: float, early_stopping, eos_ids, pad_id) -> RunOutput:
+def hf_beam(model, prompt: Sequence[int], counter: ForwardCounter, *, num_beams: int, **settings) -> RunOutput:
     """transformers' beam search, all B hypotheses returned with their scores."""
-    config = greedy_config(model, max_new_tokens, eos_ids, pad_id, num_beams=num_beams,
-                           num_return_sequences=num_beams, length_penalty=length_penalty,
-                           early_stopping=early_stopping)
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    counter.prefill(1)
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             return_dict_in_generate=True, output_scores=True)
-    peak = cache_bytes(out.past_key_values)
-    answers = [trim_at_eos(row, eos_ids) for row in out.sequences[:, len(prompt):].tolist()]
-    fed = sum(math.prod(shape) for _, _, shape in counter.calls)
-    return RunOutput(answers, peak, extra={"scores": out.sequences_scores.float().tolist(), "tokens_fed": fed,
-                                           "peak_used_kv_bytes": peak})
+    out = hf_sequential(model, [prompt], counter, num_beams=num_beams, num_return_sequences=num_beams,
+                        output_scores=True, **settings)
+    out.extra.update(tokens_fed=counter.tokens_fed, peak_used_kv_bytes=out.kv_bytes)
+    return out
 
 
 def multidecode_beam(model, prompt: Sequence[int], counter: ForwardCounter, *, num_beams: int, max_new_tokens: int,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import math
 import os
 import platform
 import time
@@ -95,6 +96,11 @@ class ForwardCounter:
     @property
     def forward_passes(self) -> int:
         return len(self.calls)
+
+    @property
+    def tokens_fed(self) -> int:
+        """Input ids over all calls (rows x tokens): B copies of a prompt count B times."""
+        return sum(math.prod(shape) for _, _, shape in self.calls)
 
     def seconds(self, phase: str) -> float:
         return sum(s for p, s, _ in self.calls if p == phase)
@@ -305,10 +311,11 @@ def _device(model):
 
 
 def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
-    """(a) `model.generate` once per prompt, the whole prompt each time."""
+    """(a) `model.generate` once per prompt, the whole prompt each time. With `output_scores=True`
+    the sequences' scores (beam search) are kept in `extra["scores"]`."""
     config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
     device = _device(model)
-    answers, peak = [], 0
+    answers, peak, scores = [], 0, []
     with torch.inference_mode():
         for prompt in prompts:
             counter.prefill(1)
@@ -317,8 +324,10 @@ def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, *
                                  return_dict_in_generate=True)
             peak = max(peak, cache_bytes(out.past_key_values))
             answers += [trim_at_eos(row, eos_ids) for row in out.sequences[:, len(prompt):].tolist()]
+            if getattr(out, "sequences_scores", None) is not None:
+                scores += out.sequences_scores.float().tolist()
             del out
-    return RunOutput(answers, peak)
+    return RunOutput(answers, peak, extra={"scores": scores} if scores else {})
 
 
 def hf_batched(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:

@@ -71,8 +71,7 @@ def workloads() -> list[Workload]:
 
 def draft_counts(counter: ForwardCounter, prompt_tokens: int, new_tokens: int) -> dict:
     """Drafted and accepted tokens of one transformers run, from its forward calls' input shapes."""
-    fed = sum(shape[-1] for _, _, shape in counter.calls)
-    drafted = fed - prompt_tokens - (counter.forward_passes - 1)
+    drafted = counter.tokens_fed - prompt_tokens - (counter.forward_passes - 1)
     accepted = new_tokens - counter.forward_passes
     return {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
 
