@@ -82,7 +82,8 @@ def test_rounds_parts_solo_skip_and_layout(tmp_path):
     assert "future_vs" not in main
     assert [t["name"] for t in result["targets"]] == ["together over single"] and result["targets"][0]["met"]
     assert result["answers_identical"] is True and result["config"]["reference"] == "one_by_one"
-    assert result["labels"]["future"] == "a method not built yet" and result["layout"]["short"]["one_by_one"] == "single"
+    assert result["labels"]["future"] == "a method not built yet"
+    assert result["layout"]["short"]["one_by_one"] == "single"
     assert any(m.startswith("k=3 together") for m in messages)
     paths = write_results(result, tmp_path, stem="toy")
     assert [p.name for p in paths] == ["toy.json", "toy.png", "toy.md"]

@@ -51,26 +51,14 @@ LABELS = {
 }
 """Method -> (label, short label)."""
 
-# Eight more simple factual questions about the sample support call, for the K = 16 point.
-SUPPORT_CALL_EXTRA_QUESTIONS = (
-    "What is the customer's account number?",
-    "What is the name of the support agent?",
-    "Which internet plan is the customer on?",
-    "What is the customer's street address?",
-    "What colour does the Internet light turn when the connection drops?",
-    "When will the replacement cable arrive?",
-    "For how many days is the mobile backup service switched on?",
-    "When is the customer's next bill issued?",
-)
-
-
 def sample_document() -> str:
     """The sample document shipped with the package (a support-call transcript)."""
     return data_text("support_call.txt")
 
 
-def sample_questions() -> list[str]:
-    return [line.strip() for line in data_text("support_call_questions.txt").splitlines() if line.strip()]
+def sample_questions(name: str = "support_call_questions.txt") -> list[str]:
+    """The sample support call's 8 questions (or, by name, its 8 extra questions for K = 16)."""
+    return [line.strip() for line in data_text(name).splitlines() if line.strip()]
 
 
 def extend_questions(questions: Sequence[str], extra: Sequence[str], n: int) -> list[str]:
@@ -123,7 +111,7 @@ def ask_benchmark(
     if document is None:
         document = sample_document()
         if extra_questions is None:
-            extra_questions = SUPPORT_CALL_EXTRA_QUESTIONS
+            extra_questions = sample_questions("support_call_extra_questions.txt")
     questions = list(questions) if questions is not None else sample_questions()
     declared_only(sweep_methods, METHODS, "method(s)")
     if any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks):
@@ -161,7 +149,8 @@ def ask_benchmark(
         if main:
             methods.append(one_by_one(ALONE, k))
         return Case({"k": k}, tuple(methods), budget_s=repeat_budget_s if main else sweep_repeat_budget_s,
-                    main=main, targets=_targets(k) if main else (), report=_answers(pool, prompts, tokenizer) if main else None)
+                    main=main, targets=_targets(k) if main else (),
+                    report=_answers(pool, prompts, tokenizer) if main else None)
 
     short = _short_prompts(prompts[:2])
     warm = [method(SEQUENTIAL, short[:1], 2)] + [method(name, short, 2) for name in (BATCHED, SHARED, MULTIDECODE)]
@@ -229,12 +218,5 @@ def _config(tokenizer, document, questions, pool, main_prompts, max_new_tokens, 
         "sweep_questions": list(pool),
         "eos_ids": list(eos_ids),
         "pad_id": pad_id,
-        "notes": [
-            "Answers are compared token for token, up to and including the first eos.",
-            "The cost of (a) for K questions is the sum of its per-question runs.",
-            ("KV bytes: for HF, the cache tensors held at the end of generate (the largest cache held); "
-             "for MultiDecode, the engine's peak allocated (preallocated) cache buffer."),
-            ("wall_s is the median of runs_s; prefill_s/decode_s are time inside model forward calls, "
-             "other_s the rest (python, masks, sampling, cache copies)."),
-        ],
+        "notes": ["The cost of (a) for K questions is the sum of its per-question runs."],
     }

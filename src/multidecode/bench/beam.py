@@ -146,13 +146,9 @@ def run_beam_benchmark(
                 "max_new_tokens": max_new_tokens, "num_beams": num_beams, "length_penalty": length_penalty,
                 "early_stopping": early_stopping, "num_return_sequences": "num_beams (every hypothesis is compared)",
                 "eos_ids": eos_ids, "pad_id": pad_id, "score_tolerance": {"atol": SCORE_ATOL, "rtol": SCORE_RTOL},
-                "notes": [
-                    ("Sequences are compared token for token (up to and including the eos); scores to float32 "
-                     "rounding: log-probs over a forest cache sum in another order (differences ~1e-6)."),
-                    ("peak_kv_bytes: for HF, the cache tensors held at the end of generate (B rows of prompt + "
-                     "steps); for MultiDecode, the engine's preallocated cache buffer (prompt + B per step, "
-                     "reserved up front). extra.peak_used_kv_bytes is the part MultiDecode actually filled."),
-                ]},
+                "notes": [("Scores are compared to float32 rounding: log-probs over a forest cache sum in another "
+                          "order (differences ~1e-6). extra.peak_used_kv_bytes is the part of MultiDecode's "
+                          "preallocated cache it filled.")]},
         warmup=methods(2, ids[:32], max_new_tokens=2) if warmup else (),
         columns=("wall_s", "forward_passes", "peak_kv_bytes", "prefill_s", "decode_ms_per_step"),
         plot=Plot("sweep", figures=("peak_kv_bytes",), x="num_beams", xlabel="beams B"),

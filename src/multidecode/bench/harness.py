@@ -47,6 +47,14 @@ from .common import (
 )
 
 Runner = Callable[[ForwardCounter], RunOutput]
+NOTES = (
+    "Answers are compared token for token with the reference's, up to and including the first eos.",
+    ("wall_s is the median of runs_s (a method run item by item: their sum); prefill_s/decode_s are the time "
+    "inside model forward calls, other_s the rest (python, masks, sampling, cache copies)."),
+    ("peak_kv_bytes: for transformers, the cache tensors held at the end of generate (the largest cache "
+    "held); for MultiDecode, the engine's peak allocated (preallocated) cache buffer."),
+)
+"""What every result's numbers mean, stored in its config."""
 
 
 # ---------------------------------------------------------------------- the declaration
@@ -158,9 +166,11 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
     result = {
         "benchmark": bench.name,
         "title": bench.title,
-        "metadata": {**meta, "load_average_at_end": load_average(), "elapsed_s": round(time.perf_counter() - started, 2)},
+        "metadata": {**meta, "load_average_at_end": load_average(),
+                     "elapsed_s": round(time.perf_counter() - started, 2)},
         "config": {**bench.config, "reference": bench.reference, "repeats": bench.repeats,
-                   "budgets_s": [case.budget_s for case in bench.cases]},
+                   "budgets_s": [case.budget_s for case in bench.cases],
+                   "notes": [*bench.config.get("notes", ()), *NOTES]},
         "labels": {name: m.label for name, m in methods.items()},
         "layout": {"rows": bench.rows_key, "params": list(bench.cases[0].params), "columns": list(bench.columns),
                    "pairs": [list(p) for p in bench.pairs], "plot": asdict(bench.plot),

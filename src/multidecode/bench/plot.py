@@ -49,7 +49,8 @@ def _sweep(result: dict, spec: dict, axes: list) -> None:
     left.set_title("speed-up (wall-time ratio)", fontsize=9)
     for ax, name in zip(axes[1:], spec["figures"]):
         for method in dict.fromkeys(n for row in rows for n in row["methods"]):
-            points = [(row[spec["x"]], figure(row["methods"][method], name)) for row in rows if method in row["methods"]]
+            points = [(row[spec["x"]], figure(row["methods"][method], name))
+                      for row in rows if method in row["methods"]]
             ax.plot(*zip(*points), "o-", label=short[method])
         ax.set_yscale("log")
         ax.set_title(figure_title(name), fontsize=9)

@@ -66,7 +66,8 @@ class Workload:
 
 
 def workloads() -> list[Workload]:
-    return [Workload(**json.loads(line)) for line in data_text("speculate_workloads.jsonl").splitlines() if line.strip()]
+    lines = data_text("speculate_workloads.jsonl").splitlines()
+    return [Workload(**json.loads(line)) for line in lines if line.strip()]
 
 
 def draft_counts(counter: ForwardCounter, prompt_tokens: int, new_tokens: int) -> dict:
