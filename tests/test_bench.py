@@ -144,13 +144,14 @@ class Speculating(MultiDecoder):
 def test_ask_speculate_is_skipped_where_start_cannot_and_runs_where_it_can(decoder):
     settings = {"document": DOCUMENT, "questions": QUESTIONS[:2], "max_new_tokens": 4, "ks": (2,), "repeats": 1,
                     "warmup": False, "speculate": "auto"}
-    plain = run_ask_benchmark(decoder, **settings)
+    result = run_ask_benchmark(decoder, **settings)
+    plain = result["main"]
     assert "multidecode_speculate" not in plain["methods"]
     assert "speculate=" in plain["skipped"]["multidecode_speculate"]
-    assert not any(t["name"].startswith("(e)") for t in plain["targets"])
+    assert not any(t["name"].startswith("(e)") for t in result["targets"])
     ready = run_ask_benchmark(Speculating(decoder.model, decoder.tokenizer), **settings)
-    assert "skipped" not in ready and ready["config"]["speculate"] == "auto"
-    e = ready["multidecode_speculate_vs"]
+    assert "skipped" not in ready["main"] and ready["config"]["speculate"] == "auto"
+    e = ready["main"]["multidecode_speculate_vs"]
     assert set(e) == {"hf_sequential", "hf_batched", "hf_shared_prefix", "multidecode"}
     assert any(t["name"] == "(e) speedup over (a)" for t in ready["targets"])
 

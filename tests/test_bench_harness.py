@@ -101,7 +101,8 @@ def trimmed(prompt):
 
 def test_one_case_keeps_its_row_at_the_top_level(tmp_path):
     bench = toy([], ks=(2,), repeats=1)
-    bench = Benchmark(**{**bench.__dict__, "plot": Plot("bars", figures=("wall_s", "forward_passes"))})
+    bars = Plot("bars", figures=("wall_s", "forward_passes"))
+    bench = Benchmark(**{**bench.__dict__, "plot": bars, "rows_key": None})
     result = run(bench)
     assert "sweep" not in result and "main" not in result and rows_of(result) == [result]
     assert set(result["methods"]) == {"one_by_one", "together", "costly"}

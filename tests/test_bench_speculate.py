@@ -92,18 +92,22 @@ class WithGenerate(MultiDecoder):
 
 def test_our_methods_are_left_out_until_the_decoder_can_generate():
     settings = {"names": ["story"], "max_new_tokens": 6, "repeats": 1, "warmup": False}
-    plain = run_speculate_benchmark(MultiDecoder(tiny_model("llama"), ByteTokenizer()), **settings)
-    assert plain["workload"] == "story" and plain["answers_identical"] is True  # one case: its row on top
+    result = run_speculate_benchmark(MultiDecoder(tiny_model("llama"), ByteTokenizer()), **settings)
+    assert result["answers_identical"] is True and "main" not in result
+    (plain,) = result["workloads"]
+    assert plain["workload"] == "story"
     assert list(plain["methods"]) == list(HF) and set(plain["skipped"]) == set(OURS)
-    assert plain["targets"] == [] and plain["prompt_tokens"] > 40 and plain["max_new_tokens"] == 6
+    assert plain["prompt_tokens"] > 40 and plain["max_new_tokens"] == 6
     for name in HF[1:]:
         assert plain[f"{name}_vs"]["hf_greedy"]["speedup"] > 0
     assert plain["methods"]["hf_greedy"]["tokens_per_forward"] == 1.0
 
-    ready = run_speculate_benchmark(WithGenerate(tiny_model("llama"), ByteTokenizer()), **settings)
+    assert result["targets"] == []
+    result = run_speculate_benchmark(WithGenerate(tiny_model("llama"), ByteTokenizer()), **settings)
+    (ready,) = result["workloads"]
     assert list(ready["methods"]) == [*HF, *OURS] and "skipped" not in ready
     assert ready["methods"]["multidecode_auto"]["extra"]["speculate"] == "auto"
-    assert [t["name"] for t in ready["targets"]] == ["story: auto over plain greedy"]
+    assert [t["name"] for t in result["targets"]] == ["story: auto over plain greedy"]
 
 
 def test_bench_speculate_command_writes_its_three_files(tmp_path):

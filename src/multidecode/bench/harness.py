@@ -17,7 +17,8 @@ Terms:
 - **pair** `(fast, slow)`: the row reports `<fast>_vs[<slow>]`, the speed-up (slow's wall time
   over fast's) and fast's forward passes, tokens/s and KV bytes relative to slow's.
 - **row**: one case in the JSON: its parameters, every method's `Measurement`, the pairs' ratios
-  and what the case's `report` adds. A benchmark of one case keeps its row at the top level.
+  and what the case's `report` adds. A benchmark declared with one case and no `rows_key`
+  keeps its row at the top level.
 - **layout**: how to draw (`plot.py`) and tabulate the result, stored in the JSON with it, so
   that the files can be redrawn from the JSON alone.
 
@@ -49,10 +50,10 @@ from .common import (
 Runner = Callable[[ForwardCounter], RunOutput]
 NOTES = (
     "Answers are compared token for token with the reference's, up to and including the first eos.",
-    ("wall_s is the median of runs_s (a method run item by item: their sum); prefill_s/decode_s are the time "
-    "inside model forward calls, other_s the rest (python, masks, sampling, cache copies)."),
+    ("wall_s is the median of runs_s (a method run item by item: their sum); prefill_s/decode_s are the "
+     "time inside model forward calls, other_s the rest (python, masks, sampling, cache copies)."),
     ("peak_kv_bytes: for transformers, the cache tensors held at the end of generate (the largest cache "
-    "held); for MultiDecode, the engine's peak allocated (preallocated) cache buffer."),
+     "held); for MultiDecode, the engine's peak allocated (preallocated) cache buffer."),
 )
 """What every result's numbers mean, stored in its config."""
 
@@ -129,7 +130,8 @@ class Plot:
 @dataclass(frozen=True)
 class Benchmark:
     """A benchmark as data. `columns` are the figures in its tables; `rows_key` names the list of
-    case rows in the JSON ("sweep", "workloads")."""
+    case rows in the JSON ("sweep", "workloads"), or is None for a benchmark of exactly one case,
+    whose row then stands at the top level."""
 
     name: str
     title: str
@@ -142,7 +144,7 @@ class Benchmark:
     repeats: int = 3
     columns: tuple[str, ...] = ("wall_s", "forward_passes", "tokens_per_s", "peak_kv_bytes")
     plot: Plot = Plot()
-    rows_key: str = "sweep"
+    rows_key: str | None = "sweep"
 
 
 # ---------------------------------------------------------------------- running it
@@ -176,8 +178,9 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
                    "pairs": [list(p) for p in bench.pairs], "plot": asdict(bench.plot),
                    "short": {name: m.short or m.label for name, m in methods.items()}},
     }
-    if len(rows) == 1:
-        result.update(rows[0])
+    if bench.rows_key is None:
+        (row,) = rows
+        result.update(row)
     else:
         result[bench.rows_key] = rows
         main = [row for case, row in zip(bench.cases, rows) if case.main]
@@ -264,7 +267,8 @@ def figure(method: dict, name: str) -> float | None:
 
 def rows_of(result: dict) -> list[dict]:
     """The result's case rows (the result itself for a benchmark of one case)."""
-    return result.get(result["layout"]["rows"]) or [result]
+    key = result["layout"]["rows"]
+    return result[key] if key else [result]
 
 
 def speedup(row: dict, fast: str, slow: str) -> float | None:
@@ -296,7 +300,7 @@ def tables(result: dict) -> list[TextTable]:
         return out
 
     figure_header = [FIGURES[c][0] for c in layout["columns"]] + [f"speed-up over {short[s]}" for s in slows]
-    main = result.get("main", rows[0] if len(rows) == 1 else None)
+    main = result.get("main", rows[0] if len(rows) == 1 else None)  # the only case is the main one
     out = []
     if main is not None:
         where = ", ".join(f"{p} = {main[p]}" for p in params)

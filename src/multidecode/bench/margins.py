@@ -126,7 +126,7 @@ def run_margins_benchmark(
         name="margins", title=f"writing in the margins: {chunks} chunks of ~{chunk_tokens} tokens, "
                               f"{max_new_tokens} new tokens each, greedy",
         model=model, cases=(case,), reference=SEQUENTIAL, pairs=((MULTIDECODE, SEQUENTIAL), (MULTIDECODE, BATCHED)),
-        repeats=repeats,
+        repeats=repeats, rows_key=None,
         config={"question": question, "chunks": chunks, "chunk_tokens": chunk_tokens,
                 "document_chunks": len(all_chunks), "chunk_token_counts": [c.tokens for c in used],
                 "chunk_spans": [list(c.span) for c in used], "prompt_tokens": [len(p) for p in prompts],

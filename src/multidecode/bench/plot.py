@@ -66,7 +66,7 @@ def _bars(result: dict, spec: dict, axes: list) -> None:
     rows, layout = rows_of(result), result["layout"]
     names = list(dict.fromkeys(n for row in rows for n in row["methods"]))
     width = 0.8 / len(names)
-    groups = [", ".join(str(row[p]) for p in layout["params"]) for row in rows]
+    groups = [", ".join(v if isinstance(v := row[p], str) else f"{p} = {v}" for p in layout["params"]) for row in rows]
     for ax, name in zip(axes, spec["figures"]):
         for i, method in enumerate(names):
             xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(rows))]
