@@ -130,3 +130,5 @@ def test_bench_speculate_command_writes_its_three_files(tmp_path):
     assert "| workload | method |" in md and "speed-up over HF greedy" in md
     bad = CliRunner().invoke(main, [*args, "--workloads", "poem"])
     assert bad.exit_code == 2 and "unknown workload(s): poem" in bad.output
+    none = CliRunner().invoke(main, [*args, "--workloads", ","])
+    assert none.exit_code == 2 and "no workload chosen" in none.output

@@ -28,6 +28,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import InvalidArgument
 from ..strategies.complete import prompt_ids
 from .common import ForwardCounter, Progress, RunOutput, data_text, hf_sequential, pad_id_of, trim_at_eos
 from .harness import Benchmark, Case, Method, Plot, Target, declared_only, run
@@ -68,6 +69,16 @@ class Workload:
 def workloads() -> list[Workload]:
     lines = data_text("speculate_workloads.jsonl").splitlines()
     return [Workload(**json.loads(line)) for line in lines if line.strip()]
+
+
+def choose(names: Sequence[str] | None) -> list[Workload]:
+    """The shipped workloads named (all for None), in file order; unknown names or none are refused."""
+    shipped = workloads()
+    declared_only(names or (), [w.name for w in shipped], "workload(s)")
+    chosen = [w for w in shipped if names is None or w.name in names]
+    if not chosen:
+        raise InvalidArgument("no workload chosen", f"name one or more of {', '.join(w.name for w in shipped)}")
+    return chosen
 
 
 def draft_counts(counter: ForwardCounter, prompt_tokens: int, new_tokens: int) -> dict:
@@ -114,9 +125,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
     budget_s: each workload's time budget for its rounds of all methods.
     max_new_tokens: overrides every workload's own (for quick runs).
     """
-    shipped = workloads()
-    declared_only(names or (), [w.name for w in shipped], "workload(s)")
-    chosen = [w for w in shipped if names is None or w.name in names]
+    shipped, chosen = workloads(), choose(names)
     model, tokenizer = decoder.model, decoder.tokenizer
     eos_ids, pad_id = sorted(decoder.eos_ids), pad_id_of(model, tokenizer)
     no_generate = None if hasattr(decoder, "generate") else "this MultiDecoder has no generate() yet"
@@ -148,7 +157,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
         return Case({"workload": w.name}, methods(prompt, new), budget_s=budget_s, targets=tuple(targets),
                     report=report)
 
-    warm = methods(prompt_ids(tokenizer, shipped[-1].text()), 4)
+    warm = methods(prompt_ids(tokenizer, min((w.text() for w in shipped), key=len)), 4)  # the shortest prompt
     return Benchmark(
         name="speculate", title="speculative decoding of one sequence, greedy", model=model,
         cases=tuple(case(w) for w in chosen), reference=GREEDY,

@@ -199,11 +199,10 @@ def bench_speculate(workloads, max_new_tokens, budget):
     """Speculative decoding of one sequence, greedy: plain generate, transformers' prompt lookup at 3 and
     10 tokens, and MultiDecode's lookup and auto modes. Asserts identical tokens; writes JSON, a plot and markdown."""
     from ..bench import run_speculate_benchmark
-    from ..bench.harness import declared_only
-    from ..bench.speculate import workloads as shipped
+    from ..bench.speculate import choose
 
     names = [w.strip() for w in workloads.split(",") if w.strip()]
-    declared_only(names, [w.name for w in shipped()], "workload(s)")
+    choose(names)
     check_counts(**({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}))
     if budget <= 0:
         raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}", "for example --budget 90")
