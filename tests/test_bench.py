@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from tiny_models import EOS, VOCAB, reference_generate, tiny_model
 
 from multidecode import MultiDecoder
 from multidecode.bench import AnswersDiffer, run_ask_benchmark, write_results
@@ -18,7 +19,6 @@ from multidecode.bench.common import (
     shared_prefix_length,
     trim_at_eos,
 )
-from tiny_models import EOS, VOCAB, reference_generate, tiny_model
 
 
 class ByteTokenizer:
@@ -63,11 +63,12 @@ def test_result_structure(result):
     for key in ("model", "torch", "transformers", "threads", "date", "dtype"):
         assert meta[key] is not None
     config = result["config"]
-    assert config["main_k"] == 4 and config["ks"] == [1, 2, 4, 6]
+    assert config["main_k"] == 4 and config["ks"] == [1, 2, 4, 6] and config["reference"] == "hf_sequential"
     assert config["document_tokens"] == len(DOCUMENT)
     assert config["sweep_questions"][4] == "Which animal?" and config["sweep_questions"][5] == QUESTIONS[0]
     main = result["main"]
-    assert set(main["methods"]) == {"hf_sequential", "hf_batched", "hf_shared_prefix", "multidecode"}
+    assert set(main["methods"]) == {"hf_sequential", "hf_batched", "hf_shared_prefix", "multidecode",
+                                    "multidecode_alone"}
     for m in main["methods"].values():
         assert m["wall_s"] > 0 and m["forward_passes"] > 0 and m["peak_kv_bytes"] > 0
         assert m["new_tokens"] == sum(len(a["token_ids"]) for a in main["answers"])
@@ -76,14 +77,15 @@ def test_result_structure(result):
                                                     "kv_bytes_ratio"}
     assert [row["k"] for row in result["sweep"]] == [1, 2, 4, 6]
     for row in result["sweep"]:
-        assert {"speedup_vs_hf_sequential", "speedup_vs_hf_batched", "speedup_vs_hf_shared_prefix",
-                "multidecode_time_vs_k1", "multidecode_decode_ms_per_step"} <= set(row)
+        assert set(row["multidecode_vs"]) == {"hf_sequential", "hf_batched", "hf_shared_prefix"}
+        assert row["methods"]["multidecode"]["decode_ms_per_step"] > 0
         assert len(row["answer_tokens"]) == row["k"]
-        assert all(m["k"] == row["k"] for m in row["methods"].values())
-    cost = result["scaling"]["answers_cost"]
+    cost = main["answers_cost"]
     assert cost["k"] == 4 and cost["times_one_answer"] > 0 and cost["longest_answer_tokens"] <= 8
+    assert len(cost["single_answer_s"]) == 4
     assert {t["name"] for t in result["targets"]} and all(isinstance(t["met"], bool) for t in result["targets"])
-    assert any("K=4" in m for m in result["_messages"])
+    assert not any(t["name"].startswith("(e)") for t in result["targets"])  # (e) was not asked for
+    assert any("k=4" in m for m in result["_messages"])
     json.dumps({k: v for k, v in result.items() if k != "_messages"})
 
 
@@ -132,6 +134,28 @@ def test_bad_arguments(decoder):
         run_ask_benchmark(decoder, document=DOCUMENT, questions=QUESTIONS, sweep_methods=["beam"])
 
 
+class Speculating(MultiDecoder):
+    """A decoder whose `start` takes `speculate=` (and ignores it): stands in for the coming core."""
+
+    def start(self, prompts, *, max_new_tokens, speculate=None, **settings):
+        return super().start(prompts, max_new_tokens=max_new_tokens, **settings)
+
+
+def test_ask_speculate_is_skipped_where_start_cannot_and_runs_where_it_can(decoder):
+    settings = {"document": DOCUMENT, "questions": QUESTIONS[:2], "max_new_tokens": 4, "ks": (2,), "repeats": 1,
+                    "warmup": False, "speculate": "auto"}
+    result = run_ask_benchmark(decoder, **settings)
+    plain = result["main"]
+    assert "multidecode_speculate" not in plain["methods"]
+    assert "speculate=" in plain["skipped"]["multidecode_speculate"]
+    assert not any(t["name"].startswith("(e)") for t in result["targets"])
+    ready = run_ask_benchmark(Speculating(decoder.model, decoder.tokenizer), **settings)
+    assert "skipped" not in ready["main"] and ready["config"]["speculate"] == "auto"
+    e = ready["main"]["multidecode_speculate_vs"]
+    assert set(e) == {"hf_sequential", "hf_batched", "hf_shared_prefix", "multidecode"}
+    assert any(t["name"] == "(e) speedup over (a)" for t in ready["targets"])
+
+
 def test_check_identical_raises_on_a_difference():
     check_identical({"a": [[1, 2, EOS]], "b": [[1, 2, EOS]]})
     with pytest.raises(AnswersDiffer, match="answer 0 differs between a and b at token 1"):
@@ -154,11 +178,18 @@ def test_helpers():
 
 
 def test_write_results(result, tmp_path):
+    """JSON, PNG and a markdown table; the markdown can be rebuilt from the JSON alone."""
+    from multidecode.bench.harness import markdown
+
     clean = {k: v for k, v in result.items() if k != "_messages"}
     paths = write_results(clean, tmp_path / "out")
-    assert [p.suffix for p in paths] == [".json", ".png"]
-    assert json.loads(paths[0].read_text())["main"]["k"] == 4
+    assert [p.suffix for p in paths] == [".json", ".png", ".md"]
+    stored = json.loads(paths[0].read_text())
+    assert stored["main"]["k"] == 4
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = paths[2].read_text()
+    assert md == markdown(stored)
+    assert "| method | wall |" in md and "(d) MultiDecode forest" in md and "| k |" in md and "Targets" in md
 
 
 def test_sample_benchmark_structure_and_files(decoder, tmp_path):
@@ -170,10 +201,12 @@ def test_sample_benchmark_structure_and_files(decoder, tmp_path):
     main = result["main"]
     for method in main["methods"].values():
         assert method["new_tokens"] == 4 * 6
-    assert main["forward_passes"]["multidecode"] == 6  # one prefill, then 5 steps for all branches
-    assert main["kv_ratio"] == pytest.approx(main["kv_floor"], rel=0.05)
+    assert main["methods"]["multidecode"]["forward_passes"] == 6  # one prefill, then 5 steps for all branches
+    ratios = main["multidecode_vs"]["hf_num_return_sequences"]
+    assert ratios["kv_bytes_ratio"] == pytest.approx(main["kv_floor"], rel=0.05)
+    assert "answers_identical" not in result  # sampled: not compared between methods
     paths = write_results(result, tmp_path)
-    assert [p.name for p in paths] == ["bench_sample.json", "bench_sample.png"]
+    assert [p.name for p in paths] == ["bench_sample.json", "bench_sample.png", "bench_sample.md"]
     assert json.loads(paths[0].read_text())["config"]["n"] == 4
 
 
@@ -190,4 +223,5 @@ def test_bench_command_writes_its_results_under_the_given_stem(tmp_path):
         "--prompt-tokens", "30", "--repeats", "1", "--output", str(tmp_path / "out"), "--stem", "mine",
     ])
     assert result.exit_code == 0, (result.output, result.exception)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mine.json", "mine.png"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mine.json", "mine.md", "mine.png"]
+    assert "Targets" in result.output and "wrote" in result.output

@@ -6,12 +6,15 @@ case (questions, samples, beams, ...):
 
 - `ForwardCounter`: hooks on the model that count its forward calls and time each one, labelled
   *prefill* or *decode* by the runner (hooks are removed on exit).
-- `measure`: runs a method, repeating it while that is cheap, and keeps the median run.
+- `measure_together`: runs methods in interleaved rounds and keeps each one's median run.
 - `cache_bytes`: the bytes held by a transformers `Cache` (or our `SlotCache`) at a given moment.
 - `hf_sequential`, `hf_batched`, `hf_shared_prefix`: the transformers baselines, taking any extra
   `generate` settings (`num_return_sequences`, `num_beams`, ... for later benchmarks).
 - `multidecode_forest`: MultiDecode on the same prompts (`MultiDecoder.start`).
 - `trim_at_eos`, `check_identical`: compare answers up to and including the first eos.
+- `environment`, `quiet_transformers`, `torch_threads`, `data_text`: what a run records and needs.
+
+The declarative harness built on these (cases, methods, ratios, files) is `harness`.
 
 Nothing here prints; callers pass a `progress` callback where they want news.
 """
@@ -20,12 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import math
 import os
 import platform
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -58,7 +64,7 @@ class ForwardCounter:
         self._shape: tuple[int, ...] = ()
         self._handles: list = []
 
-    def __enter__(self) -> ForwardCounter:
+    def __enter__(self) -> Self:
         self._handles = [
             self.model.register_forward_pre_hook(self._before, with_kwargs=True),
             self.model.register_forward_hook(self._after, with_kwargs=True),
@@ -91,32 +97,25 @@ class ForwardCounter:
     def forward_passes(self) -> int:
         return len(self.calls)
 
+    @property
+    def tokens_fed(self) -> int:
+        """Input ids over all calls (rows x tokens): B copies of a prompt count B times."""
+        return sum(math.prod(shape) for _, _, shape in self.calls)
+
     def seconds(self, phase: str) -> float:
         return sum(s for p, s, _ in self.calls if p == phase)
 
 
 # ---------------------------------------------------------------------- memory
 def cache_bytes(cache) -> int:
-    """Bytes of key/value tensors `cache` holds now (a transformers `Cache`, legacy tuples, or
-    a `SlotCache`, whose preallocated buffer counts in full)."""
+    """Bytes of key/value tensors `cache` holds now (a transformers `Cache`, or a `SlotCache`,
+    whose preallocated buffer counts in full)."""
     if cache is None:
         return 0
     if hasattr(cache, "allocated_bytes"):
         return int(cache.allocated_bytes)
-    layers = getattr(cache, "layers", None)
-    total = 0
-    if layers is not None:
-        for layer in layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name, None)
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-        return total
-    for item in cache:  # legacy ((k, v), ...) tuples
-        for t in item:
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if isinstance(t, torch.Tensor))
 
 
 # ---------------------------------------------------------------------- answers
@@ -163,41 +162,48 @@ class RunOutput:
 
 @dataclass
 class Measurement:
-    """One method at one setting: the median run of `runs`, with its costs."""
+    """One method in one case: the median run of `runs_s`, with its costs."""
 
     method: str
-    k: int
     wall_s: float
     forward_passes: int
     new_tokens: int
-    tokens_per_s: float
     peak_kv_bytes: int
     prefill_s: float
     decode_s: float
-    other_s: float  # wall time outside the model's forward calls (python, masks, sampling, copies)
     runs_s: list[float]
     hooked_forward_passes: int
     decode_passes: int = 0  # forward calls labelled decode (the rest read prompts)
     answers: list[list[int]] = field(repr=False, default_factory=list)
     extra: dict = field(default_factory=dict)
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else float("inf")
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / self.forward_passes if self.forward_passes else 0.0
+
+    @property
+    def other_s(self) -> float:
+        """Wall time outside the model's forward calls (python, masks, sampling, copies)."""
+        return max(0.0, self.wall_s - self.prefill_s - self.decode_s)
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return 1000 * self.decode_s / max(1, self.decode_passes)
+
     def as_dict(self, *, answers: bool = False) -> dict:
         d = asdict(self)
         if not answers:
             d.pop("answers")
+        for name in ("tokens_per_s", "tokens_per_forward", "other_s", "decode_ms_per_step"):
+            d[name] = getattr(self, name)
         return d
 
 
-def run_once(method: str, run: Callable[[ForwardCounter], RunOutput], model) -> tuple[float, RunOutput, ForwardCounter]:
-    """One timed run of `run(counter)` with forward hooks on `model`."""
-    with ForwardCounter(model) as counter:
-        start = time.perf_counter()
-        out = run(counter)
-        wall = time.perf_counter() - start
-    return wall, out, counter
-
-
-def summarize(method: str, k: int, runs: Sequence[tuple[float, RunOutput, ForwardCounter]]) -> Measurement:
+def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter]]) -> Measurement:
     """The median-time run of `runs` (the faster of the middle two for an even count) as a
     `Measurement`, with every run's time kept. All runs must have given the same answers."""
     for _, out, _ in runs[1:]:
@@ -205,19 +211,14 @@ def summarize(method: str, k: int, runs: Sequence[tuple[float, RunOutput, Forwar
             raise AnswersDiffer(f"{method} gave different answers on a repeat run")
     order = sorted(range(len(runs)), key=lambda i: runs[i][0])
     wall, out, counter = runs[order[(len(order) - 1) // 2]]
-    tokens = sum(len(a) for a in out.answers)
-    prefill, decode = counter.seconds(PREFILL), counter.seconds(DECODE)
     return Measurement(
         method=method,
-        k=k,
         wall_s=wall,
         forward_passes=out.forward_passes if out.forward_passes is not None else counter.forward_passes,
-        new_tokens=tokens,
-        tokens_per_s=tokens / wall if wall > 0 else float("inf"),
+        new_tokens=sum(len(a) for a in out.answers),
         peak_kv_bytes=out.kv_bytes,
-        prefill_s=prefill,
-        decode_s=decode,
-        other_s=max(0.0, wall - prefill - decode),
+        prefill_s=counter.seconds(PREFILL),
+        decode_s=counter.seconds(DECODE),
         runs_s=[r[0] for r in runs],
         hooked_forward_passes=counter.forward_passes,
         decode_passes=sum(1 for phase, _, _ in counter.calls if phase == DECODE),
@@ -226,23 +227,8 @@ def summarize(method: str, k: int, runs: Sequence[tuple[float, RunOutput, Forwar
     )
 
 
-def measure(
-    method: str,
-    k: int,
-    run: Callable[[ForwardCounter], RunOutput],
-    model,
-    *,
-    repeats: int = 3,
-    budget_s: float = 8.0,
-) -> Measurement:
-    """Run `run(counter)` once, then again while under `repeats` runs and `budget_s` seconds in
-    all; report the median-time run."""
-    return measure_together({method: run}, k, model, repeats=repeats, budget_s=budget_s)[method]
-
-
 def measure_together(
     runs: dict[str, Callable[[ForwardCounter], RunOutput]],
-    k: int,
     model,
     *,
     repeats: int = 3,
@@ -255,28 +241,26 @@ def measure_together(
     spent, rounds = 0.0, 0
     while rounds == 0 or (rounds < repeats and spent < budget_s):
         for name, run in runs.items():
-            result = run_once(name, run, model)
-            done[name].append(result)
-            spent += result[0]
+            with ForwardCounter(model) as counter:
+                start = time.perf_counter()
+                out = run(counter)
+                wall = time.perf_counter() - start
+            done[name].append((wall, out, counter))
+            spent += wall
         rounds += 1
-    return {name: summarize(name, k, results) for name, results in done.items()}
+    return {name: summarize(name, results) for name, results in done.items()}
 
 
 def combine_sequential(method: str, parts: Sequence[Measurement]) -> Measurement:
-    """One method run item by item: the cost of the first len(parts) items is the sum of theirs."""
-    wall = sum(p.wall_s for p in parts)
-    tokens = sum(p.new_tokens for p in parts)
+    """One method run item by item: the cost of the items is the sum of theirs."""
     return Measurement(
         method=method,
-        k=len(parts),
-        wall_s=wall,
+        wall_s=sum(p.wall_s for p in parts),
         forward_passes=sum(p.forward_passes for p in parts),
-        new_tokens=tokens,
-        tokens_per_s=tokens / wall if wall > 0 else float("inf"),
+        new_tokens=sum(p.new_tokens for p in parts),
         peak_kv_bytes=max(p.peak_kv_bytes for p in parts),
         prefill_s=sum(p.prefill_s for p in parts),
         decode_s=sum(p.decode_s for p in parts),
-        other_s=sum(p.other_s for p in parts),
         runs_s=[p.wall_s for p in parts],
         hooked_forward_passes=sum(p.hooked_forward_passes for p in parts),
         decode_passes=sum(p.decode_passes for p in parts),
@@ -296,7 +280,7 @@ def pad_id_of(model, tokenizer=None) -> int:
     if isinstance(eos, int):
         return eos
     if eos:
-        return int(list(eos)[0])
+        return int(next(iter(eos)))
     return 0
 
 
@@ -316,11 +300,10 @@ def greedy_config(model, max_new_tokens: int, eos_ids: Iterable[int], pad_id: in
     """An explicit `GenerationConfig`: greedy (unless `settings` say otherwise), our eos and pad."""
     from transformers import GenerationConfig
 
-    eos = sorted(set(int(e) for e in eos_ids))
-    base = dict(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                eos_token_id=eos or None, bos_token_id=getattr(model.generation_config, "bos_token_id", None))
-    base.update(settings)
-    return GenerationConfig(**base)
+    eos = sorted({int(e) for e in eos_ids})
+    base = {"do_sample": False, "num_beams": 1, "max_new_tokens": max_new_tokens, "pad_token_id": pad_id,
+            "eos_token_id": eos or None, "bos_token_id": getattr(model.generation_config, "bos_token_id", None)}
+    return GenerationConfig(**{**base, **settings})
 
 
 def _device(model):
@@ -328,10 +311,11 @@ def _device(model):
 
 
 def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
-    """(a) `model.generate` once per prompt, the whole prompt each time."""
+    """(a) `model.generate` once per prompt, the whole prompt each time. With `output_scores=True`
+    the sequences' scores (beam search) are kept in `extra["scores"]`."""
     config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
     device = _device(model)
-    answers, peak = [], 0
+    answers, peak, scores = [], 0, []
     with torch.inference_mode():
         for prompt in prompts:
             counter.prefill(1)
@@ -340,8 +324,10 @@ def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, *
                                  return_dict_in_generate=True)
             peak = max(peak, cache_bytes(out.past_key_values))
             answers += [trim_at_eos(row, eos_ids) for row in out.sequences[:, len(prompt):].tolist()]
+            if getattr(out, "sequences_scores", None) is not None:
+                scores += out.sequences_scores.float().tolist()
             del out
-    return RunOutput(answers, peak)
+    return RunOutput(answers, peak, extra={"scores": scores} if scores else {})
 
 
 def hf_batched(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
@@ -470,8 +456,27 @@ def environment(model) -> dict:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "load_average_at_start": load_average(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
+
+
+def data_text(name: str) -> str:
+    """A text file shipped in the package's data folder."""
+    return resources.files("multidecode").joinpath("data", name).read_text(encoding="utf-8")
+
+
+def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
+    """`instruction`, a blank line, then the sample support call's opening lines up to about
+    `tokens` ids in all (the whole call if shorter), through the chat template when there is one."""
+    from ..strategies.complete import prompt_ids
+
+    excerpt, ids = "", []
+    for line in data_text("support_call.txt").splitlines(keepends=True):
+        excerpt += line
+        ids = prompt_ids(tokenizer, f"{instruction}\n\n{excerpt.strip()}")
+        if len(ids) >= tokens:
+            break
+    return ids
 
 
 def load_average() -> list[float] | None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import InvalidArgument
@@ -29,7 +31,7 @@ def output_options(command):
     command = click.option("--stem", default=None, metavar="NAME",
                            help="File name for the results, without extension (default: bench_<benchmark>).")(command)
     return click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR",
-                        help="Folder for the JSON results and the plot.")(command)
+                        help="Folder for the results: JSON, a PNG plot and a markdown table.")(command)
 
 
 def run_options(command):
@@ -40,8 +42,8 @@ def run_options(command):
                         help="Timed runs at the main point (the median is reported).")(command)
 
 
-def check_run(output: str, dtype: str | None, threads: int | None, **positive: int) -> None:
-    """Refuse settings a benchmark would trip on, before the model loads and the run starts."""
+def check_run(output: str, dtype: str | None, threads: int | None) -> None:
+    """Refuse settings every benchmark would trip on, before the model loads and the run starts."""
     if Path(output).exists() and not Path(output).is_dir():
         raise InvalidArgument(f"--output {output} is a file, not a folder", "name a folder for the results")
     if dtype not in (None, "float32"):
@@ -49,47 +51,49 @@ def check_run(output: str, dtype: str | None, threads: int | None, **positive: i
                               f"not {dtype}", "leave --dtype unset")
     if threads is not None and threads < 1:
         raise InvalidArgument(f"--threads must be 1 or more, got {threads}", "or leave it unset")
-    for name, value in positive.items():
+
+
+def check_counts(**counts: int) -> None:
+    """Refuse a count below 1 (--max-new-tokens 0, --repeats 0) before the model loads."""
+    for name, value in counts.items():
         if value < 1:
             flag = "--" + name.replace("_", "-")
             raise InvalidArgument(f"{flag} must be 1 or more, got {value}", f"use {flag} 1 or more")
 
 
-def targets_table(result: dict) -> Table:
-    table = Table(title="Targets", title_justify="left")
-    for column in ("target", "wanted", "measured", "met"):
-        table.add_column(column)
-    for row in result.get("targets", []):
-        table.add_row(row["name"], row["target"], f"{row['measured']}", "[green]yes[/green]" if row["met"] else "[red]no[/red]")
-    return table
+def print_tables(result: dict) -> None:
+    """The result's tables (the same as its markdown file), drawn with rich."""
+    from ..bench.harness import tables
+
+    for text in tables(result):
+        table = Table(title=text.title, title_justify="left")
+        for i, column in enumerate(text.header):
+            table.add_column(escape(column), justify="left" if i == 0 else "right", min_width=16 if i == 0 else None)
+        for row in text.rows:
+            table.add_row(*(escape(c).replace("**no**", "[red]no[/red]") for c in row))
+        stdout.print(table)
 
 
-SHORT_LABELS = {
-    "hf_sequential": "(a) one by one",
-    "hf_batched": "(b) padded batch",
-    "hf_shared_prefix": "(c) shared-prefix batch",
-    "multidecode": "(d) MultiDecode",
-}
+def run_and_report(name: str, runner, output: str, stem: str | None) -> None:
+    """Run one benchmark with progress on stderr, then print its tables and write its files."""
+    from ..bench import write_results
 
+    start = time.perf_counter()
+    with stderr.status(f"benchmarking {name}...") as status:
+        def progress(message: str) -> None:
+            stderr.print(f"[dim]{time.perf_counter() - start:6.1f} s  {escape(message)}[/dim]")
+            status.update(f"benchmarking {name}... {escape(message)}")
 
-def methods_table(methods: dict, ratios: dict, title: str, labels: dict) -> Table:
-    """One row per method: wall time, forward passes, tokens/s, peak KV, and MultiDecode's gain."""
-    labels = {**labels, **SHORT_LABELS}
-    table = Table(title=title, title_justify="left")
-    for column in ("method", "wall s", "forwards", "tok/s", "KV MB", "(d) gain"):
-        table.add_column(column, justify="right" if column != "method" else "left", no_wrap=True)
-    for name, m in methods.items():
-        ratio = ratios.get(name, {}).get("speedup")
-        table.add_row(labels.get(name, name), f"{m['wall_s']:.2f}", str(m["forward_passes"]),
-                      f"{m['tokens_per_s']:.1f}", f"{m['peak_kv_bytes'] / 1e6:.1f}",
-                      f"{ratio:.2f}x" if ratio else "")
-    return table
-
-
-def ask_table(result: dict) -> Table:
-    main = result["main"]
-    title = f"{main['k']} answers, {result['config'].get('max_new_tokens')} new tokens each"
-    return methods_table(main["methods"], main["multidecode_vs"], title, result.get("labels", {}))
+        result = runner(progress)
+    paths = write_results(result, Path(output), stem=stem)
+    print_tables(result)
+    if result.get("answers_identical"):
+        stdout.print("All methods gave identical answers.")
+    for row in [result, *result.get(result["layout"]["rows"], [])]:
+        for method, why in row.get("skipped", {}).items():
+            stdout.print(f"Not run: {escape(result['labels'][method])} ({escape(why)}).")
+    for path in paths:
+        stdout.print(f"wrote {path}")
 
 
 @click.group()
@@ -97,130 +101,109 @@ def bench():
     """Benchmarks against the transformers alternatives, measured side by side in one run."""
 
 
-@bench.command("ask")
-@output_options
-@click.option("--ks", default="1,2,4,8,16", show_default=True, help="Question counts for the sweep.")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
-@run_options
-@model_options
-@report_errors
-def bench_ask(output, stem, ks, max_new_tokens, repeats, threads, model_name, dtype, device):
+def bench_command(name: str, *options):
+    """`bench NAME` with `options` plus --output, --stem, --repeats, --threads and the model's. The
+    decorated function checks its own settings (before the model loads) and returns the library
+    call to run as `call(decoder, repeats=, threads=, progress=)`."""
+    def declare(prepare):
+        @functools.wraps(prepare)
+        def command(output, stem, repeats, threads, model_name, dtype, device, **own):
+            check_run(output, dtype, threads)
+            check_counts(repeats=repeats)
+            call = prepare(**own)
+            decoder = load_decoder(model_name, dtype, device)
+            run_and_report(name, lambda progress: call(decoder, repeats=repeats, threads=threads, progress=progress),
+                           output, stem)
+
+        for option in (model_options, run_options, *reversed(options), output_options):
+            command = option(command)
+        return bench.command(name)(report_errors(command))
+    return declare
+
+
+@bench_command(
+    "ask",
+    click.option("--ks", default="1,2,4,8,16", show_default=True, help="Question counts for the sweep."),
+    click.option("--max-new-tokens", type=int, default=32, show_default=True),
+    click.option("--speculate", default=None, metavar="MODE",
+                 help="Also run (e): the forest with every branch speculating (lookup, auto)."),
+)
+def bench_ask(ks, max_new_tokens, speculate):
     """Many questions about one document: (a) sequential generate, (b) a padded batch, (c) a shared
-    prefix cache copied to a batch, (d) MultiDecode. Asserts identical answers; writes JSON and a plot."""
+    prefix cache copied to a batch, (d) MultiDecode. Asserts identical answers; writes JSON, a plot and markdown."""
     from ..bench import run_ask_benchmark
 
     sweep = parse_counts(ks, "--ks")
-    check_run(output, dtype, threads, max_new_tokens=max_new_tokens, repeats=repeats)
-    decoder = load_decoder(model_name, dtype, device)
-    run_and_report("ask", lambda progress: run_ask_benchmark(
-        decoder, max_new_tokens=max_new_tokens, ks=sweep, repeats=repeats, threads=threads, progress=progress),
-        output, stem, ask_table)
+    check_counts(max_new_tokens=max_new_tokens)
+    return functools.partial(run_ask_benchmark, max_new_tokens=max_new_tokens, ks=sweep, speculate=speculate)
 
 
-def sweep_table(result: dict, key: str, label: str, methods: dict[str, str]) -> Table:
-    """One row per sweep point: each method's wall time and KV, and MultiDecode's speed-up."""
-    table = Table(title=f"{result['benchmark']}: sweep over {label}", title_justify="left")
-    table.add_column(label, justify="right")
-    for short in methods.values():
-        table.add_column(f"{short} s", justify="right", no_wrap=True)
-        table.add_column(f"{short} KV MB", justify="right", no_wrap=True)
-    table.add_column("speed-up", justify="right")
-    for row in result["sweep"]:
-        cells = [str(row[key])]
-        for name in methods:
-            m = row["methods"][name]
-            cells += [f"{m['wall_s']:.2f}", f"{m['peak_kv_bytes'] / 1e6:.1f}"]
-        table.add_row(*cells, f"{row['speedup']:.2f}x")
-    return table
-
-
-def run_and_report(name: str, runner, output: str, stem: str | None, table) -> None:
-    """Run one benchmark with progress on stderr, then print its tables and write its files."""
-    from ..bench import write_results
-
-    start = time.perf_counter()
-    with stderr.status(f"benchmarking {name}...") as status:
-        def progress(message: str) -> None:
-            stderr.print(f"[dim]{time.perf_counter() - start:6.1f} s  {message}[/dim]")
-            status.update(f"benchmarking {name}... {message}")
-
-        result = runner(progress)
-    paths = write_results(result, Path(output), stem=stem)
-    stdout.print(table(result))
-    stdout.print(targets_table(result))
-    if result.get("answers_identical"):
-        stdout.print("All methods gave identical answers.")
-    for path in paths:
-        stdout.print(f"wrote {path}")
-
-
-@bench.command("sample")
-@output_options
-@click.option("--n", "n", type=int, default=8, show_default=True, help="Completions at the main point.")
-@click.option("--ns", default="1,2,4,8,16", show_default=True, help="Completion counts for the sweep.")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--prompt-tokens", type=int, default=200, show_default=True)
-@run_options
-@model_options
-@report_errors
-def bench_sample(output, stem, n, ns, max_new_tokens, prompt_tokens, repeats, threads, model_name, dtype, device):
+@bench_command(
+    "sample",
+    click.option("--n", "n", type=int, default=8, show_default=True, help="Completions at the main point."),
+    click.option("--ns", default="1,2,4,8,16", show_default=True, help="Completion counts for the sweep."),
+    click.option("--max-new-tokens", type=int, default=64, show_default=True),
+    click.option("--prompt-tokens", type=int, default=200, show_default=True),
+)
+def bench_sample(n, ns, max_new_tokens, prompt_tokens):
     """n sampled completions of one prompt: transformers' num_return_sequences against MultiDecode."""
     from ..bench import run_sample_benchmark
 
     sweep = parse_counts(ns, "--ns")
-    check_run(output, dtype, threads, n=n, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
-              repeats=repeats)
-    decoder = load_decoder(model_name, dtype, device)
-    run_and_report("sample", lambda progress: run_sample_benchmark(
-        decoder, n=n, ns=sweep, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
-        repeats=repeats, threads=threads, progress=progress), output, stem,
-        lambda r: sweep_table(r, "n", "n", {"hf_num_return_sequences": "HF", "multidecode": "MD"}))
+    check_counts(n=n, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens)
+    return functools.partial(run_sample_benchmark, n=n, ns=sweep, max_new_tokens=max_new_tokens,
+                             prompt_tokens=prompt_tokens)
 
 
-@bench.command("beam")
-@output_options
-@click.option("--num-beams", type=int, default=4, show_default=True, help="Beams at the main point.")
-@click.option("--beams", default="2,4,8", show_default=True, help="Beam counts for the sweep.")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
-@click.option("--prompt-tokens", type=int, default=200, show_default=True)
-@run_options
-@model_options
-@report_errors
-def bench_beam(output, stem, num_beams, beams, max_new_tokens, prompt_tokens, repeats, threads, model_name, dtype, device):
+@bench_command(
+    "beam",
+    click.option("--num-beams", type=int, default=4, show_default=True, help="Beams at the main point."),
+    click.option("--beams", default="2,4,8", show_default=True, help="Beam counts for the sweep."),
+    click.option("--max-new-tokens", type=int, default=32, show_default=True),
+    click.option("--prompt-tokens", type=int, default=200, show_default=True),
+)
+def bench_beam(num_beams, beams, max_new_tokens, prompt_tokens):
     """Beam search: transformers' generate(num_beams=B) against beams as one tree (identical results asserted)."""
     from ..bench import run_beam_benchmark
 
     sweep = parse_counts(beams, "--beams")
-    check_run(output, dtype, threads, num_beams=num_beams, max_new_tokens=max_new_tokens,
-              prompt_tokens=prompt_tokens, repeats=repeats)
-    decoder = load_decoder(model_name, dtype, device)
-    run_and_report("beam", lambda progress: run_beam_benchmark(
-        decoder, num_beams=num_beams, beams_sweep=sweep, max_new_tokens=max_new_tokens,
-        prompt_tokens=prompt_tokens, repeats=repeats, threads=threads, progress=progress), output, stem,
-        lambda r: sweep_table(r, "num_beams", "beams", {"hf_beam": "HF", "multidecode_beam": "MD"}))
+    check_counts(num_beams=num_beams, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens)
+    return functools.partial(run_beam_benchmark, num_beams=num_beams, beams_sweep=sweep,
+                             max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens)
 
 
-@bench.command("margins")
-@output_options
-@click.option("--chunks", type=int, default=8, show_default=True)
-@click.option("--chunk-tokens", type=int, default=300, show_default=True)
-@click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens per margin.")
-@run_options
-@model_options
-@report_errors
-def bench_margins(output, stem, chunks, chunk_tokens, max_new_tokens, repeats, threads, model_name, dtype, device):
+@bench_command(
+    "margins",
+    click.option("--chunks", type=int, default=8, show_default=True),
+    click.option("--chunk-tokens", type=int, default=300, show_default=True),
+    click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens per margin."),
+)
+def bench_margins(chunks, chunk_tokens, max_new_tokens):
     """Writing in the margins: margins one chunk at a time, as one padded batch, and as one forest."""
     from ..bench import run_margins_benchmark
 
-    check_run(output, dtype, threads, chunks=chunks, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens,
-              repeats=repeats)
-    decoder = load_decoder(model_name, dtype, device)
+    check_counts(chunks=chunks, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens)
+    return functools.partial(run_margins_benchmark, chunks=chunks, chunk_tokens=chunk_tokens,
+                             max_new_tokens=max_new_tokens)
 
-    def table(result: dict) -> Table:
-        config = result["config"]
-        title = f"{config['chunks']} margins of {config['max_new_tokens']} tokens, chunks of ~{config['chunk_tokens']} tokens"
-        return methods_table(result["methods"], result["multidecode_vs"], title, result.get("labels", {}))
 
-    run_and_report("margins", lambda progress: run_margins_benchmark(
-        decoder, chunks=chunks, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens, repeats=repeats,
-        threads=threads, progress=progress), output, stem, table)
+@bench_command(
+    "speculate",
+    click.option("--workloads", default="summary,code_edit,story", show_default=True,
+                 help="Which shipped workloads to run, comma-separated."),
+    click.option("--max-new-tokens", type=int, default=None, help="Override every workload's own (quick runs)."),
+    click.option("--budget", type=float, default=90.0, show_default=True, metavar="SECONDS",
+                 help="Time budget for each workload's rounds of all methods."),
+)
+def bench_speculate(workloads, max_new_tokens, budget):
+    """Speculative decoding of one sequence, greedy: plain generate, transformers' prompt lookup at 3 and
+    10 tokens, and MultiDecode's lookup and auto modes. Asserts identical tokens; writes JSON, a plot and markdown."""
+    from ..bench import run_speculate_benchmark
+    from ..bench.speculate import choose
+
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    choose(names)
+    check_counts(**({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}))
+    if budget <= 0:
+        raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}", "for example --budget 90")
+    return functools.partial(run_speculate_benchmark, names=names, max_new_tokens=max_new_tokens, budget_s=budget)

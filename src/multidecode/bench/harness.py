@@ -1,0 +1,383 @@
+"""The one benchmark harness: a benchmark is declared as data, `run` measures it, and
+`write_results` writes it as `<stem>.json`, `<stem>.png` and `<stem>.md`.
+
+Terms:
+- **method** (`Method`): one way to do a case's work. `run(counter)` does it once under a
+  `ForwardCounter` and returns a `RunOutput` (answers, KV bytes, the method's own counters). A
+  method may instead be `parts` run one after another, each measured once and shared by every
+  case that names it (one question at a time: K questions cost the sum of the first K).
+- **case** (`Case`): one workload or sweep point: its parameters (`{"k": 8}`), its methods, its
+  time budget and its targets.
+- **reference**: the method whose answers every other method of a case must equal token for
+  token (else `AnswersDiffer`); None where outputs are sampled and cannot be compared.
+- **round**: every method of a case run once, in order. Rounds repeat while fewer than `repeats`
+  ran and they took under the case's budget, and each method keeps its median run: interleaving
+  gives the methods the same machine conditions and the same number of runs. A `solo` method (a
+  costly one) gets rounds of its own under half the budget, so it does not use up the others'.
+- **pair** `(fast, slow)`: the row reports `<fast>_vs[<slow>]`, the speed-up (slow's wall time
+  over fast's) and fast's forward passes, tokens/s and KV bytes relative to slow's.
+- **row**: one case in the JSON: its parameters, every method's `Measurement`, the pairs' ratios
+  and what the case's `report` adds. A benchmark declared with one case and no `rows_key`
+  keeps its row at the top level.
+- **layout**: how to draw (`plot.py`) and tabulate the result, stored in the JSON with it, so
+  that the files can be redrawn from the JSON alone.
+
+Nothing here prints; `progress` gets a short message as each measurement ends.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .common import (
+    ForwardCounter,
+    Measurement,
+    Progress,
+    RunOutput,
+    check_identical,
+    combine_sequential,
+    environment,
+    load_average,
+    measure_together,
+    quiet_transformers,
+    torch_threads,
+)
+
+Runner = Callable[[ForwardCounter], RunOutput]
+NOTES = (
+    "Answers are compared token for token with the reference's, up to and including the first eos.",
+    ("wall_s is the median of runs_s (a method run item by item: their sum); prefill_s/decode_s are the "
+     "time inside model forward calls, other_s the rest (python, masks, sampling, cache copies)."),
+    ("peak_kv_bytes: for transformers, the cache tensors held at the end of generate (the largest cache "
+     "held); for MultiDecode, the engine's peak allocated (preallocated) cache buffer."),
+)
+"""What every result's numbers mean, stored in its config."""
+
+
+# ---------------------------------------------------------------------- the declaration
+@dataclass(frozen=True)
+class Part:
+    """One item of a method run item by item; `key` names it across cases (measured once)."""
+
+    key: Hashable
+    run: Runner
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to do a case's work: `run`, or `parts` one after another. `skip` says why it cannot
+    run here (it is then left out and the reason kept in the row)."""
+
+    name: str
+    label: str
+    run: Runner | None = None
+    parts: tuple[Part, ...] = ()
+    short: str = ""  # for plots and column headers; default: the label
+    solo: bool = False
+    skip: str | None = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure of a case's row (`path` into it) held against a value: `op` is >=, > or <=."""
+
+    name: str
+    path: tuple[str, ...]
+    op: str
+    value: float
+    unit: str = "x"
+
+    def check(self, row: dict) -> dict | None:
+        """The target as reported, or None where the row lacks the figure (a skipped method)."""
+        got = row
+        for key in self.path:
+            got = got.get(key) if isinstance(got, dict) else None
+        if got is None:
+            return None
+        met = {">=": got >= self.value, ">": got > self.value, "<=": got <= self.value}[self.op]
+        return {"name": self.name, "target": f"{self.op} {self.value:g}{self.unit}", "measured": round(got, 4),
+                "met": bool(met), "path": list(self.path), "value": self.value}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload or sweep point. `report(measurements)` returns the case's own figures for its
+    row (answer texts, score differences) and raises where a check beyond identical answers fails."""
+
+    params: dict
+    methods: tuple[Method, ...]
+    budget_s: float = 30.0
+    main: bool = False
+    targets: tuple[Target, ...] = ()
+    report: Callable[[dict[str, Measurement]], dict] | None = None
+
+
+@dataclass(frozen=True)
+class Plot:
+    """`sweep`: speed-ups and each figure against the case parameter `x` (log2 axis); `bars`: one
+    panel per figure, a group of bars (one per method) per case."""
+
+    kind: str = "bars"
+    figures: tuple[str, ...] = ("wall_s", "forward_passes", "peak_kv_bytes")
+    x: str | None = None
+    xlabel: str = ""
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A benchmark as data. `columns` are the figures in its tables; `rows_key` names the list of
+    case rows in the JSON ("sweep", "workloads"), or is None for a benchmark of exactly one case,
+    whose row then stands at the top level."""
+
+    name: str
+    title: str
+    model: object
+    cases: tuple[Case, ...]
+    reference: str | None
+    pairs: tuple[tuple[str, str], ...] = ()
+    config: dict = field(default_factory=dict)
+    warmup: tuple[Method, ...] = ()
+    repeats: int = 3
+    columns: tuple[str, ...] = ("wall_s", "forward_passes", "tokens_per_s", "peak_kv_bytes")
+    plot: Plot = Plot()
+    rows_key: str | None = "sweep"
+
+
+# ---------------------------------------------------------------------- running it
+def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | None = None) -> dict:
+    """Warm up, measure every case, check identical answers, and return the JSON-ready result.
+
+    threads: torch intra-op threads for the run (restored afterwards); None keeps the setting.
+    Raises `AnswersDiffer` where a method's answers differ from the reference's (or its own on a
+    repeat run).
+    """
+    say = progress or (lambda message: None)
+    started = time.perf_counter()
+    with torch_threads(threads), quiet_transformers():
+        meta = environment(bench.model)
+        if bench.warmup:
+            say("warming up")
+            measure_together({m.name: m.run for m in bench.warmup}, bench.model, repeats=1)
+        done_parts: dict = {}
+        rows = [_measure_case(bench, case, done_parts, say) for case in bench.cases]
+    methods = {m.name: m for case in bench.cases for m in case.methods}
+    result = {
+        "benchmark": bench.name,
+        "title": bench.title,
+        "metadata": {**meta, "load_average_at_end": load_average(),
+                     "elapsed_s": round(time.perf_counter() - started, 2)},
+        "config": {**bench.config, "reference": bench.reference, "repeats": bench.repeats,
+                   "budgets_s": [case.budget_s for case in bench.cases],
+                   "notes": [*bench.config.get("notes", ()), *NOTES]},
+        "labels": {name: m.label for name, m in methods.items()},
+        "layout": {"rows": bench.rows_key, "params": list(bench.cases[0].params), "columns": list(bench.columns),
+                   "pairs": [list(p) for p in bench.pairs], "plot": asdict(bench.plot),
+                   "short": {name: m.short or m.label for name, m in methods.items()}},
+    }
+    if bench.rows_key is None:
+        (row,) = rows
+        result.update(row)
+    else:
+        result[bench.rows_key] = rows
+        main = [row for case, row in zip(bench.cases, rows) if case.main]
+        if main:
+            result["main"] = main[0]
+    result["targets"] = [t for case, row in zip(bench.cases, rows) for target in case.targets
+                         if (t := target.check(row)) is not None]
+    if bench.reference is not None:
+        result["answers_identical"] = True
+    return result
+
+
+def _measure_case(bench: Benchmark, case: Case, done_parts: dict, say: Progress) -> dict:
+    live = [m for m in case.methods if m.skip is None]
+    got: dict[str, Measurement] = {}
+    for m in live:
+        if m.parts:
+            got[m.name] = combine_sequential(m.name, [_part(bench, m, p, done_parts, say) for p in m.parts])
+        elif m.solo:
+            got |= measure_together({m.name: m.run}, bench.model, repeats=bench.repeats, budget_s=case.budget_s / 2)
+    together = {m.name: m.run for m in live if not m.parts and not m.solo}
+    if together:
+        got |= measure_together(together, bench.model, repeats=bench.repeats, budget_s=case.budget_s)
+    got = {m.name: got[m.name] for m in live}
+    where = ", ".join(f"{k}={v}" for k, v in case.params.items())
+    for m in live:
+        runs = f" (median of {len(got[m.name].runs_s)})" if not m.parts and len(got[m.name].runs_s) > 1 else ""
+        say(f"{where} {m.short or m.label}: {got[m.name].wall_s:.2f} s{runs}, {got[m.name].forward_passes} forwards")
+    if bench.reference in got:
+        check_identical({name: m.answers for name, m in got.items()}, reference=bench.reference)
+    row = {**case.params, "methods": {name: m.as_dict() for name, m in got.items()},
+           "answer_tokens": [len(a) for a in got[bench.reference if bench.reference in got else live[0].name].answers]}
+    for fast, slow in bench.pairs:
+        if fast in got and slow in got:
+            row.setdefault(f"{fast}_vs", {})[slow] = ratios(got[fast], got[slow])
+    skipped = {m.name: m.skip for m in case.methods if m.skip is not None}
+    if skipped:
+        row["skipped"] = skipped
+    if case.report is not None:
+        row.update(case.report(got))
+    return row
+
+
+def _part(bench: Benchmark, method: Method, part: Part, done: dict, say: Progress) -> Measurement:
+    key = (method.name, part.key)
+    if key not in done:
+        done[key] = measure_together({method.name: part.run}, bench.model, repeats=1)[method.name]
+        say(f"{method.short or method.label}, item {part.key}: {done[key].wall_s:.2f} s")
+    return done[key]
+
+
+def ratios(fast: Measurement, slow: Measurement) -> dict:
+    """fast's gain over slow: the speed-up (slow's wall time / fast's), and fast's forward passes,
+    tokens/s and KV bytes relative to slow's (None where a side has none)."""
+    def over(a: float, b: float) -> float | None:
+        return a / b if a and b else None
+
+    return {"speedup": slow.wall_s / fast.wall_s,
+            "forward_passes_ratio": over(fast.forward_passes, slow.forward_passes),
+            "tokens_per_s_ratio": over(fast.tokens_per_s, slow.tokens_per_s),
+            "kv_bytes_ratio": over(fast.peak_kv_bytes, slow.peak_kv_bytes)}
+
+
+# ---------------------------------------------------------------------- reading the result
+FIGURES = {
+    # name in a method's JSON (or its `extra`): (column header, format, scale)
+    "wall_s": ("wall", "{:.2f} s", 1.0),
+    "forward_passes": ("forwards", "{:.0f}", 1.0),
+    "tokens_per_s": ("tokens/s", "{:.1f}", 1.0),
+    "tokens_per_forward": ("tokens/forward", "{:.2f}", 1.0),
+    "acceptance": ("acceptance", "{:.2f}", 1.0),
+    "peak_kv_bytes": ("peak KV", "{:.1f} MB", 1e-6),
+    "prefill_s": ("prefill", "{:.2f} s", 1.0),
+    "decode_s": ("decode", "{:.2f} s", 1.0),
+    "decode_ms_per_step": ("decode step", "{:.0f} ms", 1.0),
+}
+
+
+def figure(method: dict, name: str) -> float | None:
+    """A method's figure by name, scaled for display (MB for bytes); None where it has none."""
+    value = method[name] if name in method else method.get("extra", {}).get(name)
+    return None if value is None else value * FIGURES[name][2]
+
+
+def rows_of(result: dict) -> list[dict]:
+    """The result's case rows (the result itself for a benchmark of one case)."""
+    key = result["layout"]["rows"]
+    return result[key] if key else [result]
+
+
+def speedup(row: dict, fast: str, slow: str) -> float | None:
+    return row.get(f"{fast}_vs", {}).get(slow, {}).get("speedup")
+
+
+@dataclass(frozen=True)
+class TextTable:
+    """A table as text cells, drawn as markdown here and with rich by the CLI."""
+
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+
+
+def tables(result: dict) -> list[TextTable]:
+    """The main case (or every case) with a row per method; a summary row per sweep point; the targets."""
+    layout, rows = result["layout"], rows_of(result)
+    short, params = layout["short"], layout["params"]
+    slows = list(dict.fromkeys(slow for _, slow in layout["pairs"]))
+    fasts = list(dict.fromkeys(fast for fast, _ in layout["pairs"]))
+
+    def method_rows(row: dict, lead: list[str]) -> list[list[str]]:
+        out = []
+        for name, m in row["methods"].items():
+            cells = [fmt(figure(m, c), FIGURES[c][1]) for c in layout["columns"]]
+            cells += [fmt(speedup(row, name, slow), "{:.2f}x") for slow in slows]
+            out.append(lead + [result["labels"][name]] + cells)
+        return out
+
+    figure_header = [FIGURES[c][0] for c in layout["columns"]] + [f"speed-up over {short[s]}" for s in slows]
+    main = result.get("main", rows[0] if len(rows) == 1 else None)  # the only case is the main one
+    out = []
+    if main is not None:
+        where = ", ".join(f"{p} = {main[p]}" for p in params)
+        out.append(TextTable(f"{result['title']} ({where})", ["method", *figure_header], method_rows(main, [])))
+    if len(rows) > 1 and main is None:
+        out.append(TextTable(result["title"], [*params, "method", *figure_header],
+                             [r for row in rows for r in method_rows(row, [str(row[p]) for p in params])]))
+    elif len(rows) > 1:
+        names = list(dict.fromkeys(n for row in rows for n in row["methods"]))
+        pairs = [(f, s) for f in fasts for s in slows if any(speedup(row, f, s) for row in rows)]
+        out.append(TextTable(
+            f"{result['title']}: sweep", [*params, *(f"{short[n]} wall" for n in names),
+                                          *(f"{short[f]} over {short[s]}" for f, s in pairs)],
+            [[str(row[p]) for p in params]
+             + [fmt(row["methods"][n]["wall_s"], "{:.2f} s") if n in row["methods"] else "" for n in names]
+             + [fmt(speedup(row, f, s), "{:.2f}x") for f, s in pairs] for row in rows]))
+    if result.get("targets"):
+        out.append(TextTable("Targets", ["target", "wanted", "measured", "met"],
+                             [[t["name"], t["target"], f"{t['measured']:g}", "yes" if t["met"] else "**no**"]
+                              for t in result["targets"]]))
+    return out
+
+
+def fmt(value: float | None, form: str) -> str:
+    return "" if value is None else form.format(value)
+
+
+def figure_title(name: str) -> str:
+    """A figure's name with its unit, for a plot panel: "wall (s)"."""
+    header, form, _ = FIGURES[name]
+    return f"{header} ({form.split()[-1]})" if " " in form else header
+
+
+def machine_label(result: dict) -> str:
+    """What ran the benchmark: model (dtype, device, threads)."""
+    meta = result.get("metadata", {})
+    return (f"{meta.get('model', '?')} ({meta.get('dtype', '?')}, {meta.get('device', '?')}, "
+            f"threads={meta.get('threads', '?')})")
+
+
+def markdown(result: dict) -> str:
+    """The result's tables as markdown, ready to paste into docs/benchmarks.md."""
+    meta = result["metadata"]
+    lines = [(f"Measured {meta['date']} on {machine_label(result)}, torch {meta['torch']}, "
+              f"transformers {meta['transformers']}.")]
+    if result.get("answers_identical"):
+        lines.append(f"Every method gave the same tokens as {result['labels'][result['config']['reference']]}.")
+    skipped = {name: why for row in rows_of(result) for name, why in row.get("skipped", {}).items()}
+    lines += [f"Not run: {result['labels'][name]} ({why})." for name, why in skipped.items()]
+    for table in tables(result):
+        align = ["---" if i == 0 or not any(c[i][:1].isdigit() for c in table.rows) else "---:"
+                 for i in range(len(table.header))]
+        lines += ["", f"**{table.title}**", "", "| " + " | ".join(table.header) + " |", "|" + "|".join(align) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in table.rows]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- the files
+def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None) -> list[Path]:
+    """Write `<stem>.json`, `<stem>.png` and `<stem>.md` in `out_dir` (created); returns the paths.
+    stem defaults to `bench_<benchmark name>`."""
+    from .plot import plot  # plot.py reads results through this module
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = stem or f"bench_{result['benchmark']}"
+    paths = [out / f"{stem}.json", out / f"{stem}.png", out / f"{stem}.md"]
+    paths[0].write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    plot(result, paths[1])
+    paths[2].write_text(markdown(result), encoding="utf-8")
+    return paths
+
+
+def declared_only(names: Sequence[str], known: Sequence[str], what: str) -> None:
+    """Refuse names outside `known` with a clear error (a typo in a method or workload list)."""
+    from ..errors import InvalidArgument
+
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise InvalidArgument(f"unknown {what}: {', '.join(unknown)}", f"use {', '.join(known)}")

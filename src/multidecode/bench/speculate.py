@@ -1,0 +1,174 @@
+"""Benchmark: speculative decoding of one sequence, greedy, on three shipped workloads.
+
+Workloads (`data/speculate_workloads.jsonl`, one JSON object a line): a 5-sentence summary of the
+1,400-token support call, type hints for a 60-line Python function (`data/shipping_quote.py.txt`),
+and an open-ended story. Each gives its prompt (`{document}` marks where the document goes), its
+`max_new_tokens` and the speed-up over plain greedy that `auto` is held to.
+
+Methods, all greedy on the same prompt ids (through the chat template):
+- `hf_greedy`: plain `model.generate`, the reference every other method must equal;
+- `hf_lookup_3`, `hf_lookup_10`: `generate(prompt_lookup_num_tokens=3 / 10)`, transformers'
+  prompt lookup (the last 2-gram, else 1-gram, matched in prompt + output; one candidate chain);
+- `multidecode_lookup`, `multidecode_auto`: `MultiDecoder.generate(speculate="lookup" / "auto")`,
+  left out (with the reason) where the decoder has no `generate`.
+
+Figures per method: wall time, forward passes, tokens per forward (new tokens / forward passes:
+1.0 for plain decoding) and acceptance (accepted draft tokens / drafted ones). transformers
+reports no draft counts, so they are read from the forward hooks: a verify forward feeds the
+uncached tokens plus the candidates, and yields one token of the target's own beyond the
+accepted candidates, so with F forwards over a P-token prompt
+    drafted = tokens fed - P - (F - 1),    accepted = new tokens - F.
+E.g. P = 10 and forwards feeding 10+3, 1+3 and 1+0 tokens for 6 new tokens: drafted
+18 - 10 - 2 = 6, accepted 6 - 3 = 3, acceptance 0.5.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import InvalidArgument
+from ..strategies.complete import prompt_ids
+from .common import ForwardCounter, Progress, RunOutput, data_text, hf_sequential, pad_id_of, trim_at_eos
+from .harness import Benchmark, Case, Method, Plot, Target, declared_only, run
+
+GREEDY, LOOKUP_3, LOOKUP_10 = "hf_greedy", "hf_lookup_3", "hf_lookup_10"
+OURS_LOOKUP, OURS_AUTO = "multidecode_lookup", "multidecode_auto"
+HF_METHODS = {GREEDY: 0, LOOKUP_3: 3, LOOKUP_10: 10}
+"""transformers' methods -> prompt_lookup_num_tokens (0: plain greedy)."""
+OUR_METHODS = {OURS_LOOKUP: "lookup", OURS_AUTO: "auto"}
+"""MultiDecode's methods -> speculate mode."""
+LABELS = {
+    GREEDY: ("HF generate, greedy", "HF greedy"),
+    LOOKUP_3: ("HF generate(prompt_lookup_num_tokens=3)", "HF lookup 3"),
+    LOOKUP_10: ("HF generate(prompt_lookup_num_tokens=10)", "HF lookup 10"),
+    OURS_LOOKUP: ("MultiDecode generate(speculate='lookup')", "MD lookup"),
+    OURS_AUTO: ("MultiDecode generate(speculate='auto')", "MD auto"),
+}
+"""Method -> (label, short label)."""
+FLOOR = 0.97
+"""`auto` must never be slower than this fraction of plain greedy, on any workload."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One shipped workload: `prompt` with `{document}` replaced by the data file `document`."""
+
+    name: str
+    label: str
+    prompt: str
+    document: str | None
+    max_new_tokens: int
+    target: float
+
+    def text(self) -> str:
+        return self.prompt.replace("{document}", data_text(self.document).strip() if self.document else "")
+
+
+def workloads() -> list[Workload]:
+    lines = data_text("speculate_workloads.jsonl").splitlines()
+    return [Workload(**json.loads(line)) for line in lines if line.strip()]
+
+
+def choose(names: Sequence[str] | None) -> list[Workload]:
+    """The shipped workloads named (all for None), in file order; unknown names or none are refused."""
+    shipped = workloads()
+    declared_only(names or (), [w.name for w in shipped], "workload(s)")
+    chosen = [w for w in shipped if names is None or w.name in names]
+    if not chosen:
+        raise InvalidArgument("no workload chosen", f"name one or more of {', '.join(w.name for w in shipped)}")
+    return chosen
+
+
+def draft_counts(counter: ForwardCounter, prompt_tokens: int, new_tokens: int) -> dict:
+    """Drafted and accepted tokens of one transformers run, from its forward calls' input shapes."""
+    drafted = counter.tokens_fed - prompt_tokens - (counter.forward_passes - 1)
+    accepted = new_tokens - counter.forward_passes
+    return {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
+
+
+def hf_generate(model, prompt: Sequence[int], counter: ForwardCounter, *, lookup: int, max_new_tokens: int,
+                eos_ids, pad_id) -> RunOutput:
+    """transformers' `generate` on one prompt, with prompt lookup of `lookup` tokens (0: none)."""
+    settings = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    out = hf_sequential(model, [prompt], counter, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                        **settings)
+    out.extra.update(draft_counts(counter, len(prompt), len(out.answers[0])))
+    return out
+
+
+def multidecode_generate(decoder, prompt: Sequence[int], counter: ForwardCounter, *, speculate: str,
+                         max_new_tokens: int, eos_ids) -> RunOutput:
+    """`MultiDecoder.generate` with speculation; counts from its own stats."""
+    counter.prefill(1)
+    completion = decoder.generate(list(prompt), max_new_tokens=max_new_tokens, speculate=speculate,
+                                  eos_token_id=list(eos_ids))
+    stats = {k: v for k, v in dict(completion.stats).items()
+             if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
+    return RunOutput([trim_at_eos(completion.token_ids, eos_ids)], int(stats.get("peak_cache_bytes") or 0),
+                     forward_passes=stats.get("forward_passes"), extra=stats)
+
+
+def run_speculate_benchmark(decoder, *, threads: int | None = None, progress: Progress | None = None,
+                            **settings) -> dict:
+    """Measure every method on every chosen workload; the settings are `speculate_benchmark`'s.
+    Raises `AnswersDiffer` where a method's tokens differ from plain greedy `generate`."""
+    return run(speculate_benchmark(decoder, **settings), threads=threads, progress=progress)
+
+
+def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats: int = 3, budget_s: float = 90.0,
+                        warmup: bool = True, max_new_tokens: int | None = None) -> Benchmark:
+    """The speculation benchmark as data.
+
+    names: the workloads to run (default: all three, in file order).
+    budget_s: each workload's time budget for its rounds of all methods.
+    max_new_tokens: overrides every workload's own (for quick runs).
+    """
+    shipped, chosen = workloads(), choose(names)
+    model, tokenizer = decoder.model, decoder.tokenizer
+    eos_ids, pad_id = sorted(decoder.eos_ids), pad_id_of(model, tokenizer)
+    no_generate = None if hasattr(decoder, "generate") else "this MultiDecoder has no generate() yet"
+
+    def methods(prompt: list[int], new: int) -> tuple[Method, ...]:
+        def hf(lookup: int):
+            return lambda c: hf_generate(model, prompt, c, lookup=lookup, max_new_tokens=new, eos_ids=eos_ids,
+                                         pad_id=pad_id)
+
+        def ours(mode: str):
+            return lambda c: multidecode_generate(decoder, prompt, c, speculate=mode, max_new_tokens=new,
+                                                  eos_ids=eos_ids)
+
+        return (*(Method(name, LABELS[name][0], short=LABELS[name][1], run=hf(n)) for name, n in HF_METHODS.items()),
+                *(Method(name, LABELS[name][0], short=LABELS[name][1], run=ours(mode), skip=no_generate)
+                  for name, mode in OUR_METHODS.items()))
+
+    def case(w: Workload) -> Case:
+        prompt, new = prompt_ids(tokenizer, w.text()), max_new_tokens or w.max_new_tokens
+        path = (f"{OURS_AUTO}_vs", GREEDY, "speedup")
+        targets = [Target(f"{w.name}: auto over plain greedy", path, ">=", w.target)]
+        if w.target > FLOOR:
+            targets.append(Target(f"{w.name}: auto never below {FLOOR}x", path, ">=", FLOOR))
+
+        def report(got: dict) -> dict:
+            ids = got[GREEDY].answers[0]
+            return {"label": w.label, "prompt_tokens": len(prompt), "max_new_tokens": new,
+                    "output": tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None}
+        return Case({"workload": w.name}, methods(prompt, new), budget_s=budget_s, targets=tuple(targets),
+                    report=report)
+
+    warm = methods(prompt_ids(tokenizer, min((w.text() for w in shipped), key=len)), 4)  # the shortest prompt
+    return Benchmark(
+        name="speculate", title="speculative decoding of one sequence, greedy", model=model,
+        cases=tuple(case(w) for w in chosen), reference=GREEDY,
+        pairs=tuple((name, GREEDY) for name in LABELS if name != GREEDY),
+        config={"workloads": [w.name for w in chosen], "decoding": "greedy", "eos_ids": eos_ids, "pad_id": pad_id,
+                "auto_floor": FLOOR, "notes": [
+                    "tokens_per_forward = new tokens / forward passes (prefill included).",
+                    "HF drafted/accepted are read from the forward calls' input shapes (see the module docstring).",
+                ]},
+        warmup=tuple(m for m in warm if m.skip is None) if warmup else (), repeats=repeats,
+        columns=("wall_s", "forward_passes", "tokens_per_forward", "acceptance", "tokens_per_s"),
+        plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")),
+        rows_key="workloads",
+    )

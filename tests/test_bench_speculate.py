@@ -1,0 +1,134 @@
+"""`bench speculate` on tiny random models: the shipped workloads, transformers' prompt lookup
+(identical tokens, draft counts read from the forward calls), MultiDecode's methods left out
+until the decoder has `generate`, and the CLI command writing its three files."""
+
+from __future__ import annotations
+
+import ast
+import json
+from types import SimpleNamespace
+
+import pytest
+from test_bench import ByteTokenizer
+from tiny_models import EOS, reference_generate, tiny_model
+from transformers.generation import candidate_generator
+
+from multidecode import MultiDecoder
+from multidecode.bench.common import ForwardCounter, data_text
+from multidecode.bench.speculate import draft_counts, hf_generate, run_speculate_benchmark, workloads
+
+HF = ("hf_greedy", "hf_lookup_3", "hf_lookup_10")
+OURS = ("multidecode_lookup", "multidecode_auto")
+# a prompt that repeats itself, so that n-gram lookup finds candidates
+PROMPT = [1] + [40, 41, 42, 43, 44, 45, 46, 47] * 3 + [40, 41]
+
+
+def test_the_shipped_workloads():
+    shipped = {w.name: w for w in workloads()}
+    assert list(shipped) == ["summary", "code_edit", "story"]
+    assert [w.max_new_tokens for w in shipped.values()] == [128, 200, 128]
+    assert data_text("support_call.txt").strip() in shipped["summary"].text()
+    assert "5 sentences" in shipped["summary"].text()
+    code = data_text(shipped["code_edit"].document)
+    assert 55 <= len(code.splitlines()) <= 65 and code.strip() in shipped["code_edit"].text()
+    function = ast.parse(code).body[0]
+    arguments = function.args.args + function.args.kwonlyargs
+    assert function.returns is None and all(a.annotation is None for a in arguments)  # no type hints yet
+    assert "{document}" not in shipped["story"].text() and shipped["story"].document is None
+
+
+def test_draft_counts_worked_example():
+    """A 10-token prompt, forwards feeding 10+3, 1+3 and 1+0 tokens, 6 new tokens."""
+    counter = ForwardCounter(model=None)
+    counter.calls = [("prefill", 0.0, (1, 13)), ("decode", 0.0, (1, 4)), ("decode", 0.0, (1, 1))]
+    assert draft_counts(counter, 10, 6) == {"drafted": 6, "accepted": 3, "acceptance": 0.5}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hf_prompt_lookup_is_exact_and_its_drafts_are_counted(arch, monkeypatch):
+    """transformers' prompt lookup gives plain greedy's tokens; the drafted and accepted counts read
+    from the forward calls equal what its candidate generator proposed and what generate accepted."""
+    model = tiny_model(arch)
+    seen = {"drafted": 0, "accepted": 0}
+    propose = candidate_generator.PromptLookupCandidateGenerator.get_candidates
+
+    def counted_propose(self, input_ids, **kwargs):
+        out = propose(self, input_ids, **kwargs)
+        seen["drafted"] += out[0].shape[1] - input_ids.shape[1]
+        return out
+
+    def counted_update(self, input_ids, scores, num_matches):
+        seen["accepted"] += int(num_matches)
+
+    monkeypatch.setattr(candidate_generator.PromptLookupCandidateGenerator, "get_candidates", counted_propose)
+    monkeypatch.setattr(candidate_generator.PromptLookupCandidateGenerator, "update_candidate_strategy",
+                        counted_update, raising=False)
+    expected = reference_generate(model, PROMPT, max_new_tokens=24, eos_token_id=[EOS])
+    expected = expected[: expected.index(EOS) + 1] if EOS in expected else expected
+    for lookup in (0, 3, 10):
+        seen.update(drafted=0, accepted=0)
+        with ForwardCounter(model) as counter:
+            out = hf_generate(model, PROMPT, counter, lookup=lookup, max_new_tokens=24, eos_ids=[EOS], pad_id=0)
+        assert out.answers == [expected]
+        assert out.extra["drafted"] == seen["drafted"] and out.extra["accepted"] == seen["accepted"]
+        if lookup:
+            assert out.extra["drafted"] > 0 and counter.forward_passes < len(expected)
+        else:
+            assert out.extra["drafted"] == 0 and out.extra["acceptance"] is None
+            assert counter.forward_passes == len(expected)
+
+
+class WithGenerate(MultiDecoder):
+    """Stands in for the coming `MultiDecoder.generate`: plain greedy, with its stats."""
+
+    def generate(self, prompt_ids, *, max_new_tokens, speculate, eos_token_id=None):
+        ids = reference_generate(self.model, list(prompt_ids), max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos_token_id)
+        ids = ids[: ids.index(EOS) + 1] if EOS in ids else ids
+        stats = {"forward_passes": len(ids), "tokens_per_forward": 1.0, "drafted": 0, "accepted": 0,
+                 "acceptance": None, "speculate": speculate}
+        return SimpleNamespace(token_ids=ids, stats=stats)
+
+
+def test_our_methods_are_left_out_until_the_decoder_can_generate():
+    settings = {"names": ["story"], "max_new_tokens": 6, "repeats": 1, "warmup": False}
+    result = run_speculate_benchmark(MultiDecoder(tiny_model("llama"), ByteTokenizer()), **settings)
+    assert result["answers_identical"] is True and "main" not in result
+    (plain,) = result["workloads"]
+    assert plain["workload"] == "story"
+    assert list(plain["methods"]) == list(HF) and set(plain["skipped"]) == set(OURS)
+    assert plain["prompt_tokens"] > 40 and plain["max_new_tokens"] == 6
+    for name in HF[1:]:
+        assert plain[f"{name}_vs"]["hf_greedy"]["speedup"] > 0
+    assert plain["methods"]["hf_greedy"]["tokens_per_forward"] == 1.0
+
+    assert result["targets"] == []
+    result = run_speculate_benchmark(WithGenerate(tiny_model("llama"), ByteTokenizer()), **settings)
+    (ready,) = result["workloads"]
+    assert list(ready["methods"]) == [*HF, *OURS] and "skipped" not in ready
+    assert ready["methods"]["multidecode_auto"]["extra"]["speculate"] == "auto"
+    assert [t["name"] for t in result["targets"]] == ["story: auto over plain greedy"]
+
+
+def test_bench_speculate_command_writes_its_three_files(tmp_path):
+    from click.testing import CliRunner
+    from local_models import tiny_model_folder
+
+    from multidecode.cli import main
+
+    model = tiny_model_folder(tmp_path / "model", max_positions=512)
+    args = ["bench", "speculate", "--model", str(model), "--max-new-tokens", "5", "--repeats", "1",
+            "--output", str(tmp_path / "out")]
+    result = CliRunner().invoke(main, [*args, "--workloads", "story,code_edit"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "bench_speculate.json", "bench_speculate.md", "bench_speculate.png"]
+    stored = json.loads((tmp_path / "out" / "bench_speculate.json").read_text())
+    assert [row["workload"] for row in stored["workloads"]] == ["code_edit", "story"]  # file order
+    assert "Not run: MultiDecode generate(speculate='auto')" in result.output.replace("\n", " ")
+    md = (tmp_path / "out" / "bench_speculate.md").read_text()
+    assert "| workload | method |" in md and "speed-up over HF greedy" in md
+    bad = CliRunner().invoke(main, [*args, "--workloads", "poem"])
+    assert bad.exit_code == 2 and "unknown workload(s): poem" in bad.output
+    none = CliRunner().invoke(main, [*args, "--workloads", ","])
+    assert none.exit_code == 2 and "no workload chosen" in none.output
