@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from local_models import tiny_model_folder
 
 import multidecode
 from multidecode.batch import BatchAborted, BatchSettings, meta_path, open_batch, parse_line, run_batch
 from multidecode.cli import main
-from local_models import tiny_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTIDECODE = Path(sys.executable).with_name("multidecode")
-WORDS = "router cable ticket fiber call modem line signal office evening light storm".split()
+WORDS = ["router", "cable", "ticket", "fiber", "call", "modem", "line", "signal", "office", "evening", "light", "storm"]
 
 
 @pytest.fixture(scope="module")
@@ -309,9 +309,9 @@ def test_retry_failed_redoes_only_the_failed_lines_and_keeps_one_record_per_id(m
 
 def test_two_runs_cannot_write_one_output(tmp_path):
     source = write_lines(tmp_path / "in.jsonl", documents(2))
-    with open_batch(source, tmp_path / "out.jsonl", BatchSettings()):
-        with pytest.raises(multidecode.InvalidInput, match="being written by another"):
-            open_batch(source, tmp_path / "out.jsonl", BatchSettings())
+    with open_batch(source, tmp_path / "out.jsonl", BatchSettings()), \
+            pytest.raises(multidecode.InvalidInput, match="being written by another"):
+        open_batch(source, tmp_path / "out.jsonl", BatchSettings())
     open_batch(source, tmp_path / "out.jsonl", BatchSettings()).close()  # the lock went with the job
 
 
@@ -346,10 +346,9 @@ def test_unexpected_errors_are_recorded_and_too_many_in_a_row_stop_the_job(tmp_p
     rows[1] = {"id": "bad", "document": ""}  # input errors do not count as crashes
     source = write_lines(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    with open_batch(source, out, BatchSettings()) as job:
-        with pytest.raises(BatchAborted, match="5 lines in a row failed"):
-            for _ in job.run(Broken()):
-                pass
+    with open_batch(source, out, BatchSettings()) as job, pytest.raises(BatchAborted, match="5 lines in a row failed"):
+        for _ in job.run(Broken()):
+            pass
     got = records(out)
     assert len(got) == 7 and got[1]["error"]["type"] == "InvalidInput"  # 1 crash, bad, then 5 crashes
     error = got[0]["error"]
@@ -413,7 +412,7 @@ def test_a_run_killed_part_way_resumes_without_losing_or_repeating_a_line(model_
     assert 3 <= len(kept) < 60, len(kept)
 
     again = start(source, out, model_dir)
-    stdout, stderr = again.communicate(timeout=120)
+    _stdout, stderr = again.communicate(timeout=120)
     assert again.returncode == 0, stderr
     assert f"{len(kept)} already in" in stderr and "Done: all 60 lines" in stderr
     assert results(records(out)) == reference  # every id exactly once, with the answers of a clean run

@@ -71,7 +71,7 @@ def group(arch: str, attn: str, *rest):
 
 
 # ---------------------------------------------------------------------- transformers' answer
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_beams(arch, attn, prompt, num_beams, max_new_tokens, length_penalty, early_stopping, num_return_sequences,
              eos) -> tuple[list[list[int]], torch.Tensor | None]:
     """`generate(num_beams=...)`'s sequences (generated part, cut after the eos that ends each) and scores."""
@@ -135,7 +135,7 @@ def find_eos(arch: str, attn: str) -> tuple[int, ...]:
     return best
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def eos_case(arch: str, attn: str) -> tuple[int, ...]:
     eos = tuple(EOS_HINTS[arch])
     sequences, _ = hf_beams(arch, attn, tuple(PROMPT), 4, STEPS, 1.0, False, 4, eos)

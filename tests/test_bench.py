@@ -134,25 +134,17 @@ def test_bad_arguments(decoder):
         run_ask_benchmark(decoder, document=DOCUMENT, questions=QUESTIONS, sweep_methods=["beam"])
 
 
-class Speculating(MultiDecoder):
-    """A decoder whose `start` takes `speculate=` (and ignores it): stands in for the coming core."""
-
-    def start(self, prompts, *, max_new_tokens, speculate=None, **settings):
-        return super().start(prompts, max_new_tokens=max_new_tokens, **settings)
-
-
-def test_ask_speculate_is_skipped_where_start_cannot_and_runs_where_it_can(decoder):
+def test_ask_with_speculation_adds_method_e_with_identical_answers(decoder):
     settings = {"document": DOCUMENT, "questions": QUESTIONS[:2], "max_new_tokens": 4, "ks": (2,), "repeats": 1,
-                    "warmup": False, "speculate": "auto"}
-    result = run_ask_benchmark(decoder, **settings)
-    plain = result["main"]
-    assert "multidecode_speculate" not in plain["methods"]
-    assert "speculate=" in plain["skipped"]["multidecode_speculate"]
-    assert not any(t["name"].startswith("(e)") for t in result["targets"])
-    ready = run_ask_benchmark(Speculating(decoder.model, decoder.tokenizer), **settings)
-    assert "skipped" not in ready["main"] and ready["config"]["speculate"] == "auto"
+                "warmup": False}
+    plain = run_ask_benchmark(decoder, **settings)
+    assert "multidecode_speculate" not in plain["main"]["methods"]
+    assert not any(t["name"].startswith("(e)") for t in plain["targets"])
+    ready = run_ask_benchmark(decoder, **settings, speculate="lookup")
+    assert ready["answers_identical"] and ready["config"]["speculate"] == "lookup"
     e = ready["main"]["multidecode_speculate_vs"]
     assert set(e) == {"hf_sequential", "hf_batched", "hf_shared_prefix", "multidecode"}
+    assert ready["main"]["methods"]["multidecode_speculate"]["extra"]["speculate"] == "lookup"
     assert any(t["name"] == "(e) speedup over (a)" for t in ready["targets"])
 
 

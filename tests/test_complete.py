@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from local_models import tiny_model_folder
 from scipy.stats import chisquare
+from tiny_models import tiny_model
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -24,8 +26,6 @@ from transformers.generation.logits_process import (
 import multidecode
 from multidecode.cli import main
 from multidecode.strategies.vote import extract_answer, normalize, tally
-from local_models import tiny_model_folder
-from tiny_models import tiny_model
 
 PROMPT = [5, 17, 42, 99, 7, 3, 150, 23]
 

@@ -3,6 +3,7 @@ plus one measurement on a tiny model."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -97,7 +98,7 @@ def test_measure_cost_on_a_tiny_model_is_monotone():
     curve = measure_cost(tiny_model("llama", "sdpa"), sizes=(1, 2, 4, 8), contexts=(16, 64), repeats=1)
     assert curve.sizes == (1, 2, 4, 8) and curve.contexts == (16, 64)
     for row in curve.seconds:
-        assert all(b >= a > 0 for a, b in zip(row, row[1:]))
+        assert all(b >= a > 0 for a, b in itertools.pairwise(row))
 
 
 def test_the_curve_is_measured_once_and_kept(tmp_path, monkeypatch):

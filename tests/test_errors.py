@@ -14,10 +14,10 @@ import pytest
 import torch
 import transformers as tf
 from click.testing import CliRunner
+from local_models import tiny_model_folder, tiny_tokenizer
 
 import multidecode
 from multidecode.cli import main
-from local_models import tiny_model_folder, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def combos():
     ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(arch: str, attn: str, prompt: tuple[int, ...], steps: int = STEPS) -> tuple[int, ...]:
     """Sequential greedy decoding of `prompt` alone with transformers' generate, never stopping early."""
     return tuple(reference_generate(tiny_model(arch, attn), list(prompt), max_new_tokens=steps, eos_token_id=NO_EOS))

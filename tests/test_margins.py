@@ -14,14 +14,14 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
+from local_models import tiny_model_folder, tiny_tokenizer
+from tiny_models import reference_generate
 
 import multidecode
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument, InvalidInput
 from multidecode.prompts import render_prompt, tokenize_prompt
 from multidecode.strategies import margins as wim
-from local_models import tiny_model_folder, tiny_tokenizer
-from tiny_models import reference_generate
 
 DOCUMENT = (
     "The quick brown fox jumps over the lazy dog. The dog is old and sleeps in the barn.\n\n"
@@ -144,7 +144,7 @@ def test_the_classifier_is_replaceable_and_feeds_the_answer(decoder, result):
 def test_chunks_do_not_see_each_other(decoder):
     chunks = ["The router is old and the light is red.", "The cable is red.", "The ticket is open."]
     changed = chunks[:2] + ["Something else entirely, about foxes and dogs."]
-    keep_all = lambda question, notes: [True] * len(notes)  # noqa: E731
+    keep_all = lambda question, notes: [True] * len(notes)
     a = decoder.margins(chunks, QUESTION, max_margin_tokens=8, max_new_tokens=2, classify=keep_all)
     b = decoder.margins(changed, QUESTION, max_margin_tokens=8, max_new_tokens=2, classify=keep_all)
     assert [m.token_ids for m in a.margins[:2]] == [m.token_ids for m in b.margins[:2]]

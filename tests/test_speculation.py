@@ -15,7 +15,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from hash_lm import EOS as HASH_EOS
 from hash_lm import HashLM, LetterTokenizer, path_logits, reference
 from scipy.stats import chisquare
 from test_exactness import pick_eos, truncate
@@ -221,7 +220,7 @@ def test_logits_after_a_rollback_equal_a_fresh_run_over_the_accepted_tokens():
     # a tree under the prefix: two chains of 3 and a lone node
     nodes, _ = engine.feed([11, 12, 13, 21, 22, 23, 31], [head, -2, -3, head, -5, -6, head], logits_for=range(7))
     engine.drop([nodes[2], *nodes[3:]])  # keep 11, 12 only
-    new, logits = engine.feed([40], [nodes[1]], logits_for=[0])
+    _new, logits = engine.feed([40], [nodes[1]], logits_for=[0])
     torch.testing.assert_close(logits[0], path_logits(HASH_PREFIX + [11, 12, 40]).float(), rtol=0, atol=0)
     assert engine.forest.num_slots == len(HASH_PREFIX) + 3
     fresh = Engine(HashLM())

@@ -54,7 +54,7 @@ ATTENTION = ["eager", "sdpa", "multidecode_sdpa"]
 single unpadded sequence passes no mask, so references still run transformers' own sdpa."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(arch: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32):
     """A deterministic tiny model of `arch` with attention implementation `attn` (cached)."""
     config, cls = ARCHITECTURES[arch]()

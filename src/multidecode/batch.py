@@ -99,7 +99,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from .decoding import check_positive
 from .errors import InvalidInput, MultiDecodeError
@@ -567,7 +567,7 @@ class BatchJob:
             os.close(self._fd)  # releases the lock
             self._fd = None
 
-    def __enter__(self) -> BatchJob:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

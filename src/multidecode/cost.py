@@ -126,7 +126,7 @@ def measure_cost(model, *, sizes: Sequence[int] = SIZES, contexts: Sequence[int]
     vocab = engine.vocab_size
     limit = engine.max_positions or 1 << 30
     contexts = [c for c in contexts if c + 2 < limit] or [max(1, limit // 4)]
-    sizes = sorted(set(int(q) for q in sizes) | {1})
+    sizes = sorted({int(q) for q in sizes} | {1})
     engine.reserve(max(contexts) + max(sizes))
     table = []
     for context in contexts:

@@ -30,6 +30,7 @@ a model.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -164,7 +165,7 @@ class Forest:
         """
         if not nodes:
             return False
-        for prev, node in zip(nodes, nodes[1:]):
+        for prev, node in itertools.pairwise(nodes):
             if self.parents[node] != prev:
                 return False
         head_parent = self.parents[nodes[0]]
@@ -266,7 +267,7 @@ class Forest:
         first = unchanged_prefix(keep_slots)
         kept_tail = keep_slots[first:]  # [n_tail] old slot numbers, ascending
         tail_list = kept_tail.tolist()
-        if any(b <= a for a, b in zip(tail_list, tail_list[1:])) or (
+        if any(b <= a for a, b in itertools.pairwise(tail_list)) or (
                 tail_list and (tail_list[0] < first or tail_list[-1] >= self.num_slots)):
             raise ValueError("slots to keep must be sorted, unique and in the cache")
         for node in self.node_at_slot[first:]:

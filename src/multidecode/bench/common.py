@@ -390,9 +390,12 @@ def multidecode_forest(decoder, prompts, counter, *, max_new_tokens, sampling=No
         pass
     stats = run.engine.stats
     answers = [list(b.output.token_ids) for b in run.branches]
+    decoded = run.stats.as_dict()
     return RunOutput(answers, stats.peak_cache_bytes, forward_passes=stats.forward_passes,
                      extra={"peak_slots": stats.peak_slots, "tokens_fed": stats.tokens_fed,
-                            "compactions": stats.compactions, "prefix_tokens": common_prefix_length(run.prompts)})
+                            "compactions": stats.compactions, "prefix_tokens": common_prefix_length(run.prompts),
+                            **{k: decoded[k] for k in ("speculate", "drafted", "accepted", "acceptance",
+                                                       "mean_draft_budget", "steps")}})
 
 
 # ---------------------------------------------------------------------- quiet, warm, described

@@ -9,8 +9,7 @@ Methods, all greedy on the same prompt ids (through the chat template):
 - `hf_greedy`: plain `model.generate`, the reference every other method must equal;
 - `hf_lookup_3`, `hf_lookup_10`: `generate(prompt_lookup_num_tokens=3 / 10)`, transformers'
   prompt lookup (the last 2-gram, else 1-gram, matched in prompt + output; one candidate chain);
-- `multidecode_lookup`, `multidecode_auto`: `MultiDecoder.generate(speculate="lookup" / "auto")`,
-  left out (with the reason) where the decoder has no `generate`.
+- `multidecode_lookup`, `multidecode_auto`: `MultiDecoder.generate(speculate="lookup" / "auto")`.
 
 Figures per method: wall time, forward passes, tokens per forward (new tokens / forward passes:
 1.0 for plain decoding) and acceptance (accepted draft tokens / drafted ones). transformers
@@ -128,7 +127,6 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
     shipped, chosen = workloads(), choose(names)
     model, tokenizer = decoder.model, decoder.tokenizer
     eos_ids, pad_id = sorted(decoder.eos_ids), pad_id_of(model, tokenizer)
-    no_generate = None if hasattr(decoder, "generate") else "this MultiDecoder has no generate() yet"
 
     def methods(prompt: list[int], new: int) -> tuple[Method, ...]:
         def hf(lookup: int):
@@ -140,7 +138,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
                                                   eos_ids=eos_ids)
 
         return (*(Method(name, LABELS[name][0], short=LABELS[name][1], run=hf(n)) for name, n in HF_METHODS.items()),
-                *(Method(name, LABELS[name][0], short=LABELS[name][1], run=ours(mode), skip=no_generate)
+                *(Method(name, LABELS[name][0], short=LABELS[name][1], run=ours(mode))
                   for name, mode in OUR_METHODS.items()))
 
     def case(w: Workload) -> Case:
@@ -167,7 +165,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
                     "tokens_per_forward = new tokens / forward passes (prefill included).",
                     "HF drafted/accepted are read from the forward calls' input shapes (see the module docstring).",
                 ]},
-        warmup=tuple(m for m in warm if m.skip is None) if warmup else (), repeats=repeats,
+        warmup=warm if warmup else (), repeats=repeats,
         columns=("wall_s", "forward_passes", "tokens_per_forward", "acceptance", "tokens_per_s"),
         plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")),
         rows_key="workloads",

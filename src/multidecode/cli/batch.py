@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import click
 from rich.markup import escape
@@ -41,7 +42,7 @@ PLAIN_EVERY_S = 10.0
 
 # ---------------------------------------------------------------------- progress
 def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     if seconds < 60:
         return f"{seconds} s"
     minutes, seconds = divmod(seconds, 60)
@@ -62,7 +63,7 @@ class ProgressView:
         self.progress: Progress | None = None
         self.last_plain = time.monotonic()
 
-    def __enter__(self) -> ProgressView:
+    def __enter__(self) -> Self:
         if self.live:
             self.progress = Progress(
                 TextColumn("[bold]batch[/bold]"), BarColumn(), MofNCompleteColumn(), TextColumn("lines"),
