@@ -450,10 +450,11 @@ def start_prompts(scheduler: Scheduler, prompts: Sequence[Sequence[int]], **sett
 
 
 def new_scheduler(model, *, engine: Engine | None = None, compaction: CompactionPolicy | None = None,
-                  apart: bool | None = None, cost: CostCurve | None = None) -> Scheduler:
+                  apart: bool | None = None, cost: CostCurve | None = None, observer=None) -> Scheduler:
     """A scheduler over `engine` (a fresh `Engine(model)` by default). apart: see `Engine`;
-    cost: the cost curve "auto" speculation uses (default: measured once and kept on disk)."""
-    return Scheduler(engine or Engine(model, apart=apart), compaction=compaction, cost=cost)
+    cost: the cost curve "auto" speculation uses (default: measured once and kept on disk);
+    observer: see `Scheduler`."""
+    return Scheduler(engine or Engine(model, apart=apart), compaction=compaction, cost=cost, observer=observer)
 
 
 def start_forest(model, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *,

@@ -8,7 +8,8 @@ leaves stay alive; the engine does not know which strategy or proposer is runnin
 A feed is planned as one or more forwards over contiguous runs of its nodes:
 
 - **plain**: a chain that continues everything already cached (a prefix prefill, or one branch
-  alone) runs under the model's own causal mask, the fastest path; no mask is passed.
+  alone) runs under the model's own causal mask, the fastest path for one token or for a long
+  chain; no mask is passed.
 - **apart**: several long chains (chunks of a document under a short instruction) each run in a
   scratch cache holding only their parent's path, so none pays attention work for the others'
   slots; their keys are then appended to the shared cache (`prefers_apart` decides).
@@ -41,8 +42,12 @@ APART_MIN_MEAN_LENGTH = 64
 """Chains shorter than this on average are prefilled together (see `Engine.prefers_apart`)."""
 
 TRUNK_MIN_LENGTH = 64
-"""A plain chain at the head of a mixed feed runs as its own forward from this length on: below
-it, one more pass over the weights costs more than the mask work it saves."""
+"""A plain chain runs under the model's own causal mask from this length on (or when it is a single
+token), as its own forward at the head of a mixed feed. Below it, one more pass over the weights
+costs more than the mask work it saves; and a short chain (a branch's next token and its draft)
+is cheaper on the forest path, whose mask is ready-made and whose attention keeps grouped-query
+heads grouped, than under a causal mask the model builds itself (measured on SmolLM2 with a
+200-token context: 2 tokens 35.5 ms against 38.0 ms, 1 token 34.5 ms)."""
 
 
 @dataclass
@@ -148,7 +153,7 @@ class Engine:
         while trunk < len(nodes) and forest.parents[nodes[trunk]] == nodes[trunk - 1]:
             trunk += 1
         plain = forest.is_plain_continuation(nodes[:trunk])
-        if plain and trunk == len(nodes):
+        if plain and trunk == len(nodes) and (trunk == 1 or trunk >= TRUNK_MIN_LENGTH):
             return [("plain", 0, trunk)]
         plan, start = [], 0
         if plain and trunk >= TRUNK_MIN_LENGTH:

@@ -25,14 +25,14 @@ engine knows nothing about works.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .cost import choose_draft_count, cost_curve
 from .engine import Engine
-from .forest import ROOT
+from .forest import ROOT, Forest
 
 
 @dataclass
@@ -133,18 +133,34 @@ class StepRecord:
     offered: int
 
 
+@dataclass
+class StepTrace:
+    """What an observer sees of one step, after the works settled and before rejected nodes are
+    taken back: the nodes fed (in feed order), which of them are rejected, and the forest itself
+    (read-only: every fed node still has its slot, its parent and its position)."""
+
+    step: int
+    nodes: list[int]
+    rejected: list[int]
+    forest: Forest
+
+
 class Scheduler:
     """Runs works over one engine, one feed per step (see the module notes).
 
     compaction: when a work's dead slots leave the cache (default: a quarter of it dead).
     cost: the cost curve used to choose optional nodes (`cost.CostCurve`); measured or loaded
         from disk on first need when not given.
+    observer: called with a `StepTrace` after every step's works settle (to draw or log the
+        forest as it grows); it must not change the forest.
     """
 
-    def __init__(self, engine: Engine, *, compaction: CompactionPolicy | None = None, cost=None) -> None:
+    def __init__(self, engine: Engine, *, compaction: CompactionPolicy | None = None, cost=None,
+                 observer: Callable[[StepTrace], None] | None = None) -> None:
         self.engine = engine
         self.compaction = compaction or CompactionPolicy()
         self.cost = cost
+        self.observer = observer
         self.works: list[Work] = []
         self.history: list[StepRecord] = []
         self._steps: dict[int, int] = {}  # id(work) -> steps it took part in
@@ -246,6 +262,8 @@ class Scheduler:
             self._steps[key] = self._steps.get(key, 0) + 1
             if settled.dead:
                 self._dirty.add(key)
+        if self.observer is not None:
+            self.observer(StepTrace(len(self.history), list(nodes), list(rejected), self.engine.forest))
         self.engine.drop(rejected)
         for work, _ in plans:
             self._compact_if_due(work)
@@ -260,4 +278,4 @@ class Scheduler:
             self._dirty.discard(key)
 
 
-__all__ = ["ROOT", "CompactionPolicy", "Feed", "Scheduler", "Settled", "StepRecord", "Work"]
+__all__ = ["ROOT", "CompactionPolicy", "Feed", "Scheduler", "Settled", "StepRecord", "StepTrace", "Work"]
