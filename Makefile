@@ -1,6 +1,6 @@
 # Two entry points, each doing all of its setup on a fresh clone:
 #   make demo   answer 8 questions about a sample document in one MultiDecode pass
-#   make test   run the test suite
+#   make test   run the test suite (make test-fast: the fast tier, without slow and embedded-model tests)
 # Setup (the .venv, the pinned CPU torch, the project, the embedded model) reruns only when
 # pyproject.toml changes; the project is installed in editable mode.
 # torch==2.13.0 goes in first: a looser torch would pull several GB of CUDA packages. The CPU
@@ -13,7 +13,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.multidecode-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+# The loop tier: everything but the slow statistical tests and the embedded model's (a minute).
+test-fast: setup
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not embedded"
 
 bench: setup
 	$(BIN)/multidecode bench ask --output bench-results

@@ -83,13 +83,14 @@ def hf_beams(arch, attn, prompt, num_beams, max_new_tokens, length_penalty, earl
 def _generate(model, prompt, num_beams, max_new_tokens, length_penalty, early_stopping, num_return_sequences, eos):
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+            torch.tensor([prompt], device=model.device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                                      device=model.device), do_sample=False,
             num_beams=num_beams, num_return_sequences=num_return_sequences, max_new_tokens=max_new_tokens,
             length_penalty=length_penalty, early_stopping=early_stopping, eos_token_id=eos,
             output_scores=True, return_dict_in_generate=True,
         )
     rows = [trim_at_eos(row[len(prompt):], eos) for row in out.sequences.tolist()]
-    return rows, out.sequences_scores
+    return rows, out.sequences_scores.cpu()
 
 
 def assert_same(run, expected) -> None:

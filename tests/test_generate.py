@@ -32,9 +32,9 @@ def decoder(model_dir):
 
 
 def hf_greedy(model, ids, n):
+    prompt = torch.tensor([ids], device=model.device)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n)
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n)
     return out[0, len(ids):].tolist()
 
 
@@ -86,7 +86,7 @@ def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, mon
     result = runner.invoke(main, [*args, "--speculate", "lookup", "--draft-budget", "3", "--json"])
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout.strip().splitlines()[-1])
-    expected = decoder.generate("hello, the router is old", max_new_tokens=10)
+    expected = decoder.generate("hello, the router is old", max_new_tokens=10, speculate=None)
     assert row["token_ids"] == expected.token_ids and row["text"] == expected.text
     assert row["stats"]["speculate"] == "lookup" and row["stats"]["forward_passes"] >= 1
     human = runner.invoke(main, [*args, "--speculate", "auto", "--stats"])
@@ -106,7 +106,7 @@ def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, mon
     (["--speculate", "medusa"], "unknown speculation mode"),
     (["--speculate", "lookup", "--draft-budget", "0"], "positive integer"),
     (["--speculate", "lookup", "--dtype", "bfloat16"], "cannot be exact in bfloat16"),
-    (["--draft-budget", "4"], "--draft-budget needs --speculate"),
+    (["--speculate", "off", "--draft-budget", "4"], "--draft-budget needs speculation"),
 ])
 def test_cli_bad_speculation_settings_exit_2_before_loading(model_dir, extra, message):
     for command in (["generate", "-p", "hi"], ["ask", "--document", "-", "-q", "Why?"],
@@ -152,7 +152,7 @@ def test_embedded_generate_with_speculation_equals_plain_greedy(embedded):
     forwards."""
     text = ("Repeat this list exactly: apples, pears, plums, cherries, apricots, peaches, figs, dates, "
             "grapes, lemons, limes, oranges.")
-    plain = embedded.generate(text, max_new_tokens=40)
+    plain = embedded.generate(text, max_new_tokens=40, speculate=None)
     assert plain.token_ids == hf_greedy(embedded.model, plain.prompt_ids, 40)[: len(plain.token_ids)]
     for speculate in ("lookup", "auto"):
         done = embedded.generate(text, max_new_tokens=40, speculate=speculate)

@@ -177,7 +177,7 @@ def test_the_default_classifier_reads_yes_and_no_logits(decoder):
     assert classifier.last_stats["forward_passes"] == 2  # the common start, then every note at once
     for prompt, score in zip(classifier.prompts(QUESTION, notes), scores):
         with torch.inference_mode():
-            logits = decoder.model(torch.tensor([prompt])).logits[0, -1].float()
+            logits = decoder.model(torch.tensor([prompt], device=decoder.model.device)).logits[0, -1].float().cpu()
         expected = torch.logsumexp(logits[classifier.yes_ids], 0) - torch.logsumexp(logits[classifier.no_ids], 0)
         assert score == pytest.approx(float(expected), abs=1e-4)
     assert classifier(QUESTION, []) == []

@@ -67,13 +67,15 @@ class MultiDecoder:
                              stop=stop, eos_token_id=eos_token_id, speculate=speculate)
 
     # ------------------------------------------------------------------ one prompt
-    def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate=None,
+    def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",
                  chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None, **sampling) -> Completion:
         """One completion of one prompt, greedy unless sampling settings say otherwise.
 
         A text prompt goes through the chat template when the tokenizer has one (chat=False for
-        raw text); a list of ids is used as given. speculate: "auto" drafts with prompt lookup
-        only where the measured cost of a forward says it pays; "lookup" always drafts.
+        raw text); a list of ids is used as given. speculate: "auto" (the default) drafts with
+        prompt lookup only where the measured cost of a forward on this hardware says it pays (the
+        first use measures it once, about 10 s, and keeps it on disk); "lookup" always drafts;
+        None never does.
         Greedy output equals `model.generate(do_sample=False)`; `.stats` says how many forwards
         it took and how many draft tokens were accepted.
         """
@@ -81,7 +83,7 @@ class MultiDecoder:
                                   stop=stop, chat=chat, sample=False, speculate=speculate,
                                   eos_token_id=eos_token_id, **sampling)[0]
 
-    def stream_generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate=None,
+    def stream_generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",
                         chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None,
                         **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s as `generate` produces them."""

@@ -89,7 +89,7 @@ def gather_questions(question: Sequence[str], questions_file: str | None) -> lis
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop an answer at this string (repeatable).")
 @model_options
 @sampling_options
-@speculate_options
+@speculate_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of answers instead of streaming text.")
 @report_errors
 def ask(document, question, questions_file, max_new_tokens, stop, model_name, dtype, device, as_json, speculate,

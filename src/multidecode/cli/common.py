@@ -56,15 +56,19 @@ def sampling_from(options: dict) -> dict:
     return {k: options[k] for k in keys if options.get(k) is not None}
 
 
-def speculate_options(command):
-    """--speculate MODE, --draft-budget N, --stats."""
-    command = click.option("--stats", "show_stats", is_flag=True,
-                           help="Print forwards, tokens per forward, draft acceptance and budget on stderr.")(command)
-    command = click.option("--draft-budget", type=int, default=None, metavar="N",
-                           help="Draft tokens per branch per step (for auto: the most it may propose).")(command)
-    return click.option("--speculate", default=None, metavar="MODE",
-                        help="Speculative decoding inside every branch: lookup (prompt lookup) or auto (only "
-                             "where the measured cost says it pays). Never changes the output.")(command)
+def speculate_options(default: str | None = None):
+    """--speculate MODE (default `default`), --draft-budget N, --stats."""
+
+    def add(command):
+        command = click.option("--stats", "show_stats", is_flag=True,
+                               help="Print forwards, tokens per forward, draft acceptance and budget on stderr.")(command)
+        command = click.option("--draft-budget", type=int, default=None, metavar="N",
+                               help="Draft tokens per branch per step (for auto: the most it may propose).")(command)
+        return click.option("--speculate", default=default, metavar="MODE", show_default=bool(default),
+                            help="Speculative decoding inside every branch: lookup (prompt lookup), auto (only "
+                                 "where the measured cost says it pays) or off. Never changes the output.")(command)
+
+    return add
 
 
 def speculation_from(speculate: str | None, draft_budget: int | None, dtype: str | None):
@@ -73,9 +77,10 @@ def speculation_from(speculate: str | None, draft_budget: int | None, dtype: str
     from ..models import resolve_dtype
     from ..speculation import resolve
 
-    if speculate is None or speculate in ("off", "none"):
+    if speculate is None or speculate.lower() in ("off", "none"):
         if draft_budget is not None:
-            raise InvalidArgument("--draft-budget needs --speculate", "add --speculate lookup or --speculate auto")
+            raise InvalidArgument("--draft-budget needs speculation, and --speculate is off",
+                                  "add --speculate lookup or --speculate auto")
         return None
     return resolve(speculate, resolve_dtype(dtype), budget=draft_budget)
 

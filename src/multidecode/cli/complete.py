@@ -40,7 +40,7 @@ from .common import (
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop a completion at this string (repeatable).")
 @model_options
 @sampling_options
-@speculate_options
+@speculate_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of completions.")
 @report_errors
 def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, model_name, dtype, device, as_json,
@@ -87,7 +87,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @model_options
 @sampling_options
-@speculate_options
+@speculate_options()
 @click.option("--show-traces", is_flag=True, help="Print every trace, not only the answers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the vote as JSON.")
 @report_errors

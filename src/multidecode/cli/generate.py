@@ -31,7 +31,7 @@ from .common import (
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop at this string (repeatable).")
 @model_options
 @sampling_options
-@speculate_options
+@speculate_options("auto")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion and its stats as JSON.")
 @report_errors
 def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, dtype, device, speculate, draft_budget,

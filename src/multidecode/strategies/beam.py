@@ -147,7 +147,8 @@ class BeamWork(Work):
             self.leaves = list(nodes)
         B, K, P = self.B, self.K, self.P
         self.steps += 1
-        log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [1 or B, V]
+        # on the CPU, where the running scores live (a GPU's logits come over once per step)
+        log_probs = torch.log_softmax(logits.to("cpu", torch.float32), dim=-1)  # [1 or B, V]
         vocab = log_probs.shape[-1]
         log_probs = log_probs.expand(B, vocab) if log_probs.shape[0] == 1 else log_probs  # [B, V]
         # The K best (beam, token) pairs over all beams: scores [B] + log_probs [B, V], flattened.
