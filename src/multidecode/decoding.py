@@ -158,7 +158,8 @@ class BranchGroup(Work):
 
     The first step feeds the prompts: the prefix once, each suffix under it (an empty suffix
     branches at the prefix's end; with no prefix each suffix is its own root). Every later step
-    feeds each live branch's head and, when speculating, its draft tree.
+    feeds each live branch's head. When speculating, each branch's draft tree hangs under its
+    head, or under its prompt's last token in the first step.
     """
 
     def __init__(self, prefix_ids: list[int], suffixes: list[list[int]], *, rule: StopRule,

@@ -11,6 +11,7 @@ from .beam import beam
 from .bench import bench
 from .complete import complete, vote
 from .demo import demo
+from .explain import explain
 from .generate import generate
 from .margins import margins
 
@@ -25,5 +26,5 @@ def main() -> None:
     """
 
 
-for command in (ask, generate, complete, beam, margins, vote, batch, demo, bench):
+for command in (ask, generate, complete, beam, margins, vote, batch, demo, bench, explain):
     main.add_command(command)

@@ -1,0 +1,80 @@
+"""`multidecode explain`: a picture of one verification step of a real speculative run, as a PNG.
+
+It answers a few questions about a document with speculation (as `ask --speculate` does),
+records one step, and draws the forest of that step (each branch's head with its draft tree,
+accepted and rejected nodes) beside its attention mask. Defaults: an excerpt of the shipped
+sample transcript, three of its questions, prompt lookup with at most four draft tokens per branch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.markup import escape
+
+from .. import explain as _explain
+from ..errors import InvalidArgument
+from ..strategies.ask import check_document, check_questions
+from .common import check_early, load_decoder, model_options, read_text, report_errors, speculation_from, stderr, stdout
+
+
+def check_output(output: str) -> Path:
+    """Refuse an output path that cannot become a PNG file, before the model loads."""
+    path = Path(output)
+    if path.is_dir():
+        raise InvalidArgument(f"--output {output} is a folder", "name a PNG file, e.g. --output step.png")
+    if path.suffix.lower() != ".png":
+        raise InvalidArgument(f"--output {output} does not end in .png", "the picture is written as a PNG")
+    return path
+
+
+@click.command()
+@click.option("--document", "-d", default=None, metavar="FILE",
+              help="The document, a UTF-8 text file ('-' for stdin) (default: an excerpt of the sample transcript).")
+@click.option("--question", "-q", multiple=True, metavar="TEXT",
+              help="A question (repeatable; default: three questions about the sample transcript).")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Longest answer, in tokens.")
+@click.option("--speculate", default="lookup", show_default=True, metavar="MODE",
+              help="lookup (prompt lookup, every draft fed) or auto (drafts where the measured cost says they pay).")
+@click.option("--draft-budget", type=int, default=None, metavar="N",
+              help=f"Draft tokens per branch per step (for auto: the most it may propose) [default: "
+                   f"{_explain.DEFAULT_BUDGET}, so the picture stays readable].")
+@click.option("--step", type=int, default=None, metavar="N",
+              help="The step to draw (2 or later; default: the one that shows verification best).")
+@click.option("--output", "-o", default="explain_step.png", show_default=True, metavar="PNG",
+              help="Where to write the picture.")
+@model_options
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the step on stdout.")
+@report_errors
+def explain(document, question, max_new_tokens, speculate, draft_budget, step, output, model_name, dtype, device,
+            as_json):
+    """Draw one verification step of a real speculative run: the forest (each branch's head with
+    its draft tree, accepted and rejected) and its attention mask, as a PNG."""
+    text = _explain.sample_excerpt() if document is None else read_text(document)
+    questions = list(question) or _explain.sample_questions()
+    check_document(text)
+    check_questions(questions)
+    check_early(max_new_tokens=max_new_tokens)
+    if speculate in ("off", "none"):
+        raise InvalidArgument(f"--speculate {speculate} has no draft tokens to draw", "use lookup or auto")
+    if step is not None and step < 2:
+        raise InvalidArgument(f"--step must be 2 or more, got {step}",
+                              "step 1 feeds the prompts; leave --step unset to pick the step that shows most")
+    spec = speculation_from(speculate, _explain.DEFAULT_BUDGET if draft_budget is None else draft_budget, dtype)
+    path = check_output(output)
+    decoder = load_decoder(model_name, dtype, device)
+    label = Path(model_name).name if model_name else "SmolLM2-135M-Instruct"
+    with stderr.status("Decoding and drawing..."):
+        result = _explain.explain(decoder, document=text, questions=questions, max_new_tokens=max_new_tokens,
+                                  speculate=spec, draft_budget=None, step=step, model_label=label)
+        _explain.save(result.figure, path)
+    s = result.summary
+    line = (f"Wrote {path}: step {s['step']} of {s['steps']}, {len(s['branches'])} branches, {s['drafted']} draft "
+            f"tokens fed, {s['accepted']} accepted, {s['rejected']} rejected")
+    if as_json:
+        click.echo(json.dumps(s, ensure_ascii=False))
+        stderr.print(f"[dim]{escape(line)}[/dim]")
+    else:
+        stdout.print(escape(line))
