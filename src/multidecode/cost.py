@@ -287,7 +287,7 @@ def _buckets(draft) -> list[Bucket]:
 
 # ---------------------------------------------------------------------- the budget
 def choose_draft_count(curve: CostCurve, *, required: int, expected: float, chances: Sequence[float],
-                       context: int = 0, margin: float = 0.02) -> int:
+                       context: int = 0, margin: float = 0.03) -> int:
     """How many of the most likely draft nodes to feed with `required` other rows.
 
     expected: tokens the step yields without drafts; chances: each draft node's chance of being

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import BranchContext, DraftTree, Proposer
 
-PRIORS = {1: 0.15, 2: 0.3, 3: 0.45}
+PRIORS = {1: 0.1, 2: 0.25, 3: 0.45}
 """A guess at how often a draft token is accepted once its parent is, by match length, used only
 until acceptance has been observed (the scheduler learns the real rates as it goes)."""
 
