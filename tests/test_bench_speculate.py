@@ -1,6 +1,6 @@
 """`bench speculate` on tiny random models: the shipped workloads, transformers' prompt lookup
-(identical tokens, draft counts read from the forward calls), MultiDecode's methods left out
-until the decoder has `generate`, and the CLI command writing its three files."""
+(identical tokens, draft counts read from the forward calls), MultiDecode's lookup and auto on
+the same prompts, and the CLI command writing its three files."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from multidecode.bench.common import ForwardCounter, data_text
 from multidecode.bench.speculate import draft_counts, hf_generate, run_speculate_benchmark, workloads
 
 HF = ("hf_greedy", "hf_lookup_3", "hf_lookup_10")
-OURS = ("multidecode_lookup", "multidecode_auto")
+OURS = ("multidecode_plain", "multidecode_lookup", "multidecode_auto")
 # a prompt that repeats itself, so that n-gram lookup finds candidates
 PROMPT = [1] + [40, 41, 42, 43, 44, 45, 46, 47] * 3 + [40, 41]
 

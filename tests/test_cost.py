@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import pytest
+import torch
 from hash_lm import HashLM
 from tiny_models import tiny_model
 
@@ -32,9 +34,10 @@ def test_curve_interpolates_and_extrapolates():
 def test_the_budget_follows_the_cost_of_rows():
     chances = [0.9, 0.8, 0.5, 0.2, 0.05]
     gpu = CostCurve.from_relative({1: 1.0, 64: 1.05})
+    # a CPU where one row takes a matrix-vector path (measured on one such machine: 2 rows 1.73x)
     cpu_single = CostCurve.from_relative({1: 1.0, 2: 1.73, 8: 1.79, 16: 2.21, 64: 3.79})
     assert choose_draft_count(gpu, required=1, expected=1, chances=chances) == 5
-    # one branch on this CPU: 2 rows cost 1.73x, but 2 to 8 rows cost alike, so once a draft pays,
+    # one branch there: 2 rows cost 1.73x, but 2 to 8 rows cost alike, so once a draft pays,
     # the cheap rows after it do too: 2.45 more tokens for 1.77x
     assert choose_draft_count(cpu_single, required=1, expected=1, chances=chances) == 5
     assert choose_draft_count(cpu_single, required=1, expected=1, chances=[0.8, 0.1]) == 2
@@ -104,6 +107,8 @@ def test_measure_cost_on_a_tiny_model_is_monotone():
 def test_the_curve_is_measured_once_and_kept(tmp_path, monkeypatch):
     model = HashLM()
     monkeypatch.setattr(cost, "_CURVES", {})
+    monkeypatch.setenv("MULTIDECODE_COSTS", str(tmp_path / "elsewhere"))
+    assert cost.costs_dir() == tmp_path / "elsewhere"
     first = cost_curve(model, folder=tmp_path)
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and first.key in files[0].name
@@ -111,6 +116,7 @@ def test_the_curve_is_measured_once_and_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(cost, "measure_cost", lambda *a, **k: pytest.fail("measured again"))
     assert cost_curve(model, folder=tmp_path) == first
     assert cost_curve(HashLM(max_positions=999), folder=tmp_path, measure=False) is None  # another model
+    assert cost.device_name(torch.device("cpu")).endswith(f"x{os.cpu_count()}")  # the CPU's model and cores
 
 
 # ---------------------------------------------------------------------- prompt lookup

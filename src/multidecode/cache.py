@@ -160,6 +160,11 @@ class SlotCache(Cache):
         for layer in self.layers:
             layer.compact(keep, first)
 
+    def truncate(self, slots: int) -> None:
+        """Keep at most the first `slots` slots in every layer."""
+        for layer in self.layers:
+            layer.crop(min(0, slots - layer.length))
+
     @property
     def allocated_bytes(self) -> int:
         return sum(layer.allocated_bytes for layer in self.layers)

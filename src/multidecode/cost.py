@@ -4,8 +4,9 @@ Speculation pays only when the tokens it gains are worth more than what the extr
 cost in the forward. Both sides are measured, never assumed:
 
 - **cost curve** t(q, L): seconds for one forward that feeds q new tokens over L cached ones.
-  On a GPU it is nearly flat in q; on a CPU a single row takes a matrix-vector path and two rows
-  cost about 1.7x one, while 8 rows cost about what 2 do. `measure_cost` times the engine's own
+  On a GPU it is nearly flat in q; on this project's CPU 2 or 3 rows cost 1.04x-1.15x one, 4 cost
+  1.44x and 8 cost 1.82x (on another CPU, where one row takes a matrix-vector path, 2 rows cost
+  1.73x). The shape decides what speculation may cost, so it is measured, never assumed. `measure_cost` times the engine's own
   forwards for a few q at two context lengths, once per model, device, dtype and thread count,
   and `cost_curve` keeps the result on disk beside the converted models.
 - **acceptance**: how often a draft node is accepted once its parent is, tracked per branch and
@@ -26,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import time
 from bisect import bisect_left
 from collections.abc import Sequence
@@ -98,17 +100,30 @@ def model_key(model) -> str:
     version and thread count."""
     param = next(model.parameters())
     device = param.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else os.uname().machine
     facts = {
         "config": model.config.to_json_string(use_diff=False),
         "parameters": sum(p.numel() for p in model.parameters()),
         "dtype": str(param.dtype),
-        "device": f"{device.type}:{name}",
+        "device": f"{device.type}:{device_name(device)}",
         "attention": getattr(model.config, "_attn_implementation", None),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def device_name(device: torch.device) -> str:
+    """What the hardware is, as far as a cost curve cares: the GPU's name, or the CPU's model and
+    core count (two different CPUs sharing one cache folder must not share a curve)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} x{os.cpu_count()}"
 
 
 def measure_cost(model, *, sizes: Sequence[int] = SIZES, contexts: Sequence[int] = CONTEXTS,
@@ -156,16 +171,24 @@ def measure_cost(model, *, sizes: Sequence[int] = SIZES, contexts: Sequence[int]
 _CURVES: dict[str, CostCurve] = {}
 
 
+def costs_dir() -> Path:
+    """Where measured curves are kept: $MULTIDECODE_COSTS, else `costs/` in the model cache folder."""
+    if os.environ.get("MULTIDECODE_COSTS"):
+        return Path(os.environ["MULTIDECODE_COSTS"]).expanduser()
+    from .models import cache_dir
+
+    return cache_dir() / "costs"
+
+
 def cost_curve(model, *, folder: Path | None = None, measure: bool = True) -> CostCurve | None:
-    """The cost curve of `model` here: from memory, else from disk, else measured and saved
-    (written atomically; a folder that cannot be written only loses the saving)."""
+    """The cost curve of `model` here: from memory, else from disk (`folder`, default
+    `costs_dir()`), else measured and saved (written atomically; a folder that cannot be written
+    only loses the saving). measure=False: None instead of measuring."""
     key = model_key(model)
     if key in _CURVES:
         return _CURVES[key]
     if folder is None:
-        from .models import cache_dir
-
-        folder = cache_dir() / "costs"
+        folder = costs_dir()
     path = Path(folder) / f"{key}.json"
     curve = None
     try:

@@ -24,7 +24,7 @@ import torch
 
 from .cost import AcceptanceTracker, CostCurve
 from .engine import Engine
-from .errors import InvalidArgument, InvalidInput, PromptTooLong, is_int
+from .errors import InvalidArgument, InvalidInput, PromptTooLong, check_positive, is_int
 from .forest import ROOT
 from .prompts import share_prefix
 from .proposers import UNDER_LEAF, BranchContext, DraftTree
@@ -70,7 +70,8 @@ class DecodeStats:
     """What a run did: forwards it took part in, tokens it emitted, drafts fed and accepted.
 
     forward_passes counts the model calls of the steps this run took part in (one per step, more
-    when a prefill ran chains apart); draft_budgets holds, per step, the draft nodes fed.
+    when a prefill ran chains apart), whoever drove the scheduler; draft_budgets holds, per step,
+    the draft nodes fed.
     """
 
     steps: int = 0
@@ -106,11 +107,6 @@ class DecodeStats:
 
 
 # ---------------------------------------------------------------------- checks
-def check_positive(name: str, value: int) -> None:
-    if not is_int(value) or value < 1:
-        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", "use 1 or more")
-
-
 def token_ids(ids, vocab_size: int, what: str = "a prompt") -> list[int]:
     """`ids` (a sequence or 1-d tensor of ints) as a list, each checked against the vocabulary."""
     if isinstance(ids, torch.Tensor):
@@ -163,8 +159,10 @@ class BranchGroup(Work):
     """
 
     def __init__(self, prefix_ids: list[int], suffixes: list[list[int]], *, rule: StopRule,
-                 sampling: Sequence[SamplingParams], tokenizer=None, speculation: Speculation | None = None) -> None:
+                 sampling: Sequence[SamplingParams], tokenizer=None, speculation: Speculation | None = None,
+                 vocab_size: int | None = None) -> None:
         self.prefix_ids, self.suffixes = prefix_ids, suffixes
+        self.vocab_size = vocab_size
         self.prompts = [prefix_ids + s for s in suffixes]
         self.speculation = speculation
         self.tracker = AcceptanceTracker() if speculation is not None and speculation.auto else None
@@ -189,9 +187,12 @@ class BranchGroup(Work):
 
     def _prompt_feed(self) -> Feed:
         feed, ends = prompt_feed(self.prefix_ids, self.suffixes)
+        # One branch's prompt is one chain; a draft chain continues it in the same plain forward,
+        # while siblings would cost a second forward: there, draft the main guess only.
+        chain_only = len(self.branches) == 1
         for b, end in zip(self.branches, ends):
             self._heads[b.index] = end
-            self._add_draft(feed, b, end)
+            self._add_draft(feed, b, end, chain_only=chain_only)
         return feed
 
     def _decode_feed(self) -> Feed:
@@ -204,9 +205,9 @@ class BranchGroup(Work):
             self._add_draft(feed, b, head)
         return feed
 
-    def _add_draft(self, feed: Feed, branch: Branch, head: int) -> None:
+    def _add_draft(self, feed: Feed, branch: Branch, head: int, *, chain_only: bool = False) -> None:
         """Hang the branch's draft tree for this step under its head (feed index `head`)."""
-        draft = self._draft(branch)
+        draft = self._draft(branch, chain_only=chain_only)
         if not len(draft):
             return
         self._drafts[branch.index] = draft
@@ -217,7 +218,7 @@ class BranchGroup(Work):
             at.append(feed.add(token, Feed.ref(head if parent == UNDER_LEAF else at[parent]), chance=chance))
             self._draft_nodes[at[-1]] = (branch.index, n)
 
-    def _draft(self, branch: Branch) -> DraftTree:
+    def _draft(self, branch: Branch, *, chain_only: bool = False) -> DraftTree:
         """The branch's draft tree for this step: no deeper than its remaining tokens allow (a
         step emits the accepted drafts and one token more)."""
         spec = self.speculation
@@ -226,7 +227,10 @@ class BranchGroup(Work):
         room = branch.output.rule.max_new_tokens - len(branch.output.token_ids) - 1
         if room < 1:
             return DraftTree()
-        draft = spec.proposer.propose(branch.context, spec.size).truncate(spec.size, room)
+        draft = checked_draft(spec.proposer.propose(branch.context, spec.size), spec, self.vocab_size)
+        draft = draft.truncate(spec.size, room)
+        if chain_only:
+            draft = draft.first_chain()
         if self.tracker is not None:
             self.tracker.record_proposal(branch.index, len(branch.output.token_ids), draft)
         return draft
@@ -234,6 +238,7 @@ class BranchGroup(Work):
     # ------------------------------------------------------------------ settling
     def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor) -> Settled:
         self._started = True
+        self.stats.forward_passes = self.forward_passes
         node_of = dict(zip(fed, nodes))  # feed index -> node id
         row_of = {i: r for r, i in enumerate(i for i in fed if self._feed.logits[i])}  # feed index -> logits row
         node_at_row = {r: node_of[i] for i, r in row_of.items()}
@@ -280,6 +285,19 @@ class BranchGroup(Work):
 
     def live(self) -> list[int]:
         return [b.leaf for b in self.branches if not b.output.finished]
+
+
+def checked_draft(draft, spec: Speculation, vocab_size: int | None) -> DraftTree:
+    """A proposer's answer, refused with a message naming the proposer unless it is a `DraftTree`
+    of token ids the model knows (a bad id would otherwise fail deep inside the forward)."""
+    if not isinstance(draft, DraftTree):
+        raise InvalidArgument(f"proposer {spec.proposer.name!r} returned {type(draft).__name__}, not a DraftTree",
+                              "return a multidecode.proposers.DraftTree from propose()")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in draft.tokens):
+        bad = next(t for t in draft.tokens if not 0 <= t < vocab_size)
+        raise InvalidArgument(f"proposer {spec.proposer.name!r} drafted token id {bad}, outside the model's "
+                              f"vocabulary of {vocab_size}", "draft with this model's tokenizer")
+    return draft
 
 
 def prompt_feed(prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]]) -> tuple[Feed, list[int]]:
@@ -385,9 +403,7 @@ class BranchRun:
 
     def step(self) -> None:
         """One scheduler step (every work on the scheduler advances)."""
-        before = self.scheduler.engine.stats.forward_passes
         self.scheduler.step()
-        self.group.stats.forward_passes += self.scheduler.engine.stats.forward_passes - before
 
     def finish(self) -> BranchRun:
         """Drain the events (when only the final outputs are wanted)."""
@@ -431,7 +447,8 @@ def start(
         raise InvalidInput("a branch has no tokens and there is no prefix to continue", "give every branch a prompt")
     check_fits(engine, [len(prefix_ids) + len(s) for s in suffixes], max_new_tokens)
     rule = StopRule(max_new_tokens, eos_ids_of(engine.model, eos_token_id), stop_strings_of(stop))
-    group = BranchGroup(prefix_ids, suffixes, rule=rule, sampling=sampling, tokenizer=tokenizer, speculation=spec)
+    group = BranchGroup(prefix_ids, suffixes, rule=rule, sampling=sampling, tokenizer=tokenizer, speculation=spec,
+                        vocab_size=engine.vocab_size)
     draft_room = 0 if spec is None else len(suffixes) * spec.size
     engine.reserve(engine.forest.num_slots + len(prefix_ids) + sum(map(len, suffixes))
                    + len(suffixes) * max_new_tokens + draft_room)

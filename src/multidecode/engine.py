@@ -104,23 +104,36 @@ class Engine:
         Returns (new node ids, logits [len(logits_for), vocab] in float32, in `logits_for` order).
         """
         forest = self.forest
+        before = forest.num_slots
         nodes = forest.add(tokens, parents, root_position=root_position, owners=owners)
         if not nodes:
             return nodes, torch.empty(0, 0)
-        positions = self._positions(nodes)  # [q]
-        forest.place(nodes)
         wanted = list(logits_for)
         rows: dict[int, torch.Tensor] = {}  # index into nodes -> [vocab] float32
-        for kind, start, end in self._plan(nodes):
-            keep = [i - start for i in wanted if start <= i < end]
-            if kind == "apart":
-                out = self._run_apart(nodes, start, end, keep)
-            else:
-                out = self._run(nodes[start:end], positions[start:end], keep, plain=kind == "plain")
-            rows.update({start + i: row for i, row in zip(keep, out)})
+        try:
+            positions = self._positions(nodes)  # [q]
+            forest.place(nodes)
+            for kind, start, end in self._plan(nodes):
+                keep = [i - start for i in wanted if start <= i < end]
+                if kind == "apart":
+                    out = self._run_apart(nodes, start, end, keep)
+                else:
+                    out = self._run(nodes[start:end], positions[start:end], keep, plain=kind == "plain")
+                rows.update({start + i: row for i, row in zip(keep, out)})
+        except BaseException:
+            self._undo(nodes, before)  # a failed forward (out of memory, Ctrl-C) leaves no trace
+            raise
         if not wanted:
             return nodes, torch.empty(0, 0)
         return nodes, torch.stack([rows[i] for i in wanted])
+
+    def _undo(self, nodes: list[int], slots: int) -> None:
+        """Take back a feed that did not finish: its nodes leave the forest, and the cache goes back
+        to its first `slots` slots (whatever part of the feed reached it)."""
+        self.forest.remove(nodes)
+        if self.forest.num_slots > slots:
+            self.forest.compact(torch.arange(slots))
+        self.cache.truncate(slots)
 
     def feed_chain(
         self, tokens: Sequence[int], parent: int = ROOT, *, root_position: int = 0, logits: bool = True,

@@ -50,3 +50,9 @@ class UnsupportedModel(MultiDecodeError):
 def is_int(value) -> bool:
     """An integer (Python or NumPy), but not a bool."""
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def check_positive(name: str, value) -> None:
+    """Refuse anything but a positive integer for the setting `name`."""
+    if not is_int(value) or value < 1:
+        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", "use 1 or more")

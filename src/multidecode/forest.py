@@ -85,8 +85,8 @@ class Forest:
         first = len(self.tokens)
         new: list[int] = []
         for i, (token, parent) in enumerate(zip(tokens, parents)):
-            if parent <= -2:  # a node of this same call
-                parent = first + (-parent - 2)
+            if (local := local_parent(parent)) is not None:  # a node of this same call
+                parent = first + local
                 if parent >= first + len(new):
                     raise ValueError("a node's parent must come before it")
             elif parent != ROOT and not 0 <= parent < first:
@@ -242,12 +242,13 @@ class Forest:
         return keep.nonzero().flatten()
 
     def remove(self, nodes: Iterable[int]) -> None:
-        """Take `nodes` out of the tree (rejected drafts). Each must be a placed node whose children
-        are all removed with it; their slots are freed by the `compact` that must follow."""
+        """Take `nodes` out of the tree (rejected drafts, or a feed that failed). Each must be a node
+        whose children are all removed with it; the slots of placed ones are freed by the
+        `compact` that must follow."""
         nodes = set(nodes)
         for node in nodes:
-            if self._removed[node] or self.slot_of[node] is None:
-                raise ValueError(f"node {node} is not in the cache")
+            if self._removed[node]:
+                raise ValueError(f"node {node} was already removed")
         for node in nodes:
             parent = self.parents[node]
             if parent != ROOT:
@@ -297,6 +298,11 @@ def unchanged_prefix(keep: Sequence[int] | torch.Tensor) -> int:
         else:
             hi = mid
     return lo
+
+
+def local_parent(parent: int) -> int | None:
+    """The index, within its own call, of a parent written `-(i + 2)`; None for a node id or ROOT."""
+    return -parent - 2 if parent <= -2 else None
 
 
 def chain_parents(length: int, parent: int = ROOT, start: int = 0) -> list[int]:

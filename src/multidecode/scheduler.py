@@ -25,6 +25,7 @@ engine knows nothing about works.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ import torch
 
 from .cost import choose_draft_count, cost_curve
 from .engine import Engine
-from .forest import ROOT, Forest
+from .forest import ROOT, Forest, local_parent
 
 
 @dataclass
@@ -80,15 +81,15 @@ class Settled:
 class Work:
     """Base class of scheduled work (see the module notes).
 
-    Subclasses implement `plan`, `settle` and `live`, and set `done` when finished. `owner`
-    marks the work's nodes in the forest; by default the work itself.
+    Subclasses implement `plan`, `settle` and `live`, and set `done` when finished. The scheduler
+    sets `owner` on admission (an id that marks the work's nodes in the forest; a plain int, so
+    the forest never keeps a finished work alive) and counts in `forward_passes` the model calls
+    of every step the work took part in.
     """
 
     done: bool = False
-
-    @property
-    def owner(self) -> object:
-        return self
+    owner: int = -1
+    forward_passes: int = 0
 
     def plan(self) -> Feed | None:
         """The nodes to feed this step (None or an empty feed: nothing this step)."""
@@ -163,9 +164,10 @@ class Scheduler:
         self.observer = observer
         self.works: list[Work] = []
         self.history: list[StepRecord] = []
-        self._steps: dict[int, int] = {}  # id(work) -> steps it took part in
-        self._dirty: set[int] = set()  # ids of works with dead slots not yet compacted
-        self._retired: list[object] = []  # owners whose slots are freed before the next feed
+        self._steps: dict[int, int] = {}  # owner -> steps the work took part in
+        self._dirty: set[int] = set()  # owners of works with dead slots not yet compacted
+        self._retired: list[int] = []  # owners whose slots are freed before the next feed
+        self._owners = itertools.count()
 
     @property
     def idle(self) -> bool:
@@ -173,6 +175,7 @@ class Scheduler:
 
     def admit(self, work: Work) -> Work:
         """Add a work; it takes part from the next step on."""
+        work.owner = next(self._owners)
         self.works.append(work)
         return work
 
@@ -197,8 +200,8 @@ class Scheduler:
     def retire(self, work: Work) -> None:
         """Remove a work; the slots it owns are freed before the next feed."""
         self.works.remove(work)
-        self._steps.pop(id(work), None)
-        self._dirty.discard(id(work))
+        self._steps.pop(work.owner, None)
+        self._dirty.discard(work.owner)
         self._retired.append(work.owner)
 
     # ------------------------------------------------------------------ one step
@@ -222,7 +225,7 @@ class Scheduler:
             chosen, index = [], {}
             for i, (chance, parent) in enumerate(zip(feed.chances, feed.parents)):
                 if chance is not None:
-                    local = -parent - 2 if parent <= -2 else None
+                    local = local_parent(parent)
                     if (w, i) not in take or (local is not None and local not in index):
                         continue  # left out, or its parent was
                 index[i] = len(chosen)
@@ -242,26 +245,28 @@ class Scheduler:
             start = len(tokens)
             index = {i: start + j for j, i in enumerate(chosen)}
             for i in chosen:
-                parent = feed.parents[i]
-                parents.append(-(index[-parent - 2] + 2) if parent <= -2 else parent)
+                parent, local = feed.parents[i], local_parent(feed.parents[i])
+                parents.append(parent if local is None else Feed.ref(index[local]))
                 tokens.append(feed.tokens[i])
                 owners.append(work.owner)
                 if feed.logits[i]:
                     logits_for.append(len(tokens) - 1)
             spans.append((start, len(tokens)))
+        calls = self.engine.stats.forward_passes
         nodes, logits = self.engine.feed(tokens, parents, logits_for=logits_for,
                                          root_position=root_positions.pop(), owners=owners)
+        calls = self.engine.stats.forward_passes - calls
         rejected: list[int] = []
         row = 0
         for (work, feed), chosen, (start, end) in zip(plans, kept, spans):
             rows = sum(feed.logits[i] for i in chosen)
+            work.forward_passes += calls
             settled = work.settle(chosen, nodes[start:end], logits[row : row + rows])
             row += rows
             rejected.extend(settled.rejected)
-            key = id(work)
-            self._steps[key] = self._steps.get(key, 0) + 1
+            self._steps[work.owner] = self._steps.get(work.owner, 0) + 1
             if settled.dead:
-                self._dirty.add(key)
+                self._dirty.add(work.owner)
         if self.observer is not None:
             self.observer(StepTrace(len(self.history), list(nodes), list(rejected), self.engine.forest))
         self.engine.drop(rejected)
@@ -269,13 +274,12 @@ class Scheduler:
             self._compact_if_due(work)
 
     def _compact_if_due(self, work: Work) -> None:
-        key = id(work)
-        if work.done or key not in self._dirty:
+        if work.done or work.owner not in self._dirty:
             return
-        step = self._steps.get(key, 0)
+        step = self._steps.get(work.owner, 0)
         if self.engine.compact_if_due(list(work.live()), lambda dead, total: self.compaction.due(step, dead, total),
                                       owner=work.owner):
-            self._dirty.discard(key)
+            self._dirty.discard(work.owner)
 
 
 __all__ = ["ROOT", "CompactionPolicy", "Feed", "Scheduler", "Settled", "StepRecord", "StepTrace", "Work"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidArgument, is_int
+from .errors import InvalidArgument, check_positive
 from .proposers import Proposer
 from .proposers.lookup import PromptLookup
 
@@ -54,13 +54,9 @@ class Speculation:
         if not isinstance(self.proposer, Proposer):
             raise InvalidArgument(f"a Speculation needs a Proposer, got {type(self.proposer).__name__}",
                                   "use multidecode.proposers.lookup.PromptLookup() or a subclass of Proposer")
-        for name in ("budget", "max_draft"):
-            value = getattr(self, name)
-            if value is None and name == "budget":
-                continue
-            if not is_int(value) or value < 1:
-                raise InvalidArgument(f"the draft {name.replace('_', ' ')} must be a positive integer, got {value!r}",
-                                      "use 1 or more draft tokens per step, or turn speculation off")
+        if self.budget is not None:
+            check_positive("the draft budget", self.budget)
+        check_positive("max_draft", self.max_draft)
 
     @property
     def auto(self) -> bool:
@@ -83,9 +79,8 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None) -> Spec
     branch may propose). Raises `InvalidArgument` for an unknown mode, a bad budget, or explicit
     speculation in a dtype where it cannot be exact.
     """
-    if budget is not None and (not is_int(budget) or budget < 1):
-        raise InvalidArgument(f"the draft budget must be a positive integer, got {budget!r}",
-                              "use 1 or more draft tokens per step")
+    if budget is not None:
+        check_positive("the draft budget", budget)
     if speculate is None or speculate is False:
         return None
     if isinstance(speculate, Speculation):

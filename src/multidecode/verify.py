@@ -63,9 +63,16 @@ def walk(
     current = list(heads)
     paths = [[h] for h in heads]
     live = list(range(len(heads)))
+    # Plain greedy branches (no repetition penalty) choose the arg-max of a row whatever came
+    # before it: take every row's at once, one device sync per step instead of one per round.
+    plain = all(not s.params.do_sample and s.params.repetition_penalty in (None, 1.0) for s in samplers)
+    best = logits.argmax(dim=-1).tolist() if plain else None  # [rows]
     while live:
-        rows = logits[torch.tensor([current[b] for b in live], dtype=torch.long, device=logits.device)]  # [n, V]
-        tokens = choose_tokens(rows, [samplers[b] for b in live])
+        if best is not None:
+            tokens = [best[current[b]] for b in live]
+        else:
+            rows = logits[torch.tensor([current[b] for b in live], dtype=torch.long, device=logits.device)]  # [n, V]
+            tokens = choose_tokens(rows, [samplers[b] for b in live])
         going = []
         for b, token in zip(live, tokens):
             if not emit(b, token):

@@ -9,6 +9,8 @@ Methods, all greedy on the same prompt ids (through the chat template):
 - `hf_greedy`: plain `model.generate`, the reference every other method must equal;
 - `hf_lookup_3`, `hf_lookup_10`: `generate(prompt_lookup_num_tokens=3 / 10)`, transformers'
   prompt lookup (the last 2-gram, else 1-gram, matched in prompt + output; one candidate chain);
+- `multidecode_plain`: `MultiDecoder.generate(speculate=None)`, our engine without speculation
+  (so that what speculation gains is told apart from what the engine itself does);
 - `multidecode_lookup`, `multidecode_auto`: `MultiDecoder.generate(speculate="lookup" / "auto")`.
 
 Figures per method: wall time, forward passes, tokens per forward (new tokens / forward passes:
@@ -33,15 +35,16 @@ from .common import ForwardCounter, Progress, RunOutput, data_text, hf_sequentia
 from .harness import Benchmark, Case, Method, Plot, Target, declared_only, run
 
 GREEDY, LOOKUP_3, LOOKUP_10 = "hf_greedy", "hf_lookup_3", "hf_lookup_10"
-OURS_LOOKUP, OURS_AUTO = "multidecode_lookup", "multidecode_auto"
+OURS_PLAIN, OURS_LOOKUP, OURS_AUTO = "multidecode_plain", "multidecode_lookup", "multidecode_auto"
 HF_METHODS = {GREEDY: 0, LOOKUP_3: 3, LOOKUP_10: 10}
 """transformers' methods -> prompt_lookup_num_tokens (0: plain greedy)."""
-OUR_METHODS = {OURS_LOOKUP: "lookup", OURS_AUTO: "auto"}
+OUR_METHODS = {OURS_PLAIN: None, OURS_LOOKUP: "lookup", OURS_AUTO: "auto"}
 """MultiDecode's methods -> speculate mode."""
 LABELS = {
     GREEDY: ("HF generate, greedy", "HF greedy"),
     LOOKUP_3: ("HF generate(prompt_lookup_num_tokens=3)", "HF lookup 3"),
     LOOKUP_10: ("HF generate(prompt_lookup_num_tokens=10)", "HF lookup 10"),
+    OURS_PLAIN: ("MultiDecode generate(speculate=None)", "MD plain"),
     OURS_LOOKUP: ("MultiDecode generate(speculate='lookup')", "MD lookup"),
     OURS_AUTO: ("MultiDecode generate(speculate='auto')", "MD auto"),
 }
@@ -97,7 +100,7 @@ def hf_generate(model, prompt: Sequence[int], counter: ForwardCounter, *, lookup
     return out
 
 
-def multidecode_generate(decoder, prompt: Sequence[int], counter: ForwardCounter, *, speculate: str,
+def multidecode_generate(decoder, prompt: Sequence[int], counter: ForwardCounter, *, speculate: str | None,
                          max_new_tokens: int, eos_ids) -> RunOutput:
     """`MultiDecoder.generate` with speculation; counts from its own stats."""
     counter.prefill(1)
@@ -133,7 +136,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
             return lambda c: hf_generate(model, prompt, c, lookup=lookup, max_new_tokens=new, eos_ids=eos_ids,
                                          pad_id=pad_id)
 
-        def ours(mode: str):
+        def ours(mode: str | None):
             return lambda c: multidecode_generate(decoder, prompt, c, speculate=mode, max_new_tokens=new,
                                                   eos_ids=eos_ids)
 

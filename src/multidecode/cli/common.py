@@ -77,12 +77,29 @@ def speculation_from(speculate: str | None, draft_budget: int | None, dtype: str
     from ..models import resolve_dtype
     from ..speculation import resolve
 
-    if speculate is None or speculate.lower() in ("off", "none"):
+    mode = None if speculate is None else speculate.strip().lower()
+    if mode in (None, "off", "none"):
         if draft_budget is not None:
             raise InvalidArgument("--draft-budget needs speculation, and --speculate is off",
                                   "add --speculate lookup or --speculate auto")
         return None
-    return resolve(speculate, resolve_dtype(dtype), budget=draft_budget)
+    return resolve(mode, resolve_dtype(dtype), budget=draft_budget)
+
+
+def prepare_speculation(decoder, spec) -> None:
+    """Measure the forward cost curve "auto" needs now, with a status line, if it was never
+    measured for this model and machine (once, about 10 s for the embedded model on a CPU), so
+    the run itself is not silently slow."""
+    from ..cost import cost_curve
+
+    if spec is None or not spec.auto or decoder.cost is not None:
+        return
+    if cost_curve(decoder.model, measure=False) is None:
+        start = time.perf_counter()
+        with stderr.status("Measuring what a forward costs on this machine, for --speculate auto (once)..."):
+            decoder.cost = cost_curve(decoder.model)
+        stderr.print(f"[dim]Measuring what a forward costs on this machine took {time.perf_counter() - start:.1f} s; "
+                     "kept for the next runs[/dim]")
 
 
 def print_stats(stats: dict) -> None:

@@ -114,6 +114,14 @@ class DraftTree:
                                    prior=self.priors[i])
         return out
 
+    def first_chain(self) -> DraftTree:
+        """The path that follows each node's first child: the proposer's main guess, as a chain."""
+        kept, at = [], UNDER_LEAF
+        while (child := next((i for i, p in enumerate(self.parents) if p == at), None)) is not None:
+            kept.append(child)
+            at = child
+        return self.keep(kept)
+
     def truncate(self, budget: int, max_depth: int | None = None) -> DraftTree:
         """At most `budget` nodes, none deeper than `max_depth`: the first ones in order."""
         depths = self.depths()
