@@ -7,8 +7,11 @@ had been run alone.
 
 Entry points:
 - `decode(model, prefix_ids, branch_ids, ...)`: token-level, any transformers causal LM.
-- `load(model=None)` -> `MultiDecoder`: text-level strategies (`ask`, `stream`, ...) on the embedded
-  SmolLM2-135M-Instruct or any local/hub model.
+- `load(model=None)` -> `MultiDecoder`: text-level strategies (`generate`, `ask`, `stream`,
+  `complete`, `vote`, `beam_search`, `margins`) on the embedded SmolLM2-135M-Instruct or any
+  local/hub model.
+- `speculate=` on every decoding entry point: draft trees verified inside every branch
+  (`Speculation`, `Proposer`, `DraftTree`, `PromptLookup`); see `speculation`.
 """
 
 from .decoder import MultiDecoder, load
@@ -22,7 +25,10 @@ from .errors import (
     PromptTooLong,
     UnsupportedModel,
 )
+from .proposers import BranchContext, DraftTree, Proposer
+from .proposers.lookup import PromptLookup
 from .sampling import SamplingParams
+from .speculation import Speculation
 from .strategies.ask import Answer
 from .strategies.beam import Beam
 from .strategies.complete import Completion
@@ -33,16 +39,21 @@ __version__ = "0.1.0"
 __all__ = [
     "Answer",
     "Beam",
+    "BranchContext",
     "CacheUnwritable",
     "CompactionPolicy",
     "Completion",
+    "DraftTree",
     "InvalidArgument",
     "InvalidInput",
     "ModelNotFound",
     "MultiDecodeError",
     "MultiDecoder",
+    "PromptLookup",
     "PromptTooLong",
+    "Proposer",
     "SamplingParams",
+    "Speculation",
     "TokenEvent",
     "Trace",
     "UnsupportedModel",

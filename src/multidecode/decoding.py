@@ -412,10 +412,6 @@ class BranchRun:
         return self
 
 
-PromptsRun = BranchRun
-"""The earlier name of `BranchRun`."""
-
-
 def start(
     scheduler: Scheduler,
     prefix_ids: Sequence[int],
@@ -531,6 +527,5 @@ def decode(
     return out
 
 
-__all__ = ["Branch", "BranchGroup", "BranchRun", "CompactionPolicy", "DecodeStats", "PromptLogits", "PromptsRun",
-           "TokenEvent", "decode", "decode_prompts", "prompt_logits", "start", "start_forest", "start_prompts",
-           "stream_decode"]
+__all__ = ["Branch", "BranchGroup", "BranchRun", "CompactionPolicy", "DecodeStats", "PromptLogits", "TokenEvent",
+           "decode", "decode_prompts", "prompt_logits", "start", "start_forest", "start_prompts", "stream_decode"]
