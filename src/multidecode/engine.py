@@ -211,11 +211,8 @@ class Engine:
         if plain:
             forest.attention_rows(nodes[-1:])  # keep visibility rows in step for later forest feeds
         else:
-            rows = forest.attention_rows(nodes)  # [q, past + q]
-            width = forest.slot_of[nodes[-1]] + 1
-            mask = build_attention_mask(
-                rows[:, :width], positions, forest.slot_positions()[:width], self.layout, self.dtype, self.device
-            )
+            rows = forest.attention_rows(nodes)  # [q, past + q]: a forest run is a feed's last, so every slot
+            mask = build_attention_mask(rows, positions, forest.slot_positions(), self.layout, self.dtype, self.device)
         logits = self._forward(nodes, positions, self.cache, keep, mask)
         self._count(len(nodes))
         return logits
