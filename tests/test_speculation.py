@@ -398,7 +398,7 @@ class Fixed(Proposer):
         return draft
 
 
-def _lenient_walk(logits, heads, children, samplers, emit):
+def _lenient_walk(logits, heads, children, samplers, emit, drawn=None):
     """A verifier that is not distribution-exact (the control): a draft token the target gives at
     least 10% is taken without a draw; otherwise the target draws as usual."""
     paths = []
@@ -444,9 +444,9 @@ def test_sampled_tokens_after_speculation_follow_the_softmax_and_a_lenient_verif
 
 
 # ---------------------------------------------------------------------- mutants
-def _off_by_one_walk(logits, heads, children, samplers, emit):
+def _off_by_one_walk(logits, heads, children, samplers, emit, drawn=None):
     """Mutant: on a mismatch, the first draft child is accepted anyway (an off-by-one accept)."""
-    paths = verify.walk(logits, heads, children, samplers, emit)
+    paths = verify.walk(logits, heads, children, samplers, emit, drawn)
     for b, path in enumerate(paths):
         kids = children[b].get(path[-1], {})
         if kids:
@@ -463,14 +463,18 @@ def _crop_only(self, keep, first=0):
 
 @pytest.mark.parametrize("mutant", ["off-by-one accept", "rollback leaves a slot behind"])
 def test_mutants_make_the_oracle_fail(monkeypatch, mutant):
-    """Garbage drafts (rejected but for the odd lucky token, so rollbacks happen at every step):
+    """Garbage drafts (rejected but for the odd lucky token) and the oracle with a wrong sibling
+    fed before each right guess (so accepted slots sit after rejected ones and must move down):
     exact as written, wrong with either mutant."""
     model = tiny_model("llama", "sdpa")
     expected = tiny_references("llama", "sdpa")
-    spec = Speculation(Garbage(VOCAB, seed=5), budget=7)
-    assert outputs(run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])) == expected
+    conts = {tuple(PREFIX + b): e for b, e in zip(BRANCHES, expected)}
+    specs = [Speculation(Garbage(VOCAB, seed=5), budget=7), Speculation(Oracle(conts, siblings=True), budget=7)]
+    for spec in specs:
+        assert outputs(run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])) == expected
     if mutant == "off-by-one accept":
         monkeypatch.setattr("multidecode.decoding.walk", _off_by_one_walk)
     else:
         monkeypatch.setattr(SlotLayer, "compact", _crop_only)
-    assert outputs(run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])) != expected
+    assert any(outputs(run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])) != expected
+               for spec in specs)

@@ -167,7 +167,8 @@ class BranchGroup(Work):
         self.speculation = speculation
         self.tracker = AcceptanceTracker() if speculation is not None and speculation.auto else None
         self.branches = [
-            Branch(i, BranchSampler(sampling[i], prompt), BranchOutput(rule, tokenizer), BranchContext(list(prompt), len(prompt)))
+            Branch(i, BranchSampler(sampling[i], prompt), BranchOutput(rule, tokenizer),
+                   BranchContext(list(prompt), len(prompt), sampling=sampling[i]))
             for i, prompt in enumerate(self.prompts)
         ]
         self.events: deque[TokenEvent] = deque()
@@ -176,64 +177,70 @@ class BranchGroup(Work):
         self._started = False
         self._feed = Feed()  # this step's feed, and what its nodes are:
         self._heads: dict[int, int] = {}  # branch -> feed index of the node whose logits pick its next token
-        self._draft_nodes: dict[int, tuple[int, int]] = {}  # feed index -> (branch, node of its draft)
+        self._draft_nodes: dict[int, tuple[int, int]] = {}  # feed index -> (branch, candidate of its draft)
+        self._side_nodes: dict[int, tuple[int, int]] = {}  # feed index -> (branch, side node of its draft)
         self._drafts: dict[int, DraftTree] = {}  # branch -> its draft this step
 
     # ------------------------------------------------------------------ planning
     def plan(self) -> Feed:
-        self._heads, self._draft_nodes, self._drafts = {}, {}, {}
+        self._heads, self._draft_nodes, self._side_nodes, self._drafts = {}, {}, {}, {}
         self._feed = self._decode_feed() if self._started else self._prompt_feed()
         return self._feed
 
     def _prompt_feed(self) -> Feed:
         feed, ends = prompt_feed(self.prefix_ids, self.suffixes)
-        # One branch's prompt is one chain; a draft chain continues it in the same plain forward,
-        # while siblings would cost a second forward: there, draft the main guess only.
-        chain_only = len(self.branches) == 1
         for b, end in zip(self.branches, ends):
             self._heads[b.index] = end
-            self._add_draft(feed, b, end, chain_only=chain_only)
+        # One branch's prompt is one chain; a draft chain continues it in the same plain forward,
+        # while siblings would cost a second forward: there, draft the main guess only.
+        self._add_drafts(feed, chain_only=len(self.branches) == 1)
         return feed
 
     def _decode_feed(self) -> Feed:
         feed = Feed()
         for b in self.branches:
-            if b.output.finished:
-                continue
-            head = feed.add(b.head, b.leaf)
-            self._heads[b.index] = head
-            self._add_draft(feed, b, head)
+            if not b.output.finished:
+                self._heads[b.index] = feed.add(b.head, b.leaf)
+        self._add_drafts(feed)
         return feed
 
-    def _add_draft(self, feed: Feed, branch: Branch, head: int, *, chain_only: bool = False) -> None:
-        """Hang the branch's draft tree for this step under its head (feed index `head`)."""
-        draft = self._draft(branch, chain_only=chain_only)
-        if not len(draft):
+    def _add_drafts(self, feed: Feed, *, chain_only: bool = False) -> None:
+        """Hang each live branch's draft tree for this step under its head (`self._heads`)."""
+        spec = self.speculation
+        if spec is None:
             return
-        self._drafts[branch.index] = draft
-        tracker = self.tracker
-        chances = tracker.node_chances(branch.index, draft) if tracker is not None else [None] * len(draft)
+        # A step emits the accepted drafts and one token more: no deeper than what is left.
+        room = {b: self.branches[b].output.rule.max_new_tokens - len(self.branches[b].output.token_ids) - 1
+                for b in self._heads}
+        asking = [b for b in self._heads if room[b] >= 1]
+        if not asking:
+            return
+        proposed = spec.proposer.propose_many([self.branches[b].context for b in asking], spec.size)
+        if len(proposed) != len(asking):
+            raise InvalidArgument(f"proposer {spec.proposer.name!r} returned {len(proposed)} drafts for "
+                                  f"{len(asking)} branches", "return one DraftTree per context from propose_many()")
+        for b, draft in zip(asking, proposed):
+            draft = checked_draft(draft, spec, self.vocab_size).truncate(spec.size, room[b])
+            if chain_only:
+                draft = draft.first_chain()
+            if self.tracker is not None:
+                self.tracker.record_proposal(b, len(self.branches[b].output.token_ids), draft)
+            if len(draft) or draft.side_tokens:
+                self._drafts[b] = draft
+                self._hang(feed, b, draft)
+
+    def _hang(self, feed: Feed, branch: int, draft: DraftTree) -> None:
+        """Add one branch's draft (candidates, then side nodes) to the feed under its head."""
+        head = self._heads[branch]
+        chances = self.tracker.node_chances(branch, draft) if self.tracker is not None else [None] * len(draft)
         at: list[int] = []
         for n, (token, parent, chance) in enumerate(zip(draft.tokens, draft.parents, chances)):
             at.append(feed.add(token, Feed.ref(head if parent == UNDER_LEAF else at[parent]), chance=chance))
-            self._draft_nodes[at[-1]] = (branch.index, n)
-
-    def _draft(self, branch: Branch, *, chain_only: bool = False) -> DraftTree:
-        """The branch's draft tree for this step: no deeper than its remaining tokens allow (a
-        step emits the accepted drafts and one token more)."""
-        spec = self.speculation
-        if spec is None:
-            return DraftTree()
-        room = branch.output.rule.max_new_tokens - len(branch.output.token_ids) - 1
-        if room < 1:
-            return DraftTree()
-        draft = checked_draft(spec.proposer.propose(branch.context, spec.size), spec, self.vocab_size)
-        draft = draft.truncate(spec.size, room)
-        if chain_only:
-            draft = draft.first_chain()
-        if self.tracker is not None:
-            self.tracker.record_proposal(branch.index, len(branch.output.token_ids), draft)
-        return draft
+            self._draft_nodes[at[-1]] = (branch, n)
+        side: list[int] = []
+        for n, (token, parent) in enumerate(zip(draft.side_tokens, draft.side_parents)):
+            side.append(feed.add(token, Feed.ref(head if parent == UNDER_LEAF else side[parent])))
+            self._side_nodes[side[-1]] = (branch, n)
 
     # ------------------------------------------------------------------ settling
     def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor) -> Settled:
@@ -250,10 +257,17 @@ class BranchGroup(Work):
             parent = draft.parents[n]
             parent_row = row_of[self._heads[branch]] if parent == UNDER_LEAF else draft_row[branch, parent]
             children.setdefault(branch, {}).setdefault(parent_row, {})[draft.tokens[n]] = row
+        drawn: dict[int, dict[int, tuple[list[int], torch.Tensor]]] = {}  # branch -> row -> (candidates, q)
+        for branch, draft in self._drafts.items():
+            for parent, q in draft.dists.items():
+                row = row_of[self._heads[branch]] if parent == UNDER_LEAF else draft_row.get((branch, parent))
+                if row is not None:  # candidates under an unfed node are never reached
+                    drawn.setdefault(branch, {})[row] = ([draft.tokens[i] for i in draft.siblings(parent)], q)
         order = sorted(self._heads)
         finished_before = sum(b.output.finished for b in self.branches)
         paths = walk(logits, [row_of[self._heads[b]] for b in order], [children.get(b, {}) for b in order],
-                     [self.branches[b].sampler for b in order], lambda j, token: self._emit(order[j], token))
+                     [self.branches[b].sampler for b in order], lambda j, token: self._emit(order[j], token),
+                     [drawn.get(b, {}) for b in order])
 
         accepted: set[int] = set()
         for j, path in zip(order, paths):
@@ -264,12 +278,18 @@ class BranchGroup(Work):
             draft = self._drafts.get(j)
             if draft is not None:
                 node_at = {row: n for (b, n), row in draft_row.items() if b == j}
-                self.speculation.proposer.observe(branch.context, draft, [node_at[r] for r in path[1:]])
+                side_rows = [row_of[i] for i, (b, _) in self._side_nodes.items() if b == j]
+                side_logits = logits[side_rows] if side_rows else None  # [side nodes, vocab]
+                self.speculation.proposer.observe(branch.context, draft, [node_at[r] for r in path[1:]],
+                                                  side_logits=side_logits)
                 self.stats.drafted += len(node_at)
                 self.stats.accepted += len(path) - 1
             if self.tracker is not None:
                 self.tracker.resolve(j, branch.output.token_ids, branch.output.finished)
+            if branch.output.finished and self.speculation is not None:
+                self.speculation.proposer.release(branch.context)
         rejected = [node_of[i] for i in fed_drafts if node_of[i] not in accepted]
+        rejected += [node_of[i] for i in self._side_nodes]
         self.stats.steps += 1
         self.stats.draft_budgets.append(len(fed_drafts))
         self.done = all(b.output.finished for b in self.branches)
@@ -293,8 +313,9 @@ def checked_draft(draft, spec: Speculation, vocab_size: int | None) -> DraftTree
     if not isinstance(draft, DraftTree):
         raise InvalidArgument(f"proposer {spec.proposer.name!r} returned {type(draft).__name__}, not a DraftTree",
                               "return a multidecode.proposers.DraftTree from propose()")
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in draft.tokens):
-        bad = next(t for t in draft.tokens if not 0 <= t < vocab_size)
+    tokens = draft.tokens + draft.side_tokens
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in tokens):
+        bad = next(t for t in tokens if not 0 <= t < vocab_size)
         raise InvalidArgument(f"proposer {spec.proposer.name!r} drafted token id {bad}, outside the model's "
                               f"vocabulary of {vocab_size}", "draft with this model's tokenizer")
     return draft
@@ -437,6 +458,8 @@ def start(
         raise InvalidInput("there are no branches to decode", "pass at least one branch")
     engine = scheduler.engine
     spec = resolve(speculate, engine.dtype)
+    if spec is not None:
+        spec.proposer.check(engine.model)
     prefix_ids = token_ids(prefix_ids, engine.vocab_size, "the prefix")
     suffixes = [token_ids(s, engine.vocab_size, f"branch {i}") for i, s in enumerate(suffixes)]
     if not prefix_ids and not all(suffixes):

@@ -207,6 +207,12 @@ def process_logits(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> t
     return out
 
 
+def probabilities(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
+    """The distribution each sampled row draws from: processors, then softmax. logits [n, V] ->
+    [n, V] float32 on the CPU (the same distribution `choose_tokens` draws from)."""
+    return process_logits(logits.float(), samplers).softmax(dim=-1).cpu()
+
+
 def choose_tokens(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> list[int]:
     """Pick one token per row: arg-max for greedy rows, a draw from the row's generator otherwise.
 

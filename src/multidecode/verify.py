@@ -23,6 +23,18 @@ with x removed and renormalised (the residual); with several sibling candidates 
 tried against that residual, and so on. Drawing y first and matching the candidates afterwards
 is that rule with its random numbers shared.
 
+**Drafts drawn from a distribution.** When a proposer drew a node's candidates from a known
+distribution q (a draft model sampling, `DraftTree.dists`), a sampled branch uses the
+speculative-sampling rule against q instead, which accepts more often (on average the overlap
+sum_x min(p(x), q(x)) rather than p(x)): candidate x_i is accepted with probability
+min(1, p_i(x_i) / q_i(x_i)); on rejection p_{i+1} = norm(max(p_i - q_i, 0)) and q_{i+1} = q_i
+without x_i, renormalised (the candidates were drawn without replacement); when every candidate
+is rejected the token is drawn from the last residual. This is recursive rejection sampling
+(Jeon et al., 2024, arXiv 2402.14160), the without-replacement form of SpecInfer's multi-candidate
+rule; the emitted token is distributed exactly as p. It costs one uniform draw per candidate
+tried, so a seeded run is reproducible but not draw-for-draw the run without speculation.
+Greedy branches ignore q: arg-max and match, as above.
+
 **Random numbers.** Each branch has its own generator and draws exactly once per emitted token,
 in order, from the same processed distribution as plain decoding. So a branch's output does not
 depend on its neighbours, and a seeded run gives the same tokens with or without speculation,
@@ -38,7 +50,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .sampling import BranchSampler, choose_tokens
+from .sampling import BranchSampler, choose_tokens, probabilities
+
+Drawn = tuple[list[int], torch.Tensor]
+"""Candidates under one node in the order they were drawn, and the distribution q ([vocab]) they
+were drawn from."""
 
 
 def walk(
@@ -47,6 +63,7 @@ def walk(
     children: Sequence[dict[int, dict[int, int]]],
     samplers: Sequence[BranchSampler],
     emit: Callable[[int, int], bool],
+    drawn: Sequence[dict[int, Drawn]] | None = None,
 ) -> list[list[int]]:
     """Verify the draft trees of several branches at once.
 
@@ -55,6 +72,8 @@ def walk(
         child that guesses it.
     emit(b, token): records a token for branch b; returns False once the branch has finished (the
         walk stops there, as sequential decoding would).
+    drawn[b][row]: the candidates under that row of branch b, if they were drawn from a known
+        distribution (see the module notes); used by sampled branches only.
     Returns, per branch, the rows of its accepted path (its head first).
 
     Branches are walked in rounds, one token per live branch per round, so the draws of each
@@ -71,8 +90,8 @@ def walk(
         if best is not None:
             tokens = [best[current[b]] for b in live]
         else:
-            rows = logits[torch.tensor([current[b] for b in live], dtype=torch.long, device=logits.device)]  # [n, V]
-            tokens = choose_tokens(rows, [samplers[b] for b in live])
+            tokens = _choose(logits, [current[b] for b in live], [samplers[b] for b in live],
+                             [drawn[b] if drawn else {} for b in live])
         going = []
         for b, token in zip(live, tokens):
             if not emit(b, token):
@@ -85,3 +104,44 @@ def walk(
             going.append(b)
         live = going
     return paths
+
+
+def _choose(logits: torch.Tensor, rows: list[int], samplers: list[BranchSampler], drawn: list[dict[int, Drawn]]) -> list[int]:
+    """One token per (row, sampler): by the rule against q where the row's candidates were drawn
+    from one and the branch samples, else as plain decoding chooses."""
+    special = [i for i, (row, s) in enumerate(zip(rows, samplers)) if s.params.do_sample and row in drawn[i]]
+    plain = [i for i in range(len(rows)) if i not in special]
+    tokens = [0] * len(rows)
+    if plain:
+        picked = logits[torch.tensor([rows[i] for i in plain], dtype=torch.long, device=logits.device)]  # [n, V]
+        for i, token in zip(plain, choose_tokens(picked, [samplers[i] for i in plain])):
+            tokens[i] = token
+    for i in special:
+        p = probabilities(logits[rows[i]][None], [samplers[i]])[0]  # [V]
+        candidates, q = drawn[i][rows[i]]
+        tokens[i] = speculative_sample(p, q, candidates, samplers[i].generator)
+        samplers[i].observe(tokens[i])
+    return tokens
+
+
+def speculative_sample(p: torch.Tensor, q: torch.Tensor, candidates: Sequence[int],
+                       generator: torch.Generator | None) -> int:
+    """A token distributed exactly as p ([V]), given candidates drawn from q ([V]) in order without
+    replacement: recursive rejection sampling (see the module notes)."""
+    p, q = p.double(), q.double().clone()  # float64: residuals of nearly equal p and q stay accurate
+    for x in candidates:
+        qx = float(q[x])
+        if qx <= 0:
+            continue  # not a draw from q (a proposer's mistake): not a candidate of the rule
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) * qx < float(p[x]):
+            return int(x)
+        residual = (p - q).clamp_min(0)
+        total = float(residual.sum())
+        if total > 0:
+            p = residual / total
+        q[x] = 0
+        left = float(q.sum())
+        if left <= 0:
+            break
+        q /= left
+    return int(torch.multinomial(p, 1, generator=generator))

@@ -11,16 +11,33 @@ A proposer is two methods:
 
 - `propose(context, budget) -> DraftTree`: at most `budget` draft nodes continuing
   `context.tokens` (the branch's whole root-to-leaf path: prompt, then output so far);
-- `observe(context, draft, accepted)`: which of those nodes the target accepted, to learn from.
+- `observe(context, draft, accepted, side_logits)`: which of those nodes the target accepted, to
+  learn from, and the target's logits at the draft's side nodes.
+
+and three optional ones: `propose_many` (every live branch's draft at once, for a proposer that
+runs a model of its own and batches its forwards), `check(model)` (refuse a target it cannot
+serve) and `release(context)` (a branch finished: free what was kept for it).
+
+Terms. **Candidate** nodes are guesses of the branch's next tokens: verified, and kept where the
+target agrees. **Side** nodes (`DraftTree.add_side`) are fed in the same forward for their logits
+only, as lookahead decoding's Jacobi window is; they are never candidates and are always taken
+back. A **draft distribution** (`DraftTree.dists[p]`) says the candidates under node p were drawn
+from a known distribution q, in sibling order, without replacement; a sampled branch then verifies
+them by the speculative-sampling rule against q (`verify`), which accepts more than matching a draw.
 
 `context.scratch` is a dict a proposer may keep per-branch state in (an n-gram index, say); it
-lives as long as the branch. Proposers never touch the model or the cache.
+lives as long as the branch. Proposers never touch the target model or its cache (a draft-model
+proposer runs its own model on its own engine).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
 
 UNDER_LEAF = -1
 """`DraftTree.parents` value of a node that hangs directly under the branch's newest token."""
@@ -31,12 +48,14 @@ class BranchContext:
     """What a proposer sees of one branch: its tokens so far and a place for its own state.
 
     tokens: the root-to-leaf path (prompt, then every token generated so far; the last one is the
-    token the draft continues). prompt_length: how many of them are the prompt.
+    token the draft continues). prompt_length: how many of them are the prompt. sampling: how the
+    branch chooses its tokens (a draft model drafts the same way).
     """
 
     tokens: list[int]
     prompt_length: int
     scratch: dict = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass
@@ -48,12 +67,20 @@ class DraftTree:
     the n-gram match); acceptance is tracked per kind. priors[i]: the proposer's guess at the
     chance that node i is accepted once its parent is, used until acceptance has been seen.
     Siblings carry distinct tokens.
+
+    dists[p]: the distribution ([vocab] float32, on the CPU) the candidates under node p
+    (`UNDER_LEAF`: under the branch's newest token) were drawn from, in sibling order, each without
+    the ones before it. side_tokens/side_parents: side nodes (see the module notes), parents
+    `UNDER_LEAF` or an earlier side node.
     """
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     kinds: list[int] = field(default_factory=list)
     priors: list[float] = field(default_factory=list)
+    dists: dict[int, torch.Tensor] = field(default_factory=dict)
+    side_tokens: list[int] = field(default_factory=list)
+    side_parents: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -67,6 +94,18 @@ class DraftTree:
         self.kinds.append(kind)
         self.priors.append(prior)
         return len(self.tokens) - 1
+
+    def add_side(self, token: int, parent: int = UNDER_LEAF) -> int:
+        """Append a side node; returns its index among the side nodes."""
+        if not UNDER_LEAF <= parent < len(self.side_tokens):
+            raise ValueError(f"side parent {parent} is not an earlier side node")
+        self.side_tokens.append(int(token))
+        self.side_parents.append(parent)
+        return len(self.side_tokens) - 1
+
+    def siblings(self, parent: int) -> list[int]:
+        """The candidates under `parent`, in order."""
+        return [i for i, p in enumerate(self.parents) if p == parent]
 
     def child(self, parent: int, token: int) -> int | None:
         """The node under `parent` that guesses `token`, if any."""
@@ -103,8 +142,11 @@ class DraftTree:
             seen[p] = out[-1] + 1
         return out
 
-    def keep(self, indices: Sequence[int]) -> DraftTree:
-        """The subtree of `indices` (each with its parent among them), renumbered in order."""
+    def keep(self, indices: Sequence[int], *, side: bool = True) -> DraftTree:
+        """The subtree of candidates `indices` (each with its parent among them), renumbered in
+        order, with the side nodes unless `side` is False. A kept node's siblings must be a first
+        run of its proposed siblings wherever they were drawn from a distribution (dropping an
+        earlier draw would break the rule that verifies them)."""
         new_index: dict[int, int] = {UNDER_LEAF: UNDER_LEAF}
         out = DraftTree()
         for i in sorted(indices):
@@ -112,18 +154,23 @@ class DraftTree:
                 raise ValueError(f"node {i} is kept without its parent {self.parents[i]}")
             new_index[i] = out.add(self.tokens[i], new_index[self.parents[i]], kind=self.kinds[i],
                                    prior=self.priors[i])
+        out.dists = {new_index[p]: q for p, q in self.dists.items() if p in new_index}
+        if side:
+            out.side_tokens, out.side_parents = list(self.side_tokens), list(self.side_parents)
         return out
 
     def first_chain(self) -> DraftTree:
-        """The path that follows each node's first child: the proposer's main guess, as a chain."""
+        """The path that follows each node's first child: the proposer's main guess, as a chain
+        (no side nodes)."""
         kept, at = [], UNDER_LEAF
         while (child := next((i for i, p in enumerate(self.parents) if p == at), None)) is not None:
             kept.append(child)
             at = child
-        return self.keep(kept)
+        return self.keep(kept, side=False)
 
     def truncate(self, budget: int, max_depth: int | None = None) -> DraftTree:
-        """At most `budget` nodes, none deeper than `max_depth`: the first ones in order."""
+        """At most `budget` candidates, none deeper than `max_depth`: the first ones in order
+        (side nodes are the proposer's own cost and stay)."""
         depths = self.depths()
         kept = [i for i in range(len(self)) if max_depth is None or depths[i] <= max_depth][:max(budget, 0)]
         return self.keep(kept) if len(kept) < len(self) else self
@@ -137,5 +184,18 @@ class Proposer:
     def propose(self, context: BranchContext, budget: int) -> DraftTree:
         raise NotImplementedError
 
-    def observe(self, context: BranchContext, draft: DraftTree, accepted: Sequence[int]) -> None:
-        """`accepted`: indices of the draft nodes the target accepted, root first. Default: nothing."""
+    def propose_many(self, contexts: Sequence[BranchContext], budget: int) -> list[DraftTree]:
+        """Every live branch's draft for this step, in order. Default: `propose` for each."""
+        return [self.propose(context, budget) for context in contexts]
+
+    def observe(self, context: BranchContext, draft: DraftTree, accepted: Sequence[int],
+                side_logits: torch.Tensor | None = None) -> None:
+        """`accepted`: indices of the draft's candidates the target accepted, root first.
+        side_logits: [side nodes, vocab] float32, the target's logits at the side nodes (None when
+        there were none, or they were not fed). Default: nothing."""
+
+    def check(self, model) -> None:
+        """Raise `errors.InvalidArgument` if this proposer cannot draft for `model`. Default: it can."""
+
+    def release(self, context: BranchContext) -> None:
+        """The branch of `context` finished: drop what was kept for it. Default: nothing."""
