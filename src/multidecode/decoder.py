@@ -5,8 +5,10 @@ to a strategy in `multidecode.strategies` on a new `Scheduler` (one engine, one 
 call; it prints nothing. `stream*` methods yield `TokenEvent`s as tokens are produced; the others
 return finished results.
 
-`speculate=` (None, "lookup", "auto", a `Proposer` or a `Speculation`) lets every branch carry a
-draft tree verified in the same forward; it changes how fast tokens come, never which tokens.
+`speculate=` (None, "lookup", "suffix", "lookahead", "draft", "auto", a `Proposer` or a
+`Speculation`; see `speculation`) lets every branch carry a draft tree verified in the same
+forward; it changes how fast tokens come, never which tokens. "draft" drafts with the decoder's
+`draft` model.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .decoding import BranchRun, CompactionPolicy, TokenEvent, new_scheduler, st
 from .models import check_supported, load_model_and_tokenizer
 from .sampling import per_branch_sampling
 from .scheduler import Scheduler
+from .speculation import Speculation, named_proposer
 from .stopping import eos_ids_of
 from .strategies import ask as _ask
 from .strategies import beam as _beam
@@ -37,15 +40,24 @@ class MultiDecoder:
     compaction: when to drop finished branches from the cache (default: a quarter of it dead).
     cost: the forward cost curve that speculate="auto" uses (default: measured on first use and
         kept on disk, see `cost.cost_curve`).
+    draft: the draft model of speculate="draft": a causal LM with the target's tokenizer, or a
+        self-draft of the target (`self_draft.self_draft(model, skip_layers)`).
     """
 
     def __init__(self, model, tokenizer, *, compaction: CompactionPolicy | None = None,
-                 cost: CostCurve | None = None) -> None:
+                 cost: CostCurve | None = None, draft=None) -> None:
         check_supported(model)
         self.model = model
         self.tokenizer = tokenizer
         self.compaction = compaction or CompactionPolicy()
         self.cost = cost
+        self.draft = draft
+
+    def _speculation(self, speculate):
+        """`speculate` with "draft" bound to this decoder's draft model (a fresh proposer per call)."""
+        if isinstance(speculate, str) and speculate.strip().lower() == "draft":
+            return Speculation(named_proposer("draft", self.draft))
+        return speculate
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -64,7 +76,7 @@ class MultiDecoder:
         """
         return start_prompts(self.scheduler(), prompts, max_new_tokens=max_new_tokens,
                              sampling=per_branch_sampling(len(prompts), sampling), tokenizer=self.tokenizer,
-                             stop=stop, eos_token_id=eos_token_id, speculate=speculate)
+                             stop=stop, eos_token_id=eos_token_id, speculate=self._speculation(speculate))
 
     # ------------------------------------------------------------------ one prompt
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",
@@ -80,7 +92,7 @@ class MultiDecoder:
         it took and how many draft tokens were accepted.
         """
         return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
-                                  stop=stop, chat=chat, sample=False, speculate=speculate,
+                                  stop=stop, chat=chat, sample=False, speculate=self._speculation(speculate),
                                   eos_token_id=eos_token_id, **sampling)[0]
 
     def stream_generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",
@@ -88,7 +100,7 @@ class MultiDecoder:
                         **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s as `generate` produces them."""
         return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
-                                stop=stop, chat=chat, sample=False, speculate=speculate,
+                                stop=stop, chat=chat, sample=False, speculate=self._speculation(speculate),
                                 eos_token_id=eos_token_id, **sampling)
 
     # ------------------------------------------------------------------ many questions, one document
@@ -106,7 +118,7 @@ class MultiDecoder:
         question's branch carries its own draft tree ("lookup", "auto", ...).
         """
         return _ask.ask(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
-                        stop=stop, instruction=instruction, speculate=speculate, **sampling)
+                        stop=stop, instruction=instruction, speculate=self._speculation(speculate), **sampling)
 
     def stream(self, document: str, questions: Sequence[str], *, max_new_tokens: int = 48,
                stop: Sequence[str] = (), instruction: str | None = None, speculate=None,
@@ -114,7 +126,7 @@ class MultiDecoder:
         """`TokenEvent`s (branch = question index) as `ask` answers; inputs are checked and the
         prompts prefilled before this returns."""
         return _ask.stream(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
-                           stop=stop, instruction=instruction, speculate=speculate, **sampling)
+                           stop=stop, instruction=instruction, speculate=self._speculation(speculate), **sampling)
 
     # ------------------------------------------------------------------ parallel completions
     def complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
@@ -128,21 +140,21 @@ class MultiDecoder:
         speculate never changes the tokens of a seeded completion.
         """
         return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
-                                  stop=stop, chat=chat, speculate=speculate, **sampling)
+                                  stop=stop, chat=chat, speculate=self._speculation(speculate), **sampling)
 
     def stream_complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
                         stop: Sequence[str] = (), chat: bool | None = None, speculate=None,
                         **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s (branch = completion index) as `complete` generates."""
         return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
-                                stop=stop, chat=chat, speculate=speculate, **sampling)
+                                stop=stop, chat=chat, speculate=self._speculation(speculate), **sampling)
 
     # ------------------------------------------------------------------ self-consistency
     def vote(self, question: str, *, n: int = 8, max_new_tokens: int = 256,
              extract: Callable[[str], str | None] = extract_answer, speculate=None, **sampling) -> Vote:
         """n sampled reasoning traces in one forest, an answer extracted from each, and the majority."""
         return _vote.vote(self.scheduler(), self.tokenizer, question, n=n, max_new_tokens=max_new_tokens,
-                          extract=extract, speculate=speculate, **sampling)
+                          extract=extract, speculate=self._speculation(speculate), **sampling)
 
     # ------------------------------------------------------------------ beam search
     def beam_search(self, prompt: str | Sequence[int], *, num_beams: int, max_new_tokens: int,

@@ -5,9 +5,15 @@
 - None (or False): no speculation, one token per branch per step;
 - "lookup": prompt lookup (`proposers.lookup`), up to `DEFAULT_BUDGET` draft nodes per branch
   per step, all fed;
-- "auto": prompt lookup, with the draft nodes of each step chosen by the measured cost of a
-  forward on this hardware and the acceptance seen so far (`cost`), so that it speculates only
-  where that pays, and not at all where it does not;
+- "suffix": drafts from everything this process saw before (`proposers.suffix`);
+- "lookahead": lookahead decoding's Jacobi window and n-gram pool (`proposers.lookahead`), at
+  the paper's settings (N=5, W=G=7) unless given a `Lookahead` of other settings;
+- "draft": a draft model (`proposers.draft`; the `draft=` argument: a model sharing the target's
+  tokenizer, or a self-draft of the target, see `self_draft`);
+- "auto": prompt lookup and the suffix store merged into one tree (`proposers.mixture`), with
+  the draft nodes of each step chosen by the measured cost of a forward on this hardware and the
+  acceptance each source has had so far (`cost`), so that it speculates only where that pays,
+  and not at all where it does not;
 - a `Proposer`: that proposer, at the default budget;
 - a `Speculation`: all of it spelled out.
 
@@ -26,7 +32,10 @@ import torch
 
 from .errors import InvalidArgument, check_positive
 from .proposers import Proposer
+from .proposers.draft import DraftModel
 from .proposers.lookup import PromptLookup
+from .proposers.mixture import Mixture
+from .proposers.suffix import SuffixProposer
 
 DEFAULT_BUDGET = 8
 """Draft nodes per branch per step for a fixed-budget mode ("lookup", or a proposer object)."""
@@ -34,7 +43,7 @@ DEFAULT_BUDGET = 8
 AUTO_MAX_DRAFT = 16
 """In "auto", the most draft nodes a branch proposes per step (the cost model keeps fewer)."""
 
-MODES = ("lookup", "auto")
+MODES = ("lookup", "suffix", "lookahead", "draft", "auto")
 EXACT_DTYPES = (torch.float32, torch.float64)
 
 
@@ -72,11 +81,12 @@ class Speculation:
         return self.max_draft if self.budget is None else self.budget
 
 
-def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None) -> Speculation | None:
+def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=None) -> Speculation | None:
     """`speculate` (see the module notes) as a `Speculation`, or None for none.
 
     budget: overrides the draft budget of a named mode or proposer (for "auto", the most nodes a
-    branch may propose). Raises `InvalidArgument` for an unknown mode, a bad budget, or explicit
+    branch may propose). draft: the draft model (or `DraftModel` proposer) of "draft". Raises
+    `InvalidArgument` for an unknown mode, a bad budget, "draft" without a draft model, or explicit
     speculation in a dtype where it cannot be exact.
     """
     if budget is not None:
@@ -87,10 +97,10 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None) -> Spec
         spec = speculate
     elif isinstance(speculate, Proposer):
         spec = Speculation(speculate, budget or DEFAULT_BUDGET)
-    elif speculate == "lookup":
-        spec = Speculation(PromptLookup(), budget or DEFAULT_BUDGET)
+    elif speculate in ("lookup", "suffix", "lookahead", "draft"):
+        spec = Speculation(named_proposer(speculate, draft), budget or DEFAULT_BUDGET)
     elif speculate == "auto":
-        spec = Speculation(PromptLookup(), None, budget or AUTO_MAX_DRAFT)
+        spec = Speculation(Mixture([PromptLookup(), SuffixProposer()], name="auto"), None, budget or AUTO_MAX_DRAFT)
     else:
         raise InvalidArgument(f"unknown speculation mode {speculate!r}",
                               f"use one of {', '.join(MODES)}, a Proposer, or None")
@@ -102,3 +112,22 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None) -> Spec
             "take other kernels there, so near-ties may break differently than in plain decoding",
             "load the model in float32, or use speculate='auto' (which then does not speculate)")
     return spec
+
+
+def named_proposer(mode: str, draft=None) -> Proposer:
+    """A fresh proposer for a named mode (`draft`: the draft model of "draft")."""
+    if mode == "lookup":
+        return PromptLookup()
+    if mode == "suffix":
+        return SuffixProposer()
+    if mode == "lookahead":
+        from .proposers.lookahead import Lookahead  # TEMP until merged
+
+        return Lookahead()
+    if mode == "draft":
+        if draft is None:
+            raise InvalidArgument("speculate='draft' needs a draft model",
+                                  "pass draft= (a model with the target's tokenizer, or self_draft(model, layers)); "
+                                  "on the command line, --draft-model PATH or --draft-skip-layers")
+        return draft if isinstance(draft, DraftModel) else DraftModel(draft)
+    raise InvalidArgument(f"unknown speculation mode {mode!r}", f"use one of {', '.join(MODES)}, a Proposer, or None")

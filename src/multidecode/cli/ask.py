@@ -106,7 +106,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, dt
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
     spec = speculation_from(speculate, draft_budget, dtype)
     decoder = load_decoder(model_name, dtype, device)
-    prepare_speculation(decoder, spec)
+    spec = prepare_speculation(decoder, spec)
     start = time.perf_counter()
     settings = dict(max_new_tokens=max_new_tokens, stop=stop, speculate=spec, **sampling_from(sampling))
     run = ask_strategy.start(decoder.scheduler(), decoder.tokenizer, text, questions, **settings)

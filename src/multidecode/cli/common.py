@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -56,50 +57,180 @@ def sampling_from(options: dict) -> dict:
     return {k: options[k] for k in keys if options.get(k) is not None}
 
 
-def speculate_options(default: str | None = None):
-    """--speculate MODE (default `default`), --draft-budget N, --stats."""
+@dataclass(frozen=True)
+class SpeculationChoice:
+    """What the speculation options asked for (resolved once the model is loaded)."""
 
-    def add(command):
+    mode: str | None
+    draft_model: str | None = None
+    draft_skip_layers: str | None = None
+    lookahead: str | None = None
+
+
+def speculate_options(default: str | None = None):
+    """--speculate MODE (default `default`), --draft-budget N, --draft-model PATH,
+    --draft-skip-layers LIST, --lookahead W,N,G, --stats. The command receives them as one
+    `SpeculationChoice` in `speculate` (and `draft_budget`, `show_stats`)."""
+
+    def add(function):
+        @functools.wraps(function)
+        def bundled(*args, speculate, draft_model, draft_skip_layers, lookahead, **kwargs):
+            choice = SpeculationChoice(speculate, draft_model, draft_skip_layers, lookahead)
+            return function(*args, speculate=choice, **kwargs)
+
+        command = bundled
         command = click.option("--stats", "show_stats", is_flag=True,
                                help="Print forwards, tokens per forward, draft acceptance and budget on stderr.")(command)
+        command = click.option("--lookahead", default=None, metavar="W,N,G",
+                               help="Lookahead settings: window, n-gram size, guesses (default 7,5,7).")(command)
+        command = click.option("--draft-skip-layers", default=None, metavar="LIST|auto",
+                               help="Draft with the model itself, skipping these layers (e.g. 4,6,8-12), or "
+                                    "'auto' to pick them by measured acceptance. Implies --speculate draft.")(command)
+        command = click.option("--draft-model", default=None, metavar="PATH",
+                               help="A smaller model with the same tokenizer to draft with (same forms as "
+                                    "--model). Implies --speculate draft.")(command)
         command = click.option("--draft-budget", type=int, default=None, metavar="N",
                                help="Draft tokens per branch per step (for auto: the most it may propose).")(command)
         return click.option("--speculate", default=default, metavar="MODE", show_default=bool(default),
-                            help="Speculative decoding inside every branch: lookup (prompt lookup), auto (only "
-                                 "where the measured cost says it pays) or off. Never changes the output.")(command)
+                            help="Speculative decoding inside every branch: lookup (prompt lookup), suffix (what "
+                                 "this process saw before), lookahead (Jacobi window), draft (a draft model), auto "
+                                 "(lookup and suffix, only where the measured cost says it pays) or off. Never "
+                                 "changes the output.")(command)
 
     return add
 
 
-def speculation_from(speculate: str | None, draft_budget: int | None, dtype: str | None):
-    """The `speculate=` value for the library, checked before the model loads (unknown mode, bad
-    budget, a dtype where speculation cannot be exact)."""
-    from ..models import resolve_dtype
-    from ..speculation import resolve
+@dataclass(frozen=True)
+class PendingDraft:
+    """Draft-model speculation, built once the target is loaded (a self-draft needs it)."""
 
-    mode = None if speculate is None else speculate.strip().lower()
+    choice: SpeculationChoice
+    budget: int | None
+
+
+def speculation_from(choice: SpeculationChoice | str | None, draft_budget: int | None, dtype: str | None):
+    """The `speculate=` value for the library, checked before the model loads (unknown mode, bad
+    budget, settings that need another mode, a dtype where speculation cannot be exact). Draft
+    models come back as a `PendingDraft` that `prepare_speculation` builds."""
+    from ..models import resolve_dtype
+    from ..speculation import DEFAULT_BUDGET, Speculation, resolve
+
+    if not isinstance(choice, SpeculationChoice):
+        choice = SpeculationChoice(choice)
+    mode = None if choice.mode is None else choice.mode.strip().lower()
+    drafting = choice.draft_model is not None or choice.draft_skip_layers is not None
+    if choice.draft_model is not None and choice.draft_skip_layers is not None:
+        raise InvalidArgument("--draft-model and --draft-skip-layers both name a draft",
+                              "keep one: a second model, or the target with layers skipped")
+    if drafting and mode in (None, "off", "none", "auto"):
+        mode = "draft"
     if mode in (None, "off", "none"):
-        if draft_budget is not None:
-            raise InvalidArgument("--draft-budget needs speculation, and --speculate is off",
-                                  "add --speculate lookup or --speculate auto")
+        given = "--draft-budget" if draft_budget is not None else "--lookahead" if choice.lookahead else None
+        if given:
+            raise InvalidArgument(f"{given} needs speculation, and --speculate is off",
+                                  "add --speculate lookup, lookahead or auto")
         return None
+    if drafting and mode != "draft":
+        raise InvalidArgument(f"a draft model was given but --speculate is {mode}", "use --speculate draft")
+    if mode == "draft" and not drafting:
+        raise InvalidArgument("--speculate draft needs a draft model",
+                              "add --draft-model PATH, or --draft-skip-layers auto to draft with the model itself")
+    if choice.lookahead is not None and mode != "lookahead":
+        raise InvalidArgument(f"--lookahead sets lookahead decoding, but --speculate is {mode}",
+                              "add --speculate lookahead")
+    if mode == "draft":
+        resolve("lookup", resolve_dtype(dtype), budget=draft_budget)  # the same checks of budget and dtype
+        if choice.draft_skip_layers not in (None, "auto"):
+            skip_layer_list(choice.draft_skip_layers)
+        return PendingDraft(choice, draft_budget)
+    if mode == "lookahead" and choice.lookahead is not None:
+        from ..proposers.lookahead import Lookahead
+
+        window, ngram, guesses = lookahead_settings(choice.lookahead)
+        proposer = Lookahead(window=window, ngram=ngram, guesses=guesses)
+        spec = Speculation(proposer, draft_budget or getattr(proposer, "default_budget", DEFAULT_BUDGET))
+        return resolve(spec, resolve_dtype(dtype))
     return resolve(mode, resolve_dtype(dtype), budget=draft_budget)
 
 
-def prepare_speculation(decoder, spec) -> None:
-    """Measure the forward cost curve "auto" needs now, with a status line, if it was never
-    measured for this model and machine (once, about 10 s for the embedded model on a CPU), so
-    the run itself is not silently slow."""
+def lookahead_settings(text: str) -> tuple[int, int, int]:
+    """'W,N,G' as three ints (window >= 1, n-gram size >= 2, guesses >= 0)."""
+    try:
+        window, ngram, guesses = (int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidArgument(f"--lookahead {text!r} is not three integers W,N,G", "write e.g. --lookahead 7,5,7") from None
+    if window < 1 or ngram < 2 or guesses < 0:
+        raise InvalidArgument(f"--lookahead {text}: need W >= 1, N >= 2 and G >= 0", "write e.g. --lookahead 7,5,7")
+    return window, ngram, guesses
+
+
+def skip_layer_list(text: str) -> list[int]:
+    """'4,6,8-12' as [4, 6, 8, 9, 10, 11, 12]."""
+    layers: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            layers += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise InvalidArgument(f"--draft-skip-layers {text!r} is not a list of layer numbers",
+                              "write e.g. --draft-skip-layers 4,6,8-12, or auto") from None
+    return layers
+
+
+def prepare_speculation(decoder, spec):
+    """The speculation to run with, once the model is loaded: a draft model loaded (or the
+    self-draft built, its layers chosen on the document's text when 'auto'), and the forward cost
+    curve "auto" needs measured now, with a status line, if it was never measured for this model
+    and machine (once, about 10 s for the embedded model on a CPU), so the run itself is not
+    silently slow."""
     from ..cost import cost_curve
 
+    if isinstance(spec, PendingDraft):
+        return _build_draft(decoder, spec)
     if spec is None or not spec.auto or decoder.cost is not None:
-        return
+        return spec
     if cost_curve(decoder.model, measure=False) is None:
         start = time.perf_counter()
         with stderr.status("Measuring what a forward costs on this machine, for --speculate auto (once)..."):
             decoder.cost = cost_curve(decoder.model)
         stderr.print(f"[dim]Measuring what a forward costs on this machine took {time.perf_counter() - start:.1f} s; "
                      "kept for the next runs[/dim]")
+    return spec
+
+
+def _build_draft(decoder, pending: PendingDraft):
+    from ..models import load_model_and_tokenizer
+    from ..proposers.draft import DraftModel, check_same_tokenizer
+    from ..self_draft import choose_skip_layers, self_draft
+    from ..speculation import DEFAULT_BUDGET, Speculation
+
+    choice = pending.choice
+    start = time.perf_counter()
+    if choice.draft_model is not None:
+        device = next(decoder.model.parameters()).device
+        with stderr.status(f"Loading the draft model {escape(choice.draft_model)}..."):
+            draft, tokenizer = load_model_and_tokenizer(choice.draft_model, dtype=decoder.model.dtype, device=device)
+        check_same_tokenizer(decoder.tokenizer, tokenizer)
+        label = f"the draft model {escape(choice.draft_model)}"
+    else:
+        if choice.draft_skip_layers == "auto":
+            with stderr.status("Choosing the layers the self-draft skips, by measured acceptance..."):
+                layers = choose_skip_layers(decoder.model, [decoder.tokenizer(SKIP_SAMPLE)["input_ids"]])
+        else:
+            layers = skip_layer_list(choice.draft_skip_layers)
+        draft = self_draft(decoder.model, layers)
+        label = f"a self-draft skipping layers {','.join(map(str, layers)) or 'none'}"
+    stderr.print(f"[dim]Drafting with {label} (ready in {time.perf_counter() - start:.1f} s)[/dim]")
+    return Speculation(DraftModel(draft), pending.budget or DEFAULT_BUDGET)
+
+
+SKIP_SAMPLE = (
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
+    "agreed to fund the new library wing, to repair the roads near the river, and to hire two more teachers for "
+    "the primary school. The mayor thanked everyone for their work and said that the town would publish the full "
+    "report next week.\n\ndef total(prices, tax):\n    subtotal = sum(prices)\n    return subtotal * (1 + tax)\n"
+)
+"""Text the self-draft's skipped layers are chosen on with --draft-skip-layers auto: prose and code."""
 
 
 def print_stats(stats: dict) -> None:

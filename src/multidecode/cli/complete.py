@@ -61,7 +61,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     check_early(max_new_tokens=max_new_tokens, n=n, sampling=chosen, stop=stop)
     spec = speculation_from(speculate, draft_budget, dtype)
     decoder = load_decoder(model_name, dtype, device)
-    prepare_speculation(decoder, spec)
+    spec = prepare_speculation(decoder, spec)
     settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None, speculate=spec,
                     **chosen)
     start = time.perf_counter()
@@ -102,7 +102,7 @@ def vote(question, n, max_new_tokens, model_name, dtype, device, show_traces, as
     check_early(max_new_tokens=max_new_tokens, n=n, sampling=vote_settings(sampling_from(sampling)))
     spec = speculation_from(speculate, draft_budget, dtype)
     decoder = load_decoder(model_name, dtype, device)
-    prepare_speculation(decoder, spec)
+    spec = prepare_speculation(decoder, spec)
     prompt = vote_prompt(question)
     run = strategy.start(decoder.scheduler(), decoder.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
                          speculate=spec, **vote_settings(sampling_from(sampling)))

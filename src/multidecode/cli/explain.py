@@ -75,7 +75,7 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
     spec = speculation_from(speculate, _explain.DEFAULT_BUDGET if draft_budget is None else draft_budget, dtype)
     path = check_output(output)
     decoder = load_decoder(model_name, dtype, device)
-    prepare_speculation(decoder, spec)
+    spec = prepare_speculation(decoder, spec)
     label = Path(model_name).name if model_name else "SmolLM2-135M-Instruct"
     with stderr.status("Decoding and drawing..."):
         result = _explain.explain(decoder, document=text, questions=questions, max_new_tokens=max_new_tokens,

@@ -47,7 +47,7 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, dty
     check_early(max_new_tokens=max_new_tokens, sampling=chosen, stop=stop)
     spec = speculation_from(speculate, draft_budget, dtype)
     decoder = load_decoder(model_name, dtype, device)
-    prepare_speculation(decoder, spec)
+    spec = prepare_speculation(decoder, spec)
     start = time.perf_counter()
     run = strategy.start(decoder.scheduler(), decoder.tokenizer, text, n=1, max_new_tokens=max_new_tokens, stop=stop,
                          chat=False if no_chat else None, sample=False, speculate=spec, **chosen)

@@ -356,8 +356,8 @@ class SuffixProposer(Proposer):
     Draft nodes carry kind min(match length, 8), and as prior (the chance of acceptance once the
     parent is accepted) their count over (their parent's continued occurrences + 1): the
     conditional frequency, shrunk for small counts. A branch's tokens are stored when it is next
-    proposed for or observed (its prompt on first sight); the tokens of a last step that had no
-    draft, so no `observe`, are not stored.
+    proposed for or observed (its prompt on first sight), and when it finishes. With the shared
+    store, `check` picks the one of the target's vocabulary.
     """
 
     name = "suffix"
@@ -371,6 +371,7 @@ class SuffixProposer(Proposer):
         if max_match is not None and max_match < 1:
             raise ValueError("max_match must be at least 1")
         self.store = shared_store() if store is None else store
+        self._shared = store is None
         self.alpha, self.min_probability, self.min_score, self.max_match = alpha, min_probability, min_score, max_match
 
     def propose(self, context: BranchContext, budget: int) -> DraftTree:
@@ -414,7 +415,19 @@ class SuffixProposer(Proposer):
                 push(node, -neg_score, index)
         return draft
 
-    def observe(self, context: BranchContext, draft: DraftTree, accepted: Sequence[int]) -> None:
+    def check(self, model) -> None:
+        """With the shared store, use the one of this model's vocabulary: ids drafted from another
+        tokenizer's text would mean other words (or lie outside this vocabulary)."""
+        if self._shared:
+            self.store = shared_store(("vocabulary", model.get_input_embeddings().num_embeddings))
+
+    def release(self, context: BranchContext) -> None:
+        """A finished branch: store its last tokens too (its last step had no draft to observe)."""
+        if "suffix" in context.scratch:
+            self._sync(context)
+
+    def observe(self, context: BranchContext, draft: DraftTree, accepted: Sequence[int],
+                side_logits=None) -> None:
         state = context.scratch.get("suffix")
         if state is not None and accepted:
             # `draft` may be a cut of the proposed one (renumbered): find the accepted path in it

@@ -1,0 +1,149 @@
+"""Draft-model speculation is exact: a draft identical to the target has every draft token
+accepted, a random draft changes nothing, greedy output equals transformers' `generate` on every
+architecture, and sampled output follows the target's softmax under the speculative-sampling rule
+(a rule that trusts the draft fails the same check). The draft's own cache is rolled back with
+the target's: after a run, each branch's draft path holds exactly its tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_exactness import pick_eos, truncate
+from test_speculation import (
+    BRANCHES,
+    NO_EOS,
+    PREFIX,
+    SAMPLE_PREFIX,
+    STEPS,
+    T,
+    _frequencies_pass,
+    _softmax,
+    combos,
+    outputs,
+    run,
+    tiny_references,
+)
+from tiny_models import tiny_model
+
+import multidecode
+from multidecode.errors import InvalidArgument
+from multidecode.proposers.draft import DraftModel
+from multidecode.scheduler import CompactionPolicy
+from multidecode.speculation import Speculation
+
+OTHER = {"llama": "qwen2", "qwen2": "llama", "qwen2-hybrid": "gpt2", "mistral": "gpt_neox", "gemma3": "llama",
+         "gpt2": "phi3", "phi3": "gpt2", "gpt_neox": "mistral"}
+"""A draft for each target: another random tiny model with the same vocabulary."""
+
+
+@pytest.mark.parametrize("arch, attn", combos())
+def test_a_random_draft_model_is_exact_with_eos_and_compaction(arch, attn):
+    """Greedy with a random (unrelated) draft equals generate, also with eos inside the run and
+    finished branches compacted out at every step."""
+    model = tiny_model(arch, attn)
+    full = tiny_references(arch, attn)
+    spec = Speculation(DraftModel(tiny_model(OTHER[arch], "sdpa"), confidence=0.0), budget=6)
+    assert outputs(run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])) == full
+    eos = set(pick_eos(full, STEPS))
+    forest = run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=eos,
+                 compaction=CompactionPolicy(every=1))
+    assert outputs(forest) == truncate(full, eos)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-hybrid", "gemma3", "gpt2", "gpt_neox"])
+def test_a_draft_identical_to_the_target_has_every_draft_token_accepted(arch):
+    model = tiny_model(arch, "sdpa")
+    spec = Speculation(DraftModel(tiny_model(arch, "eager"), confidence=0.0), budget=6)
+    forest = run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])
+    assert outputs(forest) == tiny_references(arch, "sdpa")
+    stats = forest.stats
+    assert stats.drafted > 0 and stats.accepted == stats.drafted
+    assert stats.forward_passes == -(-STEPS // 7)  # six drafts and one token of its own per step
+
+
+def test_the_draft_cache_is_rolled_back_with_the_target():
+    """Partly right drafts (a perturbed copy of the target): after every step each live branch's
+    draft path holds exactly its tokens so far, and rejected draft nodes are gone."""
+    model = tiny_model("llama", "sdpa")
+    draft = _perturbed(model, 0.3)
+    proposer = DraftModel(draft, width=2, sure=0.9, confidence=0.0)
+    forest = multidecode.decoding.start_forest(
+        model, PREFIX, BRANCHES, max_new_tokens=STEPS, eos_token_id=[NO_EOS],
+        sampling=[multidecode.sampling.SamplingParams()] * len(BRANCHES), speculate=Speculation(proposer, budget=6))
+    checked = 0
+    for _ in forest.events:
+        for b in forest.branches:
+            key = b.context.scratch.get("draft")
+            if key is None or b.output.finished:
+                continue
+            state = proposer._branches[key]
+            engine_tokens = [proposer.engine.forest.tokens[n] for n in state.path]
+            assert engine_tokens == b.context.tokens[: len(state.path)]
+            checked += 1
+    assert checked > 0
+    assert outputs(forest) == tiny_references("llama", "sdpa")
+    assert forest.stats.accepted > 0 and proposer.engine.stats.rolled_back > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    model = tiny_model("llama", "sdpa")
+    small = copy.deepcopy(tiny_model("gpt2", "sdpa"))
+    small.resize_token_embeddings(128)
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        run(model, PREFIX, BRANCHES, speculate=DraftModel(small), max_new_tokens=4)
+
+
+# ---------------------------------------------------------------------- sampling
+def _perturbed(model, scale: float):
+    """A copy of `model` whose output layer is perturbed: a draft that is right often, not always."""
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        head = other.get_output_embeddings().weight
+        head += scale * head.std() * torch.randn(head.shape, generator=generator)
+    return other
+
+
+def _two_tokens(draws: int, first: int, spec) -> tuple[list[int], list[int], object]:
+    model = tiny_model("llama", "sdpa")
+    run_ = multidecode.decoding.start_forest(
+        model, SAMPLE_PREFIX, [[]] * draws, max_new_tokens=2, eos_token_id=[NO_EOS],
+        sampling=multidecode.sampling.per_branch_sampling(draws, dict(do_sample=True, temperature=T, seed=0)),
+        speculate=spec).finish()
+    out = outputs(run_)
+    return [o[0] for o in out], [o[1] for o in out if o[0] == first], run_.stats
+
+
+def _trusting(p, q, candidates, generator):
+    """The control: take the first candidate whenever the target gives it 5% or more."""
+    if p[candidates[0]] >= 0.05:
+        return int(candidates[0])
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("sampling")
+def test_sampled_draft_speculation_follows_the_softmax_and_a_trusting_rule_fails(monkeypatch):
+    """3000 seeded two-token samples, each branch drafting three candidates drawn from a perturbed
+    draft's q with its prompt: the first tokens follow softmax(logits / T) after the prompt; the
+    second tokens after the likeliest first one follow the softmax after it. Control: a rule that
+    takes the first candidate where p gives it 5% fails."""
+    first_probs = _softmax(SAMPLE_PREFIX)
+    first = int(first_probs.argmax())
+    second_probs = _softmax(SAMPLE_PREFIX + [first])
+    draft = _perturbed(tiny_model("llama", "sdpa"), 1.0)
+
+    def spec():
+        return Speculation(DraftModel(draft, width=3, sure=1.1, confidence=0.0), budget=3)
+
+    firsts, seconds, stats = _two_tokens(3000, first, spec())
+    assert stats.accepted > 300  # the rule against q was exercised, accepting and rejecting
+    assert stats.accepted < stats.drafted / 2
+    assert _frequencies_pass(firsts, first_probs)
+    assert len(seconds) > 200 and _frequencies_pass(seconds, second_probs)
+
+    monkeypatch.setattr("multidecode.verify.speculative_sample", _trusting)
+    firsts, _, _ = _two_tokens(3000, first, spec())
+    assert not _frequencies_pass(firsts, first_probs)
