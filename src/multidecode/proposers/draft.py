@@ -158,8 +158,7 @@ class DraftModel(Proposer):
         sampled = params.do_sample
         scores = warp(logits[None].float(), [params])[0] if sampled else logits.float()
         q = scores.softmax(dim=-1).cpu()  # [vocab]
-        top_q, top = q.max(dim=-1)
-        count = 1 if float(top_q) >= self.sure else self.width
+        count = 1 if float(q.max()) >= self.sure else self.width
         count = min(count, budget - len(tree), int((q > 0).sum()))
         if count < 1:
             return []
