@@ -28,6 +28,7 @@ from .errors import InvalidArgument, InvalidInput, PromptTooLong, check_positive
 from .forest import ROOT
 from .prompts import share_prefix
 from .proposers import UNDER_LEAF, BranchContext, DraftTree
+from .proposers.mixture import Mixture
 from .sampling import BranchSampler, SamplingParams, per_branch_sampling
 from .scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work
 from .speculation import Speculation, resolve
@@ -459,6 +460,8 @@ def start(
     engine = scheduler.engine
     spec = resolve(speculate, engine.dtype)
     if spec is not None:
+        if spec.auto and isinstance(spec.proposer, Mixture):
+            spec.proposer.fit(scheduler.cost_curve(), len(suffixes), spec.size)
         spec.proposer.check(engine.model)
     prefix_ids = token_ids(prefix_ids, engine.vocab_size, "the prefix")
     suffixes = [token_ids(s, engine.vocab_size, f"branch {i}") for i, s in enumerate(suffixes)]

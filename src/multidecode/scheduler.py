@@ -173,6 +173,12 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.works
 
+    def cost_curve(self):
+        """The cost curve: the one given, else measured (or loaded from disk) now, once."""
+        if self.cost is None:
+            self.cost = cost_curve(self.engine.model)
+        return self.cost
+
     def admit(self, work: Work) -> Work:
         """Add a work; it takes part from the next step on."""
         work.owner = next(self._owners)
@@ -213,11 +219,9 @@ class Scheduler:
                    if chance is not None]
         take: set[tuple[int, int]] = set()
         if offered:
-            if self.cost is None:
-                self.cost = cost_curve(self.engine.model)
             # best first; equal chances keep feed order, so parents come before their children
             ranked = sorted(offered, key=lambda x: -x[0])
-            count = choose_draft_count(self.cost, required=required, expected=expected,
+            count = choose_draft_count(self.cost_curve(), required=required, expected=expected,
                                        chances=[c for c, _, _ in ranked], context=self.engine.forest.num_slots)
             take = {(w, i) for _, w, i in ranked[:count]}
         kept = []

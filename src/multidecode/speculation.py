@@ -33,6 +33,7 @@ import torch
 from .errors import InvalidArgument, check_positive
 from .proposers import Proposer
 from .proposers.draft import DraftModel
+from .proposers.lookahead import Lookahead
 from .proposers.lookup import PromptLookup
 from .proposers.mixture import Mixture
 from .proposers.suffix import SuffixProposer
@@ -96,11 +97,12 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
     if isinstance(speculate, Speculation):
         spec = speculate
     elif isinstance(speculate, Proposer):
-        spec = Speculation(speculate, budget or DEFAULT_BUDGET)
+        spec = Speculation(speculate, budget or speculate.default_budget or DEFAULT_BUDGET)
     elif speculate in ("lookup", "suffix", "lookahead", "draft"):
-        spec = Speculation(named_proposer(speculate, draft), budget or DEFAULT_BUDGET)
+        proposer = named_proposer(speculate, draft)
+        spec = Speculation(proposer, budget or proposer.default_budget or DEFAULT_BUDGET)
     elif speculate == "auto":
-        spec = Speculation(Mixture([PromptLookup(), SuffixProposer()], name="auto"), None, budget or AUTO_MAX_DRAFT)
+        spec = Speculation(auto_proposer(), None, budget or AUTO_MAX_DRAFT)
     else:
         raise InvalidArgument(f"unknown speculation mode {speculate!r}",
                               f"use one of {', '.join(MODES)}, a Proposer, or None")
@@ -121,8 +123,6 @@ def named_proposer(mode: str, draft=None) -> Proposer:
     if mode == "suffix":
         return SuffixProposer()
     if mode == "lookahead":
-        from .proposers.lookahead import Lookahead  # TEMP until merged
-
         return Lookahead()
     if mode == "draft":
         if draft is None:
@@ -131,3 +131,10 @@ def named_proposer(mode: str, draft=None) -> Proposer:
                                   "on the command line, --draft-model PATH or --draft-skip-layers")
         return draft if isinstance(draft, DraftModel) else DraftModel(draft)
     raise InvalidArgument(f"unknown speculation mode {mode!r}", f"use one of {', '.join(MODES)}, a Proposer, or None")
+
+
+def auto_proposer(store=None) -> Mixture:
+    """What "auto" drafts with: prompt lookup and the suffix store (`store`, default the shared
+    one), and lookahead where the hardware makes its window nearly free (`Mixture.fit`, done when
+    a run starts and the cost curve is known)."""
+    return Mixture([PromptLookup(), SuffixProposer(store=store)], name="auto", lookahead=True)

@@ -113,7 +113,7 @@ def speculation_from(choice: SpeculationChoice | str | None, draft_budget: int |
     budget, settings that need another mode, a dtype where speculation cannot be exact). Draft
     models come back as a `PendingDraft` that `prepare_speculation` builds."""
     from ..models import resolve_dtype
-    from ..speculation import DEFAULT_BUDGET, Speculation, resolve
+    from ..speculation import resolve
 
     if not isinstance(choice, SpeculationChoice):
         choice = SpeculationChoice(choice)
@@ -148,8 +148,7 @@ def speculation_from(choice: SpeculationChoice | str | None, draft_budget: int |
 
         window, ngram, guesses = lookahead_settings(choice.lookahead)
         proposer = Lookahead(window=window, ngram=ngram, guesses=guesses)
-        spec = Speculation(proposer, draft_budget or getattr(proposer, "default_budget", DEFAULT_BUDGET))
-        return resolve(spec, resolve_dtype(dtype))
+        return resolve(proposer, resolve_dtype(dtype), budget=draft_budget)
     return resolve(mode, resolve_dtype(dtype), budget=draft_budget)
 
 

@@ -180,6 +180,8 @@ class Proposer:
     """Base class of draft proposers (see the module notes). Subclasses set `name`."""
 
     name = "proposer"
+    default_budget: int | None = None
+    """The draft budget a named mode runs this proposer at (None: `speculation.DEFAULT_BUDGET`)."""
 
     def propose(self, context: BranchContext, budget: int) -> DraftTree:
         raise NotImplementedError

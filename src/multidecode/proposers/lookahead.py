@@ -197,6 +197,11 @@ class Lookahead(Proposer):
         this size verifies every pooled guess)."""
         return self.guesses * (self.ngram - 1)
 
+    @property
+    def default_budget(self) -> int:
+        """Every pooled guess verified: the candidates' most."""
+        return self.candidate_nodes
+
     def step_rows(self, budget: int | None = None) -> int:
         """Rows a branch feeds in one step at most: its newest token, the window and the
         candidates (no more than `budget` of them)."""

@@ -22,21 +22,40 @@ from collections.abc import Sequence
 import torch
 
 from . import UNDER_LEAF, BranchContext, DraftTree, Proposer
+from .lookahead import Lookahead
 
 KIND_STRIDE = 100
 """Member m's node kinds are m * KIND_STRIDE + the member's own kind."""
 
 
 class Mixture(Proposer):
-    """The merged drafts of `members` (see the module notes)."""
+    """The merged drafts of `members` (see the module notes).
+
+    lookahead: also consider lookahead decoding, sized to the hardware by `fit` (the window is
+    fed every step whatever it yields, so it joins only where its rows cost next to nothing).
+    """
 
     name = "mixture"
 
-    def __init__(self, members: Sequence[Proposer], name: str = "mixture") -> None:
+    def __init__(self, members: Sequence[Proposer], name: str = "mixture", *, lookahead: bool = False) -> None:
         if not members:
             raise ValueError("a Mixture needs at least one member")
+        self.base = list(members)
         self.members = list(members)
         self.name = name
+        self.lookahead = lookahead
+
+    def fit(self, curve, branches: int, budget: int, max_ratio: float = 1.3) -> None:
+        """Size the lookahead member to the cost curve: the largest window `Lookahead.from_cost`
+        allows one branch, kept only if a step of all `branches` with it stays within `max_ratio`
+        of a step without; otherwise no lookahead (as on a CPU, where every row costs)."""
+        self.members = list(self.base)
+        if not self.lookahead:
+            return
+        candidate = Lookahead.from_cost(curve, max_ratio=max_ratio, budget=budget)
+        rows = branches * candidate.step_rows(budget)
+        if curve.relative(rows, 0) / curve.relative(branches * (1 + budget), 0) <= max_ratio:
+            self.members.append(candidate)
 
     def check(self, model) -> None:
         for member in self.members:
