@@ -16,8 +16,10 @@ from multidecode import MultiDecoder
 from multidecode.bench.common import ForwardCounter, data_text
 from multidecode.bench.speculate import draft_counts, hf_generate, run_speculate_benchmark, workloads
 
-HF = ("hf_greedy", "hf_lookup_3", "hf_lookup_10")
-OURS = ("multidecode_plain", "multidecode_lookup", "multidecode_auto")
+HF = ("hf_greedy", "hf_lookup_3", "hf_lookup_10", "hf_assisted_self")
+OURS = ("multidecode_plain", "multidecode_lookup", "multidecode_auto", "multidecode_lookahead",
+        "multidecode_lookahead_fit", "multidecode_suffix", "multidecode_draft", "multidecode_suffix_2nd",
+        "multidecode_auto_2nd")
 # a prompt that repeats itself, so that n-gram lookup finds candidates
 PROMPT = [1] + [40, 41, 42, 43, 44, 45, 46, 47] * 3 + [40, 41]
 
@@ -90,7 +92,14 @@ def test_every_method_runs_and_equals_plain_greedy():
     assert row["methods"]["hf_greedy"]["tokens_per_forward"] == 1.0
     assert row["methods"]["multidecode_auto"]["extra"]["speculate"] == "auto"
     assert row["methods"]["multidecode_lookup"]["extra"]["drafted"] >= 0
-    assert [t["name"] for t in result["targets"]] == ["story: auto over plain greedy"]
+    assert row["methods"]["multidecode_draft"]["extra"]["draft_forwards"] > 0
+    assert row["methods"]["multidecode_lookahead"]["extra"]["speculate"] == "lookahead"
+    # the second pass has seen this workload's greedy output: its drafts are accepted
+    assert row["methods"]["multidecode_suffix_2nd"]["extra"]["accepted"] > 0
+    assert [t["name"] for t in result["targets"]] == [
+        "story: auto over plain greedy", "story: lookahead at least lade's best (0.95x)",
+        "story: MD suffix 2nd over plain greedy", "story: auto 2nd pass over plain greedy"]
+    assert result["config"]["self_draft_skips"]  # a quarter of the layers at least
 
 
 def test_bench_speculate_command_writes_its_three_files(tmp_path):

@@ -304,13 +304,14 @@ def expected_speedup(agreement: float, draft_cost: float, max_draft: int = MAX_D
 
 
 def choose_skip(model, sample_ids, *, max_skip: int | None = None, candidates: Iterable[int] | None = None,
-                max_draft: int = MAX_DRAFT_LENGTH) -> SkipChoice:
+                max_draft: int = MAX_DRAFT_LENGTH, min_skip: int = 0) -> SkipChoice:
     """The set of skipped layers with the best expected speedup found by a greedy search.
 
     sample_ids: token ids (one sequence, several, or a [batch, length] tensor), a few hundred tokens
     in all: every sequence is run whole by every draft tried. candidates: the layers that may be
     skipped (default: all). max_skip: the most layers skipped (default: half the layers, which
-    bounds the cost; early exit as in LayerSkip may want more).
+    bounds the cost; early exit as in LayerSkip may want more). min_skip: the fewest (to have a
+    draft to measure even where no set is expected to pay; the search then goes on at least that far).
 
     The search adds one layer at a time, the one whose skipping keeps the most sample positions
     agreeing with the target (ties: the lowest index), and stops at max_skip or once agreement is
@@ -332,7 +333,7 @@ def choose_skip(model, sample_ids, *, max_skip: int | None = None, candidates: I
     limit = depth // 2 if max_skip is None else max_skip
     if not is_int(limit) or limit < 0:
         raise InvalidArgument(f"max_skip must be a non-negative integer, got {max_skip!r}", "use 0 or more")
-    limit = min(limit, len(pool), depth - 1)
+    limit = min(max(limit, min_skip), len(pool), depth - 1)
     sample = _sample(sample_ids, model)
     expected = [_greedy(model, ids) for ids in sample]  # per sequence: [length] target arg-max
     positions = sum(t.numel() for t in expected)
@@ -362,12 +363,12 @@ def choose_skip(model, sample_ids, *, max_skip: int | None = None, candidates: I
         choice = measured[layer]
         chosen = (*chosen, layer)
         del bound[layer]
-        if choice.expected_speedup > best.expected_speedup:
+        if len(chosen) >= min_skip and (choice.expected_speedup > best.expected_speedup or len(best.layers) < min_skip):
             best = choice
         # The best any further set could do: this agreement at the cost of the lightest set left to try.
         heaviest = sorted(bound, key=lambda i: -weight[i])[: limit - len(chosen)]
         ceiling, _ = expected_speedup(choice.agreement, cost((*chosen, *heaviest)), max_draft)
-        if ceiling <= best.expected_speedup:
+        if ceiling <= best.expected_speedup and len(chosen) >= min_skip:
             break
     return best
 
@@ -411,3 +412,12 @@ def _layer_weights(model, layers: nn.ModuleList) -> dict:
 
 
 __all__ = ["SkipChoice", "choose_skip", "choose_skip_layers", "decoder_layers", "expected_speedup", "self_draft"]
+
+
+SAMPLE_TEXT = (
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
+    "agreed to fund the new library wing, to repair the roads near the river, and to hire two more teachers for "
+    "the primary school. The mayor thanked everyone for their work and said that the town would publish the full "
+    "report next week.\n\ndef total(prices, tax):\n    subtotal = sum(prices)\n    return subtotal * (1 + tax)\n"
+)
+"""A sample of prose and code to choose skipped layers on when the user gives none."""

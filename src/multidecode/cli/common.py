@@ -200,7 +200,7 @@ def prepare_speculation(decoder, spec):
 def _build_draft(decoder, pending: PendingDraft):
     from ..models import load_model_and_tokenizer
     from ..proposers.draft import DraftModel, check_same_tokenizer
-    from ..self_draft import choose_skip_layers, self_draft
+    from ..self_draft import SAMPLE_TEXT, choose_skip, self_draft
     from ..speculation import DEFAULT_BUDGET, Speculation
 
     choice = pending.choice
@@ -213,8 +213,14 @@ def _build_draft(decoder, pending: PendingDraft):
         label = f"the draft model {escape(choice.draft_model)}"
     else:
         if choice.draft_skip_layers == "auto":
-            with stderr.status("Choosing the layers the self-draft skips, by measured acceptance..."):
-                layers = choose_skip_layers(decoder.model, [decoder.tokenizer(SKIP_SAMPLE)["input_ids"]])
+            with stderr.status("Choosing the layers the self-draft skips, by measured acceptance (about a minute)..."):
+                picked = choose_skip(decoder.model, [decoder.tokenizer(SAMPLE_TEXT)["input_ids"]])
+            layers = list(picked.layers)
+            if not layers:
+                raise InvalidArgument(
+                    "no set of skipped layers is expected to pay on this model: a self-draft agrees with it too "
+                    "rarely for what it saves",
+                    "name the layers yourself (--draft-skip-layers 10-14), or use --speculate auto")
         else:
             layers = skip_layer_list(choice.draft_skip_layers)
         draft = self_draft(decoder.model, layers)
@@ -223,13 +229,6 @@ def _build_draft(decoder, pending: PendingDraft):
     return Speculation(DraftModel(draft), pending.budget or DEFAULT_BUDGET)
 
 
-SKIP_SAMPLE = (
-    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
-    "agreed to fund the new library wing, to repair the roads near the river, and to hire two more teachers for "
-    "the primary school. The mayor thanked everyone for their work and said that the town would publish the full "
-    "report next week.\n\ndef total(prices, tax):\n    subtotal = sum(prices)\n    return subtotal * (1 + tax)\n"
-)
-"""Text the self-draft's skipped layers are chosen on with --draft-skip-layers auto: prose and code."""
 
 
 def print_stats(stats: dict) -> None:
