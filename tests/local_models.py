@@ -26,13 +26,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer(chat: bool = True) -> tf.PreTrainedTokenizerFast:
+def tiny_tokenizer(chat: bool = True, vocab_size: int = 400) -> tf.PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with eos `<|im_end|>` (id 2), trained on a few sentences."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+        vocab_size=vocab_size, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
@@ -45,9 +45,9 @@ def tiny_tokenizer(chat: bool = True) -> tf.PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_model_folder(path: Path, *, max_positions: int = 256, chat: bool = True) -> Path:
-    """Write a tiny Llama + tokenizer into `path`; returns `path`."""
-    tokenizer = tiny_tokenizer(chat)
+def tiny_model_folder(path: Path, *, max_positions: int = 256, chat: bool = True, vocab_size: int = 400) -> Path:
+    """Write a tiny Llama + tokenizer (of at most `vocab_size` tokens) into `path`; returns `path`."""
+    tokenizer = tiny_tokenizer(chat, vocab_size)
     config = tf.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,

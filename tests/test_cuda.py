@@ -35,7 +35,7 @@ def generate(model, prompt, n):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "gpt2"])
-@pytest.mark.parametrize("speculate", [None, "lookup"])
+@pytest.mark.parametrize("speculate", [None, "lookup", "suffix", "lookahead", "auto"])
 def test_forest_on_cuda_equals_generate(arch, speculate):
     model = cuda_model(arch)
     run = start_forest(model, PREFIX, BRANCHES, max_new_tokens=16, eos_token_id=[VOCAB],
@@ -64,3 +64,29 @@ def test_seeded_sampling_on_cuda_is_the_same_with_speculation():
 def test_cost_curve_on_cuda():
     curve = measure_cost(cuda_model("llama"), sizes=(1, 2, 8, 32), contexts=(64,), repeats=2)
     assert all(b >= a > 0 for a, b in zip(curve.seconds[0], curve.seconds[0][1:]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_draft_models_on_cuda_equal_generate(arch):
+    """A self-draft (one layer skipped) and a draft identical to the target, on the GPU."""
+    from multidecode.proposers.draft import DraftModel
+    from multidecode.self_draft import self_draft
+    from multidecode.speculation import Speculation
+
+    model = cuda_model(arch)
+    expected = [generate(model, PREFIX + b, 16) for b in BRANCHES]
+    for draft in (self_draft(model, [1]), model):
+        run = start_forest(model, PREFIX, BRANCHES, max_new_tokens=16, eos_token_id=[VOCAB],
+                           sampling=[SamplingParams()] * len(BRANCHES),
+                           speculate=Speculation(DraftModel(draft, confidence=0.0), budget=4)).finish()
+        assert [b.output.token_ids for b in run.branches] == expected
+
+
+def test_sampled_draft_speculation_on_cuda_runs_the_rule_against_q():
+    from multidecode.proposers.draft import DraftModel
+    from multidecode.self_draft import self_draft
+
+    model = cuda_model("llama")
+    out = multidecode.decode(model, PREFIX, BRANCHES, max_new_tokens=12, eos_token_id=VOCAB, do_sample=True,
+                             temperature=0.8, seed=3, speculate=DraftModel(self_draft(model, [1])))
+    assert [len(o) for o in out] == [12] * len(BRANCHES)

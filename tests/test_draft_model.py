@@ -10,9 +10,12 @@ import copy
 
 import pytest
 import torch
+from hash_lm import HashLM, LetterTokenizer
 from test_exactness import pick_eos, truncate
 from test_speculation import (
     BRANCHES,
+    HASH_BRANCHES,
+    HASH_PREFIX,
     NO_EOS,
     PREFIX,
     SAMPLE_PREFIX,
@@ -21,6 +24,7 @@ from test_speculation import (
     _frequencies_pass,
     _softmax,
     combos,
+    hash_expected,
     outputs,
     run,
     tiny_references,
@@ -147,3 +151,37 @@ def test_sampled_draft_speculation_follows_the_softmax_and_a_trusting_rule_fails
     monkeypatch.setattr("multidecode.verify.speculative_sample", _trusting)
     firsts, _, _ = _two_tokens(3000, first, spec())
     assert not _frequencies_pass(firsts, first_probs)
+
+
+def test_stop_strings_and_eos_inside_accepted_drafts_on_the_hash_model():
+    """A draft identical to the target (the model-free hash LM): its drafts are accepted, so stop
+    strings and eos land inside accepted drafts; the text is cut where sequential decoding cuts."""
+    tokenizer = LetterTokenizer()
+    full = hash_expected(HASH_PREFIX, HASH_BRANCHES, 40)
+    stop = tokenizer.decode(full[0][6:8])
+    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=Speculation(DraftModel(HashLM(), confidence=0.0),
+                 budget=6), max_new_tokens=40, tokenizer=tokenizer, stop=[stop])
+    for b, out in zip(forest.branches, full):
+        text = tokenizer.decode(out)
+        assert b.output.text == (text[: text.index(stop)] if stop in text else text)
+        assert b.output.token_ids == out[: len(b.output.token_ids)]
+    assert forest.branches[0].output.finish_reason == "stop"
+    assert forest.stats.accepted == forest.stats.drafted > 0
+    eos = {full[1][9]}
+    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=Speculation(DraftModel(HashLM(), confidence=0.0),
+                 budget=6), max_new_tokens=40, eos=eos)
+    assert outputs(forest) == hash_expected(HASH_PREFIX, HASH_BRANCHES, 40, eos)
+
+
+def test_the_decoder_drafts_with_its_draft_model():
+    """`MultiDecoder(draft=...)` with speculate="draft" gives plain greedy's tokens; without a draft
+    model "draft" is refused with a hint."""
+    from test_bench import ByteTokenizer
+
+    model = tiny_model("llama", "sdpa")
+    decoder = multidecode.MultiDecoder(model, ByteTokenizer(), draft=_perturbed(model, 0.3))
+    plain = decoder.generate([1, 40, 41, 42, 43], max_new_tokens=12, speculate=None, eos_token_id=[])
+    drafted = decoder.generate([1, 40, 41, 42, 43], max_new_tokens=12, speculate="draft", eos_token_id=[])
+    assert drafted.token_ids == plain.token_ids and drafted.stats["accepted"] > 0
+    with pytest.raises(InvalidArgument, match="needs a draft model"):
+        multidecode.MultiDecoder(model, ByteTokenizer()).generate([1, 40], max_new_tokens=2, speculate="draft")

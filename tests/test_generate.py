@@ -111,6 +111,13 @@ def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, mon
     (["--speculate", "lookup", "--draft-budget", "0"], "positive integer"),
     (["--speculate", "lookup", "--dtype", "bfloat16"], "cannot be exact in bfloat16"),
     (["--speculate", "off", "--draft-budget", "4"], "--draft-budget needs speculation"),
+    (["--speculate", "draft"], "--speculate draft needs a draft model"),
+    (["--speculate", "lookup", "--draft-skip-layers", "1"], "but --speculate is lookup"),
+    (["--draft-skip-layers", "1-x"], "not a list of layer numbers"),
+    (["--draft-model", "a", "--draft-skip-layers", "1"], "both name a draft"),
+    (["--speculate", "lookahead", "--lookahead", "7,5"], "is not three integers"),
+    (["--speculate", "lookahead", "--lookahead", "0,5,7"], "need W >= 1"),
+    (["--speculate", "lookup", "--lookahead", "7,5,7"], "--lookahead sets lookahead decoding"),
 ])
 def test_cli_bad_speculation_settings_exit_2_before_loading(model_dir, extra, message):
     for command in (["generate", "-p", "hi"], ["ask", "--document", "-", "-q", "Why?"],
@@ -162,3 +169,29 @@ def test_embedded_generate_with_speculation_equals_plain_greedy(embedded):
         done = embedded.generate(text, max_new_tokens=40, speculate=speculate)
         assert done.token_ids == plain.token_ids
         assert done.stats["forward_passes"] < plain.stats["forward_passes"]
+
+
+@pytest.mark.xdist_group("cli")
+def test_cli_generate_with_every_proposer_gives_plain_greedy(model_dir, decoder):
+    """lookahead (with settings), suffix and a self-draft (one of the two layers skipped): the
+    tokens of plain greedy decoding."""
+    expected = decoder.generate("hello, the router is old", max_new_tokens=10, speculate=None).token_ids
+    args = ["generate", "--model", str(model_dir), "-p", "hello, the router is old", "--max-new-tokens", "10", "--json"]
+    for extra in (["--speculate", "lookahead", "--lookahead", "3,3,3"], ["--speculate", "suffix"],
+                  ["--draft-skip-layers", "1"], ["--speculate", "draft", "--draft-model", str(model_dir)]):
+        result = CliRunner().invoke(main, [*args, *extra, "--stats"])
+        assert result.exit_code == 0, (extra, result.output)
+        row = json.loads(result.stdout.strip().splitlines()[-1])
+        assert row["token_ids"] == expected, extra
+        assert row["stats"]["speculate"] in ("lookahead", "suffix", "draft")
+
+
+@pytest.mark.xdist_group("cli")
+def test_cli_refuses_a_draft_model_with_another_tokenizer(model_dir, tmp_path):
+    from local_models import tiny_model_folder
+
+    other = tiny_model_folder(tmp_path / "other", vocab_size=300)
+    result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "-p", "hi", "--max-new-tokens", "3",
+                                       "--draft-model", str(other)])
+    assert result.exit_code == 2, result.output
+    assert "tokenizer differs" in result.output and "hint:" in result.output and "Traceback" not in result.output

@@ -53,9 +53,11 @@ class _Branch:
 
 
 def vocabulary_size(model) -> int:
-    """The size of the model's next-token distribution (its output layer)."""
-    return model.get_output_embeddings().out_features if model.get_output_embeddings() is not None \
-        else model.config.get_text_config().vocab_size
+    """The size of the model's next-token distribution: its output layer's, else its embeddings'."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if head is not None:
+        return head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
+    return model.get_input_embeddings().num_embeddings
 
 
 def check_same_tokenizer(target, draft) -> None:

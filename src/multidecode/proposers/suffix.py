@@ -361,6 +361,8 @@ class SuffixProposer(Proposer):
     """
 
     name = "suffix"
+    default_budget = 16
+    """A long match sizes a long draft (and a short one a short draft): let the match decide."""
 
     def __init__(self, *, store: SuffixStore | None = None, alpha: float = 1.0, min_probability: float = 0.1,
                  min_score: float = 0.02, max_match: int | None = None) -> None:
