@@ -334,6 +334,73 @@ def test_the_library_runs_silently_and_stops_on_request(model_dir, tmp_path, cap
     assert capsys.readouterr() == ("", "")
 
 
+def test_speculation_gives_the_same_records_and_is_not_a_setting(model_dir, tmp_path):
+    """suffix drafts (it is fed and accepts some), yet every record equals the plain run's, and the
+    settings (fingerprint, meta file) do not mention speculation."""
+    from multidecode.batch import total_stats
+    from multidecode.proposers.suffix import SuffixProposer, SuffixStore
+
+    source = write_lines(tmp_path / "in.jsonl", documents(6))
+    decoder = multidecode.load(str(model_dir))
+    settings = BatchSettings(max_new_tokens=8, model="tiny")
+    with one_thread():
+        run_batch(decoder, source, tmp_path / "plain.jsonl", max_new_tokens=8, model="tiny")
+        with open_batch(source, tmp_path / "suffix.jsonl", settings) as job:
+            lines = list(job.run(decoder, speculate=SuffixProposer(store=SuffixStore())))
+        run_batch(decoder, source, tmp_path / "shared.jsonl", max_new_tokens=8, model="tiny", speculate="suffix")
+    plain = results(records(tmp_path / "plain.jsonl"))
+    assert results(records(tmp_path / "suffix.jsonl")) == plain
+    assert results(records(tmp_path / "shared.jsonl")) == plain
+    totals = total_stats(line.stats for line in lines)
+    assert totals["speculate"] == "suffix" and totals["runs"] == 6
+    assert totals["drafted"] > 0 and totals["accepted"] > 0  # it did speculate, from earlier documents
+    assert [len(line.answers) for line in lines] == [2] * 6
+    assert {record["settings"] for record in plain.values()} == {settings.fingerprint}
+    metas = [json.loads(meta_path(tmp_path / f"{name}.jsonl").read_text()) for name in ("plain", "suffix", "shared")]
+    assert metas[0]["settings"] == metas[1]["settings"] == metas[2]["settings"]
+    assert set(metas[0]) == {"format", "fingerprint", "settings", "input", "multidecode"}
+    assert "speculat" not in json.dumps(metas[0]["settings"])
+
+
+def test_total_stats_sums_counts_and_totals_again():
+    from multidecode.batch import total_stats
+
+    a = {"speculate": "suffix", "steps": 4, "forward_passes": 5, "tokens": 20, "drafted": 10, "accepted": 5,
+         "steps_speculating": 2, "mean_draft_budget": 2.5}
+    b = {"speculate": "lookup", "steps": 6, "forward_passes": 7, "tokens": 10, "drafted": 10, "accepted": 0,
+         "steps_speculating": 6, "mean_draft_budget": 5.0}
+    plain = {"speculate": None, "steps": 2, "forward_passes": 3, "tokens": 6, "drafted": 0, "accepted": 0}
+    once = total_stats([a, {}, b, plain])  # a failed line has no stats
+    assert once == {"speculate": "lookup+suffix", "runs": 3, "steps": 12, "forward_passes": 15, "tokens": 36,
+                    "drafted": 20, "accepted": 5, "steps_speculating": 8, "tokens_per_forward": 36 / 15,
+                    "acceptance": 0.25, "mean_draft_budget": (10 + 30) / 12}
+    running: dict = {}
+    for stats in (a, {}, b, plain):
+        running = total_stats([running, stats])
+    assert running == pytest.approx(once) and running["speculate"] == once["speculate"]
+    assert total_stats([plain])["acceptance"] is None and total_stats([])["runs"] == 0
+
+
+def test_the_command_speculates_and_resumes_with_another_mode(model_dir, tmp_path):
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    plain, out = tmp_path / "plain.jsonl", tmp_path / "out.jsonl"
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 6, "--speculate", "suffix", "--stats")
+    assert result.exit_code == 0, result.output
+    assert "2 lines answered in this run:" in result.stderr and "speculate=suffix" in result.stderr
+    write_lines(source, documents(4))  # two more lines, done with another mode
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 6, "--speculate", "lookup", "--json",
+                 "--stats")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["done"] == 2 and "speculate=lookup" in result.stderr
+    assert run(source, "-o", plain, "--model", model_dir, "--max-new-tokens", 6).exit_code == 0
+    assert results(records(out)) == results(records(plain))
+    # nothing left to do: no stats to print, and a bad mode is refused before the job is opened
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 6, "--speculate", "auto", "--stats")
+    assert result.exit_code == 0 and "answered in this run" not in result.stderr
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 6, "--speculate", "psychic")
+    assert result.exit_code == 2 and "unknown speculation mode 'psychic'" in result.stderr
+
+
 class Broken:
     """A decoder whose every call fails unexpectedly (a device that went away)."""
 

@@ -15,6 +15,11 @@ Usage::
         summary = job.summary()
     # or, all at once: run_batch(decoder, "calls.jsonl", "answers.jsonl", questions=[...])
 
+Speculation (`run(decoder, speculate=...)`, `--speculate`) makes a job faster, never different,
+so it is not one of the settings below: a job may be resumed with another speculation mode.
+"suffix" (or "auto") drafts from the answers to the job's earlier documents, which the process's
+shared suffix store keeps: it pays on many similar documents, whose answers repeat each other.
+
 Input (JSON Lines, UTF-8)
 -------------------------
 One JSON object per line: ``{"id": "call-17", "document": "...", "questions": ["...", ...]}``.
@@ -96,7 +101,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -450,9 +455,11 @@ def _encode(record: dict) -> bytes:
 # ---------------------------------------------------------------------- results and summary
 @dataclass(frozen=True)
 class LineResult:
-    """One finished input line: `record` is exactly what was written to the output."""
+    """One finished input line: `record` is exactly what was written to the output; `answers`
+    are its `Answer`s themselves (token ids, decode stats), which the output does not keep."""
 
     record: dict
+    answers: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def id(self) -> str | int:
@@ -477,6 +484,25 @@ class LineResult:
     @property
     def elapsed_s(self) -> float:
         return self.record["elapsed_s"]
+
+    @property
+    def stats(self) -> dict:
+        """The line's decode stats (forwards, drafted, accepted; see `DecodeStats`); {} if it failed."""
+        return dict(self.answers[0].stats) if self.answers else {}
+
+
+def total_stats(stats: Iterable[Mapping]) -> dict:
+    """Several runs' decode stats (`LineResult.stats`) as one: counts summed, ratios of the sums.
+    Totals may be totalled again, so a long job can keep one running total instead of every line's."""
+    stats = [s for s in stats if s]
+    total = {key: sum(s.get(key, 0) for s in stats)
+             for key in ("steps", "forward_passes", "tokens", "drafted", "accepted", "steps_speculating")}
+    modes = {mode for s in stats if s.get("speculate") for mode in s["speculate"].split("+")}
+    budgets = sum(s.get("mean_draft_budget", 0.0) * s.get("steps", 0) for s in stats)
+    return {"speculate": "+".join(sorted(modes)) or None, "runs": sum(s.get("runs", 1) for s in stats), **total,
+            "tokens_per_forward": total["tokens"] / total["forward_passes"] if total["forward_passes"] else 0.0,
+            "acceptance": total["accepted"] / total["drafted"] if total["drafted"] else None,
+            "mean_draft_budget": budgets / total["steps"] if total["steps"] else 0.0}
 
 
 @dataclass(frozen=True)
@@ -574,11 +600,15 @@ class BatchJob:
         self.close()
 
     # -------------------------------------------------------------- running
-    def run(self, decoder) -> Iterator[LineResult]:
+    def run(self, decoder, *, speculate=None) -> Iterator[LineResult]:
         """Answer every pending line in input order, appending each record as it finishes.
 
         Yields a `LineResult` after each record is on disk. Ends at the end of the input or at
         `stop()`; an exception (KeyboardInterrupt included) leaves every written record valid.
+        speculate: `MultiDecoder.ask`'s, for every line; it never changes the answers. "suffix"
+        or "auto" draft from the answers to the earlier documents (the process's shared suffix
+        store), which pays on many similar documents; a `Proposer` or `Speculation` object is
+        used for every line alike, so one with its own store learns from this job alone.
         """
         if self._fd is None:
             raise InvalidInput("this batch job is closed", "open it again with open_batch")
@@ -595,12 +625,12 @@ class BatchJob:
                 item = parse_line(raw, number, settings.questions)
                 if item.key != key:  # the input changed under us: leave this line to the next run
                     continue
-                record = self._answer(decoder, item)
+                record, answers = self._answer(decoder, item, speculate)
                 self._append(record)
                 del self.pending[number]
                 self._count(record)
                 self.elapsed_s = base_elapsed + time.perf_counter() - started
-                yield LineResult(record)
+                yield LineResult(record, tuple(answers))
                 if self._crashes >= MAX_CONSECUTIVE_CRASHES:
                     error = record["error"]
                     raise BatchAborted(
@@ -610,14 +640,14 @@ class BatchJob:
         finally:
             self.elapsed_s = base_elapsed + time.perf_counter() - started
 
-    def _answer(self, decoder, item: InputLine) -> dict:
+    def _answer(self, decoder, item: InputLine, speculate) -> tuple[dict, list]:
         start = time.perf_counter()
         answers, error = [], item.error
         if error is None:
             try:
                 answers = decoder.ask(item.document, list(item.questions), max_new_tokens=self.settings.max_new_tokens,
                                       stop=self.settings.stop, instruction=self.settings.instruction,
-                                      **self.settings.sampling)
+                                      speculate=speculate, **self.settings.sampling)
                 self._crashes = 0
             except MultiDecodeError as err:
                 error = err
@@ -636,7 +666,7 @@ class BatchJob:
             "tokens": sum(len(a.token_ids) for a in answers),
             "elapsed_s": round(time.perf_counter() - start, 4),
             "settings": self.fingerprint,
-        }
+        }, answers
 
     def _append(self, record: dict) -> None:
         _write_all(self._fd, _encode(record))  # one write in practice; a cut-short one is repaired on resume
@@ -766,11 +796,13 @@ def _write_meta(path: Path, settings: BatchSettings, input_path: Path) -> None:
 def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.PathLike, *,
               questions: Sequence[str] = (), max_new_tokens: int = 48, stop: Sequence[str] = (),
               instruction: str | None = None, retry_failed: bool = False, model: str | None = None,
-              **sampling) -> BatchSummary:
+              speculate=None, **sampling) -> BatchSummary:
     """Run (or resume) a whole batch job silently and return its summary.
 
     model: the label that goes into the settings fingerprint (default: the model's
     `name_or_path`, which for a local folder is its path).
+    speculate: as for `BatchJob.run` (not a setting: it never changes the answers). "suffix" or
+    "auto" draft from the answers to the job's earlier documents, which pays on similar ones.
     """
     if model is None:
         name = getattr(decoder.model.config, "name_or_path", None) or getattr(decoder.model.config, "_name_or_path", "")
@@ -779,6 +811,6 @@ def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.Path
                              sampling=sampling, instruction=instruction, model=model,
                              dtype=str(decoder.model.dtype).removeprefix("torch."))
     with open_batch(input_path, output_path, settings, retry_failed=retry_failed) as job:
-        for _ in job.run(decoder):
+        for _ in job.run(decoder, speculate=speculate):
             pass
         return job.summary()

@@ -22,15 +22,19 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..batch import BatchJob, BatchSettings, BatchSummary, LineResult, model_identity, open_batch
+from ..batch import BatchJob, BatchSettings, BatchSummary, LineResult, model_identity, open_batch, total_stats
 from .common import (
     check_early,
     load_decoder,
     model_options,
+    prepare_speculation,
+    print_stats,
     read_lines,
     report_errors,
     sampling_from,
     sampling_options,
+    speculate_options,
+    speculation_from,
     stderr,
 )
 
@@ -206,10 +210,11 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
 @click.option("--retry-failed", is_flag=True, help="Redo the lines whose result in OUT is an error.")
 @model_options
 @sampling_options
+@speculate_options()
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @report_errors
 def batch(input_path, output, questions_file, question, max_new_tokens, stop, retry_failed, model_name, dtype,
-          device, as_json, **sampling):
+          device, as_json, speculate, draft_budget, show_stats, **sampling):
     """Answer questions about every document of a JSON Lines file, resumably.
 
     Each input line is a JSON object: {"id": ..., "document": "...", "questions": ["...", ...]}.
@@ -225,28 +230,38 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     1 when lines are left undone (the input changed during the run, or repeated unexpected
     errors aborted it), 130 after Ctrl-C (143 after SIGTERM), 2 for a problem with the job.
 
+    --speculate makes answers come faster, never different, so a job may resume with another
+    mode. suffix (or auto) drafts from the answers to the earlier documents of the job, which
+    pays on many similar documents. --stats prints this run's forwards and drafts, summed.
+
     \b
     Example:
       multidecode batch calls.jsonl --questions-file questions.txt --output answers.jsonl
     """
     questions = list(question) + (read_lines(questions_file) if questions_file else [])
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
+    spec = speculation_from(speculate, draft_budget, dtype)
     settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
                              sampling=sampling_from(sampling), model=model_identity(model_name), dtype=dtype)
     with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
         announce(job)
         received: list[int] = []
+        totals: dict = {}  # this run's decode stats, summed
         if job.pending:
             decoder = load_decoder(model_name, dtype, device)
+            spec = prepare_speculation(decoder, spec)
             try:
                 with ProgressView(job) as view, graceful_stop(job, view) as received:
-                    for result in job.run(decoder):
+                    for result in job.run(decoder, speculate=spec):
+                        totals = total_stats([totals, result.stats])
                         view.advance(result)
             except KeyboardInterrupt:
                 received = received or [signal.SIGINT]
         summary = job.summary()
     stopped = bool(received) and not summary.complete
     print_summary(summary, stopped=stopped)
+    if show_stats and totals.get("runs"):
+        print_stats(totals, lead=f"{totals['runs']} line{'s' * (totals['runs'] != 1)} answered in this run: ")
     if as_json:
         click.echo(json.dumps(summary.as_dict() | {"stopped": stopped}, ensure_ascii=False))
     if stopped:

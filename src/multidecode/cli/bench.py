@@ -207,3 +207,21 @@ def bench_speculate(workloads, max_new_tokens, budget):
     if budget <= 0:
         raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}", "for example --budget 90")
     return functools.partial(run_speculate_benchmark, names=names, max_new_tokens=max_new_tokens, budget_s=budget)
+
+
+@bench_command(
+    "batch",
+    click.option("--documents", type=int, default=16, show_default=True, help="Similar documents in the job."),
+    click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Longest answer, in tokens."),
+    click.option("--budget", type=float, default=300.0, show_default=True, metavar="SECONDS",
+                 help="Time budget for the rounds of all methods (one round always runs)."),
+)
+def bench_batch(documents, max_new_tokens, budget):
+    """The batch job over many similar support calls, 8 questions each: no speculation, lookup, and suffix
+    and auto learning from the job's earlier documents. Asserts identical answers; writes JSON, a plot and markdown."""
+    from ..bench import run_batch_benchmark
+
+    check_counts(documents=documents, max_new_tokens=max_new_tokens)
+    if budget <= 0:
+        raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}", "for example --budget 300")
+    return functools.partial(run_batch_benchmark, documents=documents, max_new_tokens=max_new_tokens, budget_s=budget)

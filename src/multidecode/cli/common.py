@@ -231,9 +231,9 @@ def _build_draft(decoder, pending: PendingDraft):
 
 
 
-def print_stats(stats: dict) -> None:
+def print_stats(stats: dict, lead: str = "") -> None:
     """One dim line on stderr: forwards, tokens per forward, drafts and acceptance, mean budget."""
-    line = f"{stats.get('forward_passes', 0)} forwards, {stats.get('tokens_per_forward', 0):.2f} tokens per forward"
+    line = f"{lead}{stats.get('forward_passes', 0)} forwards, {stats.get('tokens_per_forward', 0):.2f} tokens per forward"
     if stats.get("speculate"):
         acceptance = stats.get("acceptance")
         line += (f"; speculate={stats['speculate']}: {stats.get('drafted', 0)} draft tokens fed, "
