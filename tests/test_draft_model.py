@@ -166,7 +166,8 @@ def test_stop_strings_and_eos_inside_accepted_drafts_on_the_hash_model():
         assert b.output.text == (text[: text.index(stop)] if stop in text else text)
         assert b.output.token_ids == out[: len(b.output.token_ids)]
     assert forest.branches[0].output.finish_reason == "stop"
-    assert forest.stats.accepted == forest.stats.drafted > 0
+    # every draft is right, so branches stop inside accepted drafts, in a few forwards
+    assert forest.stats.accepted > 0 and forest.stats.forward_passes <= 40 // 7 + 2
     eos = {full[1][9]}
     forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=Speculation(DraftModel(HashLM(), confidence=0.0),
                  budget=6), max_new_tokens=40, eos=eos)

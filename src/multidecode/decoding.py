@@ -221,7 +221,11 @@ class BranchGroup(Work):
             raise InvalidArgument(f"proposer {spec.proposer.name!r} returned {len(proposed)} drafts for "
                                   f"{len(asking)} branches", "return one DraftTree per context from propose_many()")
         for b, draft in zip(asking, proposed):
-            draft = checked_draft(draft, spec, self.vocab_size).truncate(spec.size, room[b])
+            draft = checked_draft(draft, spec, self.vocab_size)
+            if self.tracker is not None and not draft.dists and len(draft) > spec.size:
+                draft = self._likeliest(b, draft.truncate(len(draft), room[b]), spec.size)
+            else:
+                draft = draft.truncate(spec.size, room[b])
             if chain_only:
                 draft = draft.first_chain()
             if self.tracker is not None:
@@ -229,6 +233,13 @@ class BranchGroup(Work):
             if len(draft) or draft.side_tokens:
                 self._drafts[b] = draft
                 self._hang(feed, b, draft)
+
+    def _likeliest(self, branch: int, draft: DraftTree, size: int) -> DraftTree:
+        """The `size` nodes with the best estimated chances (a node's is never above its
+        parent's, so they form a subtree): with "auto", what a mixture of proposers offers is
+        cut by what has been accepted, not by the order the proposers guessed in."""
+        chances = self.tracker.node_chances(branch, draft)
+        return draft.keep(sorted(range(len(draft)), key=lambda i: (-chances[i], i))[:size])
 
     def _hang(self, feed: Feed, branch: int, draft: DraftTree) -> None:
         """Add one branch's draft (candidates, then side nodes) to the feed under its head."""

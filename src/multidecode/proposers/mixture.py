@@ -47,14 +47,17 @@ class Mixture(Proposer):
 
     def fit(self, curve, branches: int, budget: int, max_ratio: float = 1.3) -> None:
         """Size the lookahead member to the cost curve: the largest window `Lookahead.from_cost`
-        allows one branch, kept only if a step of all `branches` with it stays within `max_ratio`
-        of a step without; otherwise no lookahead (as on a CPU, where every row costs)."""
+        allows one branch, kept only if it fits that rule at all (not its smallest fallback) and
+        all `branches`' windows added to a full-budget step cost at most `max_ratio` times the
+        step without them; otherwise no lookahead (as on a CPU, where every row costs)."""
         self.members = list(self.base)
         if not self.lookahead:
             return
         candidate = Lookahead.from_cost(curve, max_ratio=max_ratio, budget=budget)
-        rows = branches * candidate.step_rows(budget)
-        if curve.relative(rows, 0) / curve.relative(branches * (1 + budget), 0) <= max_ratio:
+        alone = curve.relative(candidate.step_rows(budget), 0)  # above max_ratio: from_cost's smallest fallback
+        without = branches * (1 + budget)
+        added = curve.relative(without + branches * candidate.side_nodes, 0) / curve.relative(without, 0)
+        if alone <= max_ratio and added <= max_ratio:
             self.members.append(candidate)
 
     def check(self, model) -> None:
