@@ -11,7 +11,8 @@ Entry points:
   `complete`, `vote`, `beam_search`, `margins`) on the embedded SmolLM2-135M-Instruct or any
   local/hub model.
 - `speculate=` on every decoding entry point: draft trees verified inside every branch
-  (`Speculation`, `Proposer`, `DraftTree`, `PromptLookup`); see `speculation`.
+  (`Speculation`, `Proposer`, `DraftTree`, `PromptLookup`, `SuffixProposer`, `Lookahead`,
+  `DraftModel`, `self_draft`); see `speculation`.
 """
 
 from .decoder import MultiDecoder, load
@@ -26,8 +27,12 @@ from .errors import (
     UnsupportedModel,
 )
 from .proposers import BranchContext, DraftTree, Proposer
+from .proposers.draft import DraftModel
+from .proposers.lookahead import Lookahead
 from .proposers.lookup import PromptLookup
+from .proposers.suffix import SuffixProposer
 from .sampling import SamplingParams
+from .self_draft import self_draft
 from .speculation import Speculation
 from .strategies.ask import Answer
 from .strategies.beam import Beam
@@ -43,9 +48,11 @@ __all__ = [
     "CacheUnwritable",
     "CompactionPolicy",
     "Completion",
+    "DraftModel",
     "DraftTree",
     "InvalidArgument",
     "InvalidInput",
+    "Lookahead",
     "ModelNotFound",
     "MultiDecodeError",
     "MultiDecoder",
@@ -54,6 +61,7 @@ __all__ = [
     "Proposer",
     "SamplingParams",
     "Speculation",
+    "SuffixProposer",
     "TokenEvent",
     "Trace",
     "UnsupportedModel",
@@ -61,4 +69,5 @@ __all__ = [
     "decode",
     "extract_answer",
     "load",
+    "self_draft",
 ]

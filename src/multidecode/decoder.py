@@ -85,9 +85,9 @@ class MultiDecoder:
 
         A text prompt goes through the chat template when the tokenizer has one (chat=False for
         raw text); a list of ids is used as given. speculate: "auto" (the default) drafts with
-        prompt lookup only where the measured cost of a forward on this hardware says it pays (the
-        first use measures it once, about 10 s, and keeps it on disk); "lookup" always drafts;
-        None never does.
+        prompt lookup and the suffix store only where the measured cost of a forward on this
+        hardware says it pays (the first use measures it once, about 10 s, and keeps it on disk);
+        "lookup", "suffix", "lookahead" and "draft" always draft (see `speculation`); None never does.
         Greedy output equals `model.generate(do_sample=False)`; `.stats` says how many forwards
         it took and how many draft tokens were accepted.
         """
