@@ -114,6 +114,11 @@ HASH_PREFIX = [_rng.randrange(3, 48) for _ in range(5)] * 3  # repeats, so looku
 HASH_BRANCHES = [[], [5, 6, 7], HASH_PREFIX[:4], [9]]
 
 
+def cut_at_stop(texts, stop: str) -> list[str]:
+    """Each text as sequential decoding returns it with stop string `stop`: cut before it."""
+    return [text[: text.index(stop)] if stop in text else text for text in texts]
+
+
 def hash_expected(prefix, branches, steps, eos=frozenset()):
     return [reference(prefix + b, steps, set(eos)) for b in branches]
 
@@ -153,10 +158,7 @@ def test_hash_model_stop_strings_cut_inside_drafts(mode):
     tokenizer = LetterTokenizer()
     full = hash_expected(HASH_PREFIX, HASH_BRANCHES, 40)
     stop = tokenizer.decode(full[0][6:8])
-    expected_text = []
-    for out in full:
-        text = tokenizer.decode(out)
-        expected_text.append(text[: text.index(stop)] if stop in text else text)
+    expected_text = cut_at_stop([tokenizer.decode(out) for out in full], stop)
     conts = {tuple(HASH_PREFIX + b): e for b, e in zip(HASH_BRANCHES, full)}
     forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=speculations(48, conts)[mode], max_new_tokens=40,
                  tokenizer=tokenizer, stop=[stop])

@@ -28,6 +28,7 @@ from test_speculation import (
     PREFIX,
     STEPS,
     combos,
+    cut_at_stop,
     hash_expected,
     outputs,
     run,
@@ -395,10 +396,7 @@ def test_hash_model_stop_strings_cut_inside_drafts():
     tokenizer = LetterTokenizer()
     full = hash_expected(HASH_PREFIX, HASH_BRANCHES, 40)
     stop = tokenizer.decode(full[0][6:8])
-    expected_text = []
-    for out in full:
-        text = tokenizer.decode(out)
-        expected_text.append(text[: text.index(stop)] if stop in text else text)
+    expected_text = cut_at_stop([tokenizer.decode(out) for out in full], stop)
     for store in (SuffixStore(), seeded(HASH_PROMPTS, full)):
         forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=suffix(store), max_new_tokens=40,
                      tokenizer=tokenizer, stop=[stop])

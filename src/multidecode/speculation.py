@@ -98,14 +98,11 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
         spec = speculate
     elif isinstance(speculate, Proposer):
         spec = Speculation(speculate, budget or speculate.default_budget or DEFAULT_BUDGET)
-    elif speculate in ("lookup", "suffix", "lookahead", "draft"):
-        proposer = named_proposer(speculate, draft)
-        spec = Speculation(proposer, budget or proposer.default_budget or DEFAULT_BUDGET)
     elif speculate == "auto":
         spec = Speculation(auto_proposer(), None, budget or AUTO_MAX_DRAFT)
     else:
-        raise InvalidArgument(f"unknown speculation mode {speculate!r}",
-                              f"use one of {', '.join(MODES)}, a Proposer, or None")
+        proposer = named_proposer(speculate, draft)
+        spec = Speculation(proposer, budget or proposer.default_budget or DEFAULT_BUDGET)
     if dtype not in EXACT_DTYPES:
         if spec.auto:
             return None

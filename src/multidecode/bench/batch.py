@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..batch import BatchSettings, meta_path, open_batch, total_stats
 from ..cost import cost_curve
-from ..errors import InvalidArgument
+from ..errors import check_positive
 from ..proposers.suffix import SuffixProposer, SuffixStore
 from ..speculation import Speculation, auto_proposer
 from .common import ForwardCounter, Progress, RunOutput, data_text
@@ -140,9 +140,8 @@ def run_batch_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 4
     budget_s: the time budget for rounds of all methods (one round always runs).
     Raises `AnswersDiffer` where a method's answers differ from the plain job's.
     """
-    for name, value in (("documents", documents), ("max_new_tokens", max_new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+    check_positive("documents", documents)
+    check_positive("max_new_tokens", max_new_tokens)
     if decoder.cost is None:
         cost_curve(decoder.model)  # "auto" needs it: measured (once) before the timing, not inside it
     asked = questions()

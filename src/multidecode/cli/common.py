@@ -201,7 +201,7 @@ def _build_draft(decoder, pending: PendingDraft):
     from ..models import load_model_and_tokenizer
     from ..proposers.draft import DraftModel, check_same_tokenizer
     from ..self_draft import SAMPLE_TEXT, choose_skip, self_draft
-    from ..speculation import DEFAULT_BUDGET, Speculation
+    from ..speculation import resolve
 
     choice = pending.choice
     start = time.perf_counter()
@@ -226,7 +226,7 @@ def _build_draft(decoder, pending: PendingDraft):
         draft = self_draft(decoder.model, layers)
         label = f"a self-draft skipping layers {','.join(map(str, layers)) or 'none'}"
     stderr.print(f"[dim]Drafting with {label} (ready in {time.perf_counter() - start:.1f} s)[/dim]")
-    return Speculation(DraftModel(draft), pending.budget or DEFAULT_BUDGET)
+    return resolve(DraftModel(draft), decoder.model.dtype, budget=pending.budget)
 
 
 

@@ -39,6 +39,7 @@ from ..errors import InvalidArgument
 from ..forest import ROOT
 from ..prompts import common_prefix_length
 from ..sampling import warp
+from ..scheduler import Feed
 from . import UNDER_LEAF, BranchContext, DraftTree, Proposer
 
 
@@ -114,14 +115,12 @@ class DraftModel(Proposer):
             if node is None:
                 break
             state.path.append(node)
-        kept = set(state.path)
-        self._rejected += [n for n in state.grown.values() if n not in kept]
-        state.grown = {}
+        self._reject_grown(state, keep=set(state.path))
 
     def release(self, context: BranchContext) -> None:
         state = self._branches.pop(context.scratch.pop("draft", -1), None)
         if state is not None:
-            self._rejected += list(state.grown.values())
+            self._reject_grown(state)
             self._released += 1
 
     # ------------------------------------------------------------------ proposing
@@ -131,8 +130,7 @@ class DraftModel(Proposer):
     def propose_many(self, contexts: Sequence[BranchContext], budget: int) -> list[DraftTree]:
         states = [self._state(c) for c in contexts]
         for state in states:  # a tree nobody observed (no candidate was fed): none of it was accepted
-            self._rejected += list(state.grown.values())
-            state.grown = {}
+            self._reject_grown(state)
         self._tidy()
         trees = [DraftTree() for _ in contexts]
         if budget < 1:
@@ -193,6 +191,11 @@ class DraftModel(Proposer):
             self._branches[key] = _Branch(key, generator=generator)
         return self._branches[key]
 
+    def _reject_grown(self, state: _Branch, keep: set[int] = frozenset()) -> None:
+        """Queue the branch's last tree for taking back, but the nodes in `keep`."""
+        self._rejected += [n for n in state.grown.values() if n not in keep]
+        state.grown = {}
+
     def _tidy(self) -> None:
         """Take back last step's rejected draft nodes; drop finished branches' paths now and then."""
         if self._rejected:
@@ -205,42 +208,24 @@ class DraftModel(Proposer):
     def _catch_up(self, contexts: Sequence[BranchContext], states: Sequence[_Branch]) -> torch.Tensor:
         """Feed each branch's tokens the draft has not cached (new branches' common prefix once);
         returns the draft's logits after each branch's newest token ([branches, vocab])."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        ends: list[int] = []
-        local: list[tuple[int, int]] = []  # (branch, token index) of each fed node
+        feed = Feed()
+        owners: list[list[int]] = []  # per fed node: the branches whose path it joins
         new = [b for b, s in enumerate(states) if not s.path]
-        shared = common_prefix_length([contexts[b].tokens for b in new], leave=1) if len(new) > 1 else 0
-        for j in range(shared):  # the new branches' common prefix, fed once
-            parents.append(ROOT if j == 0 else -(len(tokens) - 1 + 2))
-            tokens.append(contexts[new[0]].tokens[j])
-            local.append((-1, j))
+        shared = common_prefix_length([contexts[b].tokens for b in new], leave=1) if new else 0
+        prefix_end = ROOT
+        for token in contexts[new[0]].tokens[:shared] if new else ():
+            prefix_end = Feed.ref(feed.add(token, prefix_end, logits=False))
+            owners.append(new)
         for b, (context, state) in enumerate(zip(contexts, states)):
-            start = len(state.path)
-            if not state.path and b in new and shared:
-                start = shared
-            for j in range(start, len(context.tokens)):
-                if j == start:
-                    if state.path:
-                        parent = state.path[-1]
-                    elif start:
-                        parent = -(shared - 1 + 2)
-                    else:
-                        parent = ROOT
-                else:
-                    parent = -(len(tokens) - 1 + 2)
-                parents.append(parent)
-                tokens.append(context.tokens[j])
-                local.append((b, j))
-            ends.append(len(tokens) - 1)
-        if any(end < 0 for end in ends) or any(len(c.tokens) <= len(s.path) for c, s in zip(contexts, states)):
-            raise RuntimeError("the draft has no new token to feed for a branch")  # never: the head is always new
-        nodes, logits = self.engine.feed(tokens, parents, logits_for=ends)
-        for node, (b, j) in zip(nodes, local):
-            if b == -1:
-                for n in new:
-                    states[n].path.append(node)
-            else:
+            at, start = (state.path[-1], len(state.path)) if state.path else (prefix_end, shared)
+            for token in context.tokens[start:]:
+                at = Feed.ref(feed.add(token, at, logits=False))
+                owners.append([b])
+            feed.logits[-1] = True  # the head is always new to the draft
+        nodes, logits = self.engine.feed(feed.tokens, feed.parents,
+                                         logits_for=[i for i, wanted in enumerate(feed.logits) if wanted])
+        for node, branches in zip(nodes, owners):
+            for b in branches:
                 states[b].path.append(node)
         return logits
 

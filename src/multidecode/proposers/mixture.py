@@ -76,7 +76,7 @@ class Mixture(Proposer):
         merged = []
         for b, context in enumerate(contexts):
             tree = DraftTree()
-            views: list[tuple[dict[int, int], range]] = []  # per member: its index -> merged index, its side rows
+            sides: list[range] = []  # per member: its side nodes' rows among the merged ones
             owner: dict[int, int] = {}  # merged parent -> the one member that proposed under it (-1: several)
             for m, drafts in enumerate(per_member):
                 draft = drafts[b]
@@ -94,19 +94,19 @@ class Mixture(Proposer):
                 first_side = len(tree.side_tokens)
                 for token, parent in zip(draft.side_tokens, draft.side_parents):
                     tree.add_side(token, UNDER_LEAF if parent == UNDER_LEAF else first_side + parent)
-                views.append((index_of, range(first_side, len(tree.side_tokens))))
+                sides.append(range(first_side, len(tree.side_tokens)))
             tree.dists = {p: q for p, q in tree.dists.items() if owner.get(p) not in (-1, None)}
             if not tree.dists:
                 tree = best_first(tree)
-            context.scratch["mixture"] = (per_member, b, views)
+            context.scratch["mixture"] = (per_member, b, sides)
             merged.append(tree)
         return merged
 
     def observe(self, context: BranchContext, draft: DraftTree, accepted: Sequence[int],
                 side_logits: torch.Tensor | None = None) -> None:
-        per_member, b, views = context.scratch.pop("mixture")
+        per_member, b, sides = context.scratch.pop("mixture")
         tokens = [draft.tokens[i] for i in accepted]
-        for m, (member, (index_of, side_rows)) in enumerate(zip(self.members, views)):
+        for m, (member, side_rows) in enumerate(zip(self.members, sides)):
             own = per_member[m][b]
             # The member's accepted path: follow the accepted tokens down its own tree.
             path, at = [], UNDER_LEAF
