@@ -414,7 +414,7 @@ def _lenient_walk(logits, heads, children, samplers, emit, drawn=None):
             else:
                 token = verify.choose_tokens(logits[row][None], [samplers[b]])[0]
                 child = children[b].get(row, {}).get(token)
-            if not emit(b, token) or child is None:
+            if not emit(b, token, row) or child is None:
                 break
             row = child
             path.append(row)

@@ -41,13 +41,17 @@ class TokenEvent:
     """One token produced by one branch.
 
     text is the text delta this token made certain ("" without a tokenizer, or while held back);
-    finish_reason is None while the branch goes on, else "stop" or "length".
+    finish_reason is None while the branch goes on, else "stop" or "length". When the run asks
+    for log-probabilities, logprob is the token's under the model's raw distribution and
+    top_logprobs the likeliest (token id, log-probability) pairs there, best first.
     """
 
     branch: int
     token_id: int
     text: str
     finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -157,14 +161,23 @@ class BranchGroup(Work):
     branches at the prefix's end; with no prefix each suffix is its own root). Every later step
     feeds each live branch's head. When speculating, each branch's draft tree hangs under its
     head, or under its prompt's last token in the first step.
+
+    under, cached: the prompts may continue a path already in the forest: `under` is its last
+    node and `cached` its tokens (a server's prefix cache); every prompt is then
+    `cached + prefix_ids + suffixes[i]`. prompt_owner: who keeps the prompt nodes (None: this
+    work). logprobs: how many top log-probabilities each `TokenEvent` carries (None: no
+    log-probabilities at all).
     """
 
     def __init__(self, prefix_ids: list[int], suffixes: list[list[int]], *, rule: StopRule,
                  sampling: Sequence[SamplingParams], tokenizer=None, speculation: Speculation | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, under: int = ROOT, cached: Sequence[int] = (),
+                 prompt_owner: object | None = None, logprobs: int | None = None) -> None:
         self.prefix_ids, self.suffixes = prefix_ids, suffixes
         self.vocab_size = vocab_size
-        self.prompts = [prefix_ids + s for s in suffixes]
+        self.under, self.prompt_owner, self.logprobs = under, prompt_owner, logprobs
+        self.prompts = [list(cached) + prefix_ids + s for s in suffixes]
+        self.prompt_ends: list[int] = []  # each prompt's last node, once fed
         self.speculation = speculation
         self.tracker = AcceptanceTracker() if speculation is not None and speculation.auto else None
         self.branches = [
@@ -189,7 +202,7 @@ class BranchGroup(Work):
         return self._feed
 
     def _prompt_feed(self) -> Feed:
-        feed, ends = prompt_feed(self.prefix_ids, self.suffixes)
+        feed, ends = prompt_feed(self.prefix_ids, self.suffixes, under=self.under, owner=self.prompt_owner)
         for b, end in zip(self.branches, ends):
             self._heads[b.index] = end
         # One branch's prompt is one chain; a draft chain continues it in the same plain forward,
@@ -256,9 +269,11 @@ class BranchGroup(Work):
 
     # ------------------------------------------------------------------ settling
     def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor) -> Settled:
+        node_of = dict(zip(fed, nodes))  # feed index -> node id
+        if not self._started:
+            self.prompt_ends = [node_of[self._heads[b.index]] for b in self.branches]
         self._started = True
         self.stats.forward_passes = self.forward_passes
-        node_of = dict(zip(fed, nodes))  # feed index -> node id
         row_of = {i: r for r, i in enumerate(i for i in fed if self._feed.logits[i])}  # feed index -> logits row
         node_at_row = {r: node_of[i] for i, r in row_of.items()}
         fed_drafts = {i: bn for i, bn in self._draft_nodes.items() if i in node_of}
@@ -278,7 +293,8 @@ class BranchGroup(Work):
         order = sorted(self._heads)
         finished_before = sum(b.output.finished for b in self.branches)
         paths = walk(logits, [row_of[self._heads[b]] for b in order], [children.get(b, {}) for b in order],
-                     [self.branches[b].sampler for b in order], lambda j, token: self._emit(order[j], token),
+                     [self.branches[b].sampler for b in order],
+                     lambda j, token, row: self._emit(order[j], token, logits, row),
                      [drawn.get(b, {}) for b in order])
 
         accepted: set[int] = set()
@@ -307,16 +323,28 @@ class BranchGroup(Work):
         self.done = all(b.output.finished for b in self.branches)
         return Settled(rejected, dead=sum(b.output.finished for b in self.branches) > finished_before)
 
-    def _emit(self, index: int, token: int) -> bool:
+    def _emit(self, index: int, token: int, logits: torch.Tensor, row: int) -> bool:
         branch = self.branches[index]
         delta = branch.output.accept(token)
         branch.context.tokens.append(token)
         self.stats.tokens += 1
-        self.events.append(TokenEvent(index, token, delta, branch.output.finish_reason))
+        logprob, top = None, ()
+        if self.logprobs is not None:
+            logprob, top = token_logprobs(logits[row], token, self.logprobs)
+        self.events.append(TokenEvent(index, token, delta, branch.output.finish_reason, logprob, top))
         return not branch.output.finished
 
     def live(self) -> list[int]:
         return [b.leaf for b in self.branches if not b.output.finished]
+
+
+def token_logprobs(row: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The log-probability of `token` under the raw distribution of logits `row` ([vocab]), and
+    the `top` likeliest (token id, log-probability) pairs, best first."""
+    logprobs = torch.log_softmax(row.float(), dim=-1)  # [vocab]
+    best = torch.topk(logprobs, top) if top else None
+    pairs = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
+    return float(logprobs[token]), pairs
 
 
 def checked_draft(draft, spec: Speculation, vocab_size: int | None) -> DraftTree:
@@ -333,19 +361,21 @@ def checked_draft(draft, spec: Speculation, vocab_size: int | None) -> DraftTree
     return draft
 
 
-def prompt_feed(prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]]) -> tuple[Feed, list[int]]:
+def prompt_feed(prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *, under: int = ROOT,
+                owner: object | None = None) -> tuple[Feed, list[int]]:
     """The prompts `prefix_ids + suffixes[i]` as one feed: the prefix once, each suffix under it
-    (an empty suffix ends at the prefix's last token; with no prefix each suffix is a root).
+    (an empty suffix ends at the prefix's last token; with no prefix each suffix hangs under
+    `under`, a root by default). owner: see `Feed.owners`.
     Returns the feed, with logits at each prompt's last node, and that node's index per prompt."""
     feed = Feed()
     end = None  # feed index of the prefix's last token
     for token in prefix_ids:
-        end = feed.add(token, ROOT if end is None else Feed.ref(end), logits=False)
+        end = feed.add(token, under if end is None else Feed.ref(end), logits=False, owner=owner)
     ends = []
     for suffix in suffixes:
         at = end
         for token in suffix:
-            at = feed.add(token, ROOT if at is None else Feed.ref(at), logits=False)
+            at = feed.add(token, under if at is None else Feed.ref(at), logits=False, owner=owner)
         if at is None:
             raise InvalidInput("a branch has no tokens and there is no prefix to continue", "give every branch a prompt")
         feed.logits[at] = True
@@ -445,7 +475,18 @@ class BranchRun:
         return self
 
 
-def start(
+def start(scheduler: Scheduler, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], **settings) -> BranchRun:
+    """Admit branches `prefix_ids + suffixes[i]` to `scheduler` and feed their prompts.
+
+    Inputs are checked and the prompts prefilled before this returns (the first tokens are chosen
+    too and wait in the events); the rest comes as `events` is iterated. Settings as for `admit`.
+    """
+    run = admit(scheduler, prefix_ids, suffixes, **settings)
+    run.step()
+    return run
+
+
+def admit(
     scheduler: Scheduler,
     prefix_ids: Sequence[int],
     suffixes: Sequence[Sequence[int]],
@@ -456,12 +497,14 @@ def start(
     stop: Sequence[str] = (),
     eos_token_id=None,
     speculate=None,
+    under: int = ROOT,
+    cached: Sequence[int] = (),
+    prompt_owner: object | None = None,
+    logprobs: int | None = None,
 ) -> BranchRun:
-    """Admit branches `prefix_ids + suffixes[i]` to `scheduler` and feed their prompts.
-
-    Inputs are checked and the prompts prefilled before this returns (the first tokens are chosen
-    too and wait in the events); the rest comes as `events` is iterated. speculate: see
-    `speculation`.
+    """Check the inputs and admit branches `prefix_ids + suffixes[i]` to `scheduler`; nothing is
+    fed until the scheduler steps. speculate: see `speculation`; under, cached, prompt_owner,
+    logprobs: see `BranchGroup`.
     """
     check_positive("max_new_tokens", max_new_tokens)
     if isinstance(suffixes, torch.Tensor):
@@ -478,16 +521,15 @@ def start(
     suffixes = [token_ids(s, engine.vocab_size, f"branch {i}") for i, s in enumerate(suffixes)]
     if not prefix_ids and not all(suffixes):
         raise InvalidInput("a branch has no tokens and there is no prefix to continue", "give every branch a prompt")
-    check_fits(engine, [len(prefix_ids) + len(s) for s in suffixes], max_new_tokens)
+    check_fits(engine, [len(cached) + len(prefix_ids) + len(s) for s in suffixes], max_new_tokens)
     rule = StopRule(max_new_tokens, eos_ids_of(engine.model, eos_token_id), stop_strings_of(stop))
     group = BranchGroup(prefix_ids, suffixes, rule=rule, sampling=sampling, tokenizer=tokenizer, speculation=spec,
-                        vocab_size=engine.vocab_size)
+                        vocab_size=engine.vocab_size, under=under, cached=cached, prompt_owner=prompt_owner,
+                        logprobs=logprobs)
     draft_room = 0 if spec is None else len(suffixes) * spec.size
     engine.reserve(engine.forest.num_slots + len(prefix_ids) + sum(map(len, suffixes))
                    + len(suffixes) * max_new_tokens + draft_room)
-    run = BranchRun(scheduler, scheduler.admit(group))
-    run.step()
-    return run
+    return BranchRun(scheduler, scheduler.admit(group))
 
 
 def start_prompts(scheduler: Scheduler, prompts: Sequence[Sequence[int]], **settings) -> BranchRun:
@@ -565,4 +607,4 @@ def decode(
 
 
 __all__ = ["Branch", "BranchGroup", "BranchRun", "CompactionPolicy", "DecodeStats", "PromptLogits", "TokenEvent",
-           "decode", "decode_prompts", "prompt_logits", "start", "start_forest", "start_prompts", "stream_decode"]
+           "admit", "decode", "decode_prompts", "prompt_logits", "start", "start_forest", "start_prompts", "stream_decode"]

@@ -44,23 +44,28 @@ class Feed:
     logits[i]: whether node i's next-token logits are needed.
     chances[i]: None for a required node; for an optional draft node, its estimated chance of
         being accepted (never above its parent's, so the most likely nodes form a subtree).
+    owners[i]: None for the work's own node; else the owner node i is kept under instead (a
+        server's prefix cache keeps prompt nodes past the request that fed them).
     """
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     logits: list[bool] = field(default_factory=list)
     chances: list[float | None] = field(default_factory=list)
+    owners: list[object | None] = field(default_factory=list)
     root_position: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, parent: int, *, logits: bool = True, chance: float | None = None) -> int:
+    def add(self, token: int, parent: int, *, logits: bool = True, chance: float | None = None,
+            owner: object | None = None) -> int:
         """Append a node; returns its index in this feed (refer to it as a parent by `ref`)."""
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.logits.append(logits)
         self.chances.append(chance)
+        self.owners.append(owner)
         return len(self.tokens) - 1
 
     @staticmethod
@@ -195,13 +200,18 @@ class Scheduler:
         plans = [(w, w.plan()) for w in list(self.works) if not w.done]
         plans = [(w, f) for w, f in plans if f is not None and len(f)]
         if plans:
-            for owner in self._retired:
-                self.engine.compact([], owner=owner)
-            self._retired.clear()
+            self.free_retired()
             kept = self._choose(plans)
             self._feed(plans, kept)
         for work in [w for w in self.works if w.done]:
             self.retire(work)
+
+    def free_retired(self) -> int:
+        """Free the slots of retired works now (a step that feeds anything does it anyway; an
+        idle server does it to shrink back). Returns the slots freed."""
+        freed = sum(self.engine.compact([], owner=owner) for owner in self._retired)
+        self._retired.clear()
+        return freed
 
     def retire(self, work: Work) -> None:
         """Remove a work; the slots it owns are freed before the next feed."""
@@ -252,7 +262,7 @@ class Scheduler:
                 parent, local = feed.parents[i], local_parent(feed.parents[i])
                 parents.append(parent if local is None else Feed.ref(index[local]))
                 tokens.append(feed.tokens[i])
-                owners.append(work.owner)
+                owners.append(work.owner if feed.owners[i] is None else feed.owners[i])
                 if feed.logits[i]:
                     logits_for.append(len(tokens) - 1)
             spans.append((start, len(tokens)))

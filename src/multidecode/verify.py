@@ -62,7 +62,7 @@ def walk(
     heads: Sequence[int],
     children: Sequence[dict[int, dict[int, int]]],
     samplers: Sequence[BranchSampler],
-    emit: Callable[[int, int], bool],
+    emit: Callable[[int, int, int], bool],
     drawn: Sequence[dict[int, Drawn]] | None = None,
 ) -> list[list[int]]:
     """Verify the draft trees of several branches at once.
@@ -70,8 +70,8 @@ def walk(
     logits: [rows, vocab], one row per fed node that has logits.
     heads[b]: the row of branch b's head; children[b][row] maps a token to the row of the draft
         child that guesses it.
-    emit(b, token): records a token for branch b; returns False once the branch has finished (the
-        walk stops there, as sequential decoding would).
+    emit(b, token, row): records a token for branch b, chosen from logits row `row`; returns False
+        once the branch has finished (the walk stops there, as sequential decoding would).
     drawn[b][row]: the candidates under that row of branch b, if they were drawn from a known
         distribution (see the module notes); used by sampled branches only.
     Returns, per branch, the rows of its accepted path (its head first).
@@ -94,7 +94,7 @@ def walk(
                              [drawn[b] if drawn else {} for b in live])
         going = []
         for b, token in zip(live, tokens):
-            if not emit(b, token):
+            if not emit(b, token, current[b]):
                 continue
             child = children[b].get(current[b], {}).get(token)
             if child is None:

@@ -14,6 +14,7 @@ from .demo import demo
 from .explain import explain
 from .generate import generate
 from .margins import margins
+from .serve import serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -26,5 +27,5 @@ def main() -> None:
     """
 
 
-for command in (ask, generate, complete, beam, margins, vote, batch, demo, bench, explain):
+for command in (ask, generate, complete, beam, margins, vote, batch, demo, bench, explain, serve):
     main.add_command(command)

@@ -187,6 +187,12 @@ class BeamWork(Work):
     def live(self) -> list[int]:
         return sorted(set(self.parents))
 
+    def beams(self, engine: Engine, tokenizer=None, count: int = 1) -> list[Beam]:
+        """The best `count` finished hypotheses, best first (read from the forest, so before the
+        work's slots are freed: its nodes stay in the tree as history)."""
+        return [_beam(i, h, engine, self.start, self.prompt, self.eos, tokenizer)
+                for i, h in enumerate(self.finished[:count])]
+
 
 def run_beam_search(
     model,
@@ -225,9 +231,7 @@ def run_beam_search(
                     early_stopping=early_stopping, eos=eos)
     scheduler.admit(work)
     scheduler.run(work)
-    beams = [_beam(i, h, engine, work.start, prompt, eos, tokenizer)
-             for i, h in enumerate(work.finished[:num_return_sequences])]
-    return BeamSearchRun(beams, engine, work.steps, prompt)
+    return BeamSearchRun(work.beams(engine, tokenizer, num_return_sequences), engine, work.steps, prompt)
 
 
 def finished_scores(top_scores: torch.Tensor, generated: int, length_penalty: float) -> torch.Tensor:

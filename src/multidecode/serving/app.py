@@ -1,0 +1,350 @@
+"""The HTTP face of the server: OpenAI's routes on FastAPI, over one `ForestServer`.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`
+(200 when ready, 503 while loading or draining), `GET /metrics` (Prometheus text) and `GET /`
+(the live page). Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
+400 for anything a client sends wrong, 401 without the API key, 404 for an unknown model or
+route, 503 with Retry-After at the admission cap or while draining. An error after a stream has
+begun goes out as an error event, then `data: [DONE]`.
+
+A request's tokens come from the engine thread through an asyncio queue. A client that goes
+away (a closed stream, or a timeout on a plain request, noticed within `POLL_SECONDS`) has its
+job cancelled: its branches leave the forest at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from importlib import resources
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException
+
+from ..errors import MultiDecodeError
+from .forest_server import ForestServer, Job, Limits, Overloaded, TooLarge
+from .protocol import (BadRequest, ChatBody, Choice, CompletionBody, chat_logprobs, completion_logprobs, error_body,
+                       parse, to_job, token_entry, usage_dict)
+
+log = logging.getLogger("multidecode.serving")
+
+POLL_SECONDS = 0.2
+"""How often a plain (non-streamed) request checks that its client is still there."""
+
+
+class ServeState:
+    """What the app serves: the model's name, the `ForestServer` once loaded, the API key."""
+
+    def __init__(self, name: str, *, api_key: str | None = None, speculate: str | None = None) -> None:
+        self.name, self.api_key, self.speculate = name, api_key, speculate
+        self.server: ForestServer | None = None
+        self.load_error: BaseException | None = None
+        self.started = int(time.time())
+
+    def load(self, loader: Callable[[], tuple], *, limits: Limits | None = None, cost=None,
+             background: bool = True) -> None:
+        """Load the model (`loader()` returns model and tokenizer) and start the engine thread;
+        in the background by default, so that /health answers 503 meanwhile."""
+        def run():
+            try:
+                model, tokenizer = loader()
+                self.server = ForestServer(model, tokenizer, limits=limits, cost=cost).start()
+                log.info("model %s ready", self.name)
+            except BaseException as error:  # reported by /health and by every request
+                self.load_error = error
+                log.exception("loading the model failed")
+
+        if background:
+            threading.Thread(target=run, name="multidecode-load", daemon=True).start()
+        else:
+            run()
+
+    def ready(self) -> ForestServer:
+        if self.server is None:
+            detail = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            raise Overloaded(detail, retry_after=5)
+        return self.server
+
+
+def create_app(state: ServeState) -> FastAPI:
+    app = FastAPI(title="multidecode", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+
+    # ------------------------------------------------------------------ errors
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, error: BadRequest):
+        return JSONResponse(error_body(str(error), param=error.param, code=error.code), status_code=400)
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(request: Request, error: Overloaded):
+        return JSONResponse(error_body(str(error), "server_overloaded", code="overloaded"), status_code=503,
+                            headers={"Retry-After": str(error.retry_after)})
+
+    @app.exception_handler(MultiDecodeError)
+    async def user_error(request: Request, error: MultiDecodeError):
+        return JSONResponse(error_body(str(error)), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        kinds = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
+        codes = {401: "invalid_api_key", 404: "not_found"}
+        return JSONResponse(error_body(str(error.detail), kinds.get(error.status_code, "invalid_request_error"),
+                                       code=codes.get(error.status_code)),
+                            status_code=error.status_code, headers=getattr(error, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception):
+        log.exception("unexpected error")
+        return JSONResponse(error_body(f"internal error: {error}", "server_error"), status_code=500)
+
+    def authorize(request: Request) -> None:
+        key = state.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].strip(), key)):
+            raise HTTPException(401, "a valid API key is needed: send Authorization: Bearer <key>")
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health():
+        if state.server is None or state.server.draining:
+            status = "failed" if state.load_error else "draining" if state.server else "loading"
+            return JSONResponse({"status": status}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": state.name, "object": "model", "created": state.started,
+                                            "owned_by": "multidecode"}]}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        authorize(request)
+        registry = CollectorRegistry()
+        registry.register(_Collector(state))
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/")
+    async def page(request: Request):
+        # The page itself holds no data (every route it calls needs the key), so it is served
+        # without one: a browser cannot send a header when it opens a page.
+        return HTMLResponse(resources.files("multidecode.serving").joinpath("static/index.html").read_text("utf-8"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, CompletionBody)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, ChatBody)
+
+    async def _serve(request: Request, kind):
+        authorize(request)
+        server = state.ready()
+        body = parse(await request.body(), request.headers.get("content-type"), kind)
+        if body.model != state.name:
+            raise HTTPException(404, f"the model {body.model!r} does not exist: this server serves {state.name!r}")
+        engine = server.engine
+        job = to_job(body, server.tokenizer, vocab_size=engine.vocab_size, max_positions=engine.max_positions,
+                     speculate_default=state.speculate)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        job.sink = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
+        try:
+            server.submit(job)
+        except TooLarge as error:
+            raise BadRequest(str(error), "max_tokens") from None
+        reply = _Reply(state, server, job, body, chat=kind is ChatBody)
+        if body.stream:
+            return StreamingResponse(reply.stream(queue), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await reply.collect(request, queue)
+
+    return app
+
+
+class _Reply:
+    """Builds one request's answer from what the engine sends, streamed or whole."""
+
+    def __init__(self, state: ServeState, server: ForestServer, job: Job, body, *, chat: bool) -> None:
+        self.state, self.server, self.job, self.body, self.chat = state, server, job, body, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + job.id
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.choices = [Choice(i) for i in range(job.beams or len(job.prompts))]
+
+    def _head(self, chunk: bool) -> dict:
+        kind = self.object + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.state.name}
+
+    def _logprobs(self, entries: list, start: int = 0):
+        if self.job.logprobs is None:
+            return None
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries, start)
+
+    def _take(self, event) -> tuple[Choice, list]:
+        choice = self.choices[event.branch]
+        entries = [token_entry(self.server.tokenizer, event)] if self.job.logprobs is not None else []
+        choice.logprobs.extend(entries)
+        choice.text += event.text
+        choice.finish_reason = event.finish_reason
+        return choice, entries
+
+    # ------------------------------------------------------------------ whole
+    async def collect(self, request: Request, queue: asyncio.Queue) -> JSONResponse:
+        usage = None
+        while usage is None:
+            try:
+                kind, payload = await asyncio.wait_for(queue.get(), POLL_SECONDS)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self.server.cancel(self.job)
+                    return JSONResponse(error_body("the client went away"), status_code=499)
+                continue
+            if kind == "token":
+                self._take(payload)
+            elif kind == "beams":
+                for choice, beam in zip(self.choices, payload):
+                    choice.text, choice.finish_reason = beam.text, beam.finish_reason
+            elif kind == "error":
+                raise payload
+            elif kind == "done":
+                usage = payload
+        choices = []
+        for c in self.choices:
+            if self.chat:
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.text, "logprobs": self._logprobs(c.logprobs),
+                                "finish_reason": c.finish_reason})
+        return JSONResponse({**self._head(False), "choices": choices, "usage": usage_dict(usage),
+                             "multidecode": usage.stats})
+
+    # ------------------------------------------------------------------ streamed
+    async def stream(self, queue: asyncio.Queue) -> AsyncIterator[str]:
+        finished = False
+        options = self.body.stream_options or {}
+        try:
+            if self.chat:
+                for c in self.choices:
+                    yield _sse({**self._head(True), "choices": [{"index": c.index, "delta": {"role": "assistant",
+                                                                                         "content": ""},
+                                                                "logprobs": None, "finish_reason": None}]})
+            while True:
+                kind, payload = await queue.get()
+                if kind == "token":
+                    start = len(self.choices[payload.branch].text)
+                    choice, entries = self._take(payload)
+                    if not (payload.text or payload.finish_reason or entries):
+                        continue
+                    if self.chat:
+                        delta = {"content": payload.text}
+                        item = {"index": choice.index, "delta": delta, "logprobs": self._logprobs(entries),
+                                "finish_reason": payload.finish_reason}
+                    else:
+                        item = {"index": choice.index, "text": payload.text,
+                                "logprobs": self._logprobs(entries, start), "finish_reason": payload.finish_reason}
+                    yield _sse({**self._head(True), "choices": [item]})
+                elif kind == "trace":
+                    yield _sse({"id": self.id, "object": "multidecode.trace", **payload})
+                elif kind == "error":
+                    finished = True
+                    yield _sse(error_body(str(payload), "server_error" if not isinstance(payload, MultiDecodeError)
+                                          else "invalid_request_error"))
+                    yield "data: [DONE]\n\n"
+                    return
+                elif kind == "done":
+                    finished = True
+                    if options.get("include_usage"):
+                        yield _sse({**self._head(True), "choices": [], "usage": usage_dict(payload),
+                                    "multidecode": payload.stats})
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            if not finished:
+                self.server.cancel(self.job)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with draining on SIGTERM (or Ctrl-C): new requests get 503 while running
+    ones have up to `drain_timeout` seconds to finish; a second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServeState, *, drain_timeout: float = 30.0) -> None:
+        super().__init__(config)
+        self.serve_state, self.drain_timeout = state, drain_timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        forest = self.serve_state.server
+        if forest is None or forest.draining or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        forest.drain()
+        log.info("draining: %d running request(s), up to %.0f s", forest.busy, self.drain_timeout)
+        threading.Thread(target=self._exit_when_idle, args=(forest,), daemon=True).start()
+
+    def _exit_when_idle(self, forest: ForestServer) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while forest.busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+class _Collector:
+    """Prometheus metrics read from the server's counters when /metrics is scraped."""
+
+    def __init__(self, state: ServeState) -> None:
+        self.state = state
+
+    def collect(self):
+        server = self.state.server
+        ready = GaugeMetricFamily("multidecode_ready", "1 when the model is loaded and the server is not draining")
+        ready.add_metric([], float(server is not None and not server.draining))
+        yield ready
+        if server is None:
+            return
+        c = server.counters
+        counters = {
+            "requests_admitted": ("requests admitted to the forest", c.admitted),
+            "requests_rejected": ("requests refused at the admission cap or while draining", c.rejected),
+            "requests_cancelled": ("requests whose client went away", c.cancelled),
+            "prompt_tokens": ("prompt tokens received", c.prompt_tokens),
+            "prompt_tokens_cached": ("prompt tokens found in the prefix cache, not computed again", c.cached_tokens),
+            "generation_tokens": ("tokens generated", c.generated),
+            "steps": ("scheduler steps", c.steps),
+            "forward_passes": ("model forwards", c.forwards),
+            "rows": ("tokens fed to the model in steps", c.rows),
+            "branch_steps": ("live branches summed over steps", c.branches),
+            "busy_seconds": ("seconds spent in steps", c.busy_seconds),
+        }
+        for name, (text, value) in counters.items():
+            family = CounterMetricFamily(f"multidecode_{name}", text)
+            family.add_metric([], value)
+            yield family
+        gauges = {
+            "running_requests": ("requests decoding or waiting", server.busy),
+            "cache_slots": ("KV cache slots in use", server.engine.forest.num_slots),
+            "prefix_cache_tokens": ("tokens in the prefix index", len(server.index)),
+        }
+        for name, (text, value) in gauges.items():
+            family = GaugeMetricFamily(f"multidecode_{name}", text)
+            family.add_metric([], value)
+            yield family
+
+
+__all__ = ["DrainingServer", "ServeState", "create_app"]

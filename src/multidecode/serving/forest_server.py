@@ -1,0 +1,402 @@
+"""The engine thread of the server: every request's branches decode in one forest, one step at a time.
+
+A **job** is one request as the engine sees it: whole prompt ids per branch (n copies of one
+prompt, or one prompt per question), how to sample each, when to stop, and a **sink** that
+receives what it produces. `ForestServer` owns one `Scheduler` (one engine, one KV cache) and a
+thread that loops:
+
+1. take cancellations (a client that went away: its work is retired, its slots freed before the
+   next feed) and new jobs;
+2. **admit** waiting jobs between steps (continuous batching). A job's prompts are split into
+   their common prefix and the rest; the longest part of the prefix already cached is looked up
+   in the `PrefixIndex` and not fed again: the job's prompt hangs under that node. When a waiting
+   job shares at least `defer_tokens` uncached prefix tokens with a job admitted in the same
+   round, it waits one step and then hits the cache;
+3. run one `Scheduler.step` (every running job's branches in one forward), hand each job its
+   tokens, index the prompts just fed, retire finished jobs;
+4. keep the prefix cache within its budget: prompt nodes belong to the cache owner, not to a
+   job, so they outlive it; least recently used prefixes are forgotten, and the cache owner's
+   slots that no indexed prefix and no running job needs are compacted away.
+
+**Admission cap.** A job reserves, when it is submitted, its prompt tokens plus its branches'
+max_tokens (`max_live_tokens`) and its branches (`max_branches`); past either, `submit` raises
+`Overloaded` (HTTP 503 with Retry-After), never an out-of-memory error later. A job that
+would not fit even alone raises `TooLarge` (HTTP 400).
+
+Sinks are called from the engine thread with ("token", TokenEvent), ("trace", dict),
+("beams", [Beam]), ("done", Usage) or ("error", exception); the last two end a job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..decoding import BranchRun, admit
+from ..errors import MultiDecodeError
+from ..forest import ROOT
+from ..prompts import share_prefix
+from ..sampling import SamplingParams
+from ..scheduler import CompactionPolicy, Scheduler, StepTrace
+from ..stopping import eos_ids_of
+from ..strategies.beam import BeamWork, check_settings
+from .radix import PrefixIndex
+
+log = logging.getLogger("multidecode.serving")
+
+CACHE_OWNER = "prefix-cache"
+"""The forest owner of every prompt node: the prefix cache, not the request that fed it."""
+
+
+class Overloaded(MultiDecodeError):
+    """The server is at its admission cap (or draining); retry later."""
+
+    def __init__(self, message: str, hint: str | None = None, *, retry_after: int = 1) -> None:
+        super().__init__(message, hint)
+        self.retry_after = retry_after
+
+
+class TooLarge(MultiDecodeError, ValueError):
+    """A request that could never fit under the admission cap."""
+
+
+@dataclass
+class Usage:
+    """What a finished job cost: its prompt tokens (each distinct prompt once), how many of them
+    were already cached, and the tokens it generated; stats: its decoding counters."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's work (see the module notes). beams > 0 runs a beam search of that many beams
+    over prompts[0] and returns them all; trace sends the forest nodes the job feeds each step."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    sampling: list[SamplingParams] = field(default_factory=list)
+    stop: Sequence[str] = ()
+    speculate: object = None
+    logprobs: int | None = None
+    beams: int = 0
+    trace: bool = False
+    sink: Callable[[tuple], None] = lambda item: None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    cached_tokens: int = 0
+    cancelled: bool = False
+    work: object = None  # the scheduler work, once admitted
+    steps: int = 0
+
+    @property
+    def branches(self) -> int:
+        return self.beams or len(self.prompts)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(map(len, self.prompts)) + self.branches * self.max_new_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens received, each distinct prompt once (n copies of one prompt count once)."""
+        return sum(map(len, {tuple(p) for p in self.prompts}))
+
+
+@dataclass
+class Limits:
+    """Admission caps and the prefix cache's budget, in cache slots (tokens) and branches.
+
+    defer_tokens: a waiting job that shares this many uncached prefix tokens with one admitted in
+    the same round waits a step to hit the cache instead of computing them again.
+    max_running: at most this many jobs decode at once; the rest wait their turn (1 serves one
+    request at a time: the baseline a forest is measured against).
+    """
+
+    max_live_tokens: int = 65536
+    max_branches: int = 256
+    prefix_cache_tokens: int = 16384
+    defer_tokens: int = 16
+    max_running: int | None = None
+
+
+class ForestServer:
+    """One model, one forest, one engine thread; jobs come and go between steps.
+
+    model, tokenizer: a transformers causal LM (eager or sdpa) and its tokenizer.
+    limits: see `Limits`. compaction, cost: see `Scheduler`.
+    """
+
+    def __init__(self, model, tokenizer, *, limits: Limits | None = None,
+                 compaction: CompactionPolicy | None = None, cost=None) -> None:
+        from ..decoding import new_scheduler
+
+        self.model, self.tokenizer = model, tokenizer
+        self.limits = limits or Limits()
+        self.scheduler: Scheduler = new_scheduler(model, compaction=compaction, cost=cost, observer=self._observe)
+        self.engine = self.scheduler.engine
+        self.index = PrefixIndex()
+        self.eos = eos_ids_of(model, None)
+        self.counters = Counters()
+        self.draining = False
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._cancelled: list[Job] = []
+        self._running: dict[str, Job] = {}
+        self._reserved = [0, 0]  # tokens, branches of submitted jobs not yet finished
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ the client side (any thread)
+    def start(self) -> ForestServer:
+        self._thread = threading.Thread(target=self._loop, name="multidecode-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, job: Job) -> Job:
+        """Queue a job; raises `Overloaded` past the admission cap or while draining, `TooLarge`
+        for a job that could never fit."""
+        limits = self.limits
+        if job.reserved_tokens > limits.max_live_tokens or job.branches > limits.max_branches:
+            raise TooLarge(
+                f"the request needs {job.reserved_tokens} cache tokens and {job.branches} branches, over this "
+                f"server's limits of {limits.max_live_tokens} tokens and {limits.max_branches} branches",
+                "lower max_tokens, n or the number of questions, or start the server with larger limits")
+        with self._cond:
+            if self.draining:
+                self.counters.rejected += 1
+                raise Overloaded("the server is shutting down", "retry against another replica", retry_after=5)
+            tokens, branches = self._reserved
+            if tokens + job.reserved_tokens > limits.max_live_tokens or branches + job.branches > limits.max_branches:
+                self.counters.rejected += 1
+                raise Overloaded(f"the server is at capacity ({tokens} cache tokens and {branches} branches "
+                                 "reserved)", "retry in a moment")
+            self._reserved = [tokens + job.reserved_tokens, branches + job.branches]
+            self._waiting.append(job)
+            self._cond.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job (its client went away): its branches are pruned at the next step."""
+        with self._cond:
+            if not job.cancelled:
+                job.cancelled = True
+                self._cancelled.append(job)
+                self._cond.notify()
+
+    def drain(self) -> None:
+        """Refuse new jobs from now on; running ones go on."""
+        with self._cond:
+            self.draining = True
+
+    @property
+    def busy(self) -> int:
+        """Jobs submitted and not finished."""
+        with self._cond:
+            return len(self._waiting) + len(self._running)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._waiting or self._cancelled or self._running):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                cancelled, self._cancelled = self._cancelled, []
+                waiting = list(self._waiting)
+                self._waiting.clear()
+            try:
+                for job in cancelled:
+                    self._cancel(job)
+                deferred = self._admit([j for j in waiting if not j.cancelled])
+                with self._cond:
+                    self._waiting.extendleft(reversed(deferred))
+                self._step()
+            except Exception as error:  # a bug or a failed forward: fail what ran, keep serving
+                log.exception("a step failed; its requests get an error")
+                self._fail_all(error)
+
+    def _admit(self, jobs: list[Job]) -> list[Job]:
+        """Admit jobs to the scheduler; returns those deferred to the next round."""
+        fresh = PrefixIndex()  # prefixes admitted this round, not yet cached
+        deferred = []
+        for job in jobs:
+            if self.limits.max_running is not None and len(self._running) >= self.limits.max_running:
+                deferred.append(job)
+                continue
+            shared = share_prefix(job.prompts)
+            prefix = shared.prefix_ids[: min(len(shared.prefix_ids), min(map(len, job.prompts)) - 1)]
+            matched, node = self.index.match(prefix) if not job.beams else (0, None)
+            if fresh.match(prefix)[0] - matched >= self.limits.defer_tokens:
+                deferred.append(job)
+                continue
+            fresh.insert(prefix, list(range(len(prefix))))
+            try:
+                job.work = self._work(job, shared, matched, ROOT if node is None else node)
+            except MultiDecodeError as error:
+                self._finish(job, ("error", error))
+                continue
+            job.cached_tokens = matched
+            self._running[job.id] = job
+            self.counters.admitted += 1
+            self.counters.prompt_tokens += job.prompt_tokens
+            self.counters.cached_tokens += matched
+        return deferred
+
+    def _work(self, job: Job, shared, matched: int, under: int):
+        if job.beams:
+            check_settings(job.beams, job.max_new_tokens, 1.0, False, job.beams)
+            return self.scheduler.admit(BeamWork(job.prompts[0], num_beams=job.beams, max_new_tokens=job.max_new_tokens,
+                                                 length_penalty=1.0, early_stopping=False, eos=self.eos))
+        run: BranchRun = admit(
+            self.scheduler, shared.prefix_ids[matched:], shared.suffix_ids, max_new_tokens=job.max_new_tokens,
+            sampling=job.sampling, tokenizer=self.tokenizer, stop=job.stop, speculate=job.speculate, under=under,
+            cached=shared.prefix_ids[:matched], prompt_owner=CACHE_OWNER, logprobs=job.logprobs)
+        return run.group
+
+    def _step(self) -> None:
+        if not self._running:
+            self._settle_cache()
+            return
+        started = time.perf_counter()
+        before = self.engine.stats.forward_passes
+        rows = len(self.scheduler.history)
+        self.scheduler.step()
+        forwards = self.engine.stats.forward_passes - before
+        record = self.scheduler.history[-1] if len(self.scheduler.history) > rows else None
+        branches = sum(_live_branches(job) for job in self._running.values())
+        self.counters.count_step(forwards, record.rows if record else 0, branches, time.perf_counter() - started)
+        log.debug("step %d: %d requests, %d branches, %d rows in %d forward(s), %.1f ms, %d slots",
+                  self.counters.steps, len(self._running), branches, record.rows if record else 0, forwards,
+                  1000 * (time.perf_counter() - started), self.engine.forest.num_slots)
+        finished = False
+        for job in list(self._running.values()):
+            work = job.work
+            job.steps += 1
+            if job.steps == 1 and not job.beams:
+                forest = self.engine.forest
+                for end in work.prompt_ends:
+                    self.index.insert(forest.path_tokens(end), forest.path(end))
+            if not job.beams:
+                while work.events:
+                    event = work.events.popleft()
+                    self.counters.generated += 1
+                    job.sink(("token", event))
+            if work.done:
+                finished = True
+                if job.beams:
+                    beams = work.beams(self.engine, self.tokenizer, job.beams)
+                    self.counters.generated += sum(len(b.token_ids) for b in beams)
+                    job.sink(("beams", beams))
+                self._finish(job, ("done", self._usage(job)))
+        if finished:
+            self._settle_cache()
+
+    def _usage(self, job: Job) -> Usage:
+        work = job.work
+        if job.beams:
+            generated = sum(len(b.token_ids) for b in work.beams(self.engine, None, job.beams))
+            stats = {"steps": work.steps}
+        else:
+            generated = sum(len(b.output.token_ids) for b in work.branches)
+            stats = work.stats.as_dict()
+        return Usage(job.prompt_tokens, job.cached_tokens, generated, stats)
+
+    def _finish(self, job: Job, item: tuple) -> None:
+        """End a job: its last message to the sink, its reservation released, its work retired."""
+        self._running.pop(job.id, None)
+        if job.work is not None and job.work in self.scheduler.works:
+            self.scheduler.retire(job.work)
+        with self._cond:
+            self._reserved = [self._reserved[0] - job.reserved_tokens, self._reserved[1] - job.branches]
+        if not job.cancelled:
+            job.sink(item)
+
+    def _cancel(self, job: Job) -> None:
+        self.counters.cancelled += 1
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+        self._finish(job, ("error", Overloaded("cancelled")))
+
+    def _fail_all(self, error: Exception) -> None:
+        for job in list(self._running.values()):
+            self._finish(job, ("error", error))
+
+    def _settle_cache(self) -> None:
+        """Free retired jobs' slots, forget prefixes past the budget, and compact the cache
+        owner's slots that neither an indexed prefix nor a running job needs."""
+        self.scheduler.free_retired()
+        self.index.evict(self.limits.prefix_cache_tokens)
+        live = self.index.leaves() + [n for job in self._running.values() for n in job.work.live()]
+        self.engine.compact(live, owner=CACHE_OWNER)
+
+    def _observe(self, trace: StepTrace) -> None:
+        """Send traced jobs the nodes they fed this step (before rejected ones are taken back)."""
+        traced = [job for job in self._running.values() if job.trace and not job.beams]
+        if not traced:
+            return
+        forest = trace.forest
+        rejected = set(trace.rejected)
+        for job in traced:
+            work = job.work
+            mine = {n for n in trace.nodes if forest.owners[n] == work.owner}
+            if job.steps == 0:
+                prompt = {n for end in work.prompt_ends for n in forest.path(end)}
+                mine |= prompt & set(trace.nodes)
+            nodes = [[n, forest.parents[n], self._token_text(forest.tokens[n]),
+                      "rejected" if n in rejected else "prompt" if forest.owners[n] == CACHE_OWNER else "kept"]
+                     for n in trace.nodes if n in mine]
+            job.sink(("trace", {"step": trace.step, "cached_tokens": job.cached_tokens,
+                                "heads": [b.leaf for b in work.branches], "nodes": nodes}))
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+
+def _live_branches(job: Job) -> int:
+    if job.beams:
+        return job.beams
+    return sum(not b.output.finished for b in job.work.branches)
+
+
+@dataclass
+class Counters:
+    """Running totals the metrics endpoint and the benchmark read (written by the engine thread)."""
+
+    admitted: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated: int = 0
+    steps: int = 0
+    forwards: int = 0
+    rows: int = 0
+    branches: int = 0
+    busy_seconds: float = 0.0
+
+    def count_step(self, forwards: int, rows: int, branches: int, seconds: float) -> None:
+        self.steps += 1
+        self.forwards += forwards
+        self.rows += rows
+        self.branches += branches
+        self.busy_seconds += seconds
+
+
+__all__ = ["CACHE_OWNER", "Counters", "ForestServer", "Job", "Limits", "Overloaded", "TooLarge", "Usage"]

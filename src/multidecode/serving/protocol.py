@@ -1,0 +1,322 @@
+"""The OpenAI request schema, checked and turned into engine jobs, and the response shapes.
+
+Two request kinds, as OpenAI's API has them: **completions** (`prompt`: text, token ids, or a
+list of either) and **chat completions** (`messages`, rendered with the tokenizer's chat
+template). Sampling follows OpenAI's defaults: temperature 1 samples, temperature 0 is greedy;
+choice i samples with seed + i. Our extensions ride in the request body (the openai client's
+`extra_body`):
+
+- `speculate`: "lookup", "suffix", "lookahead" or "auto": every branch carries a draft tree;
+- `use_beam_search`: beam search with n beams, all n returned best first;
+- `questions`: questions about the one prompt (the document; for chat, the last user message),
+  each answered as its own branch of one forest and returned as one choice per question;
+- `trace`: the stream also carries the forest nodes the request fed each step (the live page).
+
+Every problem a client can cause raises `BadRequest` (HTTP 400) naming the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import MultiDecodeError, is_int
+from ..prompts import has_chat_template, question_message, tokenize_prompt
+from ..sampling import SamplingParams
+from .forest_server import Job
+
+MAX_LOGPROBS = 20
+SPECULATE_MODES = ("lookup", "suffix", "lookahead", "auto")
+
+
+class BadRequest(MultiDecodeError, ValueError):
+    """A request the server cannot take as it is (HTTP 400); param names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class _Body(BaseModel):
+    """Fields both request kinds share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    speculate: str | None = None
+    use_beam_search: bool = False
+    questions: list[str] | None = None
+    trace: bool = False
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[Message]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
+    """The request body, checked: JSON of the right shape, or `BadRequest`."""
+    if content_type is None or content_type.split(";")[0].strip().lower() != "application/json":
+        raise BadRequest(f"the body must be JSON (Content-Type: application/json), got {content_type or 'none'}",
+                         code="invalid_content_type")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise BadRequest(f"the body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or None
+        raise BadRequest(f"{where}: {first['msg']}" if where else first["msg"], where) from None
+
+
+# ---------------------------------------------------------------------- body -> job
+def _unsupported(body: _Body) -> None:
+    checks = [("frequency_penalty", body.frequency_penalty not in (0, None)),
+              ("presence_penalty", body.presence_penalty not in (0, None)),
+              ("logit_bias", bool(body.logit_bias))]
+    if isinstance(body, CompletionBody):
+        checks += [("echo", body.echo), ("suffix", body.suffix is not None),
+                   ("best_of", body.best_of not in (None, 1, body.n))]
+    if isinstance(body, ChatBody):
+        checks += [("tools", bool(body.tools)),
+                   ("response_format", bool(body.response_format) and body.response_format.get("type") != "text")]
+    for name, used in checks:
+        if used:
+            raise BadRequest(f"{name} is not supported by this server", name, "unsupported_parameter")
+
+
+def _sampling(body: _Body, count: int) -> list[SamplingParams]:
+    """One SamplingParams per branch: greedy at temperature 0, else seeded draws (seed + i)."""
+    if body.top_k is not None and body.top_k not in (-1, 0) and body.top_k < 1:
+        raise BadRequest(f"top_k must be -1 (off) or a positive integer, got {body.top_k}", "top_k")
+    top_k = body.top_k if body.top_k and body.top_k > 0 else None
+    penalty = None if body.repetition_penalty == 1.0 else body.repetition_penalty
+    if body.temperature == 0:
+        return [SamplingParams(repetition_penalty=penalty)] * count
+    seed = secrets.randbits(31) if body.seed is None else body.seed
+    return [SamplingParams(do_sample=True, temperature=body.temperature, top_k=top_k,
+                           top_p=None if body.top_p == 1.0 else body.top_p,
+                           min_p=body.min_p or None, repetition_penalty=penalty, seed=seed + i)
+            for i in range(count)]
+
+
+def _stop(body: _Body) -> list[str]:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stop):
+        raise BadRequest("stop strings must not be empty", "stop")
+    return stop
+
+
+def _text_prompts(tokenizer, body: CompletionBody, vocab_size: int) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(is_int(t) for t in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise BadRequest("the prompt is empty", "prompt")
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not p:
+                raise BadRequest("the prompt is empty", "prompt")
+            p = list(tokenizer(p, add_special_tokens=True)["input_ids"])
+        if not p:
+            raise BadRequest("the prompt has no tokens", "prompt")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the model's vocabulary of {vocab_size}", "prompt")
+        ids.append(list(p))
+    return ids
+
+
+def _content(message: Message) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest("only text content parts are supported", "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    if not has_chat_template(tokenizer):
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenize_prompt(tokenizer, text)
+
+
+def _question_prompts(tokenizer, document: str, questions: Sequence[str], *, chat: bool) -> list[list[int]]:
+    if not document.strip():
+        raise BadRequest("the document (prompt) is empty: questions need a document to be about", "prompt")
+    if not questions or any(not isinstance(q, str) or not q.strip() for q in questions):
+        raise BadRequest("questions must be a non-empty list of non-empty strings", "questions")
+    if chat and has_chat_template(tokenizer):
+        return [_chat_prompt(tokenizer, [{"role": "user", "content": question_message(document, q)}])
+                for q in questions]
+    return [list(tokenizer(question_message(document, q), add_special_tokens=True)["input_ids"])
+            for q in questions]
+
+
+def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None, speculate_default=None) -> Job:
+    """A checked request as an engine job (its sink is set by the caller)."""
+    _unsupported(body)
+    chat = isinstance(body, ChatBody)
+    if body.questions is not None:
+        if body.n != 1:
+            raise BadRequest("n must be 1 with questions: each question is one choice", "n")
+        if chat:
+            users = [m for m in body.messages if m.role == "user"]
+            if not users:
+                raise BadRequest("messages must hold a user message (the document)", "messages")
+            document = _content(users[-1])
+        else:
+            if not isinstance(body.prompt, str):
+                raise BadRequest("with questions, the prompt must be the document as text", "prompt")
+            document = body.prompt
+        prompts = _question_prompts(tokenizer, document, body.questions, chat=chat)
+    elif chat:
+        if not body.messages:
+            raise BadRequest("messages must not be empty", "messages")
+        messages = [{"role": m.role, "content": _content(m)} for m in body.messages]
+        prompts = [_chat_prompt(tokenizer, messages)] * body.n
+    else:
+        prompts = [p for p in _text_prompts(tokenizer, body, vocab_size) for _ in range(body.n)]
+
+    default = 16 if not chat else 256
+    max_tokens = (body.max_completion_tokens if chat else None) or body.max_tokens
+    longest = max(map(len, prompts))
+    if max_positions is not None:
+        if longest >= max_positions:
+            raise BadRequest(f"the prompt is {longest} tokens, but the model's context window is {max_positions} "
+                             "tokens", "messages" if chat else "prompt", "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(default, max_positions - longest)
+        elif longest + max_tokens > max_positions:
+            raise BadRequest(f"the prompt ({longest} tokens) plus max_tokens ({max_tokens}) is over the model's "
+                             f"context window of {max_positions} tokens", "max_tokens", "context_length_exceeded")
+    max_tokens = max_tokens or default
+
+    speculate = body.speculate if body.speculate is not None else speculate_default
+    if speculate is not None and str(speculate).lower() not in SPECULATE_MODES + ("none", "off"):
+        raise BadRequest(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {speculate!r}", "speculate")
+    if speculate is not None and str(speculate).lower() in ("none", "off"):
+        speculate = None
+
+    if chat:
+        top = body.top_logprobs if body.logprobs else None
+        logprobs = (top or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    beams = 0
+    if body.use_beam_search:
+        if body.questions is not None or len({tuple(p) for p in prompts}) != 1:
+            raise BadRequest("use_beam_search takes one prompt (n is the number of beams)", "use_beam_search")
+        if body.stream or logprobs is not None:
+            raise BadRequest("use_beam_search returns finished beams: stream and logprobs are not supported with it",
+                             "use_beam_search")
+        beams = body.n
+        prompts = prompts[:1]
+    return Job(prompts=prompts, max_new_tokens=max_tokens, sampling=_sampling(body, len(prompts)), stop=_stop(body),
+               speculate=speculate, logprobs=logprobs, beams=beams, trace=body.trace)
+
+
+# ---------------------------------------------------------------------- responses
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage_dict(usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+class Choice:
+    """One choice as it fills in: its text, its tokens' log-probabilities, why it ended."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.logprobs: list = []  # (token text, logprob, [(text, logprob), ...])
+
+
+def token_entry(tokenizer, event) -> tuple:
+    def piece(t):
+        return tokenizer.decode([t])
+    return piece(event.token_id), event.logprob, [(piece(t), lp) for t, lp in event.top_logprobs]
+
+
+def completion_logprobs(entries: list, start: int = 0) -> dict:
+    """The completions API's log-probabilities (its legacy shape)."""
+    offsets, at = [], start
+    for text, _, _ in entries:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries: list) -> dict:
+    """The chat API's log-probabilities."""
+    def item(text, lp):
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries],
+            "refusal": None}
+
+
+__all__ = ["BadRequest", "ChatBody", "Choice", "CompletionBody", "chat_logprobs", "completion_logprobs",
+           "error_body", "parse", "to_job", "usage_dict"]

@@ -1,0 +1,89 @@
+"""A server on a free loopback port for tests: a tiny model (or the embedded one) behind the real
+ASGI stack, started in this process, and the real `openai` client pointed at it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+import uvicorn
+
+from local_models import tiny_model_folder
+from multidecode.models import load_model_and_tokenizer
+from multidecode.serving.app import DrainingServer, ServeState, create_app
+from multidecode.serving.forest_server import Limits
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A started server: its base URL, its state (the `ForestServer` is `state.server`), clients."""
+
+    def __init__(self, state: ServeState, port: int, uvicorn_server) -> None:
+        self.state, self.port, self.uvicorn = state, port, uvicorn_server
+        self.url = f"http://127.0.0.1:{port}"
+
+    @property
+    def forest(self):
+        return self.state.server
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        kwargs.setdefault("api_key", self.state.api_key or "none")
+        return openai.OpenAI(base_url=self.url + "/v1", max_retries=0, **kwargs)
+
+    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        kwargs.setdefault("api_key", self.state.api_key or "none")
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", max_retries=0, **kwargs)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no request is running and the engine has settled its cache."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.forest.busy and not self.forest.scheduler.works:
+                time.sleep(0.1)  # the engine thread settles the cache right after the last step
+                return
+            time.sleep(0.02)
+        raise TimeoutError("the server did not go idle")
+
+
+def tiny_loader(folder: Path):
+    return lambda: load_model_and_tokenizer(str(folder))
+
+
+@contextmanager
+def running_server(loader, *, name: str = MODEL, api_key: str | None = None, limits: Limits | None = None,
+                   background: bool = False, drain_timeout: float = 5.0):
+    """Serve `loader()`'s model on a free port until the block ends."""
+    state = ServeState(name, api_key=api_key)
+    port = free_port()
+    server = DrainingServer(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"),
+                            state, drain_timeout=drain_timeout)
+    thread = threading.Thread(target=server.run, daemon=True)
+    state.load(loader, limits=limits, background=background)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield Running(state, port, server)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        if state.server is not None:
+            state.server.stop()
+
+
+def tiny_folder(tmp_path_factory) -> Path:
+    return tiny_model_folder(tmp_path_factory.mktemp("serve-model"), max_positions=256)
