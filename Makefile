@@ -1,6 +1,7 @@
 # Two entry points, each doing all of its setup on a fresh clone:
 #   make demo   answer 8 questions about a sample document in one MultiDecode pass
-#   make test   run the test suite (make test-fast: the fast tier, without slow and embedded-model tests)
+#   make test   run the test suite (make test-fast: the fast tier, without slow and embedded-model tests;
+#               make test-browser: the live page in a headless Chromium, installed when missing)
 # Setup (the .venv, the pinned CPU torch, the project, the embedded model) reruns only when
 # pyproject.toml changes; the project is installed in editable mode.
 # torch==2.13.0 goes in first: a looser torch would pull several GB of CUDA packages. The CPU
@@ -13,7 +14,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.multidecode-installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast test-browser bench clean
 
 setup: $(STAMP)
 
@@ -28,12 +29,24 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/multidecode demo
 
+# The browser tests have their own target (they need Chromium, a system package): see test-browser.
 test: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not browser"
 
 # The loop tier: everything but the slow statistical tests and the embedded model's (a minute).
 test-fast: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not embedded"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not embedded and not browser"
+
+# The live page of `multidecode serve` in a real headless browser: Debian's chromium, driven by
+# Playwright's Python package (the browser extra; never `playwright install`, which downloads
+# browsers). Installing chromium needs root (or sudo); without it the tests skip and say why.
+test-browser: setup
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
+	  elif sudo -n true 2>/dev/null; then sudo apt-get update -q && sudo apt-get install -y -q chromium; \
+	  else echo "test-browser: chromium is missing and installing it needs root: sudo apt-get install chromium"; fi; }
+	@$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[test,browser]'
+	$(BIN)/python -m pytest -q -m browser
 
 bench: setup
 	$(BIN)/multidecode bench ask --output bench-results

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import openai
 import uvicorn
-
 from local_models import tiny_model_folder
+
 from multidecode.models import load_model_and_tokenizer
 from multidecode.serving.app import DrainingServer, ServeState, create_app
 from multidecode.serving.forest_server import Limits

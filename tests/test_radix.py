@@ -26,6 +26,18 @@ def test_insert_splits_an_edge_where_paths_diverge_and_keeps_the_first_copy():
     assert sorted(index.leaves()) == [13, 20]
 
 
+def test_a_path_that_left_the_indexed_nodes_is_not_indexed_past_that_point():
+    """A copy of an indexed prefix with a new tail: the tail hangs under the copy in the forest,
+    so indexing it under the indexed nodes would point a later request at the wrong parent."""
+    index = PrefixIndex()
+    index.insert([1, 2, 3], [10, 11, 12])
+    index.insert([1, 2, 3, 4, 5], [10, 11, 32, 33, 34])  # node 32 is a second copy of token 3
+    assert index.match([1, 2, 3, 4, 5]) == (3, 12)
+    assert len(index) == 3 and index.leaves() == [12]
+    index.insert([1, 2, 3, 4], [10, 11, 12, 40])  # under the indexed copy: indexed
+    assert index.match([1, 2, 3, 4, 5]) == (4, 40)
+
+
 def test_evict_forgets_least_recently_used_tails_down_to_the_budget():
     index = PrefixIndex()
     index.insert([1, 2, 3, 4], [10, 11, 12, 13])

@@ -10,9 +10,10 @@ that hold them:
   is the parent of node i + 1); a node's children are keyed by their first token;
 - `match(tokens)` walks down as far as the tokens agree and returns how many matched and the
   node of the last matched token;
-- `insert(tokens, nodes)` adds a fed path (splitting an edge where it diverges); where a path is
-  already indexed the old nodes stay, so two requests that fed the same prefix at once leave one
-  indexed copy;
+- `insert(tokens, nodes)` adds a fed path (splitting an edge where it diverges). Where the same
+  tokens are already indexed under other nodes (two requests fed the same prefix at once), the
+  indexed copy stays and the new path is indexed only down to where it left the indexed nodes:
+  an indexed node's parent in the forest is always the indexed node before it;
 - `evict(budget)` forgets the least recently used leaves until at most `budget` tokens are
   indexed; the server then compacts the cache owner's slots that no index entry and no running
   request still needs (`leaves()` are what must stay).
@@ -85,6 +86,11 @@ class PrefixIndex:
                 return
             run = 0
             while run < len(child.tokens) and at + run < len(tokens) and child.tokens[run] == tokens[at + run]:
+                if child.nodes[run] != nodes[at + run]:
+                    # The same tokens, held by another copy: the rest of this path hangs under that
+                    # copy, not under the indexed nodes, so it is not indexed.
+                    self._touch(child, now)
+                    return
                 run += 1
             if run < len(child.tokens):
                 self._split(child, run)

@@ -1,0 +1,190 @@
+"""The live page (`GET /`) in a real headless browser: Debian's Chromium driven by Playwright.
+
+A tiny random model serves on a free loopback port; the page is loaded from it and used as a
+person would: it loads, a question streams an answer (text in a card, a finish reason, a drawing
+of the forest with nodes) and an empty document shows the server's error. `make test-browser`
+installs Chromium when it is missing and runs these tests; without Chromium or the playwright
+package they are skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from serving import MODEL, running_server, tiny_folder, tiny_loader
+
+pytestmark = pytest.mark.browser
+
+# Without the background-networking flags Chromium reaches out to Google's services at start,
+# and a closed network refuses those connections.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+DOCUMENT = "Here is a document about routers, cables and support tickets."
+QUESTIONS = ["What is the document about?", "Who answers the tickets?"]
+TIMEOUT_MS = 30_000
+
+
+def chromium_path() -> str | None:
+    return (os.environ.get("MULTIDECODE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+            or (os.path.exists("/usr/bin/chromium") and "/usr/bin/chromium") or None)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="the browser tests need the playwright package (pip install -e '.[browser]')")
+    path = chromium_path()
+    if path is None:
+        pytest.skip("no Chromium: `make test-browser` installs it (apt-get install chromium), "
+                    "or point MULTIDECODE_CHROMIUM at one")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=path, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tiny_loader(tiny_folder(tmp_path_factory))) as running:
+        yield running
+
+
+def open_page(browser, url: str, model: str | None = MODEL):
+    """A fresh tab on the page; JavaScript errors and requests leaving the server are recorded."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.problems = []
+    page.on("pageerror", lambda error: page.problems.append(f"JavaScript error: {error}"))
+    page.on("request", lambda request: request.url.startswith((url, "data:"))
+            or page.problems.append(f"a request off the server: {request.url}"))
+    response = page.goto(url + "/")
+    assert response.status == 200
+    assert response.headers["content-type"].startswith("text/html")
+    if model is not None:
+        page.wait_for_function("(name) => document.getElementById('model-name').textContent === name", arg=model)
+    return page
+
+
+@pytest.fixture
+def page(browser, server):
+    page = open_page(browser, server.url)
+    yield page
+    problems = page.problems
+    page.context.close()
+    assert not problems
+
+
+def ask(page, document: str, questions: list[str], *, max_tokens: int = 8) -> None:
+    page.fill("#document", document)
+    page.fill("#questions", "\n".join(questions))
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#temperature", "0")
+    page.click("#run")
+
+
+def wait_finished(page) -> str:
+    page.wait_for_function("document.body.dataset.state !== 'running' && document.body.dataset.state !== 'idle'")
+    return page.evaluate("document.body.dataset.state")
+
+
+def test_the_page_loads(page):
+    assert "multidecode" in page.title()
+    for selector in ("#document", "#questions", "#max-tokens", "#temperature", "#api-key", "#run"):
+        assert page.is_visible(selector), selector
+    assert page.input_value("#temperature") == "0"
+    assert page.is_hidden("#error")
+    page.click("#mode-n")  # one prompt and n instead of a document and questions
+    assert page.is_visible("#prompt") and page.is_visible("#n") and page.is_hidden("#document")
+    page.click("#mode-questions")
+    assert page.is_visible("#document") and page.is_hidden("#prompt")
+
+
+def test_a_question_streams_an_answer(page, server):
+    # Count the updates of the answer cards, to see text arrive in pieces rather than at the end.
+    page.evaluate("""() => {
+        window.updates = 0;
+        new MutationObserver((records) => { window.updates += records.length; })
+            .observe(document.getElementById('cards'), {subtree: true, childList: true, characterData: true});
+    }""")
+    ask(page, DOCUMENT, QUESTIONS)
+    assert wait_finished(page) == "done"
+    assert page.is_hidden("#error")
+
+    cards = page.locator(".card")
+    assert cards.count() == len(QUESTIONS)
+    texts = [cards.nth(i).locator(".text").inner_text() for i in range(len(QUESTIONS))]
+    reasons = [cards.nth(i).locator(".finish").inner_text() for i in range(len(QUESTIONS))]
+    assert all(reason in ("stop", "length") for reason in reasons), reasons
+    assert any(texts), "no card got any text"
+    assert page.evaluate("window.updates") > 2 * len(QUESTIONS)
+
+    # The page shows what the API answers (greedy, so the same text), leading whitespace aside.
+    reply = server.client().completions.create(model=MODEL, prompt=DOCUMENT, max_tokens=8, temperature=0,
+                                               extra_body={"questions": QUESTIONS})
+    by_index = sorted(reply.choices, key=lambda c: c.index)
+    assert texts == [c.text.lstrip() for c in by_index]
+    assert reasons == [c.finish_reason for c in by_index]
+
+    # The forest: the prompt as compressed boxes, generated tokens as nodes, every branch finished.
+    assert page.locator("#forest .seg-box").count() >= 1
+    assert page.locator("#forest .tok").count() >= 1
+    assert page.locator("#forest .end").count() == len(QUESTIONS)
+    shared = page.locator("#forest .seg-box").first.locator("title").text_content()
+    assert "shared by 2 branches" in shared
+
+    # The summary line: tokens (the usage's count), forwards and time.
+    assert page.inner_text("#s-tokens").split()[0] == str(reply.usage.completion_tokens)
+    assert int(page.inner_text("#s-forwards").split()[0]) >= 1
+    assert page.inner_text("#s-time").split()[0] != "–"
+
+
+def test_an_empty_document_shows_the_error(page):
+    ask(page, "", QUESTIONS)
+    assert wait_finished(page) == "error"
+    assert page.is_visible("#error")
+    message = page.inner_text("#error")
+    assert "400" in message and "document" in message and "empty" in message  # the server's own words
+    assert page.locator(".card .finish").first.inner_text() == "error"
+    # the next request goes through, and the error goes away
+    ask(page, DOCUMENT, QUESTIONS[:1], max_tokens=4)
+    assert wait_finished(page) == "done"
+    assert page.is_hidden("#error")
+
+
+def test_one_prompt_and_n_choices(page):
+    page.click("#mode-n")
+    page.fill("#prompt", "The quick brown fox")
+    page.fill("#n", "3")
+    page.fill("#max-tokens", "5")
+    page.click("#run")
+    assert wait_finished(page) == "done"
+    assert page.locator(".card").count() == 3
+    assert all(reason in ("stop", "length") for reason in page.locator(".card .finish").all_inner_texts())
+    assert page.locator("#forest .end").count() == 3
+
+
+def test_the_chat_endpoint(page):
+    page.select_option("#endpoint", "chat")
+    ask(page, DOCUMENT, QUESTIONS, max_tokens=5)
+    assert wait_finished(page) == "done"
+    assert all(reason in ("stop", "length") for reason in page.locator(".card .finish").all_inner_texts())
+    assert page.locator("#forest .end").count() == len(QUESTIONS)
+
+
+def test_the_api_key_is_sent(browser, tmp_path_factory):
+    with running_server(tiny_loader(tiny_folder(tmp_path_factory)), api_key="sesame") as locked:
+        page = open_page(browser, locked.url, model=None)
+        page.wait_for_function("document.getElementById('model-name').textContent === 'API key needed'")
+        ask(page, DOCUMENT, QUESTIONS[:1], max_tokens=4)
+        assert wait_finished(page) == "error"
+        assert "API key needed" in page.inner_text("#error")
+        page.fill("#api-key", "sesame")
+        page.click("#run")
+        assert wait_finished(page) == "done", page.inner_text("#error")
+        assert page.is_hidden("#error")
+        assert page.inner_text("#model-name") == MODEL
+        assert not page.problems
+        page.context.close()

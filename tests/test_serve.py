@@ -1,0 +1,252 @@
+"""The OpenAI-compatible server, through the real `openai` client against a server on a loopback
+port: streamed and whole answers agree, greedy answers equal plain generation and solo runs,
+concurrent requests share forwards, prompts hit the prefix cache, and the extensions work."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+import pytest
+import torch
+from serving import MODEL, running_server, tiny_folder, tiny_loader
+
+from multidecode.prompts import common_prefix_length
+from multidecode.sampling import SamplingParams
+from multidecode.serving.forest_server import ForestServer, Job, Limits
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Question: what is the answer?"
+DOCUMENT = "Here is a document about support calls, routers, cables and tickets. " * 3
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_folder(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    with running_server(tiny_loader(folder)) as running:
+        yield running
+
+
+def _greedy_reference(running, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """What plain sequential decoding gives: transformers' own greedy generate."""
+    return _greedy_reference_model(running.forest.model, running.forest.eos, prompt_ids, max_new_tokens)
+
+
+def _greedy_reference_model(model, eos, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=sorted(eos), pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _ids(running, text: str) -> list[int]:
+    return _tokens(running.forest.tokenizer, text)
+
+
+def test_health_models_and_metrics(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "multidecode_forward_passes_total" in metrics and "multidecode_cache_slots" in metrics
+
+
+def test_greedy_completion_equals_transformers_generate_and_streaming_equals_whole(server):
+    client = server.client()
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    expected = _greedy_reference(server, _ids(server, PROMPT), 20)
+    text = server.forest.tokenizer.decode(expected, skip_special_tokens=True)
+    assert whole.choices[0].text == text
+    assert whole.usage.completion_tokens == len(expected)
+
+
+def test_chat_streaming_equals_whole(server):
+    client = server.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+
+
+def test_n_choices_have_distinct_indices_and_the_same_seed_gives_the_same_text(server):
+    client = server.client()
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, n=3, seed=7, temperature=1.0)
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, n=3, seed=7, temperature=1.0)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    # choice i samples with seed + i: the same as a single choice with that seed
+    third = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, n=1, seed=9, temperature=1.0)
+    assert third.choices[0].text == first.choices[2].text
+    assert len({c.text for c in first.choices}) > 1  # the tiny model's sampled choices differ
+    # the prompt counts once for n choices
+    assert first.usage.prompt_tokens == len(_ids(server, PROMPT))
+
+
+def test_stream_usage_chunk_ends_the_stream_and_adds_up(server):
+    client = server.client()
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, n=2, seed=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    usage = last.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    emitted = sum(1 for c in chunks[:-1] for _ in c.choices)
+    assert usage.completion_tokens >= emitted - 2 and usage.completion_tokens > 0
+    assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_and_gives_the_same_answer(server):
+    client = server.client()
+    prompt = "A prompt nobody sent before: routers, cables and tickets, in that order."
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    assert second.choices[0].text == first.choices[0].text
+    # a prompt that shares only a head hangs under it
+    longer = client.completions.create(model=MODEL, prompt=prompt + " And then the fox.", max_tokens=12,
+                                       temperature=0)
+    assert longer.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 2
+    expected = _greedy_reference(server, _ids(server, prompt + " And then the fox."), 12)
+    assert longer.choices[0].text == server.forest.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_sixteen_concurrent_streams_equal_solo_runs_and_share_forwards(server, caplog):
+    prompts = [f"{DOCUMENT} Question {i}: what about item {i}?" for i in range(16)]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            else:
+                usage = chunk
+        return text, usage
+
+    async def together():
+        client = server.async_client()
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    solo = [server.client().completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
+            for p in prompts]
+    server.wait_idle()
+    steps_before = server.forest.counters.steps
+    with caplog.at_level(logging.DEBUG, logger="multidecode.serving"):
+        results = asyncio.run(together())
+    assert [text for text, _ in results] == solo
+    steps = server.forest.counters.steps - steps_before
+    alone = sum(usage.model_extra["multidecode"]["steps"] for _, usage in results)
+    assert steps < alone / 4, (steps, alone)
+    shared = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert any(int(line.split(": ")[1].split(" requests")[0]) >= 8 for line in shared), shared[:5]
+
+
+def test_questions_extension_answers_each_question_as_a_choice(server):
+    client = server.client()
+    questions = ["What is it about?", "Who calls?", "What breaks?"]
+    reply = client.completions.create(model=MODEL, prompt=DOCUMENT, max_tokens=10, temperature=0,
+                                      extra_body={"questions": questions})
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    from multidecode.prompts import question_message
+
+    for question, choice in zip(questions, reply.choices):
+        ids = _ids(server, question_message(DOCUMENT, question))
+        alone = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+        assert choice.text == alone.choices[0].text
+
+
+def test_beam_search_extension_equals_transformers(server):
+    client = server.client()
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=3,
+                                      extra_body={"use_beam_search": True})
+    ids = _ids(server, PROMPT)
+    out = server.forest.model.generate(torch.tensor([ids]), num_beams=3, num_return_sequences=3, max_new_tokens=8,
+                                       do_sample=False, eos_token_id=sorted(server.forest.eos), pad_token_id=0,
+                                       early_stopping=False, length_penalty=1.0)
+    tok = server.forest.tokenizer
+    expected = [tok.decode([t for t in row[len(ids):].tolist() if t != 0], skip_special_tokens=True) for row in out]
+    assert [c.text for c in reply.choices] == expected
+
+
+def test_logprobs_are_the_models_own(server):
+    client = server.client()
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    ids = _ids(server, PROMPT)
+    with torch.no_grad():
+        first = torch.log_softmax(server.forest.model(torch.tensor([ids])).logits[0, -1].float(), -1)
+    assert lp.token_logprobs[0] == pytest.approx(float(first.max()), abs=1e-4)
+    assert all(len(top) <= 3 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) >= 1 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_speculation_never_changes_the_answer(server):
+    client = server.client()
+    prompt = "cables and tickets, cables and tickets, cables and tickets, cables and"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    for mode in ("lookup", "suffix"):
+        drafted = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                            extra_body={"speculate": mode})
+        assert drafted.choices[0].text == plain.choices[0].text
+        assert drafted.model_extra["multidecode"]["speculate"] == mode
+
+
+def test_waiting_requests_that_share_an_uncached_prefix_let_one_go_first(folder):
+    """Two jobs waiting in one round with a long common head: one computes it, the other waits a
+    step and hangs under it (cached tokens > 0), and both answers equal plain generation."""
+    model, tokenizer = tiny_loader(folder)()
+    forest = ForestServer(model, tokenizer, limits=Limits(defer_tokens=8))
+    head = _tokens(tokenizer, DOCUMENT * 2)
+    prompts = [head + _tokens(tokenizer, " First?"), head + _tokens(tokenizer, " Second?")]
+    outputs: list[list] = [[], []]
+    jobs = [forest.submit(Job(prompts=[p], max_new_tokens=6, sampling=[SamplingParams()], sink=out.append))
+            for p, out in zip(prompts, outputs)]
+    forest.start()  # both jobs wait in the first round
+    try:
+        deadline = time.monotonic() + 30
+        while forest.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        forest.stop()
+    assert sorted(job.cached_tokens for job in jobs) == [0, common_prefix_length(prompts)]
+    for prompt, out in zip(prompts, outputs):
+        assert out[-1][0] == "done"
+        tokens = [item[1].token_id for item in out if item[0] == "token"]
+        assert tokens == _greedy_reference_model(model, forest.eos, prompt, 6)
+
+
+def test_the_cache_goes_back_to_the_prefix_index_when_idle(server):
+    client = server.client()
+    for i in range(3):
+        client.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=8, n=2, seed=i)
+    server.wait_idle()
+    forest = server.forest
+    assert forest.engine.forest.num_slots == len(forest.index)
+    assert not forest.scheduler.works
+    # every indexed path is a real path of the forest: what a later request hangs under
+    for leaf in forest.index.leaves():
+        path = forest.engine.forest.path(leaf)
+        assert forest.index.match(forest.engine.forest.path_tokens(leaf)) == (len(path), leaf)
