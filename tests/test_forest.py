@@ -346,3 +346,21 @@ def test_plain_continuation_false_for_a_chain_under_an_inner_node():
     c = f.add_chain([5], parent=p[1])
     f.place(c)
     assert not f.is_plain_continuation(c)
+
+
+def test_renumbered_keeps_what_is_cached_and_drops_the_history():
+    forest = Forest()
+    a = forest.add_chain([5, 6, 7])
+    b = forest.add([8, 9], [a[1], -2], owners=["x", "x"])
+    c = forest.add([4], [a[2]], root_position=0)
+    forest.place(a + b + c)
+    before = {n: (forest.path_tokens(n), forest.positions[n], forest.owners[n]) for n in a + b + c}
+    rows = forest.attention_rows([b[1], c[0]])
+    forest.compact(torch.tensor([0, 1, 2, 5]))  # b leaves the cache: history
+    new, ids = forest.renumbered()
+    assert len(new) == new.num_slots == 4 and set(ids) == set(a + c)
+    for old, node in ids.items():
+        assert (new.path_tokens(node), new.positions[node], new.owners[node]) == before[old]
+        assert new.slot_of[node] == forest.slot_of[old]
+    assert new.attention_rows([ids[c[0]]])[0].tolist() == rows[1][[0, 1, 2, 5]].tolist()
+    assert new.is_leaf(ids[c[0]]) and not new.is_leaf(ids[a[1]])

@@ -250,3 +250,18 @@ def test_the_cache_goes_back_to_the_prefix_index_when_idle(server):
     for leaf in forest.index.leaves():
         path = forest.engine.forest.path(leaf)
         assert forest.index.match(forest.engine.forest.path_tokens(leaf)) == (len(path), leaf)
+
+
+def test_an_idle_server_renumbers_its_forest_and_still_hits_the_cache(server, monkeypatch):
+    """Finished requests leave nodes behind as history; an idle server starts a fresh forest of
+    what is cached (here as soon as there is any history), and the prefix index follows it."""
+    monkeypatch.setattr("multidecode.serving.forest_server.RENUMBER_FACTOR", 0)
+    client = server.client()
+    prompt = "Renumbering: routers and cables, then tickets."
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, n=2, seed=1)
+    server.wait_idle()
+    forest = server.forest.engine.forest
+    assert len(forest) == forest.num_slots == len(server.forest.index)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, n=2, seed=1)
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    assert [c.text for c in again.choices] == [c.text for c in first.choices]

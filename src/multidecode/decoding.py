@@ -178,6 +178,7 @@ class BranchGroup(Work):
         self.under, self.prompt_owner, self.logprobs = under, prompt_owner, logprobs
         self.prompts = [list(cached) + prefix_ids + s for s in suffixes]
         self.prompt_ends: list[int] = []  # each prompt's last node, once fed
+        self.draft_nodes: set[int] = set()
         self.speculation = speculation
         self.tracker = AcceptanceTracker() if speculation is not None and speculation.auto else None
         self.branches = [
@@ -277,6 +278,7 @@ class BranchGroup(Work):
         row_of = {i: r for r, i in enumerate(i for i in fed if self._feed.logits[i])}  # feed index -> logits row
         node_at_row = {r: node_of[i] for i, r in row_of.items()}
         fed_drafts = {i: bn for i, bn in self._draft_nodes.items() if i in node_of}
+        self.draft_nodes = {node_of[i] for i in fed_drafts}  # this step's draft nodes (for observers)
         draft_row = {bn: row_of[i] for i, bn in fed_drafts.items()}  # (branch, draft node) -> row
         children: dict[int, dict[int, dict[int, int]]] = {}  # branch -> row -> token -> child row
         for (branch, n), row in draft_row.items():

@@ -287,6 +287,32 @@ class Forest:
         self._rows = rows
 
 
+    def renumbered(self) -> tuple[Forest, dict[int, int]]:
+        """A new forest of only the nodes that have a slot, numbered afresh in slot order, and
+        the map from old node ids to new ones. Slots, tokens, positions, owners and visibility
+        are the same; the history of compacted and removed nodes is gone, so a forest that lives
+        for ever (a server's) does not grow for ever. Nothing may hold an old node id after this
+        but through the map."""
+        new = Forest()
+        ids: dict[int, int] = {}
+        for slot, node in enumerate(self.node_at_slot):
+            parent = self.parents[node]
+            if parent != ROOT and parent not in ids:
+                raise ValueError(f"node {node} is cached but its parent {parent} is not")
+            ids[node] = slot
+            new.tokens.append(self.tokens[node])
+            new.parents.append(ROOT if parent == ROOT else ids[parent])
+            new.positions.append(self.positions[node])
+            new.owners.append(self.owners[node])
+            new.slot_of.append(slot)
+            new.node_at_slot.append(slot)
+            new._child_count.append(0)
+            new._removed.append(False)
+            if parent != ROOT:
+                new._child_count[ids[parent]] += 1
+        return new, ids
+
+
 def unchanged_prefix(keep: Sequence[int] | torch.Tensor) -> int:
     """How many leading slots `keep` (sorted, unique) leaves where they are: the first i with
     keep[i] != i. A binary search: keep[i] == i holds exactly for a prefix of i."""

@@ -26,6 +26,7 @@ engine knows nothing about works.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -130,6 +131,10 @@ class CompactionPolicy:
         return dead >= self.min_slots and dead >= self.min_fraction * total
 
 
+HISTORY = 4096
+"""How many of the latest steps `Scheduler.history` keeps (a long-lived server steps forever)."""
+
+
 @dataclass
 class StepRecord:
     """One step as it ran: rows fed, of which optional draft rows, and how many were offered."""
@@ -168,7 +173,8 @@ class Scheduler:
         self.cost = cost
         self.observer = observer
         self.works: list[Work] = []
-        self.history: list[StepRecord] = []
+        self.steps = 0  # steps that fed anything
+        self.history: deque[StepRecord] = deque(maxlen=HISTORY)  # the latest steps
         self._steps: dict[int, int] = {}  # owner -> steps the work took part in
         self._dirty: set[int] = set()  # owners of works with dead slots not yet compacted
         self._retired: list[int] = []  # owners whose slots are freed before the next feed
@@ -246,6 +252,7 @@ class Scheduler:
                 chosen.append(i)
             kept.append(chosen)
         drafts = sum(1 for w, (_, f) in enumerate(plans) for i in kept[w] if f.chances[i] is not None)
+        self.steps += 1
         self.history.append(StepRecord(sum(map(len, kept)), drafts, len(offered)))
         return kept
 
@@ -282,7 +289,7 @@ class Scheduler:
             if settled.dead:
                 self._dirty.add(work.owner)
         if self.observer is not None:
-            self.observer(StepTrace(len(self.history), list(nodes), list(rejected), self.engine.forest))
+            self.observer(StepTrace(self.steps, list(nodes), list(rejected), self.engine.forest))
         self.engine.drop(rejected)
         for work, _ in plans:
             self._compact_if_due(work)

@@ -24,7 +24,10 @@ max_tokens (`max_live_tokens`) and its branches (`max_branches`); past either, `
 would not fit even alone raises `TooLarge` (HTTP 400).
 
 Sinks are called from the engine thread with ("token", TokenEvent), ("trace", dict),
-("beams", [Beam]), ("done", Usage) or ("error", exception); the last two end a job.
+("beams", [Beam]), ("done", Usage) or ("error", exception); the last two end a job. A trace
+lists the nodes the job fed in a step as [node, parent, token text, kind], kind being "prompt",
+"kept" (a token the model chose), "accepted" (a draft token it confirmed) or "rejected" (a draft
+token taken back), with the cached prefix's size and each branch's last node.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ log = logging.getLogger("multidecode.serving")
 
 CACHE_OWNER = "prefix-cache"
 """The forest owner of every prompt node: the prefix cache, not the request that fed it."""
+
+
+RENUMBER_FACTOR = 4
+MIN_RENUMBER = 1024
+"""When idle, the forest is renumbered once it holds RENUMBER_FACTOR times more nodes than slots
+(and at least RENUMBER_FACTOR x MIN_RENUMBER nodes)."""
 
 
 class Overloaded(MultiDecodeError):
@@ -274,11 +283,10 @@ class ForestServer:
             self._settle_cache()
             return
         started = time.perf_counter()
-        before = self.engine.stats.forward_passes
-        rows = len(self.scheduler.history)
+        before, steps = self.engine.stats.forward_passes, self.scheduler.steps
         self.scheduler.step()
         forwards = self.engine.stats.forward_passes - before
-        record = self.scheduler.history[-1] if len(self.scheduler.history) > rows else None
+        record = self.scheduler.history[-1] if self.scheduler.steps > steps else None
         branches = sum(_live_branches(job) for job in self._running.values())
         self.counters.count_step(forwards, record.rows if record else 0, branches, time.perf_counter() - started)
         log.debug("step %d: %d requests, %d branches, %d rows in %d forward(s), %.1f ms, %d slots",
@@ -345,6 +353,12 @@ class ForestServer:
         self.index.evict(self.limits.prefix_cache_tokens)
         live = self.index.leaves() + [n for job in self._running.values() for n in job.work.live()]
         self.engine.compact(live, owner=CACHE_OWNER)
+        forest = self.engine.forest
+        if not self._running and len(forest) > RENUMBER_FACTOR * max(forest.num_slots, MIN_RENUMBER):
+            # Idle, and the forest is mostly history (finished requests' nodes, compacted long
+            # ago): start a fresh forest of what is cached, so a server never grows for ever.
+            self.engine.forest, ids = forest.renumbered()
+            self.index.renumber(ids)
 
     def _observe(self, trace: StepTrace) -> None:
         """Send traced jobs the nodes they fed this step (before rejected ones are taken back)."""
@@ -359,14 +373,23 @@ class ForestServer:
             if job.steps == 0:
                 prompt = {n for end in work.prompt_ends for n in forest.path(end)}
                 mine |= prompt & set(trace.nodes)
-            nodes = [[n, forest.parents[n], self._token_text(forest.tokens[n]),
-                      "rejected" if n in rejected else "prompt" if forest.owners[n] == CACHE_OWNER else "kept"]
+            nodes = [[n, forest.parents[n], self._token_text(forest.tokens[n]), _kind(n, forest, rejected, work)]
                      for n in trace.nodes if n in mine]
             job.sink(("trace", {"step": trace.step, "cached_tokens": job.cached_tokens,
                                 "heads": [b.leaf for b in work.branches], "nodes": nodes}))
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+
+def _kind(node: int, forest, rejected: set[int], work) -> str:
+    """How the live page draws a node: a prompt token, a draft taken back, a draft accepted, or
+    a token the model chose."""
+    if node in rejected:
+        return "rejected"
+    if forest.owners[node] == CACHE_OWNER:
+        return "prompt"
+    return "accepted" if node in work.draft_nodes else "kept"
 
 
 def _live_branches(job: Job) -> int:

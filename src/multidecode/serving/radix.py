@@ -111,6 +111,11 @@ class PrefixIndex:
             edge.used = now
             edge = edge.parent
 
+    def renumber(self, ids: dict[int, int]) -> None:
+        """Follow the forest's renumbering (`Forest.renumbered`): every indexed node must be in `ids`."""
+        for edge in self._edges():
+            edge.nodes = [ids[n] for n in edge.nodes]
+
     def leaves(self) -> list[int]:
         """The last node of every indexed path (keeping them keeps every indexed node)."""
         return [edge.nodes[-1] for edge in self._edges() if not edge.children and edge.nodes]
