@@ -102,6 +102,7 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cached_tokens: int = 0
     cancelled: bool = False
+    finished: bool = False
     work: object = None  # the scheduler work, once admitted
     steps: int = 0
 
@@ -239,6 +240,7 @@ class ForestServer:
             except Exception as error:  # a bug or a failed forward: fail what ran, keep serving
                 log.exception("a step failed; its requests get an error")
                 self._fail_all(error)
+                self._settle_cache()
 
     def _admit(self, jobs: list[Job]) -> list[Job]:
         """Admit jobs to the scheduler; returns those deferred to the next round."""
@@ -257,7 +259,9 @@ class ForestServer:
             fresh.insert(prefix, list(range(len(prefix))))
             try:
                 job.work = self._work(job, shared, matched, ROOT if node is None else node)
-            except MultiDecodeError as error:
+            except Exception as error:  # a bad request (MultiDecodeError) or a bug: that job fails, not the round
+                if not isinstance(error, MultiDecodeError):
+                    log.exception("admitting request %s failed", job.id)
                 self._finish(job, ("error", error))
                 continue
             job.cached_tokens = matched
@@ -304,13 +308,13 @@ class ForestServer:
                 while work.events:
                     event = work.events.popleft()
                     self.counters.generated += 1
-                    job.sink(("token", event))
+                    self._send(job, ("token", event))
             if work.done:
                 finished = True
                 if job.beams:
                     beams = work.beams(self.engine, self.tokenizer, job.beams)
                     self.counters.generated += sum(len(b.token_ids) for b in beams)
-                    job.sink(("beams", beams))
+                    self._send(job, ("beams", beams))
                 self._finish(job, ("done", self._usage(job)))
         if finished:
             self._settle_cache()
@@ -325,15 +329,28 @@ class ForestServer:
             stats = work.stats.as_dict()
         return Usage(job.prompt_tokens, job.cached_tokens, generated, stats)
 
+    def _send(self, job: Job, item: tuple) -> None:
+        """Hand the job's sink an item; a sink that fails (its client's event loop is gone) ends
+        the job as if the client had gone away, and never the engine thread."""
+        if job.cancelled:
+            return
+        try:
+            job.sink(item)
+        except Exception:
+            log.warning("request %s: its sink failed; cancelling it", job.id, exc_info=True)
+            self.cancel(job)
+
     def _finish(self, job: Job, item: tuple) -> None:
-        """End a job: its last message to the sink, its reservation released, its work retired."""
+        """End a job (once): its last message to the sink, its reservation released, its work retired."""
+        if job.finished:
+            return
+        job.finished = True
         self._running.pop(job.id, None)
         if job.work is not None and job.work in self.scheduler.works:
             self.scheduler.retire(job.work)
         with self._cond:
             self._reserved = [self._reserved[0] - job.reserved_tokens, self._reserved[1] - job.branches]
-        if not job.cancelled:
-            job.sink(item)
+        self._send(job, item)
 
     def _cancel(self, job: Job) -> None:
         self.counters.cancelled += 1
@@ -375,7 +392,7 @@ class ForestServer:
                 mine |= prompt & set(trace.nodes)
             nodes = [[n, forest.parents[n], self._token_text(forest.tokens[n]), _kind(n, forest, rejected, work)]
                      for n in trace.nodes if n in mine]
-            job.sink(("trace", {"step": trace.step, "cached_tokens": job.cached_tokens,
+            self._send(job, ("trace", {"step": trace.step, "cached_tokens": job.cached_tokens,
                                 "heads": [b.leaf for b in work.branches], "nodes": nodes}))
 
     def _token_text(self, token: int) -> str:
