@@ -32,10 +32,24 @@ from starlette.exceptions import HTTPException
 
 from ..errors import MultiDecodeError
 from .forest_server import ForestServer, Job, Limits, Overloaded, TooLarge
-from .protocol import (BadRequest, ChatBody, Choice, CompletionBody, chat_logprobs, completion_logprobs, error_body,
-                       parse, to_job, token_entry, usage_dict)
+from .protocol import (
+    BadRequest,
+    ChatBody,
+    Choice,
+    CompletionBody,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    parse,
+    to_job,
+    token_entry,
+    usage_dict,
+)
 
 log = logging.getLogger("multidecode.serving")
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""The largest request body accepted (far past any prompt the model's window can hold)."""
 
 POLL_SECONDS = 0.2
 """How often a plain (non-streamed) request checks that its client is still there."""
@@ -61,7 +75,10 @@ class ServeState:
                 log.info("model %s ready", self.name)
             except BaseException as error:  # reported by /health and by every request
                 self.load_error = error
-                log.exception("loading the model failed")
+                if isinstance(error, MultiDecodeError):  # the user's to fix: its message says how, no traceback
+                    log.error("loading the model failed: %s", error)
+                else:
+                    log.exception("loading the model failed")
 
         if background:
             threading.Thread(target=run, name="multidecode-load", daemon=True).start()
@@ -78,6 +95,7 @@ class ServeState:
 def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="multidecode", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
+    app.add_middleware(_ServerErrors)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(BadRequest)
@@ -100,11 +118,6 @@ def create_app(state: ServeState) -> FastAPI:
         return JSONResponse(error_body(str(error.detail), kinds.get(error.status_code, "invalid_request_error"),
                                        code=codes.get(error.status_code)),
                             status_code=error.status_code, headers=getattr(error, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, error: Exception):
-        log.exception("unexpected error")
-        return JSONResponse(error_body(f"internal error: {error}", "server_error"), status_code=500)
 
     def authorize(request: Request) -> None:
         key = state.api_key
@@ -152,12 +165,15 @@ def create_app(state: ServeState) -> FastAPI:
     async def _serve(request: Request, kind):
         authorize(request)
         server = state.ready()
-        body = parse(await request.body(), request.headers.get("content-type"), kind)
+        raw = await _read_body(request)
+        body = parse(raw, request.headers.get("content-type"), kind)
         if body.model != state.name:
             raise HTTPException(404, f"the model {body.model!r} does not exist: this server serves {state.name!r}")
         engine = server.engine
-        job = to_job(body, server.tokenizer, vocab_size=engine.vocab_size, max_positions=engine.max_positions,
-                     speculate_default=state.speculate)
+        # Tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing.
+        job = await asyncio.to_thread(to_job, body, server.tokenizer, vocab_size=engine.vocab_size,
+                                      max_positions=engine.max_positions, speculate_default=state.speculate,
+                                      max_branches=server.limits.max_branches)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         job.sink = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -172,6 +188,22 @@ def create_app(state: ServeState) -> FastAPI:
         return await reply.collect(request, queue)
 
     return app
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body, refused past `MAX_BODY_BYTES` without reading the rest."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BadRequest(f"the request body is {int(declared)} bytes, over this server's limit of {MAX_BODY_BYTES}",
+                         code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BadRequest(f"the request body is over this server's limit of {MAX_BODY_BYTES} bytes",
+                             code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _Reply:
@@ -204,14 +236,17 @@ class _Reply:
     # ------------------------------------------------------------------ whole
     async def collect(self, request: Request, queue: asyncio.Queue) -> JSONResponse:
         usage = None
+        check = time.monotonic() + POLL_SECONDS
         while usage is None:
             try:
                 kind, payload = await asyncio.wait_for(queue.get(), POLL_SECONDS)
             except TimeoutError:
+                kind = None
+            if time.monotonic() >= check:  # on a timer: a steady flow of tokens must not hide a client that left
+                check = time.monotonic() + POLL_SECONDS
                 if await request.is_disconnected():
                     self.server.cancel(self.job)
                     return JSONResponse(error_body("the client went away"), status_code=499)
-                continue
             if kind == "token":
                 self._take(payload)
             elif kind == "beams":
@@ -235,7 +270,7 @@ class _Reply:
     # ------------------------------------------------------------------ streamed
     async def stream(self, queue: asyncio.Queue) -> AsyncIterator[str]:
         finished = False
-        options = self.body.stream_options or {}
+        include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
         try:
             if self.chat:
                 for c in self.choices:
@@ -267,7 +302,7 @@ class _Reply:
                     return
                 elif kind == "done":
                     finished = True
-                    if options.get("include_usage"):
+                    if include_usage:
                         yield _sse({**self._head(True), "choices": [], "usage": usage_dict(payload),
                                     "multidecode": payload.stats})
                     yield "data: [DONE]\n\n"
@@ -275,6 +310,34 @@ class _Reply:
         finally:
             if not finished:
                 self.server.cancel(self.job)
+
+
+class _ServerErrors:
+    """Any other exception as a 500 in OpenAI's shape. (Starlette's handler for `Exception`
+    answers too, but then re-raises to uvicorn, which closes the connection: a client that
+    reuses it for its next request gets a connection error.)"""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as error:
+            if started:  # too late for a status: the server ends the response
+                raise
+            log.exception("unexpected error")
+            response = JSONResponse(error_body(f"internal error: {error}", "server_error"), status_code=500)
+            await response(scope, receive, send)
 
 
 class DrainingServer(uvicorn.Server):

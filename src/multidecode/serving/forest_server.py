@@ -353,6 +353,8 @@ class ForestServer:
         self._send(job, item)
 
     def _cancel(self, job: Job) -> None:
+        if job.finished:  # its client left just as it ended: it was not cut off
+            return
         self.counters.cancelled += 1
         with self._cond:
             if job in self._waiting:

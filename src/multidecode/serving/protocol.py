@@ -2,9 +2,9 @@
 
 Two request kinds, as OpenAI's API has them: **completions** (`prompt`: text, token ids, or a
 list of either) and **chat completions** (`messages`, rendered with the tokenizer's chat
-template). Sampling follows OpenAI's defaults: temperature 1 samples, temperature 0 is greedy;
-choice i samples with seed + i. Our extensions ride in the request body (the openai client's
-`extra_body`):
+template). Sampling follows OpenAI's defaults: temperature 1 samples, temperature 0 (or below
+`GREEDY_BELOW`) is greedy; choice i samples with seed + i. Our extensions ride in the request
+body (the openai client's `extra_body`):
 
 - `speculate`: "lookup", "suffix", "lookahead" or "auto": every branch carries a draft tree;
 - `use_beam_search`: beam search with n beams, all n returned best first;
@@ -30,6 +30,10 @@ from ..sampling import SamplingParams
 from .forest_server import Job
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5
+"""A temperature below this is greedy: dividing logits by it in float32 would overflow."""
+MIN_PENALTY = 0.01
+"""repetition_penalty lies in [MIN_PENALTY, 1 / MIN_PENALTY]: past that, penalized logits overflow."""
 SPECULATE_MODES = ("lookup", "suffix", "lookahead", "auto")
 
 
@@ -41,10 +45,16 @@ class BadRequest(MultiDecodeError, ValueError):
         self.param, self.code = param, code
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+
+
 class _Body(BaseModel):
     """Fields both request kinds share."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -52,12 +62,12 @@ class _Body(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = None
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=MIN_PENALTY, le=1 / MIN_PENALTY)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -108,8 +118,9 @@ def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
         return kind.model_validate(data)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
-        raise BadRequest(f"{where}: {first['msg']}" if where else first["msg"], where) from None
+        where = ".".join(str(p) for p in first["loc"])
+        raise BadRequest(f"{where}: {first['msg']}" if where else first["msg"],
+                         str(first["loc"][0]) if first["loc"] else None) from None
 
 
 # ---------------------------------------------------------------------- body -> job
@@ -128,13 +139,13 @@ def _unsupported(body: _Body) -> None:
             raise BadRequest(f"{name} is not supported by this server", name, "unsupported_parameter")
 
 
-def _sampling(body: _Body, count: int) -> list[SamplingParams]:
+def _sampling(body: _Body, count: int, vocab_size: int) -> list[SamplingParams]:
     """One SamplingParams per branch: greedy at temperature 0, else seeded draws (seed + i)."""
     if body.top_k is not None and body.top_k not in (-1, 0) and body.top_k < 1:
         raise BadRequest(f"top_k must be -1 (off) or a positive integer, got {body.top_k}", "top_k")
-    top_k = body.top_k if body.top_k and body.top_k > 0 else None
+    top_k = body.top_k if body.top_k and 0 < body.top_k < vocab_size else None  # the whole vocabulary: off
     penalty = None if body.repetition_penalty == 1.0 else body.repetition_penalty
-    if body.temperature == 0:
+    if body.temperature < GREEDY_BELOW:
         return [SamplingParams(repetition_penalty=penalty)] * count
     seed = secrets.randbits(31) if body.seed is None else body.seed
     return [SamplingParams(do_sample=True, temperature=body.temperature, top_k=top_k,
@@ -209,10 +220,20 @@ def _question_prompts(tokenizer, document: str, questions: Sequence[str], *, cha
             for q in questions]
 
 
-def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None, speculate_default=None) -> Job:
-    """A checked request as an engine job (its sink is set by the caller)."""
+def _check_branches(count: int, max_branches: int | None) -> None:
+    """Refuse a request of more branches than the server ever runs, before building them."""
+    if max_branches is not None and count > max_branches:
+        raise BadRequest(f"the request needs {count} branches, over this server's limit of {max_branches} "
+                         "(n times the prompts, or the questions)", "n", "too_many_branches")
+
+
+def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None, speculate_default=None,
+           max_branches: int | None = None) -> Job:
+    """A checked request as an engine job (its sink is set by the caller); max_branches: the
+    server's cap on branches, checked before n copies of a prompt are made."""
     _unsupported(body)
     chat = isinstance(body, ChatBody)
+    _check_branches(len(body.questions) if body.questions is not None else body.n, max_branches)
     if body.questions is not None:
         if body.n != 1:
             raise BadRequest("n must be 1 with questions: each question is one choice", "n")
@@ -232,7 +253,9 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
         messages = [{"role": m.role, "content": _content(m)} for m in body.messages]
         prompts = [_chat_prompt(tokenizer, messages)] * body.n
     else:
-        prompts = [p for p in _text_prompts(tokenizer, body, vocab_size) for _ in range(body.n)]
+        texts = _text_prompts(tokenizer, body, vocab_size)
+        _check_branches(len(texts) * body.n, max_branches)
+        prompts = [p for p in texts for _ in range(body.n)]
 
     default = 16 if not chat else 256
     max_tokens = (body.max_completion_tokens if chat else None) or body.max_tokens
@@ -268,8 +291,8 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
                              "use_beam_search")
         beams = body.n
         prompts = prompts[:1]
-    return Job(prompts=prompts, max_new_tokens=max_tokens, sampling=_sampling(body, len(prompts)), stop=_stop(body),
-               speculate=speculate, logprobs=logprobs, beams=beams, trace=body.trace)
+    return Job(prompts=prompts, max_new_tokens=max_tokens, sampling=_sampling(body, len(prompts), vocab_size),
+               stop=_stop(body), speculate=speculate, logprobs=logprobs, beams=beams, trace=body.trace)
 
 
 # ---------------------------------------------------------------------- responses
