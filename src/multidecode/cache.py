@@ -10,10 +10,16 @@ Slots are columns of that buffer, appended in the order nodes are fed. `compact(
 kept columns to the front (in order) so that finished or pruned branches stop costing memory and
 attention work. Columns before the first dropped one stay where they are, so a rollback (rejected
 draft tokens at the tail) moves only the accepted tail columns, then crops: never the whole cache. Every layer keeps all of its keys: sliding windows are enforced by the mask, so
-the mask width is always the number of slots.
+the mask width is always the number of slots the model is shown.
+
+`window(start)` shows the model only the slots from `start` on for one forward (the engine uses
+it when no new token can see the leading slots: finished requests' prompts kept in a server's
+prefix cache, say); new keys are still appended after every slot.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -33,6 +39,7 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, capacity: int = 0) -> None:
         super().__init__()
         self.length = 0
+        self.start = 0  # the first slot the model is shown (see `SlotCache.window`)
         self.capacity = capacity
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
@@ -55,8 +62,8 @@ class SlotLayer(CacheLayerMixin):
         self._refresh_views()
 
     def _refresh_views(self) -> None:
-        self.keys = self._k[:, :, : self.length]
-        self.values = self._v[:, :, : self.length]
+        self.keys = self._k[:, :, self.start : self.length]
+        self.values = self._v[:, :, self.start : self.length]
 
     @torch.inference_mode()
     def reserve(self, capacity: int) -> None:
@@ -106,7 +113,7 @@ class SlotLayer(CacheLayerMixin):
             self._refresh_views()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.length - self.start + query_length, 0
 
     def get_seq_length(self) -> int:
         return self.length
@@ -141,10 +148,12 @@ class SlotCache(Cache):
     def __init__(self, capacity: int = 0) -> None:
         super().__init__(layer_class_to_replicate=SlotLayer)
         self._capacity = capacity
+        self._start = 0
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         while len(self.layers) <= layer_idx:
             self.layers.append(SlotLayer(self._capacity))
+            self.layers[-1].start = self._start
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
@@ -159,6 +168,23 @@ class SlotCache(Cache):
     def compact(self, keep: torch.Tensor, first: int = 0) -> None:
         for layer in self.layers:
             layer.compact(keep, first)
+
+    @contextmanager
+    def window(self, start: int):
+        """Within the block, the model sees slots `start:` only (layers created inside it too)."""
+        self._start = start
+        for layer in self.layers:
+            layer.start = start
+            if layer.is_initialized:
+                layer._refresh_views()
+        try:
+            yield self
+        finally:
+            self._start = 0
+            for layer in self.layers:
+                layer.start = 0
+                if layer.is_initialized:
+                    layer._refresh_views()
 
     def truncate(self, slots: int) -> None:
         """Keep at most the first `slots` slots in every layer."""

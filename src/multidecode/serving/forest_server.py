@@ -160,7 +160,7 @@ class ForestServer:
         self._waiting: deque[Job] = deque()
         self._cancelled: list[Job] = []
         self._running: dict[str, Job] = {}
-        self._reserved = [0, 0]  # tokens, branches of submitted jobs not yet finished
+        self._reserved = [0, 0, 0]  # jobs submitted and not finished: their tokens, branches, count
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -183,12 +183,12 @@ class ForestServer:
             if self.draining:
                 self.counters.rejected += 1
                 raise Overloaded("the server is shutting down", "retry against another replica", retry_after=5)
-            tokens, branches = self._reserved
+            tokens, branches, jobs = self._reserved
             if tokens + job.reserved_tokens > limits.max_live_tokens or branches + job.branches > limits.max_branches:
                 self.counters.rejected += 1
                 raise Overloaded(f"the server is at capacity ({tokens} cache tokens and {branches} branches "
                                  "reserved)", "retry in a moment")
-            self._reserved = [tokens + job.reserved_tokens, branches + job.branches]
+            self._reserved = [tokens + job.reserved_tokens, branches + job.branches, jobs + 1]
             self._waiting.append(job)
             self._cond.notify()
         return job
@@ -208,9 +208,9 @@ class ForestServer:
 
     @property
     def busy(self) -> int:
-        """Jobs submitted and not finished."""
+        """Jobs submitted and not finished (waiting, being admitted or decoding)."""
         with self._cond:
-            return len(self._waiting) + len(self._running)
+            return self._reserved[2]
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -349,7 +349,8 @@ class ForestServer:
         if job.work is not None and job.work in self.scheduler.works:
             self.scheduler.retire(job.work)
         with self._cond:
-            self._reserved = [self._reserved[0] - job.reserved_tokens, self._reserved[1] - job.branches]
+            tokens, branches, jobs = self._reserved
+            self._reserved = [tokens - job.reserved_tokens, branches - job.branches, jobs - 1]
         self._send(job, item)
 
     def _cancel(self, job: Job) -> None:
