@@ -10,6 +10,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
+from ..bench.unrelated import unrelated_command
 from ..errors import InvalidArgument
 from .common import load_decoder, model_options, report_errors, stderr, stdout
 
@@ -61,17 +62,18 @@ def check_counts(**counts: int) -> None:
             raise InvalidArgument(f"{flag} must be 1 or more, got {value}", f"use {flag} 1 or more")
 
 
-def print_tables(result: dict) -> None:
-    """The result's tables (the same as its markdown file), drawn with rich."""
+def print_tables(result: dict, texts=None, *, console=None) -> None:
+    """The result's tables (the same as its markdown file), drawn with rich; `texts`: other
+    `TextTable`s to draw instead (bench serve's), on `console` (default stdout)."""
     from ..bench.harness import tables
 
-    for text in tables(result):
+    for text in texts if texts is not None else tables(result):
         table = Table(title=text.title, title_justify="left")
         for i, column in enumerate(text.header):
             table.add_column(escape(column), justify="left" if i == 0 else "right", min_width=16 if i == 0 else None)
         for row in text.rows:
             table.add_row(*(escape(c).replace("**no**", "[red]no[/red]") for c in row))
-        stdout.print(table)
+        (console or stdout).print(table)
 
 
 def run_and_report(name: str, runner, output: str, stem: str | None) -> None:
@@ -225,3 +227,89 @@ def bench_batch(documents, max_new_tokens, budget):
     if budget <= 0:
         raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}", "for example --budget 300")
     return functools.partial(run_batch_benchmark, documents=documents, max_new_tokens=max_new_tokens, budget_s=budget)
+
+
+def parse_shares(text: str) -> tuple[float, ...]:
+    """Shared-prefix shares given as comma-separated fractions in [0, 1), e.g. "0,0.5,0.9"."""
+    try:
+        shares = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise InvalidArgument(f"--shared must be comma-separated fractions, got {text!r}",
+                              "for example --shared 0,0.5,0.9") from None
+    if not shares or any(not 0 <= s < 1 for s in shares):
+        raise InvalidArgument(f"--shared needs fractions from 0 up to (not including) 1, got {text!r}",
+                              "for example --shared 0,0.5,0.9")
+    return shares
+
+
+@bench.command("serve")
+@click.option("--model", "model_name", default=None, metavar="NAME",
+              help="A local HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--requests", type=int, default=None, help="Requests per cell  [default: 32; 6 with --quick]")
+@click.option("--concurrency", default=None, help="Requests in flight at most, per cell  [default: 1,4,16]")
+@click.option("--shared", default=None, help="Share of each prompt common to a cell's requests  [default: 0,0.5,0.9]")
+@click.option("--rate", type=float, default=8.0, show_default=True,
+              help="Poisson arrivals per second (inf: all at once).")
+@click.option("--max-tokens", type=int, default=None, help="Tokens generated per request  [default: 32]")
+@click.option("--prompt-tokens", type=int, default=None, help="Tokens per prompt, about  [default: 300]")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts and arrival times.")
+@click.option("--transformers/--no-transformers", "with_transformers", default=None,
+              help="Also run `transformers serve` on a subset of the grid  [default: on; off with --quick]")
+@click.option("--transformers-requests", type=int, default=8, show_default=True,
+              help="Requests per cell for transformers serve (the first of each cell's load).")
+@click.option("--transformers-cb", is_flag=True, help="Run transformers serve with --continuous-batching.")
+@click.option("--threads", type=int, default=None,
+              help="torch threads in the multidecode servers (default: torch's own).")
+@click.option("--quick", is_flag=True,
+              help="A small grid for a smoke test: concurrency 1,4, shared 0,0.9, 6 requests of 8 tokens, "
+                   "120-token prompts, no transformers serve (each option given still wins).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (the tables go to stderr).")
+@output_options
+@report_errors
+def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, prompt_tokens, seed, with_transformers,
+                transformers_requests, transformers_cb, threads, quick, as_json, output, stem):
+    """The OpenAI-compatible server under load: a seeded Poisson load of streamed greedy completions
+    (openai.AsyncOpenAI) against `multidecode serve` as one forest and one request at a time, and
+    transformers serve, each in a subprocess on a free loopback port. Reports TTFT, ITL, TPOT and
+    end-to-end latency (p50/p95/p99), requests/s, tokens/s, cache hit rate and branches per forward
+    per cell (concurrency x shared-prefix share); writes JSON, a plot and markdown."""
+    import json
+
+    from ..bench.serve import QUICK, run_serve_benchmark, tables, write_results
+
+    defaults = QUICK if quick else {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9),
+                                    "max_tokens": 32, "prompt_tokens": 300}
+    requests = defaults["requests"] if requests is None else requests
+    max_tokens = defaults["max_tokens"] if max_tokens is None else max_tokens
+    prompt_tokens = defaults["prompt_tokens"] if prompt_tokens is None else prompt_tokens
+    levels = defaults["concurrency"] if concurrency is None else parse_counts(concurrency, "--concurrency")
+    shares = defaults["shared"] if shared is None else parse_shares(shared)
+    with_transformers = (not quick) if with_transformers is None else with_transformers
+    check_counts(requests=requests, max_tokens=max_tokens, prompt_tokens=prompt_tokens,
+                 transformers_requests=transformers_requests)
+    if not rate > 0:
+        raise InvalidArgument(f"--rate must be positive, got {rate}", "for example --rate 8, or --rate inf")
+    check_run(output, None, threads)
+    start = time.perf_counter()
+    with stderr.status("benchmarking serve...") as status:
+        def progress(message: str) -> None:
+            stderr.print(f"[dim]{time.perf_counter() - start:6.1f} s  {escape(message)}[/dim]")
+            status.update(f"benchmarking serve... {escape(message)}")
+
+        result = run_serve_benchmark(model=model_name, requests=requests, concurrency=levels, shared=shares,
+                                     rate=rate, max_tokens=max_tokens, prompt_tokens=prompt_tokens, seed=seed,
+                                     threads=threads, transformers=with_transformers,
+                                     transformers_requests=transformers_requests, transformers_cb=transformers_cb,
+                                     progress=progress)
+    paths = write_results(result, Path(output), stem=stem)
+    print_tables(result, tables(result), console=stderr if as_json else stdout)
+    report = stderr if as_json else stdout
+    for name, why in result["skipped"].items():
+        report.print(f"Not run: {escape(result['labels'][name])} ({escape(why)}).")
+    for path in paths:
+        report.print(f"wrote {path}")
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+
+
+bench.add_command(unrelated_command)

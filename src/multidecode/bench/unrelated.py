@@ -1,0 +1,408 @@
+"""Benchmark: what attention over unrelated requests costs when they decode as one forest.
+
+The server decodes every running request in one forest: one batch row, one shared cache, and a
+4D mask that lets each new token see only its own request's slots. Requests that share a prompt
+prefix share its slots (the point of the forest); requests that share nothing still sit in the
+same row, so each of their new tokens scores every live slot and the mask throws most of those
+scores away. This benchmark measures one decode step of R unrelated requests of P prompt tokens
+each (random token ids, seeded), four ways, on one model in one process:
+
+- `forest_unrelated`: one `Engine`, R roots of P tokens (each prefilled apart, in its own
+  forward); the step feeds R tokens, one under each root's last node, and the engine plans it
+  as the server's would be: one forward under a [R, R*P + R] mask;
+- `forest_shared`: one `Engine`, one prompt of P tokens; the step feeds R tokens, all under its
+  last node (mask [R, P + R]): what R requests cost when they share their whole prompt;
+- `separate`: R engines, one per request; the step is R plain one-token forwards over P slots;
+- `batch_rows`: transformers' own batching: one forward of input_ids [R, 1] over a
+  `DynamicCache` of R rows of P slots (copied from the separate engines' caches), with an
+  all-ones attention mask (equal lengths: no padding).
+
+Each step's new slots are taken back after it (`Engine.drop`, `DynamicCache.crop`; included in
+the step's time), so every step sees the same context. Steps are interleaved: a round runs every
+variant once, in a seeded random order; `warmup` rounds are not timed, then `steps` rounds are,
+and each cell reports the median milliseconds per step (with the fastest and slowest).
+
+**Exactness first.** Before any timing, reference logits are computed: for the unrelated
+requests, each request's own engine fed its token (one plain forward per request); for the shared
+prompt, the first request's engine fed each of the R tokens in turn. Every step of every variant
+(warm-up included) is compared with its reference; the run stops with `LogitsDiffer` where the
+largest absolute difference passes `atol` (1e-4; float32 sums in another order differ by ~1e-5).
+
+**Attention work.** Per layer and query head, a step scores queries x keys: R x (R*P + R) for
+the unrelated forest (every new token against every slot), R x (P + R) for the shared forest, and
+R x (P + 1) for separate forwards and batch rows. Each cell stores these counts beside the times.
+
+`run_unrelated` returns the JSON-ready result; `write_results` writes `<stem>.json`, `<stem>.png`
+and `<stem>.md`; `unrelated_command` is `multidecode bench unrelated`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import click
+import torch
+
+from ..engine import Engine
+from ..errors import InvalidArgument, check_positive
+from .common import AnswersDiffer, Progress, environment, load_average, quiet_transformers, torch_threads
+
+FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS = "forest_unrelated", "forest_shared", "separate", "batch_rows"
+VARIANTS = (FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS)
+LABELS = {
+    FOREST_UNRELATED: "one forest, R unrelated prompts (one row, mask over R*P slots)",
+    FOREST_SHARED: "one forest, one prompt shared by all R (mask over P slots)",
+    SEPARATE: "R separate forwards (an engine per request)",
+    BATCH_ROWS: "R batch rows (transformers DynamicCache, batch R)",
+}
+SHORT = {FOREST_UNRELATED: "forest, unrelated", FOREST_SHARED: "forest, shared prompt", SEPARATE: "separate",
+         BATCH_ROWS: "batch rows"}
+RATIOS = {
+    "unrelated_over_batch_rows": (FOREST_UNRELATED, BATCH_ROWS, "unrelated / batch rows"),
+    "separate_over_unrelated": (SEPARATE, FOREST_UNRELATED, "separate / unrelated"),
+    "unrelated_over_shared": (FOREST_UNRELATED, FOREST_SHARED, "unrelated / shared prompt"),
+}
+"""Ratio -> (variant, over variant, column header): the ratios of medians each cell reports."""
+ATOL = 1e-4
+"""Largest absolute logit difference allowed between a variant and its reference."""
+NOTES = [
+    ("ms_per_step is the median of the timed steps (min_ms, max_ms their range); a step includes taking its new "
+     "slots back (Engine.drop, DynamicCache.crop), so every step sees the same context."),
+    ("Prompts are random token ids (seeded); each request's prompt is its own, except forest_shared, where all R "
+     "new tokens hang under the first request's prompt."),
+    ("scores_per_head: queries x keys one step scores per layer and query head; the unrelated forest scores "
+     "R x (R*P + R), batch rows and separate forwards R x (P + 1)."),
+    ("max_abs_diff: the largest |logit - reference| over every step of the variant (warm-up included); the "
+     "reference is one plain forward per request (per new token for forest_shared)."),
+]
+
+
+class LogitsDiffer(AnswersDiffer):
+    """A variant's logits differ from its reference's by more than the tolerance."""
+
+
+def check_close(variant: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> float:
+    """The largest |got - want|; raises `LogitsDiffer` where it passes `atol` (or shapes differ)."""
+    if got.shape != want.shape:
+        raise LogitsDiffer(f"{variant} gave logits of shape {tuple(got.shape)}, the reference {tuple(want.shape)}")
+    diff = (got.float().cpu() - want.float().cpu()).abs().max().item()
+    if not diff <= atol:
+        raise LogitsDiffer(f"{variant}'s logits differ from the reference's by {diff:.3g} (allowed: {atol:g})")
+    return diff
+
+
+# ---------------------------------------------------------------------- one cell: R requests of P tokens
+class Step:
+    """R requests of P prompt tokens, prefilled for each variant; `run(variant)` is one decode step
+    (R new tokens, one per request) whose new slots are taken back, returning logits [R, vocab]."""
+
+    def __init__(self, model, prompts: Sequence[Sequence[int]], tokens: Sequence[int]) -> None:
+        from transformers import DynamicCache
+
+        r, p = len(prompts), len(prompts[0])
+        self.model, self.tokens = model, list(tokens)
+        self.device = next(model.parameters()).device
+        # one forest of R roots; each prompt prefilled apart (its own forward), then steps are planned as usual
+        self.forest = Engine(model, capacity=r * p + r, apart=True)
+        self.roots_last = [self.forest.feed_chain(q, logits=False, owner=i)[0][-1] for i, q in enumerate(prompts)]
+        self.forest.apart = None
+        self.shared = Engine(model, capacity=p + r)
+        self.shared_last = self.shared.feed_chain(prompts[0], logits=False)[0][-1]
+        self.engines = [Engine(model, capacity=p + 1) for _ in prompts]
+        self.engines_last = [e.feed_chain(q, logits=False)[0][-1] for e, q in zip(self.engines, prompts)]
+        self.cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            for i in range(len(self.engines[0].cache.layers)):
+                layers = [e.cache.layers[i] for e in self.engines]
+                self.cache.update(torch.cat([x.keys for x in layers]), torch.cat([x.values for x in layers]), i)
+        self.ids = torch.tensor(self.tokens, dtype=torch.long, device=self.device)[:, None]  # [R, 1]
+        self.positions = torch.full((r, 1), p, dtype=torch.long, device=self.device)
+        self.mask = torch.ones((r, p + 1), dtype=torch.long, device=self.device)
+        self.keys_per_query = {FOREST_UNRELATED: r * p + r, FOREST_SHARED: p + r, SEPARATE: p + 1, BATCH_ROWS: p + 1}
+        self.runs: dict[str, Callable[[], torch.Tensor]] = {
+            FOREST_UNRELATED: self.forest_unrelated, FOREST_SHARED: self.forest_shared,
+            SEPARATE: self.separate, BATCH_ROWS: self.batch_rows}
+
+    def run(self, variant: str) -> torch.Tensor:
+        return self.runs[variant]()
+
+    def forest_unrelated(self) -> torch.Tensor:
+        nodes, logits = self.forest.feed(self.tokens, self.roots_last, logits_for=range(len(self.tokens)),
+                                         owners=list(range(len(self.tokens))))
+        self.forest.drop(nodes)
+        return logits
+
+    def forest_shared(self) -> torch.Tensor:
+        nodes, logits = self.shared.feed(self.tokens, [self.shared_last] * len(self.tokens),
+                                         logits_for=range(len(self.tokens)))
+        self.shared.drop(nodes)
+        return logits
+
+    def separate(self) -> torch.Tensor:
+        return torch.cat([_one(e, last, t) for e, last, t in zip(self.engines, self.engines_last, self.tokens)])
+
+    def batch_rows(self) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(input_ids=self.ids, position_ids=self.positions, attention_mask=self.mask,
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache.crop(-1)
+        return out.logits[:, -1].float()
+
+    def references(self) -> dict[str, torch.Tensor]:
+        """What each variant must give: plain one-token forwards, one per request (per new token
+        under the first prompt for the shared forest)."""
+        own = self.separate()
+        shared = torch.cat([_one(self.engines[0], self.engines_last[0], t) for t in self.tokens])
+        return {FOREST_UNRELATED: own, FOREST_SHARED: shared, SEPARATE: own, BATCH_ROWS: own}
+
+
+def _one(engine: Engine, last: int, token: int) -> torch.Tensor:
+    """One token under `last`, taken back after: its logits [1, vocab]."""
+    nodes, logits = engine.feed([token], [last], logits_for=[0])
+    engine.drop(nodes)
+    return logits
+
+
+def measure_cell(model, requests: int, prompt_tokens: int, *, steps: int, warmup: int, atol: float,
+                 generator: torch.Generator, order: random.Random) -> dict:
+    """One cell: prefill, check every variant's logits on every step, time the `steps` rounds."""
+    started = time.perf_counter()
+    vocab = model.get_input_embeddings().num_embeddings
+    prompts = [torch.randint(0, vocab, (prompt_tokens,), generator=generator).tolist() for _ in range(requests)]
+    tokens = torch.randint(0, vocab, (requests,), generator=generator).tolist()
+    step = Step(model, prompts, tokens)
+    want = step.references()
+    prepare_s = time.perf_counter() - started
+    sync = torch.cuda.synchronize if step.device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    diffs = dict.fromkeys(VARIANTS, 0.0)
+    for round_ in range(warmup + steps):
+        for variant in order.sample(VARIANTS, len(VARIANTS)):
+            sync()
+            start = time.perf_counter()
+            logits = step.run(variant)
+            sync()
+            elapsed = time.perf_counter() - start
+            diffs[variant] = max(diffs[variant], check_close(variant, logits, want[variant], atol))
+            if round_ >= warmup:
+                times[variant].append(1000 * elapsed)
+    slots = step.forest.forest.num_slots
+    if slots != requests * prompt_tokens:
+        raise AssertionError(f"the unrelated forest holds {slots} slots after its steps, not {requests * prompt_tokens}")
+    variants = {v: {"ms_per_step": statistics.median(times[v]), "min_ms": min(times[v]), "max_ms": max(times[v]),
+                    "runs_ms": [round(t, 3) for t in times[v]], "keys_per_query": step.keys_per_query[v],
+                    "scores_per_head": requests * step.keys_per_query[v], "max_abs_diff": diffs[v]}
+                for v in VARIANTS}
+    ms = {v: variants[v]["ms_per_step"] for v in VARIANTS}
+    del step, want
+    gc.collect()
+    return {"requests": requests, "prompt_tokens": prompt_tokens, "prepare_s": round(prepare_s, 2),
+            "variants": variants,
+            "ratios": {name: ms[top] / ms[bottom] for name, (top, bottom, _) in RATIOS.items()}}
+
+
+def run_unrelated(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens: Sequence[int] = (300, 1000),
+                  steps: int = 7, warmup: int = 2, seed: int = 0, atol: float = ATOL, threads: int | None = None,
+                  progress: Progress | None = None) -> dict:
+    """Measure one decode step of R unrelated requests of P prompt tokens, four ways, for every R
+    in `requests` and P in `prompt_tokens`; returns the JSON-ready result (one cell per (P, R)).
+
+    model: a loaded causal LM (float32 for the logits check). steps: timed rounds per cell (the
+    median is reported), after `warmup` untimed ones. threads: torch threads for the run (None:
+    left alone). Raises `LogitsDiffer` where a variant's logits differ from its reference's by
+    more than `atol`, `PromptTooLong` where P + 1 positions do not fit the model.
+    """
+    for name, values in (("requests", requests), ("prompt_tokens", prompt_tokens)):
+        if not values:
+            raise InvalidArgument(f"{name} needs at least one value", "for example 1,4,16")
+        for value in values:
+            check_positive(name, value)
+    check_positive("steps", steps)
+    if warmup < 0:
+        raise InvalidArgument(f"warmup must be 0 or more, got {warmup}", "use 0 or more")
+    say = progress or (lambda message: None)
+    started = time.perf_counter()
+    generator, order = torch.Generator().manual_seed(seed), random.Random(seed)
+    cells = []
+    with torch_threads(threads), quiet_transformers():
+        meta = environment(model)
+        for p in prompt_tokens:
+            for r in requests:
+                cell = measure_cell(model, r, p, steps=steps, warmup=warmup, atol=atol, generator=generator,
+                                    order=order)
+                cells.append(cell)
+                say(f"R={r} P={p}: " + ", ".join(f"{SHORT[v]} {cell['variants'][v]['ms_per_step']:.1f} ms"
+                                                for v in VARIANTS) + f" (prefill {cell['prepare_s']:.1f} s)")
+    return {
+        "benchmark": "unrelated",
+        "title": "Attention over unrelated requests: one decode step",
+        "metadata": {**meta, "load_average_at_end": load_average(), "elapsed_s": round(time.perf_counter() - started, 2)},
+        "config": {"requests": list(requests), "prompt_tokens": list(prompt_tokens), "steps": steps, "warmup": warmup,
+                   "seed": seed, "atol": atol, "notes": NOTES},
+        "labels": dict(LABELS),
+        "short": dict(SHORT),
+        "cells": cells,
+        "logits_identical": True,  # measure_cell raised otherwise
+        "max_abs_diff": max(c["variants"][v]["max_abs_diff"] for c in cells for v in VARIANTS),
+    }
+
+
+# ---------------------------------------------------------------------- reading the result
+def tables(result: dict):
+    """The result as text tables: milliseconds per step, their ratios, and attention scores."""
+    from .harness import TextTable
+
+    cells = sorted(result["cells"], key=lambda c: (c["prompt_tokens"], c["requests"]))
+    short, steps = result["short"], result["config"]["steps"]
+
+    def lead(cell: dict) -> list[str]:
+        return [str(cell["requests"]), str(cell["prompt_tokens"])]
+
+    times = [lead(c) + [f"{c['variants'][v]['ms_per_step']:.1f}" for v in VARIANTS]
+             + [f"{max(c['variants'][v]['max_abs_diff'] for v in VARIANTS):.1e}"] for c in cells]
+    ratios = [lead(c) + [f"{c['ratios'][k]:.2f}x" for k in RATIOS]
+              + [f"{c['variants'][FOREST_UNRELATED]['scores_per_head'] / c['variants'][BATCH_ROWS]['scores_per_head']:.1f}x"]
+              for c in cells]
+    scores = [lead(c) + [f"{c['variants'][v]['scores_per_head']:,}" for v in VARIANTS] for c in cells]
+    return [
+        TextTable(f"Milliseconds per decode step (median of {steps})",
+                  ["R", "P", *(short[v] for v in VARIANTS), "largest logit diff"], times),
+        TextTable("Ratios of the medians",
+                  ["R", "P", *(header for _, _, header in RATIOS.values()), "attention scores, unrelated / batch rows"], ratios),
+        TextTable("Attention scores per step, per layer and query head (queries x keys)",
+                  ["R", "P", *(short[v] for v in VARIANTS)], scores),
+    ]
+
+
+def markdown(result: dict) -> str:
+    """The result's tables as markdown, with what ran them."""
+    meta, cfg = result["metadata"], result["config"]
+    lines = [(f"Measured {meta['date']} on {meta['model']} ({meta['dtype']}, {meta['device']}, "
+              f"{meta['threads']} threads of {meta['cpu_count']} cores, attention {meta['attn_implementation']}), "
+              f"torch {meta['torch']}, transformers {meta['transformers']}; load average at start "
+              f"{_loads(meta.get('load_average_at_start'))}, at end {_loads(meta.get('load_average_at_end'))}."),
+             (f"Every variant's logits matched its reference on every step (largest difference "
+              f"{result['max_abs_diff']:.1e}, allowed {cfg['atol']:g}).")]
+    for table in tables(result):
+        align = ["---" if i < 2 else "---:" for i in range(len(table.header))]
+        lines += ["", f"**{table.title}**", "", "| " + " | ".join(table.header) + " |", "|" + "|".join(align) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in table.rows]
+    return "\n".join(lines) + "\n"
+
+
+def _loads(loads) -> str:
+    return "?" if not loads else ", ".join(f"{x:.2f}" for x in loads)
+
+
+def plot(result: dict, path: str | Path) -> Path:
+    """Milliseconds per step against R (log-log), a line per variant, one panel per P."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    path = Path(path)
+    lengths = sorted({c["prompt_tokens"] for c in result["cells"]})
+    fig = Figure(figsize=(max(6.0, 5.2 * len(lengths)), 4.6), dpi=120)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(lengths), squeeze=False, sharey=True)[0]
+    styles = {FOREST_UNRELATED: ("o", "-", "tab:red"), FOREST_SHARED: ("s", "-", "tab:green"),
+              SEPARATE: ("^", "--", "tab:grey"), BATCH_ROWS: ("D", "-", "tab:blue")}
+    for ax, p in zip(axes, lengths):
+        cells = sorted((c for c in result["cells"] if c["prompt_tokens"] == p), key=lambda c: c["requests"])
+        xs = [c["requests"] for c in cells]
+        for v in VARIANTS:
+            marker, style, color = styles[v]
+            ys = [c["variants"][v]["ms_per_step"] for c in cells]
+            ax.plot(xs, ys, marker=marker, ls=style, color=color, label=result["short"][v])
+            ax.annotate(f"{ys[-1]:.0f}", (xs[-1], ys[-1]), textcoords="offset points", xytext=(6, -3), fontsize=7,
+                        color=color)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.yaxis.set_major_locator(FixedLocator([t * 10 ** e for e in range(-1, 6) for t in (1, 2, 5)]))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlim(min(xs) / 1.3, max(xs) * 1.6)
+        ax.set_xlabel("R (requests decoding together)")
+        ax.set_title(f"P = {p} prompt tokens per request", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("ms per decode step (median, log)")
+    axes[0].legend(fontsize=7, loc="upper left")
+    meta = result["metadata"]
+    fig.suptitle(f"{result['title']} - {meta['model']} ({meta['dtype']}, {meta['device']}, "
+                 f"threads={meta['threads']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None) -> list[Path]:
+    """Write `<stem>.json`, `<stem>.png` and `<stem>.md` in `out_dir` (created); returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = stem or f"bench_{result['benchmark']}"
+    paths = [out / f"{stem}.json", out / f"{stem}.png", out / f"{stem}.md"]
+    paths[0].write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    plot(result, paths[1])
+    paths[2].write_text(markdown(result), encoding="utf-8")
+    return paths
+
+
+# ---------------------------------------------------------------------- the command
+@click.command("unrelated")
+@click.option("--requests", default="1,4,16", show_default=True,
+              help="Unrelated requests decoding together (R), comma-separated.")
+@click.option("--prompt-tokens", default="300,1000", show_default=True,
+              help="Prompt tokens per request (P), comma-separated.")
+@click.option("--steps", type=int, default=7, show_default=True, help="Timed decode steps per cell (median reported).")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed (but checked) steps first.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts and the variants' order.")
+@click.option("--threads", type=int, default=None, help="torch threads for the run (default: torch's own).")
+@click.option("--model", "model_name", default=None, metavar="NAME",
+              help="A local HF folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available).")
+@click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR",
+              help="Folder for the results: JSON, a PNG plot and a markdown table.")
+@click.option("--stem", default=None, metavar="NAME",
+              help="File name for the results, without extension (default: bench_unrelated).")
+def unrelated_command(**options):
+    """Attention over unrelated requests: one decode step of R requests of P tokens as one forest
+    (one row, masked), as one forest over a shared prompt, as R separate forwards and as R batch rows.
+    Checks that every variant gives the same logits (float32), then writes JSON, a plot and markdown."""
+    from ..cli.common import report_errors  # imported here: the CLI imports this module to register the command
+
+    report_errors(_unrelated_command)(**options)
+
+
+def _unrelated_command(requests, prompt_tokens, steps, warmup, seed, threads, model_name, device, output, stem):
+    from rich.markup import escape
+
+    from ..cli.bench import check_counts, check_run, parse_counts, print_tables
+    from ..cli.common import load_decoder, stderr, stdout
+
+    levels = parse_counts(requests, "--requests")
+    lengths = parse_counts(prompt_tokens, "--prompt-tokens")
+    check_counts(steps=steps)
+    if warmup < 0:
+        raise InvalidArgument(f"--warmup must be 0 or more, got {warmup}", "use --warmup 0 or more")
+    check_run(output, None, threads)
+    decoder = load_decoder(model_name, None, device)
+    start = time.perf_counter()
+    with stderr.status("benchmarking unrelated...") as status:
+        def progress(message: str) -> None:
+            stderr.print(f"[dim]{time.perf_counter() - start:6.1f} s  {escape(message)}[/dim]")
+            status.update(f"benchmarking unrelated... {escape(message)}")
+
+        result = run_unrelated(decoder.model, requests=levels, prompt_tokens=lengths, steps=steps, warmup=warmup,
+                               seed=seed, threads=threads, progress=progress)
+    paths = write_results(result, Path(output), stem=stem)
+    print_tables(result, tables(result))
+    stdout.print(f"Every variant's logits matched its reference (largest difference {result['max_abs_diff']:.1e}).")
+    for path in paths:
+        stdout.print(f"wrote {path}")
