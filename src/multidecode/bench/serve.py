@@ -98,7 +98,7 @@ METRICS = ("prompt_tokens", "prompt_tokens_cached", "generation_tokens", "steps"
 GAUGES = ("cache_slots", "prefix_cache_tokens", "running_requests")
 """The server's gauges read from /metrics (as multidecode_<name>)."""
 QUICK = {"requests": 6, "concurrency": (1, 4), "shared": (0.0, 0.9), "max_tokens": 8, "prompt_tokens": 120}
-"""What --quick runs: a small grid, short prompts and answers (about a minute after loading)."""
+"""What --quick runs: a small grid, short prompts and answers (a minute or two on a quiet machine)."""
 
 
 class ServerFailed(MultiDecodeError):
