@@ -15,6 +15,8 @@ Entry points:
   `DraftModel`, `self_draft`); see `speculation`.
 """
 
+import logging
+
 from .decoder import MultiDecoder, load
 from .decoding import CompactionPolicy, TokenEvent, decode
 from .errors import (
@@ -71,3 +73,6 @@ __all__ = [
     "load",
     "self_draft",
 ]
+
+# A library logs, never prints: without this, Python writes its warnings to stderr by itself.
+logging.getLogger(__name__).addHandler(logging.NullHandler())

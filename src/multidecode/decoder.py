@@ -53,7 +53,7 @@ class MultiDecoder:
         self.cost = cost
         self.draft = draft
 
-    def _speculation(self, speculate):
+    def speculation(self, speculate):
         """`speculate` with "draft" bound to this decoder's draft model (a fresh proposer per call)."""
         if isinstance(speculate, str) and speculate.strip().lower() == "draft":
             return Speculation(named_proposer("draft", self.draft))
@@ -76,7 +76,7 @@ class MultiDecoder:
         """
         return start_prompts(self.scheduler(), prompts, max_new_tokens=max_new_tokens,
                              sampling=per_branch_sampling(len(prompts), sampling), tokenizer=self.tokenizer,
-                             stop=stop, eos_token_id=eos_token_id, speculate=self._speculation(speculate))
+                             stop=stop, eos_token_id=eos_token_id, speculate=self.speculation(speculate))
 
     # ------------------------------------------------------------------ one prompt
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",
@@ -92,7 +92,7 @@ class MultiDecoder:
         it took and how many draft tokens were accepted.
         """
         return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
-                                  stop=stop, chat=chat, sample=False, speculate=self._speculation(speculate),
+                                  stop=stop, chat=chat, sample=False, speculate=self.speculation(speculate),
                                   eos_token_id=eos_token_id, **sampling)[0]
 
     def stream_generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",
@@ -100,7 +100,7 @@ class MultiDecoder:
                         **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s as `generate` produces them."""
         return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
-                                stop=stop, chat=chat, sample=False, speculate=self._speculation(speculate),
+                                stop=stop, chat=chat, sample=False, speculate=self.speculation(speculate),
                                 eos_token_id=eos_token_id, **sampling)
 
     # ------------------------------------------------------------------ many questions, one document
@@ -118,7 +118,7 @@ class MultiDecoder:
         question's branch carries its own draft tree ("lookup", "auto", ...).
         """
         return _ask.ask(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
-                        stop=stop, instruction=instruction, speculate=self._speculation(speculate), **sampling)
+                        stop=stop, instruction=instruction, speculate=self.speculation(speculate), **sampling)
 
     def stream(self, document: str, questions: Sequence[str], *, max_new_tokens: int = 48,
                stop: Sequence[str] = (), instruction: str | None = None, speculate=None,
@@ -126,7 +126,7 @@ class MultiDecoder:
         """`TokenEvent`s (branch = question index) as `ask` answers; inputs are checked and the
         prompts prefilled before this returns."""
         return _ask.stream(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
-                           stop=stop, instruction=instruction, speculate=self._speculation(speculate), **sampling)
+                           stop=stop, instruction=instruction, speculate=self.speculation(speculate), **sampling)
 
     # ------------------------------------------------------------------ parallel completions
     def complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
@@ -140,21 +140,21 @@ class MultiDecoder:
         speculate never changes the tokens of a seeded completion.
         """
         return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
-                                  stop=stop, chat=chat, speculate=self._speculation(speculate), **sampling)
+                                  stop=stop, chat=chat, speculate=self.speculation(speculate), **sampling)
 
     def stream_complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
                         stop: Sequence[str] = (), chat: bool | None = None, speculate=None,
                         **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s (branch = completion index) as `complete` generates."""
         return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
-                                stop=stop, chat=chat, speculate=self._speculation(speculate), **sampling)
+                                stop=stop, chat=chat, speculate=self.speculation(speculate), **sampling)
 
     # ------------------------------------------------------------------ self-consistency
     def vote(self, question: str, *, n: int = 8, max_new_tokens: int = 256,
              extract: Callable[[str], str | None] = extract_answer, speculate=None, **sampling) -> Vote:
         """n sampled reasoning traces in one forest, an answer extracted from each, and the majority."""
         return _vote.vote(self.scheduler(), self.tokenizer, question, n=n, max_new_tokens=max_new_tokens,
-                          extract=extract, speculate=self._speculation(speculate), **sampling)
+                          extract=extract, speculate=self.speculation(speculate), **sampling)
 
     # ------------------------------------------------------------------ beam search
     def beam_search(self, prompt: str | Sequence[int], *, num_beams: int, max_new_tokens: int,

@@ -1,0 +1,420 @@
+"""A batch job: its settings, its run over the pending lines, and its summary (see `multidecode.batch`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+from ..decoding import check_positive
+from ..errors import InvalidInput, MultiDecodeError
+from ..sampling import per_branch_sampling
+from ..strategies.ask import check_questions
+from .lines import InputLine, _check_input_file, _input_lines, parse_line, scan_input
+from .merged import FOREST_TOKENS, ForestAnswerer, Outcome, answer_merged
+from .output import (
+    _check_settings,
+    _encode,
+    _Existing,
+    _fsync_dir,
+    _lock,
+    _read_existing,
+    _rewrite_without,
+    _write_all,
+    _write_meta,
+)
+
+MAX_CONSECUTIVE_CRASHES = 5
+
+
+class BatchAborted(MultiDecodeError):
+    """Several lines in a row failed for reasons that are not their input: the job stopped."""
+
+    exit_code = 1
+
+
+# ---------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class BatchSettings:
+    """Everything a batch job's answers depend on.
+
+    questions: asked of every document, before the line's own questions.
+    model, dtype: labels of the model the answers come from (any stable text, such as a resolved
+    folder path or a hub id); they go into the fingerprint, so a job cannot be resumed with
+    another model by mistake.
+    sampling: keyword arguments for `MultiDecoder.ask` (temperature, top_k, top_p, min_p,
+    repetition_penalty, seed, do_sample).
+    """
+
+    questions: tuple[str, ...] = ()
+    max_new_tokens: int = 48
+    stop: tuple[str, ...] = ()
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    instruction: str | None = None
+    model: str | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "questions", tuple(self.questions))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "sampling", dict(self.sampling))
+
+    def check(self) -> None:
+        """Refuse settings that would make every line fail (a job error, not a line error)."""
+        check_positive("max_new_tokens", self.max_new_tokens)
+        per_branch_sampling(1, dict(self.sampling))
+        if self.questions:
+            check_questions(list(self.questions))
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise InvalidInput("a stop string is empty", "remove it or give the text to stop at")
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "dtype": self.dtype or "float32", "questions": list(self.questions),
+                "max_new_tokens": self.max_new_tokens, "stop": list(self.stop),
+                "sampling": dict(sorted(self.sampling.items())), "instruction": self.instruction}
+
+    @property
+    def fingerprint(self) -> str:
+        """12 hex digits of the SHA-256 of the settings as canonical JSON."""
+        text = json.dumps(self.as_dict(), sort_keys=True, ensure_ascii=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def model_identity(name: str | os.PathLike | None) -> str:
+    """A stable label for a model name as `load` takes it: the embedded model, a resolved local
+    path (so that a relative path from another folder is the same model), or a hub id."""
+    if name is None:
+        return "embedded:SmolLM2-135M-Instruct"
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else str(name)
+
+
+# ---------------------------------------------------------------------- results and summary
+@dataclass(frozen=True)
+class LineResult:
+    """One finished input line: `record` is exactly what was written to the output; `answers`
+    are its `Answer`s themselves (token ids, decode stats), which the output does not keep."""
+
+    record: dict
+    answers: tuple = field(default=(), compare=False, repr=False)
+
+    @property
+    def id(self) -> str | int:
+        return self.record["id"]
+
+    @property
+    def line(self) -> int:
+        return self.record["line"]
+
+    @property
+    def error(self) -> dict | None:
+        return self.record["error"]
+
+    @property
+    def ok(self) -> bool:
+        return self.record["error"] is None
+
+    @property
+    def tokens(self) -> int:
+        return self.record["tokens"]
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.record["elapsed_s"]
+
+    @property
+    def stats(self) -> dict:
+        """The line's decode stats (forwards, drafted, accepted; see `DecodeStats`); {} if it failed."""
+        return dict(self.answers[0].stats) if self.answers else {}
+
+
+def total_stats(stats: Iterable[Mapping]) -> dict:
+    """Several runs' decode stats (`LineResult.stats`) as one: counts summed, ratios of the sums.
+    Totals may be totalled again, so a long job can keep one running total instead of every line's."""
+    stats = [s for s in stats if s]
+    total = {key: sum(s.get(key, 0) for s in stats)
+             for key in ("steps", "forward_passes", "tokens", "drafted", "accepted", "steps_speculating")}
+    modes = {mode for s in stats if s.get("speculate") for mode in s["speculate"].split("+")}
+    budgets = sum(s.get("mean_draft_budget", 0.0) * s.get("steps", 0) for s in stats)
+    return {"speculate": "+".join(sorted(modes)) or None, "runs": sum(s.get("runs", 1) for s in stats), **total,
+            "tokens_per_forward": total["tokens"] / total["forward_passes"] if total["forward_passes"] else 0.0,
+            "acceptance": total["accepted"] / total["drafted"] if total["drafted"] else None,
+            "mean_draft_budget": budgets / total["steps"] if total["steps"] else 0.0}
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """Counts for one run of a job (a run ends at the end of the input, at stop(), or at an error).
+
+    total: non-blank input lines. skipped: lines already in the output when the run began.
+    retried: failed records removed to be done again (retry_failed). done: lines finished in this
+    run, failed: how many of those failed. remaining: lines still without a record.
+    earlier_failures: failed records from earlier runs that stay (not retried).
+    """
+
+    input: str
+    output: str
+    total: int
+    skipped: int
+    retried: int
+    done: int
+    failed: int
+    remaining: int
+    tokens: int
+    elapsed_s: float
+    earlier_failures: int
+    repaired: bool
+    failures: list[dict] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.remaining == 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def lines_per_s(self) -> float:
+        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"input": self.input, "output": self.output, "total": self.total, "skipped": self.skipped,
+                "retried": self.retried, "done": self.done, "failed": self.failed, "remaining": self.remaining,
+                "complete": self.complete, "tokens": self.tokens, "elapsed_s": round(self.elapsed_s, 3),
+                "tokens_per_s": round(self.tokens_per_s, 2), "lines_per_s": round(self.lines_per_s, 3),
+                "earlier_failures": self.earlier_failures, "repaired": self.repaired, "failures": self.failures}
+
+
+# ---------------------------------------------------------------------- the job
+class BatchJob:
+    """An opened batch job: the input scanned, the output repaired and locked. Use `open_batch`."""
+
+    #: failures kept in the summary (the output holds them all)
+    MAX_LISTED_FAILURES = 20
+
+    def __init__(self, input_path: Path, output_path: Path, settings: BatchSettings, fd: int,
+                 lines: list[tuple[int, str]], existing: _Existing, retried: int) -> None:
+        self.input_path = input_path
+        self.output_path = output_path
+        self.settings = settings
+        self.fingerprint = settings.fingerprint
+        self._fd: int | None = fd
+        input_keys = {key for _, key in lines}
+        self.total = len(lines)
+        self.pending: dict[int, str] = {line: key for line, key in lines if key not in existing.done}
+        self.skipped = self.total - len(self.pending)
+        self.retried = retried
+        self.repaired = existing.repaired
+        self.earlier_failures = sum(1 for key, failed in existing.done.items() if failed and key in input_keys)
+        self.foreign = sum(1 for key in existing.done if key not in input_keys)
+        self.done = 0
+        self.failed = 0
+        self.tokens = 0
+        self.elapsed_s = 0.0
+        self.failures: list[dict] = []
+        self._stop = False
+        self._crashes = 0
+        self._last_crash: BaseException | None = None
+
+    # -------------------------------------------------------------- control
+    def stop(self) -> None:
+        """Ask `run` to start no further line; the lines in flight finish (safe from a signal handler)."""
+        self._stop = True
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- running
+    def run(self, decoder, *, speculate=None, forest_tokens: int = FOREST_TOKENS) -> Iterator[LineResult]:
+        """Answer every pending line, several documents per forest, appending each record as it finishes.
+
+        Lines start in input order while the lines in flight reserve fewer than `forest_tokens`
+        cache tokens (see `merged`; 0 runs one line at a time) and finish in any order. Yields a
+        `LineResult` after each record is on disk. Ends at the end of the input, or after `stop()`
+        once the lines in flight finish; an exception (KeyboardInterrupt included) leaves every
+        written record valid. speculate: `MultiDecoder.ask`'s, for every line; it never changes
+        the answers. "suffix" or "auto" draft from the answers to the earlier documents (the
+        process's shared suffix store), which pays on many similar documents.
+        """
+        self._check_open()
+        with ForestAnswerer(decoder, self.settings, speculate=speculate) as answerer:
+            outcomes = answer_merged(answerer, self.pending_items(), forest_tokens=forest_tokens,
+                                     stopping=lambda: self._stop)
+            yield from self.record(outcomes)
+
+    def pending_items(self) -> Iterator[InputLine]:
+        """The lines still without a record, parsed, in input order; ends early after `stop()`.
+        A line whose id changed since the job was opened is left to the next run."""
+        for number, raw in _input_lines(self.input_path):
+            if self._stop:
+                return
+            key = self.pending.get(number)
+            if key is None:
+                continue
+            item = parse_line(raw, number, self.settings.questions)
+            if item.key == key:
+                yield item
+
+    def record(self, outcomes: Iterable[Outcome]) -> Iterator[LineResult]:
+        """Append each outcome's record (fsync-ed) and yield its `LineResult`, from any backend
+        (the local merged forest or Ray workers). An outcome for a line that already has a record
+        is dropped, so a line retried elsewhere is never written twice."""
+        self._check_open()
+        started = time.perf_counter()
+        base_elapsed = self.elapsed_s
+        try:
+            for outcome in outcomes:
+                if outcome.item.line not in self.pending:
+                    continue
+                record = self._record(outcome)
+                self._append(record)
+                del self.pending[outcome.item.line]
+                self._count(record)
+                self.elapsed_s = base_elapsed + time.perf_counter() - started
+                yield LineResult(record, outcome.answers)
+                if self._crashes >= MAX_CONSECUTIVE_CRASHES:
+                    error = record["error"]
+                    raise BatchAborted(
+                        f"{self._crashes} unexpected errors in a row (last: {error['type']}: {error['message']}); "
+                        "the model or the device looks broken",
+                        "fix the cause, then rerun the same command with --retry-failed to redo those lines")
+        finally:
+            self.elapsed_s = base_elapsed + time.perf_counter() - started
+
+    def _check_open(self) -> None:
+        if self._fd is None:
+            raise InvalidInput("this batch job is closed", "open it again with open_batch")
+
+    def _record(self, outcome: Outcome) -> dict:
+        """The output record of an outcome; counts unexpected errors (one failed step that took
+        several lines with it counts once)."""
+        error = outcome.error
+        if error is None or isinstance(error, MultiDecodeError):
+            self._crashes = 0
+        elif error is not self._last_crash:
+            self._crashes += 1
+            self._last_crash = error
+        answers = outcome.answers
+        return {
+            "id": outcome.item.id,
+            "line": outcome.item.line,
+            "answers": [{"question": a.question, "answer": a.text, "finish_reason": a.finish_reason,
+                         "tokens": len(a.token_ids)} for a in answers],
+            "error": None if error is None else _error_record(error),
+            "tokens": sum(len(a.token_ids) for a in answers),
+            "elapsed_s": round(outcome.elapsed_s, 4),
+            "settings": self.fingerprint,
+        }
+
+    def _append(self, record: dict) -> None:
+        _write_all(self._fd, _encode(record))  # one write in practice; a cut-short one is repaired on resume
+        os.fsync(self._fd)
+
+    def _count(self, record: dict) -> None:
+        self.done += 1
+        self.tokens += record["tokens"]
+        if record["error"] is not None:
+            self.failed += 1
+            if len(self.failures) < self.MAX_LISTED_FAILURES:
+                self.failures.append({"id": record["id"], "line": record["line"], **record["error"]})
+
+    def summary(self) -> BatchSummary:
+        return BatchSummary(
+            input=str(self.input_path), output=str(self.output_path), total=self.total, skipped=self.skipped,
+            retried=self.retried, done=self.done, failed=self.failed, remaining=len(self.pending),
+            tokens=self.tokens, elapsed_s=self.elapsed_s, earlier_failures=self.earlier_failures,
+            repaired=self.repaired, failures=list(self.failures))
+
+
+def _error_record(err: BaseException) -> dict:
+    if isinstance(err, MultiDecodeError):
+        return {"type": type(err).__name__, "message": err.message, "hint": err.hint}
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return {"type": type(err).__name__, "message": message,
+            "hint": "an unexpected error, not a problem with this line's input; rerun with --retry-failed "
+                    "to try it again, and report it if it persists"}
+
+
+def open_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, settings: BatchSettings | None = None,
+               *, retry_failed: bool = False) -> BatchJob:
+    """Open a batch job: check the settings and the input, then create or repair, check and lock
+    the output (see the module docstring). Raises a `MultiDecodeError` for a problem with the job;
+    problems with single lines are left for `run` to record."""
+    settings = settings or BatchSettings()
+    settings.check()
+    input_path, output_path = Path(input_path), Path(output_path)
+    _check_input_file(input_path)
+    if output_path.is_dir():
+        raise InvalidInput(f"the output {output_path} is a folder", "pass a file name, such as answers.jsonl")
+    if not output_path.parent.is_dir():
+        raise InvalidInput(f"the folder of the output {output_path} does not exist", "create it first")
+    if output_path.exists() and os.path.samefile(input_path, output_path):
+        raise InvalidInput("the output is the input file", "write results to a new file, such as answers.jsonl")
+    lines = scan_input(input_path, settings.questions)
+
+    created = not output_path.exists()
+    fd = os.open(output_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        if created:
+            _fsync_dir(output_path.parent)
+        _lock(fd, output_path)
+        existing = _read_existing(fd, output_path)
+        _check_settings(output_path, settings, existing)
+        retried = 0
+        if retry_failed:
+            input_keys = {key for _, key in lines}
+            redo = {key for key, failed in existing.done.items() if failed and key in input_keys}
+            if redo:
+                fd = _rewrite_without(fd, output_path, redo)
+                for key in redo:
+                    del existing.done[key]
+                retried = len(redo)
+        _write_meta(output_path, settings, input_path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return BatchJob(input_path, output_path, settings, fd, lines, existing, retried)
+
+
+
+def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.PathLike, *,
+              questions: Sequence[str] = (), max_new_tokens: int = 48, stop: Sequence[str] = (),
+              instruction: str | None = None, retry_failed: bool = False, model: str | None = None,
+              speculate=None, forest_tokens: int = FOREST_TOKENS, **sampling) -> BatchSummary:
+    """Run (or resume) a whole batch job silently and return its summary.
+
+    model: the label that goes into the settings fingerprint (default: the model's
+    `name_or_path`, which for a local folder is its path).
+    speculate: as for `BatchJob.run` (not a setting: it never changes the answers). "suffix" or
+    "auto" draft from the answers to the job's earlier documents, which pays on similar ones.
+    forest_tokens: the merged forest's budget (`BatchJob.run`; 0 runs one document at a time).
+    """
+    if model is None:
+        name = getattr(decoder.model.config, "name_or_path", None) or getattr(decoder.model.config, "_name_or_path", "")
+        model = model_identity(name) if name else type(decoder.model).__name__
+    settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
+                             sampling=sampling, instruction=instruction, model=model,
+                             dtype=str(decoder.model.dtype).removeprefix("torch."))
+    with open_batch(input_path, output_path, settings, retry_failed=retry_failed) as job:
+        for _ in job.run(decoder, speculate=speculate, forest_tokens=forest_tokens):
+            pass
+        return job.summary()

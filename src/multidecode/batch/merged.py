@@ -1,0 +1,164 @@
+"""Merged forests: several documents' questions decoded in the same forwards.
+
+A batch job's lines are independent, so nothing forces one document at a time. `ForestAnswerer`
+hands each line (its question prompts, one branch per question) to a `ForestServer` engine
+thread: one scheduler, one KV cache, jobs admitted and retired between steps. `answer_merged`
+keeps that forest full: it submits the next line as soon as the lines in flight reserve fewer
+than `forest_tokens` cache tokens (each line reserves its prompt tokens plus questions x
+max_new_tokens), so a document starts the moment earlier ones leave room, and it yields each
+line's `Outcome` as the line finishes, which may be out of input order.
+
+Terms: a line is *in flight* from its submission until its outcome; the *forest budget* is
+`forest_tokens`. A line that alone needs more than the budget still runs, alone.
+
+Exactness: a branch attends only to its ancestors (its own document and question) at the
+positions it would have alone, and its sampler is seeded per question (seed + i), so a line's
+answers equal `MultiDecoder.ask` on that line alone, whatever shares its forwards (`tests/
+test_batch_merged.py` checks it token for token). The server's prefix cache also lets documents
+share the chat template's opening tokens, computed once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import Self
+
+from ..sampling import per_branch_sampling
+from ..serving.forest_server import ForestServer, Job, Limits
+from ..strategies.ask import Answer, question_prompts
+from .lines import InputLine
+
+FOREST_TOKENS = 8192
+"""Default forest budget, in cache tokens: about 4 documents of 1,000 tokens with 8 answers of 48."""
+CACHE_TOKENS = 512
+"""Prompt tokens the merged forest keeps for later lines (the shared opening of the chat
+template); documents differ, so a larger cache would only add attention to every step."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A finished line: its answers, or the error that stopped it. elapsed_s runs from its
+    submission to its end (in a merged forest that includes the steps it shared)."""
+
+    item: InputLine
+    answers: tuple[Answer, ...] = ()
+    error: BaseException | None = None
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class Ticket:
+    """A line ready to submit: its job, and the cache tokens it reserves."""
+
+    item: InputLine
+    job: Job
+    tokens: int
+    prompts: list[list[int]]
+
+
+class ForestAnswerer:
+    """Answers batch lines in one forest on a background engine thread (see the module notes).
+
+    decoder: a `MultiDecoder`; settings: the job's `BatchSettings`; speculate: as for
+    `MultiDecoder.ask` (bound per line, so "draft" gets a fresh proposer each time).
+    """
+
+    def __init__(self, decoder, settings, *, speculate=None, cache_tokens: int = CACHE_TOKENS) -> None:
+        self.decoder = decoder
+        self.settings = settings
+        self.speculate = speculate
+        limits = Limits(max_live_tokens=2**62, max_branches=2**31, prefix_cache_tokens=cache_tokens)
+        self.server = ForestServer(decoder.model, decoder.tokenizer, limits=limits, compaction=decoder.compaction,
+                                   cost=decoder.cost).start()
+
+    def prepare(self, item: InputLine) -> Ticket | Outcome:
+        """Tokenize a line's prompts; a line that cannot run comes back as its failed `Outcome`."""
+        if item.error is not None:
+            return Outcome(item, error=item.error)
+        settings = self.settings
+        try:
+            prompts = question_prompts(self.decoder.tokenizer, item.document, item.questions,
+                                       instruction=settings.instruction)
+            sampling = per_branch_sampling(len(prompts), dict(settings.sampling))
+        except Exception as error:  # noqa: BLE001 - recorded as the line's failure
+            return Outcome(item, error=error)
+        job = Job(prompts=prompts, max_new_tokens=settings.max_new_tokens, sampling=sampling, stop=settings.stop,
+                  speculate=self.decoder.speculation(self.speculate))
+        return Ticket(item, job, job.reserved_tokens, prompts)
+
+    def submit(self, ticket: Ticket) -> Future[Outcome]:
+        """Queue a prepared line; the future's result is its `Outcome` (never an exception)."""
+        future: Future[Outcome] = Future()
+        started = time.perf_counter()
+        item, questions = ticket.item, ticket.item.questions
+
+        def sink(message: tuple) -> None:
+            kind, value = message
+            if kind == "done":
+                answers = tuple(
+                    Answer(q, b.output.text, b.output.token_ids, ticket.prompts[i], b.output.finish_reason,
+                           value.stats)
+                    for i, (q, b) in enumerate(zip(questions, ticket.job.work.branches)))
+                future.set_result(Outcome(item, answers, elapsed_s=time.perf_counter() - started))
+            elif kind == "error":
+                future.set_result(Outcome(item, error=value, elapsed_s=time.perf_counter() - started))
+
+        ticket.job.sink = sink
+        self.server.submit(ticket.job)
+        return future
+
+    def answer(self, item: InputLine) -> Outcome:
+        """One line, blocking until it is done (other threads' lines share its forwards)."""
+        ticket = self.prepare(item)
+        return ticket if isinstance(ticket, Outcome) else self.submit(ticket).result()
+
+    def close(self) -> None:
+        self.server.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, forest_tokens: int = FOREST_TOKENS,
+                  stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
+    """Each line's `Outcome`, as lines finish, keeping up to `forest_tokens` reserved in flight.
+
+    Lines are taken from `items` only when there is room, so a generator may read them lazily.
+    Once `stopping()` is true no further line starts; the lines in flight finish.
+    forest_tokens=0 runs one line at a time.
+    """
+    items = iter(items)
+    in_flight: dict[Future[Outcome], int] = {}
+    waiting: Ticket | None = None  # prepared, but over the budget until something finishes
+    exhausted = False
+    while True:
+        while not stopping() and (waiting is not None or not exhausted):
+            if waiting is None:
+                item = next(items, None)
+                if item is None:
+                    exhausted = True
+                    break
+                prepared = answerer.prepare(item)
+                if isinstance(prepared, Outcome):
+                    yield prepared
+                    continue
+                waiting = prepared
+            if in_flight and sum(in_flight.values()) + waiting.tokens > forest_tokens:
+                break
+            in_flight[answerer.submit(waiting)] = waiting.tokens
+            waiting = None
+        if not in_flight:
+            return
+        done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+        for future in sorted(done, key=lambda f: f.result().item.line):
+            del in_flight[future]
+            yield future.result()
+
+
+__all__ = ["CACHE_TOKENS", "FOREST_TOKENS", "ForestAnswerer", "Outcome", "Ticket", "answer_merged"]
