@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,15 @@ from click.testing import CliRunner
 from local_models import tiny_model_folder
 
 import multidecode
-from multidecode.batch import BatchAborted, BatchSettings, meta_path, open_batch, parse_line, run_batch
+from multidecode.batch import (
+    BatchAborted,
+    BatchSettings,
+    lock_path,
+    meta_path,
+    open_batch,
+    parse_line,
+    run_batch,
+)
 from multidecode.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,9 +200,140 @@ def test_duplicate_ids_are_refused_before_anything_runs(model_dir, tmp_path):
     assert "Traceback" not in result.output and not out.exists()
 
 
+# ---------------------------------------------------------------------- bad input and faults, one at a time
+def test_a_line_without_an_id_is_recorded_under_its_line_number(model_dir, tmp_path):
+    source = write_lines(tmp_path / "in.jsonl", [
+        {"id": "a", "document": "The router drops the line.", "questions": ["why?"]},
+        "",                                                                    # line 2: blank, still counted
+        {"document": "The cable was cut.", "questions": ["what happened?"]},   # line 3: no "id"
+        {"id": None, "document": "The modem is red.", "questions": ["what colour?"]},  # line 4: null
+        {"document": " ", "questions": ["why?"]},                              # line 5: no "id", and it fails
+    ])
+    out = tmp_path / "out.jsonl"
+    decoder = multidecode.load(str(model_dir))
+    summary = run_batch(decoder, source, out, max_new_tokens=3, model="tiny")
+    assert (summary.total, summary.done, summary.failed) == (4, 4, 1)
+    got = by_id(records(out))
+    assert sorted(got, key=str) == [3, 4, 5, "a"]
+    assert all(got[key]["line"] == key for key in (3, 4, 5))
+    assert got[3]["error"] is None and got[4]["error"] is None and len(got[3]["answers"]) == 1
+    assert got[5]["error"]["message"] == "the document is empty"
+    summary = run_batch(decoder, source, out, max_new_tokens=3, model="tiny")  # resumes by those ids
+    assert (summary.skipped, summary.done) == (4, 0)
+
+
+def test_duplicate_ids_are_refused_up_front_naming_both_lines(tmp_path):
+    rows = [{"id": name, "document": "text", "questions": ["q?"]} for name in ("a", "b", "c", "d", 7)]
+    source = write_lines(tmp_path / "in.jsonl", rows + [{"id": "7", "document": "t", "questions": ["q?"]}] + rows[:4])
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(multidecode.InvalidInput) as caught:
+        open_batch(source, out, BatchSettings())
+    message = caught.value.message
+    assert "has duplicate ids: id '7' is on lines 5 and 6; id 'a' is on lines 1 and 7; id 'b' is on lines 2 and 8" \
+           in message and message.endswith(" and 2 more")
+    assert "line number" in caught.value.hint
+    assert not out.exists() and not lock_path(out).exists()  # refused before the output is touched
+
+
+def test_a_document_too_long_for_the_model_is_recorded_and_the_others_go_on(model_dir, tmp_path):
+    rows = documents(5)
+    rows[2] = {"id": "long", "document": "routers and cables and tickets " * 60, "questions": ["why?", "when?"]}
+    source = write_lines(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    decoder = multidecode.load(str(model_dir))
+    summary = run_batch(decoder, source, out, max_new_tokens=4, model="tiny")  # merged forests
+    assert (summary.done, summary.failed, summary.complete) == (5, 1, True)
+    got = by_id(records(out))
+    error = got["long"]["error"]
+    assert error["type"] == "PromptTooLong" and "at most 256 positions" in error["message"]
+    assert "shorten the document" in error["hint"] and got["long"]["answers"] == []
+    for key in ("doc-0", "doc-1", "doc-3", "doc-4"):
+        assert got[key]["error"] is None and len(got[key]["answers"]) == 2 and got[key]["tokens"] > 0
+    assert summary.failures == [{"id": "long", "line": 3, **error}]
+
+
+def test_parse_line_words_each_problem_in_the_format_s_terms():
+    def error(line: dict, job=()):
+        return parse_line(json.dumps(line).encode(), 1, job).error.message
+
+    doc = {"document": "d"}
+    assert error({**doc, "questions": {"q": 1}}) == '"questions" must be a list of strings, got an object'
+    assert error({**doc, "questions": ["q", 3]}) == "question 2 of the line is an integer, not a string"
+    assert error({**doc, "questions": [None]}) == "question 1 of the line is null, not a string"
+    assert error({**doc, "questions": []}) == 'the line has an empty "questions" list and the job has none'
+    assert error({"document": ["d"], "questions": ["q"]}) == '"document" must be a string, got a list'
+    assert error({"document": "\ud800", "questions": ["q"]}).startswith("the document is not valid Unicode")
+    assert error({"id": 7.0, "document": ""}) == '"id" must be a string or an integer, got a number'  # id first
+    assert parse_line(b'{"id": "x", "documnet": "d", "questions": ["q"]}', 2).error.message == \
+           'the line has no "document"'
+    assert parse_line(b'{"id": 1' + b"0" * 5000 + b"}", 6).error.message.startswith("line 6 is not valid JSON")
+    item = parse_line(b'{"id": 0, "document": "d", "questions": ["q"], "extra": [1, 2]}', 9, ["job?"])
+    assert (item.id, item.key, item.document, item.questions, item.error) == (0, "0", "d", ("job?", "q"), None)
+    assert parse_line(b'{"id": "x", "document": "d", "questions": ["q"]}', 9).id == "x"  # an id that failed elsewhere
+    assert parse_line(b'{"id": "x", "document": 5}', 9).id == "x"
+
+
+def test_record_takes_outcomes_from_any_backend_and_writes_each_line_once(tmp_path):
+    """What a Ray backend does: pending_items, then record(Outcome, ...) with errors that may be
+    picklable stand-ins (any object with a class name, .message and .hint)."""
+    from multidecode.batch.merged import Outcome
+
+    class PromptTooLong:  # a stand-in: not an exception, not a MultiDecodeError
+        message, hint = "the prompt is 900 tokens long", "shorten the document"
+
+    source = write_lines(tmp_path / "in.jsonl", documents(4))
+    with open_batch(source, tmp_path / "out.jsonl", BatchSettings()) as job:
+        items = list(job.pending_items())
+        outcomes = [Outcome(items[1], error=PromptTooLong()), Outcome(items[0], error=MemoryError("out of\nmemory")),
+                    Outcome(items[1], error=ValueError("a second outcome for doc-1")),  # dropped
+                    Outcome(items[3], error=multidecode.InvalidInput("bad", None))]
+        got = [result.record for result in job.record(outcomes)]
+        assert (job.done, job.failed, len(job.pending), job.summary().remaining) == (3, 3, 1, 1)
+    assert [r["id"] for r in got] == ["doc-1", "doc-0", "doc-3"] and records(tmp_path / "out.jsonl") == got
+    assert [r["error"] for r in got] == [
+        {"type": "PromptTooLong", "message": "the prompt is 900 tokens long", "hint": "shorten the document"},
+        {"type": "MemoryError", "message": "out of", "hint": got[1]["error"]["hint"]},
+        {"type": "InvalidInput", "message": "bad", "hint": None}]
+    assert "--retry-failed" in got[1]["error"]["hint"]
+
+
+# ---------------------------------------------------------------------- the lock
+LOCK_HOLDER = """
+import sys, time
+from multidecode.batch import BatchSettings, open_batch
+job = open_batch(sys.argv[1], sys.argv[2], BatchSettings(), retry_failed=True)
+print("locked", job.retried, flush=True)
+time.sleep(600)
+"""
+
+
+def failed_record(key: str, line: int) -> str:
+    return json.dumps({"id": key, "line": line, "answers": [], "error": {"type": "RuntimeError", "message": "x",
+                       "hint": None}, "tokens": 0, "elapsed_s": 0.0, "settings": BatchSettings().fingerprint})
+
+
+def test_the_lock_lives_on_out_lock_survives_the_retry_rewrite_and_dies_with_its_process(tmp_path):
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    out = write_lines(tmp_path / "out.jsonl", [failed_record("doc-0", 1)])
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(source), str(out)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().split() == ["locked", "1"]  # it rewrote the output without doc-0's record
+        assert out.read_text() == "" and lock_path(out).exists()
+        with pytest.raises(multidecode.InvalidInput, match="being written by another multidecode batch run") as caught:
+            open_batch(source, out, BatchSettings())
+        assert str(lock_path(out)) in caught.value.message and "--output" in caught.value.hint
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert holder.returncode == -signal.SIGKILL
+    with open_batch(source, out, BatchSettings()) as job:  # the kernel dropped the killed holder's lock
+        assert len(job.pending) == 2
+
+
 @pytest.mark.parametrize("case", ["missing input", "input folder", "compressed input", "no lines", "output folder",
                                   "output is input", "missing model", "zero max tokens", "bad temperature",
-                                  "empty job question", "not a batch output"])
+                                  "empty job question", "not a batch output", "lock not writable"])
 def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
     source = write_lines(tmp_path / "in.jsonl", [{"document": "text", "questions": ["why?"]}])
     out = tmp_path / "out.jsonl"
@@ -223,6 +363,9 @@ def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
     elif case == "not a batch output":
         out.write_text(source.read_text())
         needle = "not a multidecode batch output"
+    elif case == "lock not writable":
+        lock_path(out).mkdir()
+        needle = f"cannot write {lock_path(out)}"
     before = out.read_bytes() if out.exists() else None
     result = run(*args)
     assert result.exit_code == 2, (result.exit_code, result.output)
@@ -440,6 +583,24 @@ def test_parse_line_reads_ids_and_falls_back_to_the_line_number():
     for bad in (b'{"id": true}', b'{"id": ""}', b'{"id": [1]}'):
         item = parse_line(bad, 3)
         assert item.id == 3 and "must be a string or an integer" in item.error.message
+
+
+@pytest.mark.parametrize("case", ["two records for one id", "a bad line inside", "another file's JSON last"])
+def test_an_output_that_cannot_be_repaired_is_refused_untouched(tmp_path, case):
+    source = write_lines(tmp_path / "in.jsonl", documents(3))
+    good = [failed_record("doc-0", 1), "", failed_record("doc-1", 2)]  # a blank line is harmless
+    rows, needle = {
+        "two records for one id": (good + [failed_record("doc-0", 1)], "two records for id 'doc-0' (lines 1 and 4)"),
+        "a bad line inside": (good[:1] + ['{"id": "doc-1", "li'] + good[2:], "line 2 is not a result record"),
+        "another file's JSON last": (good + ['{"name": "not a record"}'], "line 4 is not a result record"),
+    }[case]
+    out = write_lines(tmp_path / "out.jsonl", rows)
+    before = out.read_bytes()
+    with pytest.raises(multidecode.InvalidInput, match=re.escape(needle)):
+        open_batch(source, out, BatchSettings())
+    assert out.read_bytes() == before
+    with open_batch(source, write_lines(out, good), BatchSettings()) as job:  # without the bad line: it opens
+        assert (job.skipped, job.earlier_failures, job.repaired) == (2, 2, False)
 
 
 # ---------------------------------------------------------------------- real interruptions

@@ -1,96 +1,83 @@
 """Batch jobs: the same questions about many documents, into one resumable JSON Lines file.
 
-This is the seed's motivating example at scale: thousands of transcripts, the same 8 questions for
-each. Every document is answered with `MultiDecoder.ask` (one forest, one shared KV cache per
-document), and its result is appended to the output as one JSON line the moment it is done. The
-library prints nothing: `BatchJob.run` yields a `LineResult` per finished line, and the command
-(`multidecode batch`) only formats them.
+Thousands of transcripts, the same 8 questions for each: every document is answered as
+`MultiDecoder.ask` would answer it alone, several documents share each forward (`merged`), and
+each line's record is appended to the output the moment it finishes. The library prints nothing:
+`BatchJob.run` yields a `LineResult` per finished line; `multidecode batch` only formats them.
 
 Usage::
 
     settings = BatchSettings(questions=("Who called?", "Was it solved?"), max_new_tokens=48)
-    with open_batch("calls.jsonl", "answers.jsonl", settings) as job:   # checks, repairs, locks
+    with open_batch("calls.jsonl", "answers.jsonl", settings) as job:   # checks, locks, repairs
         for result in job.run(decoder):                                  # one per finished line
             ...
         summary = job.summary()
     # or, all at once: run_batch(decoder, "calls.jsonl", "answers.jsonl", questions=[...])
 
-Speculation (`run(decoder, speculate=...)`, `--speculate`) makes a job faster, never different,
-so it is not one of the settings below: a job may be resumed with another speculation mode.
-"suffix" (or "auto") drafts from the answers to the job's earlier documents, which the process's
-shared suffix store keeps: it pays on many similar documents, whose answers repeat each other.
+Speculation (`run(decoder, speculate=...)`, `--speculate`) makes a job faster, never different, so
+it is not a setting: a job may resume with another mode. "suffix" (or "auto") drafts from the
+answers to the job's earlier documents, which pays on many similar documents.
 
 Input (JSON Lines, UTF-8)
 -------------------------
 One JSON object per line: ``{"id": "call-17", "document": "...", "questions": ["...", ...]}``.
 
-- ``document`` (string, required, not blank).
-- ``questions`` (list of non-blank strings). Job-level questions (``BatchSettings.questions``,
-  ``--questions-file`` / ``-q``) are asked of every document **first**, followed by the line's own
-  questions, so a line can add questions but never drops the job's. A line needs ``questions``
-  only when the job has none.
-- ``id`` (string or integer, optional): the key that output records and resumption use. Without
-  one (or with ``null``) the id is the line's 1-based line number. Ids are compared as text, so
-  ``7`` and ``"7"`` are the same id. Give explicit ids if the input may be edited between runs;
-  appending lines is always safe (the next run does just the new ones).
-- Other keys are ignored. Blank lines are skipped (they still count in line numbers).
+- ``document``: a non-blank string (required).
+- ``questions``: a list of non-blank strings. The job's questions (``BatchSettings.questions``,
+  ``--questions-file``, ``-q``) come first, then the line's own, so a line can add questions but
+  never drop the job's; a line needs ``questions`` only when the job has none.
+- ``id``: a string or an integer, optional: the key of records and of resuming. Without one (or
+  with ``null``) a line's id is its 1-based line number. Ids are compared as text (``7`` and
+  ``"7"`` are one id). Give ids if the input may be edited between runs; appending is always safe.
+- Other keys are ignored; blank lines are skipped (they still count in line numbers).
 
-Sampling settings apply to every document alike: with a seed s, question i of every document
-uses seed s + i, so a line's answers do not depend on where a job was stopped and resumed.
-
-Duplicate ids are refused up front, before anything runs: two results for one id could not be
-told apart, and the job's invariant is one record per id. A line that cannot be read (bad JSON,
-not an object, a bad id) gets its line number as its id, so it is still recorded once.
+With a seed s, question i of every document uses seed s + i, so answers do not depend on where a
+job was stopped. Duplicate ids are refused before anything runs (the message names their lines):
+the job keeps one record per id. A line that cannot be read (bad JSON, not an object, a bad id)
+takes its line number as its id, so it is still recorded once.
 
 Output (JSON Lines, UTF-8)
 --------------------------
-One record per finished input line, in the order they finish::
+One record per input line, in the order lines finish (merged forests may reorder them)::
 
     {"id": "call-17", "line": 17,
      "answers": [{"question": "...", "answer": "...", "finish_reason": "stop", "tokens": 12}, ...],
      "error": null, "tokens": 96, "elapsed_s": 0.412, "settings": "3f2a9c0e1b7d"}
 
-A failed line has ``"answers": []`` and ``"error": {"type": "InvalidInput", "message": "...",
-"hint": "..."}``; ``type`` is the exception class (``InvalidInput``, ``PromptTooLong``, or for an
-unexpected failure such as running out of memory, its Python class). ``tokens`` counts generated
-tokens; ``settings`` is a fingerprint of everything the answers depend on (below).
-
-Each record is written with one ``write`` of the whole line and its newline to a file opened in
-append mode, then ``fsync``-ed, so a crash or a kill can at worst leave one unterminated last line.
-
-Beside the output, ``OUT.meta.json`` holds the settings behind the fingerprint (model, dtype,
-job questions, max_new_tokens, stop strings, sampling, instruction), written atomically. It is
-for people and for naming what changed; the records alone carry what resuming needs.
+A failed line has ``"answers": []`` and ``"error": {"type": ..., "message": ..., "hint": ...}``,
+where ``type`` is the exception class (``InvalidInput``, ``PromptTooLong``, or for an unexpected
+failure such as running out of memory, its Python class). ``tokens`` counts generated tokens;
+``settings`` is the fingerprint of everything the answers depend on. Each record is one
+``write`` of the line and its newline, in append mode, then ``fsync``: a crash can at worst
+leave one unfinished last line. ``OUT.meta.json`` holds the settings behind the fingerprint
+(model, dtype, job questions, max_new_tokens, stop, sampling, instruction), for people and for
+naming what changed; the records alone carry what resuming needs.
 
 Resuming
 --------
-Running the same job again resumes it; nothing else is needed after Ctrl-C, a kill or a crash.
-On open, the output is checked and repaired before anything runs:
+Running the same job again resumes it, after Ctrl-C, a kill or a crash. On open, before anything runs:
 
-- an unterminated last line, or a last line that is not valid JSON (a write cut short), is
-  truncated away; that line is simply done again. Any other line that is not a record of this
-  format stops the job with an error (nothing is ever dropped from the middle of a file);
-- every id with a record is finished and skipped, including failed lines: a failure is a result.
-  ``retry_failed=True`` (``--retry-failed``) redoes the failed lines whose ids are in the input: the
-  output is first rewritten without their records (to a temporary file, fsync-ed, then renamed
-  over the output), and they are run again like new lines. So every id has at most one record at
-  every moment, and readers never need to deduplicate;
-- records whose fingerprint differs from this job's settings stop the job with an error that
-  names the differences: mixing answers from two settings in one file would be silent corruption.
-  Device and batch options do not count (they do not change the answers);
-- the output is locked (``flock``) while a job writes to it, so two runs cannot interleave; the
-  lock dies with its process, so a killed run leaves no stale lock.
+- an unfinished or unreadable last line (a write cut short) is truncated away and done again;
+  any other line that is not a record stops the job (nothing is dropped from inside a file);
+- every id with a record is skipped, failed ones included (a failure is a result), unless
+  ``retry_failed=True`` (``--retry-failed``): then the output is first rewritten without the
+  failed records of the input's ids (a temporary file, fsync-ed, renamed over it), and those
+  lines run again. Every id has at most one record at every moment;
+- records made with other settings stop the job, naming the differences (device, speculation
+  and the forest budget do not count: they do not change the answers);
+- while a job writes, it holds a lock on ``OUT.lock`` (an ``flock``, via ``filelock``), so two
+  runs cannot interleave; the lock dies with its process, so a killed run leaves none behind.
 
-`BatchJob.stop()` asks `run` to stop before the next line (the CLI calls it on the first Ctrl-C
-or SIGTERM). Records that exist stay valid in every case.
+`BatchJob.stop()` asks `run` to start no further line (the CLI calls it on the first Ctrl-C or
+SIGTERM); the lines in flight finish. Records that exist stay valid in every case.
 
 Errors
 ------
-Problems with one line (bad JSON, no document, an empty question, a prompt too long for the
-model, ...) are recorded in that line's record and the job goes on. Problems with the job itself
-(a missing input, duplicate ids, an output that belongs to other settings or is not a batch
-output) raise a `MultiDecodeError` from `open_batch` before anything runs. An unexpected failure
-on a line is recorded too, but after `MAX_CONSECUTIVE_CRASHES` of them in a row the job stops with
+A problem with one line (bad JSON, no document, an empty question, a document too long for the
+model, ...) is recorded in its record and the job goes on. A problem with the job (a missing
+input, duplicate ids, an output with other settings or not a batch output, an output locked by
+another run) raises a `MultiDecodeError` from `open_batch` before anything runs. Unexpected
+failures are recorded too, but `MAX_CONSECUTIVE_CRASHES` in a row stop the job with
 `BatchAborted`: then the model or the device is broken, not the lines.
 """
 
@@ -107,8 +94,8 @@ from .job import (
     total_stats,
 )
 from .lines import InputLine, id_key, parse_line, scan_input
-from .output import FORMAT, meta_path
+from .output import FORMAT, lock_path, meta_path
 
 __all__ = ["FORMAT", "MAX_CONSECUTIVE_CRASHES", "BatchAborted", "BatchJob", "BatchSettings", "BatchSummary",
-           "InputLine", "LineResult", "id_key", "meta_path", "model_identity", "open_batch", "parse_line",
+           "InputLine", "LineResult", "id_key", "lock_path", "meta_path", "model_identity", "open_batch", "parse_line",
            "run_batch", "scan_input", "total_stats"]

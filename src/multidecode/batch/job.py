@@ -7,7 +7,7 @@ import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -17,19 +17,11 @@ from ..sampling import per_branch_sampling
 from ..strategies.ask import check_questions
 from .lines import InputLine, _check_input_file, _input_lines, parse_line, scan_input
 from .merged import FOREST_TOKENS, ForestAnswerer, Outcome, answer_merged
-from .output import (
-    _check_settings,
-    _encode,
-    _Existing,
-    _fsync_dir,
-    _lock,
-    _read_existing,
-    _rewrite_without,
-    _write_all,
-    _write_meta,
-)
+from .output import OutputFile
 
 MAX_CONSECUTIVE_CRASHES = 5
+UNEXPECTED_HINT = ("an unexpected error, not a problem with this line's input; rerun with --retry-failed to try it "
+                   "again, and report it if it persists")
 
 
 class BatchAborted(MultiDecodeError):
@@ -103,30 +95,12 @@ class LineResult:
 
     record: dict
     answers: tuple = field(default=(), compare=False, repr=False)
-
-    @property
-    def id(self) -> str | int:
-        return self.record["id"]
-
-    @property
-    def line(self) -> int:
-        return self.record["line"]
-
-    @property
-    def error(self) -> dict | None:
-        return self.record["error"]
-
-    @property
-    def ok(self) -> bool:
-        return self.record["error"] is None
-
-    @property
-    def tokens(self) -> int:
-        return self.record["tokens"]
-
-    @property
-    def elapsed_s(self) -> float:
-        return self.record["elapsed_s"]
+    id = property(lambda self: self.record["id"])
+    line = property(lambda self: self.record["line"])
+    error = property(lambda self: self.record["error"])
+    ok = property(lambda self: self.record["error"] is None)
+    tokens = property(lambda self: self.record["tokens"])
+    elapsed_s = property(lambda self: self.record["elapsed_s"])
 
     @property
     def stats(self) -> dict:
@@ -172,24 +146,13 @@ class BatchSummary:
     repaired: bool
     failures: list[dict] = field(default_factory=list)
 
-    @property
-    def complete(self) -> bool:
-        return self.remaining == 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def lines_per_s(self) -> float:
-        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+    complete = property(lambda self: self.remaining == 0)
+    tokens_per_s = property(lambda self: self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0)
+    lines_per_s = property(lambda self: self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0)
 
     def as_dict(self) -> dict:
-        return {"input": self.input, "output": self.output, "total": self.total, "skipped": self.skipped,
-                "retried": self.retried, "done": self.done, "failed": self.failed, "remaining": self.remaining,
-                "complete": self.complete, "tokens": self.tokens, "elapsed_s": round(self.elapsed_s, 3),
-                "tokens_per_s": round(self.tokens_per_s, 2), "lines_per_s": round(self.lines_per_s, 3),
-                "earlier_failures": self.earlier_failures, "repaired": self.repaired, "failures": self.failures}
+        return asdict(self) | {"complete": self.complete, "elapsed_s": round(self.elapsed_s, 3),
+                               "tokens_per_s": round(self.tokens_per_s, 2), "lines_per_s": round(self.lines_per_s, 3)}
 
 
 # ---------------------------------------------------------------------- the job
@@ -199,31 +162,22 @@ class BatchJob:
     #: failures kept in the summary (the output holds them all)
     MAX_LISTED_FAILURES = 20
 
-    def __init__(self, input_path: Path, output_path: Path, settings: BatchSettings, fd: int,
-                 lines: list[tuple[int, str]], existing: _Existing, retried: int) -> None:
-        self.input_path = input_path
-        self.output_path = output_path
-        self.settings = settings
-        self.fingerprint = settings.fingerprint
-        self._fd: int | None = fd
+    def __init__(self, input_path: Path, output: OutputFile, settings: BatchSettings, lines: list[tuple[int, str]],
+                 retried: int) -> None:
+        self.input_path, self.output_path, self._output = input_path, output.path, output
+        self.settings, self.fingerprint = settings, settings.fingerprint
         input_keys = {key for _, key in lines}
-        self.total = len(lines)
-        self.pending: dict[int, str] = {line: key for line, key in lines if key not in existing.done}
+        self.total, self.retried, self.repaired = len(lines), retried, output.repaired
+        self.pending: dict[int, str] = {line: key for line, key in lines if key not in output.recorded}
         self.skipped = self.total - len(self.pending)
-        self.retried = retried
-        self.repaired = existing.repaired
-        self.earlier_failures = sum(1 for key, failed in existing.done.items() if failed and key in input_keys)
-        self.foreign = sum(1 for key in existing.done if key not in input_keys)
-        self.done = 0
-        self.failed = 0
-        self.tokens = 0
+        self.earlier_failures = sum(failed and key in input_keys for key, failed in output.recorded.items())
+        self.foreign = len(output.recorded.keys() - input_keys)
+        self.done = self.failed = self.tokens = 0
         self.elapsed_s = 0.0
         self.failures: list[dict] = []
         self._stop = False
-        self._crashes = 0
-        self._last_crash: BaseException | None = None
+        self._crashes, self._last_crash = 0, None
 
-    # -------------------------------------------------------------- control
     def stop(self) -> None:
         """Ask `run` to start no further line; the lines in flight finish (safe from a signal handler)."""
         self._stop = True
@@ -233,9 +187,7 @@ class BatchJob:
         return self._stop
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # releases the lock
-            self._fd = None
+        self._output.close()  # releases the lock
 
     def __enter__(self) -> Self:
         return self
@@ -243,17 +195,12 @@ class BatchJob:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -------------------------------------------------------------- running
     def run(self, decoder, *, speculate=None, forest_tokens: int = FOREST_TOKENS) -> Iterator[LineResult]:
-        """Answer every pending line, several documents per forest, appending each record as it finishes.
-
-        Lines start in input order while the lines in flight reserve fewer than `forest_tokens`
-        cache tokens (see `merged`; 0 runs one line at a time) and finish in any order. Yields a
-        `LineResult` after each record is on disk. Ends at the end of the input, or after `stop()`
-        once the lines in flight finish; an exception (KeyboardInterrupt included) leaves every
-        written record valid. speculate: `MultiDecoder.ask`'s, for every line; it never changes
-        the answers. "suffix" or "auto" draft from the answers to the earlier documents (the
-        process's shared suffix store), which pays on many similar documents.
+        """Answer every pending line, several documents per forest (`merged`: up to `forest_tokens`
+        reserved in flight; 0 runs one line at a time), and yield each `LineResult` once its record
+        is on disk, in the order lines finish. Ends at the end of the input, or after `stop()` once
+        the lines in flight finish; any exception (KeyboardInterrupt too) leaves every written
+        record valid. speculate: `MultiDecoder.ask`'s, for every line; it never changes the answers.
         """
         self._check_open()
         with ForestAnswerer(decoder, self.settings, speculate=speculate) as answerer:
@@ -268,10 +215,7 @@ class BatchJob:
             if self._stop:
                 return
             key = self.pending.get(number)
-            if key is None:
-                continue
-            item = parse_line(raw, number, self.settings.questions)
-            if item.key == key:
+            if key is not None and (item := parse_line(raw, number, self.settings.questions)).key == key:
                 yield item
 
     def record(self, outcomes: Iterable[Outcome]) -> Iterator[LineResult]:
@@ -279,16 +223,19 @@ class BatchJob:
         (the local merged forest or Ray workers). An outcome for a line that already has a record
         is dropped, so a line retried elsewhere is never written twice."""
         self._check_open()
-        started = time.perf_counter()
-        base_elapsed = self.elapsed_s
+        started, base_elapsed = time.perf_counter(), self.elapsed_s
         try:
             for outcome in outcomes:
                 if outcome.item.line not in self.pending:
                     continue
                 record = self._record(outcome)
-                self._append(record)
+                self._output.append(record)
                 del self.pending[outcome.item.line]
-                self._count(record)
+                self.done, self.tokens = self.done + 1, self.tokens + record["tokens"]
+                if record["error"] is not None:
+                    self.failed += 1
+                    if len(self.failures) < self.MAX_LISTED_FAILURES:
+                        self.failures.append({"id": record["id"], "line": record["line"], **record["error"]})
                 self.elapsed_s = base_elapsed + time.perf_counter() - started
                 yield LineResult(record, outcome.answers)
                 if self._crashes >= MAX_CONSECUTIVE_CRASHES:
@@ -301,19 +248,17 @@ class BatchJob:
             self.elapsed_s = base_elapsed + time.perf_counter() - started
 
     def _check_open(self) -> None:
-        if self._fd is None:
+        if self._output.closed:
             raise InvalidInput("this batch job is closed", "open it again with open_batch")
 
     def _record(self, outcome: Outcome) -> dict:
         """The output record of an outcome; counts unexpected errors (one failed step that took
         several lines with it counts once)."""
-        error = outcome.error
+        error, answers = outcome.error, outcome.answers
         if error is None or isinstance(error, MultiDecodeError):
             self._crashes = 0
         elif error is not self._last_crash:
-            self._crashes += 1
-            self._last_crash = error
-        answers = outcome.answers
+            self._crashes, self._last_crash = self._crashes + 1, error
         return {
             "id": outcome.item.id,
             "line": outcome.item.line,
@@ -325,18 +270,6 @@ class BatchJob:
             "settings": self.fingerprint,
         }
 
-    def _append(self, record: dict) -> None:
-        _write_all(self._fd, _encode(record))  # one write in practice; a cut-short one is repaired on resume
-        os.fsync(self._fd)
-
-    def _count(self, record: dict) -> None:
-        self.done += 1
-        self.tokens += record["tokens"]
-        if record["error"] is not None:
-            self.failed += 1
-            if len(self.failures) < self.MAX_LISTED_FAILURES:
-                self.failures.append({"id": record["id"], "line": record["line"], **record["error"]})
-
     def summary(self) -> BatchSummary:
         return BatchSummary(
             input=str(self.input_path), output=str(self.output_path), total=self.total, skipped=self.skipped,
@@ -345,19 +278,19 @@ class BatchJob:
             repaired=self.repaired, failures=list(self.failures))
 
 
-def _error_record(err: BaseException) -> dict:
-    if isinstance(err, MultiDecodeError):
-        return {"type": type(err).__name__, "message": err.message, "hint": err.hint}
-    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return {"type": type(err).__name__, "message": message,
-            "hint": "an unexpected error, not a problem with this line's input; rerun with --retry-failed "
-                    "to try it again, and report it if it persists"}
+def _error_record(err) -> dict:
+    """type, message and hint of a line's error. Any object works (a Ray worker's picklable stand-in
+    too): its class name, its .message (else the first line of its text) and its .hint when it has one."""
+    text, hint = str(err).strip(), getattr(err, "hint", None)
+    message = str(getattr(err, "message", "") or "") or (text.splitlines()[0] if text else type(err).__name__)
+    hint = str(hint) if hint else None if isinstance(err, MultiDecodeError) else UNEXPECTED_HINT
+    return {"type": type(err).__name__, "message": message, "hint": hint}
 
 
 def open_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, settings: BatchSettings | None = None,
                *, retry_failed: bool = False) -> BatchJob:
-    """Open a batch job: check the settings and the input, then create or repair, check and lock
-    the output (see the module docstring). Raises a `MultiDecodeError` for a problem with the job;
+    """Open a batch job: check the settings and the input, then lock, create or repair, and check
+    the output (see `multidecode.batch`). Raises a `MultiDecodeError` for a problem with the job;
     problems with single lines are left for `run` to record."""
     settings = settings or BatchSettings()
     settings.check()
@@ -370,29 +303,18 @@ def open_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, se
     if output_path.exists() and os.path.samefile(input_path, output_path):
         raise InvalidInput("the output is the input file", "write results to a new file, such as answers.jsonl")
     lines = scan_input(input_path, settings.questions)
-
-    created = not output_path.exists()
-    fd = os.open(output_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    output = OutputFile(output_path)
     try:
-        if created:
-            _fsync_dir(output_path.parent)
-        _lock(fd, output_path)
-        existing = _read_existing(fd, output_path)
-        _check_settings(output_path, settings, existing)
-        retried = 0
-        if retry_failed:
-            input_keys = {key for _, key in lines}
-            redo = {key for key, failed in existing.done.items() if failed and key in input_keys}
-            if redo:
-                fd = _rewrite_without(fd, output_path, redo)
-                for key in redo:
-                    del existing.done[key]
-                retried = len(redo)
-        _write_meta(output_path, settings, input_path)
+        output.check_settings(settings)
+        input_keys = {key for _, key in lines}
+        redo = {key for key, failed in output.recorded.items() if failed and key in input_keys} if retry_failed else ()
+        if redo:
+            output.drop(redo)
+        output.write_meta(settings, input_path)
     except BaseException:
-        os.close(fd)
+        output.close()
         raise
-    return BatchJob(input_path, output_path, settings, fd, lines, existing, retried)
+    return BatchJob(input_path, output, settings, lines, len(redo))
 
 
 

@@ -1,4 +1,5 @@
-"""Reading a batch job's input: JSON Lines, one document and its questions per line (see `multidecode.batch`)."""
+"""A batch job's input: a typed model of one line, whose complaints are reworded in the format's
+terms, and the checks of the whole file (see `multidecode.batch` for the format)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,29 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 from ..errors import InvalidInput, MultiDecodeError
 from ..strategies.ask import check_document
 
 LINE_HINT = 'each line must be one JSON object, e.g. {"id": "call-1", "document": "...", "questions": ["..."]}'
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("blank")
+    return text
+
+
+class LineModel(BaseModel):
+    """What a line must hold; other keys are ignored. `parse_line` words its errors."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: Annotated[StrictStr, AfterValidator(_not_blank)] | StrictInt | None = None
+    document: Annotated[StrictStr, AfterValidator(lambda text: check_document(text) or text)]
+    questions: list[Annotated[StrictStr, AfterValidator(_not_blank)]] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,68 +58,57 @@ def _kind(value) -> str:
     return names.get(type(value), type(value).__name__)
 
 
+def _explain(problem: dict, data: dict) -> MultiDecodeError:
+    """pydantic's first complaint about a line, in the words of the input format."""
+    (field, *where), value = problem["loc"], problem["input"]
+    if field == "id":
+        got = "an empty string" if isinstance(data["id"], str) else _kind(data["id"])
+        return InvalidInput(f'"id" must be a string or an integer, got {got}',
+                            'use a text id such as "call-17", or leave "id" out to use the line number')
+    if field == "document":
+        if problem["type"] == "missing":
+            return InvalidInput('the line has no "document"', 'add "document": "the text to ask about"')
+        if isinstance(error := problem.get("ctx", {}).get("error"), MultiDecodeError):
+            return error  # check_document's: empty, or not valid Unicode
+        return InvalidInput(f'"document" must be a string, got {_kind(value)}', "put the document's text in a string")
+    if not where:
+        if isinstance(value, str):
+            return InvalidInput('"questions" must be a list of strings, got one string', 'wrap it in a list: ["..."]')
+        return InvalidInput(f'"questions" must be a list of strings, got {_kind(value)}',
+                            'use "questions": ["...", "..."]')
+    if problem["type"] == "value_error":
+        return InvalidInput(f"question {where[0] + 1} of the line is empty", "remove it or write the question")
+    return InvalidInput(f"question {where[0] + 1} of the line is {_kind(value)}, not a string",
+                        "write each question as a string")
+
+
 def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> InputLine:
     """Parse one input line (bytes, without its newline). Never raises for bad content: the
     problem comes back as `.error`, and the id falls back to the line number when unreadable."""
     try:
-        text = raw.decode("utf-8")
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
         return InputLine(line, line, error=InvalidInput(
             f"line {line} is not UTF-8 text (bad byte at column {err.start + 1})", "save the input as UTF-8"))
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        return InputLine(line, line, error=InvalidInput(
-            f"line {line} is not valid JSON ({err.msg} at column {err.colno})", LINE_HINT))
+    except ValueError as err:  # JSONDecodeError, or a number too long to read
+        why = f"{err.msg} at column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
+        return InputLine(line, line, error=InvalidInput(f"line {line} is not valid JSON ({why})", LINE_HINT))
     if not isinstance(data, dict):
         return InputLine(line, line, error=InvalidInput(f"line {line} is {_kind(data)}, not a JSON object", LINE_HINT))
-    ident = data.get("id")
-    if ident is None:
-        ident = line
-    elif isinstance(ident, bool) or not isinstance(ident, (str, int)) or (isinstance(ident, str) and not ident.strip()):
-        bad = "an empty string" if isinstance(ident, str) else _kind(ident)
-        return InputLine(line, line, error=InvalidInput(
-            f'"id" must be a string or an integer, got {bad}',
-            'use a text id such as "call-17", or leave "id" out to use the line number'))
     try:
-        return InputLine(line, ident, _document_of(data), _questions_of(data, job_questions))
-    except MultiDecodeError as err:
-        return InputLine(line, ident, error=err)
-
-
-def _document_of(data: dict) -> str:
-    if "document" not in data:
-        raise InvalidInput('the line has no "document"', 'add "document": "the text to ask about"')
-    document = data["document"]
-    if not isinstance(document, str):
-        raise InvalidInput(f'"document" must be a string, got {_kind(document)}', "put the document's text in a string")
-    check_document(document)
-    return document
-
-
-def _questions_of(data: dict, job_questions: Sequence[str]) -> tuple[str, ...]:
-    own = data.get("questions")
-    if own is None:
-        if not job_questions:
-            raise InvalidInput('the line has no "questions" and the job has none',
-                               'add "questions": ["..."] to the line, or give job-level questions (--questions-file)')
-        return tuple(job_questions)
-    if isinstance(own, str):
-        raise InvalidInput('"questions" must be a list of strings, got one string', 'wrap it in a list: ["..."]')
-    if not isinstance(own, list):
-        raise InvalidInput(f'"questions" must be a list of strings, got {_kind(own)}',
-                           'use "questions": ["...", "..."]')
-    for i, question in enumerate(own):
-        if not isinstance(question, str):
-            raise InvalidInput(f"question {i + 1} of the line is {_kind(question)}, not a string",
-                               "write each question as a string")
-        if not question.strip():
-            raise InvalidInput(f"question {i + 1} of the line is empty", "remove it or write the question")
-    questions = tuple(job_questions) + tuple(own)
+        parsed = LineModel.model_validate(data)
+    except ValidationError as err:
+        problem = err.errors()[0]
+        ident = line if problem["loc"][0] == "id" or data.get("id") is None else data["id"]
+        return InputLine(line, ident, error=_explain(problem, data))
+    ident = line if parsed.id is None else parsed.id
+    questions = tuple(job_questions) + tuple(parsed.questions or ())
     if not questions:
-        raise InvalidInput('the line\'s "questions" is empty and the job has none',
-                           "ask at least one question, on the line or for the whole job (--questions-file)")
-    return questions
+        own = 'has no "questions"' if parsed.questions is None else 'has an empty "questions" list'
+        return InputLine(line, ident, error=InvalidInput(
+            f"the line {own} and the job has none",
+            'add "questions": ["..."] to the line, or give questions for every line (--questions-file, -q)'))
+    return InputLine(line, ident, parsed.document, questions)
 
 
 def _input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -130,16 +138,15 @@ def _check_input_file(path: Path) -> None:
 
 
 def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int, str]]:
-    """(line, key) of every non-blank input line, in order. Refuses duplicate ids."""
-    seen: dict[str, int] = {}
+    """(line, key) of every non-blank input line, in order. Refuses duplicate ids, naming their lines."""
+    first_line: dict[str, int] = {}
     lines: list[tuple[int, str]] = []
     clashes: list[str] = []
     for number, raw in _input_lines(path):
         item = parse_line(raw, number, job_questions)
-        if item.key in seen:
-            clashes.append(f"id {item.id!r} is on lines {seen[item.key]} and {number}")
-        else:
-            seen[item.key] = number
+        if item.key in first_line:
+            clashes.append(f"id {item.id!r} is on lines {first_line[item.key]} and {number}")
+        first_line.setdefault(item.key, number)
         lines.append((number, item.key))
     if clashes:
         more = f" and {len(clashes) - 3} more" if len(clashes) > 3 else ""
@@ -148,4 +155,3 @@ def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int,
     if not lines:
         raise InvalidInput(f"{path} has no input lines", LINE_HINT)
     return lines
-
