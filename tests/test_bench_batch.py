@@ -9,7 +9,7 @@ import json
 from click.testing import CliRunner
 from local_models import tiny_model_folder
 
-from multidecode.bench.batch import LABELS, questions, similar_documents
+from multidecode.bench.batch import LABELS, MERGED_LABELS, call_logs, questions, similar_documents
 from multidecode.cli import main
 
 
@@ -27,8 +27,8 @@ def test_the_similar_documents_are_fixed_and_alike():
 
 def test_bench_batch_command_writes_its_three_files(tmp_path):
     model = tiny_model_folder(tmp_path / "model", max_positions=4096)
-    args = ["bench", "batch", "--model", str(model), "--max-new-tokens", "5", "--repeats", "1",
-            "--output", str(tmp_path / "out")]
+    args = ["bench", "batch", "--workload", "similar", "--model", str(model), "--max-new-tokens", "5",
+            "--repeats", "1", "--output", str(tmp_path / "out")]
     result = CliRunner().invoke(main, [*args, "--documents", "3"])
     assert result.exit_code == 0, (result.output, result.exception)
     assert "All methods gave identical answers." in result.output
@@ -47,3 +47,28 @@ def test_bench_batch_command_writes_its_three_files(tmp_path):
     assert "| method |" in md and "speed-up over plain" in md
     bad = CliRunner().invoke(main, [*args, "--documents", "0"])
     assert bad.exit_code == 2 and "--documents must be 1 or more" in bad.output
+
+
+def test_the_call_logs_are_fixed_and_vary_in_length_and_questions():
+    rows = call_logs(24)
+    assert rows == call_logs(24) and call_logs(3) == rows[:3]
+    assert len({r["id"] for r in rows}) == 24
+    assert {len(r["questions"]) for r in rows} == {4, 5, 6, 7, 8}
+    calls = [r["document"].count("Support call. Northwind Fiber.") for r in rows]
+    assert min(calls) == 3 and max(calls) == 12  # about 360 to 1,460 tokens with the embedded tokenizer
+
+
+def test_bench_batch_merged_compares_one_at_a_time_merged_and_generate(tmp_path):
+    model = tiny_model_folder(tmp_path / "model", max_positions=4096)
+    result = CliRunner().invoke(main, ["bench", "batch", "--model", str(model), "--documents", "3",
+                                       "--max-new-tokens", "4", "--repeats", "1", "--output", str(tmp_path / "out")])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "All methods gave identical answers." in result.output
+    stored = json.loads((tmp_path / "out" / "bench_batch.json").read_text())
+    assert list(stored["methods"]) == list(MERGED_LABELS) and stored["answers_identical"]
+    assert stored["config"]["workload"] == "merged"
+    assert len(stored["answer_tokens"]) == sum(len(r["questions"]) for r in call_logs(3))
+    assert all(m["extra"]["documents_per_s"] > 0 for name, m in stored["methods"].items())
+    assert [t["name"] for t in stored["targets"]] == ["merged over one at a time", "merged over generate loop"]
+    # merged runs share forwards: fewer than one document at a time needs
+    assert stored["methods"]["merged"]["forward_passes"] < stored["methods"]["one_at_a_time"]["forward_passes"]

@@ -4,9 +4,9 @@ A batch job's lines are independent, so nothing forces one document at a time. `
 hands each line (its question prompts, one branch per question) to a `ForestServer` engine
 thread: one scheduler, one KV cache, jobs admitted and retired between steps. `answer_merged`
 keeps that forest full: it submits the next line as soon as the lines in flight reserve fewer
-than `forest_tokens` cache tokens (each line reserves its prompt tokens plus questions x
-max_new_tokens), so a document starts the moment earlier ones leave room, and it yields each
-line's `Outcome` as the line finishes, which may be out of input order.
+than `forest_tokens` cache tokens (a line reserves its document once, each question's own tokens,
+and questions x max_new_tokens), so a document starts the moment earlier ones leave room, and it
+yields each line's `Outcome` as the line finishes, which may be out of input order.
 
 Terms: a line is *in flight* from its submission until its outcome; the *forest budget* is
 `forest_tokens`. A line that alone needs more than the budget still runs, alone.
@@ -26,6 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Self
 
+from ..prompts import share_prefix
 from ..sampling import per_branch_sampling
 from ..serving.forest_server import ForestServer, Job, Limits
 from ..strategies.ask import Answer, question_prompts
@@ -51,7 +52,8 @@ class Outcome:
 
 @dataclass
 class Ticket:
-    """A line ready to submit: its job, and the cache tokens it reserves."""
+    """A line ready to submit: its job, and the cache tokens it reserves (its shared prefix once,
+    each question's own tokens, and each answer's max_new_tokens)."""
 
     item: InputLine
     job: Job
@@ -87,7 +89,9 @@ class ForestAnswerer:
             return Outcome(item, error=error)
         job = Job(prompts=prompts, max_new_tokens=settings.max_new_tokens, sampling=sampling, stop=settings.stop,
                   speculate=self.decoder.speculation(self.speculate))
-        return Ticket(item, job, job.reserved_tokens, prompts)
+        shared = share_prefix(prompts)  # the document is stored once, not once per question
+        tokens = len(shared.prefix_ids) + sum(map(len, shared.suffix_ids)) + len(prompts) * settings.max_new_tokens
+        return Ticket(item, job, tokens, prompts)
 
     def submit(self, ticket: Ticket) -> Future[Outcome]:
         """Queue a prepared line; the future's result is its `Outcome` (never an exception)."""

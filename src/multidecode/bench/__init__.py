@@ -9,7 +9,7 @@ and the transformers baselines live in `common`.
 from __future__ import annotations
 
 from .ask import METHODS, run_ask_benchmark
-from .batch import run_batch_benchmark
+from .batch import run_batch_benchmark, run_merged_benchmark
 from .beam import run_beam_benchmark
 from .common import AnswersDiffer
 from .harness import write_results
@@ -18,4 +18,4 @@ from .sample import run_sample_benchmark
 from .speculate import run_speculate_benchmark
 
 __all__ = ["METHODS", "AnswersDiffer", "run_ask_benchmark", "run_batch_benchmark", "run_beam_benchmark",
-           "run_margins_benchmark", "run_sample_benchmark", "run_speculate_benchmark", "write_results"]
+           "run_margins_benchmark", "run_merged_benchmark", "run_sample_benchmark", "run_speculate_benchmark", "write_results"]

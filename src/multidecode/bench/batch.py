@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from ..batch import BatchSettings, meta_path, open_batch, total_stats
+from ..batch.merged import FOREST_TOKENS
 from ..cost import cost_curve
 from ..errors import check_positive
 from ..proposers.suffix import SuffixProposer, SuffixStore
 from ..speculation import Speculation, auto_proposer
-from .common import ForwardCounter, Progress, RunOutput, data_text
-from .harness import Benchmark, Case, Method, Plot, Target, run
+from .common import ForwardCounter, Progress, RunOutput, data_text, hf_sequential, pad_id_of
+from .harness import Benchmark, Case, Method, Plot, Runner, Target, run
 
 PLAIN, LOOKUP, SUFFIX, AUTO = "batch_plain", "batch_lookup", "batch_suffix", "batch_auto"
 LABELS = {
@@ -109,27 +111,34 @@ def questions() -> list[str]:
 
 
 # ---------------------------------------------------------------------- one run of the job
-def run_job(decoder, source: Path, folder: Path, settings: BatchSettings, speculate,
-            counter: ForwardCounter) -> RunOutput:
+def run_job(decoder, source: Path, folder: Path, settings: BatchSettings, speculate, counter: ForwardCounter, *,
+            forest_tokens: int = FOREST_TOKENS, forwards_from_stats: bool = True) -> RunOutput:
     """The whole batch job once, into a new output file in `folder` (removed afterwards); its
-    answers' token ids in input order, its forwards and drafts summed from the lines' stats."""
+    answers' token ids in input order (records come in the order lines finish), its documents/s,
+    and its drafts summed from the lines' stats. forwards_from_stats: count forwards from the
+    lines' stats (right for one line at a time); otherwise the counter's hooked count (in a merged
+    forest the lines share their forwards)."""
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".jsonl", delete=False) as handle:
         out = Path(handle.name)
-    answers, stats = [], []
+    by_line, stats = {}, []
+    started = time.perf_counter()
     try:
         with open_batch(source, out, settings) as job:
-            for result in job.run(decoder, speculate=speculate):
+            for result in job.run(decoder, speculate=speculate, forest_tokens=forest_tokens):
                 if not result.ok:
                     raise AssertionError(f"line {result.line} failed: {result.error['message']}")
-                answers += [list(a.token_ids) for a in result.answers]
+                by_line[result.line] = [list(a.token_ids) for a in result.answers]
                 stats.append(result.stats)
     finally:
         out.unlink(missing_ok=True)
         meta_path(out).unlink(missing_ok=True)
+    wall = time.perf_counter() - started
     total = total_stats(stats)
     extra = {k: total[k] for k in ("speculate", "drafted", "accepted", "acceptance", "steps", "steps_speculating",
                                    "mean_draft_budget")}
-    return RunOutput(answers, 0, forward_passes=total["forward_passes"], extra=extra)
+    extra["documents_per_s"] = len(by_line) / wall
+    answers = [a for line in sorted(by_line) for a in by_line[line]]
+    return RunOutput(answers, 0, forward_passes=total["forward_passes"] if forwards_from_stats else None, extra=extra)
 
 
 def run_batch_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 48, repeats: int = 3,
@@ -186,6 +195,116 @@ def run_batch_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 4
             warmup=methods(warm_source, warm_settings) if warmup else (), repeats=repeats,
             columns=("wall_s", "forward_passes", "tokens_per_forward", "acceptance", "tokens_per_s"),
             plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")),
+            rows_key=None,
+        )
+        return run(bench, threads=threads, progress=progress)
+
+
+# ---------------------------------------------------------------------- merged forests
+GENERATE, ONE, MERGED, MERGED_SUFFIX = "generate_loop", "one_at_a_time", "merged", "merged_suffix"
+MERGED_LABELS = {
+    GENERATE: ("HF generate, one question at a time", "generate loop"),
+    ONE: ("batch job, one document at a time", "one at a time"),
+    MERGED: ("batch job, merged forests", "merged"),
+    MERGED_SUFFIX: ("batch job, merged forests, suffix drafts", "merged + suffix"),
+}
+"""Method -> (label, short label) of the merged-forests workload."""
+MERGED_TARGETS = ((MERGED, ONE, 1.3), (MERGED, GENERATE, 6.0))
+"""(fast, slow, speed-up) the merged job is held to."""
+LOG_QUESTIONS = [
+    "How many calls are in this log?",
+    "Which customers called?",
+    "Which routers are mentioned?",
+    "Is a technician visit planned, and when?",
+    "What credits were given?",
+    "Which agents took the calls?",
+    "What was the most common problem?",
+    "Summarize the log in one sentence.",
+]
+"""Questions about a day's log of support calls; line i asks 4 to 8 of them."""
+
+
+def call_logs(n: int) -> list[dict]:
+    """n input lines, each a day's log of 3 to 12 support calls (about 300 to 1,500 tokens) with
+    its own 4 to 8 questions; the same n always gives the same lines."""
+    calls = similar_documents(64)
+    rows = []
+    for i in range(n):
+        count = 3 + (i * 7) % 10
+        first = (i * 7) % len(calls)
+        document = "\n\n".join(calls[(first + j) % len(calls)]["document"] for j in range(count))
+        asked = [LOG_QUESTIONS[(i + j) % len(LOG_QUESTIONS)] for j in range(4 + (i * 3) % 5)]
+        rows.append({"id": f"log-{i + 1}", "document": f"Support line log, day {i + 1}.\n\n{document}",
+                     "questions": asked})
+    return rows
+
+
+def run_merged_benchmark(decoder, *, documents: int = 24, max_new_tokens: int = 48, repeats: int = 1,
+                         budget_s: float = 600.0, forest_tokens: int = FOREST_TOKENS, warmup: bool = True,
+                         threads: int | None = None, progress: Progress | None = None) -> dict:
+    """Many documents, 4-8 questions each: HF generate once per question, the batch job one
+    document at a time, and the job in merged forests (with and without suffix drafts), side by side.
+
+    Raises `AnswersDiffer` where a method's answers differ from generate's.
+    """
+    check_positive("documents", documents)
+    check_positive("max_new_tokens", max_new_tokens)
+    rows = call_logs(documents)
+    settings = BatchSettings(max_new_tokens=max_new_tokens, model="bench")
+    model, tokenizer = decoder.model, decoder.tokenizer
+    prompts = [p for r in rows for p in decoder.question_prompts(r["document"], r["questions"])]
+    lengths = [len(tokenizer(r["document"])["input_ids"]) for r in rows]
+    eos_ids, pad_id = sorted(decoder.eos_ids), pad_id_of(model, tokenizer)
+
+    def generate_loop(counter: ForwardCounter) -> RunOutput:
+        started = time.perf_counter()
+        out = hf_sequential(model, prompts, counter, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+        out.extra["documents_per_s"] = len(rows) / (time.perf_counter() - started)
+        return out
+
+    with tempfile.TemporaryDirectory(prefix="multidecode-bench-batch-") as tmp:
+        folder = Path(tmp)
+
+        def lines(name: str, data: list[dict]) -> Path:
+            path = folder / name
+            path.write_text("".join(json.dumps(r) + "\n" for r in data), encoding="utf-8")
+            return path
+
+        source, warm = lines("documents.jsonl", rows), lines("warmup.jsonl", call_logs(2))
+
+        def job(path: Path, job_settings: BatchSettings, budget: int, speculate) -> Runner:
+            return lambda c: run_job(decoder, path, folder, job_settings, speculate() if speculate else None, c,
+                                     forest_tokens=budget, forwards_from_stats=budget == 0)
+
+        def methods(path: Path, job_settings: BatchSettings) -> dict[str, Runner]:
+            return {ONE: job(path, job_settings, 0, None), MERGED: job(path, job_settings, forest_tokens, None),
+                    MERGED_SUFFIX: job(path, job_settings, forest_tokens, SPECULATE[SUFFIX])}
+
+        def method(name: str, run_it: Runner) -> Method:
+            return Method(name, MERGED_LABELS[name][0], short=MERGED_LABELS[name][1], run=run_it)
+
+        timed = {GENERATE: generate_loop, **methods(source, settings)}
+        warm_settings = BatchSettings(max_new_tokens=2, model="bench")
+        targets = tuple(Target(f"{MERGED_LABELS[fast][1]} over {MERGED_LABELS[slow][1]}",
+                               (f"{fast}_vs", slow, "speedup"), ">=", value) for fast, slow, value in MERGED_TARGETS)
+        bench = Benchmark(
+            name="batch", title=f"the batch job over {documents} documents of 300-1,500 tokens, 4-8 questions each",
+            model=model, reference=GENERATE,
+            pairs=((MERGED, ONE), (MERGED_SUFFIX, ONE), (ONE, GENERATE), (MERGED, GENERATE), (MERGED_SUFFIX, GENERATE)),
+            cases=(Case({"documents": documents}, tuple(method(n, r) for n, r in timed.items()), budget_s=budget_s,
+                        targets=targets, report=lambda got: {"document_tokens": {
+                            "min": min(lengths), "max": max(lengths), "mean": round(sum(lengths) / len(lengths), 1)},
+                            "questions": sum(len(r["questions"]) for r in rows)}),),
+            config={"workload": "merged", "documents": documents, "max_new_tokens": max_new_tokens,
+                    "forest_tokens": forest_tokens, "decoding": "greedy", "notes": [
+                        ("Each job run writes a new output file; merged runs keep up to forest_tokens cache tokens "
+                         "(prompts + questions x max_new_tokens) in flight; one at a time is forest_tokens=0."),
+                        "Forwards of merged runs are counted at the model (the lines share them).",
+                        "The generate loop runs model.generate once per question, the whole prompt each time."]},
+            warmup=tuple(method(n, r) for n, r in methods(warm, warm_settings).items()) if warmup else (),
+            repeats=repeats,
+            columns=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes", "tokens_per_forward"),
+            plot=Plot("bars", figures=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes")),
             rows_key=None,
         )
         return run(bench, threads=threads, progress=progress)

@@ -250,6 +250,7 @@ FIGURES = {
     "wall_s": ("wall", "{:.2f} s", 1.0),
     "forward_passes": ("forwards", "{:.0f}", 1.0),
     "tokens_per_s": ("tokens/s", "{:.1f}", 1.0),
+    "documents_per_s": ("documents/s", "{:.3f}", 1.0),
     "tokens_per_forward": ("tokens/forward", "{:.2f}", 1.0),
     "acceptance": ("acceptance", "{:.2f}", 1.0),
     "peak_kv_bytes": ("peak KV", "{:.1f} MB", 1e-6),

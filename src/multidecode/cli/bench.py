@@ -213,20 +213,38 @@ def bench_speculate(workloads, max_new_tokens, budget):
 
 @bench_command(
     "batch",
-    click.option("--documents", type=int, default=16, show_default=True, help="Similar documents in the job."),
+    click.option("--workload", type=click.Choice(["merged", "similar"]), default="merged", show_default=True,
+                 help="merged: documents of 300-1,500 tokens, 4-8 questions each, one at a time against merged "
+                      "forests and an HF generate loop; similar: short similar calls, with and without speculation."),
+    click.option("--documents", type=int, default=None, help="Documents in the job (default: 24 merged, 16 similar)."),
     click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Longest answer, in tokens."),
-    click.option("--budget", type=float, default=300.0, show_default=True, metavar="SECONDS",
-                 help="Time budget for the rounds of all methods (one round always runs)."),
+    click.option("--forest-tokens", type=int, default=None, metavar="N",
+                 help="The merged forests' budget in cache tokens (default: the batch job's)."),
+    click.option("--budget", type=float, default=None, metavar="SECONDS",
+                 help="Time budget for the rounds of all methods (one round always runs; default 600 merged, 300 similar)."),
 )
-def bench_batch(documents, max_new_tokens, budget):
-    """The batch job over many similar support calls, 8 questions each: no speculation, lookup, and suffix
-    and auto learning from the job's earlier documents. Asserts identical answers; writes JSON, a plot and markdown."""
-    from ..bench import run_batch_benchmark
+def bench_batch(workload, documents, max_new_tokens, forest_tokens, budget):
+    """The batch job. merged (the default): 24 documents of 300-1,500 tokens with 4-8 questions each, answered
+    one document at a time, in merged forests (with and without suffix drafts) and by a loop of HF generate.
+    similar: many similar support calls, 8 questions each, without speculation, with lookup, and with suffix and
+    auto learning from the job's earlier documents. Asserts identical answers; writes JSON, a plot and markdown."""
+    from ..bench import run_batch_benchmark, run_merged_benchmark
 
+    documents = documents if documents is not None else (24 if workload == "merged" else 16)
+    budget = budget if budget is not None else (600.0 if workload == "merged" else 300.0)
     check_counts(documents=documents, max_new_tokens=max_new_tokens)
     if budget <= 0:
         raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}", "for example --budget 300")
-    return functools.partial(run_batch_benchmark, documents=documents, max_new_tokens=max_new_tokens, budget_s=budget)
+    if workload == "similar":
+        if forest_tokens is not None:
+            raise InvalidArgument("--forest-tokens is for --workload merged", "leave it out, or use --workload merged")
+        return functools.partial(run_batch_benchmark, documents=documents, max_new_tokens=max_new_tokens,
+                                 budget_s=budget)
+    if forest_tokens is not None and forest_tokens < 0:
+        raise InvalidArgument(f"--forest-tokens must be 0 or more, got {forest_tokens}", "for example --forest-tokens 8192")
+    extra = {} if forest_tokens is None else {"forest_tokens": forest_tokens}
+    return functools.partial(run_merged_benchmark, documents=documents, max_new_tokens=max_new_tokens,
+                             budget_s=budget, **extra)
 
 
 def parse_shares(text: str) -> tuple[float, ...]:

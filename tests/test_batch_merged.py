@@ -1,0 +1,187 @@
+"""Merged forests in the batch job: several documents' questions in the same forwards, exactly.
+
+The oracle is `MultiDecoder.ask` on each line alone (itself tested against transformers' generate):
+a merged run must give every line the same tokens, greedy and seeded-sampled, on every
+architecture. The admission loop (`answer_merged`) is tested without a model, as data.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+import torch
+from local_models import tiny_tokenizer
+from tiny_models import ARCHITECTURES, EOS, MAIN_ARCHITECTURES
+
+from multidecode import MultiDecoder
+from multidecode.batch import BatchSettings, merged, open_batch, parse_line
+from multidecode.batch.merged import ForestAnswerer, Outcome, answer_merged
+
+WORDS = ["router", "cable", "ticket", "fiber", "modem", "signal", "storm", "light"]
+
+
+@functools.cache
+def decoder_for(arch: str) -> MultiDecoder:
+    """A tiny random `arch` model with the tiny chat tokenizer (its vocabulary sized to it)."""
+    tokenizer = tiny_tokenizer()
+    config, cls = ARCHITECTURES[arch]()
+    config.vocab_size = len(tokenizer)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(1234)
+    model = cls(config).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = 0
+    return MultiDecoder(model, tokenizer)
+
+
+def lines(n: int) -> list:
+    """n parsed input lines, of different lengths and 1 to 3 questions each."""
+    rows = [{"id": f"doc-{i}", "document": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + 4 * (i % 3))),
+             "questions": ["what failed?", "when?", "who called?"][: 1 + i % 3]} for i in range(n)]
+    return [parse_line(json.dumps(row).encode(), i + 1) for i, row in enumerate(rows)]
+
+
+def answers_of(outcomes) -> dict:
+    return {o.item.line: [list(a.token_ids) for a in o.answers] for o in outcomes}
+
+
+@pytest.mark.parametrize("arch", MAIN_ARCHITECTURES)
+def test_merged_lines_equal_each_line_asked_alone(arch):
+    decoder, items = decoder_for(arch), lines(6)
+    settings = BatchSettings(max_new_tokens=6)
+    with ForestAnswerer(decoder, settings) as answerer:
+        outcomes = list(answer_merged(answerer, items))
+        counters = answerer.server.counters
+    assert all(o.error is None for o in outcomes) and len(outcomes) == 6
+    got = answers_of(outcomes)
+    alone = {item.line: [list(a.token_ids) for a in decoder.ask(item.document, list(item.questions),
+                                                                 max_new_tokens=6)] for item in items}
+    assert got == alone
+    # they did share forwards: far fewer steps than the lines' own steps added up
+    assert counters.steps < sum(o.answers[0].stats["steps"] for o in outcomes)
+
+
+def test_seeded_sampling_is_the_same_merged_or_alone():
+    decoder, items = decoder_for("llama"), lines(5)
+    sampling = {"do_sample": True, "temperature": 1.3, "top_k": 50, "seed": 11}
+    settings = BatchSettings(max_new_tokens=8, sampling=sampling)
+    with ForestAnswerer(decoder, settings) as answerer:
+        merged = answers_of(answer_merged(answerer, items))
+    with ForestAnswerer(decoder, settings) as answerer:
+        one_by_one = answers_of(answer_merged(answerer, items, forest_tokens=0))
+    alone = {item.line: [list(a.token_ids) for a in decoder.ask(item.document, list(item.questions),
+                                                                 max_new_tokens=8, **sampling)] for item in items}
+    assert merged == one_by_one == alone
+    assert len({tuple(a) for answers in alone.values() for a in answers}) > 5  # it did sample
+
+
+def test_a_merged_job_writes_the_same_records_as_one_line_at_a_time(tmp_path):
+    decoder = decoder_for("qwen2")
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"id": i.id, "document": i.document, "questions": list(i.questions)}) + "\n"
+                              for i in lines(7)))
+    settings = BatchSettings(max_new_tokens=5, model="tiny")
+
+    def run(out, forest_tokens):
+        with open_batch(source, out, settings) as job:
+            for _ in job.run(decoder, forest_tokens=forest_tokens):
+                pass
+            assert job.summary().complete
+        return {r["id"]: {k: v for k, v in r.items() if k != "elapsed_s"}
+                for r in map(json.loads, out.read_text().splitlines())}
+
+    assert run(tmp_path / "merged.jsonl", 4096) == run(tmp_path / "one.jsonl", 0)
+
+
+def test_stop_lets_the_lines_in_flight_finish_and_a_rerun_completes(tmp_path):
+    decoder = decoder_for("llama")
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"id": i.id, "document": i.document, "questions": list(i.questions)}) + "\n"
+                              for i in lines(8)))
+    out, settings = tmp_path / "out.jsonl", BatchSettings(max_new_tokens=4, model="tiny")
+    with open_batch(source, out, settings) as job:
+        first = None
+        for result in job.run(decoder, forest_tokens=600):
+            first = first or result
+            job.stop()
+        summary = job.summary()
+    assert first.ok and 1 <= summary.done < 8 and summary.done + summary.remaining == 8
+    with open_batch(source, out, settings) as job:
+        assert len(job.pending) == summary.remaining
+        for _ in job.run(decoder):
+            pass
+        assert job.summary().complete
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"doc-{i}" for i in range(8))
+
+
+# ---------------------------------------------------------------------- the admission loop, as data
+class FakeAnswerer:
+    """`prepare`/`submit` without a model: line i reserves tokens[i]; a line finishes only when
+    the loop would otherwise wait (the oldest first). Records the tokens in flight at each submit."""
+
+    def __init__(self, tokens: dict[int, int]) -> None:
+        self.tokens = tokens
+        self.in_flight: dict[int, Future] = {}
+        self.peaks: list[int] = []
+        self.prepared: list[int] = []
+
+    def prepare(self, item):
+        self.prepared.append(item.line)
+        if item.error is not None:
+            return Outcome(item, error=item.error)
+        return SimpleNamespace(item=item, tokens=self.tokens[item.line])
+
+    def submit(self, ticket) -> Future:
+        future: Future = Future()
+        self.in_flight[ticket.item.line] = future
+        self.peaks.append(sum(self.tokens[line] for line in self.in_flight))
+        return future
+
+    def finish_oldest(self) -> None:
+        line = next(iter(self.in_flight))
+        self.in_flight.pop(line).set_result(Outcome(parse_line(b'{"document": "d", "questions": ["q"]}', line)))
+
+
+def drive(monkeypatch, tokens: dict[int, int], budget: int, *, bad=(), stop_after: int | None = None):
+    """Run `answer_merged` over lines of `tokens` with a fake answerer; returns (lines in the
+    order they came back, the fake)."""
+    fake = FakeAnswerer(tokens)
+    real_wait = merged.wait
+
+    def wait(futures, return_when):
+        if not any(f.done() for f in futures):
+            fake.finish_oldest()
+        return real_wait(futures, return_when=return_when)
+
+    monkeypatch.setattr(merged, "wait", wait)
+    items = [parse_line(b"[]" if line in bad else b'{"document": "d", "questions": ["q"]}', line) for line in tokens]
+    stopped, out = [False], []
+    for outcome in answer_merged(fake, items, forest_tokens=budget, stopping=lambda: stopped[0]):
+        out.append(outcome.item.line)
+        stopped[0] = stop_after is not None and len(out) >= stop_after
+    return out, fake
+
+
+def test_admission_keeps_in_flight_tokens_under_the_budget(monkeypatch):
+    done, fake = drive(monkeypatch, {line: 100 for line in range(1, 11)}, 250)
+    assert sorted(done) == list(range(1, 11))
+    assert max(fake.peaks) == 200  # two lines of 100 at a time, never three
+
+
+def test_a_line_over_the_budget_runs_alone_and_budget_zero_is_one_at_a_time(monkeypatch):
+    done, fake = drive(monkeypatch, {1: 50, 2: 900, 3: 50}, 300)
+    assert sorted(done) == [1, 2, 3] and max(fake.peaks) == 900
+    done, fake = drive(monkeypatch, {line: 10 for line in range(1, 6)}, 0)
+    assert sorted(done) == [1, 2, 3, 4, 5] and max(fake.peaks) == 10
+
+
+def test_bad_lines_come_back_at_once_and_stop_starts_nothing_new(monkeypatch):
+    done, fake = drive(monkeypatch, {line: 100 for line in range(1, 7)}, 1000, bad=(2,))
+    assert done[0] == 2 and sorted(done) == list(range(1, 7))  # recorded before any line finishes
+    done, fake = drive(monkeypatch, {line: 100 for line in range(1, 21)}, 300, stop_after=1)
+    assert len(done) == 3 and len(fake.prepared) == 4  # the 3 in flight finish; lines are read lazily
