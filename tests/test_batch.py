@@ -664,7 +664,7 @@ def test_ctrl_c_finishes_the_current_document_exits_130_and_resumes(model_dir, t
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=30)
     assert process.returncode == 130, stderr
-    assert "stopping after the current document" in stderr and "Traceback" not in stderr
+    assert "stopping after the documents in progress" in stderr and "Traceback" not in stderr
     assert "run the same command again to resume: multidecode batch" in stderr
     done = records(out)  # whole lines only: it stopped between documents
     assert 2 <= len(done) < 60 and f"{len(done)} of 60 lines" in stderr

@@ -134,7 +134,7 @@ class FakeAnswerer:
         self.prepared.append(item.line)
         if item.error is not None:
             return Outcome(item, error=item.error)
-        return SimpleNamespace(item=item, tokens=self.tokens[item.line])
+        return SimpleNamespace(item=item, tokens=self.tokens[item.line], branches=1)
 
     def submit(self, ticket) -> Future:
         future: Future = Future()
@@ -147,7 +147,8 @@ class FakeAnswerer:
         self.in_flight.pop(line).set_result(Outcome(parse_line(b'{"document": "d", "questions": ["q"]}', line)))
 
 
-def drive(monkeypatch, tokens: dict[int, int], budget: int, *, bad=(), stop_after: int | None = None):
+def drive(monkeypatch, tokens: dict[int, int], budget: int, *, bad=(), stop_after: int | None = None,
+          branches: int = 1000):
     """Run `answer_merged` over lines of `tokens` with a fake answerer; returns (lines in the
     order they came back, the fake)."""
     fake = FakeAnswerer(tokens)
@@ -161,7 +162,8 @@ def drive(monkeypatch, tokens: dict[int, int], budget: int, *, bad=(), stop_afte
     monkeypatch.setattr(merged, "wait", wait)
     items = [parse_line(b"[]" if line in bad else b'{"document": "d", "questions": ["q"]}', line) for line in tokens]
     stopped, out = [False], []
-    for outcome in answer_merged(fake, items, forest_tokens=budget, stopping=lambda: stopped[0]):
+    for outcome in answer_merged(fake, items, forest_tokens=budget, forest_branches=branches,
+                                 stopping=lambda: stopped[0]):
         out.append(outcome.item.line)
         stopped[0] = stop_after is not None and len(out) >= stop_after
     return out, fake
@@ -178,6 +180,11 @@ def test_a_line_over_the_budget_runs_alone_and_budget_zero_is_one_at_a_time(monk
     assert sorted(done) == [1, 2, 3] and max(fake.peaks) == 900
     done, fake = drive(monkeypatch, {line: 10 for line in range(1, 6)}, 0)
     assert sorted(done) == [1, 2, 3, 4, 5] and max(fake.peaks) == 10
+
+
+def test_the_questions_in_flight_are_capped_too(monkeypatch):
+    done, fake = drive(monkeypatch, {line: 10 for line in range(1, 9)}, 10_000, branches=3)
+    assert sorted(done) == list(range(1, 9)) and max(fake.peaks) == 30  # one question each: 3 lines
 
 
 def test_bad_lines_come_back_at_once_and_stop_starts_nothing_new(monkeypatch):

@@ -16,7 +16,7 @@ from ..errors import InvalidInput, MultiDecodeError
 from ..sampling import per_branch_sampling
 from ..strategies.ask import check_questions
 from .lines import InputLine, _check_input_file, _input_lines, parse_line, scan_input
-from .merged import FOREST_TOKENS, ForestAnswerer, Outcome, answer_merged
+from .merged import FOREST_BRANCHES, FOREST_TOKENS, ForestAnswerer, Outcome, answer_merged
 from .output import OutputFile
 
 MAX_CONSECUTIVE_CRASHES = 5
@@ -195,9 +195,10 @@ class BatchJob:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, decoder, *, speculate=None, forest_tokens: int = FOREST_TOKENS) -> Iterator[LineResult]:
+    def run(self, decoder, *, speculate=None, forest_tokens: int = FOREST_TOKENS,
+            forest_branches: int = FOREST_BRANCHES) -> Iterator[LineResult]:
         """Answer every pending line, several documents per forest (`merged`: up to `forest_tokens`
-        reserved in flight; 0 runs one line at a time), and yield each `LineResult` once its record
+        reserved and `forest_branches` questions in flight; forest_tokens=0 runs one line at a time), and yield each `LineResult` once its record
         is on disk, in the order lines finish. Ends at the end of the input, or after `stop()` once
         the lines in flight finish; any exception (KeyboardInterrupt too) leaves every written
         record valid. speculate: `MultiDecoder.ask`'s, for every line; it never changes the answers.
@@ -205,7 +206,7 @@ class BatchJob:
         self._check_open()
         with ForestAnswerer(decoder, self.settings, speculate=speculate) as answerer:
             outcomes = answer_merged(answerer, self.pending_items(), forest_tokens=forest_tokens,
-                                     stopping=lambda: self._stop)
+                                     forest_branches=forest_branches, stopping=lambda: self._stop)
             yield from self.record(outcomes)
 
     def pending_items(self) -> Iterator[InputLine]:
@@ -321,14 +322,16 @@ def open_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, se
 def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.PathLike, *,
               questions: Sequence[str] = (), max_new_tokens: int = 48, stop: Sequence[str] = (),
               instruction: str | None = None, retry_failed: bool = False, model: str | None = None,
-              speculate=None, forest_tokens: int = FOREST_TOKENS, **sampling) -> BatchSummary:
+              speculate=None, forest_tokens: int = FOREST_TOKENS, forest_branches: int = FOREST_BRANCHES,
+              **sampling) -> BatchSummary:
     """Run (or resume) a whole batch job silently and return its summary.
 
     model: the label that goes into the settings fingerprint (default: the model's
     `name_or_path`, which for a local folder is its path).
     speculate: as for `BatchJob.run` (not a setting: it never changes the answers). "suffix" or
     "auto" draft from the answers to the job's earlier documents, which pays on similar ones.
-    forest_tokens: the merged forest's budget (`BatchJob.run`; 0 runs one document at a time).
+    forest_tokens, forest_branches: the merged forest's budget (`BatchJob.run`; forest_tokens=0 runs
+    one document at a time).
     """
     if model is None:
         name = getattr(decoder.model.config, "name_or_path", None) or getattr(decoder.model.config, "_name_or_path", "")
@@ -337,6 +340,6 @@ def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.Path
                              sampling=sampling, instruction=instruction, model=model,
                              dtype=str(decoder.model.dtype).removeprefix("torch."))
     with open_batch(input_path, output_path, settings, retry_failed=retry_failed) as job:
-        for _ in job.run(decoder, speculate=speculate, forest_tokens=forest_tokens):
+        for _ in job.run(decoder, speculate=speculate, forest_tokens=forest_tokens, forest_branches=forest_branches):
             pass
         return job.summary()

@@ -3,13 +3,13 @@
 A batch job's lines are independent, so nothing forces one document at a time. `ForestAnswerer`
 hands each line (its question prompts, one branch per question) to a `ForestServer` engine
 thread: one scheduler, one KV cache, jobs admitted and retired between steps. `answer_merged`
-keeps that forest full: it submits the next line as soon as the lines in flight reserve fewer
-than `forest_tokens` cache tokens (a line reserves its document once, each question's own tokens,
-and questions x max_new_tokens), so a document starts the moment earlier ones leave room, and it
-yields each line's `Outcome` as the line finishes, which may be out of input order.
+keeps that forest full: it submits the next line as soon as there is room, and yields each line's
+`Outcome` as the line finishes, which may be out of input order.
 
-Terms: a line is *in flight* from its submission until its outcome; the *forest budget* is
-`forest_tokens`. A line that alone needs more than the budget still runs, alone.
+Terms: a line is *in flight* from its submission until its outcome. It *reserves* cache tokens:
+its document once, each question's own tokens, and questions x max_new_tokens. The *forest
+budget* is `forest_tokens` reserved and `forest_branches` questions in flight; a line that alone
+needs more than the budget still runs, alone.
 
 Exactness: a branch attends only to its ancestors (its own document and question) at the
 positions it would have alone, and its sampler is seeded per question (seed + i), so a line's
@@ -34,6 +34,9 @@ from .lines import InputLine
 
 FOREST_TOKENS = 8192
 """Default forest budget, in cache tokens: about 4 documents of 1,000 tokens with 8 answers of 48."""
+FOREST_BRANCHES = 32
+"""Default cap on the questions in flight: past a few dozen rows a CPU step costs about its
+rows, and a stopped job waits for every line in flight."""
 CACHE_TOKENS = 512
 """Prompt tokens the merged forest keeps for later lines (the shared opening of the chat
 template); documents differ, so a larger cache would only add attention to every step."""
@@ -59,6 +62,10 @@ class Ticket:
     job: Job
     tokens: int
     prompts: list[list[int]]
+
+    @property
+    def branches(self) -> int:
+        return len(self.prompts)
 
 
 class ForestAnswerer:
@@ -130,15 +137,17 @@ class ForestAnswerer:
 
 
 def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, forest_tokens: int = FOREST_TOKENS,
+                  forest_branches: int = FOREST_BRANCHES,
                   stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
-    """Each line's `Outcome`, as lines finish, keeping up to `forest_tokens` reserved in flight.
+    """Each line's `Outcome`, as lines finish, keeping up to `forest_tokens` reserved and
+    `forest_branches` questions in flight.
 
     Lines are taken from `items` only when there is room, so a generator may read them lazily.
     Once `stopping()` is true no further line starts; the lines in flight finish.
     forest_tokens=0 runs one line at a time.
     """
     items = iter(items)
-    in_flight: dict[Future[Outcome], int] = {}
+    in_flight: dict[Future[Outcome], Ticket] = {}
     waiting: Ticket | None = None  # prepared, but over the budget until something finishes
     exhausted = False
     while True:
@@ -153,9 +162,10 @@ def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, fores
                     yield prepared
                     continue
                 waiting = prepared
-            if in_flight and sum(in_flight.values()) + waiting.tokens > forest_tokens:
+            if in_flight and (sum(t.tokens for t in in_flight.values()) + waiting.tokens > forest_tokens
+                              or sum(t.branches for t in in_flight.values()) + waiting.branches > forest_branches):
                 break
-            in_flight[answerer.submit(waiting)] = waiting.tokens
+            in_flight[answerer.submit(waiting)] = waiting
             waiting = None
         if not in_flight:
             return
@@ -165,4 +175,4 @@ def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, fores
             yield future.result()
 
 
-__all__ = ["CACHE_TOKENS", "FOREST_TOKENS", "ForestAnswerer", "Outcome", "Ticket", "answer_merged"]
+__all__ = ["CACHE_TOKENS", "FOREST_BRANCHES", "FOREST_TOKENS", "ForestAnswerer", "Outcome", "Ticket", "answer_merged"]

@@ -23,6 +23,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..batch import BatchJob, BatchSettings, BatchSummary, LineResult, model_identity, open_batch, total_stats
+from ..batch.merged import FOREST_BRANCHES, FOREST_TOKENS
+from ..errors import InvalidInput
 from .common import (
     check_early,
     load_decoder,
@@ -115,7 +117,7 @@ class ProgressView:
 # ---------------------------------------------------------------------- signals
 @contextlib.contextmanager
 def graceful_stop(job: BatchJob, view: ProgressView):
-    """First SIGINT/SIGTERM: finish the current document, then stop. Second: stop at once.
+    """First SIGINT/SIGTERM: finish the documents in progress, then stop. Second: stop at once.
     Yields a list that holds the first signal's number once one arrives."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
@@ -128,7 +130,7 @@ def graceful_stop(job: BatchJob, view: ProgressView):
         received.append(signum)
         job.stop()
         with contextlib.suppress(Exception):
-            view.note("[yellow]stopping after the current document (press Ctrl-C again to stop now)[/yellow]")
+            view.note("[yellow]stopping after the documents in progress (press Ctrl-C again to stop now)[/yellow]")
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -208,13 +210,17 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
 @click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Longest answer, in tokens.")
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop an answer at this string (repeatable).")
 @click.option("--retry-failed", is_flag=True, help="Redo the lines whose result in OUT is an error.")
+@click.option("--forest-tokens", type=click.IntRange(min=0), default=FOREST_TOKENS, show_default=True, metavar="N",
+              help="Merge documents into one forest while they reserve at most N cache tokens (0: one at a time).")
+@click.option("--forest-branches", type=click.IntRange(min=1), default=FOREST_BRANCHES, show_default=True,
+              metavar="N", help="...and hold at most N questions in flight.")
 @model_options
 @sampling_options
 @speculate_options()
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @report_errors
-def batch(input_path, output, questions_file, question, max_new_tokens, stop, retry_failed, model_name, dtype,
-          device, as_json, speculate, draft_budget, show_stats, **sampling):
+def batch(input_path, output, questions_file, question, max_new_tokens, stop, retry_failed, forest_tokens,
+          forest_branches, model_name, dtype, device, as_json, speculate, draft_budget, show_stats, **sampling):
     """Answer questions about every document of a JSON Lines file, resumably.
 
     Each input line is a JSON object: {"id": ..., "document": "...", "questions": ["...", ...]}.
@@ -238,7 +244,14 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     Example:
       multidecode batch calls.jsonl --questions-file questions.txt --output answers.jsonl
     """
-    questions = list(question) + (read_lines(questions_file) if questions_file else [])
+    questions = list(question)
+    if questions_file:
+        from_file = read_lines(questions_file)
+        if not from_file:
+            raise InvalidInput(f"the questions file {questions_file} has no questions (it is empty or holds only "
+                               "blank lines)", 'write one question per line, or leave out --questions-file and give '
+                               'each line its own "questions"')
+        questions += from_file
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
     spec = speculation_from(speculate, draft_budget, dtype)
     settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
@@ -252,7 +265,8 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
             spec = prepare_speculation(decoder, spec)
             try:
                 with ProgressView(job) as view, graceful_stop(job, view) as received:
-                    for result in job.run(decoder, speculate=spec):
+                    for result in job.run(decoder, speculate=spec, forest_tokens=forest_tokens,
+                                          forest_branches=forest_branches):
                         totals = total_stats([totals, result.stats])
                         view.advance(result)
             except KeyboardInterrupt:

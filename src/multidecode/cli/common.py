@@ -304,12 +304,15 @@ def read_lines(path: str, what: str = "questions") -> list[str]:
 
 # ---------------------------------------------------------------------- the model
 def load_decoder(model_name: str | None, dtype: str | None, device: str | None):
-    """Load a MultiDecoder, with a status line on stderr (and a note when the embedded model is converted)."""
+    """Load a MultiDecoder, with a status line on stderr (and a note when a GGUF file is converted)."""
     from ..decoder import load
     from ..models import embedded_copy
 
     if model_name is None and embedded_copy(convert=False) is None:
         message = "Converting the embedded model to a float32 cache (once, about 20 s)..."
+    elif _unconverted_gguf(model_name):
+        message = (f"Converting {escape(model_name)} to a float32 cache (once; later loads take seconds; "
+                   "`multidecode cache list` shows it)...")
     else:
         message = f"Loading {escape(model_name or 'the embedded model')}..."
     start = time.perf_counter()
@@ -318,6 +321,17 @@ def load_decoder(model_name: str | None, dtype: str | None, device: str | None):
     label = escape(_model_label(decoder, model_name))
     stderr.print(f"[dim]Loaded {label} in {time.perf_counter() - start:.1f} s[/dim]")
     return decoder
+
+
+def _unconverted_gguf(model_name: str | None) -> bool:
+    from ..models import gguf_copy
+
+    if not model_name or not model_name.lower().endswith(".gguf") or not Path(model_name).expanduser().is_file():
+        return False
+    try:
+        return gguf_copy(model_name, convert=False) is None
+    except Exception:  # noqa: BLE001 - an unreadable file: load() reports it properly
+        return False
 
 
 def _model_label(decoder, model_name) -> str:
