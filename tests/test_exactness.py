@@ -21,8 +21,9 @@ import multidecode.engine
 from multidecode import CompactionPolicy, SamplingParams
 from multidecode.decoding import stream_decode
 from multidecode.engine import Engine
-from multidecode.forest import Forest
+from multidecode.forest import Forest, chain_parents
 from multidecode.masks import build_attention_mask
+from multidecode.scheduler import Feed
 
 ARCHS = [*MAIN_ARCHITECTURES, "qwen2-hybrid"]
 WINDOW = 6  # the tiny sliding-window models' window
@@ -291,6 +292,27 @@ def test_the_engine_chooses_apart_only_for_long_chains_under_a_short_path():
     assert engine.prefers_apart([300] * 8, head[-1])  # long chunks under a short instruction: apart
     assert not engine.prefers_apart([40] * 8, head[-1])  # short notes: the extra passes cost more
     assert not engine.prefers_apart([300], head[-1])  # a single chain: nothing to gain
+
+@pytest.mark.parametrize("arch, attn", combos())
+def test_a_long_chain_fed_beside_other_rows_runs_apart_and_stays_exact(arch, attn):
+    """A merged forest's step: a token under each of two cached documents, a new 100-token
+    document under their short shared opening, and two questions under it, in one feed. The new
+    document moves to the front and runs apart (over its 6-slot path, not the 270 slots of the
+    others); every node's logits are still those of its path run alone."""
+    model = tiny_model(arch, attn)
+    engine = Engine(model)
+    head, _ = engine.feed_chain(_tokens_fixed(6, 1))
+    first, _ = engine.feed_chain(_tokens_fixed(150, 2), parent=head[-1])
+    second, _ = engine.feed_chain(_tokens_fixed(120, 3), parent=head[-1])
+    document = _tokens_fixed(100, 4)
+    tokens = [5, 6, *document, 7, 8, 9]
+    parents = [first[-1], second[-1], *chain_parents(100, head[-1], 2), Feed.ref(101), Feed.ref(102), Feed.ref(101)]
+    forwards = engine.stats.forward_passes
+    nodes, logits = engine.feed(tokens, parents, logits_for=[0, 1, 101, 102, 103, 104])
+    assert engine.stats.forward_passes - forwards == 2  # the document apart, then the rest as a forest
+    assert_close_to_paths(model, engine, [nodes[i] for i in (0, 1, 101, 102, 103, 104)], logits)
+    assert engine.forest.path_tokens(nodes[103])[-3:] == [document[-1], 7, 8]
+
 
 def test_empty_branch_going_on_alone_after_its_sibling_finished():
     """BUG (same cause, through decode): branch 0 is empty, branch 1 finishes on its first token;

@@ -18,7 +18,10 @@ A feed is planned as one or more forwards over contiguous runs of its nodes:
   (window-folded per layer type, see `masks`).
 
 A long plain trunk at the head of a feed (a document, then its questions) runs plain first, and
-the rest goes apart or as a forest. The LM head runs only where logits are wanted
+the rest goes apart or as a forest. In a mixed feed (a new document's prompt beside branches that
+are decoding, as in a merged batch forest or a server), a long chain under a cached node is
+placed first and runs apart, so its hundreds of tokens do not attend to every other request's
+slots; the feed's cache order is then not its call order, which only the engine sees. The LM head runs only where logits are wanted
 (`logits_to_keep` with an index tensor).
 
 Taking nodes back: `drop(nodes)` removes rejected draft nodes from the forest and their slots from
@@ -115,17 +118,20 @@ class Engine:
         nodes = forest.add(tokens, parents, root_position=root_position, owners=owners)
         if not nodes:
             return nodes, torch.empty(0, 0)
-        wanted = list(logits_for)
-        rows: dict[int, torch.Tensor] = {}  # index into nodes -> [vocab] float32
+        runs, order = self._long_chains_first(nodes, before)
+        placed = [nodes[i] for i in order]  # the cache order: long chains first, the rest as fed
+        where = {i: j for j, i in enumerate(order)}  # index in nodes -> index in placed
+        wanted = [where[i] for i in logits_for]
+        rows: dict[int, torch.Tensor] = {}  # index into placed -> [vocab] float32
         try:
-            positions = self._positions(nodes)  # [q]
-            forest.place(nodes)
-            for kind, start, end in self._plan(nodes):
+            positions = self._positions(placed)  # [q]
+            forest.place(placed)
+            for kind, start, end in self._plan(placed, runs):
                 keep = [i - start for i in wanted if start <= i < end]
                 if kind == "apart":
-                    out = self._run_apart(nodes, start, end, keep)
+                    out = self._run_apart(placed, start, end, keep)
                 else:
-                    out = self._run(nodes[start:end], positions[start:end], keep, plain=kind == "plain")
+                    out = self._run(placed[start:end], positions[start:end], keep, plain=kind == "plain")
                 rows.update({start + i: row for i, row in zip(keep, out)})
         except BaseException:
             self._undo(nodes, before)  # a failed forward (out of memory, Ctrl-C) leaves no trace
@@ -166,19 +172,77 @@ class Engine:
         return [nodes[a:b] for a, b in spans], logits
 
     # ------------------------------------------------------------------ planning the forwards
-    def _plan(self, nodes: list[int]) -> list[tuple[str, int, int]]:
-        """Split a feed into forwards: (kind, start, end) runs of `nodes`, in order."""
+    def _long_chains_first(self, nodes: list[int], cached: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """Which long chains of a mixed feed run apart, and the order to place the feed in.
+
+        A long chain (a new document's prompt) fed beside other work (branches decoding in a
+        merged forest) would otherwise be one forest forward with the rest, paying attention from
+        each of its tokens to every slot in the cache. A maximal chain of at least
+        `APART_MIN_MEAN_LENGTH` nodes whose head hangs under a cached node (or under an earlier
+        such chain) moves to the front, to run apart over its own path, where `prefers_apart`
+        finds that cheaper. Returns the moved chains' (start, end) in the new order and the order
+        (indices into `nodes`); placing parents before children stays true.
+        """
         forest = self.forest
-        trunk = 1
-        while trunk < len(nodes) and forest.parents[nodes[trunk]] == nodes[trunk - 1]:
-            trunk += 1
-        plain = forest.is_plain_continuation(nodes[:trunk])
-        if plain and trunk == len(nodes) and (trunk == 1 or trunk >= TRUNK_MIN_LENGTH):
-            return [("plain", 0, trunk)]
-        plan, start = [], 0
-        if plain and trunk >= TRUNK_MIN_LENGTH:
-            plan.append(("plain", 0, trunk))
-            start = trunk
+        identity = list(range(len(nodes)))
+        if self.apart is False or len(nodes) <= APART_MIN_MEAN_LENGTH:
+            return [], identity
+        fresh = set(nodes)
+        moved: set[int] = set()
+        chains: list[tuple[int, int]] = []
+        i = 0
+        while i < len(nodes):
+            j = i + 1
+            while j < len(nodes) and forest.parents[nodes[j]] == nodes[j - 1]:
+                j += 1
+            parent = forest.parents[nodes[i]]
+            if (j - i >= APART_MIN_MEAN_LENGTH and (parent not in fresh or parent in moved)
+                    and self._apart_pays(j - i, parent, cached + len(nodes))):
+                chains.append((i, j))
+                moved.update(nodes[i:j])
+            i = j
+        if not chains or chains == [(0, len(nodes))]:
+            return [], identity
+        order = [k for a, b in chains for k in range(a, b)]
+        order += [k for k in identity if nodes[k] not in moved]
+        runs, at = [], 0
+        for a, b in chains:
+            runs.append((at, at + b - a))
+            at += b - a
+        return runs, order
+
+    def _apart_pays(self, length: int, parent: int, slots: int) -> bool:
+        """Whether a chain of `length` under `parent` costs less apart (over its parent's path)
+        than in a forest forward over `slots` slots (the count of `prefers_apart`)."""
+        path = len(self.forest.path(parent)) if parent != ROOT else 0
+        return length * slots > 2 * (length * (path + length) + path)
+
+    def _plan(self, nodes: list[int], chains: Sequence[tuple[int, int]] = ()) -> list[tuple[str, int, int]]:
+        """Split a feed into forwards: (kind, start, end) runs of `nodes`, in order. `chains`: long
+        chains at the head of the feed that run apart (see `_long_chains_first`)."""
+        forest = self.forest
+        plan: list[tuple[str, int, int]] = []
+        for a, b in chains:
+            plain = a == 0 and forest.is_plain_continuation(nodes[a:b])
+            plan.append(("plain" if plain else "apart", a, b))
+        start = chains[-1][1] if chains else 0
+        return plan + (self._plan_rest(nodes, start) if start < len(nodes) else [])
+
+    def _plan_rest(self, nodes: list[int], start: int) -> list[tuple[str, int, int]]:
+        """The forwards of nodes[start:]: a plain trunk at the head of a feed, then chains apart
+        or a forest."""
+        forest = self.forest
+        plan: list[tuple[str, int, int]] = []
+        if start == 0:
+            trunk = 1
+            while trunk < len(nodes) and forest.parents[nodes[trunk]] == nodes[trunk - 1]:
+                trunk += 1
+            plain = forest.is_plain_continuation(nodes[:trunk])
+            if plain and trunk == len(nodes) and (trunk == 1 or trunk >= TRUNK_MIN_LENGTH):
+                return [("plain", 0, trunk)]
+            if plain and trunk >= TRUNK_MIN_LENGTH:
+                plan.append(("plain", 0, trunk))
+                start = trunk
         spans = chain_spans(forest, nodes, start) if self.apart is not False else None
         if spans is not None and (self.apart or self.prefers_apart(
             [b - a for a, b in spans], [forest.parents[nodes[a]] for a, b in spans]
