@@ -200,6 +200,18 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
                      f"input, then rerun with --retry-failed to redo {'it' if one else 'them'}")
 
 
+def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, model_name, dtype, device, spec):
+    """The job's outcomes from Ray workers (`multidecode.batch.ray`), with a status line while
+    Ray starts and the workers load the model."""
+    from ..batch.ray import ray_outcomes
+
+    where = "a local Ray" if address == "local" else escape(address)
+    stderr.print(f"[dim]Starting {workers} worker{'s' * (workers != 1)} on {where}...[/dim]")
+    return ray_outcomes(job.pending_items(), settings=settings, model=model_name, dtype=dtype, device=device,
+                        speculate=spec, prepare=prepare_speculation, address=None if address == "local" else address,
+                        workers=workers, stopping=lambda: job.stopping)
+
+
 # ---------------------------------------------------------------------- the command
 @click.command()
 @click.argument("input_path", metavar="INPUT.jsonl")
@@ -214,13 +226,19 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
               help="Merge documents into one forest while they reserve at most N cache tokens (0: one at a time).")
 @click.option("--forest-branches", type=click.IntRange(min=1), default=FOREST_BRANCHES, show_default=True,
               metavar="N", help="...and hold at most N questions in flight.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Run on Ray workers: --ray alone starts a local Ray; --ray auto joins this node's cluster; "
+                   "--ray HOST:PORT joins a head node (pip install 'multidecode[ray]').")
+@click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Ray workers, each with its own model and merged forest (with --ray; default 2).")
 @model_options
 @sampling_options
 @speculate_options()
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @report_errors
 def batch(input_path, output, questions_file, question, max_new_tokens, stop, retry_failed, forest_tokens,
-          forest_branches, model_name, dtype, device, as_json, speculate, draft_budget, show_stats, **sampling):
+          forest_branches, ray_address, workers, model_name, dtype, device, as_json, speculate, draft_budget,
+          show_stats, **sampling):
     """Answer questions about every document of a JSON Lines file, resumably.
 
     Each input line is a JSON object: {"id": ..., "document": "...", "questions": ["...", ...]}.
@@ -236,6 +254,10 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     1 when lines are left undone (the input changed during the run, or repeated unexpected
     errors aborted it), 130 after Ctrl-C (143 after SIGTERM), 2 for a problem with the job.
 
+    Documents share forests: the next one starts while earlier ones decode, up to --forest-tokens
+    and --forest-branches (--forest-tokens 0: one at a time). --ray runs the same job on Ray
+    workers (one model and forest each); the results go to the same OUT, resumable alike.
+
     --speculate makes answers come faster, never different, so a job may resume with another
     mode. suffix (or auto) drafts from the answers to the earlier documents of the job, which
     pays on many similar documents. --stats prints this run's forwards and drafts, summed.
@@ -244,6 +266,12 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     Example:
       multidecode batch calls.jsonl --questions-file questions.txt --output answers.jsonl
     """
+    if workers is not None and ray_address is None:
+        raise InvalidInput("--workers is for jobs on Ray", "add --ray (a local Ray) or --ray ADDRESS, or leave it out")
+    if ray_address is not None:
+        from ..batch.ray import import_ray
+
+        import_ray()  # says how to install Ray before anything else happens
     questions = list(question)
     if questions_file:
         from_file = read_lines(questions_file)
@@ -261,12 +289,15 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
         received: list[int] = []
         totals: dict = {}  # this run's decode stats, summed
         if job.pending:
-            decoder = load_decoder(model_name, dtype, device)
-            spec = prepare_speculation(decoder, spec)
+            if ray_address is None:
+                decoder = load_decoder(model_name, dtype, device)
+                results = job.run(decoder, speculate=prepare_speculation(decoder, spec), forest_tokens=forest_tokens,
+                                  forest_branches=forest_branches)
+            else:
+                results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, dtype, device, spec))
             try:
                 with ProgressView(job) as view, graceful_stop(job, view) as received:
-                    for result in job.run(decoder, speculate=spec, forest_tokens=forest_tokens,
-                                          forest_branches=forest_branches):
+                    for result in results:
                         totals = total_stats([totals, result.stats])
                         view.advance(result)
             except KeyboardInterrupt:
