@@ -47,6 +47,10 @@ class UnsupportedModel(MultiDecodeError):
     """The model cannot be decoded exactly as a forest (architecture or attention kind)."""
 
 
+class MissingExtra(MultiDecodeError, ImportError):
+    """A feature needs an optional dependency that is not installed; the hint says how to install it."""
+
+
 def is_int(value) -> bool:
     """An integer (Python or NumPy), but not a bool."""
     return isinstance(value, Integral) and not isinstance(value, bool)
