@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..batch import BatchSettings, meta_path, open_batch, total_stats
+from ..batch import BatchSettings, lock_path, meta_path, open_batch, total_stats
 from ..batch.merged import FOREST_TOKENS
 from ..cost import cost_curve
 from ..errors import check_positive
@@ -130,8 +130,8 @@ def run_job(decoder, source: Path, folder: Path, settings: BatchSettings, specul
                 by_line[result.line] = [list(a.token_ids) for a in result.answers]
                 stats.append(result.stats)
     finally:
-        out.unlink(missing_ok=True)
-        meta_path(out).unlink(missing_ok=True)
+        for path in (out, meta_path(out), lock_path(out)):
+            path.unlink(missing_ok=True)
     wall = time.perf_counter() - started
     total = total_stats(stats)
     extra = {k: total[k] for k in ("speculate", "drafted", "accepted", "acceptance", "steps", "steps_speculating",
