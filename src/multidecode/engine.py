@@ -119,9 +119,12 @@ class Engine:
         if not nodes:
             return nodes, torch.empty(0, 0)
         runs, order = self._long_chains_first(nodes, before)
-        placed = [nodes[i] for i in order]  # the cache order: long chains first, the rest as fed
-        where = {i: j for j, i in enumerate(order)}  # index in nodes -> index in placed
-        wanted = [where[i] for i in logits_for]
+        if runs:  # the cache order: long chains first, the rest as fed
+            placed = [nodes[i] for i in order]
+            where = {i: j for j, i in enumerate(order)}  # index in nodes -> index in placed
+            wanted = [where[i] for i in logits_for]
+        else:  # the usual step: cache order is call order
+            placed, wanted = nodes, list(logits_for)
         rows: dict[int, torch.Tensor] = {}  # index into placed -> [vocab] float32
         try:
             positions = self._positions(placed)  # [q]

@@ -198,8 +198,8 @@ class BatchJob:
     def run(self, decoder, *, speculate=None, forest_tokens: int = FOREST_TOKENS,
             forest_branches: int = FOREST_BRANCHES) -> Iterator[LineResult]:
         """Answer every pending line, several documents per forest (`merged`: up to `forest_tokens`
-        reserved and `forest_branches` questions in flight; forest_tokens=0 runs one line at a time), and yield each `LineResult` once its record
-        is on disk, in the order lines finish. Ends at the end of the input, or after `stop()` once
+        reserved and `forest_branches` questions in flight; forest_tokens=0 runs one line at a
+        time), and yield each `LineResult` once its record is on disk, in the order lines finish. Ends at the end of the input, or after `stop()` once
         the lines in flight finish; any exception (KeyboardInterrupt too) leaves every written
         record valid. speculate: `MultiDecoder.ask`'s, for every line; it never changes the answers.
         """

@@ -29,7 +29,7 @@ from typing import Self
 from ..prompts import share_prefix
 from ..sampling import per_branch_sampling
 from ..serving.forest_server import ForestServer, Job, Limits
-from ..strategies.ask import Answer, question_prompts
+from ..strategies.ask import Answer, answers_of, question_prompts
 from .lines import InputLine
 
 FOREST_TOKENS = 8192
@@ -109,11 +109,8 @@ class ForestAnswerer:
         def sink(message: tuple) -> None:
             kind, value = message
             if kind == "done":
-                answers = tuple(
-                    Answer(q, b.output.text, b.output.token_ids, ticket.prompts[i], b.output.finish_reason,
-                           value.stats)
-                    for i, (q, b) in enumerate(zip(questions, ticket.job.work.branches)))
-                future.set_result(Outcome(item, answers, elapsed_s=time.perf_counter() - started))
+                answers = answers_of(questions, ticket.job.work.branches, ticket.prompts, value.stats)
+                future.set_result(Outcome(item, tuple(answers), elapsed_s=time.perf_counter() - started))
             elif kind == "error":
                 future.set_result(Outcome(item, error=value, elapsed_s=time.perf_counter() - started))
 

@@ -66,8 +66,13 @@ def stream(scheduler: Scheduler, tokenizer, document: str, questions: Sequence[s
 
 
 def answers(run: BranchRun, questions: Sequence[str]) -> list[Answer]:
-    return [Answer(q, b.output.text, b.output.token_ids, run.prompts[i], b.output.finish_reason, run.stats.as_dict())
-            for i, (q, b) in enumerate(zip(questions, run.branches))]
+    return answers_of(questions, run.branches, run.prompts, run.stats.as_dict())
+
+
+def answers_of(questions: Sequence[str], branches, prompts: Sequence[list[int]], stats: dict) -> list[Answer]:
+    """Each question's `Answer` from its finished branch (wherever the branches ran)."""
+    return [Answer(q, b.output.text, b.output.token_ids, prompts[i], b.output.finish_reason, stats)
+            for i, (q, b) in enumerate(zip(questions, branches))]
 
 
 def ask(scheduler: Scheduler, tokenizer, document: str, questions: Sequence[str], **settings) -> list[Answer]:
