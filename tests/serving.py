@@ -13,9 +13,9 @@ import openai
 import uvicorn
 from local_models import tiny_model_folder
 
-from multidecode.models import load_model_and_tokenizer
+from multidecode.models.loading import load_model_and_tokenizer
+from multidecode.runtime import Limits
 from multidecode.serving.app import DrainingServer, ServeState, create_app
-from multidecode.serving.forest_server import Limits
 
 MODEL = "tiny"
 
@@ -27,7 +27,7 @@ def free_port() -> int:
 
 
 class Running:
-    """A started server: its base URL, its state (the `ForestServer` is `state.server`), clients."""
+    """A started server: its base URL, its state (the `ForestRuntime` is `state.server`), clients."""
 
     def __init__(self, state: ServeState, port: int, uvicorn_server) -> None:
         self.state, self.port, self.uvicorn = state, port, uvicorn_server

@@ -13,8 +13,9 @@ from tiny_models import EOS, reference_generate, tiny_model
 from transformers.generation import candidate_generator
 
 from multidecode import MultiDecoder
-from multidecode.bench.common import ForwardCounter, data_text
+from multidecode.bench.common import ForwardCounter
 from multidecode.bench.speculate import draft_counts, hf_generate, run_speculate_benchmark, workloads
+from multidecode.data import text as data_text
 
 HF = ("hf_greedy", "hf_lookup_3", "hf_lookup_10", "hf_assisted_self")
 OURS = ("multidecode_plain", "multidecode_lookup", "multidecode_auto", "multidecode_lookahead",

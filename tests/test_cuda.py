@@ -8,8 +8,8 @@ import torch
 from tiny_models import ARCHITECTURES, VOCAB
 
 import multidecode
+from multidecode.api import start_forest
 from multidecode.cost import measure_cost
-from multidecode.decoding import start_forest
 from multidecode.sampling import SamplingParams
 from multidecode.strategies.beam import run_beam_search
 
@@ -70,7 +70,7 @@ def test_cost_curve_on_cuda():
 def test_draft_models_on_cuda_equal_generate(arch):
     """A self-draft (one layer skipped) and a draft identical to the target, on the GPU."""
     from multidecode.proposers.draft import DraftModel
-    from multidecode.self_draft import self_draft
+    from multidecode.proposers.self_draft import self_draft
     from multidecode.speculation import Speculation
 
     model = cuda_model(arch)
@@ -84,7 +84,7 @@ def test_draft_models_on_cuda_equal_generate(arch):
 
 def test_sampled_draft_speculation_on_cuda_runs_the_rule_against_q():
     from multidecode.proposers.draft import DraftModel
-    from multidecode.self_draft import self_draft
+    from multidecode.proposers.self_draft import self_draft
 
     model = cuda_model("llama")
     out = multidecode.decode(model, PREFIX, BRANCHES, max_new_tokens=12, eos_token_id=VOCAB, do_sample=True,

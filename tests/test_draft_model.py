@@ -74,7 +74,7 @@ def test_the_draft_cache_is_rolled_back_with_the_target():
     model = tiny_model("llama", "sdpa")
     draft = _perturbed(model, 0.3)
     proposer = DraftModel(draft, width=2, sure=0.9, confidence=0.0)
-    forest = multidecode.decoding.start_forest(
+    forest = multidecode.api.start_forest(
         model, PREFIX, BRANCHES, max_new_tokens=STEPS, eos_token_id=[NO_EOS],
         sampling=[multidecode.sampling.SamplingParams()] * len(BRANCHES), speculate=Speculation(proposer, budget=6))
     checked = 0
@@ -113,7 +113,7 @@ def _perturbed(model, scale: float):
 
 def _two_tokens(draws: int, first: int, spec) -> tuple[list[int], list[int], object]:
     model = tiny_model("llama", "sdpa")
-    run_ = multidecode.decoding.start_forest(
+    run_ = multidecode.api.start_forest(
         model, SAMPLE_PREFIX, [[]] * draws, max_new_tokens=2, eos_token_id=[NO_EOS],
         sampling=multidecode.sampling.per_branch_sampling(draws, dict(do_sample=True, temperature=T, seed=0)),
         speculate=spec).finish()

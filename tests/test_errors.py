@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from local_models import tiny_model_folder, tiny_tokenizer
 
 import multidecode
+import multidecode.models.converted
 from multidecode.cli import main
 
 
@@ -325,4 +326,4 @@ def test_an_unwritable_model_cache_is_named(monkeypatch, tmp_path):
     blocker.write_text("")
     monkeypatch.setenv("MULTIDECODE_CACHE", str(blocker / "cache"))
     with pytest.raises(multidecode.CacheUnwritable, match="MULTIDECODE_CACHE"):
-        multidecode.models.embedded_copy()
+        multidecode.models.converted.embedded_copy()

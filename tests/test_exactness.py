@@ -19,7 +19,7 @@ from tiny_models import ATTENTION, MAIN_ARCHITECTURES, VOCAB, reference_generate
 import multidecode
 import multidecode.engine
 from multidecode import CompactionPolicy, SamplingParams
-from multidecode.decoding import stream_decode
+from multidecode.api import stream_decode
 from multidecode.engine import Engine
 from multidecode.forest import Forest, chain_parents
 from multidecode.masks import build_attention_mask
@@ -268,7 +268,7 @@ def test_chain_under_an_inner_prefix_node_sees_only_its_ancestors(arch, attn):
 def test_branches_prefilled_apart_match_reference(arch, attn, with_prefix):
     """Suffixes prefilled each in its own pass (a scratch cache holding only their path, then
     spliced into the shared cache) decode exactly like one forest pass and like generate."""
-    from multidecode.decoding import start_forest
+    from multidecode.api import start_forest
 
     prefix = PREFIX if with_prefix else []
     suffixes = [_tokens_fixed(n, seed) for seed, n in enumerate((17, 9, 23, 1))]

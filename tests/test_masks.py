@@ -118,7 +118,7 @@ def test_model_layouts_of_tiny_models():
     """mask_layout reads each tiny config right: plain, all-sliding, and hybrid per layer type."""
     from tiny_models import ARCHITECTURES
 
-    from multidecode.models import mask_layout
+    from multidecode.models.vetting import mask_layout
 
     def layout(arch):
         config, _ = ARCHITECTURES[arch]()

@@ -18,8 +18,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from multidecode import CacheUnwritable, ModelNotFound, models
+from multidecode import CacheUnwritable, ModelNotFound
 from multidecode.cli import main
+from multidecode.models import converted, loading
 
 
 def write_tiny_gguf(path, *, seed: int = 0, name: str = "tiny"):
@@ -87,20 +88,20 @@ def tiny_gguf(tmp_path):
 
 @pytest.fixture
 def conversions(monkeypatch):
-    """Count the conversions (the calls of models._convert_gguf)."""
+    """Count the conversions (the calls of converted._convert_gguf)."""
     calls = []
-    real = models._convert_gguf
+    real = converted._convert_gguf
 
     def counted(gguf, target):
         calls.append(target.name)
         return real(gguf, target)
 
-    monkeypatch.setattr(models, "_convert_gguf", counted)
+    monkeypatch.setattr(converted, "_convert_gguf", counted)
     return calls
 
 
 def load(path):
-    return models.load_model_and_tokenizer(str(path), device="cpu")
+    return loading.load_model_and_tokenizer(str(path), device="cpu")
 
 
 def copies(cache):
@@ -108,7 +109,7 @@ def copies(cache):
 
 
 def leftovers(cache):
-    return sorted(p.name for p in cache.iterdir() if p.name.startswith(models._PARTIAL)) if cache.exists() else []
+    return sorted(p.name for p in cache.iterdir() if p.name.startswith(converted._PARTIAL)) if cache.exists() else []
 
 
 def cli(*args, input=None):
@@ -119,12 +120,12 @@ def cli(*args, input=None):
 def test_the_first_load_converts_into_a_named_folder_with_a_manifest(cache, tiny_gguf, conversions):
     lm, tokenizer = load(tiny_gguf)
     assert lm.config.model_type == "llama" and tokenizer.decode(tokenizer("hello world")["input_ids"]) == "hello world"
-    identity = models.gguf_identity(tiny_gguf)
+    identity = converted.gguf_identity(tiny_gguf)
     name = f"gguf-tiny-{identity.key[:12]}"
     assert conversions == [name] and copies(cache) == [name] and leftovers(cache) == []
     folder = cache / name
-    assert (folder / "model.safetensors").is_file() and (folder / models._COMPLETE).is_file()
-    manifest = json.loads((folder / models.MANIFEST).read_text())
+    assert (folder / "model.safetensors").is_file() and (folder / converted._COMPLETE).is_file()
+    manifest = json.loads((folder / converted.MANIFEST).read_text())
     stat = tiny_gguf.stat()
     assert manifest["name"] == name and manifest["kind"] == "gguf" and manifest["source"] == str(tiny_gguf.resolve())
     assert manifest["size"] == stat.st_size and manifest["mtime_ns"] == stat.st_mtime_ns
@@ -146,27 +147,27 @@ def test_a_second_load_uses_the_copy(cache, tiny_gguf, conversions):
     stamp = weights.stat().st_mtime_ns
     load(tiny_gguf)
     assert len(conversions) == 1 and weights.stat().st_mtime_ns == stamp
-    assert models.gguf_copy(tiny_gguf, convert=False) == weights.parent
+    assert converted.gguf_copy(tiny_gguf, convert=False) == weights.parent
 
 
 def test_a_touched_file_gets_a_new_copy(cache, tiny_gguf, conversions):
     load(tiny_gguf)
-    before = models.gguf_copy_name(tiny_gguf)
+    before = converted.gguf_copy_name(tiny_gguf)
     stat = tiny_gguf.stat()
     os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    assert models.gguf_copy_name(tiny_gguf) != before
-    assert models.gguf_copy(tiny_gguf, convert=False) is None
+    assert converted.gguf_copy_name(tiny_gguf) != before
+    assert converted.gguf_copy(tiny_gguf, convert=False) is None
     load(tiny_gguf)
     assert len(conversions) == 2 and len(copies(cache)) == 2
 
 
 def test_a_rewritten_header_of_the_same_size_and_mtime_gets_a_new_key(tiny_gguf):
-    before = models.gguf_identity(tiny_gguf)
+    before = converted.gguf_identity(tiny_gguf)
     stat = tiny_gguf.stat()
     data = tiny_gguf.read_bytes()
     tiny_gguf.write_bytes(data.replace(b"tiny", b"tinz", 1))  # general.name, in the metadata
     os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    after = models.gguf_identity(tiny_gguf)
+    after = converted.gguf_identity(tiny_gguf)
     assert (after.size, after.mtime_ns) == (before.size, before.mtime_ns)
     assert after.header_sha256 != before.header_sha256 and after.key != before.key
 
@@ -190,11 +191,11 @@ def test_an_interrupted_conversion_leaves_no_broken_folder(cache, tiny_gguf, mon
     def killed(*args, **kwargs):
         raise _Interrupted("killed half-way through writing")
 
-    monkeypatch.setattr(models, "_write_manifest", killed)  # after the weights and the tokenizer are written
+    monkeypatch.setattr(converted, "_write_manifest", killed)  # after the weights and the tokenizer are written
     with pytest.raises(_Interrupted):
         load(tiny_gguf)
     assert copies(cache) == [] and leftovers(cache) == []
-    assert models.gguf_copy(tiny_gguf, convert=False) is None
+    assert converted.gguf_copy(tiny_gguf, convert=False) is None
     monkeypatch.undo()
     monkeypatch.setenv("MULTIDECODE_CACHE", str(cache))
     load(tiny_gguf)
@@ -202,8 +203,8 @@ def test_an_interrupted_conversion_leaves_no_broken_folder(cache, tiny_gguf, mon
 
 
 def test_a_partial_folder_of_a_killed_conversion_is_removed_by_the_next(cache, tiny_gguf):
-    name = models.gguf_copy_name(tiny_gguf)
-    stale = cache / f"{models._PARTIAL}{name}-k1lled"
+    name = converted.gguf_copy_name(tiny_gguf)
+    stale = cache / f"{converted._PARTIAL}{name}-k1lled"
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"half")
     load(tiny_gguf)
@@ -212,16 +213,16 @@ def test_a_partial_folder_of_a_killed_conversion_is_removed_by_the_next(cache, t
 
 def test_two_threads_loading_at_once_convert_once(cache, tiny_gguf, monkeypatch):
     calls = []
-    real = models._convert_gguf
+    real = converted._convert_gguf
 
     def slow(gguf, target):
         calls.append(target.name)
         time.sleep(0.3)  # long enough for the other thread to reach the lock
         return real(gguf, target)
 
-    monkeypatch.setattr(models, "_convert_gguf", slow)
+    monkeypatch.setattr(converted, "_convert_gguf", slow)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(models.gguf_copy(tiny_gguf))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: results.append(converted.gguf_copy(tiny_gguf))) for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -245,10 +246,10 @@ def test_the_copy_gives_the_logits_of_the_gguf_loaded_by_transformers(cache, tin
 
 
 def test_the_embedded_file_named_by_path_uses_the_embedded_copy(cache, tiny_gguf, monkeypatch, conversions):
-    monkeypatch.setattr(models, "embedded_gguf", lambda: tiny_gguf)
-    assert models.gguf_copy(tiny_gguf) == cache / models.EMBEDDED_COPY == models.embedded_copy(convert=False)
-    assert conversions == [models.EMBEDDED_COPY] and copies(cache) == []
-    assert json.loads((cache / models.EMBEDDED_COPY / models.MANIFEST).read_text())["kind"] == "embedded"
+    monkeypatch.setattr(converted, "embedded_gguf", lambda: tiny_gguf)
+    assert converted.gguf_copy(tiny_gguf) == cache / converted.EMBEDDED_COPY == converted.embedded_copy(convert=False)
+    assert conversions == [converted.EMBEDDED_COPY] and copies(cache) == []
+    assert json.loads((cache / converted.EMBEDDED_COPY / converted.MANIFEST).read_text())["kind"] == "embedded"
 
 
 def test_a_cache_that_cannot_be_written_is_named(monkeypatch, tmp_path, tiny_gguf):
@@ -321,7 +322,7 @@ def test_cache_clear_names_only_what_it_names(cache, tmp_path):
     load(first)
     load(second)
     _costs(cache)
-    keep, drop = models.gguf_copy_name(first), models.gguf_copy_name(second)
+    keep, drop = converted.gguf_copy_name(first), converted.gguf_copy_name(second)
     assert cli("clear", "--yes", drop, "costs").exit_code == 0
     assert copies(cache) == [keep] and not (cache / "costs").exists()
 
@@ -337,18 +338,18 @@ def test_cache_clear_asks_first(cache, tiny_gguf):
 
 def test_cache_clear_leaves_a_conversion_under_way_alone(cache, tiny_gguf):
     load(tiny_gguf)
-    name = models.gguf_copy_name(tiny_gguf)
-    partial = cache / f"{models._PARTIAL}gguf-other-0123456789ab-x7y"
+    name = converted.gguf_copy_name(tiny_gguf)
+    partial = cache / f"{converted._PARTIAL}gguf-other-0123456789ab-x7y"
     partial.mkdir()
-    lock = models._lock_path("gguf-other-0123456789ab")
-    with models._exclusive(lock):  # held as a converting process holds it
+    lock = converted._lock_path("gguf-other-0123456789ab")
+    with converted._exclusive(lock):  # held as a converting process holds it
         states = {e["name"]: e["state"] for e in json.loads(cli("list", "--json").output)["entries"]}
         assert states[partial.name] == "converting"
-        assert partial.name not in [e.name for e in models.select_entries()]
+        assert partial.name not in [e.name for e in converted.select_entries()]
         result = cli("clear", "--yes", partial.name)
         assert result.exit_code == 0 and "another process is converting it" in result.output
         assert partial.is_dir()
-        with models._exclusive(models._lock_path(name)):
+        with converted._exclusive(converted._lock_path(name)):
             assert cli("clear", "--yes", name).exit_code == 0
             assert copies(cache) == [name]
     result = cli("clear", "--yes", partial.name)
@@ -356,7 +357,7 @@ def test_cache_clear_leaves_a_conversion_under_way_alone(cache, tiny_gguf):
 
 
 def test_an_abandoned_partial_is_listed_and_cleared(cache):
-    partial = cache / f"{models._PARTIAL}gguf-gone-0123456789ab-q2w"
+    partial = cache / f"{converted._PARTIAL}gguf-gone-0123456789ab-q2w"
     partial.mkdir(parents=True)
     (partial / "model.safetensors").write_bytes(b"x" * 100)
     (entry,) = json.loads(cli("list", "--json").output)["entries"]

@@ -19,8 +19,8 @@ from local_models import tiny_model_folder, tiny_tokenizer
 from tiny_models import reference_generate, tiny_model
 
 import multidecode
-from multidecode import models
 from multidecode.cli import main
+from multidecode.models import converted, loading
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_a_hub_id_is_served_from_the_local_hub_cache(model_dir, tmp_path):
 
 
 def test_a_hub_id_neither_cached_nor_reachable_fails_fast(monkeypatch, tmp_path):
-    monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
     doc = tmp_path / "doc.txt"
     doc.write_text("text")
     result = CliRunner().invoke(main, ["ask", "--model", "someorg/not-cached-anywhere", "--document", str(doc), "-q", "x"])
@@ -91,7 +91,7 @@ def _fake_gguf_source(monkeypatch, tmp_path, *, fail_on_save: bool):
 
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"GGUF")
-    monkeypatch.setattr(models, "embedded_gguf", lambda: fake)
+    monkeypatch.setattr(converted, "embedded_gguf", lambda: fake)
     tiny = tiny_model("llama")
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
     tokenizer = tiny_tokenizer()
@@ -106,38 +106,38 @@ def test_an_interrupted_conversion_leaves_no_copy_behind(monkeypatch, tmp_path):
     monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path / "cache"))
     _fake_gguf_source(monkeypatch, tmp_path, fail_on_save=True)
     with pytest.raises(_Interrupted):
-        models.embedded_copy()
+        converted.embedded_copy()
     cache = tmp_path / "cache"
-    assert not (cache / models.EMBEDDED_COPY).exists()
+    assert not (cache / converted.EMBEDDED_COPY).exists()
     assert [p.name for p in cache.iterdir() if p.name.startswith(".convert-")] == []
-    assert models.embedded_copy(convert=False) is None
+    assert converted.embedded_copy(convert=False) is None
 
 
 def test_a_conversion_is_done_once_and_then_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path / "cache"))
     _fake_gguf_source(monkeypatch, tmp_path, fail_on_save=False)
-    first = models.embedded_copy()
+    first = converted.embedded_copy()
     assert (first / "config.json").is_file() and (first / "model.safetensors").is_file()
-    assert models.embedded_copy(convert=False) == first
+    assert converted.embedded_copy(convert=False) == first
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert models.embedded_copy() == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert converted.embedded_copy() == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
 
 
 def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("MULTIDECODE_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert models.cache_dir() == tmp_path / "xdg" / "multidecode"
+    assert converted.cache_dir() == tmp_path / "xdg" / "multidecode"
     monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path / "mine"))
-    assert models.cache_dir() == tmp_path / "mine"
+    assert converted.cache_dir() == tmp_path / "mine"
     monkeypatch.delenv("MULTIDECODE_CACHE")
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert models.cache_dir() == Path.home() / ".cache" / "multidecode"
+    assert converted.cache_dir() == Path.home() / ".cache" / "multidecode"
 
 
 @pytest.mark.embedded
 @pytest.mark.xdist_group("embedded")
 def test_a_gguf_file_loads_by_path():
     """The GGUF in the wheel, named as a file (served from the embedded model's float32 copy)."""
-    decoder = multidecode.load(str(models.embedded_gguf()))
+    decoder = multidecode.load(str(converted.embedded_gguf()))
     (answer,) = decoder.ask("The ticket number is 48213.", ["What is the ticket number?"], max_new_tokens=12)
     assert "48213" in answer.text

@@ -1,6 +1,6 @@
 """The prefix index over cached prompts, without a model."""
 
-from multidecode.serving.radix import PrefixIndex
+from multidecode.runtime.radix import PrefixIndex
 
 
 def test_match_finds_the_longest_indexed_prefix_and_its_node():

@@ -17,7 +17,7 @@ from transformers import (
 
 import multidecode
 from multidecode import CompactionPolicy, SamplingParams
-from multidecode.decoding import stream_decode
+from multidecode.api import stream_decode
 from multidecode.errors import InvalidArgument
 from multidecode.sampling import (
     BranchSampler,

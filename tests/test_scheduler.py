@@ -11,8 +11,8 @@ import pytest
 import torch
 from hash_lm import HashLM, path_logits, reference
 
+from multidecode.branches import BranchGroup, prompt_logits, start
 from multidecode.cost import CostCurve
-from multidecode.decoding import BranchGroup, prompt_logits, start
 from multidecode.engine import Engine
 from multidecode.forest import EVERYONE, ROOT, Forest, unchanged_prefix
 from multidecode.proposers.lookup import PromptLookup

@@ -14,8 +14,8 @@ from tiny_models import ARCHITECTURES, COMMON, VOCAB, reference_generate, tiny_m
 
 import multidecode
 from multidecode import InvalidArgument, UnsupportedModel
-from multidecode.models import check_supported
-from multidecode.self_draft import (
+from multidecode.models.vetting import check_supported
+from multidecode.proposers.self_draft import (
     SkipChoice,
     choose_skip,
     choose_skip_layers,

@@ -14,8 +14,8 @@ import torch
 from serving import MODEL, running_server, tiny_folder, tiny_loader
 
 from multidecode.prompts import common_prefix_length
+from multidecode.runtime import ForestRuntime, Job, Limits
 from multidecode.sampling import SamplingParams
-from multidecode.serving.forest_server import ForestServer, Job, Limits
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Question: what is the answer?"
 DOCUMENT = "Here is a document about support calls, routers, cables and tickets. " * 3
@@ -149,7 +149,7 @@ def test_sixteen_concurrent_streams_equal_solo_runs_and_share_forwards(server, c
             for p in prompts]
     server.wait_idle()
     steps_before = server.forest.counters.steps
-    with caplog.at_level(logging.DEBUG, logger="multidecode.serving"):
+    with caplog.at_level(logging.DEBUG, logger="multidecode.runtime"):
         results = asyncio.run(together())
     assert [text for text, _ in results] == solo
     steps = server.forest.counters.steps - steps_before
@@ -218,7 +218,7 @@ def test_waiting_requests_that_share_an_uncached_prefix_let_one_go_first(folder)
     """Two jobs waiting in one round with a long common head: one computes it, the other waits a
     step and hangs under it (cached tokens > 0), and both answers equal plain generation."""
     model, tokenizer = tiny_loader(folder)()
-    forest = ForestServer(model, tokenizer, limits=Limits(defer_tokens=8))
+    forest = ForestRuntime(model, tokenizer, limits=Limits(defer_tokens=8))
     head = _tokens(tokenizer, DOCUMENT * 2)
     prompts = [head + _tokens(tokenizer, " First?"), head + _tokens(tokenizer, " Second?")]
     outputs: list[list] = [[], []]
@@ -255,7 +255,7 @@ def test_the_cache_goes_back_to_the_prefix_index_when_idle(server):
 def test_an_idle_server_renumbers_its_forest_and_still_hits_the_cache(server, monkeypatch):
     """Finished requests leave nodes behind as history; an idle server starts a fresh forest of
     what is cached (here as soon as there is any history), and the prefix index follows it."""
-    monkeypatch.setattr("multidecode.serving.forest_server.RENUMBER_FACTOR", 0)
+    monkeypatch.setattr("multidecode.runtime.forest_runtime.RENUMBER_FACTOR", 0)
     client = server.client()
     prompt = "Renumbering: routers and cables, then tickets."
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, n=2, seed=1)

@@ -36,9 +36,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import MODEL, free_port, running_server, tiny_folder
 
-from multidecode.models import load_model_and_tokenizer
+from multidecode.models.loading import load_model_and_tokenizer
+from multidecode.runtime import Job, Limits
 from multidecode.sampling import SamplingParams
-from multidecode.serving.forest_server import Job, Limits
 
 EOS = 2  # the tiny model's end-of-sequence token
 MULTIDECODE = Path(sys.executable).with_name("multidecode")

@@ -22,9 +22,9 @@ from tiny_models import VOCAB, reference_generate, tiny_model
 
 import multidecode
 from multidecode import verify
+from multidecode.api import start_forest
 from multidecode.cache import SlotLayer
 from multidecode.cost import CostCurve
-from multidecode.decoding import start_forest
 from multidecode.engine import Engine
 from multidecode.proposers import BranchContext, DraftTree, Proposer
 from multidecode.sampling import SamplingParams
@@ -319,7 +319,8 @@ def test_works_sharing_a_scheduler_stay_exact_with_rollbacks_and_compaction_ever
     """Two groups on one scheduler, one drafting garbage (rollbacks every step), both compacted at
     every step: each owner's compaction and rollback leave the other's output exact, and each
     run counts the forwards of the steps it took part in."""
-    from multidecode.decoding import new_scheduler, start
+    from multidecode.branches import start
+    from multidecode.scheduler import new_scheduler
 
     model = tiny_model("llama", "sdpa")
     scheduler = new_scheduler(model, compaction=CompactionPolicy(every=1), cost=FLAT)
@@ -440,7 +441,7 @@ def test_sampled_tokens_after_speculation_follow_the_softmax_and_a_lenient_verif
     assert _frequencies_pass(firsts, first_probs)
     assert len(seconds) > 200 and _frequencies_pass(seconds, second_probs)
 
-    monkeypatch.setattr("multidecode.decoding.walk", _lenient_walk)
+    monkeypatch.setattr("multidecode.branches.walk", _lenient_walk)
     firsts, _ = _two_tokens(3000, first, spec)
     assert not _frequencies_pass(firsts, first_probs)
 
@@ -475,7 +476,7 @@ def test_mutants_make_the_oracle_fail(monkeypatch, mutant):
     for spec in specs:
         assert outputs(run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])) == expected
     if mutant == "off-by-one accept":
-        monkeypatch.setattr("multidecode.decoding.walk", _off_by_one_walk)
+        monkeypatch.setattr("multidecode.branches.walk", _off_by_one_walk)
     else:
         monkeypatch.setattr(SlotLayer, "compact", _crop_only)
     assert any(outputs(run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])) != expected

@@ -17,8 +17,8 @@ Entry points:
 
 import logging
 
-from .decoder import MultiDecoder, load
-from .decoding import CompactionPolicy, TokenEvent, decode
+from .api import MultiDecoder, decode, load
+from .branches import TokenEvent
 from .errors import (
     CacheUnwritable,
     InvalidArgument,
@@ -32,16 +32,16 @@ from .proposers import BranchContext, DraftTree, Proposer
 from .proposers.draft import DraftModel
 from .proposers.lookahead import Lookahead
 from .proposers.lookup import PromptLookup
+from .proposers.self_draft import self_draft
 from .proposers.suffix import SuffixProposer
 from .sampling import SamplingParams
-from .self_draft import self_draft
+from .scheduler import CompactionPolicy
 from .speculation import Speculation
 from .strategies.ask import Answer
 from .strategies.beam import Beam
 from .strategies.complete import Completion
 from .strategies.vote import Trace, Vote, extract_answer
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "Answer",
@@ -68,6 +68,7 @@ __all__ = [
     "Trace",
     "UnsupportedModel",
     "Vote",
+    "__version__",
     "decode",
     "extract_answer",
     "load",

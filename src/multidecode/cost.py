@@ -36,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+from .engine import Engine
+from .user_cache import cache_dir
+
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 """Tokens per forward timed by `measure_cost`; larger forwards are extrapolated linearly."""
 
@@ -134,8 +137,6 @@ def measure_cost(model, *, sizes: Sequence[int] = SIZES, contexts: Sequence[int]
     Draft rows are fed as siblings under the context's last token, the masked (forest) path that
     a speculative step takes; times are made non-decreasing in q.
     """
-    from .engine import Engine
-
     generator = torch.Generator().manual_seed(0)
     engine = Engine(model)
     vocab = engine.vocab_size
@@ -175,8 +176,6 @@ def costs_dir() -> Path:
     """Where measured curves are kept: $MULTIDECODE_COSTS, else `costs/` in the model cache folder."""
     if os.environ.get("MULTIDECODE_COSTS"):
         return Path(os.environ["MULTIDECODE_COSTS"]).expanduser()
-    from .models import cache_dir
-
     return cache_dir() / "costs"
 
 

@@ -37,9 +37,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .cache import SlotCache
+from .errors import PromptTooLong
 from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
 from .masks import build_attention_mask
-from .models import check_supported, mask_layout, max_positions
+from .models.vetting import check_supported, mask_layout, max_positions
 
 APART_MIN_MEAN_LENGTH = 64
 """Chains shorter than this on average are prefilled together (see `Engine.prefers_apart`)."""
@@ -347,8 +348,6 @@ class Engine:
         positions = self.forest.positions_of(nodes)
         top = int(positions.max())
         if self.max_positions is not None and top >= self.max_positions:
-            from .errors import PromptTooLong
-
             raise PromptTooLong(
                 f"position {top} is past the model's maximum of {self.max_positions} positions",
                 "shorten the document or lower max_new_tokens",

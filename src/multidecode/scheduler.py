@@ -1,7 +1,7 @@
 """The step-wise scheduler: every strategy's work, advanced together, one feed per step.
 
 A **work** is anything that owns nodes in the forest and wants some of them fed each step: a
-group of independent branches (`decoding.BranchGroup`: ask, complete, vote, margins, decode,
+group of independent branches (`branches.BranchGroup`: ask, complete, vote, margins, decode,
 generate), a beam search, a scoring pass. The scheduler holds one long-lived `Engine` and the
 works admitted to it, and each `step`:
 
@@ -303,4 +303,12 @@ class Scheduler:
             self._dirty.discard(work.owner)
 
 
-__all__ = ["ROOT", "CompactionPolicy", "Feed", "Scheduler", "Settled", "StepRecord", "StepTrace", "Work"]
+def new_scheduler(model, *, engine: Engine | None = None, compaction: CompactionPolicy | None = None,
+                  apart: bool | None = None, cost=None, observer: Callable[[StepTrace], None] | None = None) -> Scheduler:
+    """A scheduler over `engine` (a fresh `Engine(model)` by default). apart: see `Engine`;
+    cost: the cost curve "auto" speculation uses (default: measured once and kept on disk);
+    observer: see `Scheduler`."""
+    return Scheduler(engine or Engine(model, apart=apart), compaction=compaction, cost=cost, observer=observer)
+
+
+__all__ = ["ROOT", "CompactionPolicy", "Feed", "Scheduler", "Settled", "StepRecord", "StepTrace", "Work", "new_scheduler"]

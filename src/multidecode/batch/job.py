@@ -11,8 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from ..decoding import check_positive
-from ..errors import InvalidInput, MultiDecodeError
+from ..errors import InvalidInput, MultiDecodeError, check_positive
 from ..sampling import per_branch_sampling
 from ..strategies.ask import check_questions
 from .lines import InputLine, _check_input_file, _input_lines, parse_line, scan_input

@@ -1,7 +1,7 @@
 """Merged forests: several documents' questions decoded in the same forwards.
 
 A batch job's lines are independent, so nothing forces one document at a time. `ForestAnswerer`
-hands each line (its question prompts, one branch per question) to a `ForestServer` engine
+hands each line (its question prompts, one branch per question) to a `ForestRuntime` engine
 thread: one scheduler, one KV cache, jobs admitted and retired between steps. `answer_merged`
 keeps that forest full: it submits the next line as soon as there is room, and yields each line's
 `Outcome` as the line finishes, which may be out of input order.
@@ -14,7 +14,7 @@ needs more than the budget still runs, alone.
 Exactness: a branch attends only to its ancestors (its own document and question) at the
 positions it would have alone, and its sampler is seeded per question (seed + i), so a line's
 answers equal `MultiDecoder.ask` on that line alone, whatever shares its forwards (`tests/
-test_batch_merged.py` checks it token for token). The server's prefix cache also lets documents
+test_batch_merged.py` checks it token for token). The runtime's prefix cache also lets documents
 share the chat template's opening tokens, computed once.
 """
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Self
 
 from ..prompts import share_prefix
+from ..runtime import ForestRuntime, Job, Limits
 from ..sampling import per_branch_sampling
-from ..serving.forest_server import ForestServer, Job, Limits
 from ..strategies.ask import Answer, answers_of, question_prompts
 from .lines import InputLine
 
@@ -80,7 +80,7 @@ class ForestAnswerer:
         self.settings = settings
         self.speculate = speculate
         limits = Limits(max_live_tokens=2**62, max_branches=2**31, prefix_cache_tokens=cache_tokens)
-        self.server = ForestServer(decoder.model, decoder.tokenizer, limits=limits, compaction=decoder.compaction,
+        self.runtime = ForestRuntime(decoder.model, decoder.tokenizer, limits=limits, compaction=decoder.compaction,
                                    cost=decoder.cost).start()
 
     def prepare(self, item: InputLine) -> Ticket | Outcome:
@@ -115,7 +115,7 @@ class ForestAnswerer:
                 future.set_result(Outcome(item, error=value, elapsed_s=time.perf_counter() - started))
 
         ticket.job.sink = sink
-        self.server.submit(ticket.job)
+        self.runtime.submit(ticket.job)
         return future
 
     def answer(self, item: InputLine) -> Outcome:
@@ -124,7 +124,7 @@ class ForestAnswerer:
         return ticket if isinstance(ticket, Outcome) else self.submit(ticket).result()
 
     def close(self) -> None:
-        self.server.stop()
+        self.runtime.stop()
 
     def __enter__(self) -> Self:
         return self

@@ -144,7 +144,7 @@ class OutputFile:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             if json.loads(meta.read_text(encoding="utf-8")).get("fingerprint") == settings.fingerprint:
                 return
-        from .. import __version__
+        from ..version import __version__
 
         data = {"format": FORMAT, "fingerprint": settings.fingerprint, "settings": settings.as_dict(),
                 "input": str(input_path.resolve()), "multidecode": __version__}

@@ -169,7 +169,7 @@ class Worker:
                 import torch
 
                 torch.set_num_threads(threads)
-            from ..decoder import load
+            from ..api import load
 
             decoder = load(model, dtype=dtype, device=device)
             if prepare is not None:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .. import data
 from ..errors import InvalidArgument
 from ..prompts import common_prefix_length
 from .common import (
     Progress,
-    data_text,
     hf_batched,
     hf_sequential,
     hf_shared_prefix,
@@ -49,16 +49,6 @@ LABELS = {
     SPECULATING: ("(e) MultiDecode forest, every branch speculating", "(e) speculating"),
 }
 """Method -> (label, short label)."""
-
-def sample_document() -> str:
-    """The sample document shipped with the package (a support-call transcript)."""
-    return data_text("support_call.txt")
-
-
-def sample_questions(name: str = "support_call_questions.txt") -> list[str]:
-    """The sample support call's 8 questions (or, by name, its 8 extra questions for K = 16)."""
-    return [line.strip() for line in data_text(name).splitlines() if line.strip()]
-
 
 def extend_questions(questions: Sequence[str], extra: Sequence[str], n: int) -> list[str]:
     """`questions`, then `extra`, then the whole list again, until there are `n`."""
@@ -101,10 +91,10 @@ def ask_benchmark(
         elsewhere. On a machine shared with other busy processes, 1 thread is far steadier than 2.
     """
     if document is None:
-        document = sample_document()
+        document = data.sample_document()
         if extra_questions is None:
-            extra_questions = sample_questions("support_call_extra_questions.txt")
-    questions = list(questions) if questions is not None else sample_questions()
+            extra_questions = data.sample_questions("support_call_extra_questions.txt")
+    questions = list(questions) if questions is not None else data.sample_questions()
     declared_only(sweep_methods, METHODS, "method(s)")
     if any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks):
         raise InvalidArgument(f"every K must be a positive integer, got {list(ks)}", "pass ks=(1, 2, 4, 8, 16)")

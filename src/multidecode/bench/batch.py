@@ -25,13 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from .. import data
 from ..batch import BatchSettings, lock_path, meta_path, open_batch, total_stats
 from ..batch.merged import FOREST_TOKENS
 from ..cost import cost_curve
 from ..errors import check_positive
 from ..proposers.suffix import SuffixProposer, SuffixStore
 from ..speculation import Speculation, auto_proposer
-from .common import ForwardCounter, Progress, RunOutput, data_text, hf_sequential, pad_id_of
+from .common import ForwardCounter, Progress, RunOutput, hf_sequential, pad_id_of
 from .harness import Benchmark, Case, Method, Plot, Runner, Target, run
 
 PLAIN, LOOKUP, SUFFIX, AUTO = "batch_plain", "batch_lookup", "batch_suffix", "batch_auto"
@@ -107,7 +108,7 @@ def similar_documents(n: int) -> list[dict]:
 
 def questions() -> list[str]:
     """The 8 shipped questions about a support call."""
-    return [q for q in data_text("support_call_questions.txt").splitlines() if q.strip()]
+    return data.sample_questions()
 
 
 # ---------------------------------------------------------------------- one run of the job

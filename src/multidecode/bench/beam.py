@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..decoding import check_positive
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, check_positive
 from ..strategies.beam import check_settings, run_beam_search
 from ..strategies.complete import prompt_ids
 from .common import (

@@ -12,7 +12,7 @@ case (questions, samples, beams, ...):
   `generate` settings (`num_return_sequences`, `num_beams`, ... for later benchmarks).
 - `multidecode_forest`: MultiDecode on the same prompts (`MultiDecoder.start`).
 - `trim_at_eos`, `check_identical`: compare answers up to and including the first eos.
-- `environment`, `quiet_transformers`, `torch_threads`, `data_text`: what a run records and needs.
+- `environment`, `quiet_transformers`, `torch_threads`: what a run records and needs.
 
 The declarative harness built on these (cases, methods, ratios, files) is `harness`.
 
@@ -29,12 +29,12 @@ import platform
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Self
 
 import torch
 
+from .. import data
 from ..prompts import common_prefix_length
 
 Progress = Callable[[str], None]
@@ -441,7 +441,7 @@ def environment(model) -> dict:
     """Versions, threads, machine and model facts to store beside the numbers."""
     import transformers
 
-    from .. import __version__
+    from ..version import __version__
 
     param = next(model.parameters())
     return {
@@ -463,18 +463,13 @@ def environment(model) -> dict:
     }
 
 
-def data_text(name: str) -> str:
-    """A text file shipped in the package's data folder."""
-    return resources.files("multidecode").joinpath("data", name).read_text(encoding="utf-8")
-
-
 def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
     """`instruction`, a blank line, then the sample support call's opening lines up to about
     `tokens` ids in all (the whole call if shorter), through the chat template when there is one."""
     from ..strategies.complete import prompt_ids
 
     excerpt, ids = "", []
-    for line in data_text("support_call.txt").splitlines(keepends=True):
+    for line in data.sample_document().splitlines(keepends=True):
         excerpt += line
         ids = prompt_ids(tokenizer, f"{instruction}\n\n{excerpt.strip()}")
         if len(ids) >= tokens:

@@ -17,10 +17,11 @@ final answer are the same small extra work for every method.
 
 from __future__ import annotations
 
+from .. import data
 from ..errors import InvalidArgument
 from ..prompts import common_prefix_length
 from ..strategies.margins import margin_prompts, split_document, start
-from .common import ForwardCounter, Progress, RunOutput, data_text, hf_batched, hf_sequential, pad_id_of
+from .common import ForwardCounter, Progress, RunOutput, hf_batched, hf_sequential, pad_id_of
 from .harness import Benchmark, Case, Method, Plot, Target, run
 from .plot import plot
 
@@ -34,7 +35,7 @@ plot_margins = plot  # one plot for every benchmark, drawn from its JSON
 def sample_document() -> str:
     """The long sample document shipped with the package (minutes of a water board meeting,
     about 3,500 tokens with SmolLM2's tokenizer)."""
-    return data_text("water_board_meeting.txt")
+    return data.text("water_board_meeting.txt")
 
 
 def _unused(question, notes):  # the benchmark measures the margins only; nothing is classified

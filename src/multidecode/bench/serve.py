@@ -4,7 +4,7 @@ A seeded load generator on `openai.AsyncOpenAI` (max_retries=0) sends streamed, 
 completions to servers this benchmark starts itself, each in a subprocess (so that the client's
 Python never shares a GIL with the engine) on a free loopback port:
 
-- `forest`: `multidecode serve`'s app over one `ForestServer`: concurrent requests decode as one
+- `forest`: `multidecode serve`'s app over one `ForestRuntime`: concurrent requests decode as one
   forest, their common prefixes found in the prefix cache;
 - `one_at_a_time`: the same server code with `Limits(max_running=1)`: one request decodes at a
   time, the others wait in its queue (it keeps the prefix cache: only the batching differs);
@@ -76,8 +76,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from .. import data
 from ..errors import InvalidArgument, MultiDecodeError
-from .common import Progress, data_text, load_average
+from .common import Progress, load_average
 
 FOREST, ONE, HF = "forest", "one_at_a_time", "transformers"
 LABELS = {
@@ -128,7 +129,7 @@ class WordStream:
     space before it), so that prompts of about N tokens can be cut from any offset."""
 
     def __init__(self, tokenizer, texts: Sequence[str] = TEXTS) -> None:
-        self.words = [w for name in texts for w in data_text(name).split()]
+        self.words = [w for name in texts for w in data.text(name).split()]
         counts: dict[str, int] = {}
         for w in set(self.words):
             counts[w] = max(1, len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]))
@@ -430,11 +431,11 @@ def transformers_server(folder: str, *, continuous_batching: bool = False) -> Se
 
 def model_folder(model: str | None) -> tuple[str, dict]:
     """The local folder (and loading kwargs) of `model`, the embedded model's float32 copy by default."""
-    from .. import models
+    from ..models import converted, loading
 
     if model is None:
-        return str(models.embedded_copy()), {}
-    return models._locate(model)
+        return str(converted.embedded_copy()), {}
+    return loading._locate(model)
 
 
 def load_tokenizer(model: str | None):
@@ -694,7 +695,7 @@ def _environment(model: str | None) -> dict:
     import torch
     import transformers
 
-    from .. import __version__
+    from ..version import __version__
 
     return {"model": Path(model).name if model else "SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__, "multidecode": __version__,
@@ -864,9 +865,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import uvicorn
 
-    from ..models import load_model_and_tokenizer
+    from ..models.loading import load_model_and_tokenizer
+    from ..runtime import Limits
     from ..serving.app import DrainingServer, ServeState, create_app
-    from ..serving.forest_server import Limits
 
     parser = argparse.ArgumentParser(prog="python -m multidecode.bench.serve")
     parser.add_argument("--port", type=int, required=True)

@@ -21,7 +21,7 @@ Methods, all greedy on the same prompt ids (through the chat template):
 - `multidecode_suffix`: the suffix proposer with a fresh store each run (its own prompt and
   output only: a first pass);
 - `multidecode_draft`: the self-draft as a draft model, its layers chosen once by
-  `self_draft.choose_skip` on `self_draft.SAMPLE_TEXT`, skipping at least a quarter of them;
+  `self_draft.choose_skip` on `data.self_draft_sample()`, skipping at least a quarter of them;
 - `multidecode_suffix_2nd`, `multidecode_auto_2nd`: the suffix proposer and "auto" over a store
   that has seen one greedy pass over every chosen workload (run before timing): the second pass
   of a repeated workload set.
@@ -44,19 +44,19 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import data
 from ..cost import cost_curve
 from ..errors import InvalidArgument
 from ..proposers.draft import DraftModel
 from ..proposers.lookahead import Lookahead
+from ..proposers.self_draft import choose_skip, decoder_layers, self_draft
 from ..proposers.suffix import SuffixProposer, SuffixStore
-from ..self_draft import SAMPLE_TEXT, choose_skip, decoder_layers, self_draft
 from ..speculation import Speculation, auto_proposer
 from ..strategies.complete import prompt_ids
 from .common import (
     ForwardCounter,
     Progress,
     RunOutput,
-    data_text,
     greedy_config,
     hf_sequential,
     pad_id_of,
@@ -109,11 +109,11 @@ class Workload:
     target: float
 
     def text(self) -> str:
-        return self.prompt.replace("{document}", data_text(self.document).strip() if self.document else "")
+        return self.prompt.replace("{document}", data.text(self.document).strip() if self.document else "")
 
 
 def workloads() -> list[Workload]:
-    lines = data_text("speculate_workloads.jsonl").splitlines()
+    lines = data.text("speculate_workloads.jsonl").splitlines()
     return [Workload(**json.loads(line)) for line in lines if line.strip()]
 
 
@@ -199,7 +199,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
     shortest = prompt_ids(tokenizer, min((w.text() for w in shipped), key=len))
     # The self-draft skips at least a quarter of the layers: a benchmark of a draft that is the
     # target itself would say nothing (on small models no skip set is expected to pay).
-    skip = choose_skip(model, [tokenizer(SAMPLE_TEXT)["input_ids"]], min_skip=max(1, len(decoder_layers(model)[1]) // 4))
+    skip = choose_skip(model, [tokenizer(data.self_draft_sample())["input_ids"]], min_skip=max(1, len(decoder_layers(model)[1]) // 4))
     draft = self_draft(model, skip.layers)
     fitted = Lookahead.from_cost(cost_curve(model))
     seen = SuffixStore()  # a first greedy pass over every chosen workload, for the second-pass methods

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .. import __version__
+from ..version import __version__
 from .ask import ask
 from .batch import batch
 from .beam import beam

@@ -10,7 +10,7 @@ import click
 from rich.live import Live
 from rich.text import Text
 
-from ..decoding import TokenEvent
+from ..branches import TokenEvent
 from ..errors import InvalidInput
 from ..strategies import ask as ask_strategy
 from ..strategies.ask import check_document, check_questions

@@ -23,7 +23,8 @@ def cache() -> None:
 def list_(as_json):
     """Show each converted model (name, source, size, created), the cost curves and anything else
     in the cache folder, with the total size."""
-    from ..models import cache_dir, cache_entries
+    from ..models.converted import cache_entries
+    from ..user_cache import cache_dir
 
     entries = cache_entries()
     total = sum(e.bytes for e in entries)
@@ -57,7 +58,8 @@ def clear(names, yes):
     """Remove converted models: those NAMEd (as `cache list` shows them; `costs` for the cost
     curves), or every converted model and abandoned partial conversion. A conversion another
     process is running is left alone."""
-    from ..models import cache_dir, clear_cache, select_entries
+    from ..models.converted import clear_cache, select_entries
+    from ..user_cache import cache_dir
 
     chosen = select_entries(names)
     if not chosen:

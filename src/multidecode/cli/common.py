@@ -112,7 +112,7 @@ def speculation_from(choice: SpeculationChoice | str | None, draft_budget: int |
     """The `speculate=` value for the library, checked before the model loads (unknown mode, bad
     budget, settings that need another mode, a dtype where speculation cannot be exact). Draft
     models come back as a `PendingDraft` that `prepare_speculation` builds."""
-    from ..models import resolve_dtype
+    from ..models.loading import resolve_dtype
     from ..speculation import resolve
 
     if not isinstance(choice, SpeculationChoice):
@@ -198,9 +198,10 @@ def prepare_speculation(decoder, spec):
 
 
 def _build_draft(decoder, pending: PendingDraft):
-    from ..models import load_model_and_tokenizer
+    from ..data import self_draft_sample
+    from ..models.loading import load_model_and_tokenizer
     from ..proposers.draft import DraftModel, check_same_tokenizer
-    from ..self_draft import SAMPLE_TEXT, choose_skip, self_draft
+    from ..proposers.self_draft import choose_skip, self_draft
     from ..speculation import resolve
 
     choice = pending.choice
@@ -214,7 +215,7 @@ def _build_draft(decoder, pending: PendingDraft):
     else:
         if choice.draft_skip_layers == "auto":
             with stderr.status("Choosing the layers the self-draft skips, by measured acceptance (about a minute)..."):
-                picked = choose_skip(decoder.model, [decoder.tokenizer(SAMPLE_TEXT)["input_ids"]])
+                picked = choose_skip(decoder.model, [decoder.tokenizer(self_draft_sample())["input_ids"]])
             layers = list(picked.layers)
             if not layers:
                 raise InvalidArgument(
@@ -247,7 +248,7 @@ def print_stats(stats: dict, lead: str = "") -> None:
 def check_early(*, max_new_tokens: int | None = None, n: int = 1, sampling: dict | None = None,
                 stop=()) -> None:
     """Check settings before the model loads (which can take minutes), so a typo fails at once."""
-    from ..decoding import check_positive
+    from ..errors import check_positive
     from ..sampling import per_branch_sampling
     from ..stopping import stop_strings_of
 
@@ -305,8 +306,8 @@ def read_lines(path: str, what: str = "questions") -> list[str]:
 # ---------------------------------------------------------------------- the model
 def load_decoder(model_name: str | None, dtype: str | None, device: str | None):
     """Load a MultiDecoder, with a status line on stderr (and a note when a GGUF file is converted)."""
-    from ..decoder import load
-    from ..models import embedded_copy
+    from ..api import load
+    from ..models.converted import embedded_copy
 
     if model_name is None and embedded_copy(convert=False) is None:
         message = "Converting the embedded model to a float32 cache (once, about 20 s)..."
@@ -324,7 +325,7 @@ def load_decoder(model_name: str | None, dtype: str | None, device: str | None):
 
 
 def _unconverted_gguf(model_name: str | None) -> bool:
-    from ..models import gguf_copy
+    from ..models.converted import gguf_copy
 
     if not model_name or not model_name.lower().endswith(".gguf") or not Path(model_name).expanduser().is_file():
         return False

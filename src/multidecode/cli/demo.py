@@ -19,8 +19,8 @@ from .common import load_decoder, model_options, report_errors, stderr, stdout
 def demo(max_new_tokens, no_compare, model_name, dtype, device):
     """Answer 8 questions about a sample support call in one MultiDecode pass, then one by one
     with transformers' generate, and compare the times and the answers."""
-    from ..bench.ask import sample_document, sample_questions
     from ..bench.common import ForwardCounter, hf_sequential, pad_id_of, quiet_transformers, trim_at_eos
+    from ..data import sample_document, sample_questions
 
     decoder = load_decoder(model_name, dtype, device)
     document, questions = sample_document(), sample_questions()

@@ -9,8 +9,7 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from ..decoding import check_positive
-from ..errors import InvalidInput
+from ..errors import InvalidInput, check_positive
 from ..strategies import margins as _margins
 from ..strategies.ask import check_document
 from .ask import show_stream

@@ -46,9 +46,9 @@ def serve(model_name, dtype, device, host, port, api_key, served_model_name, spe
     """
     import uvicorn
 
-    from ..models import load_model_and_tokenizer
+    from ..models.loading import load_model_and_tokenizer
+    from ..runtime import Limits
     from ..serving.app import DrainingServer, ServeState, create_app
-    from ..serving.forest_server import Limits
 
     for option, value, least in (("--max-live-tokens", max_live_tokens, 1), ("--max-branches", max_branches, 1),
                                  ("--port", port, 0), ("--prefix-cache-tokens", prefix_cache_tokens, 0)):

@@ -83,6 +83,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..models.vetting import max_positions
 from . import UNDER_LEAF, BranchContext, DraftTree, Proposer
 
 KIND_JACOBI = 0
@@ -235,8 +236,6 @@ class Lookahead(Proposer):
 
     # ------------------------------------------------------------------ the proposer
     def check(self, model) -> None:
-        from ..models import max_positions
-
         config = getattr(model, "config", None)
         self._max_positions = max_positions(config) if config is not None else None
 

@@ -1,8 +1,10 @@
 """Serving: an OpenAI-compatible HTTP server whose concurrent requests decode as one forest.
 
-- `radix.PrefixIndex`: which prompt prefixes are cached in the forest, and at which node.
-- `forest_server.ForestServer`: the engine thread: one scheduler, requests admitted between
-  steps (continuous batching), prefix hits, admission caps, cancellation, draining.
-- `protocol`: the OpenAI request schema, checked, turned into internal requests; responses.
-- `app`: the FastAPI application (routes, errors in OpenAI's shape, streaming, auth, metrics).
+This package is HTTP and the OpenAI protocol only; the engine thread, jobs, admission limits and
+the prefix index are the forest runtime (`multidecode.runtime`), which the batch job drives too.
+
+- `protocol`: the OpenAI request schema, checked, turned into runtime jobs; response shapes.
+- `app`: the FastAPI application (routes, errors in OpenAI's shape, streaming, auth, metrics),
+  and the uvicorn server that drains on SIGTERM.
+- `static/index.html`: the live page.
 """

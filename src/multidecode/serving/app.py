@@ -1,4 +1,4 @@
-"""The HTTP face of the server: OpenAI's routes on FastAPI, over one `ForestServer`.
+"""The HTTP face of the server: OpenAI's routes on FastAPI, over one `ForestRuntime`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`
 (200 when ready, 503 while loading or draining), `GET /metrics` (Prometheus text) and `GET /`
@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
 from ..errors import MultiDecodeError
-from .forest_server import ForestServer, Job, Limits, Overloaded, TooLarge
+from ..runtime import ForestRuntime, Job, Limits, Overloaded, TooLarge
 from .protocol import (
     BadRequest,
     ChatBody,
@@ -56,11 +56,11 @@ POLL_SECONDS = 0.2
 
 
 class ServeState:
-    """What the app serves: the model's name, the `ForestServer` once loaded, the API key."""
+    """What the app serves: the model's name, the `ForestRuntime` once loaded, the API key."""
 
     def __init__(self, name: str, *, api_key: str | None = None, speculate: str | None = None) -> None:
         self.name, self.api_key, self.speculate = name, api_key, speculate
-        self.server: ForestServer | None = None
+        self.server: ForestRuntime | None = None
         self.load_error: BaseException | None = None
         self.started = int(time.time())
 
@@ -71,7 +71,7 @@ class ServeState:
         def run():
             try:
                 model, tokenizer = loader()
-                self.server = ForestServer(model, tokenizer, limits=limits, cost=cost).start()
+                self.server = ForestRuntime(model, tokenizer, limits=limits, cost=cost).start()
                 log.info("model %s ready", self.name)
             except BaseException as error:  # reported by /health and by every request
                 self.load_error = error
@@ -85,7 +85,7 @@ class ServeState:
         else:
             run()
 
-    def ready(self) -> ForestServer:
+    def ready(self) -> ForestRuntime:
         if self.server is None:
             detail = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise Overloaded(detail, retry_after=5)
@@ -209,7 +209,7 @@ async def _read_body(request: Request) -> bytes:
 class _Reply:
     """Builds one request's answer from what the engine sends, streamed or whole."""
 
-    def __init__(self, state: ServeState, server: ForestServer, job: Job, body, *, chat: bool) -> None:
+    def __init__(self, state: ServeState, server: ForestRuntime, job: Job, body, *, chat: bool) -> None:
         self.state, self.server, self.job, self.body, self.chat = state, server, job, body, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + job.id
         self.created = int(time.time())
@@ -357,7 +357,7 @@ class DrainingServer(uvicorn.Server):
         log.info("draining: %d running request(s), up to %.0f s", forest.busy, self.drain_timeout)
         threading.Thread(target=self._exit_when_idle, args=(forest,), daemon=True).start()
 
-    def _exit_when_idle(self, forest: ForestServer) -> None:
+    def _exit_when_idle(self, forest: ForestRuntime) -> None:
         deadline = time.monotonic() + self.drain_timeout
         while forest.busy and time.monotonic() < deadline:
             time.sleep(0.05)

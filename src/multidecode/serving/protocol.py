@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
+from ..runtime import Job
 from ..sampling import SamplingParams
-from .forest_server import Job
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..decoding import BranchRun, TokenEvent, start_prompts
+from ..branches import BranchRun, TokenEvent, start_prompts
 from ..errors import InvalidInput
 from ..prompts import check_text, question_message, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling

@@ -39,11 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding import check_fits, check_positive, new_scheduler, token_ids
+from ..branches import check_fits, token_ids
 from ..engine import Engine, EngineStats
-from ..errors import InvalidArgument, InvalidInput
+from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..forest import ROOT
-from ..scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work
+from ..scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work, new_scheduler
 from ..stopping import LENGTH, STOP, eos_ids_of
 from .complete import prompt_ids
 

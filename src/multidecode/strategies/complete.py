@@ -12,8 +12,8 @@ import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..decoding import BranchRun, TokenEvent, check_positive, start_prompts
-from ..errors import InvalidInput
+from ..branches import BranchRun, TokenEvent, start_prompts
+from ..errors import InvalidInput, check_positive
 from ..prompts import has_chat_template, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
 from ..scheduler import Scheduler

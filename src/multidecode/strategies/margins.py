@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decoding import BranchRun, TokenEvent, check_positive, new_scheduler, prompt_logits, start_prompts
-from ..errors import InvalidArgument, InvalidInput
+from ..branches import BranchRun, TokenEvent, prompt_logits, start_prompts
+from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_text, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
-from ..scheduler import Scheduler
+from ..scheduler import Scheduler, new_scheduler
 from ..stopping import stop_strings_of
 from .ask import check_document
 

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import InvalidArgument, UnsupportedModel, is_int
-from .models import text_config
+from ..errors import InvalidArgument, UnsupportedModel, is_int
+from ..models.vetting import text_config
 
 MAX_DRAFT_LENGTH = 8
 """The longest draft chain the expected-speedup model considers."""
@@ -413,11 +413,3 @@ def _layer_weights(model, layers: nn.ModuleList) -> dict:
 
 __all__ = ["SkipChoice", "choose_skip", "choose_skip_layers", "decoder_layers", "expected_speedup", "self_draft"]
 
-
-SAMPLE_TEXT = (
-    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
-    "agreed to fund the new library wing, to repair the roads near the river, and to hire two more teachers for "
-    "the primary school. The mayor thanked everyone for their work and said that the town would publish the full "
-    "report next week.\n\ndef total(prices, tax):\n    subtotal = sum(prices)\n    return subtotal * (1 + tax)\n"
-)
-"""A sample of prose and code to choose skipped layers on when the user gives none."""

@@ -1,4 +1,4 @@
-"""Decoding independent branches on the scheduler: the work most strategies share.
+"""Independent branches on the scheduler: the work most strategies share.
 
 A **branch** is a prompt path in the forest (a shared prefix plus its own suffix) that grows as
 tokens are chosen for it. Its **head** is its newest token: chosen and emitted, not yet fed. Each
@@ -9,9 +9,11 @@ branch so gains one token per step without speculation, and one plus the accepte
 Finished branches are no longer fed; once enough of the cache belongs only to finished branches,
 the scheduler compacts it.
 
-`decode` is the model-level entry point: with `do_sample=False`, branch i's ids equal what
-`model.generate(prefix_ids + branch_ids[i], do_sample=False, ...)` returns after the prompt,
-with or without speculation.
+This is the branch half of a step (the scheduler is the other): `admit` checks inputs and adds a
+`BranchGroup` to a scheduler, `start` also feeds its prompts, and a `BranchRun` yields its
+`TokenEvent`s as the scheduler steps. `PromptLogits` is the scoring work: prompts fed, their
+next-token logits kept, nothing generated. The entry points that build a scheduler for a model
+(`decode`, `MultiDecoder`) are in `api`.
 """
 
 from __future__ import annotations
@@ -22,15 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cost import AcceptanceTracker, CostCurve
+from .cost import AcceptanceTracker
 from .engine import Engine
 from .errors import InvalidArgument, InvalidInput, PromptTooLong, check_positive, is_int
 from .forest import ROOT
 from .prompts import share_prefix
 from .proposers import UNDER_LEAF, BranchContext, DraftTree
 from .proposers.mixture import Mixture
-from .sampling import BranchSampler, SamplingParams, per_branch_sampling
-from .scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work
+from .sampling import BranchSampler, SamplingParams
+from .scheduler import Feed, Scheduler, Settled, Work
 from .speculation import Speculation, resolve
 from .stopping import BranchOutput, StopRule, eos_ids_of, stop_strings_of
 from .verify import walk
@@ -544,69 +546,5 @@ def start_prompts(scheduler: Scheduler, prompts: Sequence[Sequence[int]], **sett
     return start(scheduler, shared.prefix_ids, shared.suffix_ids, **settings)
 
 
-def new_scheduler(model, *, engine: Engine | None = None, compaction: CompactionPolicy | None = None,
-                  apart: bool | None = None, cost: CostCurve | None = None, observer=None) -> Scheduler:
-    """A scheduler over `engine` (a fresh `Engine(model)` by default). apart: see `Engine`;
-    cost: the cost curve "auto" speculation uses (default: measured once and kept on disk);
-    observer: see `Scheduler`."""
-    return Scheduler(engine or Engine(model, apart=apart), compaction=compaction, cost=cost, observer=observer)
-
-
-def start_forest(model, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *,
-                 compaction: CompactionPolicy | None = None, engine: Engine | None = None,
-                 apart: bool | None = None, cost: CostCurve | None = None, **settings) -> BranchRun:
-    """`start` on a new scheduler for `model` (see `new_scheduler`)."""
-    scheduler = new_scheduler(model, engine=engine, compaction=compaction, apart=apart, cost=cost)
-    return start(scheduler, prefix_ids, suffixes, **settings)
-
-
-def decode_prompts(model, prompts: Sequence[Sequence[int]], *, compaction: CompactionPolicy | None = None,
-                   engine: Engine | None = None, cost: CostCurve | None = None, **settings) -> BranchRun:
-    """`start_prompts` on a new scheduler for `model` (see `new_scheduler`)."""
-    return start_prompts(new_scheduler(model, engine=engine, compaction=compaction, cost=cost), prompts, **settings)
-
-
-def stream_decode(
-    model, prefix_ids: Sequence[int], branch_ids: Sequence[Sequence[int]], **settings
-) -> Iterator[TokenEvent]:
-    """Yield events while decoding every branch `prefix_ids + branch_ids[i]` in one forest."""
-    return start_forest(model, prefix_ids, branch_ids, **settings).events
-
-
-def decode(
-    model,
-    prefix_ids: Sequence[int],
-    branch_ids: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    eos_token_id: int | Sequence[int] | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    speculate=None,
-    cost: CostCurve | None = None,
-) -> list[list[int]]:
-    """Generate from `prefix_ids + branch_ids[i]` for every i at once; returns each branch's new ids.
-
-    Greedy (do_sample=False) output equals per-branch `model.generate(..., do_sample=False)`,
-    eos included, for a generation config that adds no logits processors of its own
-    (`repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, ...): settings are never read
-    from the model's generation config, only its eos ids. With sampling and a seed, branch i draws
-    from its own generator seeded `seed + i`, so it does not depend on the other branches.
-    speculate: None, "lookup", "auto", a `Proposer` or a `Speculation` (see `speculation`); it
-    never changes the output. cost: the cost curve for "auto" (default: measured once, kept on disk).
-    """
-    sampling = per_branch_sampling(
-        len(branch_ids), dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    )
-    out: list[list[int]] = [[] for _ in branch_ids]
-    for event in stream_decode(model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                               eos_token_id=eos_token_id, speculate=speculate, cost=cost):
-        out[event.branch].append(event.token_id)
-    return out
-
-
-__all__ = ["Branch", "BranchGroup", "BranchRun", "CompactionPolicy", "DecodeStats", "PromptLogits", "TokenEvent",
-           "admit", "decode", "decode_prompts", "prompt_logits", "start", "start_forest", "start_prompts", "stream_decode"]
+__all__ = ["Branch", "BranchGroup", "BranchRun", "DecodeStats", "PromptLogits", "TokenEvent", "admit", "prompt_logits",
+           "start", "start_prompts"]

@@ -1,25 +1,29 @@
-"""`MultiDecoder`: a model and its tokenizer, with the user-facing strategies as methods.
+"""The entry points: `MultiDecoder` (a model and its tokenizer, one method per strategy), `load`,
+and the token-level `decode` / `stream_decode` / `start_forest` for any transformers causal LM.
 
-This class only holds the model, the tokenizer and the compaction policy, and forwards each call
-to a strategy in `multidecode.strategies` on a new `Scheduler` (one engine, one cache) for that
-call; it prints nothing. `stream*` methods yield `TokenEvent`s as tokens are produced; the others
-return finished results.
+Every call builds a new `Scheduler` (one engine, one KV cache) for that call and hands it to a
+strategy (`multidecode.strategies`) or to `branches.start`; nothing here prints. `stream*`
+methods yield `TokenEvent`s as tokens are produced; the others return finished results.
 
-`speculate=` (None, "lookup", "suffix", "lookahead", "draft", "auto", a `Proposer` or a
-`Speculation`; see `speculation`) lets every branch carry a draft tree verified in the same
-forward; it changes how fast tokens come, never which tokens. "draft" drafts with the decoder's
-`draft` model.
+`speculate=` (see `speculation`) lets every branch carry a draft tree verified in the same
+forward; it changes how fast tokens come, never which tokens.
+
+`decode` is the model-level entry point: with `do_sample=False`, branch i's ids equal what
+`model.generate(prefix_ids + branch_ids[i], do_sample=False, ...)` returns after the prompt,
+with or without speculation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
+from .branches import BranchRun, TokenEvent, start, start_prompts
 from .cost import CostCurve
-from .decoding import BranchRun, CompactionPolicy, TokenEvent, new_scheduler, start_prompts
-from .models import check_supported, load_model_and_tokenizer
+from .engine import Engine
+from .models.loading import load_model_and_tokenizer
+from .models.vetting import check_supported
 from .sampling import per_branch_sampling
-from .scheduler import Scheduler
+from .scheduler import CompactionPolicy, Scheduler, new_scheduler
 from .speculation import Speculation, named_proposer
 from .stopping import eos_ids_of
 from .strategies import ask as _ask
@@ -182,3 +186,56 @@ def load(model: str | None = None, *, dtype=None, device=None) -> MultiDecoder:
     """
     lm, tokenizer = load_model_and_tokenizer(model, dtype=dtype, device=device)
     return MultiDecoder(lm, tokenizer)
+
+
+# ---------------------------------------------------------------------- token level, any model
+def start_forest(model, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *,
+                 compaction: CompactionPolicy | None = None, engine: Engine | None = None,
+                 apart: bool | None = None, cost: CostCurve | None = None, **settings) -> BranchRun:
+    """`start` on a new scheduler for `model` (see `new_scheduler`)."""
+    scheduler = new_scheduler(model, engine=engine, compaction=compaction, apart=apart, cost=cost)
+    return start(scheduler, prefix_ids, suffixes, **settings)
+
+
+def stream_decode(
+    model, prefix_ids: Sequence[int], branch_ids: Sequence[Sequence[int]], **settings
+) -> Iterator[TokenEvent]:
+    """Yield events while decoding every branch `prefix_ids + branch_ids[i]` in one forest."""
+    return start_forest(model, prefix_ids, branch_ids, **settings).events
+
+
+def decode(
+    model,
+    prefix_ids: Sequence[int],
+    branch_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | Sequence[int] | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    speculate=None,
+    cost: CostCurve | None = None,
+) -> list[list[int]]:
+    """Generate from `prefix_ids + branch_ids[i]` for every i at once; returns each branch's new ids.
+
+    Greedy (do_sample=False) output equals per-branch `model.generate(..., do_sample=False)`,
+    eos included, for a generation config that adds no logits processors of its own
+    (`repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, ...): settings are never read
+    from the model's generation config, only its eos ids. With sampling and a seed, branch i draws
+    from its own generator seeded `seed + i`, so it does not depend on the other branches.
+    speculate: None, "lookup", "auto", a `Proposer` or a `Speculation` (see `speculation`); it
+    never changes the output. cost: the cost curve for "auto" (default: measured once, kept on disk).
+    """
+    sampling = per_branch_sampling(
+        len(branch_ids), dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    )
+    out: list[list[int]] = [[] for _ in branch_ids]
+    for event in stream_decode(model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                               eos_token_id=eos_token_id, speculate=speculate, cost=cost):
+        out[event.branch].append(event.token_id)
+    return out
+
+

@@ -1,12 +1,10 @@
-"""The engine thread of the server: every request's branches decode in one forest, one step at a time.
+"""The forest runtime: one engine thread, one forest, work admitted and retired between steps.
 
-A **job** is one request as the engine sees it: whole prompt ids per branch (n copies of one
-prompt, or one prompt per question), how to sample each, when to stop, and a **sink** that
-receives what it produces. `ForestServer` owns one `Scheduler` (one engine, one KV cache) and a
-thread that loops:
+This is the continuous-batching runtime that `multidecode serve` and the batch job both drive.
+`ForestRuntime` owns one `Scheduler` (one engine, one KV cache) and a thread that loops:
 
 1. take cancellations (a client that went away: its work is retired, its slots freed before the
-   next feed) and new jobs;
+   next feed) and new jobs (`jobs.Job`);
 2. **admit** waiting jobs between steps (continuous batching). A job's prompts are split into
    their common prefix and the rest; the longest part of the prefix already cached is looked up
    in the `PrefixIndex` and not fed again: the job's prompt hangs under that node. When a waiting
@@ -18,16 +16,10 @@ thread that loops:
    job, so they outlive it; least recently used prefixes are forgotten, and the cache owner's
    slots that no indexed prefix and no running job needs are compacted away.
 
-**Admission cap.** A job reserves, when it is submitted, its prompt tokens plus its branches'
-max_tokens (`max_live_tokens`) and its branches (`max_branches`); past either, `submit` raises
-`Overloaded` (HTTP 503 with Retry-After), never an out-of-memory error later. A job that
-would not fit even alone raises `TooLarge` (HTTP 400).
-
-Sinks are called from the engine thread with ("token", TokenEvent), ("trace", dict),
-("beams", [Beam]), ("done", Usage) or ("error", exception); the last two end a job. A trace
-lists the nodes the job fed in a step as [node, parent, token text, kind], kind being "prompt",
-"kept" (a token the model chose), "accepted" (a draft token it confirmed) or "rejected" (a draft
-token taken back), with the cached prefix's size and each branch's last node.
+Admission is counted when a job is submitted (`jobs.Limits`). A trace (for a job that asks for
+one) lists the nodes the job fed in a step as [node, parent, token text, kind], kind being
+"prompt", "kept" (a token the model chose), "accepted" (a draft token it confirmed) or
+"rejected" (a draft token taken back), with the cached prefix's size and each branch's last node.
 """
 
 from __future__ import annotations
@@ -35,22 +27,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-from ..decoding import BranchRun, admit
+from ..branches import BranchRun, admit
 from ..errors import MultiDecodeError
 from ..forest import ROOT
 from ..prompts import share_prefix
-from ..sampling import SamplingParams
-from ..scheduler import CompactionPolicy, Scheduler, StepTrace
+from ..scheduler import CompactionPolicy, Scheduler, StepTrace, new_scheduler
 from ..stopping import eos_ids_of
 from ..strategies.beam import BeamWork, check_settings
+from .jobs import Counters, Job, Limits, Overloaded, TooLarge, Usage
 from .radix import PrefixIndex
 
-log = logging.getLogger("multidecode.serving")
+log = logging.getLogger("multidecode.runtime")
 
 CACHE_OWNER = "prefix-cache"
 """The forest owner of every prompt node: the prefix cache, not the request that fed it."""
@@ -62,82 +51,7 @@ MIN_RENUMBER = 1024
 (and at least RENUMBER_FACTOR x MIN_RENUMBER nodes)."""
 
 
-class Overloaded(MultiDecodeError):
-    """The server is at its admission cap (or draining); retry later."""
-
-    def __init__(self, message: str, hint: str | None = None, *, retry_after: int = 1) -> None:
-        super().__init__(message, hint)
-        self.retry_after = retry_after
-
-
-class TooLarge(MultiDecodeError, ValueError):
-    """A request that could never fit under the admission cap."""
-
-
-@dataclass
-class Usage:
-    """What a finished job cost: its prompt tokens (each distinct prompt once), how many of them
-    were already cached, and the tokens it generated; stats: its decoding counters."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    stats: dict = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class Job:
-    """One request's work (see the module notes). beams > 0 runs a beam search of that many beams
-    over prompts[0] and returns them all; trace sends the forest nodes the job feeds each step."""
-
-    prompts: list[list[int]]
-    max_new_tokens: int
-    sampling: list[SamplingParams] = field(default_factory=list)
-    stop: Sequence[str] = ()
-    speculate: object = None
-    logprobs: int | None = None
-    beams: int = 0
-    trace: bool = False
-    sink: Callable[[tuple], None] = lambda item: None
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    cached_tokens: int = 0
-    cancelled: bool = False
-    finished: bool = False
-    work: object = None  # the scheduler work, once admitted
-    steps: int = 0
-
-    @property
-    def branches(self) -> int:
-        return self.beams or len(self.prompts)
-
-    @property
-    def reserved_tokens(self) -> int:
-        return sum(map(len, self.prompts)) + self.branches * self.max_new_tokens
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt tokens received, each distinct prompt once (n copies of one prompt count once)."""
-        return sum(map(len, {tuple(p) for p in self.prompts}))
-
-
-@dataclass
-class Limits:
-    """Admission caps and the prefix cache's budget, in cache slots (tokens) and branches.
-
-    defer_tokens: a waiting job that shares this many uncached prefix tokens with one admitted in
-    the same round waits a step to hit the cache instead of computing them again.
-    max_running: at most this many jobs decode at once; the rest wait their turn (1 serves one
-    request at a time: the baseline a forest is measured against).
-    """
-
-    max_live_tokens: int = 65536
-    max_branches: int = 256
-    prefix_cache_tokens: int = 16384
-    defer_tokens: int = 16
-    max_running: int | None = None
-
-
-class ForestServer:
+class ForestRuntime:
     """One model, one forest, one engine thread; jobs come and go between steps.
 
     model, tokenizer: a transformers causal LM (eager or sdpa) and its tokenizer.
@@ -146,8 +60,6 @@ class ForestServer:
 
     def __init__(self, model, tokenizer, *, limits: Limits | None = None,
                  compaction: CompactionPolicy | None = None, cost=None) -> None:
-        from ..decoding import new_scheduler
-
         self.model, self.tokenizer = model, tokenizer
         self.limits = limits or Limits()
         self.scheduler: Scheduler = new_scheduler(model, compaction=compaction, cost=cost, observer=self._observe)
@@ -165,7 +77,7 @@ class ForestServer:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the client side (any thread)
-    def start(self) -> ForestServer:
+    def start(self) -> ForestRuntime:
         self._thread = threading.Thread(target=self._loop, name="multidecode-engine", daemon=True)
         self._thread.start()
         return self
@@ -418,28 +330,4 @@ def _live_branches(job: Job) -> int:
     return sum(not b.output.finished for b in job.work.branches)
 
 
-@dataclass
-class Counters:
-    """Running totals the metrics endpoint and the benchmark read (written by the engine thread)."""
-
-    admitted: int = 0
-    rejected: int = 0
-    cancelled: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated: int = 0
-    steps: int = 0
-    forwards: int = 0
-    rows: int = 0
-    branches: int = 0
-    busy_seconds: float = 0.0
-
-    def count_step(self, forwards: int, rows: int, branches: int, seconds: float) -> None:
-        self.steps += 1
-        self.forwards += forwards
-        self.rows += rows
-        self.branches += branches
-        self.busy_seconds += seconds
-
-
-__all__ = ["CACHE_OWNER", "Counters", "ForestServer", "Job", "Limits", "Overloaded", "TooLarge", "Usage"]
+__all__ = ["CACHE_OWNER", "ForestRuntime"]

@@ -1,0 +1,319 @@
+"""Running a decoding and recording one of its steps, through the scheduler's observer hook.
+
+The step is recorded in the observer callback, after the works settled and before rejected nodes
+are dropped (`scheduler.StepTrace`): every fed node still has its slot, parent and position then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import data
+from ..branches import BranchGroup, BranchRun, DecodeStats, start_prompts
+from ..cost import CostCurve
+from ..errors import InvalidArgument, InvalidInput, is_int
+from ..forest import ROOT
+from ..sampling import per_branch_sampling
+from ..scheduler import Scheduler, StepTrace, new_scheduler
+from ..speculation import Speculation, resolve
+from ..strategies import ask as ask_strategy
+from .draw import draw
+from .step import FedNode, Lane, StepCounts, StepView
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+DEFAULT_QUESTIONS = 3
+"""Questions of the sample transcript asked by default (a picture with more lanes gets crowded)."""
+
+DEFAULT_BUDGET = 4
+"""Draft nodes per branch per step by default: enough for a tree, few enough to read."""
+
+EXCERPT_CHARS = 1200
+"""The default document: whole paragraphs of the sample transcript up to this many characters
+(about 300 tokens with the embedded model's tokenizer)."""
+
+
+@dataclass
+class Explanation:
+    """A step of a real run, drawn: `figure` (a matplotlib Figure), `summary` (JSON-ready),
+    `view` (the recorded step), `steps` (every step in numbers), `stats` (the run's)."""
+
+    view: StepView
+    steps: list[StepCounts]
+    stats: DecodeStats
+    summary: dict
+    figure: Figure = field(repr=False)
+
+
+def sample_excerpt(max_chars: int = EXCERPT_CHARS) -> str:
+    """The beginning of the shipped sample transcript: whole paragraphs, at most `max_chars`."""
+    return data.sample_excerpt(max_chars)
+
+
+def sample_questions(count: int = DEFAULT_QUESTIONS) -> list[str]:
+    """The first `count` questions about the sample transcript."""
+    return data.sample_questions()[:count]
+
+
+def explain(decoder, *, document: str | None = None, questions: Sequence[str] | None = None,
+            max_new_tokens: int = 32, speculate="lookup", draft_budget: int | None = DEFAULT_BUDGET,
+            step: int | None = None, cost: CostCurve | None = None, model_label: str | None = None,
+            figsize: tuple[float, float] = (14.0, 7.0), dpi: int = 120) -> Explanation:
+    """Answer `questions` about `document` (default: an excerpt of the sample transcript and three
+    of its questions) with speculation, as `ask` does, and draw one step.
+
+    decoder: a `MultiDecoder` (its model, tokenizer, compaction policy and cost curve are used).
+    speculate, draft_budget: as `speculation.resolve` takes them; the run must speculate.
+    step: the step to draw (2 or later); default: the one that shows verification best: drafts on
+        at least two branches, some accepted and some rejected, and of such steps the one with the
+        most accepted (the earliest of equals).
+    cost: the cost curve "auto" uses (default: the decoder's, else measured once and kept).
+    """
+    document = sample_excerpt() if document is None else document
+    questions = sample_questions() if questions is None else questions
+    ask_strategy.check_document(document)
+    ask_strategy.check_questions(questions)
+    questions = list(questions)
+
+    def begin(scheduler: Scheduler, spec: Speculation) -> BranchRun:
+        return ask_strategy.start(scheduler, decoder.tokenizer, document, questions,
+                                  max_new_tokens=max_new_tokens, speculate=spec)
+
+    return _explain(decoder.model, begin, compaction=decoder.compaction, cost=cost or decoder.cost,
+                    tokenizer=decoder.tokenizer, labels=questions, speculate=speculate,
+                    draft_budget=draft_budget, step=step, model_label=model_label, figsize=figsize, dpi=dpi,
+                    what=f"ask ({len(questions)} question{'s' * (len(questions) != 1)} about one document)")
+
+
+def explain_prompts(model, prompts: Sequence[Sequence[int]], *, tokenizer=None, labels: Sequence[str] | None = None,
+                    max_new_tokens: int = 32, speculate="lookup", draft_budget: int | None = DEFAULT_BUDGET,
+                    step: int | None = None, cost: CostCurve | None = None, eos_token_id=None,
+                    model_label: str | None = None, figsize: tuple[float, float] = (14.0, 7.0),
+                    dpi: int = 120) -> Explanation:
+    """`explain` for whole prompts (token ids) on any causal LM: greedy branches, their common run
+    of ids shared. tokenizer: for the tokens' text (default: the ids); labels: one per prompt."""
+
+    def begin(scheduler: Scheduler, spec: Speculation) -> BranchRun:
+        return start_prompts(scheduler, prompts, max_new_tokens=max_new_tokens,
+                             sampling=per_branch_sampling(len(prompts), {}), tokenizer=tokenizer,
+                             eos_token_id=eos_token_id, speculate=spec)
+
+    return _explain(model, begin, compaction=None, cost=cost, tokenizer=tokenizer, labels=labels,
+                    speculate=speculate, draft_budget=draft_budget, step=step, model_label=model_label,
+                    figsize=figsize, dpi=dpi, what="decode")
+
+
+def _explain(model, begin, *, compaction, cost, tokenizer, labels, speculate, draft_budget, step, model_label,
+             figsize, dpi, what: str) -> Explanation:
+    """Run `begin(scheduler, speculation)` to the end on a new scheduler that records every step."""
+    if step is not None and (not is_int(step) or step < 2):
+        raise InvalidArgument(f"step must be an integer of 2 or more, got {step!r}",
+                              "step 1 feeds the prompts; pick a later step, or leave it unset to choose one")
+    recorder = _Recorder(tokenizer, labels, step)
+    scheduler = new_scheduler(model, compaction=compaction, cost=cost, observer=recorder)
+    recorder.scheduler = scheduler
+    spec = resolve(speculate, scheduler.engine.dtype, budget=draft_budget)
+    if spec is None:
+        raise InvalidArgument("explain draws a speculative step, but this run would not speculate",
+                              "use speculate='lookup' (or 'auto' in float32)")
+    run = begin(scheduler, spec).finish()
+    view = recorder.view
+    total = len(recorder.counts)
+    if step is not None and view is None:
+        raise InvalidArgument(f"the run took {total} step{'s' * (total != 1)}, so there is no step {step}",
+                              f"pick a step from 2 to {total}" if total >= 2 else "raise max_new_tokens")
+    if step is None and (view is None or not any(lane.drafts for lane in view.lanes)):
+        raise InvalidInput(f"no step of this run fed a draft token ({total} steps, speculate={spec.name})",
+                           "ask about text the answers quote or raise max_new_tokens"
+                           + (", or use speculate='lookup' (auto drafts only where it pays)" if spec.auto else ""))
+    view.steps = total
+    label = model_label or _model_name(scheduler.engine.model)
+    summary = summarize(view, run.stats, model=label, speculate=spec)
+    title = _title(view, label, spec, what)
+    figure = draw(view, title=title, figsize=figsize, dpi=dpi)
+    return Explanation(view, recorder.counts, run.stats, summary, figure)
+
+
+class _Recorder:
+    """The observer: counts every step and copies out the chosen one (see the module notes)."""
+
+    def __init__(self, tokenizer, labels, step: int | None) -> None:
+        self.tokenizer, self.labels, self.step = tokenizer, labels, step
+        self.scheduler: Scheduler | None = None  # set once the scheduler exists
+        self.counts: list[StepCounts] = []
+        self.view: StepView | None = None
+        self._best: tuple[int, ...] = (-1,)
+
+    def __call__(self, trace: StepTrace) -> None:
+        group = next(w for w in self.scheduler.works if isinstance(w, BranchGroup))
+        if trace.step == 1:  # the prompts: only the run's own counts say which nodes are drafts
+            drafts, accepted = group.stats.draft_budgets[-1], group.stats.accepted
+            self.counts.append(StepCounts(1, len(trace.nodes), drafts, accepted, drafts - accepted, 0))
+            return
+        lanes = _lanes(trace, group)
+        drafts = sum(len(b) - 1 for b in lanes.values())
+        rejected = len(trace.rejected)
+        counts = StepCounts(trace.step, len(trace.nodes), drafts, drafts - rejected, rejected,
+                            sum(len(b) > 1 for b in lanes.values()))
+        self.counts.append(counts)
+        if self.step is not None:
+            if trace.step == self.step:
+                self.view = _view(trace, group, lanes, self.tokenizer, self.labels)
+            return
+        score = _score(counts, live=len(lanes))
+        if score > self._best:
+            self._best = score
+            self.view = _view(trace, group, lanes, self.tokenizer, self.labels)
+
+
+def _score(counts: StepCounts, *, live: int) -> tuple[int, ...]:
+    """How well a step shows verification: drafts on at least two branches (or all live ones), some
+    accepted and some rejected, then the most accepted; a step must beat the earlier ones to be
+    chosen, so of equals the first wins."""
+    return (int(counts.drafts > 0), int(counts.accepted > 0) + int(counts.rejected > 0),
+            int(counts.branches_with_drafts >= min(2, live)), counts.accepted)
+
+
+def _lanes(trace: StepTrace, group: BranchGroup) -> dict[int, list[int]]:
+    """Branch index -> the nodes it fed in this decode step, in feed order (its head first).
+
+    A head is a fed node whose parent was cached before; a branch's leaf (moved by settling to the
+    end of its accepted path) leads up to it.
+    """
+    forest = trace.forest
+    fed = set(trace.nodes)
+    top: dict[int, int] = {}
+    for node in trace.nodes:  # parents come before children
+        parent = forest.parents[node]
+        top[node] = top[parent] if parent in fed else node
+    branch_of_head = {top[b.leaf]: b.index for b in group.branches if b.leaf in fed}
+    lanes: dict[int, list[int]] = {}
+    for node in trace.nodes:
+        lanes.setdefault(branch_of_head[top[node]], []).append(node)
+    return dict(sorted(lanes.items()))
+
+
+def _view(trace: StepTrace, group: BranchGroup, lanes: dict[int, list[int]], tokenizer, labels) -> StepView:
+    """Copy the step out of the forest (it changes as soon as the callback returns)."""
+    forest = trace.forest
+    rejected = set(trace.rejected)
+    prefix_length = len(group.prefix_ids)
+    out: list[Lane] = []
+    for index, nodes in lanes.items():
+        branch = group.branches[index]
+        head = nodes[0]
+        path = forest.path_tokens(head)  # prompt, answer so far, head
+        children: dict[int, list[int]] = {}
+        for node in nodes[1:]:
+            children.setdefault(forest.parents[node], []).append(node)
+        ordered: list[tuple[int, int]] = []  # (node, depth), depth-first, accepted child first
+        stack = [(head, 0)]
+        while stack:
+            node, depth = stack.pop()
+            ordered.append((node, depth))
+            kids = sorted(children.get(node, []), key=lambda n: n in rejected)
+            stack.extend((kid, depth + 1) for kid in reversed(kids))
+        fed = [FedNode(node, forest.tokens[node], token_text(tokenizer, [forest.tokens[node]]), forest.parents[node],
+                       forest.positions[node], forest.slot_of[node], depth,
+                       "head" if depth == 0 else "rejected" if node in rejected else "accepted")
+               for node, depth in ordered]
+        tail = path[prefix_length:branch.prompt_length]
+        answer = path[branch.prompt_length:-1]
+        label = labels[index] if labels is not None and index < len(labels) else f"branch {index + 1}"
+        next_token = branch.output.token_ids[-1]
+        out.append(Lane(index, label, tail, token_text(tokenizer, tail), answer, token_text(tokenizer, answer), fed,
+                        next_token, token_text(tokenizer, [next_token]), branch.output.finished))
+    rows = [n for lane in out for n in lane.nodes]
+    visible = torch.zeros(len(rows), forest.num_slots, dtype=torch.bool)  # [rows, slots]
+    for i, row in enumerate(rows):
+        node = row.node
+        while node != ROOT:
+            visible[i, forest.slot_of[node]] = True
+            node = forest.parents[node]
+    slot_branch: list[int | None] = [None] * forest.num_slots
+    for b in group.branches:
+        if b.leaf is None:
+            continue
+        for depth, node in enumerate(forest.path(b.leaf)):
+            slot = forest.slot_of[node]
+            if slot is not None:
+                slot_branch[slot] = -1 if depth < prefix_length else b.index
+    for lane in out:  # drafts (rejected ones too) belong to their branch
+        for n in lane.nodes:
+            slot_branch[n.slot] = lane.branch
+    return StepView(trace.step, prefix_length, token_text(tokenizer, group.prefix_ids), forest.num_slots, out,
+                    visible, slot_branch)
+
+
+def token_text(tokenizer, ids: Sequence[int]) -> str:
+    """The text of `ids` as the tokenizer writes it (special tokens kept); ids without one."""
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    try:
+        return tokenizer.decode(list(ids), skip_special_tokens=False)
+    except TypeError:
+        return tokenizer.decode(list(ids))
+
+
+def _model_name(model) -> str:
+    config = model.config
+    name = Path(str(getattr(config, "_name_or_path", "") or "")).name
+    return name or getattr(config, "model_type", type(model).__name__)
+
+
+def summarize(view: StepView, stats: DecodeStats, *, model: str, speculate: Speculation) -> dict:
+    """A JSON-ready account of the step (and of the run it came from)."""
+    branches = []
+    for lane in view.lanes:
+        head = lane.nodes[0]
+        branches.append({
+            "branch": lane.branch,
+            "label": lane.label,
+            "head": {"token_id": head.token, "text": head.text, "position": head.position, "slot": head.slot},
+            "draft_size": len(lane.drafts),
+            "accepted": len(lane.accepted),
+            "rejected": len(lane.rejected),
+            "accepted_text": "".join(n.text for n in lane.accepted),
+            "next_token": {"token_id": lane.next_token, "text": lane.next_text},
+            "positions": [min(n.position for n in lane.nodes), max(n.position for n in lane.nodes)],
+            "prompt_tail_tokens": len(lane.tail),
+            "answer_tokens_before": len(lane.answer),
+            "finished": lane.finished,
+        })
+    rows = view.rows
+    return {
+        "model": model,
+        "speculate": speculate.name,
+        "draft_budget": speculate.size,
+        "step": view.step,
+        "steps": view.steps,
+        "cache_slots": view.num_slots,
+        "prefix_tokens": view.prefix_length,
+        "fed": len(rows),
+        "drafted": sum(r.status != "head" for r in rows),
+        "accepted": sum(r.status == "accepted" for r in rows),
+        "rejected": sum(r.status == "rejected" for r in rows),
+        "branches": branches,
+        "run": stats.as_dict(),
+    }
+
+
+def _title(view: StepView, model: str, spec: Speculation, what: str) -> str:
+    """Two lines: what ran and which step; what the step fed and what came of it."""
+    rows = view.rows
+    accepted = sum(r.status == "accepted" for r in rows)
+    rejected = sum(r.status == "rejected" for r in rows)
+    budget = "chosen by cost" if spec.auto else f"at most {spec.size} per branch"
+    lanes = len(view.lanes)
+    return (f"One verification step of {what}, speculate={spec.name}, on {model}: step {view.step} of {view.steps}\n"
+            f"{lanes} branch{'es' * (lanes != 1)} in one forward, {accepted + rejected} draft tokens ({budget}): "
+            f"{accepted} accepted, {rejected} rejected, so {accepted + lanes} tokens emitted")
+
+
+__all__ = ["Explanation", "explain", "explain_prompts", "sample_excerpt", "sample_questions", "summarize", "token_text"]

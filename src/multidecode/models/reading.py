@@ -1,0 +1,69 @@
+"""Reading a model with transformers: quietly, with errors a user can act on.
+
+`from_pretrained` asks for sdpa attention and falls back to eager where a model has no sdpa
+kernel; `loading_errors` turns what transformers raises for something it cannot read into
+`ModelNotFound`; `quiet_transformers` silences its progress bars and logs (the library prints
+nothing). Both `loading` and the GGUF conversion of `converted` read models through here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from ..errors import ModelNotFound, MultiDecodeError, UnsupportedModel
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Silence transformers' progress bars and info logs while loading: the library prints nothing."""
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    level, hub_level = hf_logging.get_verbosity(), hub_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()
+    try:
+        # GGUF de-quantization draws its own tqdm bar on stderr.
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        hub_logging.set_verbosity(hub_level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def loading_errors(model):
+    """Turn what transformers raises for a model it cannot read into `ModelNotFound`."""
+    try:
+        yield
+    except MultiDecodeError:
+        raise
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelNotFound(
+            f"could not load a causal language model from {model}: {first_line(err)}",
+            "pass a local Hugging Face model folder, a .gguf file, or nothing for the embedded model",
+        ) from err
+
+
+def from_pretrained(auto_class, folder, dtype, kwargs):
+    try:
+        return auto_class.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    except ValueError as err:
+        if "sdpa" not in str(err).lower() and "scaled_dot_product" not in str(err).lower():
+            if "Unrecognized configuration class" in str(err) or "does not recognize" in str(err):
+                raise UnsupportedModel(
+                    f"{folder} is not a causal language model: {first_line(err)}",
+                    "MultiDecode needs a decoder-only model (AutoModelForCausalLM)",
+                ) from err
+            raise
+        return auto_class.from_pretrained(folder, dtype=dtype, attn_implementation="eager", **kwargs)
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

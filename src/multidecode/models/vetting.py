@@ -1,0 +1,102 @@
+"""Which models a forest runs exactly: vetting, and the facts about a model the engine needs.
+
+A forest is exact only for decoder-only attention models that take position ids and an additive
+4D mask through `forward`: eager or sdpa attention, full or sliding-window layers. Everything else
+(flash-attention, recurrent or convolution layers, encoder-decoders, ALiBi, chunked or
+bidirectional attention) is refused with an `UnsupportedModel` error. `mask_layout` says which
+masks a model needs (one, or one per layer type for hybrid models) and `max_positions` how far
+its positions go.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from ..errors import UnsupportedModel
+from ..masks import FULL, SLIDING, MaskLayout
+
+SUPPORTED_ATTENTION = ("eager", "sdpa", "multidecode_sdpa")
+# Model types whose layers are not all attention, or whose positions are not position ids.
+_REFUSED_TYPES = {
+    "rwkv": "recurrent layers",
+    "mamba": "recurrent layers",
+    "mamba2": "recurrent layers",
+    "falcon_mamba": "recurrent layers",
+    "xlstm": "recurrent layers",
+    "recurrent_gemma": "recurrent layers",
+    "jamba": "recurrent layers",
+    "zamba": "recurrent layers",
+    "zamba2": "recurrent layers",
+    "bamba": "recurrent layers",
+    "falcon_h1": "recurrent layers",
+    "granitemoehybrid": "recurrent layers",
+    "lfm2": "convolution layers",
+    "lfm2_moe": "convolution layers",
+    "qwen3_next": "linear-attention layers",
+    "bloom": "ALiBi positions (computed from cache order, not position ids)",
+    "mpt": "ALiBi positions (computed from cache order, not position ids)",
+}
+
+
+def text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def check_supported(model) -> None:
+    """Raise `UnsupportedModel` unless `model` can be decoded as a forest exactly."""
+    config = model.config
+    name = getattr(config, "model_type", type(model).__name__)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(
+            f"{name} is an encoder-decoder model; MultiDecode needs a decoder-only causal LM",
+            "use a decoder-only model such as Llama, Qwen2, Mistral, Gemma or GPT-2",
+        )
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl not in SUPPORTED_ATTENTION:
+        raise UnsupportedModel(
+            f"attention implementation {impl!r} cannot take a tree-shaped 4D mask",
+            "load the model with attn_implementation='sdpa' or 'eager'",
+        )
+    tconfig = text_config(config)
+    reason = _REFUSED_TYPES.get(getattr(tconfig, "model_type", name)) or _REFUSED_TYPES.get(name)
+    if reason is None and getattr(tconfig, "alibi", False):
+        reason = "ALiBi positions (computed from cache order, not position ids)"
+    if reason is None and getattr(tconfig, "use_bidirectional_attention", False):
+        reason = "bidirectional attention"
+    if reason is None and getattr(tconfig, "attention_chunk_size", None):
+        reason = "chunked attention"
+    if reason is None:
+        odd = sorted(set(_layer_types(tconfig)) - {FULL, SLIDING})
+        if odd:
+            reason = f"layers of type {', '.join(odd)}"
+    if reason is not None:
+        raise UnsupportedModel(
+            f"{name} has {reason}, which a forest over one KV cache cannot run exactly",
+            "use a model whose layers are all full or sliding-window attention",
+        )
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise UnsupportedModel(
+            f"{name}'s forward takes no position_ids, so a branch's tokens would get positions from "
+            "their cache order instead of their depth",
+            "use a model whose forward accepts position_ids, such as Llama, Qwen2, Mistral, Gemma or GPT-2",
+        )
+
+
+def _layer_types(config) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types)
+    layers = getattr(config, "num_hidden_layers", 1)
+    return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * layers
+
+
+def mask_layout(config) -> MaskLayout:
+    """The masks `config`'s model needs: one tensor, or a dict per layer type for hybrids."""
+    tconfig = text_config(config)
+    types = tuple(_layer_types(tconfig))
+    window = getattr(tconfig, "sliding_window", None) if SLIDING in types else None
+    return MaskLayout(layer_types=types, sliding_window=window, as_dict=len(set(types)) > 1)
+
+
+def max_positions(config) -> int | None:
+    return getattr(text_config(config), "max_position_embeddings", None)
