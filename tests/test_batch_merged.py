@@ -55,7 +55,7 @@ def test_merged_lines_equal_each_line_asked_alone(arch):
     settings = BatchSettings(max_new_tokens=6)
     with ForestAnswerer(decoder, settings) as answerer:
         outcomes = list(answer_merged(answerer, items))
-        counters = answerer.server.counters
+        counters = answerer.runtime.counters
     assert all(o.error is None for o in outcomes) and len(outcomes) == 6
     got = answers_of(outcomes)
     alone = {item.line: [list(a.token_ids) for a in decoder.ask(item.document, list(item.questions),
