@@ -15,7 +15,8 @@ from local_models import tiny_model_folder
 
 from multidecode.models.loading import load_model_and_tokenizer
 from multidecode.runtime import Limits
-from multidecode.serving.app import DrainingServer, ServeState, create_app
+from multidecode.serving.app import ServeState, create_app
+from multidecode.serving.launch import DrainingServer
 
 MODEL = "tiny"
 
@@ -27,7 +28,7 @@ def free_port() -> int:
 
 
 class Running:
-    """A started server: its base URL, its state (the `ForestRuntime` is `state.server`), clients."""
+    """A started server: its base URL, its state (the `ForestRuntime` is `state.runtime`), clients."""
 
     def __init__(self, state: ServeState, port: int, uvicorn_server) -> None:
         self.state, self.port, self.uvicorn = state, port, uvicorn_server
@@ -35,7 +36,7 @@ class Running:
 
     @property
     def forest(self):
-        return self.state.server
+        return self.state.runtime
 
     def client(self, **kwargs) -> openai.OpenAI:
         kwargs.setdefault("api_key", self.state.api_key or "none")
@@ -62,9 +63,9 @@ def tiny_loader(folder: Path):
 
 @contextmanager
 def running_server(loader, *, name: str = MODEL, api_key: str | None = None, limits: Limits | None = None,
-                   background: bool = False, drain_timeout: float = 5.0):
-    """Serve `loader()`'s model on a free port until the block ends."""
-    state = ServeState(name, api_key=api_key)
+                   background: bool = False, drain_timeout: float = 5.0, speculate=None):
+    """Serve `loader()`'s model on a free port until the block ends (speculate: the server's own)."""
+    state = ServeState(name, api_key=api_key, speculate=speculate)
     port = free_port()
     server = DrainingServer(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"),
                             state, drain_timeout=drain_timeout)
@@ -81,8 +82,8 @@ def running_server(loader, *, name: str = MODEL, api_key: str | None = None, lim
     finally:
         server.should_exit = True
         thread.join(10)
-        if state.server is not None:
-            state.server.stop()
+        if state.runtime is not None:
+            state.runtime.stop()
 
 
 def tiny_folder(tmp_path_factory) -> Path:

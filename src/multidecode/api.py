@@ -24,7 +24,7 @@ from .models.loading import load_model_and_tokenizer
 from .models.vetting import check_supported
 from .sampling import per_branch_sampling
 from .scheduler import CompactionPolicy, Scheduler, new_scheduler
-from .speculation import Speculation, named_proposer
+from .speculation import SpeculationSettings, load_draft, resolve
 from .stopping import eos_ids_of
 from .strategies import ask as _ask
 from .strategies import beam as _beam
@@ -56,12 +56,28 @@ class MultiDecoder:
         self.compaction = compaction or CompactionPolicy()
         self.cost = cost
         self.draft = draft
+        self._drafts: dict[tuple, object] = {}  # (draft model, skipped layers) -> a draft made by `draft_for`
 
     def speculation(self, speculate):
-        """`speculate` with "draft" bound to this decoder's draft model (a fresh proposer per call)."""
+        """`speculate` as this decoder runs it. "draft" drafts with this decoder's draft model;
+        `SpeculationSettings` that name their own draft (a model, or a self-draft) get it from
+        `draft_for`. Both come back as a `Speculation` with a fresh proposer, so call this once
+        per run; other values come back as they are."""
         if isinstance(speculate, str) and speculate.strip().lower() == "draft":
-            return Speculation(named_proposer("draft", self.draft))
+            speculate = SpeculationSettings("draft")
+        if isinstance(speculate, SpeculationSettings):
+            return resolve(speculate, self.model.dtype, draft=self.draft_for(speculate))
         return speculate
+
+    def draft_for(self, settings: SpeculationSettings):
+        """The draft model `settings` draft with: the one they name, loaded or built once and kept
+        (see `speculation.load_draft`), else this decoder's `draft`."""
+        if not settings.own_draft:
+            return self.draft
+        key = (settings.draft_model, settings.skip_layers)
+        if key not in self._drafts:
+            self._drafts[key] = load_draft(settings, self.model, self.tokenizer)
+        return self._drafts[key]
 
     @property
     def eos_ids(self) -> frozenset[int]:

@@ -15,7 +15,15 @@
   acceptance each source has had so far (`cost`), so that it speculates only where that pays,
   and not at all where it does not;
 - a `Proposer`: that proposer, at the default budget;
-- a `Speculation`: all of it spelled out.
+- a `Speculation`: all of it spelled out;
+- a `SpeculationSettings`: a mode by name with its details (a draft budget, lookahead's W,N,G, a
+  draft model by name or a self-draft's skipped layers), as the command line, the server and the
+  batch job take them: parsed and checked before any model loads (`SpeculationSettings.parse`),
+  built into a `Speculation` once the target is loaded (`resolve`, with the draft model that
+  `load_draft` made).
+
+This module alone says what a `speculate=` value means; the CLI, the server's protocol, the batch
+job and the benchmarks all go through it.
 
 Speculation never changes what is generated: greedy output equals plain greedy decoding and a
 seeded sampled run equals the same run without speculation (see `verify`). That holds in
@@ -26,16 +34,20 @@ not speculate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
-from .errors import InvalidArgument, check_positive
+from . import data
+from .errors import InvalidArgument, check_positive, is_int
+from .models.loading import load_model_and_tokenizer
 from .proposers import Proposer
-from .proposers.draft import DraftModel
+from .proposers.draft import DraftModel, check_same_tokenizer
 from .proposers.lookahead import Lookahead
 from .proposers.lookup import PromptLookup
 from .proposers.mixture import Mixture
+from .proposers.self_draft import choose_skip, self_draft
 from .proposers.suffix import SuffixProposer
 
 DEFAULT_BUDGET = 8
@@ -45,6 +57,8 @@ AUTO_MAX_DRAFT = 16
 """In "auto", the most draft nodes a branch proposes per step (the cost model keeps fewer)."""
 
 MODES = ("lookup", "suffix", "lookahead", "draft", "auto")
+OFF = ("off", "none")
+"""Names that mean no speculation, beside None."""
 EXACT_DTYPES = (torch.float32, torch.float64)
 
 
@@ -94,6 +108,10 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
         check_positive("the draft budget", budget)
     if speculate is None or speculate is False:
         return None
+    if isinstance(speculate, SpeculationSettings):
+        return speculate.build(dtype, draft=draft)
+    if isinstance(speculate, str) and speculate.strip().lower() in OFF:
+        return None
     if isinstance(speculate, Speculation):
         spec = speculate
     elif isinstance(speculate, Proposer):
@@ -103,6 +121,12 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
     else:
         proposer = named_proposer(speculate, draft)
         spec = Speculation(proposer, budget or proposer.default_budget or DEFAULT_BUDGET)
+    return exact_or_refused(spec, dtype)
+
+
+def exact_or_refused(spec: Speculation, dtype: torch.dtype) -> Speculation | None:
+    """`spec` where it can be exact in `dtype`; else None for "auto" (which then does not
+    speculate) and `InvalidArgument` for explicit speculation."""
     if dtype not in EXACT_DTYPES:
         if spec.auto:
             return None
@@ -115,6 +139,7 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
 
 def named_proposer(mode: str, draft=None) -> Proposer:
     """A fresh proposer for a named mode (`draft`: the draft model of "draft")."""
+    mode = mode.strip().lower() if isinstance(mode, str) else mode
     if mode == "lookup":
         return PromptLookup()
     if mode == "suffix":
@@ -135,3 +160,181 @@ def auto_proposer(store=None) -> Mixture:
     one), and lookahead where the hardware makes its window nearly free (`Mixture.fit`, done when
     a run starts and the cost curve is known)."""
     return Mixture([PromptLookup(), SuffixProposer(store=store)], name="auto", lookahead=True)
+
+
+# ---------------------------------------------------------------------- settings by name
+@dataclass(frozen=True)
+class Spelling:
+    """How error messages name the settings: as Python arguments or as command-line options."""
+
+    mode: str = "speculate={!r}"
+    current: str = "speculate is {!r}"
+    budget: str = "draft_budget"
+    lookahead: str = "lookahead"
+    draft_model: str = "draft_model"
+    skip_layers: str = "draft_skip_layers"
+
+    def setting(self, mode: str) -> str:
+        """How to write the mode setting `mode`: speculate='lookup', --speculate lookup."""
+        return self.mode.format(mode)
+
+    def is_set(self, mode: str | None) -> str:
+        """How to say the mode is `mode`: speculate is 'lookup', --speculate is lookup."""
+        return self.current.format("off" if mode is None else mode)
+
+
+PYTHON = Spelling()
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """A speculation mode by name and its details, as a user writes them (see the module notes).
+
+    mode: one of `MODES`, or None for no speculation. budget: draft nodes per branch per step (for
+    "auto", the most a branch may propose). lookahead: (window, n-gram size, guesses) for
+    "lookahead". draft_model: a model name (as `load` takes it) to draft with; skip_layers: draft
+    with the target itself, these layers skipped, or "auto" to choose them by measured
+    acceptance. Either one implies mode "draft"; with neither, "draft" uses the caller's draft
+    model (`MultiDecoder(draft=...)`).
+    """
+
+    mode: str | None = None
+    budget: int | None = None
+    lookahead: tuple[int, int, int] | None = None
+    draft_model: str | None = None
+    skip_layers: tuple[int, ...] | str | None = None
+
+    @classmethod
+    def parse(cls, mode: str | None = None, *, budget: int | None = None, lookahead: str | Sequence[int] | None = None,
+              draft_model: str | None = None, skip_layers: str | Sequence[int] | None = None,
+              spelling: Spelling = PYTHON) -> SpeculationSettings:
+        """Settings from what a user wrote, checked: an unknown mode, a bad budget, lookahead
+        settings or layer list, or details that need another mode raise `InvalidArgument`,
+        naming each setting as `spelling` does (Python arguments by default)."""
+        mode = None if mode is None else str(mode).strip().lower()
+        mode = None if mode in OFF else mode
+        if mode is not None and mode not in MODES:
+            raise InvalidArgument(f"unknown speculation mode {mode!r}", f"use one of {', '.join(MODES)}, or off")
+        if draft_model is not None and skip_layers is not None:
+            raise InvalidArgument(f"{spelling.draft_model} and {spelling.skip_layers} both name a draft",
+                                  "keep one: a second model, or the target with layers skipped")
+        drafting = draft_model is not None or skip_layers is not None
+        if drafting and mode in (None, "auto"):
+            mode = "draft"
+        if budget is not None:
+            check_positive("the draft budget", budget)
+        if mode is None:
+            given = spelling.budget if budget is not None else spelling.lookahead if lookahead is not None else None
+            if given:
+                raise InvalidArgument(f"{given} needs speculation, and {spelling.is_set(None)}",
+                                      f"add {spelling.setting('lookup')}, {spelling.setting('lookahead')} or "
+                                      f"{spelling.setting('auto')}")
+            return cls()
+        if drafting and mode != "draft":
+            raise InvalidArgument(f"a draft model was given but {spelling.is_set(mode)}",
+                                  f"use {spelling.setting('draft')}")
+        if lookahead is not None and mode != "lookahead":
+            raise InvalidArgument(f"{spelling.lookahead} sets lookahead decoding, but {spelling.is_set(mode)}",
+                                  f"add {spelling.setting('lookahead')}")
+        return cls(mode, budget, None if lookahead is None else lookahead_settings(lookahead, spelling),
+                   draft_model, None if skip_layers is None else skip_layer_list(skip_layers, spelling))
+
+    @property
+    def off(self) -> bool:
+        return self.mode is None
+
+    @property
+    def own_draft(self) -> bool:
+        """Whether these settings name their own draft (a model to load, or a self-draft)."""
+        return self.draft_model is not None or self.skip_layers is not None
+
+    def with_mode(self, mode: str | None) -> SpeculationSettings:
+        """The details that apply under another mode (a server request picking a mode of its own)."""
+        if mode is None or str(mode).strip().lower() in OFF:
+            return SpeculationSettings()
+        return SpeculationSettings.parse(mode, budget=self.budget,
+                                         lookahead=self.lookahead if mode == "lookahead" else None,
+                                         draft_model=self.draft_model if mode == "draft" else None,
+                                         skip_layers=self.skip_layers if mode == "draft" else None)
+
+    def check(self, dtype: torch.dtype, *, draft=None, spelling: Spelling = PYTHON) -> None:
+        """Refuse, before anything loads, what cannot run: explicit speculation in a dtype where
+        it cannot be exact, and "draft" without a draft model."""
+        if self.mode == "draft" and not self.own_draft and draft is None:
+            raise InvalidArgument(f"{spelling.setting('draft')} needs a draft model",
+                                  f"add {spelling.draft_model}, or {spelling.skip_layers} auto to draft with the "
+                                  "model itself")
+        if self.mode not in (None, "auto") and dtype not in EXACT_DTYPES:
+            exact_or_refused(Speculation(PromptLookup(), self.budget or DEFAULT_BUDGET), dtype)
+
+    def build(self, dtype: torch.dtype, *, draft=None) -> Speculation | None:
+        """A `Speculation` with a fresh proposer (see `resolve`); draft: the draft model for
+        "draft" (from `load_draft` where these settings name their own)."""
+        if self.mode is None:
+            return None
+        if self.mode == "lookahead" and self.lookahead is not None:
+            window, ngram, guesses = self.lookahead
+            return resolve(Lookahead(window=window, ngram=ngram, guesses=guesses), dtype, budget=self.budget)
+        return resolve(self.mode, dtype, budget=self.budget, draft=draft)
+
+
+def load_draft(settings: SpeculationSettings, model, tokenizer):
+    """The draft model `settings` name, made for the target `model`: the model `draft_model`
+    names, loaded in the target's dtype and on its device (its tokenizer must be the target's),
+    or the target with `skip_layers` skipped (sharing its weights; "auto" chooses them first,
+    see `choose_draft_layers`)."""
+    if settings.draft_model is not None:
+        device = next(model.parameters()).device
+        draft, draft_tokenizer = load_model_and_tokenizer(settings.draft_model, dtype=model.dtype, device=device)
+        check_same_tokenizer(tokenizer, draft_tokenizer)
+        return draft
+    return self_draft(model, list(choose_draft_layers(settings, model, tokenizer).skip_layers))
+
+
+def choose_draft_layers(settings: SpeculationSettings, model, tokenizer, *, sample_ids=None) -> SpeculationSettings:
+    """`settings` with skip_layers "auto" replaced by the layers chosen for `model`, by the
+    agreement measured on `sample_ids` (default: the shipped sample of prose and code); other
+    settings come back as they are. Raises `InvalidArgument` where no set of layers pays."""
+    if settings.skip_layers != "auto":
+        return settings
+    sample = sample_ids if sample_ids is not None else [tokenizer(data.self_draft_sample())["input_ids"]]
+    layers = tuple(choose_skip(model, sample).layers)
+    if not layers:
+        raise InvalidArgument(
+            "no set of skipped layers is expected to pay on this model: a self-draft agrees with it too "
+            "rarely for what it saves", "name the layers yourself (e.g. 10-14), or speculate with 'auto'")
+    return replace(settings, skip_layers=layers)
+
+
+def lookahead_settings(value: str | Sequence[int], spelling: Spelling = PYTHON) -> tuple[int, int, int]:
+    """'W,N,G' (or three ints) as (window >= 1, n-gram size >= 2, guesses >= 0)."""
+    try:
+        parts = value.split(",") if isinstance(value, str) else list(value)
+        window, ngram, guesses = (int(part) for part in parts)
+    except (ValueError, TypeError):
+        raise InvalidArgument(f"{spelling.lookahead} {value!r} is not three integers W,N,G",
+                              f"write e.g. {spelling.lookahead} 7,5,7") from None
+    if window < 1 or ngram < 2 or guesses < 0:
+        raise InvalidArgument(f"{spelling.lookahead} {value}: need W >= 1, N >= 2 and G >= 0",
+                              f"write e.g. {spelling.lookahead} 7,5,7")
+    return window, ngram, guesses
+
+
+def skip_layer_list(value: str | Sequence[int], spelling: Spelling = PYTHON) -> tuple[int, ...] | str:
+    """'4,6,8-12' (or a list of ints) as (4, 6, 8, 9, 10, 11, 12); "auto" stays "auto"."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if not isinstance(value, str):
+        if all(is_int(v) for v in value):
+            return tuple(int(v) for v in value)
+        value = ",".join(map(str, value))
+    layers: list[int] = []
+    try:
+        for part in value.split(","):
+            first, _, last = part.strip().partition("-")
+            layers += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise InvalidArgument(f"{spelling.skip_layers} {value!r} is not a list of layer numbers",
+                              f"write e.g. {spelling.skip_layers} 4,6,8-12, or auto") from None
+    return tuple(layers)
+

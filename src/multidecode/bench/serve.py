@@ -53,7 +53,6 @@ p50 TTFT at concurrency 16 at most 2x the solo (concurrency 1) p50 TTFT of the s
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import datetime as _dt
@@ -403,16 +402,15 @@ class Server:
 
 def multidecode_server(name: str, model: str | None, *, max_running: int | None, max_live_tokens: int,
                        prefix_cache_tokens: int, threads: int | None = None) -> Server:
-    command = [sys.executable, "-m", "multidecode.bench.serve", "--port", "{port}", "--name", SERVED_NAME,
-               "--max-live-tokens", str(max_live_tokens), "--prefix-cache-tokens", str(prefix_cache_tokens)]
-    if model is not None:
-        command += ["--model", model]
-    if max_running is not None:
-        command += ["--max-running", str(max_running)]
-    if threads is not None:
-        command += ["--threads", str(threads)]
-    server = Server(name, command, model=SERVED_NAME)
-    server.command = [str(server.port) if part == "{port}" else part for part in command]
+    """`multidecode serve` in a subprocess, with the limits given (max_running 1: one at a time)."""
+    server = Server(name, [], model=SERVED_NAME)
+    server.command = [sys.executable, "-m", "multidecode", "serve", "--port", str(server.port),
+                      "--served-model-name", SERVED_NAME, "--max-live-tokens", str(max_live_tokens),
+                      "--prefix-cache-tokens", str(prefix_cache_tokens), "--log-level", "warning",
+                      "--drain-timeout", "10"]
+    for option, value in (("--model", model), ("--max-running", max_running), ("--threads", threads)):
+        if value is not None:
+            server.command += [option, str(value)]
     return server
 
 
@@ -855,43 +853,3 @@ def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None)
     plot(result, paths[1])
     paths[2].write_text(markdown(result), encoding="utf-8")
     return paths
-
-
-# ---------------------------------------------------------------------- the server subprocess
-def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m multidecode.bench.serve`: `multidecode serve`'s app with the limits given,
-    including --max-running (which the command does not offer), for this benchmark."""
-    import logging
-
-    import uvicorn
-
-    from ..models.loading import load_model_and_tokenizer
-    from ..runtime import Limits
-    from ..serving.app import DrainingServer, ServeState, create_app
-
-    parser = argparse.ArgumentParser(prog="python -m multidecode.bench.serve")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--name", default=SERVED_NAME)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--max-running", type=int, default=None)
-    parser.add_argument("--max-live-tokens", type=int, default=32768)
-    parser.add_argument("--prefix-cache-tokens", type=int, default=8192)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args(argv)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
-    state = ServeState(args.name)
-    limits = Limits(max_live_tokens=args.max_live_tokens, prefix_cache_tokens=args.prefix_cache_tokens,
-                    max_running=args.max_running)
-    config = uvicorn.Config(create_app(state), host="127.0.0.1", port=args.port, log_level="warning",
-                            access_log=False)
-    server = DrainingServer(config, state, drain_timeout=10.0)
-    state.load(lambda: load_model_and_tokenizer(args.model), limits=limits)
-    server.run()
-
-
-if __name__ == "__main__":
-    main()

@@ -16,9 +16,8 @@ from ..strategies import ask as ask_strategy
 from ..strategies.ask import check_document, check_questions
 from .common import (
     check_early,
-    load_decoder,
+    load_to_speculate,
     model_options,
-    prepare_speculation,
     print_stats,
     read_lines,
     read_text,
@@ -104,9 +103,8 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, dt
     check_document(text)
     check_questions(questions)
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
-    spec = speculation_from(speculate, draft_budget, dtype)
-    decoder = load_decoder(model_name, dtype, device)
-    spec = prepare_speculation(decoder, spec)
+    speculation = speculation_from(speculate, draft_budget, dtype)
+    decoder, spec = load_to_speculate(model_name, dtype, device, speculation)
     start = time.perf_counter()
     settings = dict(max_new_tokens=max_new_tokens, stop=stop, speculate=spec, **sampling_from(sampling))
     run = ask_strategy.start(decoder.scheduler(), decoder.tokenizer, text, questions, **settings)

@@ -200,7 +200,8 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
                      f"input, then rerun with --retry-failed to redo {'it' if one else 'them'}")
 
 
-def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, model_name, dtype, device, spec):
+def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, model_name, dtype, device,
+           speculation):
     """The job's outcomes from Ray workers (`multidecode.batch.ray`), with a status line while
     Ray starts and the workers load the model."""
     from ..batch.ray import ray_outcomes
@@ -208,7 +209,7 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
     where = "a local Ray" if address == "local" else escape(address)
     stderr.print(f"[dim]Starting {workers} worker{'s' * (workers != 1)} on {where}...[/dim]")
     return ray_outcomes(job.pending_items(), settings=settings, model=model_name, dtype=dtype, device=device,
-                        speculate=spec, prepare=prepare_speculation, address=None if address == "local" else address,
+                        speculate=speculation, address=None if address == "local" else address,
                         workers=workers, stopping=lambda: job.stopping)
 
 
@@ -281,7 +282,7 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
                                'each line its own "questions"')
         questions += from_file
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
-    spec = speculation_from(speculate, draft_budget, dtype)
+    speculation = speculation_from(speculate, draft_budget, dtype)
     settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
                              sampling=sampling_from(sampling), model=model_identity(model_name), dtype=dtype)
     with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
@@ -291,10 +292,11 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
         if job.pending:
             if ray_address is None:
                 decoder = load_decoder(model_name, dtype, device)
-                results = job.run(decoder, speculate=prepare_speculation(decoder, spec), forest_tokens=forest_tokens,
+                results = job.run(decoder, speculate=prepare_speculation(decoder, speculation), forest_tokens=forest_tokens,
                                   forest_branches=forest_branches)
             else:
-                results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, dtype, device, spec))
+                results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, dtype, device,
+                                                   speculation))
             try:
                 with ProgressView(job) as view, graceful_stop(job, view) as received:
                     for result in results:

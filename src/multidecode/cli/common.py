@@ -16,7 +16,8 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
+from ..errors import InvalidInput, MultiDecodeError
+from ..speculation import SpeculationSettings, Spelling
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 stdout = Console(highlight=False, soft_wrap=True)
@@ -57,9 +58,14 @@ def sampling_from(options: dict) -> dict:
     return {k: options[k] for k in keys if options.get(k) is not None}
 
 
+SPELLING = Spelling(mode="--speculate {}", current="--speculate is {}", budget="--draft-budget", lookahead="--lookahead",
+                    draft_model="--draft-model", skip_layers="--draft-skip-layers")
+"""How speculation's error messages name the settings here: as the options below."""
+
+
 @dataclass(frozen=True)
-class SpeculationChoice:
-    """What the speculation options asked for (resolved once the model is loaded)."""
+class SpeculateOptions:
+    """The speculation options as given (`speculation_from` parses and checks them)."""
 
     mode: str | None
     draft_model: str | None = None
@@ -67,20 +73,22 @@ class SpeculationChoice:
     lookahead: str | None = None
 
 
-def speculate_options(default: str | None = None):
+def speculate_options(default: str | None = None, *, stats: bool = True, scope: str = ""):
     """--speculate MODE (default `default`), --draft-budget N, --draft-model PATH,
-    --draft-skip-layers LIST, --lookahead W,N,G, --stats. The command receives them as one
-    `SpeculationChoice` in `speculate` (and `draft_budget`, `show_stats`)."""
+    --draft-skip-layers LIST, --lookahead W,N,G and, with `stats`, --stats. The command receives
+    them as one `SpeculateOptions` in `speculate` (and `draft_budget`, `show_stats`); `scope` ends
+    --speculate's help."""
 
     def add(function):
         @functools.wraps(function)
         def bundled(*args, speculate, draft_model, draft_skip_layers, lookahead, **kwargs):
-            choice = SpeculationChoice(speculate, draft_model, draft_skip_layers, lookahead)
-            return function(*args, speculate=choice, **kwargs)
+            options = SpeculateOptions(speculate, draft_model, draft_skip_layers, lookahead)
+            return function(*args, speculate=options, **kwargs)
 
         command = bundled
-        command = click.option("--stats", "show_stats", is_flag=True,
-                               help="Print forwards, tokens per forward, draft acceptance and budget on stderr.")(command)
+        if stats:
+            command = click.option("--stats", "show_stats", is_flag=True, help="Print forwards, tokens per forward, "
+                                   "draft acceptance and budget on stderr.")(command)
         command = click.option("--lookahead", default=None, metavar="W,N,G",
                                help="Lookahead settings: window, n-gram size, guesses (default 7,5,7).")(command)
         command = click.option("--draft-skip-layers", default=None, metavar="LIST|auto",
@@ -95,141 +103,58 @@ def speculate_options(default: str | None = None):
                             help="Speculative decoding inside every branch: lookup (prompt lookup), suffix (what "
                                  "this process saw before), lookahead (Jacobi window), draft (a draft model), auto "
                                  "(lookup and suffix, only where the measured cost says it pays) or off. Never "
-                                 "changes the output.")(command)
+                                 "changes the output." + (" " + scope if scope else ""))(command)
 
     return add
 
 
-@dataclass(frozen=True)
-class PendingDraft:
-    """Draft-model speculation, built once the target is loaded (a self-draft needs it)."""
-
-    choice: SpeculationChoice
-    budget: int | None
-
-
-def speculation_from(choice: SpeculationChoice | str | None, draft_budget: int | None, dtype: str | None):
-    """The `speculate=` value for the library, checked before the model loads (unknown mode, bad
-    budget, settings that need another mode, a dtype where speculation cannot be exact). Draft
-    models come back as a `PendingDraft` that `prepare_speculation` builds."""
+def speculation_from(options: SpeculateOptions | str | None, draft_budget: int | None,
+                     dtype: str | None) -> SpeculationSettings:
+    """The options as `SpeculationSettings`, checked before the model loads (unknown mode, bad
+    budget, settings that need another mode, a dtype where speculation cannot be exact)."""
     from ..models.loading import resolve_dtype
-    from ..speculation import resolve
 
-    if not isinstance(choice, SpeculationChoice):
-        choice = SpeculationChoice(choice)
-    mode = None if choice.mode is None else choice.mode.strip().lower()
-    drafting = choice.draft_model is not None or choice.draft_skip_layers is not None
-    if choice.draft_model is not None and choice.draft_skip_layers is not None:
-        raise InvalidArgument("--draft-model and --draft-skip-layers both name a draft",
-                              "keep one: a second model, or the target with layers skipped")
-    if drafting and mode in (None, "off", "none", "auto"):
-        mode = "draft"
-    if mode in (None, "off", "none"):
-        given = "--draft-budget" if draft_budget is not None else "--lookahead" if choice.lookahead else None
-        if given:
-            raise InvalidArgument(f"{given} needs speculation, and --speculate is off",
-                                  "add --speculate lookup, lookahead or auto")
-        return None
-    if drafting and mode != "draft":
-        raise InvalidArgument(f"a draft model was given but --speculate is {mode}", "use --speculate draft")
-    if mode == "draft" and not drafting:
-        raise InvalidArgument("--speculate draft needs a draft model",
-                              "add --draft-model PATH, or --draft-skip-layers auto to draft with the model itself")
-    if choice.lookahead is not None and mode != "lookahead":
-        raise InvalidArgument(f"--lookahead sets lookahead decoding, but --speculate is {mode}",
-                              "add --speculate lookahead")
-    if mode == "draft":
-        resolve("lookup", resolve_dtype(dtype), budget=draft_budget)  # the same checks of budget and dtype
-        if choice.draft_skip_layers not in (None, "auto"):
-            skip_layer_list(choice.draft_skip_layers)
-        return PendingDraft(choice, draft_budget)
-    if mode == "lookahead" and choice.lookahead is not None:
-        from ..proposers.lookahead import Lookahead
-
-        window, ngram, guesses = lookahead_settings(choice.lookahead)
-        proposer = Lookahead(window=window, ngram=ngram, guesses=guesses)
-        return resolve(proposer, resolve_dtype(dtype), budget=draft_budget)
-    return resolve(mode, resolve_dtype(dtype), budget=draft_budget)
+    if not isinstance(options, SpeculateOptions):
+        options = SpeculateOptions(options)
+    settings = SpeculationSettings.parse(options.mode, budget=draft_budget, lookahead=options.lookahead,
+                                         draft_model=options.draft_model, skip_layers=options.draft_skip_layers,
+                                         spelling=SPELLING)
+    settings.check(resolve_dtype(dtype), spelling=SPELLING)
+    return settings
 
 
-def lookahead_settings(text: str) -> tuple[int, int, int]:
-    """'W,N,G' as three ints (window >= 1, n-gram size >= 2, guesses >= 0)."""
-    try:
-        window, ngram, guesses = (int(part) for part in text.split(","))
-    except ValueError:
-        raise InvalidArgument(f"--lookahead {text!r} is not three integers W,N,G", "write e.g. --lookahead 7,5,7") from None
-    if window < 1 or ngram < 2 or guesses < 0:
-        raise InvalidArgument(f"--lookahead {text}: need W >= 1, N >= 2 and G >= 0", "write e.g. --lookahead 7,5,7")
-    return window, ngram, guesses
-
-
-def skip_layer_list(text: str) -> list[int]:
-    """'4,6,8-12' as [4, 6, 8, 9, 10, 11, 12]."""
-    layers: list[int] = []
-    try:
-        for part in text.split(","):
-            first, _, last = part.strip().partition("-")
-            layers += range(int(first), int(last or first) + 1)
-    except ValueError:
-        raise InvalidArgument(f"--draft-skip-layers {text!r} is not a list of layer numbers",
-                              "write e.g. --draft-skip-layers 4,6,8-12, or auto") from None
-    return layers
-
-
-def prepare_speculation(decoder, spec):
-    """The speculation to run with, once the model is loaded: a draft model loaded (or the
-    self-draft built, its layers chosen on the document's text when 'auto'), and the forward cost
-    curve "auto" needs measured now, with a status line, if it was never measured for this model
-    and machine (once, about 10 s for the embedded model on a CPU), so the run itself is not
-    silently slow."""
+def prepare_speculation(decoder, settings: SpeculationSettings) -> SpeculationSettings:
+    """Make what `settings` need before the run, each slow step with a status line: the layers of
+    a self-draft chosen ("auto"), their draft model loaded or the self-draft built (kept by the
+    decoder), and the forward cost curve that "auto" needs measured (once per model and
+    machine, about 10 s for the embedded model on a CPU) if it never was, so the run itself is
+    not silently slow. Returns the settings to run with (chosen layers in place of "auto")."""
     from ..cost import cost_curve
+    from ..speculation import choose_draft_layers
 
-    if isinstance(spec, PendingDraft):
-        return _build_draft(decoder, spec)
-    if spec is None or not spec.auto or decoder.cost is not None:
-        return spec
-    if cost_curve(decoder.model, measure=False) is None:
-        start = time.perf_counter()
+    start = time.perf_counter()
+    if settings.skip_layers == "auto":
+        with stderr.status("Choosing the layers the self-draft skips, by measured acceptance (about a minute)..."):
+            settings = choose_draft_layers(settings, decoder.model, decoder.tokenizer)
+    if settings.own_draft:
+        named = escape(settings.draft_model) if settings.draft_model is not None else None
+        with stderr.status(f"Loading the draft model {named}..." if named else "Building the self-draft..."):
+            decoder.draft_for(settings)
+        label = (f"the draft model {named}" if named
+                 else f"a self-draft skipping layers {','.join(map(str, settings.skip_layers)) or 'none'}")
+        stderr.print(f"[dim]Drafting with {label} (ready in {time.perf_counter() - start:.1f} s)[/dim]")
+    elif settings.mode == "auto" and decoder.cost is None and cost_curve(decoder.model, measure=False) is None:
         with stderr.status("Measuring what a forward costs on this machine, for --speculate auto (once)..."):
             decoder.cost = cost_curve(decoder.model)
         stderr.print(f"[dim]Measuring what a forward costs on this machine took {time.perf_counter() - start:.1f} s; "
                      "kept for the next runs[/dim]")
-    return spec
+    return settings
 
 
-def _build_draft(decoder, pending: PendingDraft):
-    from ..data import self_draft_sample
-    from ..models.loading import load_model_and_tokenizer
-    from ..proposers.draft import DraftModel, check_same_tokenizer
-    from ..proposers.self_draft import choose_skip, self_draft
-    from ..speculation import resolve
-
-    choice = pending.choice
-    start = time.perf_counter()
-    if choice.draft_model is not None:
-        device = next(decoder.model.parameters()).device
-        with stderr.status(f"Loading the draft model {escape(choice.draft_model)}..."):
-            draft, tokenizer = load_model_and_tokenizer(choice.draft_model, dtype=decoder.model.dtype, device=device)
-        check_same_tokenizer(decoder.tokenizer, tokenizer)
-        label = f"the draft model {escape(choice.draft_model)}"
-    else:
-        if choice.draft_skip_layers == "auto":
-            with stderr.status("Choosing the layers the self-draft skips, by measured acceptance (about a minute)..."):
-                picked = choose_skip(decoder.model, [decoder.tokenizer(self_draft_sample())["input_ids"]])
-            layers = list(picked.layers)
-            if not layers:
-                raise InvalidArgument(
-                    "no set of skipped layers is expected to pay on this model: a self-draft agrees with it too "
-                    "rarely for what it saves",
-                    "name the layers yourself (--draft-skip-layers 10-14), or use --speculate auto")
-        else:
-            layers = skip_layer_list(choice.draft_skip_layers)
-        draft = self_draft(decoder.model, layers)
-        label = f"a self-draft skipping layers {','.join(map(str, layers)) or 'none'}"
-    stderr.print(f"[dim]Drafting with {label} (ready in {time.perf_counter() - start:.1f} s)[/dim]")
-    return resolve(DraftModel(draft), decoder.model.dtype, budget=pending.budget)
-
-
+def load_to_speculate(model_name: str | None, dtype: str | None, device: str | None, settings: SpeculationSettings):
+    """The decoder (loaded with a status line) and what one run passes as `speculate=`."""
+    decoder = load_decoder(model_name, dtype, device)
+    return decoder, decoder.speculation(prepare_speculation(decoder, settings))
 
 
 def print_stats(stats: dict, lead: str = "") -> None:

@@ -17,9 +17,8 @@ from ..strategies import complete as strategy
 from .ask import show_stream
 from .common import (
     check_early,
-    load_decoder,
+    load_to_speculate,
     model_options,
-    prepare_speculation,
     print_stats,
     prompt_options,
     read_prompt,
@@ -59,9 +58,8 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     if greedy:
         chosen["do_sample"] = False
     check_early(max_new_tokens=max_new_tokens, n=n, sampling=chosen, stop=stop)
-    spec = speculation_from(speculate, draft_budget, dtype)
-    decoder = load_decoder(model_name, dtype, device)
-    spec = prepare_speculation(decoder, spec)
+    speculation = speculation_from(speculate, draft_budget, dtype)
+    decoder, spec = load_to_speculate(model_name, dtype, device, speculation)
     settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None, speculate=spec,
                     **chosen)
     start = time.perf_counter()
@@ -100,9 +98,8 @@ def vote(question, n, max_new_tokens, model_name, dtype, device, show_traces, as
 
     check_text(question, "the question", "write the question to reason about")
     check_early(max_new_tokens=max_new_tokens, n=n, sampling=vote_settings(sampling_from(sampling)))
-    spec = speculation_from(speculate, draft_budget, dtype)
-    decoder = load_decoder(model_name, dtype, device)
-    spec = prepare_speculation(decoder, spec)
+    speculation = speculation_from(speculate, draft_budget, dtype)
+    decoder, spec = load_to_speculate(model_name, dtype, device, speculation)
     prompt = vote_prompt(question)
     run = strategy.start(decoder.scheduler(), decoder.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
                          speculate=spec, **vote_settings(sampling_from(sampling)))

@@ -19,9 +19,8 @@ from ..errors import InvalidArgument
 from ..strategies.ask import check_document, check_questions
 from .common import (
     check_early,
-    load_decoder,
+    load_to_speculate,
     model_options,
-    prepare_speculation,
     read_text,
     report_errors,
     speculation_from,
@@ -72,10 +71,9 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
     if step is not None and step < 2:
         raise InvalidArgument(f"--step must be 2 or more, got {step}",
                               "step 1 feeds the prompts; leave --step unset to pick the step that shows most")
-    spec = speculation_from(speculate, _explain.DEFAULT_BUDGET if draft_budget is None else draft_budget, dtype)
+    speculation = speculation_from(speculate, _explain.DEFAULT_BUDGET if draft_budget is None else draft_budget, dtype)
     path = check_output(output)
-    decoder = load_decoder(model_name, dtype, device)
-    spec = prepare_speculation(decoder, spec)
+    decoder, spec = load_to_speculate(model_name, dtype, device, speculation)
     label = Path(model_name).name if model_name else "SmolLM2-135M-Instruct"
     with stderr.status("Decoding and drawing..."):
         result = _explain.explain(decoder, document=text, questions=questions, max_new_tokens=max_new_tokens,

@@ -11,9 +11,8 @@ import click
 from ..strategies import complete as strategy
 from .common import (
     check_early,
-    load_decoder,
+    load_to_speculate,
     model_options,
-    prepare_speculation,
     print_stats,
     prompt_options,
     read_prompt,
@@ -45,9 +44,8 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, dty
     text = read_prompt(prompt, prompt_file)
     chosen = sampling_from(sampling)
     check_early(max_new_tokens=max_new_tokens, sampling=chosen, stop=stop)
-    spec = speculation_from(speculate, draft_budget, dtype)
-    decoder = load_decoder(model_name, dtype, device)
-    spec = prepare_speculation(decoder, spec)
+    speculation = speculation_from(speculate, draft_budget, dtype)
+    decoder, spec = load_to_speculate(model_name, dtype, device, speculation)
     start = time.perf_counter()
     run = strategy.start(decoder.scheduler(), decoder.tokenizer, text, n=1, max_new_tokens=max_new_tokens, stop=stop,
                          chat=False if no_chat else None, sample=False, speculate=spec, **chosen)

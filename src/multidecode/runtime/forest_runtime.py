@@ -34,6 +34,7 @@ from ..errors import MultiDecodeError
 from ..forest import ROOT
 from ..prompts import share_prefix
 from ..scheduler import CompactionPolicy, Scheduler, StepTrace, new_scheduler
+from ..speculation import resolve
 from ..stopping import eos_ids_of
 from ..strategies.beam import BeamWork, check_settings
 from .jobs import Counters, Job, Limits, Overloaded, TooLarge, Usage
@@ -55,12 +56,13 @@ class ForestRuntime:
     """One model, one forest, one engine thread; jobs come and go between steps.
 
     model, tokenizer: a transformers causal LM (eager or sdpa) and its tokenizer.
-    limits: see `Limits`. compaction, cost: see `Scheduler`.
+    limits: see `Limits`. compaction, cost: see `Scheduler`. draft: the draft model of jobs that
+    speculate with "draft" (see `speculation.resolve`).
     """
 
     def __init__(self, model, tokenizer, *, limits: Limits | None = None,
-                 compaction: CompactionPolicy | None = None, cost=None) -> None:
-        self.model, self.tokenizer = model, tokenizer
+                 compaction: CompactionPolicy | None = None, cost=None, draft=None) -> None:
+        self.model, self.tokenizer, self.draft = model, tokenizer, draft
         self.limits = limits or Limits()
         self.scheduler: Scheduler = new_scheduler(model, compaction=compaction, cost=cost, observer=self._observe)
         self.engine = self.scheduler.engine
@@ -190,7 +192,8 @@ class ForestRuntime:
                                                  length_penalty=1.0, early_stopping=False, eos=self.eos))
         run: BranchRun = admit(
             self.scheduler, shared.prefix_ids[matched:], shared.suffix_ids, max_new_tokens=job.max_new_tokens,
-            sampling=job.sampling, tokenizer=self.tokenizer, stop=job.stop, speculate=job.speculate, under=under,
+            sampling=job.sampling, tokenizer=self.tokenizer, stop=job.stop,
+            speculate=resolve(job.speculate, self.engine.dtype, draft=self.draft), under=under,
             cached=shared.prefix_ids[:matched], prompt_owner=CACHE_OWNER, logprobs=job.logprobs)
         return run.group
 

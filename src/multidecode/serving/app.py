@@ -23,7 +23,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from importlib import resources
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
@@ -32,6 +31,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import MultiDecodeError
 from ..runtime import ForestRuntime, Job, Limits, Overloaded, TooLarge
+from ..speculation import SpeculationSettings, load_draft
 from .protocol import (
     BadRequest,
     ChatBody,
@@ -56,22 +56,28 @@ POLL_SECONDS = 0.2
 
 
 class ServeState:
-    """What the app serves: the model's name, the `ForestRuntime` once loaded, the API key."""
+    """What the app serves: the model's name, the `ForestRuntime` once loaded, the API key, and
+    the speculation requests get unless they ask for their own (`SpeculationSettings`, or a mode)."""
 
-    def __init__(self, name: str, *, api_key: str | None = None, speculate: str | None = None) -> None:
-        self.name, self.api_key, self.speculate = name, api_key, speculate
-        self.server: ForestRuntime | None = None
+    def __init__(self, name: str, *, api_key: str | None = None,
+                 speculate: SpeculationSettings | str | None = None) -> None:
+        self.name, self.api_key = name, api_key
+        self.speculate = (speculate if isinstance(speculate, SpeculationSettings)
+                          else SpeculationSettings.parse(speculate))
+        self.runtime: ForestRuntime | None = None
         self.load_error: BaseException | None = None
         self.started = int(time.time())
 
     def load(self, loader: Callable[[], tuple], *, limits: Limits | None = None, cost=None,
              background: bool = True) -> None:
-        """Load the model (`loader()` returns model and tokenizer) and start the engine thread;
-        in the background by default, so that /health answers 503 meanwhile."""
+        """Load the model (`loader()` returns model and tokenizer), and the draft model its
+        speculation names, and start the engine thread; in the background by default, so that
+        /health answers 503 meanwhile."""
         def run():
             try:
                 model, tokenizer = loader()
-                self.server = ForestRuntime(model, tokenizer, limits=limits, cost=cost).start()
+                draft = load_draft(self.speculate, model, tokenizer) if self.speculate.own_draft else None
+                self.runtime = ForestRuntime(model, tokenizer, limits=limits, cost=cost, draft=draft).start()
                 log.info("model %s ready", self.name)
             except BaseException as error:  # reported by /health and by every request
                 self.load_error = error
@@ -86,18 +92,34 @@ class ServeState:
             run()
 
     def ready(self) -> ForestRuntime:
-        if self.server is None:
+        if self.runtime is None:
             detail = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise Overloaded(detail, retry_after=5)
-        return self.server
+        return self.runtime
+
+    def authorize(self, request: Request) -> None:
+        """Refuse a request without this server's API key (when it has one)."""
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].strip(), self.api_key)):
+            raise HTTPException(401, "a valid API key is needed: send Authorization: Bearer <key>")
 
 
 def create_app(state: ServeState) -> FastAPI:
+    """The FastAPI application over `state` (see the module notes)."""
     app = FastAPI(title="multidecode", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     app.add_middleware(_ServerErrors)
+    _error_handlers(app)
+    _info_routes(app, state)
+    _completion_routes(app, state)
+    return app
 
-    # ------------------------------------------------------------------ errors
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape, with its status (see the module notes)."""
+
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest):
         return JSONResponse(error_body(str(error), param=error.param, code=error.code), status_code=400)
@@ -119,31 +141,26 @@ def create_app(state: ServeState) -> FastAPI:
                                        code=codes.get(error.status_code)),
                             status_code=error.status_code, headers=getattr(error, "headers", None))
 
-    def authorize(request: Request) -> None:
-        key = state.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].strip(), key)):
-            raise HTTPException(401, "a valid API key is needed: send Authorization: Bearer <key>")
 
-    # ------------------------------------------------------------------ routes
+def _info_routes(app: FastAPI, state: ServeState) -> None:
+    """/health, /v1/models, /metrics and the live page."""
+
     @app.get("/health")
     async def health():
-        if state.server is None or state.server.draining:
-            status = "failed" if state.load_error else "draining" if state.server else "loading"
+        if state.runtime is None or state.runtime.draining:
+            status = "failed" if state.load_error else "draining" if state.runtime else "loading"
             return JSONResponse({"status": status}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models(request: Request):
-        authorize(request)
+        state.authorize(request)
         return {"object": "list", "data": [{"id": state.name, "object": "model", "created": state.started,
                                             "owned_by": "multidecode"}]}
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        authorize(request)
+        state.authorize(request)
         registry = CollectorRegistry()
         registry.register(_Collector(state))
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -154,6 +171,11 @@ def create_app(state: ServeState) -> FastAPI:
         # without one: a browser cannot send a header when it opens a page.
         return HTMLResponse(resources.files("multidecode.serving").joinpath("static/index.html").read_text("utf-8"))
 
+
+def _completion_routes(app: FastAPI, state: ServeState) -> None:
+    """/v1/completions and /v1/chat/completions: a request becomes a runtime job, its answer
+    streamed or collected from what the engine thread sends."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _serve(request, CompletionBody)
@@ -163,31 +185,28 @@ def create_app(state: ServeState) -> FastAPI:
         return await _serve(request, ChatBody)
 
     async def _serve(request: Request, kind):
-        authorize(request)
-        server = state.ready()
-        raw = await _read_body(request)
-        body = parse(raw, request.headers.get("content-type"), kind)
+        state.authorize(request)
+        runtime = state.ready()
+        body = parse(await _read_body(request), request.headers.get("content-type"), kind)
         if body.model != state.name:
             raise HTTPException(404, f"the model {body.model!r} does not exist: this server serves {state.name!r}")
-        engine = server.engine
+        engine = runtime.engine
         # Tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing.
-        job = await asyncio.to_thread(to_job, body, server.tokenizer, vocab_size=engine.vocab_size,
+        job = await asyncio.to_thread(to_job, body, runtime.tokenizer, vocab_size=engine.vocab_size,
                                       max_positions=engine.max_positions, speculate_default=state.speculate,
-                                      max_branches=server.limits.max_branches)
+                                      has_draft=runtime.draft is not None, max_branches=runtime.limits.max_branches)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         job.sink = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
         try:
-            server.submit(job)
+            runtime.submit(job)
         except TooLarge as error:
             raise BadRequest(str(error), "max_tokens") from None
-        reply = _Reply(state, server, job, body, chat=kind is ChatBody)
+        reply = _Reply(state, runtime, job, body, chat=kind is ChatBody)
         if body.stream:
             return StreamingResponse(reply.stream(queue), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await reply.collect(request, queue)
-
-    return app
 
 
 async def _read_body(request: Request) -> bytes:
@@ -209,8 +228,8 @@ async def _read_body(request: Request) -> bytes:
 class _Reply:
     """Builds one request's answer from what the engine sends, streamed or whole."""
 
-    def __init__(self, state: ServeState, server: ForestRuntime, job: Job, body, *, chat: bool) -> None:
-        self.state, self.server, self.job, self.body, self.chat = state, server, job, body, chat
+    def __init__(self, state: ServeState, runtime: ForestRuntime, job: Job, body, *, chat: bool) -> None:
+        self.state, self.runtime, self.job, self.body, self.chat = state, runtime, job, body, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + job.id
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -227,7 +246,7 @@ class _Reply:
 
     def _take(self, event) -> tuple[Choice, list]:
         choice = self.choices[event.branch]
-        entries = [token_entry(self.server.tokenizer, event)] if self.job.logprobs is not None else []
+        entries = [token_entry(self.runtime.tokenizer, event)] if self.job.logprobs is not None else []
         choice.logprobs.extend(entries)
         choice.text += event.text
         choice.finish_reason = event.finish_reason
@@ -245,7 +264,7 @@ class _Reply:
             if time.monotonic() >= check:  # on a timer: a steady flow of tokens must not hide a client that left
                 check = time.monotonic() + POLL_SECONDS
                 if await request.is_disconnected():
-                    self.server.cancel(self.job)
+                    self.runtime.cancel(self.job)
                     return JSONResponse(error_body("the client went away"), status_code=499)
             if kind == "token":
                 self._take(payload)
@@ -309,7 +328,7 @@ class _Reply:
                     return
         finally:
             if not finished:
-                self.server.cancel(self.job)
+                self.runtime.cancel(self.job)
 
 
 class _ServerErrors:
@@ -340,30 +359,6 @@ class _ServerErrors:
             await response(scope, receive, send)
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server with draining on SIGTERM (or Ctrl-C): new requests get 503 while running
-    ones have up to `drain_timeout` seconds to finish; a second signal exits at once."""
-
-    def __init__(self, config: uvicorn.Config, state: ServeState, *, drain_timeout: float = 30.0) -> None:
-        super().__init__(config)
-        self.serve_state, self.drain_timeout = state, drain_timeout
-
-    def handle_exit(self, sig, frame) -> None:
-        forest = self.serve_state.server
-        if forest is None or forest.draining or self.should_exit:
-            super().handle_exit(sig, frame)
-            return
-        forest.drain()
-        log.info("draining: %d running request(s), up to %.0f s", forest.busy, self.drain_timeout)
-        threading.Thread(target=self._exit_when_idle, args=(forest,), daemon=True).start()
-
-    def _exit_when_idle(self, forest: ForestRuntime) -> None:
-        deadline = time.monotonic() + self.drain_timeout
-        while forest.busy and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.should_exit = True
-
-
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
@@ -375,7 +370,7 @@ class _Collector:
         self.state = state
 
     def collect(self):
-        server = self.state.server
+        server = self.state.runtime
         ready = GaugeMetricFamily("multidecode_ready", "1 when the model is loaded and the server is not draining")
         ready.add_metric([], float(server is not None and not server.draining))
         yield ready
@@ -410,4 +405,4 @@ class _Collector:
             yield family
 
 
-__all__ = ["DrainingServer", "ServeState", "create_app"]
+__all__ = ["ServeState", "create_app"]

@@ -6,7 +6,8 @@ template). Sampling follows OpenAI's defaults: temperature 1 samples, temperatur
 `GREEDY_BELOW`) is greedy; choice i samples with seed + i. Our extensions ride in the request
 body (the openai client's `extra_body`):
 
-- `speculate`: "lookup", "suffix", "lookahead" or "auto": every branch carries a draft tree;
+- `speculate`: a mode of `speculation.MODES` ("draft" where the server has a draft model) or
+  "off": every branch carries a draft tree; the server's own settings fill in the details;
 - `use_beam_search`: beam search with n beams, all n returned best first;
 - `questions`: questions about the one prompt (the document; for chat, the last user message),
   each answered as its own branch of one forest and returned as one choice per question;
@@ -28,13 +29,13 @@ from ..errors import MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
 from ..sampling import SamplingParams
+from ..speculation import MODES, OFF, SpeculationSettings
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 """A temperature below this is greedy: dividing logits by it in float32 would overflow."""
 MIN_PENALTY = 0.01
 """repetition_penalty lies in [MIN_PENALTY, 1 / MIN_PENALTY]: past that, penalized logits overflow."""
-SPECULATE_MODES = ("lookup", "suffix", "lookahead", "auto")
 
 
 class BadRequest(MultiDecodeError, ValueError):
@@ -227,13 +228,31 @@ def _check_branches(count: int, max_branches: int | None) -> None:
                          "(n times the prompts, or the questions)", "n", "too_many_branches")
 
 
-def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None, speculate_default=None,
+def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None,
+           speculate_default: SpeculationSettings | None = None, has_draft: bool = False,
            max_branches: int | None = None) -> Job:
-    """A checked request as an engine job (its sink is set by the caller); max_branches: the
-    server's cap on branches, checked before n copies of a prompt are made."""
+    """A checked request as a runtime job (its sink is set by the caller). speculate_default:
+    the server's speculation, for requests that name no mode of their own; has_draft: whether the
+    server has a draft model (for "draft"); max_branches: the server's cap on branches, checked
+    before n copies of a prompt are made."""
     _unsupported(body)
     chat = isinstance(body, ChatBody)
     _check_branches(len(body.questions) if body.questions is not None else body.n, max_branches)
+    prompts = _prompts(body, tokenizer, vocab_size, chat=chat, max_branches=max_branches)
+    max_tokens = _max_tokens(body, prompts, max_positions, chat=chat)
+    if chat:
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    beams = _beams(body, prompts, logprobs)
+    prompts = prompts[:1] if beams else prompts
+    return Job(prompts=prompts, max_new_tokens=max_tokens, sampling=_sampling(body, len(prompts), vocab_size),
+               stop=_stop(body), speculate=_speculation(body.speculate, speculate_default, has_draft),
+               logprobs=logprobs, beams=beams, trace=body.trace)
+
+
+def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branches: int | None) -> list[list[int]]:
+    """Whole prompt ids, one per branch: a prompt per question, or n copies of each prompt."""
     if body.questions is not None:
         if body.n != 1:
             raise BadRequest("n must be 1 with questions: each question is one choice", "n")
@@ -246,17 +265,19 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
             if not isinstance(body.prompt, str):
                 raise BadRequest("with questions, the prompt must be the document as text", "prompt")
             document = body.prompt
-        prompts = _question_prompts(tokenizer, document, body.questions, chat=chat)
-    elif chat:
+        return _question_prompts(tokenizer, document, body.questions, chat=chat)
+    if chat:
         if not body.messages:
             raise BadRequest("messages must not be empty", "messages")
         messages = [{"role": m.role, "content": _content(m)} for m in body.messages]
-        prompts = [_chat_prompt(tokenizer, messages)] * body.n
-    else:
-        texts = _text_prompts(tokenizer, body, vocab_size)
-        _check_branches(len(texts) * body.n, max_branches)
-        prompts = [p for p in texts for _ in range(body.n)]
+        return [_chat_prompt(tokenizer, messages)] * body.n
+    texts = _text_prompts(tokenizer, body, vocab_size)
+    _check_branches(len(texts) * body.n, max_branches)
+    return [p for p in texts for _ in range(body.n)]
 
+
+def _max_tokens(body: _Body, prompts: list[list[int]], max_positions: int | None, *, chat: bool) -> int:
+    """The tokens to generate: as asked, or a default that fits the model's window."""
     default = 16 if not chat else 256
     max_tokens = (body.max_completion_tokens if chat else None) or body.max_tokens
     longest = max(map(len, prompts))
@@ -269,30 +290,34 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
         elif longest + max_tokens > max_positions:
             raise BadRequest(f"the prompt ({longest} tokens) plus max_tokens ({max_tokens}) is over the model's "
                              f"context window of {max_positions} tokens", "max_tokens", "context_length_exceeded")
-    max_tokens = max_tokens or default
+    return max_tokens or default
 
-    speculate = body.speculate if body.speculate is not None else speculate_default
-    if speculate is not None and str(speculate).lower() not in SPECULATE_MODES + ("none", "off"):
-        raise BadRequest(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {speculate!r}", "speculate")
-    if speculate is not None and str(speculate).lower() in ("none", "off"):
-        speculate = None
 
-    if chat:
-        top = body.top_logprobs if body.logprobs else None
-        logprobs = (top or 0) if body.logprobs else None
-    else:
-        logprobs = body.logprobs
-    beams = 0
-    if body.use_beam_search:
-        if body.questions is not None or len({tuple(p) for p in prompts}) != 1:
-            raise BadRequest("use_beam_search takes one prompt (n is the number of beams)", "use_beam_search")
-        if body.stream or logprobs is not None:
-            raise BadRequest("use_beam_search returns finished beams: stream and logprobs are not supported with it",
-                             "use_beam_search")
-        beams = body.n
-        prompts = prompts[:1]
-    return Job(prompts=prompts, max_new_tokens=max_tokens, sampling=_sampling(body, len(prompts), vocab_size),
-               stop=_stop(body), speculate=speculate, logprobs=logprobs, beams=beams, trace=body.trace)
+def _speculation(requested: str | None, default: SpeculationSettings | None, has_draft: bool):
+    """The request's speculation: the server's, or the mode it names with the server's details
+    for that mode (lookahead's settings, the draft model)."""
+    default = default or SpeculationSettings()
+    if requested is None:
+        return default
+    mode = requested.strip().lower()
+    if mode not in MODES + OFF:
+        raise BadRequest(f"speculate must be one of {', '.join(MODES)} or off, got {requested!r}", "speculate")
+    if mode == "draft" and not has_draft:
+        raise BadRequest("speculate 'draft' needs a draft model, and this server has none (start it with "
+                         "--draft-model or --draft-skip-layers)", "speculate")
+    return default.with_mode(mode)
+
+
+def _beams(body: _Body, prompts: list[list[int]], logprobs: int | None) -> int:
+    """The number of beams of a `use_beam_search` request (n), else 0."""
+    if not body.use_beam_search:
+        return 0
+    if body.questions is not None or len({tuple(p) for p in prompts}) != 1:
+        raise BadRequest("use_beam_search takes one prompt (n is the number of beams)", "use_beam_search")
+    if body.stream or logprobs is not None:
+        raise BadRequest("use_beam_search returns finished beams: stream and logprobs are not supported with it",
+                         "use_beam_search")
+    return body.n
 
 
 # ---------------------------------------------------------------------- responses

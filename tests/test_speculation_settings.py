@@ -1,0 +1,128 @@
+"""One meaning for `speculate=`: `SpeculationSettings` parsed and checked before a model loads,
+built into a fresh `Speculation` per run, and taken alike by Python, the CLI and the server."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from click.testing import CliRunner
+from local_models import tiny_model_folder
+from serving import MODEL, running_server, tiny_loader
+
+import multidecode
+from multidecode import InvalidArgument
+from multidecode.cli import main
+from multidecode.proposers.lookahead import Lookahead
+from multidecode.speculation import SpeculationSettings, resolve
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def test_modes_and_their_details_parse():
+    assert SpeculationSettings.parse(None) == SpeculationSettings.parse("off") == SpeculationSettings()
+    assert SpeculationSettings.parse(" Lookup ", budget=4) == SpeculationSettings("lookup", 4)
+    assert SpeculationSettings.parse("lookahead", lookahead="7,5,3").lookahead == (7, 5, 3)
+    assert SpeculationSettings.parse("lookahead", lookahead=[4, 3, 2]).lookahead == (4, 3, 2)
+    assert SpeculationSettings.parse(skip_layers="1,3-5") == SpeculationSettings("draft", skip_layers=(1, 3, 4, 5))
+    assert SpeculationSettings.parse("auto", draft_model="m").mode == "draft"  # a draft implies "draft"
+    assert SpeculationSettings.parse(skip_layers="auto").skip_layers == "auto"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(mode="medusa"), "unknown speculation mode"),
+    (dict(mode="off", budget=4), "draft_budget needs speculation, and speculate is 'off'"),
+    (dict(mode="lookup", skip_layers="1"), "but speculate is 'lookup'"),
+    (dict(mode="lookup", lookahead="7,5,7"), "lookahead sets lookahead decoding"),
+    (dict(mode="lookahead", lookahead="7,5"), "is not three integers"),
+    (dict(mode="draft", skip_layers="1-x"), "not a list of layer numbers"),
+    (dict(draft_model="a", skip_layers="1"), "both name a draft"),
+    (dict(mode="lookup", budget=0), "positive integer"),
+])
+def test_bad_settings_are_refused_in_python_terms(arguments, message):
+    with pytest.raises(InvalidArgument, match=message):
+        SpeculationSettings.parse(**arguments)
+
+
+def test_check_refuses_what_cannot_run_before_anything_loads():
+    SpeculationSettings("auto").check(BF16)  # auto then does not speculate
+    with pytest.raises(InvalidArgument, match="cannot be exact in bfloat16"):
+        SpeculationSettings("lookup").check(BF16)
+    with pytest.raises(InvalidArgument, match="needs a draft model"):
+        SpeculationSettings("draft").check(F32)
+    SpeculationSettings("draft").check(F32, draft=object())  # the caller's own draft model
+
+
+def test_build_gives_a_fresh_proposer_with_the_details():
+    settings = SpeculationSettings.parse("lookahead", budget=5, lookahead="4,3,2")
+    first, second = resolve(settings, F32), resolve(settings, F32)
+    assert isinstance(first.proposer, Lookahead) and first.proposer is not second.proposer
+    assert (first.proposer.window, first.proposer.ngram, first.proposer.guesses, first.budget) == (4, 3, 2, 5)
+    assert resolve(SpeculationSettings(), F32) is None and resolve("off", F32) is None
+    assert resolve(SpeculationSettings("auto"), BF16) is None
+
+
+def test_with_mode_keeps_the_details_that_apply():
+    server = SpeculationSettings.parse("lookahead", budget=3, lookahead="4,3,2")
+    assert server.with_mode("lookup") == SpeculationSettings("lookup", 3)
+    assert server.with_mode("lookahead") == server
+    assert server.with_mode("off") == SpeculationSettings()
+    drafting = SpeculationSettings.parse(skip_layers="1")
+    assert drafting.with_mode("draft") == drafting and drafting.with_mode("suffix").skip_layers is None
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("settings-model"), max_positions=256)
+
+
+def test_python_takes_what_the_cli_offers_a_self_draft_by_its_layers(folder):
+    decoder = multidecode.load(str(folder))
+    settings = SpeculationSettings.parse(skip_layers=[1])
+    plain = decoder.generate("hello there", max_new_tokens=12, speculate=None, eos_token_id=[])
+    drafted = decoder.generate("hello there", max_new_tokens=12, speculate=settings, eos_token_id=[])
+    assert drafted.token_ids == plain.token_ids and drafted.stats["speculate"] == "draft"
+    assert drafted.stats["drafted"] > 0
+    assert decoder.draft_for(settings) is decoder.draft_for(SpeculationSettings.parse("draft", skip_layers="1"))
+    lookahead = decoder.generate("hello there", max_new_tokens=12, eos_token_id=[],
+                                 speculate=SpeculationSettings.parse("lookahead", lookahead="3,3,3"))
+    assert lookahead.token_ids == plain.token_ids
+
+
+def test_the_server_drafts_with_its_own_draft_model_when_a_request_asks(folder):
+    settings = SpeculationSettings.parse(skip_layers="1")
+    with running_server(tiny_loader(folder)) as plain_server, \
+            running_server(tiny_loader(folder), speculate=settings) as drafting:
+        asked = dict(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0)
+        expected = plain_server.client().completions.create(**asked).choices[0].text
+        reply = drafting.client().completions.create(**asked, extra_body={"speculate": "draft"})
+        assert reply.choices[0].text == expected and reply.model_extra["multidecode"]["speculate"] == "draft"
+        by_default = drafting.client().completions.create(**asked)  # the server's own setting
+        assert by_default.model_extra["multidecode"]["speculate"] == "draft"
+        off = drafting.client().completions.create(**asked, extra_body={"speculate": "off"})
+        assert off.choices[0].text == expected and off.model_extra["multidecode"]["speculate"] is None
+        with pytest.raises(Exception, match="has none"):
+            plain_server.client().completions.create(**asked, extra_body={"speculate": "draft"})
+
+
+@pytest.mark.parametrize("port, message", [("99999", "--port must be from 0 to 65535"),
+                                           ("-1", "--port must be from 0 to 65535")])
+def test_serve_refuses_a_port_out_of_range(port, message):
+    result = CliRunner().invoke(main, ["serve", "--port", port])
+    assert result.exit_code == 2 and message in result.output and "hint:" in result.output
+    assert "Traceback" not in result.output and "Serving" not in result.output
+
+
+def test_serve_refuses_a_port_in_use_before_loading_anything():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        result = CliRunner().invoke(main, ["serve", "--port", str(busy.getsockname()[1])])
+    assert result.exit_code == 2 and "cannot listen on 127.0.0.1" in result.output
+    assert "another program is using that port" in result.output and "Serving" not in result.output
+
+
+def test_serve_refuses_an_address_of_another_machine():
+    result = CliRunner().invoke(main, ["serve", "--host", "192.0.2.1", "--port", "0"])  # TEST-NET-1: never ours
+    assert result.exit_code == 2 and "cannot listen on 192.0.2.1" in result.output
