@@ -40,7 +40,7 @@ from .cache import SlotCache
 from .errors import PromptTooLong
 from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
 from .masks import build_attention_mask
-from .models.vetting import check_supported, mask_layout, max_positions
+from .models.vetting import cache_argument, check_supported, mask_layout, max_positions
 
 APART_MIN_MEAN_LENGTH = 64
 """Chains shorter than this on average are prefilled together (see `Engine.prefers_apart`)."""
@@ -98,6 +98,7 @@ class Engine:
         self.stats = EngineStats()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.cache_argument = cache_argument(model)  # "cache" or "past_key_values", by transformers version
 
     # ------------------------------------------------------------------ feeding
     def feed(
@@ -337,8 +338,8 @@ class Engine:
                 input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
                 position_ids=positions[None].to(self.device),
                 attention_mask=mask,
-                past_key_values=cache,
                 use_cache=True,
+                **{self.cache_argument: cache},
                 logits_to_keep=index,
             )
         return out.logits[0].float() if keep else out.logits[0, :0].float()

@@ -35,6 +35,7 @@ from typing import Self
 import torch
 
 from .. import data
+from ..models.vetting import cache_argument
 from ..prompts import common_prefix_length
 
 Progress = Callable[[str], None]
@@ -107,6 +108,12 @@ class ForwardCounter:
 
 
 # ---------------------------------------------------------------------- memory
+def output_cache(out):
+    """The KV cache a transformers output holds: `cache` from 5.23 on, `past_key_values` before."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
 def cache_bytes(cache) -> int:
     """Bytes of key/value tensors `cache` holds now (a transformers `Cache`, or a `SlotCache`,
     whose preallocated buffer counts in full)."""
@@ -322,7 +329,7 @@ def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, *
             ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
                                  return_dict_in_generate=True)
-            peak = max(peak, cache_bytes(out.past_key_values))
+            peak = max(peak, cache_bytes(output_cache(out)))
             answers += [trim_at_eos(row, eos_ids) for row in out.sequences[:, len(prompt):].tolist()]
             if getattr(out, "sequences_scores", None) is not None:
                 scores += out.sequences_scores.float().tolist()
@@ -337,7 +344,7 @@ def hf_batched(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **se
     counter.prefill(1)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, generation_config=config, return_dict_in_generate=True)
-    peak = cache_bytes(out.past_key_values)
+    peak = cache_bytes(output_cache(out))
     answers = [trim_at_eos(row, eos_ids) for row in out.sequences[:, ids.shape[1]:].tolist()]
     return RunOutput(answers, peak, extra={"padded_width": int(ids.shape[1])})
 
@@ -369,13 +376,13 @@ def hf_shared_prefix(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id
     with torch.inference_mode():
         if p:
             counter.prefill(1)
-            model(input_ids=ids[:1, :p], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:1, :p], use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
             prefix_bytes = cache_bytes(cache)
             cache.batch_repeat_interleave(n)
         counter.prefill(1)
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, generation_config=config,
+        out = model.generate(ids, attention_mask=mask, **{cache_argument(model): cache}, generation_config=config,
                              return_dict_in_generate=True)
-    peak = cache_bytes(out.past_key_values)
+    peak = cache_bytes(output_cache(out))
     answers = [trim_at_eos(row, eos_ids) for row in out.sequences[:, ids.shape[1]:].tolist()]
     return RunOutput(answers, peak, extra={"prefix_tokens": p, "padded_tail": int(tail_ids.shape[1]),
                                            "prefix_cache_bytes": prefix_bytes})

@@ -51,6 +51,7 @@ import torch
 
 from ..engine import Engine
 from ..errors import InvalidArgument, check_positive
+from ..models.vetting import cache_argument
 from .common import AnswersDiffer, Progress, environment, load_average, quiet_transformers, torch_threads
 
 FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS = "forest_unrelated", "forest_shared", "separate", "batch_rows"
@@ -150,7 +151,7 @@ class Step:
     def batch_rows(self) -> torch.Tensor:
         with torch.inference_mode():
             out = self.model(input_ids=self.ids, position_ids=self.positions, attention_mask=self.mask,
-                             past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                             use_cache=True, logits_to_keep=1, **{cache_argument(self.model): self.cache})
         self.cache.crop(-1)
         return out.logits[:, -1].float()
 

@@ -4,8 +4,8 @@ A forest is exact only for decoder-only attention models that take position ids 
 4D mask through `forward`: eager or sdpa attention, full or sliding-window layers. Everything else
 (flash-attention, recurrent or convolution layers, encoder-decoders, ALiBi, chunked or
 bidirectional attention) is refused with an `UnsupportedModel` error. `mask_layout` says which
-masks a model needs (one, or one per layer type for hybrid models) and `max_positions` how far
-its positions go.
+masks a model needs (one, or one per layer type for hybrid models), `max_positions` how far
+its positions go and `cache_argument` what its forward calls the KV cache.
 """
 
 from __future__ import annotations
@@ -96,6 +96,14 @@ def mask_layout(config) -> MaskLayout:
     types = tuple(_layer_types(tconfig))
     window = getattr(tconfig, "sliding_window", None) if SLIDING in types else None
     return MaskLayout(layer_types=types, sliding_window=window, as_dict=len(set(types)) > 1)
+
+
+def cache_argument(model) -> str:
+    """The keyword `model.forward` takes its KV cache by: `cache` from transformers 5.23 on (which
+    deprecates `past_key_values`, to be removed in 5.40), `past_key_values` before it and in
+    models that keep the old name."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def max_positions(config) -> int | None:
