@@ -144,14 +144,13 @@ def test_there_are_no_import_cycles():
 
 
 def function_lengths() -> dict[str, int]:
-    """"module:function" (nested ones "module:outer.inner") -> lines, decorators included."""
+    """"module:function" (nested ones "module:outer.inner") -> lines, from `def` to its end."""
     lengths = {}
 
     def walk(node, module: str, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                start = min([d.lineno for d in child.decorator_list] + [child.lineno])
-                lengths[f"{module}:{prefix}{child.name}"] = child.end_lineno - start + 1
+                lengths[f"{module}:{prefix}{child.name}"] = child.end_lineno - child.lineno + 1
                 walk(child, module, f"{prefix}{child.name}.")
             elif isinstance(child, ast.ClassDef):
                 walk(child, module, f"{prefix}{child.name}.")

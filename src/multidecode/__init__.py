@@ -11,8 +11,8 @@ Entry points:
   `complete`, `vote`, `beam_search`, `margins`) on the embedded SmolLM2-135M-Instruct or any
   local/hub model.
 - `speculate=` on every decoding entry point: draft trees verified inside every branch
-  (`Speculation`, `Proposer`, `DraftTree`, `PromptLookup`, `SuffixProposer`, `Lookahead`,
-  `DraftModel`, `self_draft`); see `speculation`.
+  (`Speculation`, `SpeculationSettings`, `Proposer`, `DraftTree`, `PromptLookup`,
+  `SuffixProposer`, `Lookahead`, `DraftModel`, `self_draft`); see `speculation`.
 """
 
 import logging
@@ -36,7 +36,7 @@ from .proposers.self_draft import self_draft
 from .proposers.suffix import SuffixProposer
 from .sampling import SamplingParams
 from .scheduler import CompactionPolicy
-from .speculation import Speculation
+from .speculation import Speculation, SpeculationSettings
 from .strategies.ask import Answer
 from .strategies.beam import Beam
 from .strategies.complete import Completion
@@ -63,6 +63,7 @@ __all__ = [
     "Proposer",
     "SamplingParams",
     "Speculation",
+    "SpeculationSettings",
     "SuffixProposer",
     "TokenEvent",
     "Trace",

@@ -21,19 +21,18 @@ The input and output formats, resuming, the lock and the errors are documented i
 """
 
 from .job import (
-    MAX_CONSECUTIVE_CRASHES,
-    BatchAborted,
-    BatchJob,
-    BatchSettings,
-    BatchSummary,
-    LineResult,
-    model_identity,
-    open_batch,
-    run_batch,
-    total_stats,
+           MAX_CONSECUTIVE_CRASHES,
+           BatchAborted,
+           BatchJob,
+           BatchSummary,
+           LineResult,
+           open_batch,
+           run_batch,
+           total_stats,
 )
 from .lines import InputLine, id_key, parse_line, scan_input
 from .output import FORMAT, lock_path, meta_path
+from .settings import BatchSettings, model_identity
 
 __all__ = ["FORMAT", "MAX_CONSECUTIVE_CRASHES", "BatchAborted", "BatchJob", "BatchSettings", "BatchSummary",
            "InputLine", "LineResult", "id_key", "lock_path", "meta_path", "model_identity", "open_batch", "parse_line",

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
-from ..errors import InvalidInput, MultiDecodeError, check_positive
-from ..sampling import per_branch_sampling
-from ..strategies.ask import check_questions
+from ..errors import InvalidInput, MultiDecodeError
 from .lines import InputLine, _check_input_file, _input_lines, parse_line, scan_input
 from .merged import FOREST_BRANCHES, FOREST_TOKENS, ForestAnswerer, Outcome, answer_merged
 from .output import OutputFile
+from .settings import BatchSettings, model_identity
 
 MAX_CONSECUTIVE_CRASHES = 5
 UNEXPECTED_HINT = ("an unexpected error, not a problem with this line's input; rerun with --retry-failed to try it "
@@ -27,63 +24,6 @@ class BatchAborted(MultiDecodeError):
     """Several lines in a row failed for reasons that are not their input: the job stopped."""
 
     exit_code = 1
-
-
-# ---------------------------------------------------------------------- settings
-@dataclass(frozen=True)
-class BatchSettings:
-    """Everything a batch job's answers depend on.
-
-    questions: asked of every document, before the line's own questions.
-    model, dtype: labels of the model the answers come from (any stable text, such as a resolved
-    folder path or a hub id); they go into the fingerprint, so a job cannot be resumed with
-    another model by mistake.
-    sampling: keyword arguments for `MultiDecoder.ask` (temperature, top_k, top_p, min_p,
-    repetition_penalty, seed, do_sample).
-    """
-
-    questions: tuple[str, ...] = ()
-    max_new_tokens: int = 48
-    stop: tuple[str, ...] = ()
-    sampling: Mapping[str, Any] = field(default_factory=dict)
-    instruction: str | None = None
-    model: str | None = None
-    dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "questions", tuple(self.questions))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "sampling", dict(self.sampling))
-
-    def check(self) -> None:
-        """Refuse settings that would make every line fail (a job error, not a line error)."""
-        check_positive("max_new_tokens", self.max_new_tokens)
-        per_branch_sampling(1, dict(self.sampling))
-        if self.questions:
-            check_questions(list(self.questions))
-        for text in self.stop:
-            if not isinstance(text, str) or not text:
-                raise InvalidInput("a stop string is empty", "remove it or give the text to stop at")
-
-    def as_dict(self) -> dict:
-        return {"model": self.model, "dtype": self.dtype or "float32", "questions": list(self.questions),
-                "max_new_tokens": self.max_new_tokens, "stop": list(self.stop),
-                "sampling": dict(sorted(self.sampling.items())), "instruction": self.instruction}
-
-    @property
-    def fingerprint(self) -> str:
-        """12 hex digits of the SHA-256 of the settings as canonical JSON."""
-        text = json.dumps(self.as_dict(), sort_keys=True, ensure_ascii=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def model_identity(name: str | os.PathLike | None) -> str:
-    """A stable label for a model name as `load` takes it: the embedded model, a resolved local
-    path (so that a relative path from another folder is the same model), or a hub id."""
-    if name is None:
-        return "embedded:SmolLM2-135M-Instruct"
-    path = Path(name).expanduser()
-    return str(path.resolve()) if path.exists() else str(name)
 
 
 # ---------------------------------------------------------------------- results and summary

@@ -9,15 +9,12 @@ import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from filelock import FileLock, Timeout
 
 from ..errors import InvalidInput
 from .lines import id_key
-
-if TYPE_CHECKING:
-    from .job import BatchSettings
+from .settings import BatchSettings
 
 FORMAT = "multidecode-batch/1"
 

@@ -57,9 +57,10 @@ from typing import Any, Self
 from urllib.parse import urlsplit
 
 from ..errors import InvalidArgument, MissingExtra, MultiDecodeError, check_positive
-from .job import BatchAborted, BatchSettings
+from .job import BatchAborted
 from .lines import InputLine
 from .merged import ForestAnswerer, Outcome
+from .settings import BatchSettings
 
 LINES_PER_WORKER = 4
 """Lines in flight per worker, merged into its forest (about the local default forest budget)."""
@@ -283,6 +284,34 @@ class _Slot:
     dead: bool = False
 
 
+class _LineQueue:
+    """The lines still to send: those to send again first (lowest line first), then the input's,
+    read lazily; nothing more once `stopping()` is true."""
+
+    def __init__(self, items: Iterable[InputLine], stopping: Callable[[], bool]) -> None:
+        self.items, self.stopping = iter(items), stopping
+        self.retry: list[tuple[int, InputLine]] = []  # a heap by line number
+        self.exhausted = False
+
+    def next(self) -> InputLine | None:
+        if self.stopping():
+            return None
+        if self.retry:
+            return heapq.heappop(self.retry)[1]
+        if not self.exhausted:
+            item = next(self.items, None)
+            self.exhausted = item is None
+            return item
+        return None
+
+    def again(self, item: InputLine) -> None:
+        heapq.heappush(self.retry, (item.line, item))
+
+    @property
+    def done(self) -> bool:
+        return self.exhausted and not self.retry
+
+
 class RayWorkers:
     """Ray workers answering one job's lines (see the module notes). `ray_outcomes` is the usual
     way in; this class also lets a caller see the workers (`actors`) while they run.
@@ -357,28 +386,13 @@ class RayWorkers:
                  ) -> Iterator[Outcome]:
         """Each line's `Outcome` as it arrives (any order), at most once per line; ends when every
         line is done, or after `stopping()` once the lines in flight are done."""
-        items = iter(items)
-        retry: list[tuple[int, InputLine]] = []  # lines to send again, first line first
-        attempts: dict[int, int] = {}
+        lines = _LineQueue(items, stopping)
+        attempts: dict[int, int] = {}  # line -> times its worker died under it
         yielded: set[int] = set()
-        exhausted = False
-
-        def next_item() -> InputLine | None:
-            nonlocal exhausted
-            if stopping():
-                return None
-            if retry:
-                return heapq.heappop(retry)[1]
-            if not exhausted:
-                item = next(items, None)
-                exhausted = item is None
-                return item
-            return None
-
         while True:
             # a line sent again goes to an idle worker, alone, so that a line that kills its
             # worker cannot take the lines beside it down with it every time
-            while (slot := self._free_slot(alone=bool(retry))) is not None and (item := next_item()) is not None:
+            while (slot := self._free_slot(alone=bool(lines.retry))) is not None and (item := lines.next()) is not None:
                 if item.error is not None:  # unreadable: recorded as it is, by the driver
                     yielded.add(item.line)
                     yield Outcome(item, error=item.error)
@@ -387,39 +401,46 @@ class RayWorkers:
                 slot.lines, slot.alone = slot.lines + 1, item.line in attempts
             starting = [slot.starting for slot in self._slots if slot.starting is not None and not slot.dead]
             if not self._flight:
-                if stopping() or (exhausted and not retry):
+                if stopping() or lines.done:
                     return
                 if not starting:
                     raise WorkersLost(f"every Ray worker is gone and no new one could start (last: {self._last_loss})",
                                       "check the Ray cluster (`ray status`), then rerun the same command to resume")
-            refs = list(self._flight) + starting
-            self.ray.wait(refs, num_returns=1)
-            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
-            done_set = set(done)
-            for slot in [slot for slot in self._slots if slot.starting in done_set]:
-                self._started_or_not(slot)
-            answered = sorted((ref for ref in done if ref in self._flight), key=lambda ref: self._flight[ref][1].line)
-            for ref in answered:
-                slot, item = self._flight.pop(ref)
-                slot.lines, slot.alone = slot.lines - 1, False
-                try:
-                    outcome = self.ray.get(ref)
-                except self.ray.exceptions.RayActorError as err:
-                    self._lose(slot, err)
-                    attempts[item.line] = attempts.get(item.line, 0) + 1
-                    if attempts[item.line] < MAX_ATTEMPTS:
-                        heapq.heappush(retry, (item.line, item))
-                        self.resent += 1
-                        continue
-                    outcome = Outcome(item, error=WorkerDied(
-                        f"the Ray worker answering this line died {MAX_ATTEMPTS} times (last: {self._last_loss})"))
-                except Exception as err:  # noqa: BLE001 - a Ray error about this line only: its failure
-                    outcome = Outcome(item, error=err)
-                if item.line in yielded:
+            for slot, item, outcome in self._arrivals(starting, attempts, lines):
+                if item.line not in yielded:
+                    yielded.add(item.line)
+                    self.answered[slot.number] = self.answered.get(slot.number, 0) + 1
+                    yield self._local(outcome, slot)
+
+    def _arrivals(self, starting: list, attempts: dict[int, int],
+                  lines: _LineQueue) -> list[tuple[_Slot, InputLine, Outcome]]:
+        """Wait for a line's answer or a worker's start; returns the lines answered, by line. A
+        line whose worker died is queued to be sent again, until it has killed `MAX_ATTEMPTS`."""
+        refs = list(self._flight) + starting
+        self.ray.wait(refs, num_returns=1)
+        done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        done_set = set(done)
+        for slot in [slot for slot in self._slots if slot.starting in done_set]:
+            self._started_or_not(slot)
+        arrived = []
+        for ref in sorted((ref for ref in done if ref in self._flight), key=lambda ref: self._flight[ref][1].line):
+            slot, item = self._flight.pop(ref)
+            slot.lines, slot.alone = slot.lines - 1, False
+            try:
+                outcome = self.ray.get(ref)
+            except self.ray.exceptions.RayActorError as err:
+                self._lose(slot, err)
+                attempts[item.line] = attempts.get(item.line, 0) + 1
+                if attempts[item.line] < MAX_ATTEMPTS:
+                    lines.again(item)
+                    self.resent += 1
                     continue
-                yielded.add(item.line)
-                self.answered[slot.number] = self.answered.get(slot.number, 0) + 1
-                yield self._local(outcome, slot)
+                outcome = Outcome(item, error=WorkerDied(
+                    f"the Ray worker answering this line died {MAX_ATTEMPTS} times (last: {self._last_loss})"))
+            except Exception as err:  # noqa: BLE001 - a Ray error about this line only: its failure
+                outcome = Outcome(item, error=err)
+            arrived.append((slot, item, outcome))
+        return arrived
 
     def _free_slot(self, *, alone: bool = False) -> _Slot | None:
         """The ready worker with the fewest lines in flight, if it has room (alone: if it is idle)."""

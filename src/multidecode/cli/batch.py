@@ -273,6 +273,30 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
         from ..batch.ray import import_ray
 
         import_ray()  # says how to install Ray before anything else happens
+    questions = job_questions(question, questions_file)
+    check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
+    speculation = speculation_from(speculate, draft_budget, dtype)
+    settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
+                             sampling=sampling_from(sampling), model=model_identity(model_name), dtype=dtype)
+    with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
+        announce(job)
+        received, totals = [], {}
+        if job.pending:
+            if ray_address is None:
+                decoder = load_decoder(model_name, dtype, device)
+                results = job.run(decoder, speculate=prepare_speculation(decoder, speculation),
+                                  forest_tokens=forest_tokens, forest_branches=forest_branches)
+            else:
+                results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, dtype, device,
+                                            speculation))
+            received, totals = follow(job, results)
+        summary = job.summary()
+    conclude(summary, stopped=bool(received) and not summary.complete, signal_number=received[0] if received else 0,
+             totals=totals if show_stats else None, as_json=as_json)
+
+
+def job_questions(question: tuple[str, ...], questions_file: str | None) -> list[str]:
+    """The questions asked of every document: -q ones, then the file's."""
     questions = list(question)
     if questions_file:
         from_file = read_lines(questions_file)
@@ -281,33 +305,30 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
                                "blank lines)", 'write one question per line, or leave out --questions-file and give '
                                'each line its own "questions"')
         questions += from_file
-    check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
-    speculation = speculation_from(speculate, draft_budget, dtype)
-    settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
-                             sampling=sampling_from(sampling), model=model_identity(model_name), dtype=dtype)
-    with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
-        announce(job)
-        received: list[int] = []
-        totals: dict = {}  # this run's decode stats, summed
-        if job.pending:
-            if ray_address is None:
-                decoder = load_decoder(model_name, dtype, device)
-                results = job.run(decoder, speculate=prepare_speculation(decoder, speculation), forest_tokens=forest_tokens,
-                                  forest_branches=forest_branches)
-            else:
-                results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, dtype, device,
-                                                   speculation))
-            try:
-                with ProgressView(job) as view, graceful_stop(job, view) as received:
-                    for result in results:
-                        totals = total_stats([totals, result.stats])
-                        view.advance(result)
-            except KeyboardInterrupt:
-                received = received or [signal.SIGINT]
-        summary = job.summary()
-    stopped = bool(received) and not summary.complete
+    return questions
+
+
+def follow(job: BatchJob, results) -> tuple[list[int], dict]:
+    """Show each result as it comes, with a progress bar, until the job ends or is stopped.
+    Returns the signals received (the first stops the job gracefully) and this run's decode
+    stats, summed."""
+    received: list[int] = []
+    totals: dict = {}
+    try:
+        with ProgressView(job) as view, graceful_stop(job, view) as received:
+            for result in results:
+                totals = total_stats([totals, result.stats])
+                view.advance(result)
+    except KeyboardInterrupt:
+        received = received or [signal.SIGINT]
+    return received, totals
+
+
+def conclude(summary: BatchSummary, *, stopped: bool, signal_number: int, totals: dict | None, as_json: bool) -> None:
+    """The summary (and stats, and JSON when asked), then the exit status: 128 + the signal when
+    stopped, 1 when lines are left undone."""
     print_summary(summary, stopped=stopped)
-    if show_stats and totals.get("runs"):
+    if totals and totals.get("runs"):
         print_stats(totals, lead=f"{totals['runs']} line{'s' * (totals['runs'] != 1)} answered in this run: ")
     if as_json:
         click.echo(json.dumps(summary.as_dict() | {"stopped": stopped}, ensure_ascii=False))
@@ -315,6 +336,6 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
         command = resume_command()
         stderr.print("[yellow]hint:[/yellow] run the same command again to resume"
                      + (f": {escape(command)}" if command else ""))
-        raise SystemExit(128 + received[0])
+        raise SystemExit(128 + signal_number)
     if not summary.complete:
         raise SystemExit(1)

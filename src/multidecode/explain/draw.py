@@ -140,9 +140,47 @@ def _layout(lane: Lane) -> tuple[dict[int, tuple[int, int]], tuple[int, int], in
     return {n: (depth[n], rows[n]) for n in rows}, (depth[last] + 1, rows[last]), max(count, 1)
 
 
-def _draw_forest(ax, view: StepView) -> None:
-    from matplotlib.patches import FancyBboxPatch
+class _Canvas:
+    """One panel's axes with its scale (points per data unit), and the few marks it draws."""
 
+    def __init__(self, ax, right: float, top: float, bottom: float) -> None:
+        self.ax = ax
+        box = ax.get_position()
+        fig_w, fig_h = ax.figure.get_size_inches()
+        self.x_pt = box.width * fig_w * 72 / (right + 0.05)  # points per data unit, to fit text to boxes
+        self.y_pt = box.height * fig_h * 72 / (bottom + 0.2 - top)
+
+    def chars(self, width: float, size: float, kind: str = "sans-serif") -> int:
+        """How many characters of font `size` fit in `width` data units."""
+        return max(4, int((width * self.x_pt - 8) / (size * _CHAR_EM[kind])))
+
+    def lines(self, height: float, size: float) -> int:
+        return max(1, int(height * self.y_pt / (size * 1.25)))
+
+    def box(self, x0, x1, y0, y1, *, face, edge="#4b5563", style="-", lw=0.9) -> None:
+        from matplotlib.patches import FancyBboxPatch
+
+        self.ax.add_patch(FancyBboxPatch((x0, y0), x1 - x0, y1 - y0, boxstyle="round,pad=0,rounding_size=0.1",
+                                         facecolor=face, edgecolor=edge, linestyle=style, linewidth=lw, zorder=2,
+                                         mutation_aspect=self.x_pt / self.y_pt))
+
+    def text(self, x, y, s, **kw) -> None:
+        kw.setdefault("fontsize", 8)
+        kw.setdefault("ha", "center")
+        kw.setdefault("va", "center")
+        self.ax.text(x, y, s, parse_math=False, zorder=4, **kw)
+
+    def line(self, x0, y0, x1, y1, *, colour="#9ca3af", lw=1.0, style="-") -> None:
+        self.ax.plot([x0, x1], [y0, y1], color=colour, lw=lw, ls=style, zorder=1, solid_capstyle="round")
+
+
+_PAD = 0.12
+_GREY, _DARK = "#6b7280", "#374151"
+
+
+def _draw_forest(ax, view: StepView) -> None:
+    """The forest panel: the shared prefix, then a lane per branch (its prompt tail, its answer so
+    far, and the nodes it fed this step, by depth below its head)."""
     layouts = [_layout(lane) for lane in view.lanes]
     max_depth = max(max([d for d, _ in places.values()] + [nxt[0]]) for places, nxt, _ in layouts)
     tops, y = [], 0.0
@@ -158,108 +196,89 @@ def _draw_forest(ax, view: StepView) -> None:
     ax.set_xlim(-0.05, right)
     ax.set_ylim(bottom + 0.05, header - 0.15)
     ax.set_axis_off()
-    # points per data unit, to fit text to boxes
-    box_in = ax.get_position()
-    fig_w, fig_h = ax.figure.get_size_inches()
-    x_pt = box_in.width * fig_w * 72 / (right + 0.05)
-    y_pt = box_in.height * fig_h * 72 / (bottom + 0.2 - header)
-
-    def chars(width: float, size: float, kind: str = "sans-serif") -> int:
-        return max(4, int((width * x_pt - 8) / (size * _CHAR_EM[kind])))
-
-    def lines(height: float, size: float) -> int:
-        return max(1, int(height * y_pt / (size * 1.25)))
-
-    def box(x0, x1, y0, y1, *, face, edge="#4b5563", style="-", lw=0.9):
-        ax.add_patch(FancyBboxPatch((x0, y0), x1 - x0, y1 - y0, boxstyle="round,pad=0,rounding_size=0.1",
-                                    facecolor=face, edgecolor=edge, linestyle=style, linewidth=lw, zorder=2,
-                                    mutation_aspect=x_pt / y_pt))
-
-    def text(x, y, s, **kw):
-        kw.setdefault("fontsize", 8)
-        kw.setdefault("ha", "center")
-        kw.setdefault("va", "center")
-        ax.text(x, y, s, parse_math=False, zorder=4, **kw)
-
-    def line(x0, y0, x1, y1, *, colour="#9ca3af", lw=1.0, style="-"):
-        ax.plot([x0, x1], [y0, y1], color=colour, lw=lw, ls=style, zorder=1, solid_capstyle="round")
-
-    pad = 0.12
-    grey, dark = "#6b7280", "#374151"
-    # the shared prefix, one box for all lanes
-    x0, x1 = _PREFIX_X
-    box(x0, x1, 0.0, bottom, face="#e5e7eb", edge=PREFIX_COLOUR, lw=1.2)
-    text((x0 + x1) / 2, 0.12, "shared prefix", fontsize=8.5, weight="bold", va="top")
-    n = view.prefix_length
-    text((x0 + x1) / 2, 0.5, f"{n} tokens\ncached once\npos 0–{n - 1}", fontsize=7, va="top", color=dark,
-         linespacing=1.3)
-    size = 6.5
-    text(x0 + pad, 1.45, _wrap(view.prefix_text, chars(x1 - x0 - 2 * pad, size, "monospace"),
-                               lines(bottom - 1.65, size), keep="both"),
-         fontsize=size, ha="left", va="top", color="#4b5563", family="monospace", linespacing=1.2)
-
-    for lane, top, (places, (next_depth, next_row), height) in zip(view.lanes, tops, layouts):
-        mid = top + 0.5
-        y0, y1 = top + 0.04, top + height - 0.04
-        line(_PREFIX_X[1], mid, _TAIL_X[0], mid)
-        line(_TAIL_X[1], mid, _ANSWER_X[0], mid)
-        line(_ANSWER_X[1], mid, _HEAD_X - node_w / 2, mid)
-        # the branch's own prompt tail, then its answer before the head
-        start = view.prefix_length
-        for (bx0, bx1), head, body, foot, keep in (
-            (_TAIL_X, f"Q{lane.branch + 1} · prompt tail", lane.tail_text, _span(start, len(lane.tail)),
-             "both"),
-            (_ANSWER_X, "answer so far", lane.answer_text, _span(start + len(lane.tail), len(lane.answer)), "end"),
-        ):
-            box(bx0, bx1, y0, y1, face="#f3f4f6", edge=HISTORY_COLOUR, lw=1.2)
-            text(bx0 + pad, y0 + 0.06, shown_line(head, chars(bx1 - bx0, 7, "bold")), fontsize=7, ha="left",
-                 va="top", weight="bold", color=dark)
-            room = (y1 - y0) - 0.3 - (0.22 if foot else 0)
-            size = 7
-            body = _wrap(body, chars(bx1 - bx0 - pad, size, "monospace"), lines(room, size), keep=keep) if body else ""
-            if body:
-                text(bx0 + pad, y0 + 0.3, body, fontsize=size, ha="left", va="top", linespacing=1.2,
-                     family="monospace", color="#111827")
-            else:
-                empty = "(the head is its first token)" if bx0 == _ANSWER_X[0] else "(none)"
-                text(bx0 + pad, y0 + 0.3, _wrap(empty, chars(bx1 - bx0 - pad, size), 2), fontsize=size, ha="left",
-                     va="top", style="italic", color=grey)
-            if foot:
-                text(bx1 - pad, y1 - 0.05, foot, fontsize=6, ha="right", va="bottom", color=grey)
-        # the step's nodes: edges first, then boxes
-        at = {node: (_HEAD_X + dx * d, top + r + 0.5) for node, (d, r) in places.items()}
-        for n in lane.nodes[1:]:
-            (xa, ya), (xb, yb) = at[n.parent], at[n.node]
-            line(xa + node_w / 2, ya, xb - node_w / 2, yb, colour=STATUS_COLOURS[n.status],
-                 lw=2.4 if n.status == "accepted" else 1.2)
-        last = ([n.node for n in lane.accepted] or [lane.nodes[0].node])[-1]
-        nx, ny = _HEAD_X + dx * next_depth, top + next_row + 0.5
-        line(at[last][0] + node_w / 2, at[last][1], nx - node_w / 2, ny, colour="#333333", lw=1.2, style="--")
-        for n in lane.nodes:
-            x, yc = at[n.node]
-            box(x - node_w / 2, x + node_w / 2, yc - _NODE_H / 2, yc + _NODE_H / 2, face=STATUS_COLOURS[n.status],
-                edge="#1f2937" if n.status == "head" else "none", lw=1.0)
-            text(x, yc, shown(n.text, chars(node_w, 8, "monospace")), color="white", fontsize=8, weight="bold",
-                 family="monospace")
-            text(x, yc + _NODE_H / 2 + 0.03, f"p{n.position}", fontsize=6, va="top", color=grey)
-        box(nx - node_w / 2, nx + node_w / 2, ny - _NODE_H / 2, ny + _NODE_H / 2, face="white", edge="#333333",
-            style="--", lw=1.1)
-        text(nx, ny, shown(lane.next_text, chars(node_w, 8, "monospace")), color="#111827", fontsize=8,
-             weight="bold", family="monospace")
-        gained = len(lane.accepted) + 1
-        caption = f"next · +{gained}" + (" · done" if lane.finished else "")
-        text(nx, ny + _NODE_H / 2 + 0.03, caption, fontsize=6, va="top",
-             color=STATUS_COLOURS["accepted"] if gained > 1 else grey)
-
-    # column headers
-    text((_PREFIX_X[0] + _ANSWER_X[1]) / 2, header + 0.05, "cached before this step", fontsize=8, color=dark,
-         va="bottom")
-    text((_HEAD_X - node_w / 2 + right) / 2, header + 0.05, "fed this step: each head with its draft tree",
-         fontsize=8, color=dark, va="bottom")
+    canvas = _Canvas(ax, right, header, bottom)
+    _draw_prefix(canvas, view, bottom)
+    for lane, top, (places, next_place, height) in zip(view.lanes, tops, layouts):
+        _draw_history(canvas, view, lane, top, height, node_w)
+        _draw_fed(canvas, lane, top, places, next_place, dx, node_w)
+    canvas.text((_PREFIX_X[0] + _ANSWER_X[1]) / 2, header + 0.05, "cached before this step", fontsize=8,
+                color=_DARK, va="bottom")
+    canvas.text((_HEAD_X - node_w / 2 + right) / 2, header + 0.05, "fed this step: each head with its draft tree",
+                fontsize=8, color=_DARK, va="bottom")
     for d in range(max_depth + 1):
-        text(_HEAD_X + dx * d, header + 0.45, "head" if d == 0 else f"+{d}", fontsize=6.5, color="#9ca3af")
+        canvas.text(_HEAD_X + dx * d, header + 0.45, "head" if d == 0 else f"+{d}", fontsize=6.5, color="#9ca3af")
     ax.set_title("the forest at this step: one lane per branch; x = depth below the head (one position each)",
                  fontsize=9.5, loc="left", pad=9)
+
+
+def _draw_prefix(canvas: _Canvas, view: StepView, bottom: float) -> None:
+    """The shared prefix: one box for all lanes."""
+    x0, x1 = _PREFIX_X
+    canvas.box(x0, x1, 0.0, bottom, face="#e5e7eb", edge=PREFIX_COLOUR, lw=1.2)
+    canvas.text((x0 + x1) / 2, 0.12, "shared prefix", fontsize=8.5, weight="bold", va="top")
+    n = view.prefix_length
+    canvas.text((x0 + x1) / 2, 0.5, f"{n} tokens\ncached once\npos 0–{n - 1}", fontsize=7, va="top", color=_DARK,
+                linespacing=1.3)
+    size = 6.5
+    canvas.text(x0 + _PAD, 1.45, _wrap(view.prefix_text, canvas.chars(x1 - x0 - 2 * _PAD, size, "monospace"),
+                                       canvas.lines(bottom - 1.65, size), keep="both"),
+                fontsize=size, ha="left", va="top", color="#4b5563", family="monospace", linespacing=1.2)
+
+
+def _draw_history(canvas: _Canvas, view: StepView, lane: Lane, top: float, height: float, node_w: float) -> None:
+    """A lane's cached part: its own prompt tail, then its answer before the head."""
+    mid = top + 0.5
+    y0, y1 = top + 0.04, top + height - 0.04
+    canvas.line(_PREFIX_X[1], mid, _TAIL_X[0], mid)
+    canvas.line(_TAIL_X[1], mid, _ANSWER_X[0], mid)
+    canvas.line(_ANSWER_X[1], mid, _HEAD_X - node_w / 2, mid)
+    start = view.prefix_length
+    for (bx0, bx1), head, body, foot, keep in (
+        (_TAIL_X, f"Q{lane.branch + 1} · prompt tail", lane.tail_text, _span(start, len(lane.tail)), "both"),
+        (_ANSWER_X, "answer so far", lane.answer_text, _span(start + len(lane.tail), len(lane.answer)), "end"),
+    ):
+        canvas.box(bx0, bx1, y0, y1, face="#f3f4f6", edge=HISTORY_COLOUR, lw=1.2)
+        canvas.text(bx0 + _PAD, y0 + 0.06, shown_line(head, canvas.chars(bx1 - bx0, 7, "bold")), fontsize=7,
+                    ha="left", va="top", weight="bold", color=_DARK)
+        room = (y1 - y0) - 0.3 - (0.22 if foot else 0)
+        size = 7
+        width = canvas.chars(bx1 - bx0 - _PAD, size, "monospace")
+        if body:
+            canvas.text(bx0 + _PAD, y0 + 0.3, _wrap(body, width, canvas.lines(room, size), keep=keep), fontsize=size,
+                        ha="left", va="top", linespacing=1.2, family="monospace", color="#111827")
+        else:
+            empty = "(the head is its first token)" if bx0 == _ANSWER_X[0] else "(none)"
+            canvas.text(bx0 + _PAD, y0 + 0.3, _wrap(empty, canvas.chars(bx1 - bx0 - _PAD, size), 2), fontsize=size,
+                        ha="left", va="top", style="italic", color=_GREY)
+        if foot:
+            canvas.text(bx1 - _PAD, y1 - 0.05, foot, fontsize=6, ha="right", va="bottom", color=_GREY)
+
+
+def _draw_fed(canvas: _Canvas, lane: Lane, top: float, places: dict[int, tuple[int, int]],
+              next_place: tuple[int, int], dx: float, node_w: float) -> None:
+    """A lane's nodes fed this step (edges first, then boxes), and the target's next token."""
+    at = {node: (_HEAD_X + dx * d, top + r + 0.5) for node, (d, r) in places.items()}
+    for n in lane.nodes[1:]:
+        (xa, ya), (xb, yb) = at[n.parent], at[n.node]
+        canvas.line(xa + node_w / 2, ya, xb - node_w / 2, yb, colour=STATUS_COLOURS[n.status],
+                    lw=2.4 if n.status == "accepted" else 1.2)
+    last = ([n.node for n in lane.accepted] or [lane.nodes[0].node])[-1]
+    nx, ny = _HEAD_X + dx * next_place[0], top + next_place[1] + 0.5
+    canvas.line(at[last][0] + node_w / 2, at[last][1], nx - node_w / 2, ny, colour="#333333", lw=1.2, style="--")
+    fits = canvas.chars(node_w, 8, "monospace")
+    for n in lane.nodes:
+        x, yc = at[n.node]
+        canvas.box(x - node_w / 2, x + node_w / 2, yc - _NODE_H / 2, yc + _NODE_H / 2, face=STATUS_COLOURS[n.status],
+                   edge="#1f2937" if n.status == "head" else "none", lw=1.0)
+        canvas.text(x, yc, shown(n.text, fits), color="white", fontsize=8, weight="bold", family="monospace")
+        canvas.text(x, yc + _NODE_H / 2 + 0.03, f"p{n.position}", fontsize=6, va="top", color=_GREY)
+    canvas.box(nx - node_w / 2, nx + node_w / 2, ny - _NODE_H / 2, ny + _NODE_H / 2, face="white", edge="#333333",
+               style="--", lw=1.1)
+    canvas.text(nx, ny, shown(lane.next_text, fits), color="#111827", fontsize=8, weight="bold", family="monospace")
+    gained = len(lane.accepted) + 1
+    caption = f"next · +{gained}" + (" · done" if lane.finished else "")
+    canvas.text(nx, ny + _NODE_H / 2 + 0.03, caption, fontsize=6, va="top",
+                color=STATUS_COLOURS["accepted"] if gained > 1 else _GREY)
 
 
 def _span(start: int, count: int) -> str:
@@ -291,26 +310,14 @@ def _bands(view: StepView) -> list[dict]:
 
 
 def _draw_mask(ax, view: StepView) -> None:
-    from matplotlib.patches import Rectangle
-
+    """The mask panel: a row per fed node, a column per cache slot (or band), coloured where the
+    row sees the slot."""
     rows = view.rows
     columns = _bands(view)
     widths = [1.0 if c["node"] is not None else 1.6 for c in columns]
     lefts = [sum(widths[:i]) for i in range(len(columns))]
     width = sum(widths)
-    for r, row in enumerate(rows):
-        for c, col in enumerate(columns):
-            seen = bool(view.visible[r, col["first"]])
-            if not seen:
-                colour = EMPTY_COLOUR
-            elif col["node"] is not None:
-                colour = STATUS_COLOURS[col["node"].status]
-            else:
-                colour = PREFIX_COLOUR if col["owner"] == -1 else HISTORY_COLOUR
-            self_cell = col["node"] is not None and col["node"].node == row.node
-            ax.add_patch(Rectangle((lefts[c], r), widths[c], 1, facecolor=colour,
-                                   edgecolor="#111827" if self_cell else "white", linewidth=1.3 if self_cell else 0.6,
-                                   zorder=3 if self_cell else 2))
+    _mask_cells(ax, view, columns, lefts, widths)
     # groups: a line between branches (rows, and this step's columns), one between cached and fed
     starts = [0]
     for lane in view.lanes:
@@ -332,7 +339,35 @@ def _draw_mask(ax, view: StepView) -> None:
     ax.set_xlim(width + 0.1 - span_x, width + 0.1)
     ax.set_ylim(len(rows) + span_y * _MASK_BOTTOM / h_pt, -span_y * _MASK_TOP / h_pt)
     cell_w, cell_h = w_pt / span_x, h_pt / span_y  # points per column of width 1, per row
-    col_size, row_size = max(4.5, min(6.5, 0.85 * cell_w)), max(4.5, min(7.0, 0.75 * cell_h))
+    _mask_labels(ax, view, columns, lefts, widths, starts, first_fed,
+                 col_size=max(4.5, min(6.5, 0.85 * cell_w)), row_size=max(4.5, min(7.0, 0.75 * cell_h)))
+    ax.set_axis_off()
+    ax.set_title("its attention mask: each fed node sees itself and its ancestors", fontsize=9.5, loc="left", pad=2)
+
+
+def _mask_cells(ax, view: StepView, columns: list[dict], lefts: list[float], widths: list[float]) -> None:
+    """One cell per (row, column): its colour says what the row sees there; a node's own cell is outlined."""
+    from matplotlib.patches import Rectangle
+
+    for r, row in enumerate(view.rows):
+        for c, col in enumerate(columns):
+            if not bool(view.visible[r, col["first"]]):
+                colour = EMPTY_COLOUR
+            elif col["node"] is not None:
+                colour = STATUS_COLOURS[col["node"].status]
+            else:
+                colour = PREFIX_COLOUR if col["owner"] == -1 else HISTORY_COLOUR
+            own = col["node"] is not None and col["node"].node == row.node
+            ax.add_patch(Rectangle((lefts[c], r), widths[c], 1, facecolor=colour,
+                                   edgecolor="#111827" if own else "white", linewidth=1.3 if own else 0.6,
+                                   zorder=3 if own else 2))
+
+
+def _mask_labels(ax, view: StepView, columns: list[dict], lefts: list[float], widths: list[float],
+                 starts: list[int], first_fed: int, *, col_size: float, row_size: float) -> None:
+    """Branch names beside row groups, tokens beside rows, slot ranges or tokens under columns."""
+    rows, width = view.rows, sum(widths)
+
     def label(x, y, s, dx=0.0, dy=0.0, **kw):
         ax.annotate(s, (x, y), xytext=(dx, dy), textcoords="offset points", annotation_clip=False,
                     parse_math=False, **kw)
@@ -360,8 +395,6 @@ def _draw_mask(ax, view: StepView) -> None:
     label(width / 2, len(rows), f"columns: the {view.num_slots} cache slots in order; adjacent slots that every row "
           "sees alike\nare merged into one wider column, labelled with its slot range", dy=-_MASK_BOTTOM + 24,
           fontsize=7, ha="center", va="top", color="#4b5563")
-    ax.set_axis_off()
-    ax.set_title("its attention mask: each fed node sees itself and its ancestors", fontsize=9.5, loc="left", pad=2)
 
 
 _MASK_LEFT, _MASK_TOP, _MASK_BOTTOM = 66.0, 18.0, 82.0  # points around the mask's matrix for its labels

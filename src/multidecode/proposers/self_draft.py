@@ -327,29 +327,13 @@ def choose_skip(model, sample_ids, *, max_skip: int | None = None, candidates: I
     embedded SmolLM2-135M (30 layers) with 210 sample tokens: 30, then 9 to 16 a step, 76 drafts
     in all, about 50 s on one CPU thread. Deterministic for a given model, sample and machine.
     """
-    _, layers = decoder_layers(model)
-    depth = len(layers)
+    depth = len(decoder_layers(model)[1])
     pool = _layer_indices(range(depth) if candidates is None else candidates, depth, "candidates")
     limit = depth // 2 if max_skip is None else max_skip
     if not is_int(limit) or limit < 0:
         raise InvalidArgument(f"max_skip must be a non-negative integer, got {max_skip!r}", "use 0 or more")
     limit = min(max(limit, min_skip), len(pool), depth - 1)
-    sample = _sample(sample_ids, model)
-    expected = [_greedy(model, ids) for ids in sample]  # per sequence: [length] target arg-max
-    positions = sum(t.numel() for t in expected)
-    weight = _layer_weights(model, layers)
-
-    def cost(skip: Iterable[int]) -> float:
-        skip = set(skip)
-        return (weight["head"] + sum(weight[i] for i in range(depth) if i not in skip)) / weight["all"]
-
-    def measure(skip: tuple[int, ...]) -> tuple[int, SkipChoice]:
-        draft = self_draft(model, skip)
-        hits = sum(int((_greedy(draft, ids) == want).sum()) for ids, want in zip(sample, expected))
-        agreement = hits / positions
-        speedup, k = expected_speedup(agreement, cost(skip), max_draft)
-        return hits, SkipChoice(tuple(sorted(skip)), agreement, cost(skip), k, speedup)
-
+    drafts = _Drafts(model, sample_ids, max_draft)
     best = SkipChoice((), 1.0, 1.0, 0, 1.0)
     chosen: tuple[int, ...] = ()
     bound = {i: math.inf for i in pool}  # layer -> hits when last measured (an upper bound of its hits now)
@@ -359,18 +343,44 @@ def choose_skip(model, sample_ids, *, max_skip: int | None = None, candidates: I
             layer = min(bound, key=lambda i: (-bound[i], i))  # highest bound, then lowest index
             if layer in measured:
                 break
-            bound[layer], measured[layer] = measure((*chosen, layer))
+            bound[layer], measured[layer] = drafts.measure((*chosen, layer))
         choice = measured[layer]
         chosen = (*chosen, layer)
         del bound[layer]
         if len(chosen) >= min_skip and (choice.expected_speedup > best.expected_speedup or len(best.layers) < min_skip):
             best = choice
         # The best any further set could do: this agreement at the cost of the lightest set left to try.
-        heaviest = sorted(bound, key=lambda i: -weight[i])[: limit - len(chosen)]
-        ceiling, _ = expected_speedup(choice.agreement, cost((*chosen, *heaviest)), max_draft)
+        heaviest = sorted(bound, key=lambda i: -drafts.weight[i])[: limit - len(chosen)]
+        ceiling, _ = expected_speedup(choice.agreement, drafts.cost((*chosen, *heaviest)), max_draft)
         if ceiling <= best.expected_speedup and len(chosen) >= min_skip:
             break
     return best
+
+
+class _Drafts:
+    """Self-drafts of `model` scored on one sample: how often each agrees with the target's greedy
+    choice, and what its layers cost relative to the target's (`_layer_weights`)."""
+
+    def __init__(self, model, sample_ids, max_draft: int) -> None:
+        _, layers = decoder_layers(model)
+        self.model, self.depth, self.max_draft = model, len(layers), max_draft
+        self.sample = _sample(sample_ids, model)
+        self.expected = [_greedy(model, ids) for ids in self.sample]  # per sequence: [length] target arg-max
+        self.positions = sum(t.numel() for t in self.expected)
+        self.weight = _layer_weights(model, layers)
+
+    def cost(self, skip: Iterable[int]) -> float:
+        skip = set(skip)
+        kept = sum(self.weight[i] for i in range(self.depth) if i not in skip)
+        return (self.weight["head"] + kept) / self.weight["all"]
+
+    def measure(self, skip: tuple[int, ...]) -> tuple[int, SkipChoice]:
+        """(positions agreeing, the choice) of the draft skipping `skip`."""
+        draft = self_draft(self.model, skip)
+        hits = sum(int((_greedy(draft, ids) == want).sum()) for ids, want in zip(self.sample, self.expected))
+        agreement = hits / self.positions
+        speedup, k = expected_speedup(agreement, self.cost(skip), self.max_draft)
+        return hits, SkipChoice(tuple(sorted(skip)), agreement, self.cost(skip), k, speedup)
 
 
 def choose_skip_layers(model, sample_ids, *, max_skip: int | None = None,
