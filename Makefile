@@ -14,7 +14,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.multidecode-installed
 
-.PHONY: setup demo test test-fast test-browser bench clean
+.PHONY: setup demo test test-fast test-browser test-transformers-before versions bench clean
 
 setup: $(STAMP)
 
@@ -48,8 +48,30 @@ test-browser: setup
 	@$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[test,browser]'
 	$(BIN)/python -m pytest -q -m browser
 
+# The engine on an older transformers: 5.23 renamed forward's `past_key_values` to `cache` (the old
+# name goes in 5.40), and the engine passes whichever the model takes. This runs the oracle tier
+# (forest = sequential decoding on every architecture and attention) on the last release before
+# the rename, in a venv of its own.
+TRANSFORMERS_BEFORE ?= 5.22.2
+BEFORE := .venv-transformers-$(TRANSFORMERS_BEFORE)
+
+$(BEFORE)/.installed: pyproject.toml
+	test -x $(BEFORE)/bin/python || $(PYTHON) -m venv $(BEFORE)
+	$(BEFORE)/bin/python -m pip install -q --upgrade pip
+	$(BEFORE)/bin/python -m pip install -q torch==2.13.0
+	$(BEFORE)/bin/python -m pip install -q -e '.[test]' 'transformers==$(TRANSFORMERS_BEFORE)'
+	touch $@
+
+test-transformers-before: $(BEFORE)/.installed
+	@$(BEFORE)/bin/python -c "import torch, transformers; print(f'testing on torch {torch.__version__}, transformers {transformers.__version__}')"
+	$(BEFORE)/bin/python -m pytest -q -n 2 -m "not slow" tests/test_exactness.py tests/test_engine_window.py
+
+# What a test run runs on: Python, torch and transformers.
+versions: setup
+	@$(BIN)/python -c "import platform, torch, transformers; print(f'Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}')"
+
 bench: setup
 	$(BIN)/multidecode bench ask --output bench-results
 
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache
+	rm -rf $(VENV) .venv-transformers-* bench-results .pytest_cache
