@@ -47,8 +47,6 @@ from ..scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work, new_sc
 from ..stopping import LENGTH, STOP, eos_ids_of
 from .complete import prompt_ids
 
-EARLY_STOPPING = (True, False, "never")
-
 
 @dataclass(frozen=True)
 class Beam:
@@ -113,7 +111,7 @@ class BeamWork(Work):
     def __init__(self, prompt: list[int], *, num_beams: int, max_new_tokens: int, length_penalty: float,
                  early_stopping: bool | str, eos: frozenset[int]) -> None:
         self.prompt, self.eos = prompt, eos
-        self.B, self.N, self.P = num_beams, max_new_tokens, len(prompt)
+        self.B, self.P = num_beams, len(prompt)
         self.K = max(2, 1 + len(eos)) * num_beams
         self.max_length = self.P + max_new_tokens
         self.length_penalty, self.early_stopping = length_penalty, early_stopping
