@@ -15,17 +15,13 @@ from ..errors import InvalidInput
 from ..strategies import ask as ask_strategy
 from ..strategies.ask import check_document, check_questions
 from .common import (
-    check_early,
-    load_to_speculate,
-    model_options,
+    decoding_options,
+    open_run,
     print_stats,
     read_lines,
     read_text,
     report_errors,
     sampling_from,
-    sampling_options,
-    speculate_options,
-    speculation_from,
     stderr,
     stdout,
 )
@@ -87,9 +83,7 @@ def gather_questions(question: Sequence[str], questions_file: str | None) -> lis
 @click.option("--questions-file", metavar="FILE", help="Questions, one per line.")
 @click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Longest answer, in tokens.")
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop an answer at this string (repeatable).")
-@model_options
-@sampling_options
-@speculate_options()
+@decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of answers instead of streaming text.")
 @report_errors
 def ask(document, question, questions_file, max_new_tokens, stop, model_name, dtype, device, as_json, speculate,
@@ -102,9 +96,8 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, dt
     questions = gather_questions(question, questions_file)
     check_document(text)
     check_questions(questions)
-    check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
-    speculation = speculation_from(speculate, draft_budget, dtype)
-    decoder, spec = load_to_speculate(model_name, dtype, device, speculation)
+    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
+                             sampling=sampling_from(sampling), stop=stop)
     start = time.perf_counter()
     settings = dict(max_new_tokens=max_new_tokens, stop=stop, speculate=spec, **sampling_from(sampling))
     run = ask_strategy.start(decoder.scheduler(), decoder.tokenizer, text, questions, **settings)

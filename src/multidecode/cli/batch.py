@@ -27,15 +27,13 @@ from ..batch.merged import FOREST_BRANCHES, FOREST_TOKENS
 from ..errors import InvalidInput
 from .common import (
     check_early,
+    decoding_options,
     load_decoder,
-    model_options,
     prepare_speculation,
     print_stats,
     read_lines,
     report_errors,
     sampling_from,
-    sampling_options,
-    speculate_options,
     speculation_from,
     stderr,
 )
@@ -232,9 +230,7 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
                    "--ray HOST:PORT joins a head node (pip install 'multidecode[ray]').")
 @click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
               help="Ray workers, each with its own model and merged forest (with --ray; default 2).")
-@model_options
-@sampling_options
-@speculate_options()
+@decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @report_errors
 def batch(input_path, output, questions_file, question, max_new_tokens, stop, retry_failed, forest_tokens,

@@ -151,8 +151,22 @@ def prepare_speculation(decoder, settings: SpeculationSettings) -> SpeculationSe
     return settings
 
 
-def load_to_speculate(model_name: str | None, dtype: str | None, device: str | None, settings: SpeculationSettings):
-    """The decoder (loaded with a status line) and what one run passes as `speculate=`."""
+def decoding_options(speculate: str | None = None):
+    """What every decoding command takes: the model's options, the sampling options and the
+    speculation options (--speculate defaulting to `speculate`)."""
+
+    def add(command):
+        return model_options(sampling_options(speculate_options(speculate)(command)))
+
+    return add
+
+
+def open_run(model_name: str | None, dtype: str | None, device: str | None, speculate, draft_budget: int | None, *,
+             max_new_tokens: int | None, n: int = 1, sampling: dict | None = None, stop=()):
+    """Check a decoding command's settings before anything loads (a typo fails at once), then
+    load the decoder with a status line; returns it and what one run passes as `speculate=`."""
+    check_early(max_new_tokens=max_new_tokens, n=n, sampling=sampling, stop=stop)
+    settings = speculation_from(speculate, draft_budget, dtype)
     decoder = load_decoder(model_name, dtype, device)
     return decoder, decoder.speculation(prepare_speculation(decoder, settings))
 

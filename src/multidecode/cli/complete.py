@@ -16,17 +16,13 @@ from ..prompts import check_text
 from ..strategies import complete as strategy
 from .ask import show_stream
 from .common import (
-    check_early,
-    load_to_speculate,
-    model_options,
+    decoding_options,
+    open_run,
     print_stats,
     prompt_options,
     read_prompt,
     report_errors,
     sampling_from,
-    sampling_options,
-    speculate_options,
-    speculation_from,
     stderr,
     stdout,
 )
@@ -38,9 +34,7 @@ from .common import (
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--greedy", is_flag=True, help="Greedy decoding (all n completions are then identical).")
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop a completion at this string (repeatable).")
-@model_options
-@sampling_options
-@speculate_options()
+@decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of completions.")
 @report_errors
 def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, model_name, dtype, device, as_json,
@@ -57,9 +51,8 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
         raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
     if greedy:
         chosen["do_sample"] = False
-    check_early(max_new_tokens=max_new_tokens, n=n, sampling=chosen, stop=stop)
-    speculation = speculation_from(speculate, draft_budget, dtype)
-    decoder, spec = load_to_speculate(model_name, dtype, device, speculation)
+    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
+                             sampling=chosen, stop=stop)
     settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None, speculate=spec,
                     **chosen)
     start = time.perf_counter()
@@ -85,9 +78,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
 @click.option("--question", "-q", required=True, metavar="TEXT", help="The question to reason about.")
 @click.option("--n", "-n", "n", type=int, default=8, show_default=True, help="Number of reasoning traces.")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@model_options
-@sampling_options
-@speculate_options()
+@decoding_options()
 @click.option("--show-traces", is_flag=True, help="Print every trace, not only the answers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the vote as JSON.")
 @report_errors
@@ -97,9 +88,8 @@ def vote(question, n, max_new_tokens, model_name, dtype, device, show_traces, as
     from ..strategies.vote import tally, vote_prompt, vote_settings
 
     check_text(question, "the question", "write the question to reason about")
-    check_early(max_new_tokens=max_new_tokens, n=n, sampling=vote_settings(sampling_from(sampling)))
-    speculation = speculation_from(speculate, draft_budget, dtype)
-    decoder, spec = load_to_speculate(model_name, dtype, device, speculation)
+    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
+                             sampling=vote_settings(sampling_from(sampling)))
     prompt = vote_prompt(question)
     run = strategy.start(decoder.scheduler(), decoder.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
                          speculate=spec, **vote_settings(sampling_from(sampling)))

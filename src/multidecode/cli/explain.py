@@ -18,12 +18,10 @@ from .. import explain as _explain
 from ..errors import InvalidArgument
 from ..strategies.ask import check_document, check_questions
 from .common import (
-    check_early,
-    load_to_speculate,
     model_options,
+    open_run,
     read_text,
     report_errors,
-    speculation_from,
     stderr,
     stdout,
 )
@@ -65,15 +63,15 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
     questions = list(question) or _explain.sample_questions()
     check_document(text)
     check_questions(questions)
-    check_early(max_new_tokens=max_new_tokens)
     if speculate in ("off", "none"):
         raise InvalidArgument(f"--speculate {speculate} has no draft tokens to draw", "use lookup or auto")
     if step is not None and step < 2:
         raise InvalidArgument(f"--step must be 2 or more, got {step}",
                               "step 1 feeds the prompts; leave --step unset to pick the step that shows most")
-    speculation = speculation_from(speculate, _explain.DEFAULT_BUDGET if draft_budget is None else draft_budget, dtype)
     path = check_output(output)
-    decoder, spec = load_to_speculate(model_name, dtype, device, speculation)
+    decoder, spec = open_run(model_name, dtype, device, speculate,
+                             _explain.DEFAULT_BUDGET if draft_budget is None else draft_budget,
+                             max_new_tokens=max_new_tokens)
     label = Path(model_name).name if model_name else "SmolLM2-135M-Instruct"
     with stderr.status("Decoding and drawing..."):
         result = _explain.explain(decoder, document=text, questions=questions, max_new_tokens=max_new_tokens,

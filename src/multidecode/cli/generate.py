@@ -10,17 +10,13 @@ import click
 
 from ..strategies import complete as strategy
 from .common import (
-    check_early,
-    load_to_speculate,
-    model_options,
+    decoding_options,
+    open_run,
     print_stats,
     prompt_options,
     read_prompt,
     report_errors,
     sampling_from,
-    sampling_options,
-    speculate_options,
-    speculation_from,
     stderr,
 )
 
@@ -29,9 +25,7 @@ from .common import (
 @prompt_options
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop at this string (repeatable).")
-@model_options
-@sampling_options
-@speculate_options("auto")
+@decoding_options("auto")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion and its stats as JSON.")
 @report_errors
 def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, dtype, device, speculate, draft_budget,
@@ -43,9 +37,8 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, dty
     """
     text = read_prompt(prompt, prompt_file)
     chosen = sampling_from(sampling)
-    check_early(max_new_tokens=max_new_tokens, sampling=chosen, stop=stop)
-    speculation = speculation_from(speculate, draft_budget, dtype)
-    decoder, spec = load_to_speculate(model_name, dtype, device, speculation)
+    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
+                             sampling=chosen, stop=stop)
     start = time.perf_counter()
     run = strategy.start(decoder.scheduler(), decoder.tokenizer, text, n=1, max_new_tokens=max_new_tokens, stop=stop,
                          chat=False if no_chat else None, sample=False, speculate=spec, **chosen)
