@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from local_models import tiny_model_folder
 
 import multidecode
 from multidecode.batch import (
@@ -38,11 +37,6 @@ from multidecode.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 MULTIDECODE = Path(sys.executable).with_name("multidecode")
 WORDS = ["router", "cable", "ticket", "fiber", "call", "modem", "line", "signal", "office", "evening", "light", "storm"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"), max_positions=256)
 
 
 @contextmanager

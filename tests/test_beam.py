@@ -22,7 +22,6 @@ import random
 import pytest
 import torch
 from click.testing import CliRunner
-from local_models import tiny_model_folder
 from tiny_models import VOCAB, reference_generate, tiny_model
 
 import multidecode
@@ -305,8 +304,9 @@ def test_bad_prompts():
 
 # ---------------------------------------------------------------------- facade and CLI
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama-beam"), max_positions=96)
+def model_dir(model_dir_of):
+    """The shared tiny model folder with a short context: 96 positions."""
+    return model_dir_of(96)
 
 
 @pytest.mark.xdist_group("cli")
