@@ -21,8 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from batch_files import by_id, documents, one_thread, records, results, write_lines
 from click.testing import CliRunner
-from test_batch import by_id, documents, one_thread, records, results, write_lines
 
 import multidecode
 from multidecode.batch import BatchSettings, InputLine, open_batch, run_batch
