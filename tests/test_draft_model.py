@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from byte_tokenizer import ByteTokenizer
 from eos_cases import pick_eos, truncate
 from hash_lm import HashLM, LetterTokenizer
 from speculation_cases import (
@@ -177,8 +178,6 @@ def test_stop_strings_and_eos_inside_accepted_drafts_on_the_hash_model():
 def test_the_decoder_drafts_with_its_draft_model():
     """`MultiDecoder(draft=...)` with speculate="draft" gives plain greedy's tokens; without a draft
     model "draft" is refused with a hint."""
-    from test_bench import ByteTokenizer
-
     model = tiny_model("llama", "sdpa")
     decoder = multidecode.MultiDecoder(model, ByteTokenizer(), draft=_perturbed(model, 0.3))
     plain = decoder.generate([1, 40, 41, 42, 43], max_new_tokens=12, speculate=None, eos_token_id=[])
