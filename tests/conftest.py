@@ -1,14 +1,32 @@
-"""Shared test setup: one CPU thread per xdist worker, and cost curves kept apart from the user's.
+"""Shared test setup: one CPU thread per xdist worker, cost curves kept apart from the user's, and
+the tiny model folders that the text-level tests load.
 
 `make test` runs `pytest -n 2` on two cores; two workers each spawning a full intra-op thread pool
 would oversubscribe the machine (tiny models gain nothing from those threads anyway). A plain
 `pytest` run keeps torch's default.
+
+Fixtures:
+- `model_dir_of(max_positions)`: the offline tiny model folder (`local_models.tiny_model_folder`:
+  a random tiny Llama and a byte-level BPE tokenizer with a chat template) with that context
+  length, written once per session (once per xdist worker) and shared by every module that asks
+  for it. The folder's weights and tokenizer are the same at every length (a fixed seed); only
+  `max_position_embeddings` differs. Tests read these folders and never write into them.
+- `model_dir`: `model_dir_of(256)`, the folder most tests use. A module that needs another context
+  length (a short one that long prompts overflow, a long one for long documents) overrides
+  `model_dir` with `model_dir_of(n)` and says why.
 """
+
+from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
+import pytest
 import torch
+from local_models import tiny_model_folder
+
+DEFAULT_POSITIONS = 256
 
 
 def pytest_configure(config):
@@ -17,3 +35,24 @@ def pytest_configure(config):
     # Cost curves that "auto" measures for test models go to a folder of this run, never to the
     # user's cache (tests that check the keeping of curves point it elsewhere themselves).
     os.environ["MULTIDECODE_COSTS"] = tempfile.mkdtemp(prefix="multidecode-costs-")
+
+
+@pytest.fixture(scope="session")
+def model_dir_of(tmp_path_factory):
+    """`model_dir_of(max_positions)`: the tiny model folder with that context length, written on
+    first use and shared for the rest of the session."""
+    folders: dict[int, Path] = {}
+
+    def folder(max_positions: int = DEFAULT_POSITIONS) -> Path:
+        if max_positions not in folders:
+            path = tmp_path_factory.mktemp(f"tiny-llama-{max_positions}")
+            folders[max_positions] = tiny_model_folder(path, max_positions=max_positions)
+        return folders[max_positions]
+
+    return folder
+
+
+@pytest.fixture(scope="session")
+def model_dir(model_dir_of) -> Path:
+    """The shared tiny model folder with 256 positions."""
+    return model_dir_of(DEFAULT_POSITIONS)

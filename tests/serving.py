@@ -1,5 +1,6 @@
 """A server on a free loopback port for tests: a tiny model (or the embedded one) behind the real
-ASGI stack, started in this process, and the real `openai` client pointed at it."""
+ASGI stack, started in this process, and the real `openai` client pointed at it. The tiny model's
+folder is conftest's `model_dir` fixture: `running_server(tiny_loader(model_dir))`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import openai
 import uvicorn
-from local_models import tiny_model_folder
 
 from multidecode.models.loading import load_model_and_tokenizer
 from multidecode.runtime import Limits
@@ -84,7 +84,3 @@ def running_server(loader, *, name: str = MODEL, api_key: str | None = None, lim
         thread.join(10)
         if state.runtime is not None:
             state.runtime.stop()
-
-
-def tiny_folder(tmp_path_factory) -> Path:
-    return tiny_model_folder(tmp_path_factory.mktemp("serve-model"), max_positions=256)

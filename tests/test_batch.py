@@ -15,13 +15,11 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
+from batch_files import by_id, documents, one_thread, records, results, write_lines
 from click.testing import CliRunner
-from local_models import tiny_model_folder
 
 import multidecode
 from multidecode.batch import (
@@ -37,57 +35,11 @@ from multidecode.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTIDECODE = Path(sys.executable).with_name("multidecode")
-WORDS = ["router", "cable", "ticket", "fiber", "call", "modem", "line", "signal", "office", "evening", "light", "storm"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"), max_positions=256)
-
-
-@contextmanager
-def one_thread():
-    """Subprocesses run with OMP_NUM_THREADS=1; in-process reference runs match their numerics."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def run(*args):
     with one_thread():
         return CliRunner().invoke(main, ["batch", *map(str, args)])
-
-
-def write_lines(path: Path, rows) -> Path:
-    """rows: dicts (written as JSON) or raw strings (written as they are)."""
-    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows),
-                    encoding="utf-8")
-    return path
-
-
-def records(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
-    assert text == "" or text.endswith("\n"), "the output ends with an unfinished line"
-    return [json.loads(line) for line in text.splitlines()]
-
-
-def by_id(rows: list[dict]) -> dict:
-    ids = [r["id"] for r in rows]
-    assert len(ids) == len(set(ids)), f"duplicate ids: {sorted(i for i in ids if ids.count(i) > 1)}"
-    return {r["id"]: r for r in rows}
-
-
-def results(rows: list[dict]) -> dict:
-    """What must not depend on interruptions: everything but the timing."""
-    return {r["id"]: {k: v for k, v in r.items() if k != "elapsed_s"} for r in rows}
-
-
-def documents(n: int) -> list[dict]:
-    return [{"id": f"doc-{i}", "document": f"Call {i}: the {WORDS[i % 12]} and the {WORDS[(i * 5) % 12]} failed.",
-             "questions": ["what failed?", f"when did call {i} happen?"]} for i in range(n)]
 
 
 def test_a_run_writes_one_complete_record_per_line(model_dir, tmp_path):

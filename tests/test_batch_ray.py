@@ -21,9 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from batch_files import by_id, documents, one_thread, records, results, write_lines
 from click.testing import CliRunner
-from local_models import tiny_model_folder
-from test_batch import by_id, documents, one_thread, records, results, write_lines
 
 import multidecode
 from multidecode.batch import BatchSettings, InputLine, open_batch, run_batch
@@ -42,11 +41,6 @@ def on_ray(test):
                  pytest.mark.xdist_group("ray")):
         test = mark(test)
     return test
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"), max_positions=256)
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,8 @@ import random
 
 import pytest
 import torch
+from byte_tokenizer import ByteTokenizer
 from click.testing import CliRunner
-from local_models import tiny_model_folder
 from tiny_models import VOCAB, reference_generate, tiny_model
 
 import multidecode
@@ -305,8 +305,9 @@ def test_bad_prompts():
 
 # ---------------------------------------------------------------------- facade and CLI
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama-beam"), max_positions=96)
+def model_dir(model_dir_of):
+    """The shared tiny model folder with a short context: 96 positions."""
+    return model_dir_of(96)
 
 
 @pytest.mark.xdist_group("cli")
@@ -369,19 +370,6 @@ def test_embedded_model_matches_generate(embedded, settings):
 
 
 # ---------------------------------------------------------------------- the benchmark
-class ByteTokenizer:
-    """One id per character (3..255), bos first, no chat template: enough for a tiny model."""
-
-    chat_template = None
-    pad_token_id = 0
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        return {"input_ids": ([1] if add_special_tokens else []) + [3 + ord(c) % (VOCAB - 3) for c in text]}
-
-    def decode(self, ids, skip_special_tokens: bool = True, **kwargs) -> str:
-        return "".join(chr(i) for i in ids if i >= 3)
-
-
 @pytest.mark.xdist_group("llama")
 def test_benchmark_on_a_tiny_model(tmp_path):
     """`run_beam_benchmark` runs both methods per beam count, checks identical sequences and

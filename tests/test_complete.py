@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from local_models import tiny_model_folder
 from scipy.stats import chisquare
 from tiny_models import tiny_model
 from transformers.generation.logits_process import (
@@ -28,11 +27,6 @@ from multidecode.cli import main
 from multidecode.strategies.vote import extract_answer, normalize, tally
 
 PROMPT = [5, 17, 42, 99, 7, 3, 150, 23]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ import copy
 
 import pytest
 import torch
+from byte_tokenizer import ByteTokenizer
+from eos_cases import pick_eos, truncate
 from hash_lm import HashLM, LetterTokenizer
-from test_exactness import pick_eos, truncate
-from test_speculation import (
+from speculation_cases import (
     BRANCHES,
     HASH_BRANCHES,
     HASH_PREFIX,
@@ -21,14 +22,14 @@ from test_speculation import (
     SAMPLE_PREFIX,
     STEPS,
     T,
-    _frequencies_pass,
-    _softmax,
     combos,
     cut_at_stop,
+    frequencies_pass,
     hash_expected,
     outputs,
     run,
     tiny_references,
+    tiny_softmax,
 )
 from tiny_models import tiny_model
 
@@ -135,9 +136,9 @@ def test_sampled_draft_speculation_follows_the_softmax_and_a_trusting_rule_fails
     draft's q with its prompt: the first tokens follow softmax(logits / T) after the prompt; the
     second tokens after the likeliest first one follow the softmax after it. Control: a rule that
     takes the first candidate where p gives it 5% fails."""
-    first_probs = _softmax(SAMPLE_PREFIX)
+    first_probs = tiny_softmax(SAMPLE_PREFIX)
     first = int(first_probs.argmax())
-    second_probs = _softmax(SAMPLE_PREFIX + [first])
+    second_probs = tiny_softmax(SAMPLE_PREFIX + [first])
     draft = _perturbed(tiny_model("llama", "sdpa"), 1.0)
 
     def spec():
@@ -146,12 +147,12 @@ def test_sampled_draft_speculation_follows_the_softmax_and_a_trusting_rule_fails
     firsts, seconds, stats = _two_tokens(3000, first, spec())
     assert stats.accepted > 300  # the rule against q was exercised, accepting and rejecting
     assert stats.accepted < stats.drafted / 2
-    assert _frequencies_pass(firsts, first_probs)
-    assert len(seconds) > 200 and _frequencies_pass(seconds, second_probs)
+    assert frequencies_pass(firsts, first_probs)
+    assert len(seconds) > 200 and frequencies_pass(seconds, second_probs)
 
     monkeypatch.setattr("multidecode.verify.speculative_sample", _trusting)
     firsts, _, _ = _two_tokens(3000, first, spec())
-    assert not _frequencies_pass(firsts, first_probs)
+    assert not frequencies_pass(firsts, first_probs)
 
 
 def test_stop_strings_and_eos_inside_accepted_drafts_on_the_hash_model():
@@ -177,8 +178,6 @@ def test_stop_strings_and_eos_inside_accepted_drafts_on_the_hash_model():
 def test_the_decoder_drafts_with_its_draft_model():
     """`MultiDecoder(draft=...)` with speculate="draft" gives plain greedy's tokens; without a draft
     model "draft" is refused with a hint."""
-    from test_bench import ByteTokenizer
-
     model = tiny_model("llama", "sdpa")
     decoder = multidecode.MultiDecoder(model, ByteTokenizer(), draft=_perturbed(model, 0.3))
     plain = decoder.generate([1, 40, 41, 42, 43], max_new_tokens=12, speculate=None, eos_token_id=[])

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers as tf
 from click.testing import CliRunner
-from local_models import tiny_model_folder, tiny_tokenizer
+from local_models import tiny_tokenizer
 
 import multidecode
 import multidecode.models.converted
@@ -22,8 +22,10 @@ from multidecode.cli import main
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"), max_positions=96)
+def model_dir(model_dir_of):
+    """The shared tiny model folder with a short context (96 positions), which the prompt-length
+    tests overflow."""
+    return model_dir_of(96)
 
 
 @pytest.fixture()

@@ -9,11 +9,11 @@ when positions or masks are wrong.
 
 import dataclasses
 import functools
-import itertools
 import random
 
 import pytest
 import torch
+from eos_cases import pick_eos, truncate
 from tiny_models import ATTENTION, MAIN_ARCHITECTURES, VOCAB, reference_generate, tiny_model
 
 import multidecode
@@ -61,30 +61,6 @@ def reference(arch: str, attn: str, prompt: tuple[int, ...], steps: int = STEPS)
 
 def references(arch, attn, prefix, branches, steps=STEPS) -> list[list[int]]:
     return [list(reference(arch, attn, tuple(prefix + b), steps)) for b in branches]
-
-
-def truncate(outputs: list[list[int]], eos: set[int]) -> list[list[int]]:
-    """What generate gives with `eos`: each output cut after its first eos id (kept)."""
-    cut = []
-    for out in outputs:
-        stop = next((j for j, t in enumerate(out) if t in eos), len(out) - 1)
-        cut.append(out[: stop + 1])
-    return cut
-
-
-def pick_eos(outputs: list[list[int]], steps: int) -> list[int]:
-    """One or two eos ids, seen in the outputs, that stop some branches before the end while at
-    least one runs to max_new_tokens; among those, the choice with the most distinct stop steps."""
-    seen = sorted({t for out in outputs for t in out})
-    best, best_score = None, 0
-    for eos in itertools.chain(itertools.combinations(seen, 1), itertools.combinations(seen, 2)):
-        lengths = [len(o) for o in truncate(outputs, set(eos))]
-        early = {n for n in lengths if n < steps}
-        running = sum(1 for n, o in zip(lengths, outputs) if n == steps and o[-1] not in eos)
-        if running and len(early) > best_score:
-            best, best_score = list(eos), len(early)
-    assert best is not None, "no eos choice stops a branch mid-run"
-    return best
 
 
 def eos_case(arch, attn):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from hash_lm import VOCAB, HashLM, LetterTokenizer, reference
-from local_models import tiny_model_folder, tiny_tokenizer
+from local_models import tiny_tokenizer
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 
@@ -169,11 +169,11 @@ def test_token_text_made_visible():
 
 # ---------------------------------------------------------------------- the command
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(model_dir_of, tmp_path_factory):
     """A tiny model folder and a document holding every (printable) token of its vocabulary."""
-    folder = tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"), max_positions=1024)
+    folder = model_dir_of(1024)
     tokenizer = tiny_tokenizer()
-    document = folder / "document.txt"
+    document = tmp_path_factory.mktemp("explain") / "document.txt"
     text = tokenizer.decode(list(range(3, len(tokenizer))))
     document.write_text("".join(c for c in text if c.isprintable() or c.isspace()), encoding="utf-8")
     return folder, document

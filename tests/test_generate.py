@@ -21,11 +21,6 @@ DOCUMENT = ("The router is old and the light is red. The cable is red. The ticke
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama-generate"), max_positions=256)
-
-
-@pytest.fixture(scope="module")
 def decoder(model_dir):
     md = multidecode.load(str(model_dir))
     md.cost = FLAT
@@ -188,8 +183,6 @@ def test_cli_generate_with_every_proposer_gives_plain_greedy(model_dir, decoder)
 
 @pytest.mark.xdist_group("cli")
 def test_cli_refuses_a_draft_model_with_another_tokenizer(model_dir, tmp_path):
-    from local_models import tiny_model_folder
-
     other = tiny_model_folder(tmp_path / "other", vocab_size=300)
     result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "-p", "hi", "--max-new-tokens", "3",
                                        "--draft-model", str(other)])

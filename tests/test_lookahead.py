@@ -19,9 +19,9 @@ import random
 
 import pytest
 import torch
+from eos_cases import pick_eos, truncate
 from hash_lm import HashLM, LetterTokenizer, logits_of, reference
-from test_exactness import pick_eos, truncate
-from test_speculation import (
+from speculation_cases import (
     BRANCHES,
     HASH_BRANCHES,
     HASH_PREFIX,

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-from local_models import tiny_model_folder, tiny_tokenizer
+from local_models import tiny_tokenizer
 from tiny_models import reference_generate
 
 import multidecode
@@ -34,8 +34,10 @@ QUESTION = "What colour is the cable?"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama-margins"), max_positions=512)
+def model_dir(model_dir_of):
+    """The shared tiny model folder with a long context (512 positions), for whole documents and
+    their margins."""
+    return model_dir_of(512)
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from local_models import tiny_model_folder, tiny_tokenizer
+from local_models import tiny_tokenizer
 from tiny_models import reference_generate, tiny_model
 
 import multidecode
 from multidecode.cli import main
 from multidecode.models import converted, loading
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

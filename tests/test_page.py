@@ -13,7 +13,7 @@ import os
 import shutil
 
 import pytest
-from serving import MODEL, running_server, tiny_folder, tiny_loader
+from serving import MODEL, running_server, tiny_loader
 
 pytestmark = pytest.mark.browser
 
@@ -46,8 +46,8 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tiny_loader(tiny_folder(tmp_path_factory))) as running:
+def server(model_dir):
+    with running_server(tiny_loader(model_dir)) as running:
         yield running
 
 
@@ -174,8 +174,8 @@ def test_the_chat_endpoint(page):
     assert page.locator("#forest .end").count() == len(QUESTIONS)
 
 
-def test_the_api_key_is_sent(browser, tmp_path_factory):
-    with running_server(tiny_loader(tiny_folder(tmp_path_factory)), api_key="sesame") as locked:
+def test_the_api_key_is_sent(browser, model_dir):
+    with running_server(tiny_loader(model_dir), api_key="sesame") as locked:
         page = open_page(browser, locked.url, model=None)
         page.wait_for_function("document.getElementById('model-name').textContent === 'API key needed'")
         ask(page, DOCUMENT, QUESTIONS[:1], max_tokens=4)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import torch
-from serving import MODEL, running_server, tiny_folder, tiny_loader
+from serving import MODEL, running_server, tiny_loader
 
 from multidecode.prompts import common_prefix_length
 from multidecode.runtime import ForestRuntime, Job, Limits
@@ -22,13 +22,8 @@ DOCUMENT = "Here is a document about support calls, routers, cables and tickets.
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_folder(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    with running_server(tiny_loader(folder)) as running:
+def server(model_dir):
+    with running_server(tiny_loader(model_dir)) as running:
         yield running
 
 
@@ -214,10 +209,10 @@ def test_speculation_never_changes_the_answer(server):
         assert drafted.model_extra["multidecode"]["speculate"] == mode
 
 
-def test_waiting_requests_that_share_an_uncached_prefix_let_one_go_first(folder):
+def test_waiting_requests_that_share_an_uncached_prefix_let_one_go_first(model_dir):
     """Two jobs waiting in one round with a long common head: one computes it, the other waits a
     step and hangs under it (cached tokens > 0), and both answers equal plain generation."""
-    model, tokenizer = tiny_loader(folder)()
+    model, tokenizer = tiny_loader(model_dir)()
     forest = ForestRuntime(model, tokenizer, limits=Limits(defer_tokens=8))
     head = _tokens(tokenizer, DOCUMENT * 2)
     prompts = [head + _tokens(tokenizer, " First?"), head + _tokens(tokenizer, " Second?")]

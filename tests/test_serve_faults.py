@@ -34,7 +34,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import MODEL, free_port, running_server, tiny_folder
+from serving import MODEL, free_port, running_server
 
 from multidecode.models.loading import load_model_and_tokenizer
 from multidecode.runtime import Job, Limits
@@ -80,13 +80,8 @@ CONTROL = Control()
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return tiny_folder(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def running(folder):
-    with running_server(controlled_loader(folder, CONTROL)) as running:
+def running(model_dir):
+    with running_server(controlled_loader(model_dir, CONTROL)) as running:
         yield running
 
 
@@ -235,8 +230,8 @@ def test_an_unknown_model_is_a_404_and_an_unknown_route_too(server):
 
 
 # ---------------------------------------------------------------------- 2. the API key
-def test_the_api_key_guards_every_route_but_health(folder):
-    with running_server(controlled_loader(folder, Control()), api_key="s3cret") as running:
+def test_the_api_key_guards_every_route_but_health(model_dir):
+    with running_server(controlled_loader(model_dir, Control()), api_key="s3cret") as running:
         good_completion(running.client())
         assert running.client().models.list().data[0].id == MODEL
         for key in ("wrong", "s3cret-but-longer"):
@@ -260,11 +255,11 @@ def test_the_api_key_guards_every_route_but_health(folder):
 
 
 # ---------------------------------------------------------------------- 3. the admission cap
-def test_past_the_admission_cap_requests_get_503_with_retry_after(folder):
+def test_past_the_admission_cap_requests_get_503_with_retry_after(model_dir):
     control = Control()
     prompt = [5, 6, 7, 8]  # 4 tokens: a request reserves 4 per branch plus max_tokens per branch
     limits = Limits(max_live_tokens=600, max_branches=3)
-    with running_server(controlled_loader(folder, control), limits=limits) as running:
+    with running_server(controlled_loader(model_dir, control), limits=limits) as running:
         client = running.client()
 
         def create(n, max_tokens, **kwargs):
@@ -449,11 +444,11 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120) -> N
 
 
 @pytest.mark.slow
-def test_sigterm_drains_the_running_requests_and_refuses_new_ones(folder):
+def test_sigterm_drains_the_running_requests_and_refuses_new_ones(model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    process = subprocess.Popen([str(MULTIDECODE), "serve", "--model", str(folder), "--port", str(port),
+    process = subprocess.Popen([str(MULTIDECODE), "serve", "--model", str(model_dir), "--port", str(port),
                                 "--served-model-name", MODEL, "--drain-timeout", "30", "--log-level", "warning"],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -15,9 +15,28 @@ import random
 import numpy as np
 import pytest
 import torch
-from hash_lm import HashLM, LetterTokenizer, path_logits, reference
-from scipy.stats import chisquare
-from test_exactness import pick_eos, truncate
+from eos_cases import pick_eos, truncate
+from hash_lm import HashLM, LetterTokenizer, path_logits
+from speculation_cases import (
+    BASE,
+    BRANCHES,
+    FLAT,
+    HASH_BRANCHES,
+    HASH_PREFIX,
+    NO_EOS,
+    PREFIX,
+    SAMPLE_PREFIX,
+    STEPS,
+    T,
+    combos,
+    cut_at_stop,
+    frequencies_pass,
+    hash_expected,
+    outputs,
+    run,
+    tiny_references,
+    tiny_softmax,
+)
 from tiny_models import VOCAB, reference_generate, tiny_model
 
 import multidecode
@@ -30,11 +49,6 @@ from multidecode.proposers import BranchContext, DraftTree, Proposer
 from multidecode.sampling import SamplingParams
 from multidecode.scheduler import CompactionPolicy
 from multidecode.speculation import Speculation
-
-ARCHS = ["llama", "qwen2", "qwen2-hybrid", "mistral", "gemma3", "gpt2", "phi3", "gpt_neox"]
-NO_EOS = VOCAB
-FLAT = CostCurve.from_relative({1: 1.0, 2: 1.02, 64: 1.5, 512: 4.0})
-"""A GPU-like cost curve: extra rows are nearly free, so "auto" drafts whatever has a chance."""
 
 
 # ---------------------------------------------------------------------- test proposers
@@ -95,34 +109,7 @@ def speculations(vocab: int, continuations) -> dict[str, object]:
 MODES = ["lookup", "auto", "garbage", "oracle", "oracle-tree"]
 
 
-def run(model, prefix, branches, *, speculate, max_new_tokens, eos=(), sampling=None, tokenizer=None, stop=(),
-        compaction=None, cost=FLAT):
-    """`start_forest` with a fixed cost curve (no timing in tests); returns the finished run."""
-    forest = start_forest(model, prefix, branches, max_new_tokens=max_new_tokens, eos_token_id=list(eos),
-                          sampling=sampling or [SamplingParams()] * len(branches), tokenizer=tokenizer, stop=stop,
-                          speculate=speculate, compaction=compaction, cost=cost)
-    return forest.finish()
-
-
-def outputs(forest) -> list[list[int]]:
-    return [list(b.output.token_ids) for b in forest.branches]
-
-
 # ---------------------------------------------------------------------- model-free: HashLM
-_rng = random.Random(7)
-HASH_PREFIX = [_rng.randrange(3, 48) for _ in range(5)] * 3  # repeats, so lookup finds matches
-HASH_BRANCHES = [[], [5, 6, 7], HASH_PREFIX[:4], [9]]
-
-
-def cut_at_stop(texts, stop: str) -> list[str]:
-    """Each text as sequential decoding returns it with stop string `stop`: cut before it."""
-    return [text[: text.index(stop)] if stop in text else text for text in texts]
-
-
-def hash_expected(prefix, branches, steps, eos=frozenset()):
-    return [reference(prefix + b, steps, set(eos)) for b in branches]
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_hash_model_greedy_equals_sequential(mode):
     """Four branches (one empty), 40 tokens: every mode gives the sequential rule's tokens."""
@@ -250,23 +237,6 @@ def test_rollback_on_real_architectures_equals_a_fresh_run(arch):
 
 
 # ---------------------------------------------------------------------- tiny transformers models
-_trng = random.Random(11)
-BASE = [_trng.randrange(3, VOCAB) for _ in range(5)]
-PREFIX = BASE * 2 + [_trng.randrange(3, VOCAB) for _ in range(3)]
-BRANCHES = [[], BASE[:3], [_trng.randrange(3, VOCAB) for _ in range(4)], [_trng.randrange(3, VOCAB) for _ in range(7)]]
-STEPS = 20  # longer than the sliding window (6) of mistral, gemma3 and qwen2-hybrid
-
-
-def combos():
-    return [pytest.param(arch, attn, id=f"{arch}-{attn}", marks=pytest.mark.xdist_group(arch))
-            for arch in ARCHS for attn in ("eager", "sdpa")]
-
-
-def tiny_references(arch, attn, branches=BRANCHES, steps=STEPS):
-    model = tiny_model(arch, attn)
-    return [reference_generate(model, PREFIX + b, max_new_tokens=steps, eos_token_id=NO_EOS) for b in branches]
-
-
 @pytest.mark.parametrize("arch, attn", combos())
 def test_every_mode_equals_generate(arch, attn):
     """Every mode, three branches (one empty), 20 tokens past a window of 6: generate's tokens."""
@@ -349,22 +319,6 @@ def test_auto_stops_speculating_where_drafts_do_not_pay():
 
 
 # ---------------------------------------------------------------------- sampling: chi-square
-SAMPLE_PREFIX = PREFIX[:8]
-
-
-def _frequencies_pass(draws: list[int], probs: np.ndarray) -> bool:
-    counts = np.bincount(draws, minlength=len(probs))
-    if counts[probs == 0].sum():
-        return False
-    expected = probs * len(draws)
-    big = expected >= 5
-    f_obs = np.append(counts[big], counts[~big].sum())
-    f_exp = np.append(expected[big], expected[~big].sum())
-    if f_exp[-1] == 0:
-        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
-    return chisquare(f_obs, f_exp).pvalue > 1e-3
-
-
 def _two_tokens(draws: int, first: int, speculate) -> tuple[list[int], list[int]]:
     """`draws` seeded 2-token samples at temperature T; the first tokens, and the second token of
     every sample whose first token was `first`."""
@@ -372,15 +326,6 @@ def _two_tokens(draws: int, first: int, speculate) -> tuple[list[int], list[int]
     out = multidecode.decode(model, SAMPLE_PREFIX, [[]] * draws, max_new_tokens=2, eos_token_id=NO_EOS,
                              do_sample=True, temperature=T, seed=0, speculate=speculate)
     return [o[0] for o in out], [o[1] for o in out if o[0] == first]
-
-
-T = 0.4
-
-
-def _softmax(tokens: list[int]) -> np.ndarray:
-    with torch.inference_mode():
-        logits = tiny_model("llama", "sdpa")(torch.tensor([tokens])).logits[0, -1].double()
-    return torch.softmax(logits / T, -1).numpy()
 
 
 class Fixed(Proposer):
@@ -431,19 +376,19 @@ def test_sampled_tokens_after_speculation_follow_the_softmax_and_a_lenient_verif
     after the prompt, and the second, where the first matched the draft, follows the softmax after
     prompt + that token (read from the draft node's own logits). Control: a verifier that takes any
     draft token the target gives 10% or more fails the first test."""
-    first_probs = _softmax(SAMPLE_PREFIX)
+    first_probs = tiny_softmax(SAMPLE_PREFIX)
     order = np.argsort(-first_probs)
     first = int(order[0])
     assert first_probs[first] >= 0.1
-    second_probs = _softmax(SAMPLE_PREFIX + [first])
+    second_probs = tiny_softmax(SAMPLE_PREFIX + [first])
     spec = Speculation(Fixed(first, int(second_probs.argmax()), int(order[1])), budget=3)
     firsts, seconds = _two_tokens(3000, first, spec)
-    assert _frequencies_pass(firsts, first_probs)
-    assert len(seconds) > 200 and _frequencies_pass(seconds, second_probs)
+    assert frequencies_pass(firsts, first_probs)
+    assert len(seconds) > 200 and frequencies_pass(seconds, second_probs)
 
     monkeypatch.setattr("multidecode.branches.walk", _lenient_walk)
     firsts, _ = _two_tokens(3000, first, spec)
-    assert not _frequencies_pass(firsts, first_probs)
+    assert not frequencies_pass(firsts, first_probs)
 
 
 # ---------------------------------------------------------------------- mutants

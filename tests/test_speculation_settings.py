@@ -8,7 +8,6 @@ import socket
 import pytest
 import torch
 from click.testing import CliRunner
-from local_models import tiny_model_folder
 from serving import MODEL, running_server, tiny_loader
 
 import multidecode
@@ -72,13 +71,8 @@ def test_with_mode_keeps_the_details_that_apply():
     assert drafting.with_mode("draft") == drafting and drafting.with_mode("suffix").skip_layers is None
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("settings-model"), max_positions=256)
-
-
-def test_python_takes_what_the_cli_offers_a_self_draft_by_its_layers(folder):
-    decoder = multidecode.load(str(folder))
+def test_python_takes_what_the_cli_offers_a_self_draft_by_its_layers(model_dir):
+    decoder = multidecode.load(str(model_dir))
     settings = SpeculationSettings.parse(skip_layers=[1])
     plain = decoder.generate("hello there", max_new_tokens=12, speculate=None, eos_token_id=[])
     drafted = decoder.generate("hello there", max_new_tokens=12, speculate=settings, eos_token_id=[])
@@ -90,10 +84,10 @@ def test_python_takes_what_the_cli_offers_a_self_draft_by_its_layers(folder):
     assert lookahead.token_ids == plain.token_ids
 
 
-def test_the_server_drafts_with_its_own_draft_model_when_a_request_asks(folder):
+def test_the_server_drafts_with_its_own_draft_model_when_a_request_asks(model_dir):
     settings = SpeculationSettings.parse(skip_layers="1")
-    with running_server(tiny_loader(folder)) as plain_server, \
-            running_server(tiny_loader(folder), speculate=settings) as drafting:
+    with running_server(tiny_loader(model_dir)) as plain_server, \
+            running_server(tiny_loader(model_dir), speculate=settings) as drafting:
         asked = dict(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0)
         expected = plain_server.client().completions.create(**asked).choices[0].text
         reply = drafting.client().completions.create(**asked, extra_body={"speculate": "draft"})

@@ -18,9 +18,9 @@ import random
 from collections import Counter
 
 import pytest
+from eos_cases import pick_eos, truncate
 from hash_lm import HashLM, LetterTokenizer
-from test_exactness import pick_eos, truncate
-from test_speculation import (
+from speculation_cases import (
     BRANCHES,
     HASH_BRANCHES,
     HASH_PREFIX,

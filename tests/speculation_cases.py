@@ -1,0 +1,109 @@
+"""Shared cases for the speculation tests (speculation, draft model, lookahead, suffix decoding).
+
+- `run` / `outputs`: a forest started with `start_forest` on a fixed cost curve (`FLAT`: no
+  timing in tests) and finished; its branches' token ids.
+- Model-free cases on `hash_lm.HashLM`: `HASH_PREFIX` (it repeats, so lookup finds matches),
+  `HASH_BRANCHES`, `hash_expected` (the sequential rule's outputs) and `cut_at_stop` (texts as
+  sequential decoding returns them with a stop string).
+- Tiny transformers cases: `PREFIX` (built from `BASE`, repeated), `BRANCHES`, `STEPS` (longer
+  than the sliding window), `combos()` (every architecture with eager and sdpa attention, each
+  architecture on one xdist worker) and `tiny_references` (what `generate` gives, never stopping
+  early: `NO_EOS` is an id no model produces).
+- Sampling: `SAMPLE_PREFIX`, temperature `T`, `tiny_softmax` (the tiny Llama's next-token
+  distribution at T) and `frequencies_pass` (a chi-square test of drawn tokens against it).
+
+The token lists come from fixed seeds, so every module sees the same cases.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hash_lm import reference
+from scipy.stats import chisquare
+from tiny_models import VOCAB, reference_generate, tiny_model
+
+from multidecode.api import start_forest
+from multidecode.cost import CostCurve
+from multidecode.sampling import SamplingParams
+
+ARCHS = ["llama", "qwen2", "qwen2-hybrid", "mistral", "gemma3", "gpt2", "phi3", "gpt_neox"]
+NO_EOS = VOCAB
+FLAT = CostCurve.from_relative({1: 1.0, 2: 1.02, 64: 1.5, 512: 4.0})
+"""A GPU-like cost curve: extra rows are nearly free, so "auto" drafts whatever has a chance."""
+
+
+def run(model, prefix, branches, *, speculate, max_new_tokens, eos=(), sampling=None, tokenizer=None, stop=(),
+        compaction=None, cost=FLAT):
+    """`start_forest` with a fixed cost curve (no timing in tests); returns the finished run."""
+    forest = start_forest(model, prefix, branches, max_new_tokens=max_new_tokens, eos_token_id=list(eos),
+                          sampling=sampling or [SamplingParams()] * len(branches), tokenizer=tokenizer, stop=stop,
+                          speculate=speculate, compaction=compaction, cost=cost)
+    return forest.finish()
+
+
+def outputs(forest) -> list[list[int]]:
+    return [list(b.output.token_ids) for b in forest.branches]
+
+
+# ---------------------------------------------------------------------- model-free: HashLM
+_rng = random.Random(7)
+HASH_PREFIX = [_rng.randrange(3, 48) for _ in range(5)] * 3  # repeats, so lookup finds matches
+HASH_BRANCHES = [[], [5, 6, 7], HASH_PREFIX[:4], [9]]
+
+
+def cut_at_stop(texts, stop: str) -> list[str]:
+    """Each text as sequential decoding returns it with stop string `stop`: cut before it."""
+    return [text[: text.index(stop)] if stop in text else text for text in texts]
+
+
+def hash_expected(prefix, branches, steps, eos=frozenset()):
+    return [reference(prefix + b, steps, set(eos)) for b in branches]
+
+
+# ---------------------------------------------------------------------- tiny transformers models
+_trng = random.Random(11)
+BASE = [_trng.randrange(3, VOCAB) for _ in range(5)]
+PREFIX = BASE * 2 + [_trng.randrange(3, VOCAB) for _ in range(3)]
+BRANCHES = [[], BASE[:3], [_trng.randrange(3, VOCAB) for _ in range(4)], [_trng.randrange(3, VOCAB) for _ in range(7)]]
+STEPS = 20  # longer than the sliding window (6) of mistral, gemma3 and qwen2-hybrid
+
+
+def combos():
+    return [pytest.param(arch, attn, id=f"{arch}-{attn}", marks=pytest.mark.xdist_group(arch))
+            for arch in ARCHS for attn in ("eager", "sdpa")]
+
+
+def tiny_references(arch, attn, branches=BRANCHES, steps=STEPS):
+    model = tiny_model(arch, attn)
+    return [reference_generate(model, PREFIX + b, max_new_tokens=steps, eos_token_id=NO_EOS) for b in branches]
+
+
+# ---------------------------------------------------------------------- sampling: chi-square
+SAMPLE_PREFIX = PREFIX[:8]
+T = 0.4
+
+
+def frequencies_pass(draws: list[int], probs: np.ndarray) -> bool:
+    """Whether a chi-square test (p > 1e-3) accepts `draws` as samples of `probs` (tokens expected
+    fewer than 5 times pooled; a draw of a token of probability 0 fails outright)."""
+    counts = np.bincount(draws, minlength=len(probs))
+    if counts[probs == 0].sum():
+        return False
+    expected = probs * len(draws)
+    big = expected >= 5
+    f_obs = np.append(counts[big], counts[~big].sum())
+    f_exp = np.append(expected[big], expected[~big].sum())
+    if f_exp[-1] == 0:
+        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
+    return chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+def tiny_softmax(tokens: list[int]) -> np.ndarray:
+    """The tiny Llama's next-token distribution after `tokens`, at temperature T."""
+    with torch.inference_mode():
+        logits = tiny_model("llama", "sdpa")(torch.tensor([tokens])).logits[0, -1].double()
+    return torch.softmax(logits / T, -1).numpy()
