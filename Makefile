@@ -30,11 +30,11 @@ demo: setup
 	$(BIN)/multidecode demo
 
 # The browser tests have their own target (they need Chromium, a system package): see test-browser.
-test: setup
+test: versions
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not browser"
 
 # The loop tier: everything but the slow statistical tests and the embedded model's (a minute).
-test-fast: setup
+test-fast: versions
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not embedded and not browser"
 
 # The live page of `multidecode serve` in a real headless browser: Debian's chromium, driven by
@@ -63,12 +63,13 @@ $(BEFORE)/.installed: pyproject.toml
 	touch $@
 
 test-transformers-before: $(BEFORE)/.installed
-	@$(BEFORE)/bin/python -c "import torch, transformers; print(f'testing on torch {torch.__version__}, transformers {transformers.__version__}')"
+	@$(BEFORE)/bin/python -c "$(VERSIONS)"
 	$(BEFORE)/bin/python -m pytest -q -n 2 -m "not slow" tests/test_exactness.py tests/test_engine_window.py
 
-# What a test run runs on: Python, torch and transformers.
+# What a test run runs on: Python, torch and transformers (each test target says it first).
+VERSIONS := import platform, torch, transformers; print(f'testing on Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}')
 versions: setup
-	@$(BIN)/python -c "import platform, torch, transformers; print(f'Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}')"
+	@$(BIN)/python -c "$(VERSIONS)"
 
 bench: setup
 	$(BIN)/multidecode bench ask --output bench-results

@@ -29,6 +29,16 @@ from local_models import tiny_model_folder
 DEFAULT_POSITIONS = 256
 
 
+def pytest_report_header(config) -> str:
+    """Say at the top of every run what it tests on: the engine must work on every transformers
+    of `pyproject.toml`'s range, and its forward's arguments change between releases."""
+    import platform
+
+    import transformers
+
+    return f"multidecode on Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
+
+
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
