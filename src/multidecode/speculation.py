@@ -110,8 +110,10 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
         return None
     if isinstance(speculate, SpeculationSettings):
         return speculate.build(dtype, draft=draft)
-    if isinstance(speculate, str) and speculate.strip().lower() in OFF:
-        return None
+    if isinstance(speculate, str):
+        speculate = speculate.strip().lower()
+        if speculate in OFF:
+            return None
     if isinstance(speculate, Speculation):
         spec = speculate
     elif isinstance(speculate, Proposer):
@@ -121,20 +123,19 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
     else:
         proposer = named_proposer(speculate, draft)
         spec = Speculation(proposer, budget or proposer.default_budget or DEFAULT_BUDGET)
-    return exact_or_refused(spec, dtype)
+    if dtype in EXACT_DTYPES:
+        return spec
+    if spec.auto:
+        return None  # "auto" does not speculate where it cannot be exact
+    raise inexact(spec.name, dtype)
 
 
-def exact_or_refused(spec: Speculation, dtype: torch.dtype) -> Speculation | None:
-    """`spec` where it can be exact in `dtype`; else None for "auto" (which then does not
-    speculate) and `InvalidArgument` for explicit speculation."""
-    if dtype not in EXACT_DTYPES:
-        if spec.auto:
-            return None
-        raise InvalidArgument(
-            f"speculation ({spec.name}) cannot be exact in {str(dtype).removeprefix('torch.')}: masked forwards "
-            "take other kernels there, so near-ties may break differently than in plain decoding",
-            "load the model in float32, or use speculate='auto' (which then does not speculate)")
-    return spec
+def inexact(name: str, dtype: torch.dtype) -> InvalidArgument:
+    """The error for explicit speculation (`name`) in a dtype where it cannot be exact."""
+    return InvalidArgument(
+        f"speculation ({name}) cannot be exact in {str(dtype).removeprefix('torch.')}: masked forwards take "
+        "other kernels there, so near-ties may break differently than in plain decoding",
+        "load the model in float32, or use speculate='auto' (which then does not speculate)")
 
 
 def named_proposer(mode: str, draft=None) -> Proposer:
@@ -240,17 +241,14 @@ class SpeculationSettings:
                    draft_model, None if skip_layers is None else skip_layer_list(skip_layers, spelling))
 
     @property
-    def off(self) -> bool:
-        return self.mode is None
-
-    @property
     def own_draft(self) -> bool:
         """Whether these settings name their own draft (a model to load, or a self-draft)."""
         return self.draft_model is not None or self.skip_layers is not None
 
     def with_mode(self, mode: str | None) -> SpeculationSettings:
         """The details that apply under another mode (a server request picking a mode of its own)."""
-        if mode is None or str(mode).strip().lower() in OFF:
+        mode = None if mode is None else str(mode).strip().lower()
+        if mode is None or mode in OFF:
             return SpeculationSettings()
         return SpeculationSettings.parse(mode, budget=self.budget,
                                          lookahead=self.lookahead if mode == "lookahead" else None,
@@ -265,7 +263,7 @@ class SpeculationSettings:
                                   f"add {spelling.draft_model}, or {spelling.skip_layers} auto to draft with the "
                                   "model itself")
         if self.mode not in (None, "auto") and dtype not in EXACT_DTYPES:
-            exact_or_refused(Speculation(PromptLookup(), self.budget or DEFAULT_BUDGET), dtype)
+            raise inexact(self.mode, dtype)
 
     def build(self, dtype: torch.dtype, *, draft=None) -> Speculation | None:
         """A `Speculation` with a fresh proposer (see `resolve`); draft: the draft model for
