@@ -47,19 +47,17 @@ branch's row attends (masked) over all live requests' keys, so they show that co
 **Targets**: output tokens/s at concurrency 16 with 90% shared at least 5x one at a time's;
 p50 TTFT at concurrency 16 at most 2x the solo (concurrency 1) p50 TTFT of the same share.
 
-`run_serve_benchmark` returns the JSON-ready result; `write_results` writes `<stem>.json`,
-`<stem>.png` and `<stem>.md`. `python -m multidecode.bench.serve` is the server subprocess.
+`run_serve_benchmark` returns the JSON-ready result (`results.write_results` writes it; `VIEW` is
+how it is tabulated and drawn). The servers are `python -m multidecode serve ... --max-running N
+--threads N` (hidden options of `multidecode serve`), launched in float32 on the default device.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as _dt
-import json
 import math
 import os
-import platform
 import random
 import shutil
 import signal
@@ -76,8 +74,10 @@ from pathlib import Path
 from typing import Self
 
 from .. import data
-from ..errors import InvalidArgument, MultiDecodeError
-from .common import Progress, load_average
+from ..errors import InvalidArgument, MultiDecodeError, check_positive
+from ..prompts import common_prefix_length
+from .common import Progress
+from .results import VIEWS, Chart, Line, Panel, View, environment, fmt, grid, load_average, targets_table
 
 FOREST, ONE, HF = "forest", "one_at_a_time", "transformers"
 LABELS = {
@@ -97,6 +97,8 @@ METRICS = ("prompt_tokens", "prompt_tokens_cached", "generation_tokens", "steps"
 """The server's counters read from /metrics (as multidecode_<name>_total)."""
 GAUGES = ("cache_slots", "prefix_cache_tokens", "running_requests")
 """The server's gauges read from /metrics (as multidecode_<name>)."""
+GRID = {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9), "max_tokens": 32, "prompt_tokens": 300}
+"""The full grid's load (about 17 minutes on the project's CPU machine)."""
 QUICK = {"requests": 6, "concurrency": (1, 4), "shared": (0.0, 0.9), "max_tokens": 8, "prompt_tokens": 120}
 """What --quick runs: a small grid, short prompts and answers (a minute or two on a quiet machine)."""
 
@@ -171,15 +173,9 @@ def build_cells(tokenizer, *, requests: int, concurrency: Sequence[int], shared:
         for i in range(requests):
             arrivals.append(at)
             at += gaps.expovariate(rate) if math.isfinite(rate) else 0.0
-        cells.append(Cell(c, s, tuple(texts), tuple(arrivals), tuple(map(len, ids)), _common_prefix(ids)))
+        shared_tokens = common_prefix_length(ids) if len(ids) > 1 else 0
+        cells.append(Cell(c, s, tuple(texts), tuple(arrivals), tuple(map(len, ids)), shared_tokens))
     return cells
-
-
-def _common_prefix(ids: Sequence[Sequence[int]]) -> int:
-    n = 0
-    while all(len(p) > n for p in ids) and len({p[n] for p in ids}) == 1:
-        n += 1
-    return n if len(ids) > 1 else 0
 
 
 # ---------------------------------------------------------------------- one request, one cell
@@ -401,14 +397,16 @@ class Server:
 
 
 def multidecode_server(name: str, model: str | None, *, max_running: int | None, max_live_tokens: int,
-                       prefix_cache_tokens: int, threads: int | None = None) -> Server:
-    """`multidecode serve` in a subprocess, with the limits given (max_running 1: one at a time)."""
+                       prefix_cache_tokens: int, launched: dict) -> Server:
+    """`multidecode serve` in a subprocess, with the limits given (max_running 1: one at a time),
+    in the dtype, on the device and with the threads of `launched`."""
     server = Server(name, [], model=SERVED_NAME)
     server.command = [sys.executable, "-m", "multidecode", "serve", "--port", str(server.port),
                       "--served-model-name", SERVED_NAME, "--max-live-tokens", str(max_live_tokens),
                       "--prefix-cache-tokens", str(prefix_cache_tokens), "--log-level", "warning",
-                      "--drain-timeout", "10"]
-    for option, value in (("--model", model), ("--max-running", max_running), ("--threads", threads)):
+                      "--drain-timeout", "10", "--dtype", launched["dtype"], "--device", launched["device"],
+                      "--threads", str(launched["threads"])]
+    for option, value in (("--model", model), ("--max-running", max_running)):
         if value is not None:
             server.command += [option, str(value)]
     return server
@@ -494,30 +492,14 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
     _openai()
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    meta = _environment(model)
+    meta = environment(launched=_launched(model, threads))
     say("building the load")
     cells = build_cells(load_tokenizer(model), requests=requests, concurrency=concurrency, shared=shared,
                         rate=rate, prompt_tokens=prompt_tokens, seed=seed)
-    rows: list[dict] = []
     skipped: dict[str, str] = {}
-    ready: list[float] = []
     with _terminate_as_interrupt():
-        for cell in cells:
-            servers = {name: multidecode_server(name, model, max_running=limit, max_live_tokens=max_live_tokens,
-                                                prefix_cache_tokens=prefix_cache_tokens, threads=threads)
-                       for name, limit in ((FOREST, None), (ONE, 1))}
-            with contextlib.ExitStack() as stack:
-                for server in servers.values():
-                    stack.enter_context(server)
-                for server in servers.values():
-                    ready.append(server.wait_ready())
-                    _warm_up(server, max_tokens)
-                order = [FOREST, ONE] if len(rows) % 4 == 0 else [ONE, FOREST]  # alternate: no server always first
-                for name in order:
-                    row = measure_cell(servers[name], cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=True)
-                    row["measured"] = "first" if name == order[0] else "second"
-                    rows.append(row)
-                    say(_line(row))
+        rows, ready = _multidecode_rows(model, cells, meta, max_tokens, timeout_s, say, max_live_tokens=max_live_tokens,
+                                        prefix_cache_tokens=prefix_cache_tokens)
         meta["multidecode_ready_s"] = {"min": round(min(ready), 1), "max": round(max(ready), 1)}
         if transformers:
             corners = [c for c in cells if c.concurrency in (min(concurrency), max(concurrency))
@@ -542,18 +524,51 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
                    "client": "openai.AsyncOpenAI (max_retries=0), in the benchmark's process; servers in subprocesses",
                    "notes": NOTES},
         "labels": {**LABELS, HF: LABELS[HF] + (" --continuous-batching" if transformers_cb else "")},
-        "short": SHORT,
-        "load": [{"concurrency": c.concurrency, "shared": c.shared, "shared_tokens": c.shared_tokens,
-                  "prompt_tokens": {"min": min(c.prompt_tokens), "max": max(c.prompt_tokens),
-                                    "mean": round(sum(c.prompt_tokens) / len(c.prompt_tokens), 1)},
-                  "arrivals_span_s": round(c.arrivals[-1], 3), "first_prompt": c.prompts[0][:200] + "..."}
-                 for c in cells],
-        "cells": rows,
-        "skipped": skipped,
+        "short": SHORT, "load": [_load_summary(c) for c in cells], "cells": _with_ratios(rows), "skipped": skipped,
     }
-    _ratios(result)
-    result["targets"] = targets(result)
-    return result
+    return {**result, "targets": targets(result)}
+
+
+def _launched(model: str | None, threads: int | None) -> dict:
+    """How the multidecode servers are started: the model's name, float32 (texts are compared
+    between servers), the device the loader picks by default, and the torch threads."""
+    import torch
+
+    from ..models.loading import resolve_device
+
+    return {"model": Path(model or model_folder(None)[0]).name, "dtype": "float32",
+            "device": str(resolve_device(None)), "threads": threads or torch.get_num_threads()}
+
+
+def _multidecode_rows(model, cells: list[Cell], meta: dict, max_tokens: int, timeout_s: float, say: Progress, *,
+                      max_live_tokens: int, prefix_cache_tokens: int) -> tuple[list[dict], list[float]]:
+    """Every cell against a fresh pair of multidecode servers (forest and one at a time), the
+    forest first in every other cell; the rows, and the seconds each server took to be ready."""
+    rows, ready = [], []
+    for cell in cells:
+        servers = {name: multidecode_server(name, model, max_running=limit, max_live_tokens=max_live_tokens,
+                                            prefix_cache_tokens=prefix_cache_tokens, launched=meta)
+                   for name, limit in ((FOREST, None), (ONE, 1))}
+        with contextlib.ExitStack() as stack:
+            for server in servers.values():
+                stack.enter_context(server)
+            for server in servers.values():
+                ready.append(server.wait_ready())
+                _warm_up(server, max_tokens)
+            order = [FOREST, ONE] if len(rows) % 4 == 0 else [ONE, FOREST]  # alternate: no server always first
+            for name in order:
+                row = measure_cell(servers[name], cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=True)
+                row["measured"] = "first" if name == order[0] else "second"
+                rows.append(row)
+                say(_line(row))
+    return rows, ready
+
+
+def _load_summary(cell: Cell) -> dict:
+    return {"concurrency": cell.concurrency, "shared": cell.shared, "shared_tokens": cell.shared_tokens,
+            "prompt_tokens": {"min": min(cell.prompt_tokens), "max": max(cell.prompt_tokens),
+                              "mean": round(sum(cell.prompt_tokens) / len(cell.prompt_tokens), 1)},
+            "arrivals_span_s": round(cell.arrivals[-1], 3), "first_prompt": cell.prompts[0][:200] + "..."}
 
 
 NOTES = [
@@ -573,8 +588,8 @@ def _line(row: dict) -> str:
     extra = ""
     if "server_metrics" in row:
         m = row["server_metrics"]
-        extra = (f", hit {_num(m['cache_hit_rate'], '{:.0%}')}, "
-                 f"{_num(m['branches_per_forward'], '{:.1f}')} branches/forward")
+        extra = (f", hit {fmt(m['cache_hit_rate'], '{:.0%}')}, "
+                 f"{fmt(m['branches_per_forward'], '{:.1f}')} branches/forward")
     errors = f", {row['errors']} errors" if row["errors"] else ""
     return (f"c={row['concurrency']} shared={row['shared']:.0%} {SHORT[row['server']]}: {tps:.1f} tok/s, "
             f"p50 TTFT {1000 * ttft:.0f} ms{extra}{errors}")
@@ -615,10 +630,9 @@ def _compare_texts(rows: list[dict], cell: Cell) -> None:
         mine[FOREST]["differing_texts"] = sum(a != b for a, b in pairs)
 
 
-def _ratios(result: dict) -> None:
-    """Each row's throughput and p50 TTFT over one at a time's in the same cell, and p50 TTFT over
-    its own server's solo (concurrency 1) p50 TTFT at the same share."""
-    rows = result["cells"]
+def _with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row with its throughput and p50 TTFT over one at a time's in the same cell, and its
+    p50 TTFT over its own server's solo (concurrency 1) p50 TTFT at the same share."""
     by = {(r["server"], r["concurrency"], r["shared"]): r for r in rows}
     for r in rows:
         one = by.get((ONE, r["concurrency"], r["shared"]))
@@ -629,6 +643,7 @@ def _ratios(result: dict) -> None:
             r["ttft_p50_vs_one_at_a_time"] = r["ttft_s"]["p50"] / one["ttft_s"]["p50"]
         if solo is not None and solo["ttft_s"] and r["ttft_s"]:
             r["ttft_p50_vs_solo"] = r["ttft_s"]["p50"] / solo["ttft_s"]["p50"]
+    return rows
 
 
 def targets(result: dict) -> list[dict]:
@@ -677,8 +692,7 @@ def _terminate_as_interrupt():
 
 def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens) -> None:
     for name, value in (("requests", requests), ("max_tokens", max_tokens), ("prompt_tokens", prompt_tokens)):
-        if value < 1:
-            raise InvalidArgument(f"{name} must be 1 or more, got {value}", f"use {name} 1 or more")
+        check_positive(name, value)
     if prompt_tokens < 4:
         raise InvalidArgument(f"prompt_tokens must be at least 4, got {prompt_tokens}", "use 100 or more")
     if not concurrency or min(concurrency) < 1:
@@ -689,167 +703,80 @@ def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens) ->
         raise InvalidArgument(f"the arrival rate must be positive, got {rate}", "e.g. 8 (requests per second) or inf")
 
 
-def _environment(model: str | None) -> dict:
-    import torch
-    import transformers
-
-    from ..version import __version__
-
-    return {"model": Path(model).name if model else "SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__, "multidecode": __version__,
-            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "threads": torch.get_num_threads(), "load_average_at_start": load_average(),
-            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
-
-
-# ---------------------------------------------------------------------- reading the result
-def _num(value: float | None, form: str) -> str:
-    return "" if value is None else form.format(value)
-
-
-def _ms(stats: dict | None, q: str) -> str:
-    return "" if not stats else f"{1000 * stats[q]:.0f}"
-
-
-def tables(result: dict):
-    """The result as text tables: throughput and the server's counters, latencies, targets."""
-    from .harness import TextTable
-
-    rows = result["cells"]
-    order = {FOREST: 0, ONE: 1, HF: 2}
-    rows = sorted(rows, key=lambda r: (r["shared"], r["concurrency"], order[r["server"]]))
-    short = result["short"]
-    speed = []
-    for r in rows:
-        m = r.get("server_metrics") or {}
-        name = short[r["server"]] + (f" ({r['requests']} requests)" if r["requests"] != result["config"]["requests"] else "")
-        steps = (m.get("counters") or {}).get("steps")
-        speed.append([f"{r['shared']:.0%}", str(r["concurrency"]), name,
-                      _num(r["requests_per_s"], "{:.2f}"), _num(r["output_tokens_per_s"], "{:.1f}"),
-                      _num(r.get("throughput_vs_one_at_a_time") if r["server"] != ONE else None, "{:.2f}x"),
-                      _num(m.get("cache_hit_rate"), "{:.0%}"), _num(m.get("branches_per_forward"), "{:.2f}"),
-                      _num(1000 * m["busy_seconds"] / steps if steps else None, "{:.0f}"),
-                      {True: "yes", False: "**no**"}.get(r.get("identical_to_one_at_a_time"), ""),
-                      str(r["errors"]) if r["errors"] else ""])
-    latency = []
-    for r in rows:
-        name = short[r["server"]] + (f" ({r['requests']} requests)" if r["requests"] != result["config"]["requests"] else "")
-        latency.append([f"{r['shared']:.0%}", str(r["concurrency"]), name]
-                       + [_ms(r[k], f"p{q}") for k in ("ttft_s", "itl_s", "tpot_s", "e2e_s") for q in PERCENTILES]
-                       + [_num(r.get("ttft_p50_vs_solo"), "{:.2f}x")])
+# ---------------------------------------------------------------------- how the result is read
+def tables(result: dict) -> list:
+    """Throughput and the server's counters, latencies, the targets: a row per cell and server."""
+    order = list(LABELS)
+    rows = sorted(result["cells"], key=lambda r: (r["shared"], r["concurrency"], order.index(r["server"])))
     cfg = result["config"]
+
+    def metric(name: str, form: str):
+        return lambda r: fmt((r.get("server_metrics") or {}).get(name), form)
+
+    def ms_per_step(r: dict) -> str:
+        m = r.get("server_metrics") or {}
+        steps = (m.get("counters") or {}).get("steps")
+        return fmt(1000 * m["busy_seconds"] / steps if steps else None, "{:.0f}")
+
+    lead = [("shared", lambda r: f"{r['shared']:.0%}"), ("concurrency", lambda r: str(r["concurrency"])),
+            ("server", lambda r: result["short"][r["server"]]
+             + (f" ({r['requests']} requests)" if r["requests"] != cfg["requests"] else ""))]
+    speed = lead + [
+        ("requests/s", lambda r: fmt(r["requests_per_s"], "{:.2f}")),
+        ("output tok/s", lambda r: fmt(r["output_tokens_per_s"], "{:.1f}")),
+        ("over one at a time", lambda r: fmt(r.get("throughput_vs_one_at_a_time") if r["server"] != ONE else None,
+                                             "{:.2f}x")),
+        ("cache hit", metric("cache_hit_rate", "{:.0%}")), ("branches/forward", metric("branches_per_forward", "{:.2f}")),
+        ("ms/step", ms_per_step),
+        ("same text", lambda r: {True: "yes", False: "**no**"}.get(r.get("identical_to_one_at_a_time"), "")),
+        ("errors", lambda r: str(r["errors"]) if r["errors"] else "")]
+    latency = lead + [(f"{name} p{q}", lambda r, k=key, q=q: "" if not r[k] else f"{1000 * r[k][f'p{q}']:.0f}")
+                      for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("TPOT", "tpot_s"), ("e2e", "e2e_s"))
+                      for q in PERCENTILES] + [("p50 TTFT over solo", lambda r: fmt(r.get("ttft_p50_vs_solo"), "{:.2f}x"))]
     what = (f"{cfg['requests']} requests a cell, ~{cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} tokens "
             f"each, Poisson arrivals at {cfg['rate_per_s']}/s")
-    out = [
-        TextTable(f"Throughput ({what})",
-                  ["shared", "concurrency", "server", "requests/s", "output tok/s", "over one at a time",
-                   "cache hit", "branches/forward", "ms/step", "same text", "errors"], speed),
-        TextTable("Latency (ms)",
-                  ["shared", "concurrency", "server"]
-                  + [f"{k} p{q}" for k in ("TTFT", "ITL", "TPOT", "e2e") for q in PERCENTILES]
-                  + ["p50 TTFT over solo"], latency),
-    ]
-    if result.get("targets"):
-        out.append(TextTable("Targets", ["target", "wanted", "measured", "met"],
-                             [[t["name"], t["target"], f"{t['measured']:g}x", "yes" if t["met"] else "**no**"]
-                              for t in result["targets"]]))
-    return out
+    return [grid(f"Throughput ({what})", rows, speed, lead=3), grid("Latency (ms)", rows, latency, lead=3),
+            *targets_table(result)]
 
 
-def markdown(result: dict) -> str:
-    meta = result["metadata"]
-    lines = [(f"Measured {meta['date']} on {meta['model']} ({meta['dtype']}, {meta['device']}, {meta['cpu_count']} "
-              f"cores), torch {meta['torch']}, transformers {meta['transformers']}; load average at start "
-              f"{_loads(meta.get('load_average_at_start'))}, at end {_loads(meta.get('load_average_at_end'))}.")]
-    lines += [f"Not run: {result['labels'][name]} ({why})." for name, why in result.get("skipped", {}).items()]
-    for table in tables(result):
-        align = ["---" if i < 3 and table.title != "Targets" or i == 0 else "---:" for i in range(len(table.header))]
-        lines += ["", f"**{table.title}**", "", "| " + " | ".join(table.header) + " |", "|" + "|".join(align) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in table.rows]
-    return "\n".join(lines) + "\n"
-
-
-def _loads(loads) -> str:
-    return "?" if not loads else ", ".join(f"{x:.2f}" for x in loads)
-
-
-def plot(result: dict, path: str | Path) -> Path:
-    """Output tokens/s, its ratio over one at a time, and p50 TTFT against concurrency: a colour per
-    shared share, a line style per server."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    path = Path(path)
-    fig = Figure(figsize=(14.5, 5.4), dpi=120)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 3)
-    rows = result["cells"]
+def chart(result: dict) -> Chart:
+    """Output tokens/s, its ratio over one at a time, and p50 TTFT against concurrency: a colour
+    per shared share, a line style per server; the targets as reference lines."""
+    rows, cfg = result["cells"], result["config"]
     shares = sorted({r["shared"] for r in rows})
     colors = dict(zip(shares, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
     styles = {FOREST: ("o", "-"), ONE: ("s", "--"), HF: ("^", ":")}
-    xs = sorted({r["concurrency"] for r in rows})
 
-    def series(server: str, share: float, value) -> list[tuple[int, float]]:
-        return [(r["concurrency"], v) for r in sorted(rows, key=lambda r: r["concurrency"])
-                if r["server"] == server and r["shared"] == share and (v := value(r)) is not None]
-
-    for server in (FOREST, ONE, HF):
-        marker, style = styles[server]
-        for share in shares:
-            label = f"{result['short'][server]}, {share:.0%} shared"
-            counts = {r["requests"] for r in rows if r["server"] == server}
-            if counts and counts != {result["config"]["requests"]}:
-                label += f" ({', '.join(map(str, sorted(counts)))} requests)"
-            points = series(server, share, lambda r: r["output_tokens_per_s"])
-            if points:
-                axes[0].plot(*zip(*points), marker=marker, ls=style, color=colors[share], label=label)
-            points = series(server, share, lambda r: 1000 * r["ttft_s"]["p50"] if r["ttft_s"] else None)
-            if points:
-                axes[2].plot(*zip(*points), marker=marker, ls=style, color=colors[share], label=label)
-            if server != ONE:
-                points = series(server, share, lambda r: r.get("throughput_vs_one_at_a_time"))
+    def lines(value, servers=tuple(LABELS), notes: str | None = None) -> list[Line]:
+        out = []
+        for server in servers:
+            counts = sorted({r["requests"] for r in rows if r["server"] == server})
+            for share in shares:
+                points = [(r["concurrency"], v) for r in sorted(rows, key=lambda r: r["concurrency"])
+                          if r["server"] == server and r["shared"] == share and (v := value(r)) is not None]
+                label = f"{result['short'][server]}, {share:.0%} shared" + (
+                    f" ({', '.join(map(str, counts))} requests)" if counts != [cfg["requests"]] else "")
+                style = {"marker": styles[server][0], "ls": styles[server][1], "color": colors[share]}
                 if points:
-                    line = axes[1].plot(*zip(*points), marker=marker, ls=style, color=colors[share], label=label)[0]
-                    for x, v in points:
-                        axes[1].annotate(f"{v:.1f}x", (x, v), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                                         color=line.get_color())
-    for share in shares:  # the TTFT target: 2x the forest's solo p50 TTFT at the same share
-        solo = [r for r in rows if r["server"] == FOREST and r["shared"] == share and r["concurrency"] == 1]
-        if solo and solo[0]["ttft_s"] and len(xs) > 1:
-            axes[2].hlines(TTFT_TARGET * 1000 * solo[0]["ttft_s"]["p50"], xs[1], xs[-1], colors=colors[share], lw=1.0,
-                           ls="-.", alpha=0.7, label=f"{TTFT_TARGET:g}x solo TTFT, {share:.0%} shared (target)")
-    axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
-    axes[1].axhline(THROUGHPUT_TARGET, color="tab:red", lw=0.8, ls=":",
-                    label=f"target {THROUGHPUT_TARGET:g}x (c=16, 90% shared)")
-    titles = ("output tokens/s", "output tokens/s over one at a time", "p50 TTFT (ms, log)")
-    for ax, title in zip(axes, titles):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[2].set_yscale("log")
-    handles: dict = {}
-    for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(label, handle)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=7, frameon=False)
-    cfg, meta = result["config"], result["metadata"]
-    fig.suptitle(f"{result['title']}: {cfg['requests']} requests a cell, ~{cfg['prompt_tokens']}-token prompts, "
-                 f"{cfg['max_tokens']} new tokens, Poisson {cfg['rate_per_s']}/s - {meta['model']} "
-                 f"({meta['dtype']}, {meta['device']}, {meta['cpu_count']} cores)", fontsize=9)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(path)
-    return path
+                    out.append(Line(label, points, style, [notes.format(v) for _, v in points] if notes else None))
+        return out
+
+    solo = {r["shared"]: r["ttft_s"]["p50"] for r in rows if r["server"] == FOREST and r["concurrency"] == 1
+            and r["ttft_s"]}
+    ttft_targets = [(TTFT_TARGET * 1000 * p50, {"color": colors[share], "ls": "-.", "alpha": 0.7,
+                                                "label": f"{TTFT_TARGET:g}x solo TTFT, {share:.0%} shared (target)"})
+                    for share, p50 in solo.items()]
+    return Chart([
+        Panel("output tokens/s", lines(lambda r: r["output_tokens_per_s"])),
+        Panel("output tokens/s over one at a time", lines(lambda r: r.get("throughput_vs_one_at_a_time"),
+                                                          (FOREST, HF), "{:.1f}x"),
+              [(1.0, {"color": "grey", "ls": "--"}), (THROUGHPUT_TARGET, {
+                  "color": "tab:red", "ls": ":", "label": f"target {THROUGHPUT_TARGET:g}x (c=16, 90% shared)"})]),
+        Panel("p50 TTFT (ms, log)", lines(lambda r: 1000 * r["ttft_s"]["p50"] if r["ttft_s"] else None),
+              ttft_targets, log_y=True),
+    ], sorted({r["concurrency"] for r in rows}), "concurrency (requests in flight)", legend="figure",
+        title=f"{result['title']}: {cfg['requests']} requests a cell, ~{cfg['prompt_tokens']}-token prompts, "
+              f"{cfg['max_tokens']} new tokens, Poisson {cfg['rate_per_s']}/s")
 
 
-def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None) -> list[Path]:
-    """Write `<stem>.json`, `<stem>.png` and `<stem>.md` in `out_dir` (created); returns the paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = stem or "bench_serve"
-    paths = [out / f"{stem}.json", out / f"{stem}.png", out / f"{stem}.md"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    plot(result, paths[1])
-    paths[2].write_text(markdown(result), encoding="utf-8")
-    return paths
+VIEW = VIEWS["serve"] = View(tables, chart)
