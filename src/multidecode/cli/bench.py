@@ -111,16 +111,18 @@ def bench():
     """Benchmarks against the transformers alternatives, measured side by side in one run."""
 
 
-def bench_command(name: str, *options):
-    """`bench NAME` with `options` plus --output, --stem, --repeats, --threads and the model's. The
-    decorated function checks its own settings (before the model loads) and returns the library
-    call to run as `call(decoder, repeats=, threads=, progress=)`."""
+def bench_command(name: str, *options, sweeps: tuple[str, ...] = (), counts: tuple[str, ...] = ()):
+    """`bench NAME` with `options` plus --output, --stem, --repeats, --threads and the model's.
+    Before the model loads, the settings named in `sweeps` (comma-separated counts, "1,2,4") are
+    parsed and those in `counts` refused below 1; the decorated function gets every setting,
+    checks the rest and returns the library call to run as `call(decoder, repeats=, threads=,
+    progress=)`."""
     def declare(prepare):
         @functools.wraps(prepare)
         def command(output, stem, repeats, threads, model_name, dtype, device, **own):
             check_run(output, dtype, threads)
-            check_counts(repeats=repeats)
-            call = prepare(**own)
+            check_counts(repeats=repeats, **{k: own[k] for k in counts if own[k] is not None})
+            call = prepare(**{**own, **{k: parse_counts(own[k], "--" + k.replace("_", "-")) for k in sweeps}})
             decoder = load_decoder(model_name, dtype, device)
             run_and_report(name, lambda progress: call(decoder, repeats=repeats, threads=threads, progress=progress),
                            output, stem)
@@ -131,81 +133,79 @@ def bench_command(name: str, *options):
     return declare
 
 
+def max_new_tokens(default: int | None, help: str | None = None):
+    return click.option("--max-new-tokens", type=int, default=default, show_default=default is not None, help=help)
+
+
+PROMPT_TOKENS = click.option("--prompt-tokens", type=int, default=200, show_default=True,
+                             help="Tokens of the prompt, about (an excerpt of the sample support call).")
+
+
 @bench_command(
     "ask",
     click.option("--ks", default="1,2,4,8,16", show_default=True, help="Question counts for the sweep."),
-    click.option("--max-new-tokens", type=int, default=32, show_default=True),
+    max_new_tokens(32),
     click.option("--speculate", default=None, metavar="MODE",
                  help="Also run (e): the forest with every branch speculating (lookup, suffix, lookahead, auto)."),
+    sweeps=("ks",), counts=("max_new_tokens",),
 )
-def bench_ask(ks, max_new_tokens, speculate):
+def bench_ask(speculate, **settings):
     """Many questions about one document: (a) sequential generate, (b) a padded batch, (c) a shared
     prefix cache copied to a batch, (d) MultiDecode. Asserts identical answers; writes JSON, a plot and markdown."""
     from ..bench import run_ask_benchmark
     from ..speculation import SpeculationSettings
 
-    sweep = parse_counts(ks, "--ks")
-    check_counts(max_new_tokens=max_new_tokens)
-    settings = SpeculationSettings.parse(speculate, spelling=SPELLING)
-    return functools.partial(run_ask_benchmark, max_new_tokens=max_new_tokens, ks=sweep, speculate=settings)
+    speculation = SpeculationSettings.parse(speculate, spelling=SPELLING)
+    return functools.partial(run_ask_benchmark, speculate=speculation, **settings)
 
 
 @bench_command(
     "sample",
     click.option("--n", "n", type=int, default=8, show_default=True, help="Completions at the main point."),
     click.option("--ns", default="1,2,4,8,16", show_default=True, help="Completion counts for the sweep."),
-    click.option("--max-new-tokens", type=int, default=64, show_default=True),
-    click.option("--prompt-tokens", type=int, default=200, show_default=True),
+    max_new_tokens(64), PROMPT_TOKENS, sweeps=("ns",), counts=("n", "max_new_tokens", "prompt_tokens"),
 )
-def bench_sample(n, ns, max_new_tokens, prompt_tokens):
+def bench_sample(**settings):
     """n sampled completions of one prompt: transformers' num_return_sequences against MultiDecode."""
     from ..bench import run_sample_benchmark
 
-    sweep = parse_counts(ns, "--ns")
-    check_counts(n=n, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens)
-    return functools.partial(run_sample_benchmark, n=n, ns=sweep, max_new_tokens=max_new_tokens,
-                             prompt_tokens=prompt_tokens)
+    return functools.partial(run_sample_benchmark, **settings)
 
 
 @bench_command(
     "beam",
     click.option("--num-beams", type=int, default=4, show_default=True, help="Beams at the main point."),
     click.option("--beams", default="2,4,8", show_default=True, help="Beam counts for the sweep."),
-    click.option("--max-new-tokens", type=int, default=32, show_default=True),
-    click.option("--prompt-tokens", type=int, default=200, show_default=True),
+    max_new_tokens(32), PROMPT_TOKENS, sweeps=("beams",), counts=("num_beams", "max_new_tokens", "prompt_tokens"),
 )
-def bench_beam(num_beams, beams, max_new_tokens, prompt_tokens):
+def bench_beam(beams, **settings):
     """Beam search: transformers' generate(num_beams=B) against beams as one tree (identical results asserted)."""
     from ..bench import run_beam_benchmark
 
-    sweep = parse_counts(beams, "--beams")
-    check_counts(num_beams=num_beams, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens)
-    return functools.partial(run_beam_benchmark, num_beams=num_beams, beams_sweep=sweep,
-                             max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens)
+    return functools.partial(run_beam_benchmark, beams_sweep=beams, **settings)
 
 
 @bench_command(
     "margins",
     click.option("--chunks", type=int, default=8, show_default=True),
     click.option("--chunk-tokens", type=int, default=300, show_default=True),
-    click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens per margin."),
+    max_new_tokens(48, "Tokens per margin."), counts=("chunks", "chunk_tokens", "max_new_tokens"),
 )
-def bench_margins(chunks, chunk_tokens, max_new_tokens):
+def bench_margins(**settings):
     """Writing in the margins: margins one chunk at a time, as one padded batch, and as one forest."""
     from ..bench import run_margins_benchmark
 
-    check_counts(chunks=chunks, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens)
-    return functools.partial(run_margins_benchmark, chunks=chunks, chunk_tokens=chunk_tokens,
-                             max_new_tokens=max_new_tokens)
+    return functools.partial(run_margins_benchmark, **settings)
 
 
 @bench_command(
     "speculate",
     click.option("--workloads", default="summary,code_edit,story", show_default=True,
                  help="Which shipped workloads to run, comma-separated."),
-    click.option("--max-new-tokens", type=int, default=None, help="Override every workload's own (quick runs)."),
+    max_new_tokens(None, "Override every workload's own (quick runs)."),
     click.option("--budget", type=float, default=90.0, show_default=True, metavar="SECONDS",
                  help="Time budget for each workload's rounds of all methods."),
+    counts=("max_new_tokens",),
 )
 def bench_speculate(workloads, max_new_tokens, budget):
     """Speculative decoding of one sequence, greedy: plain generate, transformers' prompt lookup at 3 and
@@ -215,7 +215,6 @@ def bench_speculate(workloads, max_new_tokens, budget):
 
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     choose(names)
-    check_counts(**({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}))
     check_budget(budget, 90)
     return functools.partial(run_speculate_benchmark, names=names, max_new_tokens=max_new_tokens, budget_s=budget)
 
@@ -226,11 +225,12 @@ def bench_speculate(workloads, max_new_tokens, budget):
                  help="merged: documents of 300-1,500 tokens, 4-8 questions each, one at a time against merged "
                       "forests and an HF generate loop; similar: short similar calls, with and without speculation."),
     click.option("--documents", type=int, default=None, help="Documents in the job (default: 24 merged, 16 similar)."),
-    click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Longest answer, in tokens."),
+    max_new_tokens(48, "Longest answer, in tokens."),
     click.option("--forest-tokens", type=int, default=None, metavar="N",
                  help="The merged forests' budget in cache tokens (default: the batch job's)."),
     click.option("--budget", type=float, default=None, metavar="SECONDS",
                  help="Time budget for the rounds of all methods (one round always runs; default 600 merged, 300 similar)."),
+    counts=("documents", "max_new_tokens"),
 )
 def bench_batch(workload, documents, max_new_tokens, forest_tokens, budget):
     """The batch job. merged (the default): 24 documents of 300-1,500 tokens with 4-8 questions each, answered
@@ -241,7 +241,6 @@ def bench_batch(workload, documents, max_new_tokens, forest_tokens, budget):
 
     documents = documents if documents is not None else (24 if workload == "merged" else 16)
     budget = budget if budget is not None else (600.0 if workload == "merged" else 300.0)
-    check_counts(documents=documents, max_new_tokens=max_new_tokens)
     check_budget(budget, 300)
     if workload == "similar":
         if forest_tokens is not None:
