@@ -32,7 +32,7 @@ from ..batch.merged import FOREST_TOKENS
 from ..cost import cost_curve
 from ..errors import check_positive
 from ..speculation import SpeculationSettings
-from .common import ForwardCounter, RunOutput, Setup, auto_over, fresh, hf_sequential, suffix_over
+from .common import ForwardCounter, RunOutput, Setup, auto_over, fresh, hf_sequential, spread, suffix_over
 from .harness import Benchmark, Case, Method, Plot, Target, runs
 
 PLAIN, LOOKUP, SUFFIX, AUTO = "batch_plain", "batch_lookup", "batch_suffix", "batch_auto"
@@ -139,8 +139,7 @@ def token_counts(tokenizer, rows: list[dict]) -> dict | None:
     """The least, most and mean tokens of the lines' documents (None without a tokenizer)."""
     if tokenizer is None:
         return None
-    lengths = [len(tokenizer(r["document"])["input_ids"]) for r in rows]
-    return {"min": min(lengths), "max": max(lengths), "mean": round(sum(lengths) / len(lengths), 1)}
+    return spread([len(tokenizer(r["document"])["input_ids"]) for r in rows])
 
 
 def similar_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 48, repeats: int = 3,

@@ -451,6 +451,11 @@ def auto_over(store: SuffixStore | None = None) -> Speculation:
     return Speculation(auto_proposer(SuffixStore() if store is None else store), None)
 
 
+def spread(values: Sequence[float]) -> dict:
+    """The least, the most and the mean (to one decimal) of `values`."""
+    return {"min": min(values), "max": max(values), "mean": round(sum(values) / len(values), 1)}
+
+
 # ---------------------------------------------------------------------- quiet, with its threads
 @contextlib.contextmanager
 def quiet_transformers():

@@ -44,7 +44,7 @@ from .common import (
     quiet_transformers,
     torch_threads,
 )
-from .results import environment, load_average
+from .results import environment, finished
 
 Runner = Callable[[ForwardCounter], RunOutput]
 NOTES = (
@@ -174,8 +174,7 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
     result = {
         "benchmark": bench.name,
         "title": bench.title,
-        "metadata": {**meta, "load_average_at_end": load_average(),
-                     "elapsed_s": round(time.perf_counter() - started, 2)},
+        "metadata": finished(meta, started),
         "config": {**bench.config, "reference": bench.reference, "repeats": bench.repeats,
                    "budgets_s": [case.budget_s for case in bench.cases],
                    "notes": [*bench.config.get("notes", ()), *NOTES]},

@@ -18,6 +18,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,11 @@ def environment(model=None, *, launched: dict | None = None) -> dict:
             "python": platform.python_version(), "platform": platform.platform(),
             "threads": facts.get("threads") or torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "load_average_at_start": load_average(), "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
+
+
+def finished(meta: dict, started: float) -> dict:
+    """`environment()` as taken at the start, with the load at the end and the run's seconds since `started`."""
+    return {**meta, "load_average_at_end": load_average(), "elapsed_s": round(time.perf_counter() - started, 2)}
 
 
 def model_name(model) -> str:

@@ -72,8 +72,8 @@ from .. import data
 from ..errors import InvalidArgument, MultiDecodeError, check_positive
 from ..prompts import common_prefix_length
 from ..runtime import Limits
-from .common import Progress
-from .results import VIEWS, Chart, Line, Panel, View, environment, fmt, grid, load_average, targets_table
+from .common import Progress, spread
+from .results import VIEWS, Chart, Line, Panel, View, environment, finished, fmt, grid, targets_table
 
 FOREST, ONE, HF = "forest", "one_at_a_time", "transformers"
 LABELS = {
@@ -478,8 +478,7 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
     result = {
         "benchmark": "serve",
         "title": "the OpenAI-compatible server under load",
-        "metadata": {**meta, "load_average_at_end": load_average(),
-                     "elapsed_s": round(time.perf_counter() - started, 1)},
+        "metadata": finished(meta, started),
         "config": {"requests": requests, "transformers_requests": transformers_requests if transformers else None,
                    "transformers_continuous_batching": transformers_cb if transformers else None,
                    "server_threads": threads, "concurrency": list(concurrency), "shared": list(shared),
@@ -551,8 +550,7 @@ def _transformers_rows(model, cells: list[Cell], max_tokens: int, timeout_s: flo
 
 def _load_summary(cell: Cell) -> dict:
     return {"concurrency": cell.concurrency, "shared": cell.shared, "shared_tokens": cell.shared_tokens,
-            "prompt_tokens": {"min": min(cell.prompt_tokens), "max": max(cell.prompt_tokens),
-                              "mean": round(sum(cell.prompt_tokens) / len(cell.prompt_tokens), 1)},
+            "prompt_tokens": spread(cell.prompt_tokens),
             "arrivals_span_s": round(cell.arrivals[-1], 3), "first_prompt": cell.prompts[0][:200] + "..."}
 
 

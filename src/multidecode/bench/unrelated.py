@@ -42,7 +42,7 @@ import gc
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,7 +50,7 @@ from ..engine import Engine
 from ..errors import InvalidArgument, check_positive
 from ..models.vetting import cache_argument
 from .common import AnswersDiffer, Progress, quiet_transformers, torch_threads
-from .results import VIEWS, Chart, Line, Panel, TextTable, View, environment, grid, load_average
+from .results import VIEWS, Chart, Line, Panel, TextTable, View, environment, finished, grid
 
 FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS = "forest_unrelated", "forest_shared", "separate", "batch_rows"
 VARIANTS = (FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS)
@@ -127,12 +127,9 @@ class Step:
         self.positions = torch.full((r, 1), p, dtype=torch.long, device=self.device)
         self.mask = torch.ones((r, p + 1), dtype=torch.long, device=self.device)
         self.keys_per_query = {FOREST_UNRELATED: r * p + r, FOREST_SHARED: p + r, SEPARATE: p + 1, BATCH_ROWS: p + 1}
-        self.runs: dict[str, Callable[[], torch.Tensor]] = {
-            FOREST_UNRELATED: self.forest_unrelated, FOREST_SHARED: self.forest_shared,
-            SEPARATE: self.separate, BATCH_ROWS: self.batch_rows}
 
     def run(self, variant: str) -> torch.Tensor:
-        return self.runs[variant]()
+        return getattr(self, variant)()  # each variant is the method of its name
 
     def forest_unrelated(self) -> torch.Tensor:
         nodes, logits = self.forest.feed(self.tokens, self.roots_last, logits_for=range(len(self.tokens)),
@@ -244,7 +241,7 @@ def run_unrelated(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens:
     return {
         "benchmark": "unrelated",
         "title": "Attention over unrelated requests: one decode step",
-        "metadata": {**meta, "load_average_at_end": load_average(), "elapsed_s": round(time.perf_counter() - started, 2)},
+        "metadata": finished(meta, started),
         "config": {"requests": list(requests), "prompt_tokens": list(prompt_tokens), "steps": steps, "warmup": warmup,
                    "seed": seed, "atol": atol, "notes": NOTES},
         "labels": dict(LABELS),
