@@ -232,26 +232,22 @@ def bench_speculate(workloads, max_new_tokens, budget):
                  help="Time budget for the rounds of all methods (one round always runs; default 600 merged, 300 similar)."),
     counts=("documents", "max_new_tokens"),
 )
-def bench_batch(workload, documents, max_new_tokens, forest_tokens, budget):
+def bench_batch(workload, forest_tokens, budget, **settings):
     """The batch job. merged (the default): 24 documents of 300-1,500 tokens with 4-8 questions each, answered
     one document at a time, in merged forests (with and without suffix drafts) and by a loop of HF generate.
     similar: many similar support calls, 8 questions each, without speculation, with lookup, and with suffix and
     auto learning from the job's earlier documents. Asserts identical answers; writes JSON, a plot and markdown."""
     from ..bench import run_batch_benchmark, run_merged_benchmark
 
-    documents = documents if documents is not None else (24 if workload == "merged" else 16)
-    budget = budget if budget is not None else (600.0 if workload == "merged" else 300.0)
-    check_budget(budget, 300)
-    if workload == "similar":
-        if forest_tokens is not None:
-            raise InvalidArgument("--forest-tokens is for --workload merged", "leave it out, or use --workload merged")
-        return functools.partial(run_batch_benchmark, documents=documents, max_new_tokens=max_new_tokens,
-                                 budget_s=budget)
+    if budget is not None:
+        check_budget(budget, 300)
+    if forest_tokens is not None and workload == "similar":
+        raise InvalidArgument("--forest-tokens is for --workload merged", "leave it out, or use --workload merged")
     if forest_tokens is not None and forest_tokens < 0:
         raise InvalidArgument(f"--forest-tokens must be 0 or more, got {forest_tokens}", "for example --forest-tokens 8192")
-    extra = {} if forest_tokens is None else {"forest_tokens": forest_tokens}
-    return functools.partial(run_merged_benchmark, documents=documents, max_new_tokens=max_new_tokens,
-                             budget_s=budget, **extra)
+    given = {**settings, "budget_s": budget, "forest_tokens": forest_tokens}  # the library's defaults for the rest
+    return functools.partial(run_merged_benchmark if workload == "merged" else run_batch_benchmark,
+                             **{k: v for k, v in given.items() if v is not None})
 
 
 def parse_shares(text: str) -> tuple[float, ...]:
