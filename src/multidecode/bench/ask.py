@@ -10,8 +10,8 @@ The methods answer the same questions from the same whole-prompt ids
 - (c) `hf_shared_prefix`: the shared prefix prefilled once, its `DynamicCache` copied to a batch,
   then one `generate` over the (left-padded inside the tail) question tails;
 - (d) `multidecode`: one forest over one cache (`MultiDecoder.start`, what `ask` runs);
-- (e) `multidecode_speculate`, with `speculate=MODE`: (d) with every branch speculating, where
-  the decoder's `start` takes `speculate=` (left out, with the reason, where it does not).
+- (e) `multidecode_speculate`, with `speculate=MODE`: (d) with every branch speculating (the
+  mode as `speculation.SpeculationSettings` reads it).
 
 At the main K (the number of questions) (d) also answers each question alone
 (`multidecode_alone`), which gives "the time of one answer" for the scaling target. Every
