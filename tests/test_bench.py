@@ -171,7 +171,7 @@ def test_helpers():
 
 def test_write_results(result, tmp_path):
     """JSON, PNG and a markdown table; the markdown can be rebuilt from the JSON alone."""
-    from multidecode.bench.harness import markdown
+    from multidecode.bench.results import markdown
 
     clean = {k: v for k, v in result.items() if k != "_messages"}
     paths = write_results(clean, tmp_path / "out")

@@ -10,19 +10,8 @@ from tiny_models import EOS, reference_generate, tiny_model
 
 from multidecode.bench import AnswersDiffer
 from multidecode.bench.common import hf_sequential
-from multidecode.bench.harness import (
-    Benchmark,
-    Case,
-    Method,
-    Part,
-    Plot,
-    Target,
-    markdown,
-    rows_of,
-    run,
-    tables,
-    write_results,
-)
+from multidecode.bench.harness import Benchmark, Case, Method, Part, Plot, Target, run
+from multidecode.bench.results import markdown, rows_of, tables, write_results
 
 MODEL = tiny_model("llama")
 PROMPTS = [[1, 5, 6, 7], [1, 8, 9], [1, 10, 11, 12, 13]]

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from local_models import tiny_model_folder
 from tiny_models import tiny_model
 
+from multidecode.bench.results import markdown, write_results
 from multidecode.bench.unrelated import (
     BATCH_ROWS,
     FOREST_SHARED,
@@ -21,12 +22,10 @@ from multidecode.bench.unrelated import (
     VARIANTS,
     LogitsDiffer,
     check_close,
-    markdown,
     run_unrelated,
     tables,
-    unrelated_command,
-    write_results,
 )
+from multidecode.cli.bench import bench_unrelated
 
 REQUESTS, PROMPT_TOKENS = (1, 3), (5, 17)
 
@@ -81,12 +80,12 @@ def test_the_command_writes_its_three_files(tmp_path):
     out = tmp_path / "out"
     args = ["--model", str(model), "--requests", "1,2", "--prompt-tokens", "9", "--steps", "1", "--warmup", "0",
             "--threads", "1", "--output", str(out)]
-    result = CliRunner().invoke(unrelated_command, args)
+    result = CliRunner().invoke(bench_unrelated, args)
     assert result.exit_code == 0, (result.output, result.exception)
     assert "Every variant's logits matched its reference" in result.output
     assert sorted(p.name for p in out.iterdir()) == ["bench_unrelated.json", "bench_unrelated.md",
                                                      "bench_unrelated.png"]
     stored = json.loads((out / "bench_unrelated.json").read_text())
     assert [(c["requests"], c["prompt_tokens"]) for c in stored["cells"]] == [(1, 9), (2, 9)]
-    bad = CliRunner().invoke(unrelated_command, [*args[:2], "--requests", "0,4"])
+    bad = CliRunner().invoke(bench_unrelated, [*args[:2], "--requests", "0,4"])
     assert bad.exit_code == 2 and "--requests needs positive integers" in bad.output

@@ -20,20 +20,20 @@ Figures per method: wall time of the whole job, forward passes, tokens per forwa
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 import time
 from pathlib import Path
 
 from .. import data
-from ..batch import BatchSettings, lock_path, meta_path, open_batch, total_stats
+from ..batch import BatchSettings, open_batch, total_stats
 from ..batch.merged import FOREST_TOKENS
 from ..cost import cost_curve
 from ..errors import check_positive
-from ..proposers.suffix import SuffixProposer, SuffixStore
-from ..speculation import Speculation, auto_proposer
-from .common import ForwardCounter, Progress, RunOutput, hf_sequential, pad_id_of
-from .harness import Benchmark, Case, Method, Plot, Runner, Target, run
+from ..speculation import SpeculationSettings
+from .common import ForwardCounter, RunOutput, Setup, auto_over, fresh, hf_sequential, spread, suffix_over
+from .harness import Benchmark, Case, Method, Plot, Target, runs
 
 PLAIN, LOOKUP, SUFFIX, AUTO = "batch_plain", "batch_lookup", "batch_suffix", "batch_auto"
 LABELS = {
@@ -43,13 +43,8 @@ LABELS = {
     AUTO: ("batch job, auto over a new store", "auto"),
 }
 """Method -> (label, short label)."""
-SPECULATE = {
-    PLAIN: lambda: None,
-    LOOKUP: lambda: "lookup",
-    SUFFIX: lambda: SuffixProposer(store=SuffixStore()),
-    AUTO: lambda: Speculation(auto_proposer(SuffixStore()), None),
-}
-"""Method -> a fresh `speculate=` value for one run of the job (one store for all its documents)."""
+SPECULATE = {PLAIN: None, LOOKUP: SpeculationSettings.parse("lookup"), SUFFIX: suffix_over, AUTO: auto_over}
+"""Method -> `speculate=` for one run of the job (a function: a fresh store for all its documents)."""
 TARGETS = {SUFFIX: 1.0, AUTO: 1.0}
 """Speed-ups over the plain job that the methods are held to."""
 
@@ -112,28 +107,26 @@ def questions() -> list[str]:
 
 
 # ---------------------------------------------------------------------- one run of the job
-def run_job(decoder, source: Path, folder: Path, settings: BatchSettings, speculate, counter: ForwardCounter, *,
+def run_job(decoder, rows: list[dict], settings: BatchSettings, speculate, counter: ForwardCounter, *,
             forest_tokens: int = FOREST_TOKENS, forwards_from_stats: bool = True) -> RunOutput:
-    """The whole batch job once, into a new output file in `folder` (removed afterwards); its
-    answers' token ids in input order (records come in the order lines finish), its documents/s,
-    and its drafts summed from the lines' stats. forwards_from_stats: count forwards from the
-    lines' stats (right for one line at a time); otherwise the counter's hooked count (in a merged
-    forest the lines share their forwards)."""
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".jsonl", delete=False) as handle:
-        out = Path(handle.name)
+    """The whole batch job once over the input lines `rows`, written with its output file to a new
+    temporary folder (removed afterwards): its answers' token ids in input order (records come in
+    the order lines finish), its documents/s, and its drafts summed from the lines' stats.
+    speculate: a `speculate=` value, or a function making a fresh one for the run.
+    forwards_from_stats: count forwards from the lines' stats (right for one line at a time);
+    otherwise the counter's hooked count (in a merged forest the lines share their forwards)."""
     by_line, stats = {}, []
-    started = time.perf_counter()
-    try:
+    with tempfile.TemporaryDirectory(prefix="multidecode-bench-batch-") as folder:
+        source, out = Path(folder) / "documents.jsonl", Path(folder) / "answers.jsonl"
+        source.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        started = time.perf_counter()
         with open_batch(source, out, settings) as job:
-            for result in job.run(decoder, speculate=speculate, forest_tokens=forest_tokens):
+            for result in job.run(decoder, speculate=fresh(speculate), forest_tokens=forest_tokens):
                 if not result.ok:
                     raise AssertionError(f"line {result.line} failed: {result.error['message']}")
                 by_line[result.line] = [list(a.token_ids) for a in result.answers]
                 stats.append(result.stats)
-    finally:
-        for path in (out, meta_path(out), lock_path(out)):
-            path.unlink(missing_ok=True)
-    wall = time.perf_counter() - started
+        wall = time.perf_counter() - started
     total = total_stats(stats)
     extra = {k: total[k] for k in ("speculate", "drafted", "accepted", "acceptance", "steps", "steps_speculating",
                                    "mean_draft_budget")}
@@ -142,10 +135,16 @@ def run_job(decoder, source: Path, folder: Path, settings: BatchSettings, specul
     return RunOutput(answers, 0, forward_passes=total["forward_passes"] if forwards_from_stats else None, extra=extra)
 
 
-def run_batch_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 48, repeats: int = 3,
-                        budget_s: float = 300.0, warmup: bool = True, threads: int | None = None,
-                        progress: Progress | None = None) -> dict:
-    """Run the batch job over `documents` similar calls with every method, side by side.
+def token_counts(tokenizer, rows: list[dict]) -> dict | None:
+    """The least, most and mean tokens of the lines' documents (None without a tokenizer)."""
+    if tokenizer is None:
+        return None
+    return spread([len(tokenizer(r["document"])["input_ids"]) for r in rows])
+
+
+def similar_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 48, repeats: int = 3,
+                      budget_s: float = 300.0, warmup: bool = True) -> Benchmark:
+    """The batch job over `documents` similar calls with every method, side by side, as data.
 
     budget_s: the time budget for rounds of all methods (one round always runs).
     Raises `AnswersDiffer` where a method's answers differ from the plain job's.
@@ -154,51 +153,39 @@ def run_batch_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 4
     check_positive("max_new_tokens", max_new_tokens)
     if decoder.cost is None:
         cost_curve(decoder.model)  # "auto" needs it: measured (once) before the timing, not inside it
-    asked = questions()
-    rows = similar_documents(documents)
-    settings = BatchSettings(questions=tuple(asked), max_new_tokens=max_new_tokens, model="bench")
-    tokenizer = decoder.tokenizer
-    lengths = [len(tokenizer(r["document"])["input_ids"]) for r in rows] if tokenizer is not None else []
-    with tempfile.TemporaryDirectory(prefix="multidecode-bench-batch-") as tmp:
-        folder = Path(tmp)
-        source = folder / "documents.jsonl"
-        source.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        warm_source = folder / "warmup.jsonl"
-        warm_source.write_text("".join(json.dumps(r) + "\n" for r in similar_documents(2)), encoding="utf-8")
-        warm_settings = BatchSettings(questions=tuple(asked), max_new_tokens=2, model="bench")
+    setup, asked, rows = Setup.of(decoder), questions(), similar_documents(documents)
 
-        def methods(path: Path, job: BatchSettings) -> tuple[Method, ...]:
-            def method(name: str) -> Method:
-                return Method(name, LABELS[name][0], short=LABELS[name][1],
-                              run=lambda c: run_job(decoder, path, folder, job, SPECULATE[name](), c))
-            return tuple(method(name) for name in LABELS)
+    def methods(lines: list[dict], new: int) -> tuple[Method, ...]:
+        job = BatchSettings(questions=tuple(asked), max_new_tokens=new, model="bench")
+        return tuple(Method.named(LABELS, name, run=functools.partial(run_job, decoder, lines, job, speculate))
+                     for name, speculate in SPECULATE.items())
 
-        def report(got: dict) -> dict:
-            first = got[PLAIN].answers[: len(asked)]
-            texts = [tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None for ids in first]
-            return {"document_tokens": {"min": min(lengths), "max": max(lengths),
-                                        "mean": round(sum(lengths) / len(lengths), 1)} if lengths else None,
-                    "first_document": rows[0]["document"], "first_answers": texts}
+    def report(got: dict) -> dict:
+        return {"document_tokens": token_counts(setup.tokenizer, rows), "first_document": rows[0]["document"],
+                "first_answers": [setup.text(ids) for ids in got[PLAIN].answers[: len(asked)]]}
 
-        targets = tuple(Target(f"{LABELS[name][1]} over the plain job", (f"{name}_vs", PLAIN, "speedup"), ">=", value)
-                        for name, value in TARGETS.items())
-        bench = Benchmark(
-            name="batch", title=f"the batch job over {documents} similar documents, {len(asked)} questions each",
-            model=decoder.model, reference=PLAIN, pairs=tuple((name, PLAIN) for name in LABELS if name != PLAIN),
-            cases=(Case({"documents": documents}, methods(source, settings), budget_s=budget_s, targets=targets,
-                        report=report),),
-            config={"documents": documents, "questions": asked, "max_new_tokens": max_new_tokens,
-                    "decoding": "greedy", "notes": [
-                        ("Each run is the whole job into a new output file; suffix and auto start from an empty "
-                         "store each run, so only that run's earlier documents help."),
-                        "drafted/accepted/acceptance are summed over the job's documents from their decode stats.",
-                    ]},
-            warmup=methods(warm_source, warm_settings) if warmup else (), repeats=repeats,
-            columns=("wall_s", "forward_passes", "tokens_per_forward", "acceptance", "tokens_per_s"),
-            plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")),
-            rows_key=None,
-        )
-        return run(bench, threads=threads, progress=progress)
+    targets = tuple(Target(f"{LABELS[name][1]} over the plain job", (f"{name}_vs", PLAIN, "speedup"), ">=", value)
+                    for name, value in TARGETS.items())
+    return Benchmark(
+        name="batch", title=f"the batch job over {documents} similar documents, {len(asked)} questions each",
+        model=decoder.model, reference=PLAIN, pairs=tuple((name, PLAIN) for name in LABELS if name != PLAIN),
+        cases=(Case({"documents": documents}, methods(rows, max_new_tokens), budget_s=budget_s, targets=targets,
+                    report=report),),
+        config={"documents": documents, "questions": asked, "max_new_tokens": max_new_tokens,
+                "decoding": "greedy", "notes": [
+                    ("Each run is the whole job into a new output file; suffix and auto start from an empty "
+                     "store each run, so only that run's earlier documents help."),
+                    "drafted/accepted/acceptance are summed over the job's documents from their decode stats.",
+                ]},
+        warmup=methods(similar_documents(2), 2) if warmup else (), repeats=repeats,
+        columns=("wall_s", "forward_passes", "tokens_per_forward", "acceptance", "tokens_per_s"),
+        plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")),
+        rows_key=None,
+    )
+
+
+run_batch_benchmark = runs(similar_benchmark)
+"""Run the batch job over similar documents with every method; the settings are `similar_benchmark`'s."""
 
 
 # ---------------------------------------------------------------------- merged forests
@@ -240,72 +227,52 @@ def call_logs(n: int) -> list[dict]:
     return rows
 
 
-def run_merged_benchmark(decoder, *, documents: int = 24, max_new_tokens: int = 48, repeats: int = 1,
-                         budget_s: float = 600.0, forest_tokens: int = FOREST_TOKENS, warmup: bool = True,
-                         threads: int | None = None, progress: Progress | None = None) -> dict:
+def merged_benchmark(decoder, *, documents: int = 24, max_new_tokens: int = 48, repeats: int = 1,
+                     budget_s: float = 600.0, forest_tokens: int = FOREST_TOKENS, warmup: bool = True) -> Benchmark:
     """Many documents, 4-8 questions each: HF generate once per question, the batch job one
-    document at a time, and the job in merged forests (with and without suffix drafts), side by side.
-
-    Raises `AnswersDiffer` where a method's answers differ from generate's.
+    document at a time, and the job in merged forests (with and without suffix drafts), side by
+    side, as data. Raises `AnswersDiffer` where a method's answers differ from generate's.
     """
     check_positive("documents", documents)
     check_positive("max_new_tokens", max_new_tokens)
-    rows = call_logs(documents)
-    settings = BatchSettings(max_new_tokens=max_new_tokens, model="bench")
-    model, tokenizer = decoder.model, decoder.tokenizer
+    setup, rows = Setup.of(decoder), call_logs(documents)
     prompts = [p for r in rows for p in decoder.question_prompts(r["document"], r["questions"])]
-    lengths = [len(tokenizer(r["document"])["input_ids"]) for r in rows]
-    eos_ids, pad_id = sorted(decoder.eos_ids), pad_id_of(model, tokenizer)
 
     def generate_loop(counter: ForwardCounter) -> RunOutput:
         started = time.perf_counter()
-        out = hf_sequential(model, prompts, counter, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
+        out = setup.baseline(hf_sequential, prompts, max_new_tokens)(counter)
         out.extra["documents_per_s"] = len(rows) / (time.perf_counter() - started)
         return out
 
-    with tempfile.TemporaryDirectory(prefix="multidecode-bench-batch-") as tmp:
-        folder = Path(tmp)
+    def jobs(lines: list[dict], new: int) -> tuple[Method, ...]:
+        job = BatchSettings(max_new_tokens=new, model="bench")
+        return tuple(Method.named(MERGED_LABELS, name, run=functools.partial(
+            run_job, decoder, lines, job, speculate, forest_tokens=budget, forwards_from_stats=budget == 0))
+            for name, budget, speculate in ((ONE, 0, None), (MERGED, forest_tokens, None),
+                                            (MERGED_SUFFIX, forest_tokens, suffix_over)))
 
-        def lines(name: str, data: list[dict]) -> Path:
-            path = folder / name
-            path.write_text("".join(json.dumps(r) + "\n" for r in data), encoding="utf-8")
-            return path
+    targets = tuple(Target(f"{MERGED_LABELS[fast][1]} over {MERGED_LABELS[slow][1]}",
+                           (f"{fast}_vs", slow, "speedup"), ">=", value) for fast, slow, value in MERGED_TARGETS)
+    return Benchmark(
+        name="batch", title=f"the batch job over {documents} documents of 300-1,500 tokens, 4-8 questions each",
+        model=decoder.model, reference=GENERATE,
+        pairs=((MERGED, ONE), (MERGED_SUFFIX, ONE), (ONE, GENERATE), (MERGED, GENERATE), (MERGED_SUFFIX, GENERATE)),
+        cases=(Case({"documents": documents}, (Method.named(MERGED_LABELS, GENERATE, run=generate_loop),
+                                                *jobs(rows, max_new_tokens)), budget_s=budget_s, targets=targets,
+                    report=lambda got: {"document_tokens": token_counts(setup.tokenizer, rows),
+                                        "questions": sum(len(r["questions"]) for r in rows)}),),
+        config={"workload": "merged", "documents": documents, "max_new_tokens": max_new_tokens,
+                "forest_tokens": forest_tokens, "decoding": "greedy", "notes": [
+                    ("Each job run writes a new output file; merged runs keep up to forest_tokens cache tokens "
+                     "(prompts + questions x max_new_tokens) in flight; one at a time is forest_tokens=0."),
+                    "Forwards of merged runs are counted at the model (the lines share them).",
+                    "The generate loop runs model.generate once per question, the whole prompt each time."]},
+        warmup=jobs(call_logs(2), 2) if warmup else (), repeats=repeats,
+        columns=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes", "tokens_per_forward"),
+        plot=Plot("bars", figures=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes")),
+        rows_key=None,
+    )
 
-        source, warm = lines("documents.jsonl", rows), lines("warmup.jsonl", call_logs(2))
 
-        def job(path: Path, job_settings: BatchSettings, budget: int, speculate) -> Runner:
-            return lambda c: run_job(decoder, path, folder, job_settings, speculate() if speculate else None, c,
-                                     forest_tokens=budget, forwards_from_stats=budget == 0)
-
-        def methods(path: Path, job_settings: BatchSettings) -> dict[str, Runner]:
-            return {ONE: job(path, job_settings, 0, None), MERGED: job(path, job_settings, forest_tokens, None),
-                    MERGED_SUFFIX: job(path, job_settings, forest_tokens, SPECULATE[SUFFIX])}
-
-        def method(name: str, run_it: Runner) -> Method:
-            return Method(name, MERGED_LABELS[name][0], short=MERGED_LABELS[name][1], run=run_it)
-
-        timed = {GENERATE: generate_loop, **methods(source, settings)}
-        warm_settings = BatchSettings(max_new_tokens=2, model="bench")
-        targets = tuple(Target(f"{MERGED_LABELS[fast][1]} over {MERGED_LABELS[slow][1]}",
-                               (f"{fast}_vs", slow, "speedup"), ">=", value) for fast, slow, value in MERGED_TARGETS)
-        bench = Benchmark(
-            name="batch", title=f"the batch job over {documents} documents of 300-1,500 tokens, 4-8 questions each",
-            model=model, reference=GENERATE,
-            pairs=((MERGED, ONE), (MERGED_SUFFIX, ONE), (ONE, GENERATE), (MERGED, GENERATE), (MERGED_SUFFIX, GENERATE)),
-            cases=(Case({"documents": documents}, tuple(method(n, r) for n, r in timed.items()), budget_s=budget_s,
-                        targets=targets, report=lambda got: {"document_tokens": {
-                            "min": min(lengths), "max": max(lengths), "mean": round(sum(lengths) / len(lengths), 1)},
-                            "questions": sum(len(r["questions"]) for r in rows)}),),
-            config={"workload": "merged", "documents": documents, "max_new_tokens": max_new_tokens,
-                    "forest_tokens": forest_tokens, "decoding": "greedy", "notes": [
-                        ("Each job run writes a new output file; merged runs keep up to forest_tokens cache tokens "
-                         "(prompts + questions x max_new_tokens) in flight; one at a time is forest_tokens=0."),
-                        "Forwards of merged runs are counted at the model (the lines share them).",
-                        "The generate loop runs model.generate once per question, the whole prompt each time."]},
-            warmup=tuple(method(n, r) for n, r in methods(warm, warm_settings).items()) if warmup else (),
-            repeats=repeats,
-            columns=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes", "tokens_per_forward"),
-            plot=Plot("bars", figures=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes")),
-            rows_key=None,
-        )
-        return run(bench, threads=threads, progress=progress)
+run_merged_benchmark = runs(merged_benchmark)
+"""Run the merged-forests workload; the settings are `merged_benchmark`'s."""

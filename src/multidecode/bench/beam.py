@@ -19,21 +19,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import InvalidArgument, check_positive
+from ..errors import check_positive
 from ..strategies.beam import check_settings, run_beam_search
 from ..strategies.complete import prompt_ids
-from .common import (
-    AnswersDiffer,
-    ForwardCounter,
-    Measurement,
-    Progress,
-    RunOutput,
-    excerpt_prompt,
-    hf_sequential,
-    pad_id_of,
-)
-from .harness import Benchmark, Case, Method, Plot, Target, ratios, run
-from .plot import plot
+from .common import AnswersDiffer, ForwardCounter, Measurement, RunOutput, Setup, excerpt_prompt, hf_sequential
+from .harness import Benchmark, Case, Method, Plot, Target, positive_counts, ratios, runs
+from .results import plot
 
 HF, MULTIDECODE = "hf_beam", "multidecode_beam"
 METHODS = (HF, MULTIDECODE)
@@ -84,7 +75,7 @@ def check_scores(hf: Measurement, ours: Measurement) -> float:
 
 
 # ---------------------------------------------------------------------- the benchmark
-def run_beam_benchmark(
+def beam_benchmark(
     decoder,
     *,
     prompt: str | Sequence[int] | None = None,
@@ -98,10 +89,8 @@ def run_beam_benchmark(
     repeat_budget_s: float = 60.0,
     sweep_repeat_budget_s: float = 20.0,
     warmup: bool = True,
-    threads: int | None = None,
-    progress: Progress | None = None,
-) -> dict:
-    """Measure HF beam search and MultiDecode's side by side; return a JSON-ready dict.
+) -> Benchmark:
+    """HF beam search and MultiDecode's side by side, as data.
 
     prompt: text (chat-templated when the tokenizer has a template), ids, or None for about
         `prompt_tokens` ids about the sample support call (`sample_prompt`). Both methods make one
@@ -114,50 +103,53 @@ def run_beam_benchmark(
     """
     check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, 1)
     check_positive("prompt_tokens", prompt_tokens)
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in beams_sweep):
-        raise InvalidArgument(f"every beam count must be a positive integer, got {list(beams_sweep)}",
-                              "pass beams_sweep=(2, 4, 8)")
-    model, tokenizer = decoder.model, decoder.tokenizer
-    ids = sample_prompt(tokenizer, prompt_tokens) if prompt is None else prompt_ids(tokenizer, prompt)
-    eos_ids, pad_id = sorted(decoder.eos_ids), pad_id_of(model, tokenizer)
+    positive_counts("beam count", beams_sweep, "pass beams_sweep=(2, 4, 8)")
+    setup = Setup.of(decoder)
+    ids = sample_prompt(setup.tokenizer, prompt_tokens) if prompt is None else prompt_ids(setup.tokenizer, prompt)
     settings = {"max_new_tokens": max_new_tokens, "length_penalty": length_penalty,
-                "early_stopping": early_stopping, "eos_ids": eos_ids}
-
-    def methods(b: int, prompt_ids_: Sequence[int], **override) -> tuple[Method, ...]:
-        s = {**settings, "num_beams": b, **override}
-        return (Method(HF, "HF generate(num_beams=B): B cache rows, reordered every step", short="transformers",
-                       run=lambda c: hf_beam(model, prompt_ids_, c, pad_id=pad_id, **s)),
-                Method(MULTIDECODE, "MultiDecode beams: one tree, history stored once", short="MultiDecode",
-                       run=lambda c: multidecode_beam(model, prompt_ids_, c, compaction=decoder.compaction, **s)))
+                "early_stopping": early_stopping, "eos_ids": setup.eos_ids}
 
     def case(b: int) -> Case:
         main = b == num_beams
         target = Target(f"beam search ({b} beams) speedup over HF num_beams", ("multidecode_vs_hf", "speedup"),
                         ">=", 1.5)
-        return Case({"num_beams": b}, methods(b, ids), budget_s=repeat_budget_s if main else sweep_repeat_budget_s,
-                    main=main, targets=(target,) if main else (), report=_report(tokenizer, main))
+        return Case({"num_beams": b}, _methods(setup, ids, num_beams=b, **settings), main=main,
+                    budget_s=repeat_budget_s if main else sweep_repeat_budget_s, targets=(target,) if main else (),
+                    report=_report(setup, main))
 
-    bench = Benchmark(
+    return Benchmark(
         name="beam", title=f"beam search over a {len(ids)}-token prompt, {max_new_tokens} new tokens",
-        model=model, reference=HF, pairs=((MULTIDECODE, HF),), repeats=repeats,
+        model=setup.model, reference=HF, pairs=((MULTIDECODE, HF),), repeats=repeats,
         cases=tuple(case(b) for b in sorted({int(b) for b in beams_sweep} | {num_beams})),
         config={"prompt_tokens": len(ids), "prompt": "sample support call" if prompt is None else "given",
                 "max_new_tokens": max_new_tokens, "num_beams": num_beams, "length_penalty": length_penalty,
                 "early_stopping": early_stopping, "num_return_sequences": "num_beams (every hypothesis is compared)",
-                "eos_ids": eos_ids, "pad_id": pad_id, "score_tolerance": {"atol": SCORE_ATOL, "rtol": SCORE_RTOL},
+                "eos_ids": setup.eos_ids, "pad_id": setup.pad_id,
+                "score_tolerance": {"atol": SCORE_ATOL, "rtol": SCORE_RTOL},
                 "notes": [("Scores are compared to float32 rounding: log-probs over a forest cache sum in another "
                           "order (differences ~1e-6). extra.peak_used_kv_bytes is the part of MultiDecode's "
                           "preallocated cache it filled.")]},
-        warmup=methods(2, ids[:32], max_new_tokens=2) if warmup else (),
+        warmup=_methods(setup, ids[:32], **{**settings, "num_beams": 2, "max_new_tokens": 2}) if warmup else (),
         columns=("wall_s", "forward_passes", "peak_kv_bytes", "prefill_s", "decode_ms_per_step"),
         plot=Plot("sweep", figures=("peak_kv_bytes",), x="num_beams", xlabel="beams B"),
+        summary=lambda result: {"max_score_abs_diff": max(row["max_score_abs_diff"] for row in result["sweep"])},
     )
-    result = run(bench, threads=threads, progress=progress)
-    result["max_score_abs_diff"] = max(row["max_score_abs_diff"] for row in result["sweep"])  # over every B
-    return result
 
 
-def _report(tokenizer, main: bool):
+run_beam_benchmark = runs(beam_benchmark)
+"""Measure HF beam search and MultiDecode's side by side; the settings are `beam_benchmark`'s."""
+
+
+def _methods(setup: Setup, prompt: Sequence[int], **settings) -> tuple[Method, ...]:
+    """Both beam searches over `prompt` with the same settings."""
+    return (Method(HF, "HF generate(num_beams=B): B cache rows, reordered every step", short="transformers",
+                   run=lambda c: hf_beam(setup.model, prompt, c, pad_id=setup.pad_id, **settings)),
+            Method(MULTIDECODE, "MultiDecode beams: one tree, history stored once", short="MultiDecode",
+                   run=lambda c: multidecode_beam(setup.model, prompt, c, compaction=setup.decoder.compaction,
+                                                  **settings)))
+
+
+def _report(setup: Setup, main: bool):
     """Scores checked to float32 rounding; the ratios beam search adds (tokens fed, KV filled);
     at the main B, the beams as text."""
     def report(got: dict) -> dict:
@@ -167,8 +159,7 @@ def _report(tokenizer, main: bool):
         out = {"multidecode_vs_hf": vs, "max_score_abs_diff": check_scores(hf, md)}
         if main:
             out["beams"] = [{"rank": i + 1, "token_ids": ids, "score_hf": hf.extra["scores"][i],
-                             "score_multidecode": md.extra["scores"][i],
-                             "text": tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None}
+                             "score_multidecode": md.extra["scores"][i], "text": setup.text(ids)}
                             for i, ids in enumerate(md.answers)]
         return out
     return report

@@ -11,10 +11,11 @@ case (questions, samples, beams, ...):
 - `hf_sequential`, `hf_batched`, `hf_shared_prefix`: the transformers baselines, taking any extra
   `generate` settings (`num_return_sequences`, `num_beams`, ... for later benchmarks).
 - `multidecode_forest`: MultiDecode on the same prompts (`MultiDecoder.start`).
+- `Setup`: a decoder's model, tokenizer, eos and pad ids, with the baselines bound to them.
 - `trim_at_eos`, `check_identical`: compare answers up to and including the first eos.
-- `environment`, `quiet_transformers`, `torch_threads`: what a run records and needs.
+- `quiet_transformers`, `torch_threads`: what a run needs.
 
-The declarative harness built on these (cases, methods, ratios, files) is `harness`.
+The declarative harness built on these (cases, methods, ratios) is `harness`; the files, `results`.
 
 Nothing here prints; callers pass a `progress` callback where they want news.
 """
@@ -22,14 +23,10 @@ Nothing here prints; callers pass a `progress` callback where they want news.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import math
-import os
-import platform
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Self
 
 import torch
@@ -37,6 +34,8 @@ import torch
 from .. import data
 from ..models.vetting import cache_argument
 from ..prompts import common_prefix_length
+from ..proposers.suffix import SuffixProposer, SuffixStore
+from ..speculation import Speculation, auto_proposer
 
 Progress = Callable[[str], None]
 
@@ -317,18 +316,21 @@ def _device(model):
     return next(model.parameters()).device
 
 
-def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
-    """(a) `model.generate` once per prompt, the whole prompt each time. With `output_scores=True`
-    the sequences' scores (beam search) are kept in `extra["scores"]`."""
+def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, assistant=None,
+                  **settings) -> RunOutput:
+    """(a) `model.generate` once per prompt, the whole prompt each time (with `assistant` as its
+    `assistant_model`: assisted generation). With `output_scores=True` the sequences' scores (beam
+    search) are kept in `extra["scores"]`."""
     config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
     device = _device(model)
+    assisted = {} if assistant is None else {"assistant_model": assistant}
     answers, peak, scores = [], 0, []
     with torch.inference_mode():
         for prompt in prompts:
             counter.prefill(1)
             ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                 return_dict_in_generate=True)
+                                 return_dict_in_generate=True, **assisted)
             peak = max(peak, cache_bytes(output_cache(out)))
             answers += [trim_at_eos(row, eos_ids) for row in out.sequences[:, len(prompt):].tolist()]
             if getattr(out, "sequences_scores", None) is not None:
@@ -405,7 +407,56 @@ def multidecode_forest(decoder, prompts, counter, *, max_new_tokens, sampling=No
                                                        "mean_draft_budget", "steps")}})
 
 
-# ---------------------------------------------------------------------- quiet, warm, described
+@dataclass(frozen=True)
+class Setup:
+    """What every benchmark of a decoder needs: its model and tokenizer, and the eos and pad ids
+    the transformers baselines run with."""
+
+    decoder: object
+    model: object
+    tokenizer: object
+    eos_ids: list[int]
+    pad_id: int
+
+    @classmethod
+    def of(cls, decoder) -> Setup:
+        model, tokenizer = decoder.model, decoder.tokenizer
+        return cls(decoder, model, tokenizer, sorted(decoder.eos_ids), pad_id_of(model, tokenizer))
+
+    def baseline(self, generate, prompts, max_new_tokens: int, **settings) -> Callable[[ForwardCounter], RunOutput]:
+        """A run of the transformers baseline `generate` (`hf_sequential`, ...) over `prompts`."""
+        settings = {"eos_ids": self.eos_ids, "pad_id": self.pad_id, **settings}
+        return lambda counter: generate(self.model, prompts, counter, max_new_tokens=max_new_tokens, **settings)
+
+    def text(self, ids: Sequence[int]) -> str | None:
+        """Ids as text (None without a tokenizer)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+
+
+def fresh(speculate):
+    """A `speculate=` value for one run: `speculate()` where it makes a fresh one per run (a new
+    store, a new proposer), else `speculate` as it is."""
+    return speculate() if callable(speculate) else speculate
+
+
+def suffix_over(store: SuffixStore | None = None) -> SuffixProposer:
+    """`speculate=` for the suffix proposer drafting from `store` (default: a new, empty one)
+    rather than the process-wide store: what it learns is this run's alone."""
+    return SuffixProposer(store=SuffixStore() if store is None else store)
+
+
+def auto_over(store: SuffixStore | None = None) -> Speculation:
+    """`speculate=` for "auto" (`speculation.auto_proposer`, its budget chosen by the cost model)
+    drafting from `store` (default: a new, empty one)."""
+    return Speculation(auto_proposer(SuffixStore() if store is None else store), None)
+
+
+def spread(values: Sequence[float]) -> dict:
+    """The least, the most and the mean (to one decimal) of `values`."""
+    return {"min": min(values), "max": max(values), "mean": round(sum(values) / len(values), 1)}
+
+
+# ---------------------------------------------------------------------- quiet, with its threads
 @contextlib.contextmanager
 def quiet_transformers():
     """transformers' own warnings (generation flags, padding hints) off while benchmarking."""
@@ -437,39 +488,6 @@ def torch_threads(threads: int | None):
         torch.set_num_threads(before)
 
 
-def model_name(model) -> str:
-    name = getattr(model.config, "name_or_path", "") or getattr(model, "name_or_path", "")
-    if name and os.path.sep in str(name):
-        name = Path(str(name)).name
-    return str(name) or type(model).__name__
-
-
-def environment(model) -> dict:
-    """Versions, threads, machine and model facts to store beside the numbers."""
-    import transformers
-
-    from ..version import __version__
-
-    param = next(model.parameters())
-    return {
-        "model": model_name(model),
-        "model_type": getattr(model.config, "model_type", None),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "dtype": str(param.dtype).replace("torch.", ""),
-        "device": str(param.device),
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "multidecode": __version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "load_average_at_start": load_average(),
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-    }
-
-
 def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
     """`instruction`, a blank line, then the sample support call's opening lines up to about
     `tokens` ids in all (the whole call if shorter), through the chat template when there is one."""
@@ -482,10 +500,3 @@ def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
         if len(ids) >= tokens:
             break
     return ids
-
-
-def load_average() -> list[float] | None:
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None

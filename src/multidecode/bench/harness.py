@@ -1,5 +1,5 @@
-"""The one benchmark harness: a benchmark is declared as data, `run` measures it, and
-`write_results` writes it as `<stem>.json`, `<stem>.png` and `<stem>.md`.
+"""The one benchmark harness: a benchmark is declared as data and `run` measures it; the result
+is written by `results.write_results` as `<stem>.json`, `<stem>.png` and `<stem>.md`.
 
 Terms:
 - **method** (`Method`): one way to do a case's work. `run(counter)` does it once under a
@@ -19,7 +19,7 @@ Terms:
 - **row**: one case in the JSON: its parameters, every method's `Measurement`, the pairs' ratios
   and what the case's `report` adds. A benchmark declared with one case and no `rows_key`
   keeps its row at the top level.
-- **layout**: how to draw (`plot.py`) and tabulate the result, stored in the JSON with it, so
+- **layout**: how to tabulate and draw the result (`results`), stored in the JSON with it, so
   that the files can be redrawn from the JSON alone.
 
 Nothing here prints; `progress` gets a short message as each measurement ends.
@@ -27,12 +27,12 @@ Nothing here prints; `progress` gets a short message as each measurement ends.
 
 from __future__ import annotations
 
-import json
+import functools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
+from ..errors import InvalidArgument, is_int
 from .common import (
     ForwardCounter,
     Measurement,
@@ -40,12 +40,11 @@ from .common import (
     RunOutput,
     check_identical,
     combine_sequential,
-    environment,
-    load_average,
     measure_together,
     quiet_transformers,
     torch_threads,
 )
+from .results import environment, finished
 
 Runner = Callable[[ForwardCounter], RunOutput]
 NOTES = (
@@ -79,6 +78,12 @@ class Method:
     short: str = ""  # for plots and column headers; default: the label
     solo: bool = False
     skip: str | None = None
+
+    @classmethod
+    def named(cls, labels: dict[str, tuple[str, str]], name: str, **how) -> Method:
+        """The method `name` with its (label, short label) from `labels`."""
+        label, short = labels[name]
+        return cls(name, label, short=short, **how)
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,7 @@ class Benchmark:
     columns: tuple[str, ...] = ("wall_s", "forward_passes", "tokens_per_s", "peak_kv_bytes")
     plot: Plot = Plot()
     rows_key: str | None = "sweep"
+    summary: Callable[[dict], dict] | None = None  # figures over every row, added to the result
 
 
 # ---------------------------------------------------------------------- running it
@@ -168,8 +174,7 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
     result = {
         "benchmark": bench.name,
         "title": bench.title,
-        "metadata": {**meta, "load_average_at_end": load_average(),
-                     "elapsed_s": round(time.perf_counter() - started, 2)},
+        "metadata": finished(meta, started),
         "config": {**bench.config, "reference": bench.reference, "repeats": bench.repeats,
                    "budgets_s": [case.budget_s for case in bench.cases],
                    "notes": [*bench.config.get("notes", ()), *NOTES]},
@@ -190,7 +195,16 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
                          if (t := target.check(row)) is not None]
     if bench.reference is not None:
         result["answers_identical"] = True
-    return result
+    return {**result, **(bench.summary(result) if bench.summary else {})}
+
+
+def runs(declare: Callable[..., Benchmark]) -> Callable[..., dict]:
+    """`run(declare(decoder, **settings))`: the function that measures a declared benchmark and
+    returns its JSON-ready result (settings: `declare`'s; threads and progress: `run`'s)."""
+    @functools.wraps(declare)
+    def measure(decoder, *, threads: int | None = None, progress: Progress | None = None, **settings) -> dict:
+        return run(declare(decoder, **settings), threads=threads, progress=progress)
+    return measure
 
 
 def _measure_case(bench: Benchmark, case: Case, done_parts: dict, say: Progress) -> dict:
@@ -207,8 +221,8 @@ def _measure_case(bench: Benchmark, case: Case, done_parts: dict, say: Progress)
     got = {m.name: got[m.name] for m in live}
     where = ", ".join(f"{k}={v}" for k, v in case.params.items())
     for m in live:
-        runs = f" (median of {len(got[m.name].runs_s)})" if not m.parts and len(got[m.name].runs_s) > 1 else ""
-        say(f"{where} {m.short or m.label}: {got[m.name].wall_s:.2f} s{runs}, {got[m.name].forward_passes} forwards")
+        median = f" (median of {len(got[m.name].runs_s)})" if not m.parts and len(got[m.name].runs_s) > 1 else ""
+        say(f"{where} {m.short or m.label}: {got[m.name].wall_s:.2f} s{median}, {got[m.name].forward_passes} forwards")
     if bench.reference in got:
         check_identical({name: m.answers for name, m in got.items()}, reference=bench.reference)
     row = {**case.params, "methods": {name: m.as_dict() for name, m in got.items()},
@@ -244,141 +258,14 @@ def ratios(fast: Measurement, slow: Measurement) -> dict:
             "kv_bytes_ratio": over(fast.peak_kv_bytes, slow.peak_kv_bytes)}
 
 
-# ---------------------------------------------------------------------- reading the result
-FIGURES = {
-    # name in a method's JSON (or its `extra`): (column header, format, scale)
-    "wall_s": ("wall", "{:.2f} s", 1.0),
-    "forward_passes": ("forwards", "{:.0f}", 1.0),
-    "tokens_per_s": ("tokens/s", "{:.1f}", 1.0),
-    "documents_per_s": ("documents/s", "{:.3f}", 1.0),
-    "tokens_per_forward": ("tokens/forward", "{:.2f}", 1.0),
-    "acceptance": ("acceptance", "{:.2f}", 1.0),
-    "peak_kv_bytes": ("peak KV", "{:.1f} MB", 1e-6),
-    "prefill_s": ("prefill", "{:.2f} s", 1.0),
-    "decode_s": ("decode", "{:.2f} s", 1.0),
-    "decode_ms_per_step": ("decode step", "{:.0f} ms", 1.0),
-}
-
-
-def figure(method: dict, name: str) -> float | None:
-    """A method's figure by name, scaled for display (MB for bytes); None where it has none."""
-    value = method[name] if name in method else method.get("extra", {}).get(name)
-    return None if value is None else value * FIGURES[name][2]
-
-
-def rows_of(result: dict) -> list[dict]:
-    """The result's case rows (the result itself for a benchmark of one case)."""
-    key = result["layout"]["rows"]
-    return result[key] if key else [result]
-
-
-def speedup(row: dict, fast: str, slow: str) -> float | None:
-    return row.get(f"{fast}_vs", {}).get(slow, {}).get("speedup")
-
-
-@dataclass(frozen=True)
-class TextTable:
-    """A table as text cells, drawn as markdown here and with rich by the CLI."""
-
-    title: str
-    header: list[str]
-    rows: list[list[str]]
-
-
-def tables(result: dict) -> list[TextTable]:
-    """The main case (or every case) with a row per method; a summary row per sweep point; the targets."""
-    layout, rows = result["layout"], rows_of(result)
-    short, params = layout["short"], layout["params"]
-    slows = list(dict.fromkeys(slow for _, slow in layout["pairs"]))
-    fasts = list(dict.fromkeys(fast for fast, _ in layout["pairs"]))
-
-    def method_rows(row: dict, lead: list[str]) -> list[list[str]]:
-        out = []
-        for name, m in row["methods"].items():
-            cells = [fmt(figure(m, c), FIGURES[c][1]) for c in layout["columns"]]
-            cells += [fmt(speedup(row, name, slow), "{:.2f}x") for slow in slows]
-            out.append(lead + [result["labels"][name]] + cells)
-        return out
-
-    figure_header = [FIGURES[c][0] for c in layout["columns"]] + [f"speed-up over {short[s]}" for s in slows]
-    main = result.get("main", rows[0] if len(rows) == 1 else None)  # the only case is the main one
-    out = []
-    if main is not None:
-        where = ", ".join(f"{p} = {main[p]}" for p in params)
-        out.append(TextTable(f"{result['title']} ({where})", ["method", *figure_header], method_rows(main, [])))
-    if len(rows) > 1 and main is None:
-        out.append(TextTable(result["title"], [*params, "method", *figure_header],
-                             [r for row in rows for r in method_rows(row, [str(row[p]) for p in params])]))
-    elif len(rows) > 1:
-        names = list(dict.fromkeys(n for row in rows for n in row["methods"]))
-        pairs = [(f, s) for f in fasts for s in slows if any(speedup(row, f, s) for row in rows)]
-        out.append(TextTable(
-            f"{result['title']}: sweep", [*params, *(f"{short[n]} wall" for n in names),
-                                          *(f"{short[f]} over {short[s]}" for f, s in pairs)],
-            [[str(row[p]) for p in params]
-             + [fmt(row["methods"][n]["wall_s"], "{:.2f} s") if n in row["methods"] else "" for n in names]
-             + [fmt(speedup(row, f, s), "{:.2f}x") for f, s in pairs] for row in rows]))
-    if result.get("targets"):
-        out.append(TextTable("Targets", ["target", "wanted", "measured", "met"],
-                             [[t["name"], t["target"], f"{t['measured']:g}", "yes" if t["met"] else "**no**"]
-                              for t in result["targets"]]))
-    return out
-
-
-def fmt(value: float | None, form: str) -> str:
-    return "" if value is None else form.format(value)
-
-
-def figure_title(name: str) -> str:
-    """A figure's name with its unit, for a plot panel: "wall (s)"."""
-    header, form, _ = FIGURES[name]
-    return f"{header} ({form.split()[-1]})" if " " in form else header
-
-
-def machine_label(result: dict) -> str:
-    """What ran the benchmark: model (dtype, device, threads)."""
-    meta = result.get("metadata", {})
-    return (f"{meta.get('model', '?')} ({meta.get('dtype', '?')}, {meta.get('device', '?')}, "
-            f"threads={meta.get('threads', '?')})")
-
-
-def markdown(result: dict) -> str:
-    """The result's tables as markdown, ready to paste into docs/benchmarks.md."""
-    meta = result["metadata"]
-    lines = [(f"Measured {meta['date']} on {machine_label(result)}, torch {meta['torch']}, "
-              f"transformers {meta['transformers']}.")]
-    if result.get("answers_identical"):
-        lines.append(f"Every method gave the same tokens as {result['labels'][result['config']['reference']]}.")
-    skipped = {name: why for row in rows_of(result) for name, why in row.get("skipped", {}).items()}
-    lines += [f"Not run: {result['labels'][name]} ({why})." for name, why in skipped.items()]
-    for table in tables(result):
-        align = ["---" if i == 0 or not any(c[i][:1].isdigit() for c in table.rows) else "---:"
-                 for i in range(len(table.header))]
-        lines += ["", f"**{table.title}**", "", "| " + " | ".join(table.header) + " |", "|" + "|".join(align) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in table.rows]
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------- the files
-def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None) -> list[Path]:
-    """Write `<stem>.json`, `<stem>.png` and `<stem>.md` in `out_dir` (created); returns the paths.
-    stem defaults to `bench_<benchmark name>`."""
-    from .plot import plot  # plot.py reads results through this module
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = stem or f"bench_{result['benchmark']}"
-    paths = [out / f"{stem}.json", out / f"{stem}.png", out / f"{stem}.md"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    plot(result, paths[1])
-    paths[2].write_text(markdown(result), encoding="utf-8")
-    return paths
-
-
 def declared_only(names: Sequence[str], known: Sequence[str], what: str) -> None:
     """Refuse names outside `known` with a clear error (a typo in a method or workload list)."""
-    from ..errors import InvalidArgument
-
     unknown = [n for n in names if n not in known]
     if unknown:
         raise InvalidArgument(f"unknown {what}: {', '.join(unknown)}", f"use {', '.join(known)}")
+
+
+def positive_counts(what: str, counts: Sequence[int], hint: str) -> None:
+    """Refuse a sweep with a count that is not a positive integer."""
+    if any(not is_int(k) or k < 1 for k in counts):
+        raise InvalidArgument(f"every {what} must be a positive integer, got {list(counts)}", hint)

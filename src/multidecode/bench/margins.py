@@ -18,15 +18,21 @@ final answer are the same small extra work for every method.
 from __future__ import annotations
 
 from .. import data
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, is_int
 from ..prompts import common_prefix_length
 from ..strategies.margins import margin_prompts, split_document, start
-from .common import ForwardCounter, Progress, RunOutput, hf_batched, hf_sequential, pad_id_of
-from .harness import Benchmark, Case, Method, Plot, Target, run
-from .plot import plot
+from .common import ForwardCounter, RunOutput, Setup, hf_batched, hf_sequential
+from .harness import Benchmark, Case, Method, Plot, Target, runs
+from .results import plot
 
 SEQUENTIAL, BATCHED, MULTIDECODE = "hf_sequential", "hf_batched", "multidecode"
 METHODS = (SEQUENTIAL, BATCHED, MULTIDECODE)
+LABELS = {
+    SEQUENTIAL: ("(a) HF generate, one chunk at a time", "(a) one by one"),
+    BATCHED: ("(b) HF generate, left-padded batch of the chunk prompts", "(b) padded batch"),
+    MULTIDECODE: ("(d) MultiDecode forest (all margins in one pass)", "(d) MultiDecode"),
+}
+"""Method -> (label, short label)."""
 SAMPLE_QUESTION = "Why did the backup pump at the Hillcrest booster station fail to start in August?"
 
 plot_margins = plot  # one plot for every benchmark, drawn from its JSON
@@ -60,7 +66,7 @@ def multidecode_margins(decoder, chunk_texts, question, counter: ForwardCounter,
                             "compactions": stats.compactions})
 
 
-def run_margins_benchmark(
+def margins_benchmark(
     decoder,
     *,
     document: str | None = None,
@@ -71,10 +77,8 @@ def run_margins_benchmark(
     repeats: int = 3,
     budget_s: float = 120.0,
     warmup: bool = True,
-    threads: int | None = None,
-    progress: Progress | None = None,
-) -> dict:
-    """Measure (a), (b), (d) writing the margins of `chunks` chunks side by side; a JSON-ready dict.
+) -> Benchmark:
+    """(a), (b), (d) writing the margins of `chunks` chunks side by side, as data.
 
     document, question: default to the sample water board minutes and a question about them.
     chunks, chunk_tokens: the first `chunks` chunks of the document cut at about `chunk_tokens`
@@ -82,41 +86,20 @@ def run_margins_benchmark(
     max_new_tokens: the longest margin.
     Raises `AnswersDiffer` if any method's margins differ from (a)'s.
     """
-    model, tokenizer = decoder.model, decoder.tokenizer
-    if document is None:
-        document = sample_document()
-        question = question or SAMPLE_QUESTION
-    if question is None:
-        raise InvalidArgument("a document was given without a question", "pass question=...")
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise InvalidArgument(f"chunks must be a positive integer, got {chunks!r}", "pass chunks=8")
-    all_chunks = split_document(tokenizer, document, chunk_tokens)
-    if len(all_chunks) < chunks:
-        raise InvalidArgument(
-            f"the document gives {len(all_chunks)} chunks of about {chunk_tokens} tokens, not {chunks}",
-            "pass a longer document, fewer chunks or a smaller chunk_tokens",
-        )
-    used = all_chunks[:chunks]
-    prompts = margin_prompts(tokenizer, used, question)
-    eos_ids, pad_id = sorted(decoder.eos_ids), pad_id_of(model, tokenizer)
+    setup = Setup.of(decoder)
+    every, question = _chunks(setup.tokenizer, document, question, chunks, chunk_tokens)
+    used = every[:chunks]
+    prompts = margin_prompts(setup.tokenizer, used, question)
 
     def methods(texts, ps, new: int, expected=None) -> tuple[Method, ...]:
-        hf = {"max_new_tokens": new, "eos_ids": eos_ids, "pad_id": pad_id}
-        return (
-            Method(SEQUENTIAL, "(a) HF generate, one chunk at a time", short="(a) one by one",
-                   run=lambda c: hf_sequential(model, ps, c, **hf)),
-            Method(BATCHED, "(b) HF generate, left-padded batch of the chunk prompts", short="(b) padded batch",
-                   run=lambda c: hf_batched(model, ps, c, **hf)),
-            Method(MULTIDECODE, "(d) MultiDecode forest (all margins in one pass)", short="(d) MultiDecode",
-                   run=lambda c: multidecode_margins(decoder, texts, question, c, max_new_tokens=new,
-                                                     expected=expected)),
-        )
+        return (Method.named(LABELS, SEQUENTIAL, run=setup.baseline(hf_sequential, ps, new)),
+                Method.named(LABELS, BATCHED, run=setup.baseline(hf_batched, ps, new)),
+                Method.named(LABELS, MULTIDECODE, run=lambda c: multidecode_margins(
+                    decoder, texts, question, c, max_new_tokens=new, expected=expected)))
 
     def report(got: dict) -> dict:
-        return {"margins": [
-            {"chunk": c.index, "span": list(c.span), "prompt_tokens": len(p), "token_ids": ids,
-             "text": tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None}
-            for c, p, ids in zip(used, prompts, got[MULTIDECODE].answers)]}
+        return {"margins": [{"chunk": c.index, "span": list(c.span), "prompt_tokens": len(p), "token_ids": ids,
+                             "text": setup.text(ids)} for c, p, ids in zip(used, prompts, got[MULTIDECODE].answers)]}
 
     short_texts = [c.text[:200] for c in used[:2]]
     case = Case({"chunks": chunks}, methods([c.text for c in used], prompts, max_new_tokens, prompts),
@@ -124,18 +107,39 @@ def run_margins_benchmark(
                     Target("(d) speedup over (a) one chunk at a time", ("multidecode_vs", SEQUENTIAL, "speedup"),
                            ">=", 2.0),
                     Target("(d) speedup over (b) padded batch", ("multidecode_vs", BATCHED, "speedup"), ">", 1.0)))
-    bench = Benchmark(
+    return Benchmark(
         name="margins", title=f"writing in the margins: {chunks} chunks of ~{chunk_tokens} tokens, "
                               f"{max_new_tokens} new tokens each, greedy",
-        model=model, cases=(case,), reference=SEQUENTIAL, pairs=((MULTIDECODE, SEQUENTIAL), (MULTIDECODE, BATCHED)),
-        repeats=repeats, rows_key=None,
+        model=setup.model, cases=(case,), reference=SEQUENTIAL,
+        pairs=((MULTIDECODE, SEQUENTIAL), (MULTIDECODE, BATCHED)), repeats=repeats, rows_key=None,
         config={"question": question, "chunks": chunks, "chunk_tokens": chunk_tokens,
-                "document_chunks": len(all_chunks), "chunk_token_counts": [c.tokens for c in used],
-                "chunk_spans": [list(c.span) for c in used], "prompt_tokens": [len(p) for p in prompts],
-                "shared_prefix_tokens": common_prefix_length(prompts), "max_new_tokens": max_new_tokens,
-                "decoding": "greedy", "eos_ids": eos_ids, "pad_id": pad_id},
-        warmup=methods(short_texts, margin_prompts(tokenizer, short_texts, question), 2) if warmup else (),
+                "document_chunks": len(every),
+                "chunk_token_counts": [c.tokens for c in used], "chunk_spans": [list(c.span) for c in used],
+                "prompt_tokens": [len(p) for p in prompts], "shared_prefix_tokens": common_prefix_length(prompts),
+                "max_new_tokens": max_new_tokens, "decoding": "greedy", "eos_ids": setup.eos_ids,
+                "pad_id": setup.pad_id},
+        warmup=methods(short_texts, margin_prompts(setup.tokenizer, short_texts, question), 2) if warmup else (),
         columns=("wall_s", "forward_passes", "peak_kv_bytes", "prefill_s", "decode_s"),
         plot=Plot("bars", figures=("wall_s", "forward_passes", "peak_kv_bytes")),
     )
-    return run(bench, threads=threads, progress=progress)
+
+
+run_margins_benchmark = runs(margins_benchmark)
+"""Measure (a), (b), (d) writing the margins side by side; the settings are `margins_benchmark`'s."""
+
+
+def _chunks(tokenizer, document: str | None, question: str | None, chunks: int, chunk_tokens: int):
+    """Every chunk of the document (default: the sample), which must give `chunks`, and the question."""
+    if document is None:
+        document, question = sample_document(), question or SAMPLE_QUESTION
+    if question is None:
+        raise InvalidArgument("a document was given without a question", "pass question=...")
+    if not is_int(chunks) or chunks < 1:
+        raise InvalidArgument(f"chunks must be a positive integer, got {chunks!r}", "pass chunks=8")
+    every = split_document(tokenizer, document, chunk_tokens)
+    if len(every) < chunks:
+        raise InvalidArgument(
+            f"the document gives {len(every)} chunks of about {chunk_tokens} tokens, not {chunks}",
+            "pass a longer document, fewer chunks or a smaller chunk_tokens",
+        )
+    return every, question

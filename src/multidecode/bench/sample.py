@@ -17,9 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import InvalidArgument
-from .common import Progress, excerpt_prompt, hf_sequential, multidecode_forest, pad_id_of
-from .harness import Benchmark, Case, Method, Plot, Target, run
+from .common import Setup, excerpt_prompt, hf_sequential, multidecode_forest
+from .harness import Benchmark, Case, Method, Plot, Target, positive_counts, runs
 
 HF, MD = "hf_num_return_sequences", "multidecode"
 SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.95}
@@ -30,27 +29,25 @@ def sample_prompt(decoder, tokens: int = 200) -> list[int]:
     return excerpt_prompt(decoder.tokenizer, tokens, "Continue this support-call transcript.")
 
 
-def run_sample_benchmark(decoder, *, n: int = 8, ns: Sequence[int] = (1, 2, 4, 8, 16), max_new_tokens: int = 64,
-                         prompt_tokens: int = 200, repeats: int = 3, budget_s: float = 60.0, seed: int = 0,
-                         threads: int | None = None, progress: Progress | None = None) -> dict:
-    """Time n completions both ways for every n in `ns` (and `n`, the main point), side by side."""
-    if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in [n, *ns]):
-        raise InvalidArgument(f"every n must be a positive integer, got {[n, *ns]}")
-    model = decoder.model
-    prompt = sample_prompt(decoder, prompt_tokens)
-    pad_id = pad_id_of(model, decoder.tokenizer)
+def sample_benchmark(decoder, *, n: int = 8, ns: Sequence[int] = (1, 2, 4, 8, 16), max_new_tokens: int = 64,
+                     prompt_tokens: int = 200, repeats: int = 3, budget_s: float = 60.0, seed: int = 0) -> Benchmark:
+    """n completions both ways for every n in `ns` (and `n`, the main point), as data."""
+    positive_counts("n", [n, *ns], "pass n=8, ns=(1, 2, 4, 8, 16)")
+    setup, prompt = Setup.of(decoder), sample_prompt(decoder, prompt_tokens)
 
     def methods(k: int, new: int) -> tuple[Method, ...]:
-        def hf(counter):
+        hf = setup.baseline(hf_sequential, [prompt], new, eos_ids=[], num_return_sequences=k, do_sample=True,
+                            min_new_tokens=new, **SAMPLING)
+
+        def seeded_hf(counter):
             torch.manual_seed(seed)  # generate draws from torch's global generator
-            return hf_sequential(model, [prompt], counter, max_new_tokens=new, eos_ids=[], pad_id=pad_id,
-                                 num_return_sequences=k, do_sample=True, min_new_tokens=new, **SAMPLING)
+            return hf(counter)
 
         def md(counter):
             return multidecode_forest(decoder, [prompt] * k, counter, max_new_tokens=new, eos_token_id=[],
                                       sampling=dict(do_sample=True, seed=seed, **SAMPLING))
 
-        return (Method(HF, "transformers generate(num_return_sequences=n)", run=hf, short="transformers"),
+        return (Method(HF, "transformers generate(num_return_sequences=n)", run=seeded_hf, short="transformers"),
                 Method(MD, "MultiDecode, one prefill, n branches", run=md, short="MultiDecode"))
 
     def report(k: int):
@@ -67,9 +64,9 @@ def run_sample_benchmark(decoder, *, n: int = 8, ns: Sequence[int] = (1, 2, 4, 8
         Target("KV bytes / num_return_sequences KV bytes", ("multidecode_vs", HF, "kv_bytes_ratio"), "<=", 0.25,
                unit=""),
     )
-    bench = Benchmark(
+    return Benchmark(
         name="sample", title=f"n sampled completions of a {len(prompt)}-token prompt, {max_new_tokens} tokens each",
-        model=model, reference=None, pairs=((MD, HF),), repeats=repeats,
+        model=decoder.model, reference=None, pairs=((MD, HF),), repeats=repeats,
         cases=tuple(Case({"n": k}, methods(k, max_new_tokens), budget_s=budget_s, main=k == n, report=report(k),
                          targets=main_targets if k == n else ()) for k in ns),
         config={"n": n, "ns": ns, "prompt_tokens": len(prompt), "max_new_tokens": max_new_tokens, "sampling": SAMPLING,
@@ -78,4 +75,7 @@ def run_sample_benchmark(decoder, *, n: int = 8, ns: Sequence[int] = (1, 2, 4, 8
         columns=("wall_s", "forward_passes", "tokens_per_s", "peak_kv_bytes", "prefill_s", "decode_ms_per_step"),
         plot=Plot("sweep", figures=("peak_kv_bytes",), x="n", xlabel="completions n"),
     )
-    return run(bench, threads=threads, progress=progress)
+
+
+run_sample_benchmark = runs(sample_benchmark)
+"""Time n completions both ways, side by side; the settings are `sample_benchmark`'s."""

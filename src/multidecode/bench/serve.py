@@ -4,66 +4,59 @@ A seeded load generator on `openai.AsyncOpenAI` (max_retries=0) sends streamed, 
 completions to servers this benchmark starts itself, each in a subprocess (so that the client's
 Python never shares a GIL with the engine) on a free loopback port:
 
-- `forest`: `multidecode serve`'s app over one `ForestRuntime`: concurrent requests decode as one
-  forest, their common prefixes found in the prefix cache;
-- `one_at_a_time`: the same server code with `Limits(max_running=1)`: one request decodes at a
-  time, the others wait in its queue (it keeps the prefix cache: only the batching differs);
+- `forest`: `multidecode serve`: concurrent requests decode as one forest, their common prefixes
+  found in the prefix cache;
+- `one_at_a_time`: the same server with `--max-running 1`: one request decodes at a time, the
+  others wait in its queue (it keeps the prefix cache: only the batching differs);
 - `transformers`: `transformers serve` on the same model folder (float32, CPU; optionally with
-  `--continuous-batching`), where it runs here (started with HF_HUB_OFFLINE=1; skipped, with its
-  error kept, where it does not). It is slow here, so it runs the grid's corners only (lowest and
-  highest concurrency and share), with the first `transformers_requests` requests of each load.
+  `--continuous-batching`), where it runs here (offline; skipped, with its error kept, where it
+  does not). It is slow here, so it runs the grid's corners only (lowest and highest concurrency
+  and share), with the first `transformers_requests` requests of each load.
+
+The multidecode servers are `python -m multidecode serve ... --max-running N --threads N`, in
+float32 on the loader's default device, with the runtime's admission limits; the result's
+metadata says what they were launched with.
 
 **The load** (one *cell* per concurrency x shared share): `requests` prompts of about
-`prompt_tokens` tokens built from text (the shipped water-board minutes and support call, read
-as one circular stream of words). A share s of each prompt is a document head common to the
-cell's requests (with s = 0.9 all requests start with the same ~270 tokens); the rest is text of
-the request's own, from an offset no other prompt of the run starts at, so cells never hit each
-other's cache. Requests arrive as a Poisson process at `rate` per second (seeded) and at most
-`concurrency` are in flight (a request that arrives with all slots taken waits for one: its
+`prompt_tokens` tokens cut from the shipped texts, read as one circular stream of words. A share s
+of each prompt is a head common to the cell's requests (with s = 0.9 they all start with the same
+~270 tokens); the rest is the request's own, from an offset no other prompt of the run starts at,
+so cells never hit each other's cache. Requests arrive as a Poisson process at `rate` per second
+(seeded), at most `concurrency` in flight (a request arriving with every slot taken waits: its
 latencies count from when it is sent). Each asks for exactly `max_tokens` tokens at temperature 0
-(`/v1/completions`, `stream=True`, `stream_options.include_usage`). Every server gets the same
-prompts and arrival times. Each cell starts a fresh pair of multidecode servers (forest and one at
-a time: no cell inherits another's prefix cache) and measures them one after the other, the forest
-first in every other cell, so that both see the same machine conditions.
+(`/v1/completions`, streamed, with usage). Every server gets the same prompts and arrival times.
+Each cell starts a fresh pair of multidecode servers (no cell inherits another's prefix cache) and
+measures them one after the other, the forest first in every other cell.
 
 **Figures per cell and server**
 - TTFT: first streamed token minus send; ITL: the gaps between a request's streamed tokens (all
   gaps of the cell pooled); TPOT: (end-to-end - TTFT) / (tokens - 1) per request; end-to-end:
-  the stream's end minus send; each at p50/p95/p99 (linear interpolation; with 32 requests p99 is
-  about the slowest request);
-- requests/s and output tokens/s: finished requests (their tokens) over the time from the first
-  send to the last end;
+  the stream's end minus send; each at p50/p95/p99 (linear interpolation);
+- requests/s and output tokens/s: finished requests (their tokens) over first send to last end;
 - from the server's `/metrics`, diffed around the cell (multidecode servers only): the cache hit
-  rate (`multidecode_prompt_tokens_cached_total` / `multidecode_prompt_tokens_total`; the share
-  of prompt tokens computed is 1 minus it), branches per forward
-  (`multidecode_branch_steps_total` / `multidecode_forward_passes_total`), rows (tokens fed) per
-  forward, and the engine's busy share of the cell's time;
+  rate (prompt tokens found cached over prompt tokens; 1 minus it is the share computed),
+  branches per forward, rows (tokens fed) per forward, and the engine's busy share of the cell;
 - `identical`: whether the forest's texts equal one at a time's, request by request (greedy in
   float32: batching must not change them).
 
 The 0%-shared cells are where the forest pays for attention over unrelated requests: every
-branch's row attends (masked) over all live requests' keys, so they show that cost end to end.
+branch's row attends (masked) over all live requests' keys (see `unrelated`).
 
 **Targets**: output tokens/s at concurrency 16 with 90% shared at least 5x one at a time's;
 p50 TTFT at concurrency 16 at most 2x the solo (concurrency 1) p50 TTFT of the same share.
-
-`run_serve_benchmark` returns the JSON-ready result; `write_results` writes `<stem>.json`,
-`<stem>.png` and `<stem>.md`. `python -m multidecode.bench.serve` is the server subprocess.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as _dt
-import json
 import math
 import os
-import platform
 import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,8 +69,11 @@ from pathlib import Path
 from typing import Self
 
 from .. import data
-from ..errors import InvalidArgument, MultiDecodeError
-from .common import Progress, load_average
+from ..errors import InvalidArgument, MultiDecodeError, check_positive
+from ..prompts import common_prefix_length
+from ..runtime import Limits
+from .common import Progress, spread
+from .results import VIEWS, Chart, Line, Panel, View, environment, finished, fmt, grid, targets_table
 
 FOREST, ONE, HF = "forest", "one_at_a_time", "transformers"
 LABELS = {
@@ -89,16 +85,24 @@ SHORT = {FOREST: "forest", ONE: "one at a time", HF: "transformers serve"}
 TEXTS = ("water_board_meeting.txt", "support_call.txt")
 """The text the prompts are cut from (the package's data folder), read as one stream of words."""
 SERVED_NAME = "bench-model"
-THROUGHPUT_TARGET = 5.0
-TTFT_TARGET = 2.0
+THROUGHPUT_TARGET, TTFT_TARGET = 5.0, 2.0
 PERCENTILES = (50, 95, 99)
 METRICS = ("prompt_tokens", "prompt_tokens_cached", "generation_tokens", "steps", "forward_passes", "rows",
            "branch_steps", "busy_seconds", "requests_admitted", "requests_rejected", "requests_cancelled")
-"""The server's counters read from /metrics (as multidecode_<name>_total)."""
-GAUGES = ("cache_slots", "prefix_cache_tokens", "running_requests")
-"""The server's gauges read from /metrics (as multidecode_<name>)."""
+"""The server's counters read from /metrics (as multidecode_<name>_total), and its gauge cache_slots."""
+GRID = {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9), "max_tokens": 32, "prompt_tokens": 300}
+"""The full grid's load (about 17 minutes on the project's CPU machine)."""
 QUICK = {"requests": 6, "concurrency": (1, 4), "shared": (0.0, 0.9), "max_tokens": 8, "prompt_tokens": 120}
 """What --quick runs: a small grid, short prompts and answers (a minute or two on a quiet machine)."""
+NOTES = [
+    "Latencies count from when a request is sent (after waiting for one of the `concurrency` client slots).",
+    "ITL: gaps between streamed tokens, all requests of a cell pooled; TPOT: (e2e - TTFT) / (tokens - 1).",
+    "requests/s and tokens/s: finished requests over first send to last end.",
+    ("cache_hit_rate: prompt tokens found cached / received (server counters diffed around the cell); "
+     "computed_share = 1 - cache_hit_rate; branches_per_forward: live branches summed over steps / forwards."),
+    "one_at_a_time is the same server with Limits(max_running=1): the prefix cache still works, only batching differs.",
+    "Timings on a 2-core machine shared with other work are noisy: compare ratios measured in one run.",
+]
 
 
 class ServerFailed(MultiDecodeError):
@@ -171,18 +175,12 @@ def build_cells(tokenizer, *, requests: int, concurrency: Sequence[int], shared:
         for i in range(requests):
             arrivals.append(at)
             at += gaps.expovariate(rate) if math.isfinite(rate) else 0.0
-        cells.append(Cell(c, s, tuple(texts), tuple(arrivals), tuple(map(len, ids)), _common_prefix(ids)))
+        shared_tokens = common_prefix_length(ids) if len(ids) > 1 else 0
+        cells.append(Cell(c, s, tuple(texts), tuple(arrivals), tuple(map(len, ids)), shared_tokens))
     return cells
 
 
-def _common_prefix(ids: Sequence[Sequence[int]]) -> int:
-    n = 0
-    while all(len(p) > n for p in ids) and len({p[n] for p in ids}) == 1:
-        n += 1
-    return n if len(ids) > 1 else 0
-
-
-# ---------------------------------------------------------------------- one request, one cell
+# ---------------------------------------------------------------------- one cell's requests
 @dataclass
 class Outcome:
     """One request as the client saw it (times from `time.perf_counter`)."""
@@ -202,15 +200,14 @@ class Outcome:
         return self.completion_tokens if self.completion_tokens is not None else len(self.token_times)
 
 
-async def _one(client, model: str, prompt: str, outcome: Outcome, max_tokens: int) -> None:
+async def _request(client, model: str, prompt: str, outcome: Outcome, max_tokens: int) -> None:
     import httpx
     import openai
 
     outcome.sent = time.perf_counter()
     try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True})
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
         async for chunk in stream:
             now = time.perf_counter()
             for choice in chunk.choices or ():
@@ -220,29 +217,32 @@ async def _one(client, model: str, prompt: str, outcome: Outcome, max_tokens: in
             if chunk.usage is not None:
                 outcome.completion_tokens = chunk.usage.completion_tokens
                 details = getattr(chunk.usage, "prompt_tokens_details", None)
-                outcome.cached_tokens = getattr(details, "cached_tokens", None) if details else None
+                outcome.cached_tokens = getattr(details, "cached_tokens", None)
     except (openai.APIError, httpx.HTTPError, OSError) as error:  # counted against the cell; the run goes on
         outcome.error = f"{type(error).__name__}: {error}"[:300]
     outcome.end = time.perf_counter()
 
 
-async def _drive(base_url: str, model: str, cell: Cell, max_tokens: int, timeout_s: float) -> tuple[list[Outcome], float]:
-    """Send the cell's requests at their arrival times, at most `cell.concurrency` in flight."""
+def drive(url: str, model: str, cell: Cell, max_tokens: int, timeout_s: float) -> tuple[list[Outcome], float]:
+    """Send the cell's requests at their arrival times, at most `cell.concurrency` in flight; their
+    outcomes, and when the arrival times count from."""
     openai = _openai()
 
-    slots = asyncio.Semaphore(cell.concurrency)
-    outcomes = [Outcome(i, a) for i, a in enumerate(cell.arrivals)]
-    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
-                                  timeout=timeout_s) as client:
-        start = time.perf_counter()
+    async def send_all() -> tuple[list[Outcome], float]:
+        slots = asyncio.Semaphore(cell.concurrency)
+        outcomes = [Outcome(i, a) for i, a in enumerate(cell.arrivals)]
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout_s) as client:
+            start = time.perf_counter()
 
-        async def request(outcome: Outcome) -> None:
-            await asyncio.sleep(max(0.0, start + outcome.arrival - time.perf_counter()))
-            async with slots:
-                await _one(client, model, cell.prompts[outcome.index], outcome, max_tokens)
+            async def send(outcome: Outcome) -> None:
+                await asyncio.sleep(max(0.0, start + outcome.arrival - time.perf_counter()))
+                async with slots:
+                    await _request(client, model, cell.prompts[outcome.index], outcome, max_tokens)
 
-        await asyncio.gather(*(request(o) for o in outcomes))
-    return outcomes, start
+            await asyncio.gather(*(send(o) for o in outcomes))
+        return outcomes, start
+
+    return asyncio.run(send_all())
 
 
 def _openai():
@@ -258,15 +258,8 @@ def percentiles(values: Sequence[float]) -> dict | None:
     """p50/p95/p99 (linear interpolation) and the mean of `values`, in seconds; None if empty."""
     if not values:
         return None
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        x = (len(ordered) - 1) * q / 100
-        lo = math.floor(x)
-        hi = min(lo + 1, len(ordered) - 1)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (x - lo)
-
-    return {**{f"p{q}": at(q) for q in PERCENTILES}, "mean": sum(ordered) / len(ordered), "n": len(ordered)}
+    cuts = statistics.quantiles(list(values) * (2 if len(values) == 1 else 1), n=100, method="inclusive")
+    return {**{f"p{q}": cuts[q - 1] for q in PERCENTILES}, "mean": statistics.fmean(values), "n": len(values)}
 
 
 def summarize(outcomes: Sequence[Outcome], start: float) -> dict:
@@ -274,11 +267,6 @@ def summarize(outcomes: Sequence[Outcome], start: float) -> dict:
     the cell's arrival times count from); client_wait_s is how long requests waited for a slot."""
     done = [o for o in outcomes if o.error is None and o.token_times]
     errors = [o.error or "no token streamed" for o in outcomes if o not in done]
-    ttft = [o.token_times[0] - o.sent for o in done]
-    itl = [b - a for o in done for a, b in zip(o.token_times, o.token_times[1:])]
-    tpot = [(o.end - o.token_times[0]) / (o.tokens - 1) for o in done if o.tokens > 1]
-    e2e = [o.end - o.sent for o in done]
-    waited = [o.sent - start - o.arrival for o in done]
     span = (max(o.end for o in done) - min(o.sent for o in outcomes)) if done else 0.0
     tokens = sum(o.tokens for o in done)
     return {
@@ -286,20 +274,17 @@ def summarize(outcomes: Sequence[Outcome], start: float) -> dict:
         "output_tokens": tokens, "span_s": span,
         "requests_per_s": len(done) / span if span else None,
         "output_tokens_per_s": tokens / span if span else None,
-        "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "tpot_s": percentiles(tpot),
-        "e2e_s": percentiles(e2e), "client_wait_s": percentiles(waited),
+        "ttft_s": percentiles([o.token_times[0] - o.sent for o in done]),
+        "itl_s": percentiles([b - a for o in done for a, b in zip(o.token_times, o.token_times[1:])]),
+        "tpot_s": percentiles([(o.end - o.token_times[0]) / (o.tokens - 1) for o in done if o.tokens > 1]),
+        "e2e_s": percentiles([o.end - o.sent for o in done]),
+        "client_wait_s": percentiles([o.sent - start - o.arrival for o in done]),
         "usage_cached_tokens": sum(o.cached_tokens or 0 for o in done) if any(
             o.cached_tokens is not None for o in done) else None,
     }
 
 
 # ---------------------------------------------------------------------- the servers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:
@@ -308,19 +293,14 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return error.code, error.read().decode("utf-8", "replace")
 
 
-def read_metrics(base_url: str) -> dict[str, float]:
-    """The multidecode counters of `base_url`/metrics (Prometheus text), by short name."""
-    status, text = _get(base_url + "/metrics")
+def read_metrics(url: str) -> dict[str, float]:
+    """The multidecode counters (and the cache_slots gauge) of `url`/metrics, by short name."""
+    status, text = _get(url + "/metrics")
     if status != 200:
-        raise ServerFailed(f"{base_url}/metrics answered {status}: {text[:200]}")
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("multidecode_") and " " in line:
-            name, value = line.rsplit(" ", 1)
-            name = name.removeprefix("multidecode_").removesuffix("_total")
-            if name in METRICS or name in GAUGES:
-                out[name] = float(value)
-    return out
+        raise ServerFailed(f"{url}/metrics answered {status}: {text[:200]}")
+    found = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("multidecode_") and " " in line)
+    named = ((name.removeprefix("multidecode_").removesuffix("_total"), value) for name, value in found)
+    return {name: float(value) for name, value in named if name in METRICS or name == "cache_slots"}
 
 
 def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
@@ -339,20 +319,22 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
 
 
 class Server:
-    """A server in a subprocess on a free loopback port, its output in a log file."""
+    """A server in a subprocess on a free loopback port, its output in a log file (a context
+    manager: started on entry, stopped on exit). `command` says "{port}" where the port goes."""
 
     def __init__(self, name: str, command: list[str], *, model: str, env: dict | None = None,
-                 port: int | None = None, ready_s: float = 300.0) -> None:
-        self.name, self.command, self.model, self.ready_s = name, command, model, ready_s
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+                 ready_s: float = 300.0) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.name, self.model, self.ready_s, self.url = name, model, ready_s, f"http://127.0.0.1:{port}"
+        self.command = [part.replace("{port}", str(port)) for part in command]
         self.env = {**os.environ, **(env or {})}
         handle, log = tempfile.mkstemp(prefix=f"multidecode-bench-{name}-", suffix=".log")
         os.close(handle)
-        self.log = Path(log)
-        self.process: subprocess.Popen | None = None
+        self.log, self.process = Path(log), None
 
-    def start(self) -> Server:
+    def __enter__(self) -> Self:
         with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -362,9 +344,7 @@ class Server:
     def wait_ready(self) -> float:
         """Until /health answers 200; returns the seconds it took. Raises `ServerFailed`."""
         while True:
-            if self.process.poll() is not None:
-                raise ServerFailed(f"the {self.name} server exited with code {self.process.returncode}: "
-                                   f"{self.log_tail()}")
+            self.alive("exited")
             with contextlib.suppress(OSError):
                 if _get(self.url + "/health", timeout=2.0)[0] == 200:
                     return time.monotonic() - self.started
@@ -373,67 +353,56 @@ class Server:
                                    f"{self.log_tail()}")
             time.sleep(0.25)
 
-    def alive(self) -> None:
+    def alive(self, died: str = "died") -> None:
         if self.process is None or self.process.poll() is not None:
-            raise ServerFailed(f"the {self.name} server died: {self.log_tail()}")
+            code = f" with code {self.process.returncode}" if self.process is not None else ""
+            raise ServerFailed(f"the {self.name} server {died}{code}: {self.log_tail()}")
 
     def log_tail(self, lines: int = 12) -> str:
         text = self.log.read_text("utf-8", "replace").strip().splitlines() if self.log.exists() else []
         return " | ".join(text[-lines:]) or "(no output)"
 
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, sig)
-                try:
-                    self.process.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+    def __exit__(self, *exc) -> None:
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            if self.process is None or self.process.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(wait)
         self.log.unlink(missing_ok=True)
 
-    def __enter__(self) -> Self:
-        return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def multidecode_server(name: str, model: str | None, *, max_running: int | None, max_live_tokens: int,
-                       prefix_cache_tokens: int, threads: int | None = None) -> Server:
-    """`multidecode serve` in a subprocess, with the limits given (max_running 1: one at a time)."""
-    server = Server(name, [], model=SERVED_NAME)
-    server.command = [sys.executable, "-m", "multidecode", "serve", "--port", str(server.port),
-                      "--served-model-name", SERVED_NAME, "--max-live-tokens", str(max_live_tokens),
-                      "--prefix-cache-tokens", str(prefix_cache_tokens), "--log-level", "warning",
-                      "--drain-timeout", "10"]
-    for option, value in (("--model", model), ("--max-running", max_running), ("--threads", threads)):
-        if value is not None:
-            server.command += [option, str(value)]
-    return server
+def multidecode_server(name: str, model: str | None, launched: dict, *, max_running: int | None = None,
+                       max_live_tokens: int, prefix_cache_tokens: int) -> Server:
+    """`multidecode serve` in a subprocess as `launched` says (dtype, device, threads), with the
+    admission limits given (max_running 1: one request at a time)."""
+    command = [sys.executable, "-m", "multidecode", "serve", "--port", "{port}", "--served-model-name", SERVED_NAME,
+               "--max-live-tokens", str(max_live_tokens), "--prefix-cache-tokens", str(prefix_cache_tokens),
+               "--log-level", "warning", "--drain-timeout", "10", "--dtype", launched["dtype"],
+               "--device", launched["device"], "--threads", str(launched["threads"])]
+    for option, value in (("--model", model), ("--max-running", max_running)):
+        command += [option, str(value)] if value is not None else []
+    return Server(name, command, model=SERVED_NAME)
 
 
-def transformers_server(folder: str, *, continuous_batching: bool = False) -> Server | str:
-    """`transformers serve FOLDER` offline (on the CPU, float32), or why it cannot be started."""
+def transformers_server(model: str | None, *, continuous_batching: bool = False) -> Server | str:
+    """`transformers serve` on the model's folder offline (on the CPU, float32), or why it cannot be started."""
+    folder, kwargs = model_folder(model)
     exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
-    if exe is None:
-        return "the `transformers` command is not installed next to this Python"
-    server = Server(HF, [], model=folder, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
-    server.command = [exe, "serve", folder, "--host", "127.0.0.1", "--port", str(server.port), "--device", "cpu",
-                      "--dtype", "float32", "--log-level", "warning"]
-    if continuous_batching:
-        server.command.append("--continuous-batching")
-    return server
+    if kwargs or exe is None:
+        return ("transformers serve takes a model folder here, not a .gguf file" if kwargs
+                else "the `transformers` command is not installed next to this Python")
+    command = [exe, "serve", folder, "--host", "127.0.0.1", "--port", "{port}", "--device", "cpu",
+               "--dtype", "float32", "--log-level", "warning"] + ["--continuous-batching"] * continuous_batching
+    return Server(HF, command, model=folder, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
 
 
 def model_folder(model: str | None) -> tuple[str, dict]:
     """The local folder (and loading kwargs) of `model`, the embedded model's float32 copy by default."""
     from ..models import converted, loading
 
-    if model is None:
-        return str(converted.embedded_copy()), {}
-    return loading._locate(model)
+    return (str(converted.embedded_copy()), {}) if model is None else loading._locate(model)
 
 
 def load_tokenizer(model: str | None):
@@ -444,12 +413,12 @@ def load_tokenizer(model: str | None):
 
 
 # ---------------------------------------------------------------------- running it
-def _warm_up(server: Server, max_tokens: int) -> None:
+def warm_up(server: Server, max_tokens: int) -> None:
     """Two short requests, one after the other, then two at once, before anything is timed."""
     prompts = ("Warm-up: the quick brown fox", "Warm-up, again: a lazy dog")
     for concurrency in (1, 2):
-        cell = Cell(concurrency, 0.0, prompts, (0.0, 0.0), (0, 0), 0)
-        outcomes, _ = asyncio.run(_drive(server.url, server.model, cell, min(max_tokens, 4), 600.0))
+        outcomes, _ = drive(server.url, server.model, Cell(concurrency, 0.0, prompts, (0.0, 0.0), (0, 0), 0),
+                            min(max_tokens, 4), 600.0)
         failed = [o.error for o in outcomes if o.error]
         if failed:
             raise ServerFailed(f"the {server.name} server failed a warm-up request: {failed[0]}; {server.log_tail()}")
@@ -459,15 +428,14 @@ def measure_cell(server: Server, cell: Cell, *, max_tokens: int, timeout_s: floa
     """Run one cell's load against `server`; its row (figures, the server's counters, the texts)."""
     server.alive()
     before = read_metrics(server.url) if metrics else None
-    outcomes, start = asyncio.run(_drive(server.url, server.model, cell, max_tokens, timeout_s))
+    outcomes, start = drive(server.url, server.model, cell, max_tokens, timeout_s)
     row = {"server": server.name, "concurrency": cell.concurrency, "shared": cell.shared,
            "requests": len(cell.prompts), **summarize(outcomes, start)}
     if metrics:
         after = read_metrics(server.url)
-        row["server_metrics"] = metrics_delta(before, after)
-        row["server_metrics"]["cache_slots_at_end"] = int(after.get("cache_slots", 0))
-        busy = row["server_metrics"]["busy_seconds"]
-        row["server_metrics"]["busy_share"] = busy / row["span_s"] if row["span_s"] else None
+        m = row["server_metrics"] = metrics_delta(before, after)
+        m["cache_slots_at_end"] = int(after.get("cache_slots", 0))
+        m["busy_share"] = m["busy_seconds"] / row["span_s"] if row["span_s"] else None
     row["texts"] = [o.text if o.error is None else None for o in outcomes]
     return row
 
@@ -476,7 +444,8 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
                         shared: Sequence[float] = (0.0, 0.5, 0.9), rate: float = 8.0, max_tokens: int = 32,
                         prompt_tokens: int = 300, seed: int = 0, threads: int | None = None,
                         transformers: bool = True, transformers_requests: int = 8, transformers_cb: bool = False,
-                        max_live_tokens: int = 32768, prefix_cache_tokens: int = 8192, timeout_s: float = 600.0,
+                        max_live_tokens: int = Limits.max_live_tokens,
+                        prefix_cache_tokens: int = Limits.prefix_cache_tokens, timeout_s: float = 600.0,
                         progress: Progress | None = None) -> dict:
     """Run every cell of the grid against fresh servers and return the JSON-ready result.
 
@@ -492,47 +461,24 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
     _check(requests=requests, concurrency=concurrency, shared=shared, rate=rate, max_tokens=max_tokens,
            prompt_tokens=prompt_tokens)
     _openai()
-    say = progress or (lambda message: None)
-    started = time.perf_counter()
-    meta = _environment(model)
+    say, started = progress or (lambda message: None), time.perf_counter()
+    meta = environment(launched=_launched(model, threads))
     say("building the load")
     cells = build_cells(load_tokenizer(model), requests=requests, concurrency=concurrency, shared=shared,
                         rate=rate, prompt_tokens=prompt_tokens, seed=seed)
-    rows: list[dict] = []
     skipped: dict[str, str] = {}
-    ready: list[float] = []
     with _terminate_as_interrupt():
-        for cell in cells:
-            servers = {name: multidecode_server(name, model, max_running=limit, max_live_tokens=max_live_tokens,
-                                                prefix_cache_tokens=prefix_cache_tokens, threads=threads)
-                       for name, limit in ((FOREST, None), (ONE, 1))}
-            with contextlib.ExitStack() as stack:
-                for server in servers.values():
-                    stack.enter_context(server)
-                for server in servers.values():
-                    ready.append(server.wait_ready())
-                    _warm_up(server, max_tokens)
-                order = [FOREST, ONE] if len(rows) % 4 == 0 else [ONE, FOREST]  # alternate: no server always first
-                for name in order:
-                    row = measure_cell(servers[name], cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=True)
-                    row["measured"] = "first" if name == order[0] else "second"
-                    rows.append(row)
-                    say(_line(row))
+        rows, ready = _multidecode_rows(model, cells, meta, max_tokens, timeout_s, say, max_live_tokens=max_live_tokens,
+                                        prefix_cache_tokens=prefix_cache_tokens)
         meta["multidecode_ready_s"] = {"min": round(min(ready), 1), "max": round(max(ready), 1)}
         if transformers:
-            corners = [c for c in cells if c.concurrency in (min(concurrency), max(concurrency))
-                       and c.shared in (min(shared), max(shared))]
-            rows += _transformers_rows(model, [c.first(transformers_requests) for c in corners], max_tokens,
-                                       timeout_s, skipped, say, continuous_batching=transformers_cb)
-    for cell in cells:
-        _compare_texts(rows, cell)
-    for row in rows:
-        row["texts"] = row["texts"][:2]  # keep two as a sample; the comparison is already made
+            corners = [c.first(transformers_requests) for c in cells if c.concurrency in (min(concurrency),
+                       max(concurrency)) and c.shared in (min(shared), max(shared))]
+            rows += _transformers_rows(model, corners, max_tokens, timeout_s, skipped, say, transformers_cb)
     result = {
         "benchmark": "serve",
         "title": "the OpenAI-compatible server under load",
-        "metadata": {**meta, "load_average_at_end": load_average(),
-                     "elapsed_s": round(time.perf_counter() - started, 1)},
+        "metadata": finished(meta, started),
         "config": {"requests": requests, "transformers_requests": transformers_requests if transformers else None,
                    "transformers_continuous_batching": transformers_cb if transformers else None,
                    "server_threads": threads, "concurrency": list(concurrency), "shared": list(shared),
@@ -542,93 +488,100 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
                    "client": "openai.AsyncOpenAI (max_retries=0), in the benchmark's process; servers in subprocesses",
                    "notes": NOTES},
         "labels": {**LABELS, HF: LABELS[HF] + (" --continuous-batching" if transformers_cb else "")},
-        "short": SHORT,
-        "load": [{"concurrency": c.concurrency, "shared": c.shared, "shared_tokens": c.shared_tokens,
-                  "prompt_tokens": {"min": min(c.prompt_tokens), "max": max(c.prompt_tokens),
-                                    "mean": round(sum(c.prompt_tokens) / len(c.prompt_tokens), 1)},
-                  "arrivals_span_s": round(c.arrivals[-1], 3), "first_prompt": c.prompts[0][:200] + "..."}
-                 for c in cells],
-        "cells": rows,
-        "skipped": skipped,
+        "short": SHORT, "load": [_load_summary(c) for c in cells], "cells": _compared(rows), "skipped": skipped,
     }
-    _ratios(result)
-    result["targets"] = targets(result)
-    return result
+    return {**result, "targets": targets(result)}
 
 
-NOTES = [
-    "Latencies count from when a request is sent (after waiting for one of the `concurrency` client slots).",
-    "ITL: gaps between streamed tokens, all requests of a cell pooled; TPOT: (e2e - TTFT) / (tokens - 1).",
-    "requests/s and tokens/s: finished requests over first send to last end.",
-    ("cache_hit_rate: prompt tokens found cached / received (server counters diffed around the cell); "
-     "computed_share = 1 - cache_hit_rate; branches_per_forward: live branches summed over steps / forwards."),
-    "one_at_a_time is the same server with Limits(max_running=1): the prefix cache still works, only batching differs.",
-    "Timings on a 2-core machine shared with other work are noisy: compare ratios measured in one run.",
-]
+def _launched(model: str | None, threads: int | None) -> dict:
+    """How the multidecode servers are started: the model's name, float32 (texts are compared
+    between servers), the device the loader picks by default, and the torch threads."""
+    import torch
+
+    from ..models.loading import resolve_device
+
+    return {"model": Path(model or model_folder(None)[0]).name, "dtype": "float32",
+            "device": str(resolve_device(None)), "threads": threads or torch.get_num_threads()}
 
 
-def _line(row: dict) -> str:
-    ttft = row["ttft_s"]["p50"] if row["ttft_s"] else float("nan")
-    tps = row["output_tokens_per_s"] or 0.0
-    extra = ""
-    if "server_metrics" in row:
-        m = row["server_metrics"]
-        extra = (f", hit {_num(m['cache_hit_rate'], '{:.0%}')}, "
-                 f"{_num(m['branches_per_forward'], '{:.1f}')} branches/forward")
-    errors = f", {row['errors']} errors" if row["errors"] else ""
-    return (f"c={row['concurrency']} shared={row['shared']:.0%} {SHORT[row['server']]}: {tps:.1f} tok/s, "
-            f"p50 TTFT {1000 * ttft:.0f} ms{extra}{errors}")
+def _multidecode_rows(model, cells: list[Cell], launched: dict, max_tokens: int, timeout_s: float, say: Progress,
+                      **limits) -> tuple[list[dict], list[float]]:
+    """Every cell against a fresh pair of multidecode servers (forest and one at a time), the
+    forest first in every other cell; the rows, and the seconds each server took to be ready."""
+    rows, ready = [], []
+    for cell in cells:
+        servers = {FOREST: multidecode_server(FOREST, model, launched, **limits),
+                   ONE: multidecode_server(ONE, model, launched, max_running=1, **limits)}
+        with contextlib.ExitStack() as stack:
+            for server in servers.values():  # both start loading at once
+                stack.enter_context(server)
+            for server in servers.values():
+                ready.append(server.wait_ready())
+                warm_up(server, max_tokens)
+            order = [FOREST, ONE] if len(rows) % 4 == 0 else [ONE, FOREST]  # alternate: no server always first
+            for name in order:
+                row = measure_cell(servers[name], cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=True)
+                rows.append({**row, "measured": "first" if name == order[0] else "second"})
+                say(_line(rows[-1]))
+    return rows, ready
 
 
-def _transformers_rows(model, cells, max_tokens, timeout_s, skipped, say, *, continuous_batching) -> list[dict]:
-    folder, kwargs = model_folder(model)
-    if kwargs:
-        skipped[HF] = "transformers serve takes a model folder here, not a .gguf file"
-        return []
-    server = transformers_server(folder, continuous_batching=continuous_batching)
-    if isinstance(server, str):
-        skipped[HF] = server
-        return []
-    say("starting " + " ".join(["transformers serve", *(["--continuous-batching"] if continuous_batching else [])]))
-    rows = []
+def _transformers_rows(model, cells: list[Cell], max_tokens: int, timeout_s: float, skipped: dict, say: Progress,
+                       continuous_batching: bool) -> list[dict]:
+    """The cells against one `transformers serve`; none, with the reason in `skipped`, where it fails."""
+    server = transformers_server(model, continuous_batching=continuous_batching)
     try:
+        if isinstance(server, str):
+            raise ServerFailed(server)
+        say("starting transformers serve" + " --continuous-batching" * continuous_batching)
+        rows = []
         with server:
             server.wait_ready()
-            _warm_up(server, max_tokens)
+            warm_up(server, max_tokens)
             for cell in cells:
-                row = measure_cell(server, cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=False)
-                rows.append(row)
-                say(_line(row))
+                rows.append(measure_cell(server, cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=False))
+                say(_line(rows[-1]))
+        return rows
     except ServerFailed as error:
         skipped[HF] = str(error)[:600]
         say(f"transformers serve skipped: {skipped[HF][:200]}")
         return []
-    return rows
 
 
-def _compare_texts(rows: list[dict], cell: Cell) -> None:
-    """Mark the forest row of `cell` with whether its texts equal one at a time's."""
-    mine = {r["server"]: r for r in rows if r["concurrency"] == cell.concurrency and r["shared"] == cell.shared}
-    if FOREST in mine and ONE in mine:
-        pairs = [(a, b) for a, b in zip(mine[FOREST]["texts"], mine[ONE]["texts"]) if a is not None and b is not None]
-        mine[FOREST]["identical_to_one_at_a_time"] = all(a == b for a, b in pairs)
-        mine[FOREST]["differing_texts"] = sum(a != b for a, b in pairs)
+def _load_summary(cell: Cell) -> dict:
+    return {"concurrency": cell.concurrency, "shared": cell.shared, "shared_tokens": cell.shared_tokens,
+            "prompt_tokens": spread(cell.prompt_tokens),
+            "arrivals_span_s": round(cell.arrivals[-1], 3), "first_prompt": cell.prompts[0][:200] + "..."}
 
 
-def _ratios(result: dict) -> None:
-    """Each row's throughput and p50 TTFT over one at a time's in the same cell, and p50 TTFT over
-    its own server's solo (concurrency 1) p50 TTFT at the same share."""
-    rows = result["cells"]
+def _line(row: dict) -> str:
+    ttft = row["ttft_s"]["p50"] if row["ttft_s"] else float("nan")
+    m = row.get("server_metrics")
+    counters = (f", hit {fmt(m['cache_hit_rate'], '{:.0%}')}, {fmt(m['branches_per_forward'], '{:.1f}')} "
+                "branches/forward") if m else ""
+    return (f"c={row['concurrency']} shared={row['shared']:.0%} {SHORT[row['server']]}: "
+            f"{row['output_tokens_per_s'] or 0.0:.1f} tok/s, p50 TTFT {1000 * ttft:.0f} ms{counters}"
+            + (f", {row['errors']} errors" if row["errors"] else ""))
+
+
+def _compared(rows: list[dict]) -> list[dict]:
+    """The rows with their ratios to one at a time in the same cell (throughput, p50 TTFT) and to
+    their own server's solo (concurrency 1) p50 TTFT at the same share; the forest's rows say
+    whether their texts equal one at a time's; every row keeps two texts as a sample."""
     by = {(r["server"], r["concurrency"], r["shared"]): r for r in rows}
     for r in rows:
-        one = by.get((ONE, r["concurrency"], r["shared"]))
-        solo = by.get((r["server"], 1, r["shared"]))
+        one, solo = by.get((ONE, r["concurrency"], r["shared"])), by.get((r["server"], 1, r["shared"]))
         if one is not None and one["output_tokens_per_s"] and r["output_tokens_per_s"]:
             r["throughput_vs_one_at_a_time"] = r["output_tokens_per_s"] / one["output_tokens_per_s"]
         if one is not None and one["ttft_s"] and r["ttft_s"]:
             r["ttft_p50_vs_one_at_a_time"] = r["ttft_s"]["p50"] / one["ttft_s"]["p50"]
         if solo is not None and solo["ttft_s"] and r["ttft_s"]:
             r["ttft_p50_vs_solo"] = r["ttft_s"]["p50"] / solo["ttft_s"]["p50"]
+        if r["server"] == FOREST and one is not None:
+            pairs = [(a, b) for a, b in zip(r["texts"], one["texts"]) if a is not None and b is not None]
+            r["identical_to_one_at_a_time"] = all(a == b for a, b in pairs)
+            r["differing_texts"] = sum(a != b for a, b in pairs)
+    return [{**r, "texts": r["texts"][:2]} for r in rows]
 
 
 def targets(result: dict) -> list[dict]:
@@ -677,8 +630,7 @@ def _terminate_as_interrupt():
 
 def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens) -> None:
     for name, value in (("requests", requests), ("max_tokens", max_tokens), ("prompt_tokens", prompt_tokens)):
-        if value < 1:
-            raise InvalidArgument(f"{name} must be 1 or more, got {value}", f"use {name} 1 or more")
+        check_positive(name, value)
     if prompt_tokens < 4:
         raise InvalidArgument(f"prompt_tokens must be at least 4, got {prompt_tokens}", "use 100 or more")
     if not concurrency or min(concurrency) < 1:
@@ -689,167 +641,80 @@ def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens) ->
         raise InvalidArgument(f"the arrival rate must be positive, got {rate}", "e.g. 8 (requests per second) or inf")
 
 
-def _environment(model: str | None) -> dict:
-    import torch
-    import transformers
-
-    from ..version import __version__
-
-    return {"model": Path(model).name if model else "SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__, "multidecode": __version__,
-            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "threads": torch.get_num_threads(), "load_average_at_start": load_average(),
-            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
-
-
-# ---------------------------------------------------------------------- reading the result
-def _num(value: float | None, form: str) -> str:
-    return "" if value is None else form.format(value)
-
-
-def _ms(stats: dict | None, q: str) -> str:
-    return "" if not stats else f"{1000 * stats[q]:.0f}"
-
-
-def tables(result: dict):
-    """The result as text tables: throughput and the server's counters, latencies, targets."""
-    from .harness import TextTable
-
-    rows = result["cells"]
-    order = {FOREST: 0, ONE: 1, HF: 2}
-    rows = sorted(rows, key=lambda r: (r["shared"], r["concurrency"], order[r["server"]]))
-    short = result["short"]
-    speed = []
-    for r in rows:
-        m = r.get("server_metrics") or {}
-        name = short[r["server"]] + (f" ({r['requests']} requests)" if r["requests"] != result["config"]["requests"] else "")
-        steps = (m.get("counters") or {}).get("steps")
-        speed.append([f"{r['shared']:.0%}", str(r["concurrency"]), name,
-                      _num(r["requests_per_s"], "{:.2f}"), _num(r["output_tokens_per_s"], "{:.1f}"),
-                      _num(r.get("throughput_vs_one_at_a_time") if r["server"] != ONE else None, "{:.2f}x"),
-                      _num(m.get("cache_hit_rate"), "{:.0%}"), _num(m.get("branches_per_forward"), "{:.2f}"),
-                      _num(1000 * m["busy_seconds"] / steps if steps else None, "{:.0f}"),
-                      {True: "yes", False: "**no**"}.get(r.get("identical_to_one_at_a_time"), ""),
-                      str(r["errors"]) if r["errors"] else ""])
-    latency = []
-    for r in rows:
-        name = short[r["server"]] + (f" ({r['requests']} requests)" if r["requests"] != result["config"]["requests"] else "")
-        latency.append([f"{r['shared']:.0%}", str(r["concurrency"]), name]
-                       + [_ms(r[k], f"p{q}") for k in ("ttft_s", "itl_s", "tpot_s", "e2e_s") for q in PERCENTILES]
-                       + [_num(r.get("ttft_p50_vs_solo"), "{:.2f}x")])
+# ---------------------------------------------------------------------- how the result is read
+def tables(result: dict) -> list:
+    """Throughput and the server's counters, latencies, the targets: a row per cell and server."""
+    order = list(LABELS)
+    rows = sorted(result["cells"], key=lambda r: (r["shared"], r["concurrency"], order.index(r["server"])))
     cfg = result["config"]
+
+    def metric(name: str, form: str):
+        return lambda r: fmt((r.get("server_metrics") or {}).get(name), form)
+
+    def ms_per_step(r: dict) -> str:
+        m = r.get("server_metrics") or {}
+        steps = (m.get("counters") or {}).get("steps")
+        return fmt(1000 * m["busy_seconds"] / steps if steps else None, "{:.0f}")
+
+    lead = [("shared", lambda r: f"{r['shared']:.0%}"), ("concurrency", lambda r: str(r["concurrency"])),
+            ("server", lambda r: result["short"][r["server"]]
+             + (f" ({r['requests']} requests)" if r["requests"] != cfg["requests"] else ""))]
+    speed = lead + [
+        ("requests/s", lambda r: fmt(r["requests_per_s"], "{:.2f}")),
+        ("output tok/s", lambda r: fmt(r["output_tokens_per_s"], "{:.1f}")),
+        ("over one at a time", lambda r: fmt(r.get("throughput_vs_one_at_a_time") if r["server"] != ONE else None,
+                                             "{:.2f}x")),
+        ("cache hit", metric("cache_hit_rate", "{:.0%}")), ("branches/forward", metric("branches_per_forward", "{:.2f}")),
+        ("ms/step", ms_per_step),
+        ("same text", lambda r: {True: "yes", False: "**no**"}.get(r.get("identical_to_one_at_a_time"), "")),
+        ("errors", lambda r: str(r["errors"]) if r["errors"] else "")]
+    latency = lead + [(f"{name} p{q}", lambda r, k=key, q=q: "" if not r[k] else f"{1000 * r[k][f'p{q}']:.0f}")
+                      for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("TPOT", "tpot_s"), ("e2e", "e2e_s"))
+                      for q in PERCENTILES] + [("p50 TTFT over solo", lambda r: fmt(r.get("ttft_p50_vs_solo"), "{:.2f}x"))]
     what = (f"{cfg['requests']} requests a cell, ~{cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} tokens "
             f"each, Poisson arrivals at {cfg['rate_per_s']}/s")
-    out = [
-        TextTable(f"Throughput ({what})",
-                  ["shared", "concurrency", "server", "requests/s", "output tok/s", "over one at a time",
-                   "cache hit", "branches/forward", "ms/step", "same text", "errors"], speed),
-        TextTable("Latency (ms)",
-                  ["shared", "concurrency", "server"]
-                  + [f"{k} p{q}" for k in ("TTFT", "ITL", "TPOT", "e2e") for q in PERCENTILES]
-                  + ["p50 TTFT over solo"], latency),
-    ]
-    if result.get("targets"):
-        out.append(TextTable("Targets", ["target", "wanted", "measured", "met"],
-                             [[t["name"], t["target"], f"{t['measured']:g}x", "yes" if t["met"] else "**no**"]
-                              for t in result["targets"]]))
-    return out
+    return [grid(f"Throughput ({what})", rows, speed, lead=3), grid("Latency (ms)", rows, latency, lead=3),
+            *targets_table(result)]
 
 
-def markdown(result: dict) -> str:
-    meta = result["metadata"]
-    lines = [(f"Measured {meta['date']} on {meta['model']} ({meta['dtype']}, {meta['device']}, {meta['cpu_count']} "
-              f"cores), torch {meta['torch']}, transformers {meta['transformers']}; load average at start "
-              f"{_loads(meta.get('load_average_at_start'))}, at end {_loads(meta.get('load_average_at_end'))}.")]
-    lines += [f"Not run: {result['labels'][name]} ({why})." for name, why in result.get("skipped", {}).items()]
-    for table in tables(result):
-        align = ["---" if i < 3 and table.title != "Targets" or i == 0 else "---:" for i in range(len(table.header))]
-        lines += ["", f"**{table.title}**", "", "| " + " | ".join(table.header) + " |", "|" + "|".join(align) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in table.rows]
-    return "\n".join(lines) + "\n"
-
-
-def _loads(loads) -> str:
-    return "?" if not loads else ", ".join(f"{x:.2f}" for x in loads)
-
-
-def plot(result: dict, path: str | Path) -> Path:
-    """Output tokens/s, its ratio over one at a time, and p50 TTFT against concurrency: a colour per
-    shared share, a line style per server."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    path = Path(path)
-    fig = Figure(figsize=(14.5, 5.4), dpi=120)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 3)
-    rows = result["cells"]
+def chart(result: dict) -> Chart:
+    """Output tokens/s, its ratio over one at a time, and p50 TTFT against concurrency: a colour
+    per shared share, a line style per server; the targets as reference lines."""
+    rows, cfg = result["cells"], result["config"]
     shares = sorted({r["shared"] for r in rows})
     colors = dict(zip(shares, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
     styles = {FOREST: ("o", "-"), ONE: ("s", "--"), HF: ("^", ":")}
-    xs = sorted({r["concurrency"] for r in rows})
 
-    def series(server: str, share: float, value) -> list[tuple[int, float]]:
-        return [(r["concurrency"], v) for r in sorted(rows, key=lambda r: r["concurrency"])
-                if r["server"] == server and r["shared"] == share and (v := value(r)) is not None]
-
-    for server in (FOREST, ONE, HF):
-        marker, style = styles[server]
-        for share in shares:
-            label = f"{result['short'][server]}, {share:.0%} shared"
-            counts = {r["requests"] for r in rows if r["server"] == server}
-            if counts and counts != {result["config"]["requests"]}:
-                label += f" ({', '.join(map(str, sorted(counts)))} requests)"
-            points = series(server, share, lambda r: r["output_tokens_per_s"])
-            if points:
-                axes[0].plot(*zip(*points), marker=marker, ls=style, color=colors[share], label=label)
-            points = series(server, share, lambda r: 1000 * r["ttft_s"]["p50"] if r["ttft_s"] else None)
-            if points:
-                axes[2].plot(*zip(*points), marker=marker, ls=style, color=colors[share], label=label)
-            if server != ONE:
-                points = series(server, share, lambda r: r.get("throughput_vs_one_at_a_time"))
+    def lines(value, servers=tuple(LABELS), notes: str | None = None) -> list[Line]:
+        out = []
+        for server in servers:
+            counts = sorted({r["requests"] for r in rows if r["server"] == server})
+            for share in shares:
+                points = [(r["concurrency"], v) for r in sorted(rows, key=lambda r: r["concurrency"])
+                          if r["server"] == server and r["shared"] == share and (v := value(r)) is not None]
+                label = f"{result['short'][server]}, {share:.0%} shared" + (
+                    f" ({', '.join(map(str, counts))} requests)" if counts != [cfg["requests"]] else "")
+                style = {"marker": styles[server][0], "ls": styles[server][1], "color": colors[share]}
                 if points:
-                    line = axes[1].plot(*zip(*points), marker=marker, ls=style, color=colors[share], label=label)[0]
-                    for x, v in points:
-                        axes[1].annotate(f"{v:.1f}x", (x, v), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                                         color=line.get_color())
-    for share in shares:  # the TTFT target: 2x the forest's solo p50 TTFT at the same share
-        solo = [r for r in rows if r["server"] == FOREST and r["shared"] == share and r["concurrency"] == 1]
-        if solo and solo[0]["ttft_s"] and len(xs) > 1:
-            axes[2].hlines(TTFT_TARGET * 1000 * solo[0]["ttft_s"]["p50"], xs[1], xs[-1], colors=colors[share], lw=1.0,
-                           ls="-.", alpha=0.7, label=f"{TTFT_TARGET:g}x solo TTFT, {share:.0%} shared (target)")
-    axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
-    axes[1].axhline(THROUGHPUT_TARGET, color="tab:red", lw=0.8, ls=":",
-                    label=f"target {THROUGHPUT_TARGET:g}x (c=16, 90% shared)")
-    titles = ("output tokens/s", "output tokens/s over one at a time", "p50 TTFT (ms, log)")
-    for ax, title in zip(axes, titles):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[2].set_yscale("log")
-    handles: dict = {}
-    for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(label, handle)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=7, frameon=False)
-    cfg, meta = result["config"], result["metadata"]
-    fig.suptitle(f"{result['title']}: {cfg['requests']} requests a cell, ~{cfg['prompt_tokens']}-token prompts, "
-                 f"{cfg['max_tokens']} new tokens, Poisson {cfg['rate_per_s']}/s - {meta['model']} "
-                 f"({meta['dtype']}, {meta['device']}, {meta['cpu_count']} cores)", fontsize=9)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(path)
-    return path
+                    out.append(Line(label, points, style, [notes.format(v) for _, v in points] if notes else None))
+        return out
+
+    solo = {r["shared"]: r["ttft_s"]["p50"] for r in rows if r["server"] == FOREST and r["concurrency"] == 1
+            and r["ttft_s"]}
+    ttft_targets = [(TTFT_TARGET * 1000 * p50, {"color": colors[share], "ls": "-.", "alpha": 0.7,
+                                                "label": f"{TTFT_TARGET:g}x solo TTFT, {share:.0%} shared (target)"})
+                    for share, p50 in solo.items()]
+    return Chart([
+        Panel("output tokens/s", lines(lambda r: r["output_tokens_per_s"])),
+        Panel("output tokens/s over one at a time", lines(lambda r: r.get("throughput_vs_one_at_a_time"),
+                                                          (FOREST, HF), "{:.1f}x"),
+              [(1.0, {"color": "grey", "ls": "--"}), (THROUGHPUT_TARGET, {
+                  "color": "tab:red", "ls": ":", "label": f"target {THROUGHPUT_TARGET:g}x (c=16, 90% shared)"})]),
+        Panel("p50 TTFT (ms, log)", lines(lambda r: 1000 * r["ttft_s"]["p50"] if r["ttft_s"] else None),
+              ttft_targets, log_y=True),
+    ], sorted({r["concurrency"] for r in rows}), "concurrency (requests in flight)", legend="figure",
+        title=f"{result['title']}: {cfg['requests']} requests a cell, ~{cfg['prompt_tokens']}-token prompts, "
+              f"{cfg['max_tokens']} new tokens, Poisson {cfg['rate_per_s']}/s")
 
 
-def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None) -> list[Path]:
-    """Write `<stem>.json`, `<stem>.png` and `<stem>.md` in `out_dir` (created); returns the paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = stem or "bench_serve"
-    paths = [out / f"{stem}.json", out / f"{stem}.png", out / f"{stem}.md"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    plot(result, paths[1])
-    paths[2].write_text(markdown(result), encoding="utf-8")
-    return paths
+VIEW = VIEWS["serve"] = View(tables, chart)

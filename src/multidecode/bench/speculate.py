@@ -42,27 +42,17 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from .. import data
 from ..cost import cost_curve
 from ..errors import InvalidArgument
 from ..proposers.draft import DraftModel
 from ..proposers.lookahead import Lookahead
-from ..proposers.self_draft import choose_skip, decoder_layers, self_draft
-from ..proposers.suffix import SuffixProposer, SuffixStore
-from ..speculation import Speculation, auto_proposer
+from ..proposers.self_draft import choose_skip, decoder_layers
+from ..proposers.suffix import SuffixStore
+from ..speculation import SpeculationSettings
 from ..strategies.complete import prompt_ids
-from .common import (
-    ForwardCounter,
-    Progress,
-    RunOutput,
-    greedy_config,
-    hf_sequential,
-    pad_id_of,
-    trim_at_eos,
-)
-from .harness import Benchmark, Case, Method, Plot, Target, declared_only, run
+from .common import ForwardCounter, RunOutput, Setup, auto_over, fresh, hf_sequential, suffix_over, trim_at_eos
+from .harness import Benchmark, Case, Method, Plot, Runner, Target, declared_only, runs
 
 GREEDY, LOOKUP_3, LOOKUP_10 = "hf_greedy", "hf_lookup_3", "hf_lookup_10"
 ASSISTED = "hf_assisted_self"
@@ -134,38 +124,21 @@ def draft_counts(counter: ForwardCounter, prompt_tokens: int, new_tokens: int) -
     return {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
 
 
-def hf_generate(model, prompt: Sequence[int], counter: ForwardCounter, *, lookup: int, max_new_tokens: int,
-                eos_ids, pad_id) -> RunOutput:
-    """transformers' `generate` on one prompt, with prompt lookup of `lookup` tokens (0: none)."""
-    settings = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    out = hf_sequential(model, [prompt], counter, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
-                        **settings)
+def hf_generate(model, prompt: Sequence[int], counter: ForwardCounter, *, lookup: int = 0, assistant=None,
+                **settings) -> RunOutput:
+    """transformers' `generate` on one prompt, with prompt lookup of `lookup` tokens (0: none) or
+    `assistant` drafting (counts: the target's forwards only)."""
+    lookup = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    out = hf_sequential(model, [prompt], counter, assistant=assistant, **lookup, **settings)
     out.extra.update(draft_counts(counter, len(prompt), len(out.answers[0])))
     return out
-
-
-def hf_assisted(model, assistant, prompt: Sequence[int], counter: ForwardCounter, *, max_new_tokens: int,
-                eos_ids, pad_id) -> RunOutput:
-    """transformers' assisted generation on one prompt, `assistant` drafting (counts: the
-    target's forwards only, read as for prompt lookup)."""
-    config = greedy_config(model, max_new_tokens, eos_ids, pad_id)
-    ids = torch.tensor([list(prompt)], dtype=torch.long, device=next(model.parameters()).device)
-    counter.prefill(1)
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             assistant_model=assistant)
-    answer = trim_at_eos(out[0, len(prompt):].tolist(), eos_ids)
-    result = RunOutput([answer], 0)
-    result.extra.update(draft_counts(counter, len(prompt), len(out[0]) - len(prompt)))
-    return result
 
 
 def multidecode_generate(decoder, prompt: Sequence[int], counter: ForwardCounter, *, speculate,
                          max_new_tokens: int, eos_ids) -> RunOutput:
     """`MultiDecoder.generate` with speculation (`speculate`: a value for `speculate=`, or a
     function making a fresh one per run); counts from its own stats."""
-    if callable(speculate):
-        speculate = speculate()
+    speculate = decoder.speculation(fresh(speculate))
     counter.prefill(1)
     completion = decoder.generate(list(prompt), max_new_tokens=max_new_tokens, speculate=speculate,
                                   eos_token_id=list(eos_ids))
@@ -178,13 +151,6 @@ def multidecode_generate(decoder, prompt: Sequence[int], counter: ForwardCounter
                      forward_passes=stats.get("forward_passes"), extra=stats)
 
 
-def run_speculate_benchmark(decoder, *, threads: int | None = None, progress: Progress | None = None,
-                            **settings) -> dict:
-    """Measure every method on every chosen workload; the settings are `speculate_benchmark`'s.
-    Raises `AnswersDiffer` where a method's tokens differ from plain greedy `generate`."""
-    return run(speculate_benchmark(decoder, **settings), threads=threads, progress=progress)
-
-
 def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats: int = 3, budget_s: float = 90.0,
                         warmup: bool = True, max_new_tokens: int | None = None) -> Benchmark:
     """The speculation benchmark as data.
@@ -193,85 +159,96 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
     budget_s: each workload's time budget for its rounds of all methods.
     max_new_tokens: overrides every workload's own (for quick runs).
     """
-    shipped, chosen = workloads(), choose(names)
-    model, tokenizer = decoder.model, decoder.tokenizer
-    eos_ids, pad_id = sorted(decoder.eos_ids), pad_id_of(model, tokenizer)
-    shortest = prompt_ids(tokenizer, min((w.text() for w in shipped), key=len))
-    # The self-draft skips at least a quarter of the layers: a benchmark of a draft that is the
-    # target itself would say nothing (on small models no skip set is expected to pay).
-    skip = choose_skip(model, [tokenizer(data.self_draft_sample())["input_ids"]], min_skip=max(1, len(decoder_layers(model)[1]) // 4))
-    draft = self_draft(model, skip.layers)
-    fitted = Lookahead.from_cost(cost_curve(model))
-    seen = SuffixStore()  # a first greedy pass over every chosen workload, for the second-pass methods
-    for w in chosen:
-        decoder.generate(prompt_ids(tokenizer, w.text()), max_new_tokens=max_new_tokens or w.max_new_tokens,
-                         speculate=SuffixProposer(store=seen), eos_token_id=eos_ids)
-    ours = {
-        OURS_PLAIN: None,
-        OURS_LOOKUP: "lookup",
-        OURS_AUTO: lambda: Speculation(auto_proposer(SuffixStore()), None),
-        OURS_LOOKAHEAD: lambda: Lookahead(window=7, ngram=5, guesses=7),
-        OURS_LOOKAHEAD_FIT: lambda: Lookahead(window=fitted.window, ngram=fitted.ngram, guesses=fitted.guesses),
-        OURS_SUFFIX: lambda: SuffixProposer(store=SuffixStore()),
-        OURS_DRAFT: lambda: DraftModel(draft),
-        OURS_SUFFIX_2ND: lambda: SuffixProposer(store=seen),
-        OURS_AUTO_2ND: lambda: Speculation(auto_proposer(seen), None),
-    }
-    """MultiDecode's methods -> `speculate=` (a function: a fresh proposer per run)."""
+    chosen, setup = choose(names), Setup.of(decoder)
+    draft, fitted, skip = _drafts(decoder)
+    ours = _our_speculations(decoder, chosen, max_new_tokens, draft, fitted)
 
     def methods(prompt: list[int], new: int) -> tuple[Method, ...]:
-        def hf(lookup: int):
-            return lambda c: hf_generate(model, prompt, c, lookup=lookup, max_new_tokens=new, eos_ids=eos_ids,
-                                         pad_id=pad_id)
+        def hf(**how) -> Runner:
+            return setup.baseline(hf_generate, prompt, new, **how)
 
-        def assisted(c):
-            return hf_assisted(model, draft, prompt, c, max_new_tokens=new, eos_ids=eos_ids, pad_id=pad_id)
-
-        def run_ours(speculate):
+        def md(speculate) -> Runner:
             return lambda c: multidecode_generate(decoder, prompt, c, speculate=speculate, max_new_tokens=new,
-                                                  eos_ids=eos_ids)
+                                                  eos_ids=setup.eos_ids)
 
-        return (*(Method(name, LABELS[name][0], short=LABELS[name][1], run=hf(n)) for name, n in HF_METHODS.items()),
-                Method(ASSISTED, LABELS[ASSISTED][0], short=LABELS[ASSISTED][1], run=assisted),
-                *(Method(name, LABELS[name][0], short=LABELS[name][1], run=run_ours(speculate))
-                  for name, speculate in ours.items()))
+        return (*(Method.named(LABELS, name, run=hf(lookup=n)) for name, n in HF_METHODS.items()),
+                Method.named(LABELS, ASSISTED, run=hf(assistant=decoder.draft_for(draft))),
+                *(Method.named(LABELS, name, run=md(speculate)) for name, speculate in ours.items()))
 
     def case(w: Workload) -> Case:
-        prompt, new = prompt_ids(tokenizer, w.text()), max_new_tokens or w.max_new_tokens
-        path = (f"{OURS_AUTO}_vs", GREEDY, "speedup")
-        targets = [Target(f"{w.name}: auto over plain greedy", path, ">=", w.target)]
-        if w.target > FLOOR:
-            targets.append(Target(f"{w.name}: auto never below {FLOOR}x", path, ">=", FLOOR))
-        targets.append(Target(f"{w.name}: lookahead at least lade's best ({LOOKAHEAD_FLOOR}x)",
-                              (f"{OURS_LOOKAHEAD}_vs", GREEDY, "speedup"), ">=", LOOKAHEAD_FLOOR))
-        if w.name == "code_edit":
-            targets.append(Target("code_edit: lookahead over plain greedy", (f"{OURS_LOOKAHEAD}_vs", GREEDY, "speedup"),
-                                  ">=", 1.3))
-        targets += [Target(f"{w.name}: {LABELS[name][1]} over plain greedy", (f"{name}_vs", GREEDY, "speedup"), ">=",
-                           value) for name, value in TARGETS.items()]
-        targets.append(Target(f"{w.name}: auto 2nd pass over plain greedy", (f"{OURS_AUTO_2ND}_vs", GREEDY, "speedup"),
-                              ">=", FLOOR))
+        prompt, new = prompt_ids(setup.tokenizer, w.text()), max_new_tokens or w.max_new_tokens
+        return Case({"workload": w.name}, methods(prompt, new), budget_s=budget_s, targets=_targets(w),
+                    report=lambda got: {"label": w.label, "prompt_tokens": len(prompt), "max_new_tokens": new,
+                                        "output": setup.text(got[GREEDY].answers[0])})
 
-        def report(got: dict) -> dict:
-            ids = got[GREEDY].answers[0]
-            return {"label": w.label, "prompt_tokens": len(prompt), "max_new_tokens": new,
-                    "output": tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None}
-        return Case({"workload": w.name}, methods(prompt, new), budget_s=budget_s, targets=tuple(targets),
-                    report=report)
-
-    warm = methods(shortest, 4)
+    shortest = prompt_ids(setup.tokenizer, min((w.text() for w in workloads()), key=len))
     return Benchmark(
-        name="speculate", title="speculative decoding of one sequence, greedy", model=model,
+        name="speculate", title="speculative decoding of one sequence, greedy", model=setup.model,
         cases=tuple(case(w) for w in chosen), reference=GREEDY,
         pairs=tuple((name, GREEDY) for name in LABELS if name != GREEDY),
-        config={"workloads": [w.name for w in chosen], "decoding": "greedy", "eos_ids": eos_ids, "pad_id": pad_id,
-                "auto_floor": FLOOR, "self_draft_skips": skip.layers, "self_draft_agreement": round(skip.agreement, 4),
-                "lookahead_fit": repr(fitted), "notes": [
+        config={"workloads": [w.name for w in chosen], "decoding": "greedy", "eos_ids": setup.eos_ids,
+                "pad_id": setup.pad_id, "auto_floor": FLOOR, "self_draft_skips": skip.layers,
+                "self_draft_agreement": round(skip.agreement, 4), "lookahead_fit": repr(fitted), "notes": [
                     "tokens_per_forward = new tokens / forward passes (prefill included).",
                     "HF drafted/accepted are read from the forward calls' input shapes (see the module docstring).",
                 ]},
-        warmup=warm if warmup else (), repeats=repeats,
+        warmup=methods(shortest, 4) if warmup else (), repeats=repeats,
         columns=("wall_s", "forward_passes", "tokens_per_forward", "acceptance", "tokens_per_s"),
         plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")),
         rows_key="workloads",
     )
+
+
+run_speculate_benchmark = runs(speculate_benchmark)
+"""Measure every method on every chosen workload; the settings are `speculate_benchmark`'s.
+Raises `AnswersDiffer` where a method's tokens differ from plain greedy `generate`."""
+
+
+def _drafts(decoder) -> tuple[SpeculationSettings, Lookahead, object]:
+    """The self-draft's settings (its layers chosen on `data.self_draft_sample()`, skipping at
+    least a quarter of them: a benchmark of a draft that is the target itself would say nothing,
+    and on small models no skip set is expected to pay), the lookahead settings the cost curve
+    picks, and the layer choice."""
+    model, tokenizer = decoder.model, decoder.tokenizer
+    skip = choose_skip(model, [tokenizer(data.self_draft_sample())["input_ids"]],
+                       min_skip=max(1, len(decoder_layers(model)[1]) // 4))
+    return SpeculationSettings.parse("draft", skip_layers=skip.layers), Lookahead.from_cost(cost_curve(model)), skip
+
+
+def _our_speculations(decoder, chosen: list[Workload], max_new_tokens: int | None, draft: SpeculationSettings,
+                      fitted: Lookahead) -> dict:
+    """MultiDecode's methods -> `speculate=` (a function: a fresh store per run). The second-pass
+    methods draft from a store that has seen one greedy pass over every chosen workload."""
+    seen = SuffixStore()
+    for w in chosen:
+        decoder.generate(prompt_ids(decoder.tokenizer, w.text()), max_new_tokens=max_new_tokens or w.max_new_tokens,
+                         speculate=suffix_over(seen), eos_token_id=sorted(decoder.eos_ids))
+    return {
+        OURS_PLAIN: None,
+        OURS_LOOKUP: SpeculationSettings.parse("lookup"),
+        OURS_AUTO: auto_over,
+        OURS_LOOKAHEAD: SpeculationSettings.parse("lookahead", lookahead=(7, 5, 7)),
+        OURS_LOOKAHEAD_FIT: SpeculationSettings.parse("lookahead", lookahead=(fitted.window, fitted.ngram,
+                                                                              fitted.guesses)),
+        OURS_SUFFIX: suffix_over,
+        OURS_DRAFT: draft,
+        OURS_SUFFIX_2ND: lambda: suffix_over(seen),
+        OURS_AUTO_2ND: lambda: auto_over(seen),
+    }
+
+
+def _targets(w: Workload) -> tuple[Target, ...]:
+    """auto over plain greedy at the workload's own target and never below `FLOOR`; lookahead at
+    least lade's best (1.3x on the code edit); the second passes."""
+    def over_greedy(name: str, what: str, value: float) -> Target:
+        return Target(f"{w.name}: {what}", (f"{name}_vs", GREEDY, "speedup"), ">=", value)
+
+    targets = [over_greedy(OURS_AUTO, "auto over plain greedy", w.target)]
+    if w.target > FLOOR:
+        targets.append(over_greedy(OURS_AUTO, f"auto never below {FLOOR}x", FLOOR))
+    targets.append(over_greedy(OURS_LOOKAHEAD, f"lookahead at least lade's best ({LOOKAHEAD_FLOOR}x)",
+                               LOOKAHEAD_FLOOR))
+    if w.name == "code_edit":
+        targets.append(over_greedy(OURS_LOOKAHEAD, "lookahead over plain greedy", 1.3))
+    targets += [over_greedy(name, f"{LABELS[name][1]} over plain greedy", value) for name, value in TARGETS.items()]
+    return (*targets, over_greedy(OURS_AUTO_2ND, "auto 2nd pass over plain greedy", FLOOR))

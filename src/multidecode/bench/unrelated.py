@@ -32,27 +32,25 @@ largest absolute difference passes `atol` (1e-4; float32 sums in another order d
 the unrelated forest (every new token against every slot), R x (P + R) for the shared forest, and
 R x (P + 1) for separate forwards and batch rows. Each cell stores these counts beside the times.
 
-`run_unrelated` returns the JSON-ready result; `write_results` writes `<stem>.json`, `<stem>.png`
-and `<stem>.md`; `unrelated_command` is `multidecode bench unrelated`.
+`run_unrelated` returns the JSON-ready result (`results.write_results` writes it; `VIEW` is how it
+is tabulated and drawn); `multidecode bench unrelated` runs it.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-import click
 import torch
 
 from ..engine import Engine
 from ..errors import InvalidArgument, check_positive
 from ..models.vetting import cache_argument
-from .common import AnswersDiffer, Progress, environment, load_average, quiet_transformers, torch_threads
+from .common import AnswersDiffer, Progress, quiet_transformers, torch_threads
+from .results import VIEWS, Chart, Line, Panel, TextTable, View, environment, finished, grid
 
 FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS = "forest_unrelated", "forest_shared", "separate", "batch_rows"
 VARIANTS = (FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS)
@@ -64,6 +62,9 @@ LABELS = {
 }
 SHORT = {FOREST_UNRELATED: "forest, unrelated", FOREST_SHARED: "forest, shared prompt", SEPARATE: "separate",
          BATCH_ROWS: "batch rows"}
+STYLES = {FOREST_UNRELATED: ("o", "-", "tab:red"), FOREST_SHARED: ("s", "-", "tab:green"),
+          SEPARATE: ("^", "--", "tab:grey"), BATCH_ROWS: ("D", "-", "tab:blue")}
+"""Variant -> (marker, line style, colour) in the plot."""
 RATIOS = {
     "unrelated_over_batch_rows": (FOREST_UNRELATED, BATCH_ROWS, "unrelated / batch rows"),
     "separate_over_unrelated": (SEPARATE, FOREST_UNRELATED, "separate / unrelated"),
@@ -126,12 +127,9 @@ class Step:
         self.positions = torch.full((r, 1), p, dtype=torch.long, device=self.device)
         self.mask = torch.ones((r, p + 1), dtype=torch.long, device=self.device)
         self.keys_per_query = {FOREST_UNRELATED: r * p + r, FOREST_SHARED: p + r, SEPARATE: p + 1, BATCH_ROWS: p + 1}
-        self.runs: dict[str, Callable[[], torch.Tensor]] = {
-            FOREST_UNRELATED: self.forest_unrelated, FOREST_SHARED: self.forest_shared,
-            SEPARATE: self.separate, BATCH_ROWS: self.batch_rows}
 
     def run(self, variant: str) -> torch.Tensor:
-        return self.runs[variant]()
+        return getattr(self, variant)()  # each variant is the method of its name
 
     def forest_unrelated(self) -> torch.Tensor:
         nodes, logits = self.forest.feed(self.tokens, self.roots_last, logits_for=range(len(self.tokens)),
@@ -243,7 +241,7 @@ def run_unrelated(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens:
     return {
         "benchmark": "unrelated",
         "title": "Attention over unrelated requests: one decode step",
-        "metadata": {**meta, "load_average_at_end": load_average(), "elapsed_s": round(time.perf_counter() - started, 2)},
+        "metadata": finished(meta, started),
         "config": {"requests": list(requests), "prompt_tokens": list(prompt_tokens), "steps": steps, "warmup": warmup,
                    "seed": seed, "atol": atol, "notes": NOTES},
         "labels": dict(LABELS),
@@ -254,156 +252,41 @@ def run_unrelated(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens:
     }
 
 
-# ---------------------------------------------------------------------- reading the result
-def tables(result: dict):
-    """The result as text tables: milliseconds per step, their ratios, and attention scores."""
-    from .harness import TextTable
-
+# ---------------------------------------------------------------------- how the result is read
+def tables(result: dict) -> list[TextTable]:
+    """Milliseconds per step, their ratios, and attention scores: a row per (R, P)."""
     cells = sorted(result["cells"], key=lambda c: (c["prompt_tokens"], c["requests"]))
     short, steps = result["short"], result["config"]["steps"]
+    lead = [("R", lambda c: str(c["requests"])), ("P", lambda c: str(c["prompt_tokens"]))]
 
-    def lead(cell: dict) -> list[str]:
-        return [str(cell["requests"]), str(cell["prompt_tokens"])]
+    def each(figure: str, form: str) -> list:
+        return [(short[v], lambda c, v=v: form.format(c["variants"][v][figure])) for v in VARIANTS]
 
-    times = [lead(c) + [f"{c['variants'][v]['ms_per_step']:.1f}" for v in VARIANTS]
-             + [f"{max(c['variants'][v]['max_abs_diff'] for v in VARIANTS):.1e}"] for c in cells]
-    ratios = [lead(c) + [f"{c['ratios'][k]:.2f}x" for k in RATIOS]
-              + [f"{c['variants'][FOREST_UNRELATED]['scores_per_head'] / c['variants'][BATCH_ROWS]['scores_per_head']:.1f}x"]
-              for c in cells]
-    scores = [lead(c) + [f"{c['variants'][v]['scores_per_head']:,}" for v in VARIANTS] for c in cells]
-    return [
-        TextTable(f"Milliseconds per decode step (median of {steps})",
-                  ["R", "P", *(short[v] for v in VARIANTS), "largest logit diff"], times),
-        TextTable("Ratios of the medians",
-                  ["R", "P", *(header for _, _, header in RATIOS.values()), "attention scores, unrelated / batch rows"], ratios),
-        TextTable("Attention scores per step, per layer and query head (queries x keys)",
-                  ["R", "P", *(short[v] for v in VARIANTS)], scores),
-    ]
+    ratios = [(header, lambda c, k=k: f"{c['ratios'][k]:.2f}x") for k, (_, _, header) in RATIOS.items()]
+    scores = ("attention scores, unrelated / batch rows", lambda c: "{:.1f}x".format(
+        c["variants"][FOREST_UNRELATED]["scores_per_head"] / c["variants"][BATCH_ROWS]["scores_per_head"]))
+    largest = ("largest logit diff", lambda c: f"{max(c['variants'][v]['max_abs_diff'] for v in VARIANTS):.1e}")
+    return [grid(f"Milliseconds per decode step (median of {steps})", cells, lead + each("ms_per_step", "{:.1f}")
+                 + [largest], lead=2),
+            grid("Ratios of the medians", cells, lead + ratios + [scores], lead=2),
+            grid("Attention scores per step, per layer and query head (queries x keys)", cells,
+                 lead + each("scores_per_head", "{:,}"), lead=2)]
 
 
-def markdown(result: dict) -> str:
-    """The result's tables as markdown, with what ran them."""
-    meta, cfg = result["metadata"], result["config"]
-    lines = [(f"Measured {meta['date']} on {meta['model']} ({meta['dtype']}, {meta['device']}, "
-              f"{meta['threads']} threads of {meta['cpu_count']} cores, attention {meta['attn_implementation']}), "
-              f"torch {meta['torch']}, transformers {meta['transformers']}; load average at start "
-              f"{_loads(meta.get('load_average_at_start'))}, at end {_loads(meta.get('load_average_at_end'))}."),
-             (f"Every variant's logits matched its reference on every step (largest difference "
-              f"{result['max_abs_diff']:.1e}, allowed {cfg['atol']:g}).")]
-    for table in tables(result):
-        align = ["---" if i < 2 else "---:" for i in range(len(table.header))]
-        lines += ["", f"**{table.title}**", "", "| " + " | ".join(table.header) + " |", "|" + "|".join(align) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in table.rows]
-    return "\n".join(lines) + "\n"
-
-
-def _loads(loads) -> str:
-    return "?" if not loads else ", ".join(f"{x:.2f}" for x in loads)
-
-
-def plot(result: dict, path: str | Path) -> Path:
+def chart(result: dict) -> Chart:
     """Milliseconds per step against R (log-log), a line per variant, one panel per P."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
-
-    path = Path(path)
     lengths = sorted({c["prompt_tokens"] for c in result["cells"]})
-    fig = Figure(figsize=(max(6.0, 5.2 * len(lengths)), 4.6), dpi=120)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(lengths), squeeze=False, sharey=True)[0]
-    styles = {FOREST_UNRELATED: ("o", "-", "tab:red"), FOREST_SHARED: ("s", "-", "tab:green"),
-              SEPARATE: ("^", "--", "tab:grey"), BATCH_ROWS: ("D", "-", "tab:blue")}
-    for ax, p in zip(axes, lengths):
+    panels = []
+    for p in lengths:
         cells = sorted((c for c in result["cells"] if c["prompt_tokens"] == p), key=lambda c: c["requests"])
-        xs = [c["requests"] for c in cells]
-        for v in VARIANTS:
-            marker, style, color = styles[v]
-            ys = [c["variants"][v]["ms_per_step"] for c in cells]
-            ax.plot(xs, ys, marker=marker, ls=style, color=color, label=result["short"][v])
-            ax.annotate(f"{ys[-1]:.0f}", (xs[-1], ys[-1]), textcoords="offset points", xytext=(6, -3), fontsize=7,
-                        color=color)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.yaxis.set_major_locator(FixedLocator([t * 10 ** e for e in range(-1, 6) for t in (1, 2, 5)]))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlim(min(xs) / 1.3, max(xs) * 1.6)
-        ax.set_xlabel("R (requests decoding together)")
-        ax.set_title(f"P = {p} prompt tokens per request", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("ms per decode step (median, log)")
-    axes[0].legend(fontsize=7, loc="upper left")
-    meta = result["metadata"]
-    fig.suptitle(f"{result['title']} - {meta['model']} ({meta['dtype']}, {meta['device']}, "
-                 f"threads={meta['threads']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+        lines = [Line(result["short"][v], [(c["requests"], c["variants"][v]["ms_per_step"]) for c in cells],
+                      {"marker": marker, "ls": style, "color": color},
+                      [None] * (len(cells) - 1) + [f"{cells[-1]['variants'][v]['ms_per_step']:.0f}"])
+                 for v, (marker, style, color) in STYLES.items()]
+        panels.append(Panel(f"P = {p} prompt tokens per request", lines, log_y=True,
+                            ylabel="ms per decode step (median, log)" if not panels else ""))
+    return Chart(panels, sorted({c["requests"] for c in result["cells"]}), "R (requests decoding together)",
+                 legend="first")
 
 
-def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None) -> list[Path]:
-    """Write `<stem>.json`, `<stem>.png` and `<stem>.md` in `out_dir` (created); returns the paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = stem or f"bench_{result['benchmark']}"
-    paths = [out / f"{stem}.json", out / f"{stem}.png", out / f"{stem}.md"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    plot(result, paths[1])
-    paths[2].write_text(markdown(result), encoding="utf-8")
-    return paths
-
-
-# ---------------------------------------------------------------------- the command
-@click.command("unrelated")
-@click.option("--requests", default="1,4,16", show_default=True,
-              help="Unrelated requests decoding together (R), comma-separated.")
-@click.option("--prompt-tokens", default="300,1000", show_default=True,
-              help="Prompt tokens per request (P), comma-separated.")
-@click.option("--steps", type=int, default=7, show_default=True, help="Timed decode steps per cell (median reported).")
-@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed (but checked) steps first.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts and the variants' order.")
-@click.option("--threads", type=int, default=None, help="torch threads for the run (default: torch's own).")
-@click.option("--model", "model_name", default=None, metavar="NAME",
-              help="A local HF folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).")
-@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available).")
-@click.option("--output", "-o", default="bench-results", show_default=True, metavar="DIR",
-              help="Folder for the results: JSON, a PNG plot and a markdown table.")
-@click.option("--stem", default=None, metavar="NAME",
-              help="File name for the results, without extension (default: bench_unrelated).")
-def unrelated_command(**options):
-    """Attention over unrelated requests: one decode step of R requests of P tokens as one forest
-    (one row, masked), as one forest over a shared prompt, as R separate forwards and as R batch rows.
-    Checks that every variant gives the same logits (float32), then writes JSON, a plot and markdown."""
-    from ..cli.common import report_errors  # imported here: the CLI imports this module to register the command
-
-    report_errors(_unrelated_command)(**options)
-
-
-def _unrelated_command(requests, prompt_tokens, steps, warmup, seed, threads, model_name, device, output, stem):
-    from rich.markup import escape
-
-    from ..cli.bench import check_counts, check_run, parse_counts, print_tables
-    from ..cli.common import load_decoder, stderr, stdout
-
-    levels = parse_counts(requests, "--requests")
-    lengths = parse_counts(prompt_tokens, "--prompt-tokens")
-    check_counts(steps=steps)
-    if warmup < 0:
-        raise InvalidArgument(f"--warmup must be 0 or more, got {warmup}", "use --warmup 0 or more")
-    check_run(output, None, threads)
-    decoder = load_decoder(model_name, None, device)
-    start = time.perf_counter()
-    with stderr.status("benchmarking unrelated...") as status:
-        def progress(message: str) -> None:
-            stderr.print(f"[dim]{time.perf_counter() - start:6.1f} s  {escape(message)}[/dim]")
-            status.update(f"benchmarking unrelated... {escape(message)}")
-
-        result = run_unrelated(decoder.model, requests=levels, prompt_tokens=lengths, steps=steps, warmup=warmup,
-                               seed=seed, threads=threads, progress=progress)
-    paths = write_results(result, Path(output), stem=stem)
-    print_tables(result, tables(result))
-    stdout.print(f"Every variant's logits matched its reference (largest difference {result['max_abs_diff']:.1e}).")
-    for path in paths:
-        stdout.print(f"wrote {path}")
+VIEW = VIEWS["unrelated"] = View(tables, chart)

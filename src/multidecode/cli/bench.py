@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import time
 from pathlib import Path
 
@@ -10,9 +11,8 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from ..bench.unrelated import unrelated_command
 from ..errors import InvalidArgument
-from .common import load_decoder, model_options, report_errors, stderr, stdout
+from .common import SPELLING, load_decoder, model_options, report_errors, stderr, stdout
 
 
 def parse_counts(text: str, flag: str) -> tuple[int, ...]:
@@ -62,23 +62,30 @@ def check_counts(**counts: int) -> None:
             raise InvalidArgument(f"{flag} must be 1 or more, got {value}", f"use {flag} 1 or more")
 
 
-def print_tables(result: dict, texts=None, *, console=None) -> None:
-    """The result's tables (the same as its markdown file), drawn with rich; `texts`: other
-    `TextTable`s to draw instead (bench serve's), on `console` (default stdout)."""
-    from ..bench.harness import tables
+def check_budget(budget: float, example: int) -> None:
+    if budget <= 0:
+        raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}",
+                              f"for example --budget {example}")
 
-    for text in texts if texts is not None else tables(result):
+
+def print_tables(result: dict, *, console=None) -> None:
+    """The result's tables (the same as its markdown file), drawn with rich on `console` (default stdout)."""
+    from ..bench.results import tables
+
+    for text in tables(result):
         table = Table(title=text.title, title_justify="left")
         for i, column in enumerate(text.header):
-            table.add_column(escape(column), justify="left" if i == 0 else "right", min_width=16 if i == 0 else None)
+            table.add_column(escape(column), justify="left" if i < text.lead else "right",
+                             min_width=16 if i == 0 else None)
         for row in text.rows:
             table.add_row(*(escape(c).replace("**no**", "[red]no[/red]") for c in row))
         (console or stdout).print(table)
 
 
-def run_and_report(name: str, runner, output: str, stem: str | None) -> None:
-    """Run one benchmark with progress on stderr, then print its tables and write its files."""
-    from ..bench import write_results
+def run_and_report(name: str, runner, output: str, stem: str | None, *, as_json: bool = False) -> None:
+    """Run one benchmark with progress on stderr, write its files, then print its tables, its
+    findings and the files' paths (on stderr with `as_json`, which prints the result on stdout)."""
+    from ..bench.results import findings, write_results
 
     start = time.perf_counter()
     with stderr.status(f"benchmarking {name}...") as status:
@@ -88,14 +95,15 @@ def run_and_report(name: str, runner, output: str, stem: str | None) -> None:
 
         result = runner(progress)
     paths = write_results(result, Path(output), stem=stem)
-    print_tables(result)
-    if result.get("answers_identical"):
-        stdout.print("All methods gave identical answers.")
-    for row in [result, *result.get(result["layout"]["rows"], [])]:
-        for method, why in row.get("skipped", {}).items():
-            stdout.print(f"Not run: {escape(result['labels'][method])} ({escape(why)}).")
-    for path in paths:
-        stdout.print(f"wrote {path}")
+    console = stderr if as_json else stdout
+    print_tables(result, console=console)
+    said = findings(result)
+    if result.get("answers_identical"):  # its first finding, said shortly
+        said[0] = "All methods gave identical answers."
+    for line in said + [f"wrote {path}" for path in paths]:
+        console.print(escape(line))
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
 
 
 @click.group()
@@ -103,16 +111,18 @@ def bench():
     """Benchmarks against the transformers alternatives, measured side by side in one run."""
 
 
-def bench_command(name: str, *options):
-    """`bench NAME` with `options` plus --output, --stem, --repeats, --threads and the model's. The
-    decorated function checks its own settings (before the model loads) and returns the library
-    call to run as `call(decoder, repeats=, threads=, progress=)`."""
+def bench_command(name: str, *options, sweeps: tuple[str, ...] = (), counts: tuple[str, ...] = ()):
+    """`bench NAME` with `options` plus --output, --stem, --repeats, --threads and the model's.
+    Before the model loads, the settings named in `sweeps` (comma-separated counts, "1,2,4") are
+    parsed and those in `counts` refused below 1; the decorated function gets every setting,
+    checks the rest and returns the library call to run as `call(decoder, repeats=, threads=,
+    progress=)`."""
     def declare(prepare):
         @functools.wraps(prepare)
         def command(output, stem, repeats, threads, model_name, dtype, device, **own):
             check_run(output, dtype, threads)
-            check_counts(repeats=repeats)
-            call = prepare(**own)
+            check_counts(repeats=repeats, **{k: own[k] for k in counts if own[k] is not None})
+            call = prepare(**{**own, **{k: parse_counts(own[k], "--" + k.replace("_", "-")) for k in sweeps}})
             decoder = load_decoder(model_name, dtype, device)
             run_and_report(name, lambda progress: call(decoder, repeats=repeats, threads=threads, progress=progress),
                            output, stem)
@@ -123,79 +133,79 @@ def bench_command(name: str, *options):
     return declare
 
 
+def max_new_tokens(default: int | None, help: str | None = None):
+    return click.option("--max-new-tokens", type=int, default=default, show_default=default is not None, help=help)
+
+
+PROMPT_TOKENS = click.option("--prompt-tokens", type=int, default=200, show_default=True,
+                             help="Tokens of the prompt, about (an excerpt of the sample support call).")
+
+
 @bench_command(
     "ask",
     click.option("--ks", default="1,2,4,8,16", show_default=True, help="Question counts for the sweep."),
-    click.option("--max-new-tokens", type=int, default=32, show_default=True),
+    max_new_tokens(32),
     click.option("--speculate", default=None, metavar="MODE",
-                 help="Also run (e): the forest with every branch speculating (lookup, auto)."),
+                 help="Also run (e): the forest with every branch speculating (lookup, suffix, lookahead, auto)."),
+    sweeps=("ks",), counts=("max_new_tokens",),
 )
-def bench_ask(ks, max_new_tokens, speculate):
+def bench_ask(speculate, **settings):
     """Many questions about one document: (a) sequential generate, (b) a padded batch, (c) a shared
     prefix cache copied to a batch, (d) MultiDecode. Asserts identical answers; writes JSON, a plot and markdown."""
     from ..bench import run_ask_benchmark
+    from ..speculation import SpeculationSettings
 
-    sweep = parse_counts(ks, "--ks")
-    check_counts(max_new_tokens=max_new_tokens)
-    return functools.partial(run_ask_benchmark, max_new_tokens=max_new_tokens, ks=sweep, speculate=speculate)
+    speculation = SpeculationSettings.parse(speculate, spelling=SPELLING)
+    return functools.partial(run_ask_benchmark, speculate=speculation, **settings)
 
 
 @bench_command(
     "sample",
     click.option("--n", "n", type=int, default=8, show_default=True, help="Completions at the main point."),
     click.option("--ns", default="1,2,4,8,16", show_default=True, help="Completion counts for the sweep."),
-    click.option("--max-new-tokens", type=int, default=64, show_default=True),
-    click.option("--prompt-tokens", type=int, default=200, show_default=True),
+    max_new_tokens(64), PROMPT_TOKENS, sweeps=("ns",), counts=("n", "max_new_tokens", "prompt_tokens"),
 )
-def bench_sample(n, ns, max_new_tokens, prompt_tokens):
+def bench_sample(**settings):
     """n sampled completions of one prompt: transformers' num_return_sequences against MultiDecode."""
     from ..bench import run_sample_benchmark
 
-    sweep = parse_counts(ns, "--ns")
-    check_counts(n=n, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens)
-    return functools.partial(run_sample_benchmark, n=n, ns=sweep, max_new_tokens=max_new_tokens,
-                             prompt_tokens=prompt_tokens)
+    return functools.partial(run_sample_benchmark, **settings)
 
 
 @bench_command(
     "beam",
     click.option("--num-beams", type=int, default=4, show_default=True, help="Beams at the main point."),
     click.option("--beams", default="2,4,8", show_default=True, help="Beam counts for the sweep."),
-    click.option("--max-new-tokens", type=int, default=32, show_default=True),
-    click.option("--prompt-tokens", type=int, default=200, show_default=True),
+    max_new_tokens(32), PROMPT_TOKENS, sweeps=("beams",), counts=("num_beams", "max_new_tokens", "prompt_tokens"),
 )
-def bench_beam(num_beams, beams, max_new_tokens, prompt_tokens):
+def bench_beam(beams, **settings):
     """Beam search: transformers' generate(num_beams=B) against beams as one tree (identical results asserted)."""
     from ..bench import run_beam_benchmark
 
-    sweep = parse_counts(beams, "--beams")
-    check_counts(num_beams=num_beams, max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens)
-    return functools.partial(run_beam_benchmark, num_beams=num_beams, beams_sweep=sweep,
-                             max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens)
+    return functools.partial(run_beam_benchmark, beams_sweep=beams, **settings)
 
 
 @bench_command(
     "margins",
     click.option("--chunks", type=int, default=8, show_default=True),
     click.option("--chunk-tokens", type=int, default=300, show_default=True),
-    click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens per margin."),
+    max_new_tokens(48, "Tokens per margin."), counts=("chunks", "chunk_tokens", "max_new_tokens"),
 )
-def bench_margins(chunks, chunk_tokens, max_new_tokens):
+def bench_margins(**settings):
     """Writing in the margins: margins one chunk at a time, as one padded batch, and as one forest."""
     from ..bench import run_margins_benchmark
 
-    check_counts(chunks=chunks, chunk_tokens=chunk_tokens, max_new_tokens=max_new_tokens)
-    return functools.partial(run_margins_benchmark, chunks=chunks, chunk_tokens=chunk_tokens,
-                             max_new_tokens=max_new_tokens)
+    return functools.partial(run_margins_benchmark, **settings)
 
 
 @bench_command(
     "speculate",
     click.option("--workloads", default="summary,code_edit,story", show_default=True,
                  help="Which shipped workloads to run, comma-separated."),
-    click.option("--max-new-tokens", type=int, default=None, help="Override every workload's own (quick runs)."),
+    max_new_tokens(None, "Override every workload's own (quick runs)."),
     click.option("--budget", type=float, default=90.0, show_default=True, metavar="SECONDS",
                  help="Time budget for each workload's rounds of all methods."),
+    counts=("max_new_tokens",),
 )
 def bench_speculate(workloads, max_new_tokens, budget):
     """Speculative decoding of one sequence, greedy: plain generate, transformers' prompt lookup at 3 and
@@ -205,9 +215,7 @@ def bench_speculate(workloads, max_new_tokens, budget):
 
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     choose(names)
-    check_counts(**({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}))
-    if budget <= 0:
-        raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}", "for example --budget 90")
+    check_budget(budget, 90)
     return functools.partial(run_speculate_benchmark, names=names, max_new_tokens=max_new_tokens, budget_s=budget)
 
 
@@ -217,34 +225,29 @@ def bench_speculate(workloads, max_new_tokens, budget):
                  help="merged: documents of 300-1,500 tokens, 4-8 questions each, one at a time against merged "
                       "forests and an HF generate loop; similar: short similar calls, with and without speculation."),
     click.option("--documents", type=int, default=None, help="Documents in the job (default: 24 merged, 16 similar)."),
-    click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Longest answer, in tokens."),
+    max_new_tokens(48, "Longest answer, in tokens."),
     click.option("--forest-tokens", type=int, default=None, metavar="N",
                  help="The merged forests' budget in cache tokens (default: the batch job's)."),
     click.option("--budget", type=float, default=None, metavar="SECONDS",
                  help="Time budget for the rounds of all methods (one round always runs; default 600 merged, 300 similar)."),
+    counts=("documents", "max_new_tokens"),
 )
-def bench_batch(workload, documents, max_new_tokens, forest_tokens, budget):
+def bench_batch(workload, forest_tokens, budget, **settings):
     """The batch job. merged (the default): 24 documents of 300-1,500 tokens with 4-8 questions each, answered
     one document at a time, in merged forests (with and without suffix drafts) and by a loop of HF generate.
     similar: many similar support calls, 8 questions each, without speculation, with lookup, and with suffix and
     auto learning from the job's earlier documents. Asserts identical answers; writes JSON, a plot and markdown."""
     from ..bench import run_batch_benchmark, run_merged_benchmark
 
-    documents = documents if documents is not None else (24 if workload == "merged" else 16)
-    budget = budget if budget is not None else (600.0 if workload == "merged" else 300.0)
-    check_counts(documents=documents, max_new_tokens=max_new_tokens)
-    if budget <= 0:
-        raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}", "for example --budget 300")
-    if workload == "similar":
-        if forest_tokens is not None:
-            raise InvalidArgument("--forest-tokens is for --workload merged", "leave it out, or use --workload merged")
-        return functools.partial(run_batch_benchmark, documents=documents, max_new_tokens=max_new_tokens,
-                                 budget_s=budget)
+    if budget is not None:
+        check_budget(budget, 300)
+    if forest_tokens is not None and workload == "similar":
+        raise InvalidArgument("--forest-tokens is for --workload merged", "leave it out, or use --workload merged")
     if forest_tokens is not None and forest_tokens < 0:
         raise InvalidArgument(f"--forest-tokens must be 0 or more, got {forest_tokens}", "for example --forest-tokens 8192")
-    extra = {} if forest_tokens is None else {"forest_tokens": forest_tokens}
-    return functools.partial(run_merged_benchmark, documents=documents, max_new_tokens=max_new_tokens,
-                             budget_s=budget, **extra)
+    given = {**settings, "budget_s": budget, "forest_tokens": forest_tokens}  # the library's defaults for the rest
+    return functools.partial(run_merged_benchmark if workload == "merged" else run_batch_benchmark,
+                             **{k: v for k, v in given.items() if v is not None})
 
 
 def parse_shares(text: str) -> tuple[float, ...]:
@@ -284,50 +287,56 @@ def parse_shares(text: str) -> tuple[float, ...]:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (the tables go to stderr).")
 @output_options
 @report_errors
-def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, prompt_tokens, seed, with_transformers,
-                transformers_requests, transformers_cb, threads, quick, as_json, output, stem):
+def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, prompt_tokens, quick, as_json,
+                with_transformers, transformers_cb, output, stem, **settings):
     """The OpenAI-compatible server under load: a seeded Poisson load of streamed greedy completions
     (openai.AsyncOpenAI) against `multidecode serve` as one forest and one request at a time, and
     transformers serve, each in a subprocess on a free loopback port. Reports TTFT, ITL, TPOT and
     end-to-end latency (p50/p95/p99), requests/s, tokens/s, cache hit rate and branches per forward
     per cell (concurrency x shared-prefix share); writes JSON, a plot and markdown."""
-    import json
+    from ..bench.serve import GRID, QUICK, run_serve_benchmark
 
-    from ..bench.serve import QUICK, run_serve_benchmark, tables, write_results
-
-    defaults = QUICK if quick else {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9),
-                                    "max_tokens": 32, "prompt_tokens": 300}
-    requests = defaults["requests"] if requests is None else requests
-    max_tokens = defaults["max_tokens"] if max_tokens is None else max_tokens
-    prompt_tokens = defaults["prompt_tokens"] if prompt_tokens is None else prompt_tokens
-    levels = defaults["concurrency"] if concurrency is None else parse_counts(concurrency, "--concurrency")
-    shares = defaults["shared"] if shared is None else parse_shares(shared)
-    with_transformers = (not quick) if with_transformers is None else with_transformers
-    check_counts(requests=requests, max_tokens=max_tokens, prompt_tokens=prompt_tokens,
-                 transformers_requests=transformers_requests)
+    given = {"requests": requests, "max_tokens": max_tokens, "prompt_tokens": prompt_tokens,
+             "concurrency": None if concurrency is None else parse_counts(concurrency, "--concurrency"),
+             "shared": None if shared is None else parse_shares(shared)}
+    load = {**(QUICK if quick else GRID), **{k: v for k, v in given.items() if v is not None}}
+    check_counts(requests=load["requests"], max_tokens=load["max_tokens"], prompt_tokens=load["prompt_tokens"],
+                 transformers_requests=settings["transformers_requests"])
     if not rate > 0:
         raise InvalidArgument(f"--rate must be positive, got {rate}", "for example --rate 8, or --rate inf")
+    check_run(output, None, settings["threads"])
+    transformers = (not quick) if with_transformers is None else with_transformers
+    run_and_report("serve", lambda progress: run_serve_benchmark(
+        model=model_name, rate=rate, transformers=transformers, transformers_cb=transformers_cb, progress=progress,
+        **load, **settings), output, stem, as_json=as_json)
+
+
+@bench.command("unrelated")
+@click.option("--requests", default="1,4,16", show_default=True,
+              help="Unrelated requests decoding together (R), comma-separated.")
+@click.option("--prompt-tokens", default="300,1000", show_default=True,
+              help="Prompt tokens per request (P), comma-separated.")
+@click.option("--steps", type=int, default=7, show_default=True, help="Timed decode steps per cell (median reported).")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed (but checked) steps first.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompts and the variants' order.")
+@click.option("--threads", type=int, default=None, help="torch threads for the run (default: torch's own).")
+@click.option("--model", "model_name", default=None, metavar="NAME",
+              help="A local HF folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available).")
+@output_options
+@report_errors
+def bench_unrelated(requests, prompt_tokens, steps, warmup, seed, threads, model_name, device, output, stem):
+    """Attention over unrelated requests: one decode step of R requests of P tokens as one forest
+    (one row, masked), as one forest over a shared prompt, as R separate forwards and as R batch rows.
+    Checks that every variant gives the same logits (float32), then writes JSON, a plot and markdown."""
+    from ..bench.unrelated import run_unrelated
+
+    levels, lengths = parse_counts(requests, "--requests"), parse_counts(prompt_tokens, "--prompt-tokens")
+    check_counts(steps=steps)
+    if warmup < 0:
+        raise InvalidArgument(f"--warmup must be 0 or more, got {warmup}", "use --warmup 0 or more")
     check_run(output, None, threads)
-    start = time.perf_counter()
-    with stderr.status("benchmarking serve...") as status:
-        def progress(message: str) -> None:
-            stderr.print(f"[dim]{time.perf_counter() - start:6.1f} s  {escape(message)}[/dim]")
-            status.update(f"benchmarking serve... {escape(message)}")
-
-        result = run_serve_benchmark(model=model_name, requests=requests, concurrency=levels, shared=shares,
-                                     rate=rate, max_tokens=max_tokens, prompt_tokens=prompt_tokens, seed=seed,
-                                     threads=threads, transformers=with_transformers,
-                                     transformers_requests=transformers_requests, transformers_cb=transformers_cb,
-                                     progress=progress)
-    paths = write_results(result, Path(output), stem=stem)
-    print_tables(result, tables(result), console=stderr if as_json else stdout)
-    report = stderr if as_json else stdout
-    for name, why in result["skipped"].items():
-        report.print(f"Not run: {escape(result['labels'][name])} ({escape(why)}).")
-    for path in paths:
-        report.print(f"wrote {path}")
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-
-
-bench.add_command(unrelated_command)
+    model = load_decoder(model_name, None, device).model
+    run_and_report("unrelated", lambda progress: run_unrelated(
+        model, requests=levels, prompt_tokens=lengths, steps=steps, warmup=warmup, seed=seed, threads=threads,
+        progress=progress), output, stem)
