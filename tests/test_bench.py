@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from tiny_models import EOS, VOCAB, reference_generate, tiny_model
+from byte_tokenizer import ByteTokenizer
+from tiny_models import EOS, reference_generate, tiny_model
 
 from multidecode import MultiDecoder
 from multidecode.bench import AnswersDiffer, run_ask_benchmark, write_results
@@ -19,22 +20,6 @@ from multidecode.bench.common import (
     shared_prefix_length,
     trim_at_eos,
 )
-
-
-class ByteTokenizer:
-    """A minimal tokenizer for the tiny models: one id per character, bos first, no chat template."""
-
-    chat_template = None
-    pad_token_id = 0
-    eos_token_id = EOS
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        ids = [3 + ord(c) % (VOCAB - 3) for c in text]
-        return {"input_ids": ([1] if add_special_tokens else []) + ids}
-
-    def decode(self, ids, skip_special_tokens: bool = True, **kwargs) -> str:
-        return "".join(chr(i) for i in ids if i >= 3)
-
 
 DOCUMENT = "The red fox lives in the old barn near the river and eats apples every morning."
 QUESTIONS = ["Who lives there?", "Where?", "What does it eat at dawn?", "When?"]

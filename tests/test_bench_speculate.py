@@ -8,7 +8,7 @@ import ast
 import json
 
 import pytest
-from test_bench import ByteTokenizer
+from byte_tokenizer import ByteTokenizer
 from tiny_models import EOS, reference_generate, tiny_model
 from transformers.generation import candidate_generator
 

@@ -241,6 +241,10 @@ class SpeculationSettings:
                    draft_model, None if skip_layers is None else skip_layer_list(skip_layers, spelling))
 
     @property
+    def off(self) -> bool:
+        return self.mode is None
+
+    @property
     def own_draft(self) -> bool:
         """Whether these settings name their own draft (a model to load, or a self-draft)."""
         return self.draft_model is not None or self.skip_layers is not None
