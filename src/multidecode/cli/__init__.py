@@ -5,16 +5,12 @@ from __future__ import annotations
 import click
 
 from ..version import __version__
-from .ask import ask
 from .batch import batch
-from .beam import beam
 from .bench import bench
 from .cache import cache
-from .complete import complete, vote
+from .decoding import ask, beam, complete, generate, margins, vote
 from .demo import demo
 from .explain import explain
-from .generate import generate
-from .margins import margins
 from .serve import serve
 
 

@@ -7,8 +7,8 @@ import time
 import click
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .ask import show_stream
 from .common import load_decoder, model_options, report_errors, stderr, stdout
+from .decoding import show_stream
 
 
 @click.command()

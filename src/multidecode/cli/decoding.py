@@ -1,0 +1,410 @@
+"""The decoding commands: `generate` (one completion), `ask` (many questions about one document
+in one pass), `complete` (n completions of one prompt), `vote` (self-consistency), `beam` (beam
+search) and `margins` (writing in the margins). Each parses its options, calls its strategy in
+`multidecode.strategies` and formats what comes back: streamed text, a table, or `--json`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable, Sequence
+
+import click
+from rich.live import Live
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from ..branches import TokenEvent
+from ..errors import InvalidArgument, InvalidInput, check_positive
+from ..prompts import check_text
+from ..strategies import ask as ask_strategy
+from ..strategies import complete as complete_strategy
+from ..strategies import margins as margins_strategy
+from ..strategies.ask import check_document, check_questions
+from .common import (
+    check_early,
+    decoding_options,
+    load_decoder,
+    model_options,
+    open_run,
+    print_stats,
+    prompt_options,
+    read_lines,
+    read_prompt,
+    read_text,
+    report_errors,
+    sampling_from,
+    sampling_options,
+    stderr,
+    stdout,
+)
+
+
+class AnswerBoard:
+    """Collects streamed events per question and renders them: live on a terminal, else as each ends."""
+
+    def __init__(self, questions: Sequence[str]) -> None:
+        self.questions = list(questions)
+        self.texts = [""] * len(questions)
+        self.token_ids: list[list[int]] = [[] for _ in questions]
+        self.reasons: list[str | None] = [None] * len(questions)
+
+    def add(self, event: TokenEvent) -> bool:
+        """Record an event; True when it finished its question."""
+        self.texts[event.branch] += event.text
+        self.token_ids[event.branch].append(event.token_id)
+        self.reasons[event.branch] = event.finish_reason
+        return event.finish_reason is not None
+
+    def entry(self, i: int) -> Text:
+        entry = Text()
+        entry.append(f"{i + 1}. {self.questions[i]}", style="bold")
+        entry.append(" done" if self.reasons[i] else " ...", style="green" if self.reasons[i] else "cyan")
+        entry.append("\n   " + self.texts[i].strip().replace("\n", "\n   ") + "\n")
+        return entry
+
+    def __rich__(self) -> Text:
+        return Text("\n").join(self.entry(i) for i in range(len(self.questions)))
+
+
+def show_stream(events: Iterable[TokenEvent], questions: Sequence[str]) -> AnswerBoard:
+    """Print answers as they are generated; returns the finished board."""
+    board = AnswerBoard(questions)
+    if stdout.is_terminal:
+        with Live(board, console=stdout, refresh_per_second=12, transient=False):
+            for event in events:
+                board.add(event)
+    else:
+        for event in events:
+            if board.add(event):
+                stdout.print(board.entry(event.branch))
+    return board
+
+
+def gather_questions(question: Sequence[str], questions_file: str | None) -> list[str]:
+    questions = list(question)
+    if questions_file:
+        questions += read_lines(questions_file)
+    if not questions:
+        raise InvalidInput("there are no questions", "pass --question TEXT (repeatable) or --questions-file FILE")
+    return questions
+
+
+@click.command()
+@click.option("--document", "-d", required=True, metavar="FILE", help="The document, a UTF-8 text file ('-' for stdin).")
+@click.option("--question", "-q", multiple=True, metavar="TEXT", help="A question (repeatable).")
+@click.option("--questions-file", metavar="FILE", help="Questions, one per line.")
+@click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Longest answer, in tokens.")
+@click.option("--stop", multiple=True, metavar="TEXT", help="Stop an answer at this string (repeatable).")
+@decoding_options()
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of answers instead of streaming text.")
+@report_errors
+def ask(document, question, questions_file, max_new_tokens, stop, model_name, dtype, device, as_json, speculate,
+        draft_budget, show_stats, **sampling):
+    """Answer many questions about one document in one pass over one shared KV cache."""
+    if document == "-" and questions_file == "-":
+        raise InvalidInput("--document and --questions-file cannot both read standard input",
+                           "give one of them as a file")
+    text = read_text(document)
+    questions = gather_questions(question, questions_file)
+    check_document(text)
+    check_questions(questions)
+    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
+                             sampling=sampling_from(sampling), stop=stop)
+    start = time.perf_counter()
+    settings = dict(max_new_tokens=max_new_tokens, stop=stop, speculate=spec, **sampling_from(sampling))
+    run = ask_strategy.start(decoder.scheduler(), decoder.tokenizer, text, questions, **settings)
+    if as_json:
+        answers = ask_strategy.answers(run.finish(), questions)
+        rows = [
+            {"question": a.question, "answer": a.text, "finish_reason": a.finish_reason,
+             "token_ids": a.token_ids, "prompt_tokens": len(a.prompt_ids)}
+            for a in answers
+        ]
+        click.echo(json.dumps(rows, ensure_ascii=False))
+        generated = sum(len(a.token_ids) for a in answers)
+    else:
+        board = show_stream(run.events, questions)
+        generated = sum(map(len, board.token_ids))
+    elapsed = time.perf_counter() - start
+    if show_stats:
+        print_stats(run.stats.as_dict())
+    stderr.print(
+        f"[dim]{len(questions)} answer{'s' * (len(questions) != 1)}, {generated} tokens in {elapsed:.1f} s "
+        f"({generated / elapsed:.1f} tokens/s), one shared pass[/dim]"
+    )
+
+
+@click.command()
+@prompt_options
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--stop", multiple=True, metavar="TEXT", help="Stop at this string (repeatable).")
+@decoding_options("auto")
+@click.option("--json", "as_json", is_flag=True, help="Print the completion and its stats as JSON.")
+@report_errors
+def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, dtype, device, speculate, draft_budget,
+             show_stats, as_json, **sampling):
+    """Generate one completion, greedy unless a sampling option is given.
+
+    With --speculate, draft tokens are verified in the same forward as the next token; the output
+    is the same as without (greedy: the same as transformers' generate).
+    """
+    text = read_prompt(prompt, prompt_file)
+    chosen = sampling_from(sampling)
+    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
+                             sampling=chosen, stop=stop)
+    start = time.perf_counter()
+    run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, text, n=1, max_new_tokens=max_new_tokens, stop=stop,
+                         chat=False if no_chat else None, sample=False, speculate=spec, **chosen)
+    if as_json:
+        done = complete_strategy.completions(run.finish())[0]
+        click.echo(json.dumps({"text": done.text, "finish_reason": done.finish_reason, "token_ids": done.token_ids,
+                               "prompt_tokens": len(done.prompt_ids), "seed": done.seed, "stats": done.stats},
+                              ensure_ascii=False))
+    else:
+        for event in run.events:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    elapsed = time.perf_counter() - start
+    tokens = run.stats.tokens
+    stderr.print(f"[dim]{tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s)[/dim]")
+    if show_stats:
+        print_stats(run.stats.as_dict())
+
+
+@click.command()
+@prompt_options
+@click.option("--n", "-n", "n", type=int, default=4, show_default=True, help="Number of completions.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--greedy", is_flag=True, help="Greedy decoding (all n completions are then identical).")
+@click.option("--stop", multiple=True, metavar="TEXT", help="Stop a completion at this string (repeatable).")
+@decoding_options()
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of completions.")
+@report_errors
+def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, model_name, dtype, device, as_json,
+             speculate, draft_budget, show_stats, **sampling):
+    """n completions of one prompt from one prefill, sampled side by side.
+
+    Each completion reports its seed; `--seed S` makes completion i use S + i, the same as a
+    single completion run with `--seed S+i`.
+    """
+    text = read_prompt(prompt, prompt_file)
+    chosen = sampling_from(sampling)
+    if greedy and set(chosen) - {"repetition_penalty"}:
+        flags = ", ".join("--" + k.replace("_", "-") for k in chosen if k != "repetition_penalty")
+        raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
+    if greedy:
+        chosen["do_sample"] = False
+    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
+                             sampling=chosen, stop=stop)
+    settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None, speculate=spec,
+                    **chosen)
+    start = time.perf_counter()
+    run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, text, **settings)
+    if as_json:
+        done = complete_strategy.completions(run.finish())
+        click.echo(json.dumps([{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "seed": c.seed,
+                                "token_ids": c.token_ids} for c in done], ensure_ascii=False))
+        generated = sum(len(c.token_ids) for c in done)
+    else:
+        labels = [f"completion {b.index + 1}" + (f" (seed {b.sampler.params.seed})" if b.sampler.params.do_sample
+                                                   else "") for b in run.branches]
+        board = show_stream(run.events, labels)
+        generated = sum(map(len, board.token_ids))
+    elapsed = time.perf_counter() - start
+    if show_stats:
+        print_stats(run.stats.as_dict())
+    stderr.print(f"[dim]{n} completion{'s' * (n != 1)}, {generated} tokens in {elapsed:.1f} s ({generated / elapsed:.1f} tokens/s), "
+                 f"one prefill[/dim]")
+
+
+@click.command()
+@click.option("--question", "-q", required=True, metavar="TEXT", help="The question to reason about.")
+@click.option("--n", "-n", "n", type=int, default=8, show_default=True, help="Number of reasoning traces.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@decoding_options()
+@click.option("--show-traces", is_flag=True, help="Print every trace, not only the answers.")
+@click.option("--json", "as_json", is_flag=True, help="Print the vote as JSON.")
+@report_errors
+def vote(question, n, max_new_tokens, model_name, dtype, device, show_traces, as_json, speculate, draft_budget,
+         show_stats, **sampling):
+    """Self-consistency: n sampled reasoning traces in one forest, and the majority answer."""
+    from ..strategies.vote import tally, vote_prompt, vote_settings
+
+    check_text(question, "the question", "write the question to reason about")
+    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
+                             sampling=vote_settings(sampling_from(sampling)))
+    prompt = vote_prompt(question)
+    run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
+                         speculate=spec, **vote_settings(sampling_from(sampling)))
+    columns = [TextColumn("reasoning"), BarColumn(), MofNCompleteColumn(), TextColumn("traces done"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=stderr, transient=True) as bar:
+        task = bar.add_task("", total=n)
+        for event in run.events:
+            if event.finish_reason is not None:
+                bar.advance(task)
+    result = tally(question, complete_strategy.completions(run))
+    if show_stats:
+        print_stats(run.stats.as_dict())
+    if as_json:
+        click.echo(json.dumps({"question": question, "answer": result.answer, "counts": result.counts,
+                               "agreement": result.agreement,
+                               "traces": [{"answer": t.answer, "text": t.text, "seed": t.seed,
+                                           "finish_reason": t.finish_reason} for t in result.traces]},
+                              ensure_ascii=False))
+        return
+    if show_traces:
+        for i, trace in enumerate(result.traces):
+            stdout.print(f"[bold]trace {i + 1}[/bold] (seed {trace.seed}) -> {escape(repr(trace.answer))}")
+            stdout.print(trace.text.strip(), markup=False)
+            stdout.print()
+    table = Table(title=f"{n} traces", title_justify="left")
+    table.add_column("answer")
+    table.add_column("votes", justify="right")
+    for answer, count in result.counts.items():
+        table.add_row(Text(answer), str(count))
+    missing = sum(t.answer is None for t in result.traces)
+    if missing:
+        table.add_row("[dim](no answer found)[/dim]", str(missing))
+    stdout.print(table)
+    stdout.print(f"Majority answer: [bold]{escape(result.answer)}[/bold] ({result.agreement:.0%} of traces)"
+                 if result.answer is not None else "No trace gave an answer.")
+
+
+def parse_early_stopping(value: str) -> bool | str:
+    return {"true": True, "false": False, "never": "never"}[value.lower()]
+
+
+@click.command()
+@prompt_options
+@click.option("--num-beams", "-b", type=int, default=4, show_default=True, help="Beams kept at every step.")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Longest hypothesis, in tokens.")
+@click.option("--length-penalty", type=float, default=1.0, show_default=True,
+              help="Score = log-prob sum / length ** this (> 0 favours longer hypotheses).")
+@click.option("--early-stopping", type=click.Choice(["true", "false", "never"], case_sensitive=False),
+              default="false", show_default=True,
+              help="When the search ends once num-beams hypotheses are finished (as in transformers).")
+@click.option("--num-return-sequences", "-n", type=int, default=1, show_default=True,
+              help="How many of the best hypotheses to print (at most --num-beams).")
+@model_options
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of the returned beams.")
+@report_errors
+def beam(prompt, prompt_file, no_chat, num_beams, max_new_tokens, length_penalty, early_stopping,
+         num_return_sequences, model_name, dtype, device, as_json):
+    """Beam search, equal to transformers' generate(num_beams=...), with the beams' common history
+    stored once in one cache and dropped beams compacted out."""
+    from ..strategies.beam import check_settings, search
+
+    text = read_prompt(prompt, prompt_file)
+    settings = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                    early_stopping=parse_early_stopping(early_stopping), num_return_sequences=num_return_sequences)
+    check_settings(**settings)  # before loading a model
+    decoder = load_decoder(model_name, dtype, device)
+    start = time.perf_counter()
+    with stderr.status("searching..."):
+        run = search(decoder.scheduler(), decoder.tokenizer, text, chat=False if no_chat else None, **settings)
+    elapsed = time.perf_counter() - start
+    if as_json:
+        click.echo(json.dumps([
+            {"rank": b.index + 1, "text": b.text, "score": b.score, "finish_reason": b.finish_reason,
+             "token_ids": b.token_ids, "prompt_tokens": len(b.prompt_ids)}
+            for b in run.beams
+        ], ensure_ascii=False))
+    else:
+        for b in run.beams:
+            stdout.print(f"[bold]{b.index + 1}.[/bold] score {b.score:.4f} [dim]({len(b.token_ids)} tokens, "
+                         f"{b.finish_reason})[/dim]")
+            stdout.print("   " + escape(b.text.strip()).replace("\n", "\n   "))
+    stats = run.stats
+    stderr.print(
+        f"[dim]{num_beams} beams, {run.steps} steps in {elapsed:.1f} s; {stats.forward_passes} forward passes, "
+        f"peak {stats.peak_slots} cache slots for a {len(run.prompt_ids)}-token prompt, "
+        f"{stats.compactions} compactions[/dim]"
+    )
+
+
+def result_json(result: margins_strategy.Margins) -> dict:
+    return {
+        "question": result.question,
+        "answer": result.answer,
+        "answer_finish_reason": result.answer_finish_reason,
+        "answer_token_ids": result.answer_token_ids,
+        "margins": [
+            {"chunk": m.chunk_index, "span": list(m.span), "margin": m.text,
+             "relevant": m.relevant, "relevance_score": m.relevance_score, "finish_reason": m.finish_reason,
+             "token_ids": m.token_ids, "prompt_tokens": len(m.prompt_ids)}
+            for m in result.margins
+        ],
+        "stats": result.stats,
+    }
+
+
+def verdicts_table(run: margins_strategy.MarginsRun, verdicts) -> Table:
+    table = Table(title="Relevance", title_justify="left")
+    for column in ("chunk", "characters", "relevant", "score"):
+        table.add_column(column, justify="right" if column != "relevant" else "left")
+    for chunk, (relevant, score) in zip(run.chunks, verdicts):
+        mark = "[green]yes[/green]" if relevant else "[dim]no[/dim]"
+        shown = "said nothing" if score is None else f"{score:+.2f}"
+        table.add_row(str(chunk.index + 1), f"{chunk.start}-{chunk.end}", mark, shown)
+    return table
+
+
+@click.command()
+@click.option("--document", "-d", required=True, metavar="FILE",
+              help="The document, a UTF-8 text file ('-' for stdin).")
+@click.option("--question", "-q", default=None, metavar="TEXT", help="The question the margins are about.")
+@click.option("--chunk-tokens", type=int, default=300, show_default=True,
+              help="Tokens per chunk at most; chunks end at paragraphs, lines or sentences.")
+@click.option("--max-margin-tokens", type=int, default=48, show_default=True, help="Longest margin, in tokens.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Longest final answer, in tokens.")
+@click.option("--threshold", type=float, default=0.0, show_default=True,
+              help="A margin is relevant when log P(yes) - log P(no) is above this.")
+@model_options
+@sampling_options
+@click.option("--json", "as_json", is_flag=True, help="Print the margins, verdicts and answer as JSON.")
+@report_errors
+def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens, threshold, model_name, dtype,
+            device, as_json, **sampling):
+    """Write a note about the question for every chunk of a long document (all chunks in one pass),
+    keep the relevant notes, and answer from them (arXiv 2408.14906)."""
+    text = read_text(document)
+    if question is None or not question.strip():
+        raise InvalidInput("there is no question", "pass --question TEXT")
+    check_document(text)
+    for name, value in (("chunk_tokens", chunk_tokens), ("max_margin_tokens", max_margin_tokens)):
+        check_positive(name, value)
+    check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling))
+    decoder = load_decoder(model_name, dtype, device)
+    start = time.perf_counter()
+    run = margins_strategy.start(decoder.scheduler(), decoder.tokenizer, text, question, chunk_tokens=chunk_tokens,
+                         max_margin_tokens=max_margin_tokens, max_new_tokens=max_new_tokens, threshold=threshold,
+                         **sampling_from(sampling))
+    stderr.print(f"[dim]{len(run.chunks)} chunks of at most {chunk_tokens} tokens; "
+                 "writing their margins in one pass[/dim]")
+    if as_json:
+        result = run.result()
+        click.echo(json.dumps(result_json(result), ensure_ascii=False))
+    else:
+        show_stream(run.events, [f"chunk, characters {c.start}-{c.end}" for c in run.chunks])
+        verdicts = run.judge()
+        stdout.print(verdicts_table(run, verdicts))
+        stdout.print(Text("Answer", style="bold"))
+        show_stream(run.answer_events(), [question.strip()])
+        result = run.result()
+    elapsed = time.perf_counter() - start
+    kept = sum(m.relevant for m in result.margins)
+    passes = sum(s.get("forward_passes", 0) for s in result.stats.values())
+    stderr.print(
+        f"[dim]{len(result.margins)} margins ({kept} relevant) and the answer in {elapsed:.1f} s, "
+        f"{passes} forward passes[/dim]"
+    )
+
+
+__all__ = ["ask", "beam", "complete", "generate", "margins", "vote"]
