@@ -105,8 +105,13 @@ def cache_bytes(cache) -> int:
 # ---------------------------------------------------------------------- answers
 def trim_at_eos(ids: Iterable[int], eos_ids: Iterable[int]) -> list[int]:
     """`ids` up to and including the first eos (padding after it dropped)."""
-    ids, eos = [int(t) for t in ids], set(eos_ids)
-    return ids[:next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))]
+    eos = set(eos_ids)
+    out: list[int] = []
+    for t in ids:
+        out.append(int(t))
+        if t in eos:
+            break
+    return out
 
 
 def check_identical(answers: dict[str, Sequence[Sequence[int]]], *, reference: str | None = None) -> None:
@@ -173,8 +178,9 @@ class Measurement:
 
     def as_dict(self) -> dict:
         """The figures for the JSON: every field but the answers, and the derived ones."""
-        derived = ("tokens_per_s", "tokens_per_forward", "other_s", "decode_ms_per_step")
-        return {**{k: v for k, v in asdict(self).items() if k != "answers"}, **{k: getattr(self, k) for k in derived}}
+        fields = {k: v for k, v in asdict(self).items() if k != "answers"}
+        return fields | {k: getattr(self, k) for k in ("tokens_per_s", "tokens_per_forward", "other_s",
+                                                       "decode_ms_per_step")}
 
 
 def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter]]) -> Measurement:
@@ -186,11 +192,11 @@ def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter
     order = sorted(range(len(runs)), key=lambda i: runs[i][0])
     wall, out, counter = runs[order[(len(order) - 1) // 2]]
     return Measurement(
-        method, wall, out.forward_passes if out.forward_passes is not None else counter.forward_passes,
-        new_tokens=sum(len(a) for a in out.answers), peak_kv_bytes=out.kv_bytes, prefill_s=counter.seconds(PREFILL),
-        decode_s=counter.seconds(DECODE), runs_s=[r[0] for r in runs], hooked_forward_passes=counter.forward_passes,
-        decode_passes=sum(1 for phase, _, _ in counter.calls if phase == DECODE), answers=out.answers,
-        extra=dict(out.extra))
+        method=method, wall_s=wall, new_tokens=sum(len(a) for a in out.answers), peak_kv_bytes=out.kv_bytes,
+        forward_passes=out.forward_passes if out.forward_passes is not None else counter.forward_passes,
+        prefill_s=counter.seconds(PREFILL), decode_s=counter.seconds(DECODE), runs_s=[r[0] for r in runs],
+        hooked_forward_passes=counter.forward_passes, answers=out.answers, extra=dict(out.extra),
+        decode_passes=sum(1 for phase, _, _ in counter.calls if phase == DECODE))
 
 
 def measure_together(runs: dict[str, Callable[[ForwardCounter], RunOutput]], model, *, repeats: int = 3,
@@ -218,7 +224,7 @@ def combine_sequential(method: str, parts: Sequence[Measurement]) -> Measurement
         return sum(getattr(p, name) for p in parts)
 
     return Measurement(
-        method, total("wall_s"), total("forward_passes"), new_tokens=total("new_tokens"),
+        method=method, wall_s=total("wall_s"), forward_passes=total("forward_passes"), new_tokens=total("new_tokens"),
         peak_kv_bytes=max(p.peak_kv_bytes for p in parts), prefill_s=total("prefill_s"), decode_s=total("decode_s"),
         runs_s=[p.wall_s for p in parts], hooked_forward_passes=total("hooked_forward_passes"),
         decode_passes=total("decode_passes"), answers=[a for p in parts for a in p.answers],
@@ -233,7 +239,9 @@ def pad_id_of(model, tokenizer=None) -> int:
         if isinstance(pad, int):
             return pad
     eos = getattr(model.generation_config, "eos_token_id", None)
-    return eos if isinstance(eos, int) else int(next(iter(eos or [0])))
+    if isinstance(eos, int):
+        return eos
+    return int(next(iter(eos))) if eos else 0
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
