@@ -374,7 +374,8 @@ def test_embedded_model_matches_generate(embedded, settings):
 def test_benchmark_on_a_tiny_model(tmp_path):
     """`run_beam_benchmark` runs both methods per beam count, checks identical sequences and
     scores, reports times, forward passes, KV bytes and ratios, and plots speedup vs beams."""
-    from multidecode.bench.beam import METHODS, plot_beam, run_beam_benchmark
+    from multidecode.bench.beam import METHODS, run_beam_benchmark
+    from multidecode.bench.results import plot as plot_beam
 
     decoder = multidecode.MultiDecoder(tiny_model("llama", "sdpa"), ByteTokenizer())
     messages = []

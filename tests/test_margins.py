@@ -279,7 +279,8 @@ def test_cli_empty_document(model_dir):
 
 # ---------------------------------------------------------------------- the benchmark harness
 def test_benchmark_structure_and_plot(decoder, tmp_path):
-    from multidecode.bench.margins import METHODS, plot_margins, run_margins_benchmark
+    from multidecode.bench.margins import METHODS, run_margins_benchmark
+    from multidecode.bench.results import plot as plot_margins
 
     messages = []
     result = run_margins_benchmark(decoder, document=DOCUMENT, question=QUESTION, chunks=3, chunk_tokens=30,

@@ -1,10 +1,8 @@
 """Benchmarks of MultiDecode against the transformers alternatives, measured side by side.
 
-Each benchmark module declares its cases and methods as a `harness.Benchmark` (`serve` and
-`unrelated` measure on their own); every result is written by `results.write_results` as JSON,
-a PNG plot and a markdown table. The timing, forward-counting and KV-measuring helpers and the
-transformers baselines live in `common`. Importing the package registers every benchmark's view
-(`results.VIEWS`), so that any result can be read back from its JSON alone.
+`harness` runs the benchmarks declared as data (`serve` and `unrelated` measure on their own),
+`common` holds what they measure with and the transformers baselines, and `results` writes and
+reads every result. Importing the package registers every benchmark's view (`results.VIEWS`).
 """
 
 from __future__ import annotations

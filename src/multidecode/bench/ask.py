@@ -1,22 +1,14 @@
 """Benchmark: many questions about one document, MultiDecode against transformers.
 
 The methods answer the same questions from the same whole-prompt ids
-(`MultiDecoder.question_prompts`), greedy, in one process:
-
-- (a) `hf_sequential`: `model.generate` once per question, the full prompt each time; the cost
-  of K questions is the sum of the first K single-question runs (each measured once);
-- (b) `hf_batched`: one `generate` over all full prompts, left-padded (measured in rounds of its
-  own: it is the costly one);
-- (c) `hf_shared_prefix`: the shared prefix prefilled once, its `DynamicCache` copied to a batch,
-  then one `generate` over the (left-padded inside the tail) question tails;
-- (d) `multidecode`: one forest over one cache (`MultiDecoder.start`, what `ask` runs);
-- (e) `multidecode_speculate`, with `speculate=MODE`: (d) with every branch speculating (the
-  mode as `speculation.SpeculationSettings` reads it).
-
-At the main K (the number of questions) (d) also answers each question alone
-(`multidecode_alone`), which gives "the time of one answer" for the scaling target. Every
-method must give (a)'s answer ids (up to and including the first eos). The sweep runs
-K = 1, 2, 4, 8, 16 questions (the list extended with `extra_questions`, then cycled).
+(`MultiDecoder.question_prompts`), greedy, in one process, and must all give (a)'s answer ids:
+(a) `hf_sequential`, one `generate` per question (K questions cost the sum of the first K
+single-question runs); (b) `hf_batched`, a left-padded batch (the costly one: rounds of its
+own); (c) `hf_shared_prefix`, the shared prefix's cache copied to a batch; (d) `multidecode`, one
+forest over one cache (what `ask` runs); (e) `multidecode_speculate`, (d) with every branch
+speculating (`speculate=MODE`). At the main K (the number of questions) (d) also answers each
+question alone (`multidecode_alone`): "the time of one answer" for the scaling target. The sweep
+runs K = 1, 2, 4, 8, 16 questions (the list extended with `extra_questions`, then cycled).
 """
 
 from __future__ import annotations
@@ -51,24 +43,13 @@ def extend_questions(questions: Sequence[str], extra: Sequence[str], n: int) -> 
     return [pool[i % len(pool)] for i in range(max(n, len(questions)))]
 
 
-def ask_benchmark(
-    decoder,
-    *,
-    document: str | None = None,
-    questions: Sequence[str] | None = None,
-    extra_questions: Sequence[str] | None = None,
-    max_new_tokens: int = 32,
-    ks: Sequence[int] = (1, 2, 4, 8, 16),
-    sweep_methods: Sequence[str] = METHODS,
-    speculate: str | SpeculationSettings | None = None,
-    repeats: int = 3,
-    repeat_budget_s: float = 30.0,
-    sweep_repeat_budget_s: float = 8.0,
-    warmup: bool = True,
-) -> Benchmark:
+def ask_benchmark(decoder, *, document: str | None = None, questions: Sequence[str] | None = None,
+                  extra_questions: Sequence[str] | None = None, max_new_tokens: int = 32,
+                  ks: Sequence[int] = (1, 2, 4, 8, 16), sweep_methods: Sequence[str] = METHODS,
+                  speculate: str | SpeculationSettings | None = None, repeats: int = 3, repeat_budget_s: float = 30.0,
+                  sweep_repeat_budget_s: float = 8.0, warmup: bool = True) -> Benchmark:
     """The ask benchmark as data.
 
-    decoder: a `MultiDecoder` (its model and tokenizer are used for every method).
     document, questions: default to the sample support call and its 8 questions.
     extra_questions: more questions for sweep points past len(questions) (default: 8 more about
         the sample document when it is the document; otherwise the list is cycled).

@@ -1,21 +1,14 @@
-"""Benchmark: the batch job over many similar documents, with and without speculation.
+"""Benchmark: the batch job, run for real (`open_batch` and `BatchJob.run` into a fresh output file
+in a temporary folder), greedy, on two workloads.
 
-The suffix proposer pays on repetitive work, and a batch job is that: the same 8 questions
-(`data/support_call_questions.txt`) about N support calls that differ only in names, ticket
-numbers, router models, problem, visit and credit, so their answers repeat each other's words.
-The documents (`similar_documents`) follow the four calls of `data/example_batch.jsonl`, built
-from fixed lists by index (no randomness), about 100-150 tokens each.
-
-Every method runs the real job (`open_batch` and `BatchJob.run`, as `run_batch` does: records
-appended and fsync-ed to a fresh output file in a temporary folder), greedy:
-- `batch_plain`: no speculation, the reference every other method must equal token for token;
-- `batch_lookup`: prompt lookup in every branch (drafts from the branch's own prompt and output);
-- `batch_suffix`: the suffix proposer over a store that is new for each run, so that only this
-  run's earlier documents (prompts and answers) help: the job learns as it goes;
-- `batch_auto`: "auto" (lookup and suffix merged, sized by the cost curve) over a new store.
-
-Figures per method: wall time of the whole job, forward passes, tokens per forward, acceptance
-(accepted / drafted draft tokens, summed over the documents) and tokens/s.
+- **similar** (`similar_benchmark`): the suffix proposer's home ground. N support calls that differ
+  only in names, tickets, routers, problem, visit and credit (`similar_documents`, from fixed
+  lists by index), the 8 shipped questions each, so their answers repeat each other's words. The
+  job without speculation (the reference), with lookup, and with suffix and `auto` over a store
+  that is new each run, so that only the run's earlier documents help.
+- **merged** (`merged_benchmark`): a day's log of 3 to 12 calls per line (`call_logs`), 4 to 8
+  questions each: HF `generate` once per question (the reference), the job one document at a
+  time (`forest_tokens=0`), and the job in merged forests, with and without suffix drafts.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Benchmark: beam search, one tree over one cache against transformers' `generate(num_beams=B)`.
 
-Two methods search the same prompt ids with the same settings, in one process:
-
-- `hf_beam`: `model.generate(num_beams=B, do_sample=False, num_return_sequences=B)`. It prefills
-  B copies of the prompt, keeps one cache row per beam, and reorders (copies) the whole cache
-  at every step;
-- `multidecode_beam`: `strategies.beam.run_beam_search`: the prompt prefilled once, beams as
-  branches of one tree (common history stored once), dropped beams compacted out.
-
-Both must return the same B sequences (token for token, up to and including the eos) and the
-same scores to float32 rounding (`SCORE_ATOL`/`SCORE_RTOL`); anything else raises `AnswersDiffer`.
-The main comparison is at `num_beams`; the sweep repeats it for each B in `beams_sweep`.
+`hf_beam` (`generate(num_beams=B, num_return_sequences=B)`: B copies of the prompt prefilled,
+one cache row per beam, the whole cache reordered every step) and `multidecode_beam`
+(`strategies.beam.run_beam_search`: the prompt prefilled once, beams as branches of one tree,
+dropped beams compacted out) search the same prompt ids with the same settings. Both must return
+the same B sequences (token for token, up to and including the eos) and the same scores to
+float32 rounding (`SCORE_ATOL`/`SCORE_RTOL`), else `AnswersDiffer`. The main comparison is at
+`num_beams`; the sweep repeats it for each B in `beams_sweep`.
 """
 
 from __future__ import annotations
@@ -24,22 +20,13 @@ from ..strategies.beam import check_settings, run_beam_search
 from ..strategies.complete import prompt_ids
 from .common import AnswersDiffer, ForwardCounter, Measurement, RunOutput, Setup, excerpt_prompt, hf_sequential
 from .harness import Benchmark, Case, Method, Plot, Target, positive_counts, ratios, runs
-from .results import plot
 
 HF, MULTIDECODE = "hf_beam", "multidecode_beam"
 METHODS = (HF, MULTIDECODE)
 SCORE_ATOL, SCORE_RTOL = 1e-4, 1e-5
 INSTRUCTION = "Summarize this support call in one sentence."
 
-plot_beam = plot  # one plot for every benchmark, drawn from its JSON
 
-
-def sample_prompt(tokenizer, tokens: int = 200) -> list[int]:
-    """A request to summarize the sample support call, about `tokens` ids long."""
-    return excerpt_prompt(tokenizer, tokens, INSTRUCTION)
-
-
-# ---------------------------------------------------------------------- the two methods
 def hf_beam(model, prompt: Sequence[int], counter: ForwardCounter, *, num_beams: int, **settings) -> RunOutput:
     """transformers' beam search, all B hypotheses returned with their scores."""
     out = hf_sequential(model, [prompt], counter, num_beams=num_beams, num_return_sequences=num_beams,
@@ -74,29 +61,16 @@ def check_scores(hf: Measurement, ours: Measurement) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-# ---------------------------------------------------------------------- the benchmark
-def beam_benchmark(
-    decoder,
-    *,
-    prompt: str | Sequence[int] | None = None,
-    prompt_tokens: int = 200,
-    num_beams: int = 4,
-    beams_sweep: Sequence[int] = (2, 4, 8),
-    max_new_tokens: int = 32,
-    length_penalty: float = 1.0,
-    early_stopping: bool | str = False,
-    repeats: int = 3,
-    repeat_budget_s: float = 60.0,
-    sweep_repeat_budget_s: float = 20.0,
-    warmup: bool = True,
-) -> Benchmark:
+def beam_benchmark(decoder, *, prompt: str | Sequence[int] | None = None, prompt_tokens: int = 200,
+                   num_beams: int = 4, beams_sweep: Sequence[int] = (2, 4, 8), max_new_tokens: int = 32,
+                   length_penalty: float = 1.0, early_stopping: bool | str = False, repeats: int = 3,
+                   repeat_budget_s: float = 60.0, sweep_repeat_budget_s: float = 20.0, warmup: bool = True) -> Benchmark:
     """HF beam search and MultiDecode's side by side, as data.
 
     prompt: text (chat-templated when the tokenizer has a template), ids, or None for about
-        `prompt_tokens` ids about the sample support call (`sample_prompt`). Both methods make one
-        forward pass per step and those cost about the same (weights dominate); MultiDecode saves
-        the B-fold prompt prefill and the per-step cache copies, so its gain grows with B and with
-        the prompt's length relative to max_new_tokens.
+        `prompt_tokens` ids asking to summarize the sample support call. MultiDecode saves the
+        B-fold prompt prefill and the per-step cache copies, so its gain grows with B and with the
+        prompt's length relative to max_new_tokens.
     num_beams: the main comparison's B (always measured); beams_sweep: the other B to measure.
     repeat_budget_s, sweep_repeat_budget_s: the rounds' time budget at the main B and elsewhere.
     Raises `AnswersDiffer` unless both return the same sequences and (to float32 rounding) scores.
@@ -105,7 +79,8 @@ def beam_benchmark(
     check_positive("prompt_tokens", prompt_tokens)
     positive_counts("beam count", beams_sweep, "pass beams_sweep=(2, 4, 8)")
     setup = Setup.of(decoder)
-    ids = sample_prompt(setup.tokenizer, prompt_tokens) if prompt is None else prompt_ids(setup.tokenizer, prompt)
+    ids = prompt_ids(setup.tokenizer, prompt) if prompt is not None else excerpt_prompt(
+        setup.tokenizer, prompt_tokens, INSTRUCTION)
     settings = {"max_new_tokens": max_new_tokens, "length_penalty": length_penalty,
                 "early_stopping": early_stopping, "eos_ids": setup.eos_ids}
 

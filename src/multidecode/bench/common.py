@@ -1,22 +1,9 @@
-"""Shared benchmark machinery: counting forwards, timing, measuring KV caches, and the baselines.
-
-Every benchmark compares MultiDecode with what a user of plain transformers would run instead, on
-the same prompt ids, in one process, side by side. The pieces here are independent of the use
-case (questions, samples, beams, ...):
-
-- `ForwardCounter`: hooks on the model that count its forward calls and time each one, labelled
-  *prefill* or *decode* by the runner (hooks are removed on exit).
-- `measure_together`: runs methods in interleaved rounds and keeps each one's median run.
-- `cache_bytes`: the bytes held by a transformers `Cache` (or our `SlotCache`) at a given moment.
-- `hf_sequential`, `hf_batched`, `hf_shared_prefix`: the transformers baselines, taking any extra
-  `generate` settings (`num_return_sequences`, `num_beams`, ... for later benchmarks).
-- `multidecode_forest`: MultiDecode on the same prompts (`MultiDecoder.start`).
-- `Setup`: a decoder's model, tokenizer, eos and pad ids, with the baselines bound to them.
-- `trim_at_eos`, `check_identical`: compare answers up to and including the first eos.
-- `quiet_transformers`, `torch_threads`: what a run needs.
-
-The declarative harness built on these (cases, methods, ratios) is `harness`; the files, `results`.
-
+"""What every benchmark measures with, independent of its use case: counting and timing forward
+passes (`ForwardCounter`), a method's runs and their median (`RunOutput`, `Measurement`,
+`measure_together`), KV bytes (`cache_bytes`), answers compared up to and including the first eos
+(`trim_at_eos`, `check_identical`), and what a user of plain transformers would run instead on
+the same prompt ids: (a) `hf_sequential`, (b) `hf_batched`, (c) `hf_shared_prefix`, each taking
+any further `generate` settings; (d) `multidecode_forest` is MultiDecode on the same prompts.
 Nothing here prints; callers pass a `progress` callback where they want news.
 """
 
@@ -59,22 +46,16 @@ class ForwardCounter:
         self.model = model
         self.calls: list[tuple[str, float, tuple[int, ...]]] = []  # (phase, seconds, input shape)
         self._prefill_left = 0
-        self._started = 0.0
-        self._phase = DECODE
-        self._shape: tuple[int, ...] = ()
         self._handles: list = []
 
     def __enter__(self) -> Self:
-        self._handles = [
-            self.model.register_forward_pre_hook(self._before, with_kwargs=True),
-            self.model.register_forward_hook(self._after, with_kwargs=True),
-        ]
+        self._handles = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                         self.model.register_forward_hook(self._after, with_kwargs=True)]
         return self
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
 
     def prefill(self, n: int = 1) -> None:
         """Label the next `n` forward calls prefill (0 ends a prefill phase early)."""
@@ -83,11 +64,8 @@ class ForwardCounter:
     def _before(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else ()
-        if self._prefill_left > 0:
-            self._phase = PREFILL
-            self._prefill_left -= 1
-        else:
-            self._phase = DECODE
+        self._phase = PREFILL if self._prefill_left > 0 else DECODE
+        self._prefill_left = max(0, self._prefill_left - 1)
         self._started = time.perf_counter()
 
     def _after(self, module, args, kwargs, output) -> None:
@@ -149,10 +127,8 @@ def check_identical(answers: dict[str, Sequence[Sequence[int]]], *, reference: s
         for i, (a, b) in enumerate(zip(expected, got)):
             if a != b:
                 at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                raise AnswersDiffer(
-                    f"answer {i} differs between {reference} and {method} at token {at}: "
-                    f"{a[at:at + 5]} vs {b[at:at + 5]}"
-                )
+                raise AnswersDiffer(f"answer {i} differs between {reference} and {method} at token {at}: "
+                                    f"{a[at:at + 5]} vs {b[at:at + 5]}")
 
 
 # ---------------------------------------------------------------------- one run, and repeats
@@ -200,13 +176,11 @@ class Measurement:
     def decode_ms_per_step(self) -> float:
         return 1000 * self.decode_s / max(1, self.decode_passes)
 
-    def as_dict(self, *, answers: bool = False) -> dict:
-        d = asdict(self)
-        if not answers:
-            d.pop("answers")
-        for name in ("tokens_per_s", "tokens_per_forward", "other_s", "decode_ms_per_step"):
-            d[name] = getattr(self, name)
-        return d
+    def as_dict(self) -> dict:
+        """The figures for the JSON: every field but the answers, and the derived ones."""
+        fields = {k: v for k, v in asdict(self).items() if k != "answers"}
+        return fields | {k: getattr(self, k) for k in ("tokens_per_s", "tokens_per_forward", "other_s",
+                                                       "decode_ms_per_step")}
 
 
 def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter]]) -> Measurement:
@@ -218,28 +192,15 @@ def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter
     order = sorted(range(len(runs)), key=lambda i: runs[i][0])
     wall, out, counter = runs[order[(len(order) - 1) // 2]]
     return Measurement(
-        method=method,
-        wall_s=wall,
+        method=method, wall_s=wall, new_tokens=sum(len(a) for a in out.answers), peak_kv_bytes=out.kv_bytes,
         forward_passes=out.forward_passes if out.forward_passes is not None else counter.forward_passes,
-        new_tokens=sum(len(a) for a in out.answers),
-        peak_kv_bytes=out.kv_bytes,
-        prefill_s=counter.seconds(PREFILL),
-        decode_s=counter.seconds(DECODE),
-        runs_s=[r[0] for r in runs],
-        hooked_forward_passes=counter.forward_passes,
-        decode_passes=sum(1 for phase, _, _ in counter.calls if phase == DECODE),
-        answers=out.answers,
-        extra=dict(out.extra),
-    )
+        prefill_s=counter.seconds(PREFILL), decode_s=counter.seconds(DECODE), runs_s=[r[0] for r in runs],
+        hooked_forward_passes=counter.forward_passes, answers=out.answers, extra=dict(out.extra),
+        decode_passes=sum(1 for phase, _, _ in counter.calls if phase == DECODE))
 
 
-def measure_together(
-    runs: dict[str, Callable[[ForwardCounter], RunOutput]],
-    model,
-    *,
-    repeats: int = 3,
-    budget_s: float = 8.0,
-) -> dict[str, Measurement]:
+def measure_together(runs: dict[str, Callable[[ForwardCounter], RunOutput]], model, *, repeats: int = 3,
+                     budget_s: float = 8.0) -> dict[str, Measurement]:
     """Measure several methods in interleaved rounds (each method once per round), so that they
     see the same machine conditions and get the same number of runs. A new round starts while
     fewer than `repeats` rounds ran and all rounds so far took under `budget_s` seconds."""
@@ -259,35 +220,28 @@ def measure_together(
 
 def combine_sequential(method: str, parts: Sequence[Measurement]) -> Measurement:
     """One method run item by item: the cost of the items is the sum of theirs."""
+    def total(name: str):
+        return sum(getattr(p, name) for p in parts)
+
     return Measurement(
-        method=method,
-        wall_s=sum(p.wall_s for p in parts),
-        forward_passes=sum(p.forward_passes for p in parts),
-        new_tokens=sum(p.new_tokens for p in parts),
-        peak_kv_bytes=max(p.peak_kv_bytes for p in parts),
-        prefill_s=sum(p.prefill_s for p in parts),
-        decode_s=sum(p.decode_s for p in parts),
-        runs_s=[p.wall_s for p in parts],
-        hooked_forward_passes=sum(p.hooked_forward_passes for p in parts),
-        decode_passes=sum(p.decode_passes for p in parts),
-        answers=[a for p in parts for a in p.answers],
-        extra={"summed_over_items": len(parts)},
-    )
+        method=method, wall_s=total("wall_s"), forward_passes=total("forward_passes"), new_tokens=total("new_tokens"),
+        peak_kv_bytes=max(p.peak_kv_bytes for p in parts), prefill_s=total("prefill_s"), decode_s=total("decode_s"),
+        runs_s=[p.wall_s for p in parts], hooked_forward_passes=total("hooked_forward_passes"),
+        decode_passes=total("decode_passes"), answers=[a for p in parts for a in p.answers],
+        extra={"summed_over_items": len(parts)})
 
 
 # ---------------------------------------------------------------------- the transformers baselines
 def pad_id_of(model, tokenizer=None) -> int:
-    """The id to pad batches with: the tokenizer's, else the generation config's, else eos."""
+    """The id to pad batches with: the tokenizer's, else the model's configs', else the first eos (else 0)."""
     for source in (tokenizer, getattr(model, "generation_config", None), model.config):
-        pad = getattr(source, "pad_token_id", None) if source is not None else None
+        pad = getattr(source, "pad_token_id", None)
         if isinstance(pad, int):
             return pad
     eos = getattr(model.generation_config, "eos_token_id", None)
     if isinstance(eos, int):
         return eos
-    if eos:
-        return int(next(iter(eos)))
-    return 0
+    return int(next(iter(eos))) if eos else 0
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,8 +266,16 @@ def greedy_config(model, max_new_tokens: int, eos_ids: Iterable[int], pad_id: in
     return GenerationConfig(**{**base, **settings})
 
 
-def _device(model):
-    return next(model.parameters()).device
+def _generate(model, counter: ForwardCounter, ids: torch.Tensor, mask: torch.Tensor, config, eos_ids,
+              **arguments) -> tuple[object, list[list[int]], int]:
+    """One `model.generate` (its first forward counted as prefill): the output, each row's new
+    tokens up to the first eos, and the bytes of the cache it held at the end."""
+    counter.prefill(1)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, generation_config=config, return_dict_in_generate=True,
+                             **arguments)
+    answers = [trim_at_eos(row, eos_ids) for row in out.sequences[:, ids.shape[1]:].tolist()]
+    return out, answers, cache_bytes(output_cache(out))
 
 
 def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, assistant=None,
@@ -322,32 +284,24 @@ def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, a
     `assistant_model`: assisted generation). With `output_scores=True` the sequences' scores (beam
     search) are kept in `extra["scores"]`."""
     config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
-    device = _device(model)
     assisted = {} if assistant is None else {"assistant_model": assistant}
     answers, peak, scores = [], 0, []
-    with torch.inference_mode():
-        for prompt in prompts:
-            counter.prefill(1)
-            ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                 return_dict_in_generate=True, **assisted)
-            peak = max(peak, cache_bytes(output_cache(out)))
-            answers += [trim_at_eos(row, eos_ids) for row in out.sequences[:, len(prompt):].tolist()]
-            if getattr(out, "sequences_scores", None) is not None:
-                scores += out.sequences_scores.float().tolist()
-            del out
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
+        out, got, kv = _generate(model, counter, ids, torch.ones_like(ids), config, eos_ids, **assisted)
+        answers += got
+        peak = max(peak, kv)
+        if getattr(out, "sequences_scores", None) is not None:
+            scores += out.sequences_scores.float().tolist()
+        del out  # its cache, before the next prompt's
     return RunOutput(answers, peak, extra={"scores": scores} if scores else {})
 
 
 def hf_batched(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
     """(b) one `model.generate` over all prompts, left-padded, with their attention mask."""
     config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
-    ids, mask = left_pad(prompts, pad_id, _device(model))
-    counter.prefill(1)
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, generation_config=config, return_dict_in_generate=True)
-    peak = cache_bytes(output_cache(out))
-    answers = [trim_at_eos(row, eos_ids) for row in out.sequences[:, ids.shape[1]:].tolist()]
+    ids, mask = left_pad(prompts, pad_id, model.device)
+    _, answers, peak = _generate(model, counter, ids, mask, config, eos_ids)
     return RunOutput(answers, peak, extra={"padded_width": int(ids.shape[1])})
 
 
@@ -365,27 +319,20 @@ def hf_shared_prefix(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id
     from transformers import DynamicCache
 
     config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
-    device = _device(model)
-    n = len(prompts)
-    p = shared_prefix_length(prompts)
-    prefix = list(prompts[0][:p])
-    tails = [list(q[p:]) for q in prompts]
-    tail_ids, tail_mask = left_pad(tails, pad_id, device)
-    ids = torch.cat([torch.tensor([prefix] * n, dtype=torch.long, device=device).reshape(n, p), tail_ids], dim=1)
+    n, p, device = len(prompts), shared_prefix_length(prompts), model.device
+    tail_ids, tail_mask = left_pad([list(q[p:]) for q in prompts], pad_id, device)
+    ids = torch.cat([torch.tensor([list(prompts[0][:p])] * n, dtype=torch.long, device=device).reshape(n, p),
+                     tail_ids], dim=1)
     mask = torch.cat([torch.ones((n, p), dtype=torch.long, device=device), tail_mask], dim=1)
     cache = DynamicCache(config=model.config)
     prefix_bytes = 0
-    with torch.inference_mode():
-        if p:
-            counter.prefill(1)
-            model(input_ids=ids[:1, :p], use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
-            prefix_bytes = cache_bytes(cache)
-            cache.batch_repeat_interleave(n)
+    if p:
         counter.prefill(1)
-        out = model.generate(ids, attention_mask=mask, **{cache_argument(model): cache}, generation_config=config,
-                             return_dict_in_generate=True)
-    peak = cache_bytes(output_cache(out))
-    answers = [trim_at_eos(row, eos_ids) for row in out.sequences[:, ids.shape[1]:].tolist()]
+        with torch.inference_mode():
+            model(input_ids=ids[:1, :p], use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+        prefix_bytes = cache_bytes(cache)
+        cache.batch_repeat_interleave(n)
+    _, answers, peak = _generate(model, counter, ids, mask, config, eos_ids, **{cache_argument(model): cache})
     return RunOutput(answers, peak, extra={"prefix_tokens": p, "padded_tail": int(tail_ids.shape[1]),
                                            "prefix_cache_bytes": prefix_bytes})
 
@@ -456,7 +403,6 @@ def spread(values: Sequence[float]) -> dict:
     return {"min": min(values), "max": max(values), "mean": round(sum(values) / len(values), 1)}
 
 
-# ---------------------------------------------------------------------- quiet, with its threads
 @contextlib.contextmanager
 def quiet_transformers():
     """transformers' own warnings (generation flags, padding hints) off while benchmarking."""
@@ -476,12 +422,9 @@ def quiet_transformers():
 
 @contextlib.contextmanager
 def torch_threads(threads: int | None):
-    """torch's intra-op thread count set to `threads` inside the block (None: left alone)."""
-    if threads is None:
-        yield
-        return
+    """torch's intra-op thread count set to `threads` inside the block (None: left as it is)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or before)
     try:
         yield
     finally:

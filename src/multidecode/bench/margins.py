@@ -1,18 +1,12 @@
 """Benchmark: writing in the margins, MultiDecode against transformers.
 
 A long document is cut into chunks (`strategies.margins.split_document`) and a margin is written
-for each of the first `chunks` chunks, from the same whole-prompt ids
-(`strategies.margins.margin_prompts`), greedy, in one process, three ways:
-
-- (a) `hf_sequential`: `model.generate` once per chunk, the whole chunk prompt each time;
-- (b) `hf_batched`: one `generate` over all chunk prompts, left-padded;
-- (d) `multidecode`: the margins stage of `strategies.margins.start` (one forest: the prompts'
-  common start once, every chunk's own ids in one more pass, then one pass per step for all
-  margins), drained to the end.
-
-All three must give identical margin ids (compared up to and including the first eos); a
-difference raises `AnswersDiffer`. Only the margins are measured: the relevance pass and the
-final answer are the same small extra work for every method.
+for each of the first `chunks` chunks from the same whole-prompt ids
+(`strategies.margins.margin_prompts`), greedy, in one process: (a) `hf_sequential`, one
+`generate` per chunk; (b) `hf_batched`, one left-padded batch of the chunk prompts; (d)
+`multidecode`, the margins stage of `strategies.margins.start` (one forest), drained. All three
+must give identical margin ids, else `AnswersDiffer`. Only the margins are measured: the
+relevance pass and the final answer are the same small extra work for every method.
 """
 
 from __future__ import annotations
@@ -23,7 +17,6 @@ from ..prompts import common_prefix_length
 from ..strategies.margins import margin_prompts, split_document, start
 from .common import ForwardCounter, RunOutput, Setup, hf_batched, hf_sequential
 from .harness import Benchmark, Case, Method, Plot, Target, runs
-from .results import plot
 
 SEQUENTIAL, BATCHED, MULTIDECODE = "hf_sequential", "hf_batched", "multidecode"
 METHODS = (SEQUENTIAL, BATCHED, MULTIDECODE)
@@ -34,8 +27,6 @@ LABELS = {
 }
 """Method -> (label, short label)."""
 SAMPLE_QUESTION = "Why did the backup pump at the Hillcrest booster station fail to start in August?"
-
-plot_margins = plot  # one plot for every benchmark, drawn from its JSON
 
 
 def sample_document() -> str:
@@ -66,18 +57,9 @@ def multidecode_margins(decoder, chunk_texts, question, counter: ForwardCounter,
                             "compactions": stats.compactions})
 
 
-def margins_benchmark(
-    decoder,
-    *,
-    document: str | None = None,
-    question: str | None = None,
-    chunks: int = 8,
-    chunk_tokens: int = 300,
-    max_new_tokens: int = 48,
-    repeats: int = 3,
-    budget_s: float = 120.0,
-    warmup: bool = True,
-) -> Benchmark:
+def margins_benchmark(decoder, *, document: str | None = None, question: str | None = None, chunks: int = 8,
+                      chunk_tokens: int = 300, max_new_tokens: int = 48, repeats: int = 3, budget_s: float = 120.0,
+                      warmup: bool = True) -> Benchmark:
     """(a), (b), (d) writing the margins of `chunks` chunks side by side, as data.
 
     document, question: default to the sample water board minutes and a question about them.

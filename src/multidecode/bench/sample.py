@@ -24,16 +24,12 @@ HF, MD = "hf_num_return_sequences", "multidecode"
 SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.95}
 
 
-def sample_prompt(decoder, tokens: int = 200) -> list[int]:
-    """A request to continue the sample support call, about `tokens` ids long."""
-    return excerpt_prompt(decoder.tokenizer, tokens, "Continue this support-call transcript.")
-
-
 def sample_benchmark(decoder, *, n: int = 8, ns: Sequence[int] = (1, 2, 4, 8, 16), max_new_tokens: int = 64,
                      prompt_tokens: int = 200, repeats: int = 3, budget_s: float = 60.0, seed: int = 0) -> Benchmark:
     """n completions both ways for every n in `ns` (and `n`, the main point), as data."""
     positive_counts("n", [n, *ns], "pass n=8, ns=(1, 2, 4, 8, 16)")
-    setup, prompt = Setup.of(decoder), sample_prompt(decoder, prompt_tokens)
+    setup = Setup.of(decoder)
+    prompt = excerpt_prompt(setup.tokenizer, prompt_tokens, "Continue this support-call transcript.")
 
     def methods(k: int, new: int) -> tuple[Method, ...]:
         hf = setup.baseline(hf_sequential, [prompt], new, eos_ids=[], num_return_sequences=k, do_sample=True,

@@ -1,46 +1,24 @@
 """Benchmark: the OpenAI-compatible server under load (`multidecode bench serve`).
 
 A seeded load generator on `openai.AsyncOpenAI` (max_retries=0) sends streamed, greedy
-completions to servers this benchmark starts itself, each in a subprocess (so that the client's
-Python never shares a GIL with the engine) on a free loopback port:
+`/v1/completions` requests to servers this benchmark starts, each in a subprocess (the client's
+Python never shares a GIL with an engine) on a free loopback port:
+- `forest`: `multidecode serve`: concurrent requests decode as one forest, prefixes found cached;
+- `one_at_a_time`: the same server with `--max-running 1` (it keeps the prefix cache: only the
+  batching differs);
+- `transformers`: `transformers serve` on the same model folder (float32, CPU, offline), where it
+  starts here (else skipped, its error kept). It is slow, so it runs the grid's corners only
+  (lowest and highest concurrency and share), on the first `transformers_requests` requests.
 
-- `forest`: `multidecode serve`: concurrent requests decode as one forest, their common prefixes
-  found in the prefix cache;
-- `one_at_a_time`: the same server with `--max-running 1`: one request decodes at a time, the
-  others wait in its queue (it keeps the prefix cache: only the batching differs);
-- `transformers`: `transformers serve` on the same model folder (float32, CPU; optionally with
-  `--continuous-batching`), where it runs here (offline; skipped, with its error kept, where it
-  does not). It is slow here, so it runs the grid's corners only (lowest and highest concurrency
-  and share), with the first `transformers_requests` requests of each load.
-
-The multidecode servers are `python -m multidecode serve ... --max-running N --threads N`, in
-float32 on the loader's default device, with the runtime's admission limits; the result's
-metadata says what they were launched with.
-
-**The load** (one *cell* per concurrency x shared share): `requests` prompts of about
-`prompt_tokens` tokens cut from the shipped texts, read as one circular stream of words. A share s
-of each prompt is a head common to the cell's requests (with s = 0.9 they all start with the same
-~270 tokens); the rest is the request's own, from an offset no other prompt of the run starts at,
-so cells never hit each other's cache. Requests arrive as a Poisson process at `rate` per second
-(seeded), at most `concurrency` in flight (a request arriving with every slot taken waits: its
-latencies count from when it is sent). Each asks for exactly `max_tokens` tokens at temperature 0
-(`/v1/completions`, streamed, with usage). Every server gets the same prompts and arrival times.
-Each cell starts a fresh pair of multidecode servers (no cell inherits another's prefix cache) and
-measures them one after the other, the forest first in every other cell.
-
-**Figures per cell and server**
-- TTFT: first streamed token minus send; ITL: the gaps between a request's streamed tokens (all
-  gaps of the cell pooled); TPOT: (end-to-end - TTFT) / (tokens - 1) per request; end-to-end:
-  the stream's end minus send; each at p50/p95/p99 (linear interpolation);
-- requests/s and output tokens/s: finished requests (their tokens) over first send to last end;
-- from the server's `/metrics`, diffed around the cell (multidecode servers only): the cache hit
-  rate (prompt tokens found cached over prompt tokens; 1 minus it is the share computed),
-  branches per forward, rows (tokens fed) per forward, and the engine's busy share of the cell;
-- `identical`: whether the forest's texts equal one at a time's, request by request (greedy in
-  float32: batching must not change them).
-
-The 0%-shared cells are where the forest pays for attention over unrelated requests: every
-branch's row attends (masked) over all live requests' keys (see `unrelated`).
+A **cell** is one point of the grid (concurrency x shared share) and its load, the same for every
+server: `requests` prompts of about `prompt_tokens` tokens cut from the shipped texts. A share s
+of each prompt is a head common to the cell's requests; the rest starts at a word offset no other
+prompt of the run starts at, so cells never hit each other's cache. Requests arrive as a seeded
+Poisson process at `rate` per second, at most `concurrency` in flight, each asking for exactly
+`max_tokens` tokens at temperature 0. Each cell starts a fresh pair of multidecode servers and
+measures them one after the other, the forest first in every other cell. The figures (TTFT, ITL,
+TPOT, e2e, throughput, the server's counters) are defined in `NOTES`, stored with every result;
+docs/benchmarks.md reads a full run.
 
 **Targets**: output tokens/s at concurrency 16 with 90% shared at least 5x one at a time's;
 p50 TTFT at concurrency 16 at most 2x the solo (concurrency 1) p50 TTFT of the same share.
@@ -60,9 +38,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +50,7 @@ from ..errors import InvalidArgument, MultiDecodeError, check_positive
 from ..prompts import common_prefix_length
 from ..runtime import Limits
 from .common import Progress, spread
+from .harness import Target
 from .results import VIEWS, Chart, Line, Panel, View, environment, finished, fmt, grid, targets_table
 
 FOREST, ONE, HF = "forest", "one_at_a_time", "transformers"
@@ -95,11 +73,14 @@ GRID = {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9), "m
 QUICK = {"requests": 6, "concurrency": (1, 4), "shared": (0.0, 0.9), "max_tokens": 8, "prompt_tokens": 120}
 """What --quick runs: a small grid, short prompts and answers (a minute or two on a quiet machine)."""
 NOTES = [
-    "Latencies count from when a request is sent (after waiting for one of the `concurrency` client slots).",
-    "ITL: gaps between streamed tokens, all requests of a cell pooled; TPOT: (e2e - TTFT) / (tokens - 1).",
-    "requests/s and tokens/s: finished requests over first send to last end.",
+    ("TTFT: first streamed token - send; e2e: end of the stream - send (a request is sent once one of the "
+     "`concurrency` client slots is free); ITL: gaps between streamed tokens, all requests of a cell pooled; "
+     "TPOT: (e2e - TTFT) / (tokens - 1); each at p50/p95/p99 (linear interpolation)."),
+    "requests/s and tokens/s: finished requests (their tokens) over first send to last end.",
     ("cache_hit_rate: prompt tokens found cached / received (server counters diffed around the cell); "
-     "computed_share = 1 - cache_hit_rate; branches_per_forward: live branches summed over steps / forwards."),
+     "computed_share = 1 - cache_hit_rate; branches_per_forward: live branches summed over steps / forwards; "
+     "rows_per_forward: tokens fed / forwards; busy_share: the engine's busy seconds / the cell's span."),
+    "identical_to_one_at_a_time: the forest's texts equal one at a time's, request by request (greedy, float32).",
     "one_at_a_time is the same server with Limits(max_running=1): the prefix cache still works, only batching differs.",
     "Timings on a 2-core machine shared with other work are noisy: compare ratios measured in one run.",
 ]
@@ -133,13 +114,8 @@ class WordStream:
 
     def __init__(self, tokenizer, texts: Sequence[str] = TEXTS) -> None:
         self.words = [w for name in texts for w in data.text(name).split()]
-        counts: dict[str, int] = {}
-        for w in set(self.words):
-            counts[w] = max(1, len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]))
+        counts = {w: max(1, len(tokenizer(" " + w, add_special_tokens=False)["input_ids"])) for w in set(self.words)}
         self.tokens = [counts[w] for w in self.words]
-
-    def __len__(self) -> int:
-        return len(self.words)
 
     def take(self, start: int, tokens: int) -> list[str]:
         """Words from `start` on (wrapping around) until they make at least `tokens` tokens."""
@@ -158,11 +134,10 @@ def build_cells(tokenizer, *, requests: int, concurrency: Sequence[int], shared:
     stream = WordStream(tokenizer)
     grid = [(c, s) for c in concurrency for s in shared]
     starts_needed = sum(requests + (s > 0) for _, s in grid)
-    if starts_needed > len(stream):
+    if starts_needed > len(stream.words):
         raise InvalidArgument(f"{starts_needed} distinct prompts asked for; the shipped text has only "
-                              f"{len(stream)} starting words", "ask for fewer --requests or a smaller grid")
-    rng = random.Random(seed)
-    starts = iter(rng.sample(range(len(stream)), starts_needed))
+                              f"{len(stream.words)} starting words", "ask for fewer --requests or a smaller grid")
+    starts = iter(random.Random(seed).sample(range(len(stream.words)), starts_needed))
     cells = []
     for c, s in grid:
         head_tokens = round(s * prompt_tokens)
@@ -285,20 +260,15 @@ def summarize(outcomes: Sequence[Outcome], start: float) -> dict:
 
 
 # ---------------------------------------------------------------------- the servers
-def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
-            return reply.status, reply.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode("utf-8", "replace")
-
-
 def read_metrics(url: str) -> dict[str, float]:
     """The multidecode counters (and the cache_slots gauge) of `url`/metrics, by short name."""
-    status, text = _get(url + "/metrics")
-    if status != 200:
-        raise ServerFailed(f"{url}/metrics answered {status}: {text[:200]}")
-    found = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("multidecode_") and " " in line)
+    import httpx  # installed with openai, which bench serve needs
+
+    reply = httpx.get(url + "/metrics", timeout=5.0)
+    if reply.status_code != 200:
+        raise ServerFailed(f"{url}/metrics answered {reply.status_code}: {reply.text[:200]}")
+    lines = reply.text.splitlines()
+    found = (line.rsplit(" ", 1) for line in lines if line.startswith("multidecode_") and " " in line)
     named = ((name.removeprefix("multidecode_").removesuffix("_total"), value) for name, value in found)
     return {name: float(value) for name, value in named if name in METRICS or name == "cache_slots"}
 
@@ -319,52 +289,50 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
 
 
 class Server:
-    """A server in a subprocess on a free loopback port, its output in a log file (a context
-    manager: started on entry, stopped on exit). `command` says "{port}" where the port goes."""
+    """A server in a subprocess on a free loopback port, its output in a temporary log file (a
+    context manager: started on entry, stopped on exit). `command` says "{port}" where the port goes."""
 
-    def __init__(self, name: str, command: list[str], *, model: str, env: dict | None = None,
-                 ready_s: float = 300.0) -> None:
+    def __init__(self, name: str, command: list[str], *, model: str, env: dict | None = None) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        self.name, self.model, self.ready_s, self.url = name, model, ready_s, f"http://127.0.0.1:{port}"
+        self.name, self.model, self.url = name, model, f"http://127.0.0.1:{port}"
         self.command = [part.replace("{port}", str(port)) for part in command]
         self.env = {**os.environ, **(env or {})}
-        handle, log = tempfile.mkstemp(prefix=f"multidecode-bench-{name}-", suffix=".log")
-        os.close(handle)
-        self.log, self.process = Path(log), None
 
     def __enter__(self) -> Self:
-        with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+        handle, log = tempfile.mkstemp(prefix=f"multidecode-bench-{self.name}-", suffix=".log")
+        self.log = Path(log)
+        with open(handle, "wb") as out:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         self.started = time.monotonic()
         return self
 
-    def wait_ready(self) -> float:
+    def wait_ready(self, ready_s: float = 300.0) -> float:
         """Until /health answers 200; returns the seconds it took. Raises `ServerFailed`."""
+        import httpx
+
         while True:
             self.alive("exited")
-            with contextlib.suppress(OSError):
-                if _get(self.url + "/health", timeout=2.0)[0] == 200:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return time.monotonic() - self.started
-            if time.monotonic() - self.started > self.ready_s:
-                raise ServerFailed(f"the {self.name} server was not ready after {self.ready_s:.0f} s: "
-                                   f"{self.log_tail()}")
+            if time.monotonic() - self.started > ready_s:
+                raise ServerFailed(f"the {self.name} server was not ready after {ready_s:.0f} s: {self.log_tail()}")
             time.sleep(0.25)
 
     def alive(self, died: str = "died") -> None:
-        if self.process is None or self.process.poll() is not None:
-            code = f" with code {self.process.returncode}" if self.process is not None else ""
-            raise ServerFailed(f"the {self.name} server {died}{code}: {self.log_tail()}")
+        if self.process.poll() is not None:
+            raise ServerFailed(f"the {self.name} server {died} with code {self.process.returncode}: {self.log_tail()}")
 
     def log_tail(self, lines: int = 12) -> str:
-        text = self.log.read_text("utf-8", "replace").strip().splitlines() if self.log.exists() else []
+        text = self.log.read_text("utf-8", "replace").strip().splitlines()
         return " | ".join(text[-lines:]) or "(no output)"
 
     def __exit__(self, *exc) -> None:
         for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            if self.process is None or self.process.poll() is not None:
+            if self.process.poll() is not None:
                 break
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, sig)
@@ -386,13 +354,14 @@ def multidecode_server(name: str, model: str | None, launched: dict, *, max_runn
     return Server(name, command, model=SERVED_NAME)
 
 
-def transformers_server(model: str | None, *, continuous_batching: bool = False) -> Server | str:
-    """`transformers serve` on the model's folder offline (on the CPU, float32), or why it cannot be started."""
+def transformers_server(model: str | None, *, continuous_batching: bool = False) -> Server:
+    """`transformers serve` on the model's folder offline (on the CPU, float32); `ServerFailed` says
+    why where it cannot be started."""
     folder, kwargs = model_folder(model)
     exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
     if kwargs or exe is None:
-        return ("transformers serve takes a model folder here, not a .gguf file" if kwargs
-                else "the `transformers` command is not installed next to this Python")
+        raise ServerFailed("transformers serve takes a model folder here, not a .gguf file" if kwargs
+                           else "the `transformers` command is not installed next to this Python")
     command = [exe, "serve", folder, "--host", "127.0.0.1", "--port", "{port}", "--device", "cpu",
                "--dtype", "float32", "--log-level", "warning"] + ["--continuous-batching"] * continuous_batching
     return Server(HF, command, model=folder, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
@@ -450,12 +419,8 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
     """Run every cell of the grid against fresh servers and return the JSON-ready result.
 
     model: a local folder or .gguf file (None: the embedded model). threads: torch threads in the
-    multidecode servers (None: torch's default). Each cell starts its own pair of multidecode
-    servers (forest and one at a time), so that no cell inherits another's prefix cache.
-    transformers: also run `transformers serve` (with --continuous-batching if transformers_cb)
-    where it starts here (else its reason is kept), on the grid's corners (lowest and highest
-    concurrency and share) and the first `transformers_requests` requests of each of those cells'
-    loads: it is too slow here for the whole grid.
+    multidecode servers (None: torch's default). transformers: also run `transformers serve` (with
+    --continuous-batching if transformers_cb) on the grid's corners, where it starts here.
     Raises `ServerFailed` where a multidecode server does not start or dies.
     """
     _check(requests=requests, concurrency=concurrency, shared=shared, rate=rate, max_tokens=max_tokens,
@@ -529,10 +494,8 @@ def _multidecode_rows(model, cells: list[Cell], launched: dict, max_tokens: int,
 def _transformers_rows(model, cells: list[Cell], max_tokens: int, timeout_s: float, skipped: dict, say: Progress,
                        continuous_batching: bool) -> list[dict]:
     """The cells against one `transformers serve`; none, with the reason in `skipped`, where it fails."""
-    server = transformers_server(model, continuous_batching=continuous_batching)
     try:
-        if isinstance(server, str):
-            raise ServerFailed(server)
+        server = transformers_server(model, continuous_batching=continuous_batching)
         say("starting transformers serve" + " --continuous-batching" * continuous_batching)
         rows = []
         with server:
@@ -585,47 +548,39 @@ def _compared(rows: list[dict]) -> list[dict]:
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's two targets, for every share measured at concurrency 16 (or the grid's largest)."""
+    """The issue's two targets, for every share measured at concurrency 16 (or the grid's largest);
+    `binding` where the target is set for that cell."""
     rows = [r for r in result["cells"] if r["server"] == FOREST]
-    if not rows:
-        return []
-    top = max(r["concurrency"] for r in rows)
+    top = max((r["concurrency"] for r in rows), default=0)
     out = []
     for r in sorted((r for r in rows if r["concurrency"] == top), key=lambda r: r["shared"]):
-        share = f"{r['shared']:.0%} shared"
-        got = r.get("throughput_vs_one_at_a_time")
-        if got is not None:
-            main = abs(r["shared"] - 0.9) < 1e-9 and top == 16
-            out.append({"name": f"output tokens/s at concurrency {top}, {share}, over one at a time"
-                        + ("" if main else " (the target is set for 90% shared)"),
-                        "target": f">= {THROUGHPUT_TARGET:g}x", "measured": round(got, 3),
-                        "met": got >= THROUGHPUT_TARGET, "binding": main})
-        got = r.get("ttft_p50_vs_solo")
-        if got is not None and top > 1:
-            out.append({"name": f"p50 TTFT at concurrency {top}, {share}, over solo (concurrency 1)",
-                        "target": f"<= {TTFT_TARGET:g}x", "measured": round(got, 3), "met": got <= TTFT_TARGET,
-                        "binding": top == 16})
+        where = f"at concurrency {top}, {r['shared']:.0%} shared"
+        main = abs(r["shared"] - 0.9) < 1e-9 and top == 16
+        throughput = Target(f"output tokens/s {where}, over one at a time"
+                            + ("" if main else " (the target is set for 90% shared)"),
+                            ("throughput_vs_one_at_a_time",), ">=", THROUGHPUT_TARGET)
+        ttft = Target(f"p50 TTFT {where}, over solo (concurrency 1)", ("ttft_p50_vs_solo",), "<=", TTFT_TARGET)
+        checks = [(throughput, main)]
+        if top > 1:
+            checks.append((ttft, top == 16))
+        out += [{**t, "binding": binding} for target, binding in checks if (t := target.check(r)) is not None]
     return out
 
 
 @contextlib.contextmanager
 def _terminate_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt in the block (main thread only), so that the servers the
-    benchmark started (each in its own session) are stopped on the way out."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
+    """SIGTERM raises KeyboardInterrupt in the block, so that the servers the benchmark started
+    (each in its own session) are stopped on the way out. Only the main thread takes signals."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    before = signal.signal(signal.SIGTERM, interrupt)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, interrupt) if main else None
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        if main:
+            signal.signal(signal.SIGTERM, before)
 
 
 def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens) -> None:

@@ -1,36 +1,22 @@
 """Benchmark: speculative decoding of one sequence, greedy, on three shipped workloads.
 
-Workloads (`data/speculate_workloads.jsonl`, one JSON object a line): a 5-sentence summary of the
-1,400-token support call, type hints for a 60-line Python function (`data/shipping_quote.py.txt`),
-and an open-ended story. Each gives its prompt (`{document}` marks where the document goes), its
-`max_new_tokens` and the speed-up over plain greedy that `auto` is held to.
+Each workload (`data/speculate_workloads.jsonl`: a summary of the support call, type hints for a
+Python function, an open-ended story) gives its prompt (`{document}` marks where the document
+goes), its `max_new_tokens` and the speed-up over plain greedy that `auto` is held to.
 
-Methods, all greedy on the same prompt ids (through the chat template):
-- `hf_greedy`: plain `model.generate`, the reference every other method must equal;
-- `hf_lookup_3`, `hf_lookup_10`: `generate(prompt_lookup_num_tokens=3 / 10)`, transformers'
-  prompt lookup (the last 2-gram, else 1-gram, matched in prompt + output; one candidate chain);
-- `hf_assisted_self`: `generate(assistant_model=...)`, transformers' assisted generation with our
-  self-draft (the target with the skipped layers below) as its assistant;
-- `multidecode_plain`: `MultiDecoder.generate(speculate=None)`, our engine without speculation
-  (so that what speculation gains is told apart from what the engine itself does);
-- `multidecode_lookup`: prompt lookup;
-- `multidecode_auto`: "auto" with a fresh suffix store each run (it has seen nothing before);
-- `multidecode_lookahead`: lookahead at the seed README's settings (N=5, W=G=7);
-- `multidecode_lookahead_fit`: lookahead at the settings `Lookahead.from_cost` picks from this
-  machine's cost curve (what "auto" would consider);
-- `multidecode_suffix`: the suffix proposer with a fresh store each run (its own prompt and
-  output only: a first pass);
-- `multidecode_draft`: the self-draft as a draft model, its layers chosen once by
-  `self_draft.choose_skip` on `data.self_draft_sample()`, skipping at least a quarter of them;
-- `multidecode_suffix_2nd`, `multidecode_auto_2nd`: the suffix proposer and "auto" over a store
-  that has seen one greedy pass over every chosen workload (run before timing): the second pass
-  of a repeated workload set.
+Every method (`LABELS`) decodes the same prompt ids greedily and must equal `hf_greedy` (plain
+`generate`) token for token. transformers' are `generate` with prompt lookup of 3 or 10 tokens,
+or with our self-draft as `assistant_model`. Ours: `MultiDecoder.generate` without speculation
+(what the engine alone does), with lookup, `auto`, lookahead (at the seed README's N=5, W=G=7 and
+at the settings `Lookahead.from_cost` fits to this machine), suffix, and the self-draft as a
+draft model (layers chosen by `self_draft.choose_skip`, at least a quarter skipped). A **first
+pass** (`auto`, `suffix`) drafts from a fresh suffix store each run; a **second pass** (`_2nd`)
+from a store that has seen one greedy pass over every chosen workload.
 
-Figures per method: wall time, forward passes, tokens per forward (new tokens / forward passes:
-1.0 for plain decoding) and acceptance (accepted draft tokens / drafted ones). transformers
-reports no draft counts, so they are read from the forward hooks: a verify forward feeds the
-uncached tokens plus the candidates, and yields one token of the target's own beyond the
-accepted candidates, so with F forwards over a P-token prompt
+**Tokens per forward**: new tokens / forward passes (1.0 for plain decoding); **acceptance**:
+accepted draft tokens / drafted ones. transformers reports no draft counts, so they are read from
+the forward hooks: a verify forward feeds the uncached tokens plus the candidates and yields one
+token of the target's own beyond the accepted ones, so with F forwards over a P-token prompt
     drafted = tokens fed - P - (F - 1),    accepted = new tokens - F.
 E.g. P = 10 and forwards feeding 10+3, 1+3 and 1+0 tokens for 6 new tokens: drafted
 18 - 10 - 2 = 6, accepted 6 - 3 = 3, acceptance 0.5.

@@ -1,39 +1,21 @@
 """Benchmark: what attention over unrelated requests costs when they decode as one forest.
 
-The server decodes every running request in one forest: one batch row, one shared cache, and a
-4D mask that lets each new token see only its own request's slots. Requests that share a prompt
-prefix share its slots (the point of the forest); requests that share nothing still sit in the
-same row, so each of their new tokens scores every live slot and the mask throws most of those
-scores away. This benchmark measures one decode step of R unrelated requests of P prompt tokens
-each (random token ids, seeded), four ways, on one model in one process:
-
-- `forest_unrelated`: one `Engine`, R roots of P tokens (each prefilled apart, in its own
-  forward); the step feeds R tokens, one under each root's last node, and the engine plans it
-  as the server's would be: one forward under a [R, R*P + R] mask;
-- `forest_shared`: one `Engine`, one prompt of P tokens; the step feeds R tokens, all under its
-  last node (mask [R, P + R]): what R requests cost when they share their whole prompt;
+The server decodes every running request in one forest row, a 4D mask letting each new token
+see only its own request's slots. One decode step of R unrelated requests of P prompt tokens
+each (random ids, seeded) is measured four ways (**variants**), on one model in one process:
+- `forest_unrelated`: one `Engine`, R roots of P tokens (each prefilled apart); the step feeds R
+  tokens, one under each root, in one forward under a [R, R*P + R] mask (the server's step);
+- `forest_shared`: one `Engine`, one prompt of P tokens, the R new tokens all under it ([R, P + R]);
 - `separate`: R engines, one per request; the step is R plain one-token forwards over P slots;
-- `batch_rows`: transformers' own batching: one forward of input_ids [R, 1] over a
-  `DynamicCache` of R rows of P slots (copied from the separate engines' caches), with an
-  all-ones attention mask (equal lengths: no padding).
+- `batch_rows`: transformers' batching: input ids [R, 1] over a `DynamicCache` of R rows of P slots.
 
-Each step's new slots are taken back after it (`Engine.drop`, `DynamicCache.crop`; included in
-the step's time), so every step sees the same context. Steps are interleaved: a round runs every
-variant once, in a seeded random order; `warmup` rounds are not timed, then `steps` rounds are,
-and each cell reports the median milliseconds per step (with the fastest and slowest).
-
-**Exactness first.** Before any timing, reference logits are computed: for the unrelated
-requests, each request's own engine fed its token (one plain forward per request); for the shared
-prompt, the first request's engine fed each of the R tokens in turn. Every step of every variant
-(warm-up included) is compared with its reference; the run stops with `LogitsDiffer` where the
-largest absolute difference passes `atol` (1e-4; float32 sums in another order differ by ~1e-5).
-
-**Attention work.** Per layer and query head, a step scores queries x keys: R x (R*P + R) for
-the unrelated forest (every new token against every slot), R x (P + R) for the shared forest, and
-R x (P + 1) for separate forwards and batch rows. Each cell stores these counts beside the times.
-
-`run_unrelated` returns the JSON-ready result (`results.write_results` writes it; `VIEW` is how it
-is tabulated and drawn); `multidecode bench unrelated` runs it.
+Each step's new slots are taken back after it (included in its time), so every step sees the
+same context. A **round** runs every variant once, in a seeded random order; `warmup` rounds
+are not timed, then `steps` rounds are, and each **cell** (R, P) reports the median ms per step.
+Every step (warm-up included) is first checked against **reference** logits, plain one-token
+forwards (one per request; per new token for the shared prompt): `LogitsDiffer` past `atol`.
+**Attention work** (`scores_per_head`): queries x keys one step scores per layer and query head.
+docs/serving.md reads a full run.
 """
 
 from __future__ import annotations
