@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .cache import SlotCache
-from .errors import PromptTooLong
+from .errors import PromptTooLong, UnsupportedModel
+from .exact import ExactPlan, is_exact, plan_attention, probe_row_multiple
 from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
 from .masks import build_attention_mask
 from .models.vetting import cache_argument, check_supported, mask_layout, max_positions
@@ -99,6 +100,8 @@ class Engine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache_argument = cache_argument(model)  # "cache" or "past_key_values", by transformers version
+        self.exact = is_exact(model)  # batch-invariant forwards (see `exact`)
+        self.row_multiple = self._row_multiple() if self.exact else 1
 
     # ------------------------------------------------------------------ feeding
     def feed(
@@ -278,29 +281,74 @@ class Engine:
         apart = sum(n * (paths[p] + n) + paths[p] for n, p in pairs)
         return together > 2 * apart
 
+    # ------------------------------------------------------------------ batch-invariant forwards
+    def _row_multiple(self) -> int:
+        """Every forward's rows are padded to a multiple of this, so that its products are
+        row-count invariant (see `exact`)."""
+        multiple = probe_row_multiple(self.dtype, self.device)
+        if multiple == 0:
+            raise UnsupportedModel(f"{str(self.dtype).removeprefix('torch.')} matrix products on this machine depend on "
+                                   "their row count at every multiple tried, so a forest cannot be batch-invariant here",
+                                   "load the model in another precision, or with the model's own attention "
+                                   "(exact to the token, not the bit)")
+        return multiple
+
+    def _exact_inputs(self, visible: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                      parent_rows: list[int]) -> tuple[object, ExactPlan, int]:
+        """The mask, the exact-attention plan and the padding rows of one forward: a forward's
+        rows are padded to a multiple of `row_multiple` with extra rows (token 0 at position 0,
+        seeing only itself, unseen by the others), whose keys are taken back after it."""
+        pad = -visible.shape[0] % self.row_multiple
+        if pad:
+            rows, keys = visible.shape
+            visible = torch.cat([torch.cat([visible, torch.zeros(rows, pad, dtype=torch.bool)], 1),
+                                 torch.cat([torch.zeros(pad, keys, dtype=torch.bool), torch.eye(pad, dtype=torch.bool)],
+                                           1)])
+            query_positions = torch.cat([query_positions, torch.zeros(pad, dtype=torch.long)])
+            key_positions = torch.cat([key_positions, torch.zeros(pad, dtype=torch.long)])
+            parent_rows = [*parent_rows, *[-1] * pad]
+        mask = build_attention_mask(visible, query_positions, key_positions, self.layout, self.dtype, self.device)
+        plan = plan_attention(visible, key_positions, query_positions, torch.tensor(parent_rows, dtype=torch.long),
+                              row_multiple=self.row_multiple)
+        return mask, plan, pad
+
+    def _parent_rows(self, nodes: Sequence[int]) -> list[int]:
+        """Each node's parent as an index into `nodes`, -1 where the parent is not among them."""
+        index = {n: i for i, n in enumerate(nodes)}
+        return [index.get(self.forest.parents[n], -1) for n in nodes]
+
     # ------------------------------------------------------------------ the forwards
     def _run(self, nodes: list[int], positions: torch.Tensor, keep: list[int], *, plain: bool) -> torch.Tensor:
         """One forward of `nodes` (placed at the cache's next slots) on the shared cache; logits
         at `keep` (indices into nodes) as [len(keep), vocab] float32."""
         forest = self.forest
-        mask = None
+        mask, plan, pad = None, None, 0
         start = 0
-        if plain:
+        if plain and not self.exact:
             forest.attention_rows(nodes[-1:])  # keep visibility rows in step for later forest feeds
         else:
-            rows = forest.attention_rows(nodes)  # [q, past + q]: a forest run is a feed's last, so every slot
+            # [q, past + q]: the slots up to this run's own (a plain run may come before others of its feed)
+            rows = forest.attention_rows(nodes)[:, : self.cache.num_slots + len(nodes)]
             seen = rows.any(dim=0)  # [past + q]
             first = int(seen.to(torch.uint8).argmax())  # the first slot any new node can see
             if first >= WINDOW_MIN_SKIP:
                 start = first  # leading slots nobody here sees: not shown to the model at all
-            mask = build_attention_mask(rows[:, start:], positions, forest.slot_positions()[start:], self.layout,
-                                        self.dtype, self.device)
+            if self.exact:
+                mask, plan, pad = self._exact_inputs(rows[:, start:], positions,
+                                                     forest.slot_positions()[start : rows.shape[1]],
+                                                     self._parent_rows(nodes))
+            else:
+                mask = build_attention_mask(rows[:, start:], positions, forest.slot_positions()[start:], self.layout,
+                                            self.dtype, self.device)
+        slots = self.cache.num_slots
         if start:
             with self.cache.window(start):
-                logits = self._forward(nodes, positions, self.cache, keep, mask)
+                logits = self._forward(nodes, positions, self.cache, keep, mask, plan, pad)
             self.stats.slots_skipped += start
         else:
-            logits = self._forward(nodes, positions, self.cache, keep, mask)
+            logits = self._forward(nodes, positions, self.cache, keep, mask, plan, pad)
+        if pad:
+            self.cache.truncate(slots + len(nodes))
         self._count(len(nodes))
         return logits
 
@@ -321,18 +369,35 @@ class Engine:
             for i, layer in enumerate(self.cache.layers):
                 index = path.to(layer.keys.device)
                 scratch.update(layer.keys.index_select(2, index), layer.values.index_select(2, index), i)
-        logits = self._forward(chain, forest.positions_of(chain), scratch, keep, None)
+        positions = forest.positions_of(chain)
+        mask, plan, pad = None, None, 0
+        if self.exact:  # the chain sees its parent's whole path, and itself causally
+            visible = torch.cat([torch.ones(len(chain), width, dtype=torch.bool),
+                                 torch.ones(len(chain), len(chain), dtype=torch.bool).tril()], 1)
+            path_positions = forest.slot_positions()[path] if width else torch.empty(0, dtype=torch.long)
+            mask, plan, pad = self._exact_inputs(visible, positions, torch.cat([path_positions, positions]),
+                                                 self._parent_rows(chain))
+        logits = self._forward(chain, positions, scratch, keep, mask, plan, pad)
+        end = width + len(chain)
         with torch.inference_mode():
             for i, layer in enumerate(scratch.layers):
-                self.cache.update(layer.keys[:, :, width:], layer.values[:, :, width:], i)
+                self.cache.update(layer.keys[:, :, width:end], layer.values[:, :, width:end], i)
         forest.attention_rows(chain[-1:])
         self._count(len(chain), extra_bytes=scratch.allocated_bytes)
         return logits
 
-    def _forward(self, nodes: list[int], positions: torch.Tensor, cache, keep: list[int], mask) -> torch.Tensor:
-        """The model's forward over `nodes`: [len(keep), vocab] float32 logits at `keep`."""
-        index = torch.tensor(keep or [len(nodes) - 1], dtype=torch.long, device=self.device)
-        tokens = [self.forest.tokens[n] for n in nodes]
+    def _forward(self, nodes: list[int], positions: torch.Tensor, cache, keep: list[int], mask,
+                 plan: ExactPlan | None = None, pad: int = 0) -> torch.Tensor:
+        """The model's forward over `nodes` (and `pad` padding rows, see `_exact_inputs`):
+        [len(keep), vocab] float32 logits at `keep`."""
+        wanted = keep or [len(nodes) - 1]
+        # an exact forward's LM head gets a multiple of row_multiple rows too (repeats, dropped after)
+        index = torch.tensor(wanted + wanted[:1] * (-len(wanted) % self.row_multiple), dtype=torch.long,
+                             device=self.device)
+        tokens = [self.forest.tokens[n] for n in nodes] + [0] * pad
+        if pad:
+            positions = torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)])
+        extra = {"forest_plan": plan} if plan is not None else {}
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
@@ -341,8 +406,9 @@ class Engine:
                 use_cache=True,
                 **{self.cache_argument: cache},
                 logits_to_keep=index,
+                **extra,
             )
-        return out.logits[0].float() if keep else out.logits[0, :0].float()
+        return out.logits[0, : len(keep)].float()
 
     def _positions(self, nodes: Sequence[int]) -> torch.Tensor:
         """Position ids of new nodes ([len(nodes)]), refused past the model's last position."""

@@ -15,7 +15,7 @@ import inspect
 from ..errors import UnsupportedModel
 from ..masks import FULL, SLIDING, MaskLayout
 
-SUPPORTED_ATTENTION = ("eager", "sdpa", "multidecode_sdpa")
+SUPPORTED_ATTENTION = ("eager", "sdpa", "multidecode_sdpa", "multidecode_exact")
 # Model types whose layers are not all attention, or whose positions are not position ids.
 _REFUSED_TYPES = {
     "rwkv": "recurrent layers",

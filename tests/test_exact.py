@@ -1,0 +1,159 @@
+"""Batch invariance, bit for bit: a node's logits in any forest equal its path's fed alone.
+
+The oracle here is stricter than the rest of the suite's: not the same tokens as sequential
+decoding, but the same *logits*, bitwise, as the same engine feeding the node's root-to-node path
+as one chain. Random forests (a prompt, branches, draft trees, rejected drafts taken back,
+compaction) are fed on tiny random models of every oracle architecture, in float32 and bfloat16,
+with the model loaded eager or sdpa and switched to exact attention (`multidecode.exact`).
+Mutants that make a kernel depend on the number of rows must fail the same check.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from tiny_models import MAIN_ARCHITECTURES, reference_generate, tiny_model
+
+from multidecode import exact
+from multidecode.api import decode
+from multidecode.engine import Engine
+from multidecode.exact import BLOCK, plan_attention
+from multidecode.scheduler import Feed
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def exact_model(arch: str, attn: str, dtype: torch.dtype):
+    model = copy.deepcopy(tiny_model(arch, attn)).to(dtype)
+    exact.use_exact_attention(model)
+    return model
+
+
+def random_forest(engine: Engine, rng: random.Random, *, steps: int = 4, vocab: int = 250) -> dict[int, torch.Tensor]:
+    """Feed a random forest; returns every fed node's logits (nodes later taken back excluded).
+
+    A prompt of 1-150 tokens (so paths cross position blocks), then steps of up to 12 nodes: each
+    under a recent leaf, any cached node, or a node of the same step (draft trees); some steps
+    take back leaves (rejected drafts), some compact to half the leaves."""
+    prompt, _ = engine.feed_chain([rng.randint(3, vocab) for _ in range(rng.randint(1, 150))], logits=False)
+    cached, leaves, logits = list(prompt), [prompt[-1]], {}
+    for _ in range(steps):
+        tokens, parents = [], []
+        for _ in range(rng.randint(1, 12)):
+            if tokens and rng.random() < 0.5:
+                parents.append(Feed.ref(rng.randrange(len(tokens))))
+            else:
+                parents.append(rng.choice(cached if rng.random() < 0.3 else leaves))
+            tokens.append(rng.randint(3, vocab))
+        new, rows = engine.feed(tokens, parents, logits_for=list(range(len(tokens))))
+        logits.update(zip(new, rows))
+        cached += new
+        leaves = list(new)
+        if rng.random() < 0.3:
+            dropped = [n for n in new if engine.forest.is_leaf(n)][:2]
+            engine.drop(dropped)
+            for node in dropped:
+                del logits[node]
+                cached.remove(node)
+                leaves.remove(node)
+        if rng.random() < 0.3 and leaves:
+            engine.compact(rng.sample(leaves, max(1, len(leaves) // 2)))
+            cached = [n for n in cached if engine.forest.slot_of[n] is not None]
+            leaves = [n for n in leaves if engine.forest.slot_of[n] is not None] or leaves
+    return logits
+
+
+def differing(model, *, seed: int, apart: bool | None = None) -> tuple[list[int], int]:
+    """The nodes of a random forest whose logits differ from their paths fed alone, and how many were fed."""
+    engine = Engine(model, apart=apart)
+    logits = random_forest(engine, random.Random(seed))
+    bad = [node for node, row in logits.items()
+           if not torch.equal(Engine(model).feed_chain(engine.forest.path_tokens(node))[1][0], row)]
+    return bad, len(logits)
+
+
+@pytest.mark.parametrize("arch", MAIN_ARCHITECTURES)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_every_node_of_a_random_forest_equals_its_path_alone_bit_for_bit(arch, attn, dtype):
+    model = exact_model(arch, attn, DTYPES[dtype])
+    for seed in range(3):
+        bad, fed = differing(model, seed=seed)
+        assert fed and not bad, f"seed {seed}: {len(bad)} of {fed} nodes differ from their paths alone"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_chains_fed_apart_equal_their_paths_alone(dtype):
+    model = exact_model("qwen2", "sdpa", DTYPES[dtype])
+    engine = Engine(model, apart=True)
+    prompt, _ = engine.feed_chain(list(range(3, 40)), logits=False)
+    chains = [[5 + i] * 70 for i in range(3)]  # three long chains under the prompt: run apart
+    tokens = [t for chain in chains for t in chain]
+    parents = [p for c, chain in enumerate(chains) for p in
+               [prompt[-1]] + [Feed.ref(sum(map(len, chains[:c])) + j) for j in range(len(chain) - 1)]]
+    nodes, rows = engine.feed(tokens, parents, logits_for=list(range(len(tokens))))
+    assert engine.stats.forward_passes > 2  # the chains did run apart
+    for node in nodes[::23]:
+        assert torch.equal(Engine(model).feed_chain(engine.forest.path_tokens(node))[1][0], rows[nodes.index(node)])
+
+
+def test_greedy_decoding_equals_transformers_generate_through_the_same_kernels():
+    """transformers' own loop calls the exact kernel without a plan (one sequence): the same
+    kernels, so the same tokens as a forest's branches, bit for bit."""
+    model = exact_model("mistral", "sdpa", torch.bfloat16)
+    prefix, branches = [1, 17, 29, 44, 5] * 3, [[7, 8], [9], [11, 12, 13]]
+    got = decode(model, prefix, branches, max_new_tokens=20, eos_token_id=[])
+    for branch, ids in zip(branches, got):
+        assert ids == reference_generate(model, prefix + branch, max_new_tokens=20, eos_token_id=None)[:len(ids)]
+
+
+def test_a_row_count_dependent_kernel_fails_the_check(monkeypatch):
+    """float32 products without their row padding (MKL computes the rows of a partial tile
+    otherwise): the forest no longer equals its paths alone."""
+    monkeypatch.setattr("multidecode.engine.probe_row_multiple", lambda dtype, device: 1)
+    monkeypatch.setattr("multidecode.exact.row_multiple", lambda dtype, device="cpu": 1)
+    model = exact_model("llama", "sdpa", torch.float32)
+    assert any(differing(model, seed=seed)[0] for seed in range(3))
+
+
+def test_a_product_that_depends_on_its_row_count_fails_the_check(monkeypatch):
+    """A kernel whose every output moves with the number of rows in its product (one ulp-scale
+    nudge per row): the forest's products have other row counts than the paths' alone."""
+    real = exact._product
+    monkeypatch.setattr(exact, "_product", lambda left, right: real(left, right) * (1 + 1e-6 * left.shape[-2]))
+    model = exact_model("qwen2", "sdpa", torch.bfloat16)
+    assert any(differing(model, seed=seed)[0] for seed in range(3))
+
+
+# ---------------------------------------------------------------------- the plan, without a model
+def test_each_row_reads_each_of_its_position_blocks_once_and_chains_share_theirs():
+    # a chain of 150 nodes (slots 0-149), then two branches of 20 under node 99 (slots 150-189)
+    parents = list(range(-1, 149)) + [99] + list(range(150, 169)) + [99] + list(range(170, 189))
+    positions = [0] * 190
+    for node, parent in enumerate(parents):
+        positions[node] = 0 if parent < 0 else positions[parent] + 1
+    visible = torch.zeros(190, 190, dtype=torch.bool)
+    for node in range(190):
+        at = node
+        while at >= 0:
+            visible[node, at] = True
+            at = parents[at]
+    parent_rows = torch.tensor(parents)
+    plan = plan_attention(visible, torch.tensor(positions), torch.tensor(positions), parent_rows)
+    reads = {}
+    for entry, rows in enumerate(plan.rows.tolist()):
+        for row in rows:
+            if row >= 0:
+                reads.setdefault(row, []).append(int(plan.blocks[entry]))
+                slots = plan.slots[entry]
+                seen = [s for s in slots.tolist() if s >= 0 and visible[row, s]]
+                assert [positions[s] for s in seen] == sorted(positions[s] for s in seen)  # in position order
+    for row in range(190):
+        assert sorted(reads[row]) == list(range(positions[row] // BLOCK + 1))  # every block once
+    # the chain's 150 rows share 3 gathered blocks (cut into groups of rows), not one block each
+    chain_blocks = {tuple(plan.slots[e].tolist()) for e, rows in enumerate(plan.rows.tolist())
+                    if any(0 <= r < 150 for r in rows)}
+    assert len(chain_blocks) <= 3 + 2  # the chain's 3, and the branches' own blocks are not the chain's rows
