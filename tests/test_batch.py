@@ -59,7 +59,7 @@ def test_a_run_writes_one_complete_record_per_line(model_dir, tmp_path):
     assert sorted(got, key=lambda key: got[key]["line"]) == ["a", 3, 7]  # a line without an id: its number
     assert sorted(got[k]["line"] for k in got) == [1, 3, 4]
     decoder = multidecode.load(str(model_dir))
-    settings = BatchSettings(max_new_tokens=6, model=str(Path(model_dir).resolve()), dtype=None)
+    settings = BatchSettings(max_new_tokens=6, model=str(Path(model_dir).resolve()), precision="float32")
     for row, key in zip(rows, ["a", 3, 7]):
         record = got[key]
         assert record["error"] is None and record["settings"] == settings.fingerprint
@@ -414,7 +414,7 @@ def test_the_library_runs_silently_and_stops_on_request(model_dir, tmp_path, cap
     source = write_lines(tmp_path / "in.jsonl", documents(4))
     out = tmp_path / "out.jsonl"
     decoder = multidecode.load(str(model_dir))
-    settings = BatchSettings(max_new_tokens=3, model="tiny")
+    settings = BatchSettings(max_new_tokens=3, model="tiny", precision="float32")  # as run_batch labels it
     with open_batch(source, out, settings) as job:
         assert (job.total, job.skipped, len(job.pending)) == (4, 0, 4)
         for result in job.run(decoder, forest_tokens=0):  # one line at a time: none in flight at stop()
@@ -437,7 +437,7 @@ def test_speculation_gives_the_same_records_and_is_not_a_setting(model_dir, tmp_
 
     source = write_lines(tmp_path / "in.jsonl", documents(6))
     decoder = multidecode.load(str(model_dir))
-    settings = BatchSettings(max_new_tokens=8, model="tiny")
+    settings = BatchSettings(max_new_tokens=8, model="tiny", precision="float32")  # as run_batch labels it
     with one_thread():
         run_batch(decoder, source, tmp_path / "plain.jsonl", max_new_tokens=8, model="tiny")
         with open_batch(source, tmp_path / "suffix.jsonl", settings) as job:

@@ -52,7 +52,7 @@ def ray_session():
 
 
 def settings_for(model_dir, max_new_tokens: int) -> BatchSettings:
-    return BatchSettings(max_new_tokens=max_new_tokens, model=str(Path(model_dir).resolve()))
+    return BatchSettings(max_new_tokens=max_new_tokens, model=str(Path(model_dir).resolve()), precision="float32")
 
 
 def reference(model_dir, source: Path, out: Path, max_new_tokens: int) -> dict:

@@ -1,7 +1,8 @@
-"""Checks on the real embedded model (SmolLM2-135M-Instruct, float32), offline.
+"""Checks on the real embedded model (SmolLM2-135M-Instruct), offline.
 
-The first run converts the GGUF in the wheel to a float32 copy in the user cache (about 20 s);
-later runs load it in about 2 s. These tests run on one xdist worker, which loads it once.
+`load()` reads the GGUF in the wheel at its own precision (4-bit codes, the embedding 8-bit),
+straight from the file; its float32 copy in the user cache (about 20 s to convert, once) serves
+`precision="float32"`. These tests run on one xdist worker, which loads each once.
 """
 
 from __future__ import annotations
@@ -54,6 +55,21 @@ def test_the_embedded_model_answers_from_the_document(decoder):
     name, ticket = decoder.ask(DOCUMENT, [QUESTIONS[0], QUESTIONS[7]], max_new_tokens=20)
     assert "Okafor" in name.text
     assert "48213" in ticket.text
+
+
+def test_the_default_precision_keeps_the_files_codes_within_a_quarter_of_its_bytes(decoder):
+    memory = decoder.memory()
+    assert memory["precision"] == "int4" and "4-bit codes" in memory["reason"]
+    assert memory["formats"]["Q4_1 kept as 4-bit codes"] == 210 and memory["formats"]["Q8_0 kept as 8-bit codes"] == 1
+    assert memory["weights_bytes"] <= 1.25 * memory["file_tensor_bytes"]
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_float_precisions_answer_from_the_document_too(precision):
+    floats = multidecode.load(precision=precision)
+    assert floats.memory()["precision"] == precision
+    (name,) = floats.ask(DOCUMENT, [QUESTIONS[0]], max_new_tokens=20)
+    assert "Okafor" in name.text
 
 
 def test_prompt_ids_are_the_whole_prompt_tokenized(decoder):

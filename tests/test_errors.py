@@ -311,7 +311,8 @@ def test_greedy_and_sampling_flags_together_are_refused(model_dir):
     (["ask", "--threads", "0"], "--threads must be 1 or more"),
     (["ask", "--max-new-tokens", "0"], "--max-new-tokens must be 1 or more"),
     (["margins", "--repeats", "0"], "--repeats must be 1 or more"),
-    (["beam", "--dtype", "bfloat16"], "float32 only"),
+    (["beam", "--precision", "fp8"], "unknown precision 'fp8'"),
+    (["ask", "--dtype", "float16"], "float16 has no fast kernels on a CPU"),
 ])
 def test_bench_settings_are_checked_before_the_run(args, needle, tmp_path):
     assert_clean_error(run("bench", *args, "--output", tmp_path / "out", "--model", tmp_path / "no-model"), needle)

@@ -3,8 +3,9 @@
 The oracle here is stricter than the rest of the suite's: not the same tokens as sequential
 decoding, but the same *logits*, bitwise, as the same engine feeding the node's root-to-node path
 as one chain. Random forests (a prompt, branches, draft trees, rejected drafts taken back,
-compaction) are fed on tiny random models of every oracle architecture, in float32 and bfloat16,
-with the model loaded eager or sdpa and switched to exact attention (`multidecode.exact`).
+compaction) are fed on tiny random models of every oracle architecture at every CPU precision
+(float32, bfloat16, and int8 / int4 packed weights with bfloat16 activations), with the model
+loaded eager or sdpa and switched to exact attention (`multidecode.exact`).
 Mutants that make a kernel depend on the number of rows must fail the same check.
 """
 
@@ -21,13 +22,21 @@ from multidecode import exact
 from multidecode.api import decode
 from multidecode.engine import Engine
 from multidecode.exact import BLOCK, plan_attention
+from multidecode.models.packed import pack_model
 from multidecode.scheduler import Feed
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": 8, "int4": 4}
 
 
-def exact_model(arch: str, attn: str, dtype: torch.dtype):
-    model = copy.deepcopy(tiny_model(arch, attn)).to(dtype)
+def exact_model(arch: str, attn: str, precision: str):
+    """A tiny model at `precision` (packed ones: linear weights as codes, bfloat16 activations)."""
+    kind = PRECISIONS[precision]
+    model = copy.deepcopy(tiny_model(arch, attn))
+    if isinstance(kind, int):
+        pack_model(model, kind, torch.bfloat16)
+        model.to(torch.bfloat16)
+    else:
+        model.to(kind)
     exact.use_exact_attention(model)
     return model
 
@@ -77,17 +86,17 @@ def differing(model, *, seed: int, apart: bool | None = None) -> tuple[list[int]
 
 @pytest.mark.parametrize("arch", MAIN_ARCHITECTURES)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_every_node_of_a_random_forest_equals_its_path_alone_bit_for_bit(arch, attn, dtype):
-    model = exact_model(arch, attn, DTYPES[dtype])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_every_node_of_a_random_forest_equals_its_path_alone_bit_for_bit(arch, attn, precision):
+    model = exact_model(arch, attn, precision)
     for seed in range(3):
         bad, fed = differing(model, seed=seed)
         assert fed and not bad, f"seed {seed}: {len(bad)} of {fed} nodes differ from their paths alone"
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_chains_fed_apart_equal_their_paths_alone(dtype):
-    model = exact_model("qwen2", "sdpa", DTYPES[dtype])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_chains_fed_apart_equal_their_paths_alone(precision):
+    model = exact_model("qwen2", "sdpa", precision)
     engine = Engine(model, apart=True)
     prompt, _ = engine.feed_chain(list(range(3, 40)), logits=False)
     chains = [[5 + i] * 70 for i in range(3)]  # three long chains under the prompt: run apart
@@ -103,7 +112,7 @@ def test_chains_fed_apart_equal_their_paths_alone(dtype):
 def test_greedy_decoding_equals_transformers_generate_through_the_same_kernels():
     """transformers' own loop calls the exact kernel without a plan (one sequence): the same
     kernels, so the same tokens as a forest's branches, bit for bit."""
-    model = exact_model("mistral", "sdpa", torch.bfloat16)
+    model = exact_model("mistral", "sdpa", "bfloat16")
     prefix, branches = [1, 17, 29, 44, 5] * 3, [[7, 8], [9], [11, 12, 13]]
     got = decode(model, prefix, branches, max_new_tokens=20, eos_token_id=[])
     for branch, ids in zip(branches, got):
@@ -115,7 +124,7 @@ def test_a_row_count_dependent_kernel_fails_the_check(monkeypatch):
     otherwise): the forest no longer equals its paths alone."""
     monkeypatch.setattr("multidecode.engine.probe_row_multiple", lambda dtype, device: 1)
     monkeypatch.setattr("multidecode.exact.row_multiple", lambda dtype, device="cpu": 1)
-    model = exact_model("llama", "sdpa", torch.float32)
+    model = exact_model("llama", "sdpa", "float32")
     assert any(differing(model, seed=seed)[0] for seed in range(3))
 
 
@@ -124,8 +133,25 @@ def test_a_product_that_depends_on_its_row_count_fails_the_check(monkeypatch):
     nudge per row): the forest's products have other row counts than the paths' alone."""
     real = exact._product
     monkeypatch.setattr(exact, "_product", lambda left, right: real(left, right) * (1 + 1e-6 * left.shape[-2]))
-    model = exact_model("qwen2", "sdpa", torch.bfloat16)
+    model = exact_model("qwen2", "sdpa", "bfloat16")
     assert any(differing(model, seed=seed)[0] for seed in range(3))
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "int4"])
+def test_a_left_padded_batch_gives_each_row_the_logits_of_the_row_alone(precision):
+    """transformers' batched forward (left padding, rows that see nothing) through the exact
+    kernel: each row's last logits equal the row's alone, bit for bit, and are finite."""
+    model = exact_model("llama", "sdpa", precision)
+    rows = [[5, 6, 7, 8], list(range(9, 16)), [20, 21]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)  # as generate() makes them
+    with torch.no_grad():
+        batched = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, -1]
+        for row, got in zip(rows, batched):
+            alone = model(input_ids=torch.tensor([row])).logits[0, -1]
+            assert torch.isfinite(got).all() and torch.equal(got, alone)
 
 
 # ---------------------------------------------------------------------- the plan, without a model

@@ -104,7 +104,6 @@ def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, mon
 @pytest.mark.parametrize("extra, message", [
     (["--speculate", "medusa"], "unknown speculation mode"),
     (["--speculate", "lookup", "--draft-budget", "0"], "positive integer"),
-    (["--speculate", "lookup", "--dtype", "bfloat16"], "cannot be exact in bfloat16"),
     (["--speculate", "off", "--draft-budget", "4"], "--draft-budget needs speculation"),
     (["--speculate", "draft"], "--speculate draft needs a draft model"),
     (["--speculate", "lookup", "--draft-skip-layers", "1"], "but --speculate is lookup"),

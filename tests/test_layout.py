@@ -16,8 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "multidecode"
 
 LAYERS = [
     ("base", {"version", "errors", "user_cache", "data"}),
-    ("models and data structures", {"models", "attention", "masks", "forest", "cache"}),
-    ("the engine", {"exact", "engine", "cost", "scheduler", "sampling", "stopping", "prompts", "verify"}),
+    ("models and data structures", {"models", "attention", "exact", "masks", "forest", "cache"}),
+    ("the engine", {"engine", "cost", "scheduler", "sampling", "stopping", "prompts", "verify"}),
     ("decoding", {"branches", "proposers", "speculation"}),
     ("strategies and the runtime", {"strategies", "runtime"}),
     ("the entry points", {"api", ""}),

@@ -1,7 +1,7 @@
-"""The float32 cache of GGUF models, and `multidecode cache list|clear`.
+"""The float32 cache of GGUF models (loaded at --precision float32), and `multidecode cache list|clear`.
 
-Every test writes its own tiny Llama GGUF (a byte-level BPE vocabulary of 263 tokens in the
-metadata, Q8_0 matrices, 44 KB) with the `gguf` package, and points MULTIDECODE_CACHE at a
+Every test writes its own tiny Llama GGUF (`gguf_files`: a byte-level BPE vocabulary of 263 tokens
+in the metadata, Q8_0 matrices, 44 KB) with the `gguf` package, and points MULTIDECODE_CACHE at a
 folder of its own: nothing is downloaded and the user's cache is never touched.
 """
 
@@ -13,65 +13,14 @@ import os
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from gguf_files import write_tiny_gguf
 
 from multidecode import CacheUnwritable, ModelNotFound
 from multidecode.cli import main
 from multidecode.models import converted, loading
-
-
-def write_tiny_gguf(path, *, seed: int = 0, name: str = "tiny"):
-    """A 2-layer Llama with random Q8_0 weights and a byte-level BPE tokenizer, as a GGUF file."""
-    import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    rng = np.random.default_rng(seed)
-    tokens = ["<unk>", "<s>", "</s>", *bytes_to_unicode().values(), "he", "ll", "llo", "hello"]
-    hidden, ffn, layers, heads = 32, 64, 2, 4
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(name)
-    writer.add_block_count(layers)
-    writer.add_context_length(128)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(heads // 2)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(len(tokens))
-    writer.add_rope_dimension_count(hidden // heads)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges(["h e", "l l", "ll o", "he llo"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-
-    def matrix(tensor, rows, cols):
-        q8 = gguf.GGMLQuantizationType.Q8_0
-        data = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
-        writer.add_tensor(tensor, gguf.quants.quantize(data, q8), raw_dtype=q8)
-
-    matrix("token_embd.weight", len(tokens), hidden)
-    for i in range(layers):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        for tensor, rows, cols in [("attn_q", hidden, hidden), ("attn_k", hidden // 2, hidden),
-                                   ("attn_v", hidden // 2, hidden), ("attn_output", hidden, hidden),
-                                   ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)]:
-            matrix(f"blk.{i}.{tensor}.weight", rows, cols)
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    matrix("output.weight", len(tokens), hidden)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture
@@ -101,7 +50,8 @@ def conversions(monkeypatch):
 
 
 def load(path):
-    return loading.load_model_and_tokenizer(str(path), device="cpu")
+    """The float32 copy's load (packed precisions read the file itself: tests/test_precision.py)."""
+    return loading.load_model_and_tokenizer(str(path), precision="float32", device="cpu")
 
 
 def copies(cache):

@@ -23,11 +23,12 @@ from multidecode.cli import main
 from multidecode.models import converted, loading
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_load_a_local_folder_in_each_dtype(model_dir, dtype):
-    decoder = multidecode.load(str(model_dir), dtype=dtype, device="cpu")
-    assert decoder.model.dtype == getattr(torch, dtype)
-    assert decoder.model.config._attn_implementation == "multidecode_sdpa"
+@pytest.mark.parametrize("precision, dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                              ("int8", torch.bfloat16), ("int4", torch.bfloat16)])
+def test_load_a_local_folder_at_each_cpu_precision(model_dir, precision, dtype):
+    decoder = multidecode.load(str(model_dir), precision=precision, device="cpu")
+    assert decoder.model.dtype == dtype and decoder.memory()["precision"] == precision
+    assert decoder.model.config._attn_implementation == "multidecode_exact"
     (answer,) = decoder.ask("Here is a document about cables.", ["What is it about?"], max_new_tokens=5)
     assert 1 <= len(answer.token_ids) <= 5
 

@@ -15,12 +15,17 @@ with or without speculation.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+
+import torch
 
 from .branches import BranchRun, TokenEvent, start, start_prompts
 from .cost import CostCurve
 from .engine import Engine
-from .models.loading import load_model_and_tokenizer
+from .exact import is_exact
+from .models.loading import Loaded, load_model
+from .models.packed import packed_bytes
 from .models.vetting import check_supported
 from .sampling import per_branch_sampling
 from .scheduler import CompactionPolicy, Scheduler, new_scheduler
@@ -49,10 +54,11 @@ class MultiDecoder:
     """
 
     def __init__(self, model, tokenizer, *, compaction: CompactionPolicy | None = None,
-                 cost: CostCurve | None = None, draft=None) -> None:
+                 cost: CostCurve | None = None, draft=None, loaded: Loaded | None = None) -> None:
         check_supported(model)
         self.model = model
         self.tokenizer = tokenizer
+        self.loaded = loaded  # how `load` loaded it: precision, formats, source
         self.compaction = compaction or CompactionPolicy()
         self.cost = cost
         self.draft = draft
@@ -66,7 +72,8 @@ class MultiDecoder:
         if isinstance(speculate, str) and speculate.strip().lower() == "draft":
             speculate = SpeculationSettings("draft")
         if isinstance(speculate, SpeculationSettings):
-            return resolve(speculate, self.model.dtype, draft=self.draft_for(speculate))
+            return resolve(speculate, self.model.dtype, draft=self.draft_for(speculate),
+                           exact=is_exact(self.model))
         return speculate
 
     def draft_for(self, settings: SpeculationSettings):
@@ -78,6 +85,12 @@ class MultiDecoder:
         if key not in self._drafts:
             self._drafts[key] = load_draft(settings, self.model, self.tokenizer)
         return self._drafts[key]
+
+    def memory(self) -> dict:
+        """What the model holds: its precision (and why `auto` chose it), the bytes of its resident
+        weights (each storage once), the bytes of its file's tensors (GGUF), the KV cache's bytes
+        per token, and how many tensors ended in each format."""
+        return memory_report(self.model, self.loaded)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -194,14 +207,35 @@ class MultiDecoder:
                                 **settings)
 
 
-def load(model: str | None = None, *, dtype=None, device=None) -> MultiDecoder:
+def load(model: str | None = None, *, precision: str | None = None, dtype=None, device=None,
+         exact: bool = True) -> MultiDecoder:
     """Load a model by name (nothing for the embedded SmolLM2-135M-Instruct) as a `MultiDecoder`.
 
     model: None, a local Hugging Face folder, a local .gguf file, or a hub id.
-    dtype: float32 (default), bfloat16 or float16; device: "cpu", "cuda", ... (default: cuda if any).
+    precision: "auto" (default: a GGUF file keeps its 4- or 8-bit codes, a folder its own dtype),
+        "float32", "bfloat16", "float16" (CUDA), "int8" or "int4" (see `models.precision`); dtype
+        is the older name of the float ones. device: "cpu", "cuda", ... (default: cuda if any).
+    exact: batch-invariant attention (default): a node's logits do not depend on what else shares
+        its forward, bit for bit (`multidecode.exact`); False keeps the model's own attention
+        (faster on long prompts, exact to the token).
     """
-    lm, tokenizer = load_model_and_tokenizer(model, dtype=dtype, device=device)
-    return MultiDecoder(lm, tokenizer)
+    loaded = load_model(model, precision_name=precision or dtype, device=device, exact=exact)
+    return MultiDecoder(loaded.model, loaded.tokenizer, loaded=loaded)
+
+
+def memory_report(model, loaded: Loaded | None = None) -> dict:
+    """See `MultiDecoder.memory`."""
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    formats = dict(Counter((loaded.formats if loaded else {}).values()))
+    file_bytes = loaded.file_tensor_bytes if loaded else None
+    return {"precision": loaded.precision.name if loaded else str(dtype).removeprefix("torch."),
+            "reason": loaded.precision.reason if loaded else "",
+            "weights_bytes": packed_bytes(model), "file_tensor_bytes": file_bytes,
+            "kv_bytes_per_token": config.num_hidden_layers * 2 * heads * head_dim * torch.finfo(dtype).bits // 8,
+            "formats": formats}
 
 
 # ---------------------------------------------------------------------- token level, any model

@@ -516,7 +516,7 @@ def admit(
     if not suffixes:
         raise InvalidInput("there are no branches to decode", "pass at least one branch")
     engine = scheduler.engine
-    spec = resolve(speculate, engine.dtype)
+    spec = resolve(speculate, engine.dtype, exact=engine.exact)
     if spec is not None:
         if spec.auto and isinstance(spec.proposer, Mixture):
             spec.proposer.fit(scheduler.cost_curve(), len(suffixes), spec.size)

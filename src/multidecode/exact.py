@@ -209,39 +209,66 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
                     forest_plan: ExactPlan | None = None, **kwargs):
     """Attention reduced over position blocks (see the module notes).
 
-    query [1, H, R, D]; key/value [1, H_kv, S, D]; attention_mask [1, 1, R, S] additive float
-    (blocked: far below zero) or bool (True: allowed) or None (causal over one sequence).
-    Returns ([1, R, H, D], None), as transformers' attention functions do.
+    query [B, H, R, D]; key/value [B, H_kv, S, D]; attention_mask [B, 1, R, S] additive float
+    (blocked: far below zero) or bool (True: allowed) or None (causal). With a plan (the engine's),
+    B is 1; without one (transformers' own loops), each row of the batch is one sequence whose
+    cache holds its tokens in order, the last R of them the queries (`position_ids` say where).
+    Returns ([B, R, H, D], None), as transformers' attention functions do.
     """
-    if query.shape[0] != 1:
-        raise ValueError("exact attention runs one sequence (or one forest) at a time: batch size must be 1")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("exact attention does not support attention sinks")
+    if forest_plan is not None:
+        if query.shape[0] != 1:
+            raise ValueError("a forest is one sequence of the batch: batch size must be 1 with a plan")
+        return _attend(query, key, value, attention_mask, forest_plan, scaling, kwargs.get("softcap")), None
+    outs = []
+    positions = kwargs.get("position_ids")
+    for b in range(query.shape[0]):
+        mask = None if attention_mask is None else attention_mask[b:b + 1]
+        where = None if positions is None else positions[min(b, positions.shape[0] - 1)]
+        plan = _sequence_plan(mask, where, query.shape[2], key.shape[2], query.device, query.dtype)
+        outs.append(_attend(query[b:b + 1], key[b:b + 1], value[b:b + 1], mask, plan, scaling, kwargs.get("softcap")))
+    return torch.cat(outs), None
+
+
+def _sequence_plan(mask, query_positions, rows_count: int, keys: int, device, dtype) -> ExactPlan:
+    """The plan of one plain sequence: keys are its tokens in order (the last `rows_count` the
+    queries), so key j sits `keys - 1 - j` positions before the last query; a key no query may
+    see (left padding) is no one's ancestor."""
+    if query_positions is None:
+        query_positions = torch.arange(keys - rows_count, keys)
+    query_positions = query_positions.to("cpu", torch.long)
+    key_positions = (query_positions[-1] - (keys - 1 - torch.arange(keys))).clamp(min=0)
+    seen = _allowed(mask, rows_count, keys, "cpu").any(0)  # [S]: keys some query sees
+    visible = (key_positions[None, :] <= query_positions[:, None]) & seen[None, :]
+    parents = torch.arange(-1, rows_count - 1)
+    return plan_attention(visible, key_positions, query_positions, parents, row_multiple=row_multiple(dtype, device))
+
+
+def _attend(query, key, value, attention_mask, plan: ExactPlan, scaling, softcap) -> torch.Tensor:
+    """One sequence or forest (batch 1): [1, R, H, D]."""
     heads, rows_count, dim = query.shape[1:]
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    plan = forest_plan or chain_plan(rows_count, keys, row_multiple=row_multiple(query.dtype, query.device))
     layout = plan.layout(query.device)
     bias = layout.bias(plan, attention_mask, keys, query.device)  # [U, M', BLOCK]: 0 or -inf
     scale = dim ** -0.5 if scaling is None else scaling
-    softcap = kwargs.get("softcap")
     queries = query[0].float()
     if softcap is None:
         queries = queries * scale  # scaling the queries scales every score, at a fraction of the cost
     # [H_kv, G, U, M', D] queries against [H_kv, 1, U, BLOCK, D] keys: one product per (head, block)
     queries = queries.reshape(kv_heads, groups, rows_count, dim)[:, :, layout.rows]
-    block_keys = key[0].float()[:, layout.slots][:, None]
-    block_values = value[0].float()[:, layout.slots]
-    block_values = torch.cat([block_values, block_values.new_ones(*block_values.shape[:-1], 1)], -1)[:, None]
+    block_keys = key[0][:, layout.slots].float()[:, None]
+    block_values = value[0][:, layout.slots].float()[:, None]
     scores = _product(queries, block_keys.transpose(-1, -2))  # [H_kv, G, U, M', BLOCK]
     if softcap is not None:
         scores = softcap * torch.tanh(scores * scale / softcap)
     scores += bias
     high = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)  # a row that sees nothing: finite
     weights = scores.sub_(high).exp_()  # masked keys: exp(-inf) = 0
-    summed = _product(weights, block_values)  # [H_kv, G, U, M', D + 1]: weighted values, then their sum
+    summed = torch.cat([_product(weights, block_values), weights.sum(-1, keepdim=True)], -1)  # [.., D + 1]
     out = _merge(layout, high[..., 0].reshape(heads, -1), summed.reshape(heads, -1, dim + 1), rows_count)
-    return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
+    return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
 
 
 def _product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -271,7 +298,7 @@ def _merge(layout: _Layout, high: torch.Tensor, summed: torch.Tensor, rows_count
         1, rows[None].expand(heads, -1), high, "amax")  # [H, R]: the highest of a row's blocks
     summed *= torch.exp(high - top[:, rows])[..., None]
     total = summed.new_zeros(heads, rows_count, dim).index_add_(1, rows, summed)
-    return total[..., :-1] / total[..., -1:]
+    return total[..., :-1] / total[..., -1:].clamp(min=torch.finfo(torch.float32).tiny)  # a row that sees nothing: 0
 
 
 # ---------------------------------------------------------------------- rows and registration

@@ -96,20 +96,22 @@ class Speculation:
         return self.max_draft if self.budget is None else self.budget
 
 
-def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=None) -> Speculation | None:
+def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=None,
+            exact: bool = False) -> Speculation | None:
     """`speculate` (see the module notes) as a `Speculation`, or None for none.
 
     budget: overrides the draft budget of a named mode or proposer (for "auto", the most nodes a
-    branch may propose). draft: the draft model (or `DraftModel` proposer) of "draft". Raises
-    `InvalidArgument` for an unknown mode, a bad budget, "draft" without a draft model, or explicit
-    speculation in a dtype where it cannot be exact.
+    branch may propose). draft: the draft model (or `DraftModel` proposer) of "draft". exact:
+    whether the model's forwards are batch-invariant (`multidecode.exact`): then speculation is
+    exact in every dtype. Raises `InvalidArgument` for an unknown mode, a bad budget, "draft"
+    without a draft model, or explicit speculation in a dtype where it cannot be exact.
     """
     if budget is not None:
         check_positive("the draft budget", budget)
     if speculate is None or speculate is False:
         return None
     if isinstance(speculate, SpeculationSettings):
-        return speculate.build(dtype, draft=draft)
+        return speculate.build(dtype, draft=draft, exact=exact)
     if isinstance(speculate, str):
         speculate = speculate.strip().lower()
         if speculate in OFF:
@@ -123,7 +125,7 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
     else:
         proposer = named_proposer(speculate, draft)
         spec = Speculation(proposer, budget or proposer.default_budget or DEFAULT_BUDGET)
-    if dtype in EXACT_DTYPES:
+    if exact or dtype in EXACT_DTYPES:
         return spec
     if spec.auto:
         return None  # "auto" does not speculate where it cannot be exact
@@ -135,7 +137,8 @@ def inexact(name: str, dtype: torch.dtype) -> InvalidArgument:
     return InvalidArgument(
         f"speculation ({name}) cannot be exact in {str(dtype).removeprefix('torch.')}: masked forwards take "
         "other kernels there, so near-ties may break differently than in plain decoding",
-        "load the model in float32, or use speculate='auto' (which then does not speculate)")
+        "load the model with exact attention (the default of `load`), in float32, or use speculate='auto' "
+    "(which then does not speculate)")
 
 
 def named_proposer(mode: str, draft=None) -> Proposer:
@@ -259,25 +262,28 @@ class SpeculationSettings:
                                          draft_model=self.draft_model if mode == "draft" else None,
                                          skip_layers=self.skip_layers if mode == "draft" else None)
 
-    def check(self, dtype: torch.dtype, *, draft=None, spelling: Spelling = PYTHON) -> None:
+    def check(self, dtype: torch.dtype | None = None, *, draft=None, exact: bool = False,
+              spelling: Spelling = PYTHON) -> None:
         """Refuse, before anything loads, what cannot run: explicit speculation in a dtype where
-        it cannot be exact, and "draft" without a draft model."""
+        it cannot be exact (unless the model's forwards are `exact`; no dtype: not known yet),
+        and "draft" without a draft model."""
         if self.mode == "draft" and not self.own_draft and draft is None:
             raise InvalidArgument(f"{spelling.setting('draft')} needs a draft model",
                                   f"add {spelling.draft_model}, or {spelling.skip_layers} auto to draft with the "
                                   "model itself")
-        if self.mode not in (None, "auto") and dtype not in EXACT_DTYPES:
+        if self.mode not in (None, "auto") and dtype is not None and dtype not in EXACT_DTYPES and not exact:
             raise inexact(self.mode, dtype)
 
-    def build(self, dtype: torch.dtype, *, draft=None) -> Speculation | None:
+    def build(self, dtype: torch.dtype, *, draft=None, exact: bool = False) -> Speculation | None:
         """A `Speculation` with a fresh proposer (see `resolve`); draft: the draft model for
         "draft" (from `load_draft` where these settings name their own)."""
         if self.mode is None:
             return None
         if self.mode == "lookahead" and self.lookahead is not None:
             window, ngram, guesses = self.lookahead
-            return resolve(Lookahead(window=window, ngram=ngram, guesses=guesses), dtype, budget=self.budget)
-        return resolve(self.mode, dtype, budget=self.budget, draft=draft)
+            return resolve(Lookahead(window=window, ngram=ngram, guesses=guesses), dtype, budget=self.budget,
+                           exact=exact)
+        return resolve(self.mode, dtype, budget=self.budget, draft=draft, exact=exact)
 
 
 def load_draft(settings: SpeculationSettings, model, tokenizer):
@@ -287,7 +293,8 @@ def load_draft(settings: SpeculationSettings, model, tokenizer):
     see `choose_draft_layers`)."""
     if settings.draft_model is not None:
         device = next(model.parameters()).device
-        draft, draft_tokenizer = load_model_and_tokenizer(settings.draft_model, dtype=model.dtype, device=device)
+        draft, draft_tokenizer = load_model_and_tokenizer(settings.draft_model, precision=model.dtype, device=device,
+                                                          exact=False)
         check_same_tokenizer(tokenizer, draft_tokenizer)
         return draft
     return self_draft(model, list(choose_draft_layers(settings, model, tokenizer).skip_layers))

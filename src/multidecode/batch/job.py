@@ -261,12 +261,13 @@ def open_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, se
 def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.PathLike, *,
               questions: Sequence[str] = (), max_new_tokens: int = 48, stop: Sequence[str] = (),
               instruction: str | None = None, retry_failed: bool = False, model: str | None = None,
-              speculate=None, forest_tokens: int = FOREST_TOKENS, forest_branches: int = FOREST_BRANCHES,
+              precision: str | None = None, speculate=None, forest_tokens: int = FOREST_TOKENS, forest_branches: int = FOREST_BRANCHES,
               **sampling) -> BatchSummary:
     """Run (or resume) a whole batch job silently and return its summary.
 
-    model: the label that goes into the settings fingerprint (default: the model's
-    `name_or_path`, which for a local folder is its path).
+    model, precision: the labels that go into the settings fingerprint (defaults: the model's
+    `name_or_path`, which for a local folder is its path, and the precision it runs at, as
+    `MultiDecoder.memory()` names it; the command line labels its jobs so too).
     speculate: as for `BatchJob.run` (not a setting: it never changes the answers). "suffix" or
     "auto" draft from the answers to the job's earlier documents, which pays on similar ones.
     forest_tokens, forest_branches: the merged forest's budget (`BatchJob.run`; forest_tokens=0 runs
@@ -275,9 +276,9 @@ def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.Path
     if model is None:
         name = getattr(decoder.model.config, "name_or_path", None) or getattr(decoder.model.config, "_name_or_path", "")
         model = model_identity(name) if name else type(decoder.model).__name__
+    precision = precision or decoder.memory()["precision"]
     settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
-                             sampling=sampling, instruction=instruction, model=model,
-                             dtype=str(decoder.model.dtype).removeprefix("torch."))
+                             sampling=sampling, instruction=instruction, model=model, precision=precision)
     with open_batch(input_path, output_path, settings, retry_failed=retry_failed) as job:
         for _ in job.run(decoder, speculate=speculate, forest_tokens=forest_tokens, forest_branches=forest_branches):
             pass

@@ -158,7 +158,7 @@ class Worker:
     """What each Ray actor runs: the model, loaded once, and a `ForestAnswerer` whose forest
     every concurrent `answer` call joins. Never raises: a failed load is reported by `ready`."""
 
-    def __init__(self, model: str | None, dtype: str | None, device: str | None, settings: BatchSettings,
+    def __init__(self, model: str | None, precision: str | None, device: str | None, settings: BatchSettings,
                  speculate=None, prepare: Callable | None = None, threads: int | None = None) -> None:
         self.answerer: ForestAnswerer | None = None
         self.failed: ErrorInfo | None = None
@@ -172,7 +172,7 @@ class Worker:
                 torch.set_num_threads(threads)
             from ..api import load
 
-            decoder = load(model, dtype=dtype, device=device)
+            decoder = load(model, precision=precision, device=device)
             if prepare is not None:
                 speculate = prepare(decoder, speculate)
             self.answerer = ForestAnswerer(decoder, settings, speculate=speculate)
@@ -316,7 +316,7 @@ class RayWorkers:
     """Ray workers answering one job's lines (see the module notes). `ray_outcomes` is the usual
     way in; this class also lets a caller see the workers (`actors`) while they run.
 
-    model, dtype, device: as `multidecode.load` takes them, in each worker (a local path is made
+    model, precision, device: as `multidecode.load` takes them, in each worker (a local path is made
     absolute, and must exist on every node). speculate: `MultiDecoder.ask`'s; prepare(decoder, speculate), if given,
     runs in each worker once the model is loaded and returns the speculation to use. workers:
     how many actors; cpus_per_worker: the CPUs each reserves (and its torch threads);
@@ -324,7 +324,7 @@ class RayWorkers:
     device, when the cluster has GPUs, as `load` picks cuda where there is one; else 0).
     """
 
-    def __init__(self, *, settings: BatchSettings, model: str | None = None, dtype: str | None = None,
+    def __init__(self, *, settings: BatchSettings, model: str | None = None, precision: str | None = None,
                  device: str | None = None, speculate=None, prepare: Callable | None = None,
                  address: str | None = None, workers: int = 2, lines_per_worker: int = LINES_PER_WORKER,
                  cpus_per_worker: int = 1, gpus_per_worker: float | None = None) -> None:
@@ -349,7 +349,7 @@ class RayWorkers:
                 gpus_per_worker = 1 if cuda else 0
             if model is not None and Path(model).expanduser().exists():  # the same file for every worker
                 model = str(Path(model).expanduser().resolve())
-            self._arguments = (model, dtype, device, settings, speculate, prepare, cpus_per_worker)
+            self._arguments = (model, precision, device, settings, speculate, prepare, cpus_per_worker)
             self._actor_class = self.ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
                                                 max_concurrency=lines_per_worker + 1)(Worker)
             for _ in range(workers):
@@ -521,14 +521,14 @@ def _describe(why) -> str:
 
 
 def ray_outcomes(items: Iterable[InputLine], *, settings: BatchSettings, model: str | None = None,
-                 dtype: str | None = None, device: str | None = None, speculate=None, prepare: Callable | None = None,
+                 precision: str | None = None, device: str | None = None, speculate=None, prepare: Callable | None = None,
                  address: str | None = None, workers: int = 2, lines_per_worker: int = LINES_PER_WORKER,
                  cpus_per_worker: int = 1, gpus_per_worker: float | None = None,
                  stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
     """Each line's `Outcome` from Ray workers, as lines finish, for `BatchJob.record` (see the
     module notes; the arguments are `RayWorkers`'). Connects and starts the workers on the first
     `next()`, and stops them (and a Ray it started) when exhausted or closed."""
-    with RayWorkers(settings=settings, model=model, dtype=dtype, device=device, speculate=speculate,
+    with RayWorkers(settings=settings, model=model, precision=precision, device=device, speculate=speculate,
                     prepare=prepare, address=address, workers=workers, lines_per_worker=lines_per_worker,
                     cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker) as pool:
         yield from pool.outcomes(items, stopping=stopping)

@@ -25,7 +25,7 @@ class BatchSettings:
     """Everything a batch job's answers depend on.
 
     questions: asked of every document, before the line's own questions.
-    model, dtype: labels of the model the answers come from (any stable text, such as a resolved
+    model, precision: labels of the model the answers come from (any stable text, such as a resolved
     folder path or a hub id); they go into the fingerprint, so a job cannot be resumed with
     another model by mistake.
     sampling: keyword arguments for `MultiDecoder.ask` (temperature, top_k, top_p, min_p,
@@ -38,7 +38,7 @@ class BatchSettings:
     sampling: Mapping[str, Any] = field(default_factory=dict)
     instruction: str | None = None
     model: str | None = None
-    dtype: str | None = None
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "questions", tuple(self.questions))
@@ -56,7 +56,7 @@ class BatchSettings:
                 raise InvalidInput("a stop string is empty", "remove it or give the text to stop at")
 
     def as_dict(self) -> dict:
-        return {"model": self.model, "dtype": self.dtype or "float32", "questions": list(self.questions),
+        return {"model": self.model, "precision": self.precision, "questions": list(self.questions),
                 "max_new_tokens": self.max_new_tokens, "stop": list(self.stop),
                 "sampling": dict(sorted(self.sampling.items())), "instruction": self.instruction}
 

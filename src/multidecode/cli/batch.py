@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..batch import BatchJob, BatchSettings, BatchSummary, LineResult, model_identity, open_batch, total_stats
 from ..batch.merged import FOREST_BRANCHES, FOREST_TOKENS
 from ..errors import InvalidInput
+from ..models.loading import resolve_precision
 from .common import (
     check_early,
     decoding_options,
@@ -198,7 +199,7 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
                      f"input, then rerun with --retry-failed to redo {'it' if one else 'them'}")
 
 
-def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, model_name, dtype, device,
+def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, model_name, precision, device,
            speculation):
     """The job's outcomes from Ray workers (`multidecode.batch.ray`), with a status line while
     Ray starts and the workers load the model."""
@@ -206,7 +207,7 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
 
     where = "a local Ray" if address == "local" else escape(address)
     stderr.print(f"[dim]Starting {workers} worker{'s' * (workers != 1)} on {where}...[/dim]")
-    return ray_outcomes(job.pending_items(), settings=settings, model=model_name, dtype=dtype, device=device,
+    return ray_outcomes(job.pending_items(), settings=settings, model=model_name, precision=precision, device=device,
                         speculate=speculation, address=None if address == "local" else address,
                         workers=workers, stopping=lambda: job.stopping)
 
@@ -234,7 +235,7 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @report_errors
 def batch(input_path, output, questions_file, question, max_new_tokens, stop, retry_failed, forest_tokens,
-          forest_branches, ray_address, workers, model_name, dtype, device, as_json, speculate, draft_budget,
+          forest_branches, ray_address, workers, model_name, precision, device, as_json, speculate, draft_budget,
           show_stats, **sampling):
     """Answer questions about every document of a JSON Lines file, resumably.
 
@@ -246,7 +247,7 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     or a crash, the same command resumes: finished lines are never redone or duplicated. A line
     that fails (bad JSON, an empty question, a document too long for the model, ...) is recorded
     with its error and the job goes on; --retry-failed redoes those. Resuming needs the same
-    settings (model, dtype, job questions, --max-new-tokens, --stop, sampling), which
+    settings (model, precision, job questions, --max-new-tokens, --stop, sampling), which
     OUT.meta.json records. Exit status: 0 when every line has a result (failed ones included),
     1 when lines are left undone (the input changed during the run, or repeated unexpected
     errors aborted it), 130 after Ctrl-C (143 after SIGTERM), 2 for a problem with the job.
@@ -271,19 +272,20 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
         import_ray()  # says how to install Ray before anything else happens
     questions = job_questions(question, questions_file)
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
-    speculation = speculation_from(speculate, draft_budget, dtype)
+    speculation = speculation_from(speculate, draft_budget)
     settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
-                             sampling=sampling_from(sampling), model=model_identity(model_name), dtype=dtype)
+                             sampling=sampling_from(sampling), model=model_identity(model_name),
+                             precision=resolve_precision(model_name, precision, device).name)
     with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
         announce(job)
         received, totals = [], {}
         if job.pending:
             if ray_address is None:
-                decoder = load_decoder(model_name, dtype, device)
+                decoder = load_decoder(model_name, precision, device)
                 results = job.run(decoder, speculate=prepare_speculation(decoder, speculation),
                                   forest_tokens=forest_tokens, forest_branches=forest_branches)
             else:
-                results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, dtype, device,
+                results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, precision, device,
                                             speculation))
             received, totals = follow(job, results)
         summary = job.summary()

@@ -43,13 +43,10 @@ def run_options(command):
                         help="Timed runs at the main point (the median is reported).")(command)
 
 
-def check_run(output: str, dtype: str | None, threads: int | None) -> None:
+def check_run(output: str, threads: int | None) -> None:
     """Refuse settings every benchmark would trip on, before the model loads and the run starts."""
     if Path(output).exists() and not Path(output).is_dir():
         raise InvalidArgument(f"--output {output} is a file, not a folder", "name a folder for the results")
-    if dtype not in (None, "float32"):
-        raise InvalidArgument(f"the benchmarks compare outputs token for token, which holds in float32 only, "
-                              f"not {dtype}", "leave --dtype unset")
     if threads is not None and threads < 1:
         raise InvalidArgument(f"--threads must be 1 or more, got {threads}", "or leave it unset")
 
@@ -119,11 +116,11 @@ def bench_command(name: str, *options, sweeps: tuple[str, ...] = (), counts: tup
     progress=)`."""
     def declare(prepare):
         @functools.wraps(prepare)
-        def command(output, stem, repeats, threads, model_name, dtype, device, **own):
-            check_run(output, dtype, threads)
+        def command(output, stem, repeats, threads, model_name, precision, device, **own):
+            check_run(output, threads)
             check_counts(repeats=repeats, **{k: own[k] for k in counts if own[k] is not None})
             call = prepare(**{**own, **{k: parse_counts(own[k], "--" + k.replace("_", "-")) for k in sweeps}})
-            decoder = load_decoder(model_name, dtype, device)
+            decoder = load_decoder(model_name, precision, device)
             run_and_report(name, lambda progress: call(decoder, repeats=repeats, threads=threads, progress=progress),
                            output, stem)
 
@@ -304,7 +301,7 @@ def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, pro
                  transformers_requests=settings["transformers_requests"])
     if not rate > 0:
         raise InvalidArgument(f"--rate must be positive, got {rate}", "for example --rate 8, or --rate inf")
-    check_run(output, None, settings["threads"])
+    check_run(output, settings["threads"])
     transformers = (not quick) if with_transformers is None else with_transformers
     run_and_report("serve", lambda progress: run_serve_benchmark(
         model=model_name, rate=rate, transformers=transformers, transformers_cb=transformers_cb, progress=progress,
@@ -335,8 +332,8 @@ def bench_unrelated(requests, prompt_tokens, steps, warmup, seed, threads, model
     check_counts(steps=steps)
     if warmup < 0:
         raise InvalidArgument(f"--warmup must be 0 or more, got {warmup}", "use --warmup 0 or more")
-    check_run(output, None, threads)
-    model = load_decoder(model_name, None, device).model
+    check_run(output, threads)
+    model = load_decoder(model_name, "float32", device).model
     run_and_report("unrelated", lambda progress: run_unrelated(
         model, requests=levels, prompt_tokens=lengths, steps=steps, warmup=warmup, seed=seed, threads=threads,
         progress=progress), output, stem)

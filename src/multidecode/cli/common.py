@@ -25,11 +25,12 @@ stdout = Console(highlight=False, soft_wrap=True)
 
 # ---------------------------------------------------------------------- options
 def model_options(command):
-    """--model, --dtype, --device."""
+    """--model, --precision (alias --dtype), --device."""
     command = click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available).")(command)
     command = click.option(
-        "--dtype", default=None, type=click.Choice(["float32", "bfloat16", "float16"]),
-        help="Weights dtype (default float32; exactness is guaranteed in float32).",
+        "--precision", "--dtype", "precision", default=None, metavar="NAME",
+        help="What the weights are kept as: auto (default: a GGUF file keeps its 4- or 8-bit codes, a folder its "
+             "dtype), float32, bfloat16, float16 (CUDA), int8 or int4 (packed, CPU). Output is exact at every one.",
     )(command)
     command = click.option(
         "--model", "model_name", default=None, metavar="NAME",
@@ -108,18 +109,16 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
     return add
 
 
-def speculation_from(options: SpeculateOptions | str | None, draft_budget: int | None,
-                     dtype: str | None) -> SpeculationSettings:
+def speculation_from(options: SpeculateOptions | str | None, draft_budget: int | None) -> SpeculationSettings:
     """The options as `SpeculationSettings`, checked before the model loads (unknown mode, bad
-    budget, settings that need another mode, a dtype where speculation cannot be exact)."""
-    from ..models.loading import resolve_dtype
-
+    budget, settings that need another mode). The CLI loads models with exact attention, so
+    speculation is exact at every precision."""
     if not isinstance(options, SpeculateOptions):
         options = SpeculateOptions(options)
     settings = SpeculationSettings.parse(options.mode, budget=draft_budget, lookahead=options.lookahead,
                                          draft_model=options.draft_model, skip_layers=options.draft_skip_layers,
                                          spelling=SPELLING)
-    settings.check(resolve_dtype(dtype), spelling=SPELLING)
+    settings.check(exact=True, spelling=SPELLING)
     return settings
 
 
@@ -161,13 +160,13 @@ def decoding_options(speculate: str | None = None):
     return add
 
 
-def open_run(model_name: str | None, dtype: str | None, device: str | None, speculate, draft_budget: int | None, *,
+def open_run(model_name: str | None, precision: str | None, device: str | None, speculate, draft_budget: int | None, *,
              max_new_tokens: int | None, n: int = 1, sampling: dict | None = None, stop=()):
     """Check a decoding command's settings before anything loads (a typo fails at once), then
     load the decoder with a status line; returns it and what one run passes as `speculate=`."""
     check_early(max_new_tokens=max_new_tokens, n=n, sampling=sampling, stop=stop)
-    settings = speculation_from(speculate, draft_budget, dtype)
-    decoder = load_decoder(model_name, dtype, device)
+    settings = speculation_from(speculate, draft_budget)
+    decoder = load_decoder(model_name, precision, device)
     return decoder, decoder.speculation(prepare_speculation(decoder, settings))
 
 
@@ -243,43 +242,48 @@ def read_lines(path: str, what: str = "questions") -> list[str]:
 
 
 # ---------------------------------------------------------------------- the model
-def load_decoder(model_name: str | None, dtype: str | None, device: str | None):
-    """Load a MultiDecoder, with a status line on stderr (and a note when a GGUF file is converted)."""
+def load_decoder(model_name: str | None, precision: str | None, device: str | None):
+    """Load a MultiDecoder, with a status line on stderr (saying so when a GGUF file is first read)."""
     from ..api import load
-    from ..models.converted import embedded_copy
 
-    if model_name is None and embedded_copy(convert=False) is None:
-        message = "Converting the embedded model to a float32 cache (once, about 20 s)..."
-    elif _unconverted_gguf(model_name):
-        message = (f"Converting {escape(model_name)} to a float32 cache (once; later loads take seconds; "
-                   "`multidecode cache list` shows it)...")
-    else:
-        message = f"Loading {escape(model_name or 'the embedded model')}..."
+    message = _first_read(model_name, precision) or f"Loading {escape(model_name or 'the embedded model')}..."
     start = time.perf_counter()
     with stderr.status(message):
-        decoder = load(model_name, dtype=dtype, device=device)
+        decoder = load(model_name, precision=precision, device=device)
     label = escape(_model_label(decoder, model_name))
     stderr.print(f"[dim]Loaded {label} in {time.perf_counter() - start:.1f} s[/dim]")
     return decoder
 
 
-def _unconverted_gguf(model_name: str | None) -> bool:
-    from ..models.converted import gguf_copy
+def _first_read(model_name: str | None, precision: str | None) -> str | None:
+    """The status line of a GGUF model's first load, which writes a copy to the user cache: its
+    config and tokenizer (packed precisions, seconds) or all its weights in float32 (float ones)."""
+    from ..models.converted import embedded_copy, gguf_copy
 
-    if not model_name or not model_name.lower().endswith(".gguf") or not Path(model_name).expanduser().is_file():
-        return False
+    if model_name is not None and not model_name.lower().endswith(".gguf"):
+        return None
+    floats = precision in ("float32", "bfloat16", "float16")
+    name = escape(model_name or "the embedded model")
     try:
-        return gguf_copy(model_name, convert=False) is None
+        if model_name is None:
+            missing = embedded_copy(convert=False, described=not floats) is None
+        else:
+            missing = Path(model_name).expanduser().is_file() and \
+                gguf_copy(model_name, convert=False, described=not floats) is None
     except Exception:  # noqa: BLE001 - an unreadable file: load() reports it properly
-        return False
+        return None
+    if not missing:
+        return None
+    if floats:
+        return f"Converting {name} to a float32 cache (once, about 20 s for the embedded model; `multidecode cache list` shows it)..."
+    return f"Reading {name} (once: its config and tokenizer are kept in the user cache)..."
 
 
 def _model_label(decoder, model_name) -> str:
     config = decoder.model.config
     name = model_name or "SmolLM2-135M-Instruct (embedded)"
     device = next(decoder.model.parameters()).device
-    dtype = str(decoder.model.dtype).removeprefix("torch.")
-    return f"{name} ({config.model_type}, {dtype}, {device})"
+    return f"{name} ({config.model_type}, {decoder.memory()['precision']}, {device})"
 
 
 # ---------------------------------------------------------------------- errors

@@ -103,7 +103,7 @@ def gather_questions(question: Sequence[str], questions_file: str | None) -> lis
 @decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of answers instead of streaming text.")
 @report_errors
-def ask(document, question, questions_file, max_new_tokens, stop, model_name, dtype, device, as_json, speculate,
+def ask(document, question, questions_file, max_new_tokens, stop, model_name, precision, device, as_json, speculate,
         draft_budget, show_stats, **sampling):
     """Answer many questions about one document in one pass over one shared KV cache."""
     if document == "-" and questions_file == "-":
@@ -113,7 +113,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, dt
     questions = gather_questions(question, questions_file)
     check_document(text)
     check_questions(questions)
-    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
+    decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
                              sampling=sampling_from(sampling), stop=stop)
     start = time.perf_counter()
     settings = dict(max_new_tokens=max_new_tokens, stop=stop, speculate=spec, **sampling_from(sampling))
@@ -146,7 +146,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, dt
 @decoding_options("auto")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion and its stats as JSON.")
 @report_errors
-def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, dtype, device, speculate, draft_budget,
+def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, precision, device, speculate, draft_budget,
              show_stats, as_json, **sampling):
     """Generate one completion, greedy unless a sampling option is given.
 
@@ -155,7 +155,7 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, dty
     """
     text = read_prompt(prompt, prompt_file)
     chosen = sampling_from(sampling)
-    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
+    decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
                              sampling=chosen, stop=stop)
     start = time.perf_counter()
     run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, text, n=1, max_new_tokens=max_new_tokens, stop=stop,
@@ -186,7 +186,7 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, dty
 @decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of completions.")
 @report_errors
-def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, model_name, dtype, device, as_json,
+def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, model_name, precision, device, as_json,
              speculate, draft_budget, show_stats, **sampling):
     """n completions of one prompt from one prefill, sampled side by side.
 
@@ -200,7 +200,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
         raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
     if greedy:
         chosen["do_sample"] = False
-    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
+    decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
                              sampling=chosen, stop=stop)
     settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None, speculate=spec,
                     **chosen)
@@ -231,13 +231,13 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
 @click.option("--show-traces", is_flag=True, help="Print every trace, not only the answers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the vote as JSON.")
 @report_errors
-def vote(question, n, max_new_tokens, model_name, dtype, device, show_traces, as_json, speculate, draft_budget,
+def vote(question, n, max_new_tokens, model_name, precision, device, show_traces, as_json, speculate, draft_budget,
          show_stats, **sampling):
     """Self-consistency: n sampled reasoning traces in one forest, and the majority answer."""
     from ..strategies.vote import tally, vote_prompt, vote_settings
 
     check_text(question, "the question", "write the question to reason about")
-    decoder, spec = open_run(model_name, dtype, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
+    decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
                              sampling=vote_settings(sampling_from(sampling)))
     prompt = vote_prompt(question)
     run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
@@ -296,7 +296,7 @@ def parse_early_stopping(value: str) -> bool | str:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of the returned beams.")
 @report_errors
 def beam(prompt, prompt_file, no_chat, num_beams, max_new_tokens, length_penalty, early_stopping,
-         num_return_sequences, model_name, dtype, device, as_json):
+         num_return_sequences, model_name, precision, device, as_json):
     """Beam search, equal to transformers' generate(num_beams=...), with the beams' common history
     stored once in one cache and dropped beams compacted out."""
     from ..strategies.beam import check_settings, search
@@ -305,7 +305,7 @@ def beam(prompt, prompt_file, no_chat, num_beams, max_new_tokens, length_penalty
     settings = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
                     early_stopping=parse_early_stopping(early_stopping), num_return_sequences=num_return_sequences)
     check_settings(**settings)  # before loading a model
-    decoder = load_decoder(model_name, dtype, device)
+    decoder = load_decoder(model_name, precision, device)
     start = time.perf_counter()
     with stderr.status("searching..."):
         run = search(decoder.scheduler(), decoder.tokenizer, text, chat=False if no_chat else None, **settings)
@@ -370,7 +370,7 @@ def verdicts_table(run: margins_strategy.MarginsRun, verdicts) -> Table:
 @sampling_options
 @click.option("--json", "as_json", is_flag=True, help="Print the margins, verdicts and answer as JSON.")
 @report_errors
-def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens, threshold, model_name, dtype,
+def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens, threshold, model_name, precision,
             device, as_json, **sampling):
     """Write a note about the question for every chunk of a long document (all chunks in one pass),
     keep the relevant notes, and answer from them (arXiv 2408.14906)."""
@@ -381,7 +381,7 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
     for name, value in (("chunk_tokens", chunk_tokens), ("max_margin_tokens", max_margin_tokens)):
         check_positive(name, value)
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling))
-    decoder = load_decoder(model_name, dtype, device)
+    decoder = load_decoder(model_name, precision, device)
     start = time.perf_counter()
     run = margins_strategy.start(decoder.scheduler(), decoder.tokenizer, text, question, chunk_tokens=chunk_tokens,
                          max_margin_tokens=max_margin_tokens, max_new_tokens=max_new_tokens, threshold=threshold,

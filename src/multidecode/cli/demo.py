@@ -16,13 +16,13 @@ from .decoding import show_stream
 @click.option("--no-compare", is_flag=True, help="Skip asking the questions one by one.")
 @model_options
 @report_errors
-def demo(max_new_tokens, no_compare, model_name, dtype, device):
+def demo(max_new_tokens, no_compare, model_name, precision, device):
     """Answer 8 questions about a sample support call in one MultiDecode pass, then one by one
     with transformers' generate, and compare the times and the answers."""
     from ..bench.common import ForwardCounter, hf_sequential, pad_id_of, quiet_transformers, trim_at_eos
     from ..data import sample_document, sample_questions
 
-    decoder = load_decoder(model_name, dtype, device)
+    decoder = load_decoder(model_name, precision, device)
     document, questions = sample_document(), sample_questions()
     prompts = decoder.question_prompts(document, questions)
     with stderr.status("warming up..."):  # first-use costs (kernels, lazily loaded libraries) off the clock

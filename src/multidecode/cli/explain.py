@@ -55,7 +55,7 @@ def check_output(output: str) -> Path:
 @model_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of the step on stdout.")
 @report_errors
-def explain(document, question, max_new_tokens, speculate, draft_budget, step, output, model_name, dtype, device,
+def explain(document, question, max_new_tokens, speculate, draft_budget, step, output, model_name, precision, device,
             as_json):
     """Draw one verification step of a real speculative run: the forest (each branch's head with
     its draft tree, accepted and rejected) and its attention mask, as a PNG."""
@@ -69,7 +69,7 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
         raise InvalidArgument(f"--step must be 2 or more, got {step}",
                               "step 1 feeds the prompts; leave --step unset to pick the step that shows most")
     path = check_output(output)
-    decoder, spec = open_run(model_name, dtype, device, speculate,
+    decoder, spec = open_run(model_name, precision, device, speculate,
                              _explain.DEFAULT_BUDGET if draft_budget is None else draft_budget,
                              max_new_tokens=max_new_tokens)
     label = Path(model_name).name if model_name else "SmolLM2-135M-Instruct"

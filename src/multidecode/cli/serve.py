@@ -40,7 +40,7 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="debug logs every step.")
 @report_errors
-def serve(model_name, dtype, device, host, port, api_key, served_model_name, speculate, draft_budget,
+def serve(model_name, precision, device, host, port, api_key, served_model_name, speculate, draft_budget,
           max_live_tokens, max_branches, prefix_cache_tokens, max_running, threads, drain_timeout, log_level):
     """Serve the model over HTTP with OpenAI's API; concurrent requests decode as one forest.
 
@@ -55,7 +55,7 @@ def serve(model_name, dtype, device, host, port, api_key, served_model_name, spe
     limits = Limits(max_live_tokens=max_live_tokens, max_branches=max_branches,
                     prefix_cache_tokens=prefix_cache_tokens, max_running=max_running)
     check_limits(limits, threads)
-    settings = speculation_from(speculate, draft_budget, dtype)
+    settings = speculation_from(speculate, draft_budget)
     if threads is not None:
         import torch
 
@@ -64,7 +64,7 @@ def serve(model_name, dtype, device, host, port, api_key, served_model_name, spe
                         handlers=[RichHandler(console=stderr, show_path=False)])
     name = served_model_name or model_name or EMBEDDED_NAME
     state = ServeState(name, api_key=api_key, speculate=settings)
-    run(state, lambda: load_model_and_tokenizer(model_name, dtype=dtype, device=device), host=host, port=port,
+    run(state, lambda: load_model_and_tokenizer(model_name, precision=precision, device=device), host=host, port=port,
         limits=limits, drain_timeout=drain_timeout, log_level=log_level,
         on_listening=lambda url: stderr.print(f"Serving {escape(name)} on {url} (loading the model; /health says "
                                               "when ready)"))

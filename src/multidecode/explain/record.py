@@ -118,7 +118,7 @@ def _explain(model, begin, *, compaction, cost, tokenizer, labels, speculate, dr
     recorder = _Recorder(tokenizer, labels, step)
     scheduler = new_scheduler(model, compaction=compaction, cost=cost, observer=recorder)
     recorder.scheduler = scheduler
-    spec = resolve(speculate, scheduler.engine.dtype, budget=draft_budget)
+    spec = resolve(speculate, scheduler.engine.dtype, budget=draft_budget, exact=scheduler.engine.exact)
     if spec is None:
         raise InvalidArgument("explain draws a speculative step, but this run would not speculate",
                               "use speculate='lookup' (or 'auto' in float32)")

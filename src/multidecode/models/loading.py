@@ -10,13 +10,17 @@ the forest's sdpa kernel (`attention.use_forest_sdpa`).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..attention import use_forest_sdpa
 from ..errors import InvalidArgument, ModelNotFound
-from .converted import embedded_copy, gguf_copy
+from ..exact import use_exact_attention
+from . import precision
+from .converted import embedded_copy, embedded_gguf, gguf_copy
+from .packed import pack_model
 from .reading import from_pretrained, loading_errors, quiet_transformers
 from .vetting import check_supported
 
@@ -39,37 +43,143 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if dtype not in names:
-        raise InvalidArgument(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(names))}")
-    return names[dtype]
+@dataclass
+class Loaded:
+    """A loaded model: the model, its tokenizer, the precision it runs at (and why), and what each
+    of its file's tensors became (`formats`, for a GGUF file; empty otherwise)."""
+
+    model: object
+    tokenizer: object
+    precision: precision.Precision
+    formats: dict[str, str] = field(default_factory=dict)
+    source: str = "embedded"
+    file_tensor_bytes: int | None = None  # a GGUF file's tensor bytes, where its directory was read
 
 
-def load_model_and_tokenizer(model: str | os.PathLike | None = None, *, dtype=None, device=None):
-    """Load (model, tokenizer) from a name as described in the module docstring."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model_and_tokenizer(model: str | os.PathLike | None = None, *, precision=None, device=None,
+                             exact: bool = True):
+    """(model, tokenizer) from a name as described in the module docstring (see `load_model`)."""
+    loaded = load_model(model, precision_name=precision, device=device, exact=exact)
+    return loaded.model, loaded.tokenizer
 
-    torch_dtype = resolve_dtype(dtype)
+
+def load_model(model: str | os.PathLike | None = None, *, precision_name=None, device=None,
+               exact: bool = True) -> Loaded:
+    """Load a model by name at a precision (see `precision`; `auto` by default).
+
+    exact: switch it to batch-invariant attention (`multidecode.exact`): a node's logits do not
+    depend on what shares its forward, bit for bit; False keeps the model's own (sdpa) attention,
+    faster on long prompts, exact to the token.
+    """
     torch_device = resolve_device(device)
-    kwargs: dict = {}
-    if model is None:
-        folder, kwargs = embedded_copy(), {}
+    chosen = resolve_precision(model, precision_name, torch_device)
+    keep_widths = precision.parse(precision_name) == "auto"  # each GGUF tensor at its own width
+    if _is_gguf(model):
+        loaded = _load_gguf(model, chosen, keep_widths)
     else:
-        folder, kwargs = _locate(str(model))
-    with quiet_transformers(), loading_errors(model):
-        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-        lm = from_pretrained(AutoModelForCausalLM, folder, torch_dtype, kwargs)
+        loaded = _load_folder(str(model), chosen)
+    lm = loaded.model
     lm.to(torch_device)
     lm.eval()
     check_supported(lm)
-    use_forest_sdpa(lm)
-    return lm, tokenizer
+    if exact:
+        use_exact_attention(lm)
+    else:
+        use_forest_sdpa(lm)
+    return loaded
+
+
+def resolve_precision(model: str | os.PathLike | None = None, precision_name=None,
+                      device=None) -> precision.Precision:
+    """The precision `load_model` loads `model` at, found without loading its weights: from the
+    name alone, or for `auto` from a folder's config or a GGUF file's tensor types (its described
+    copy, written to the user cache on first use). Refuses an unknown precision or one the
+    device cannot run."""
+    name = precision.parse(precision_name)
+    torch_device = resolve_device(device)
+    precision.check(name, torch_device)
+    if name != "auto":
+        return precision.resolve(name, torch_device)
+    if _is_gguf(model):
+        from .gguf import TensorDirectory
+
+        return precision.resolve(name, torch_device, gguf_types=TensorDirectory.load(_described(model)).types())
+    folder, kwargs = _locate(str(model))
+    return precision.resolve(name, torch_device, folder_dtype=_folder_dtype(folder, kwargs))
+
+
+def _is_gguf(model) -> bool:
+    return model is None or str(model).lower().endswith(".gguf")
+
+
+def _described(model) -> Path:
+    """The described copy (config, tokenizer, tensor directory) of a GGUF model (None: the embedded one)."""
+    return embedded_copy(described=True) if model is None else gguf_copy(_gguf_file(str(model)), described=True)
+
+
+def _load_gguf(model, chosen: precision.Precision, keep_widths: bool) -> Loaded:
+    """A GGUF file (None: the embedded model's) at a packed precision, read straight from the
+    file (keep_widths: each tensor at its own width), or at a float one through its float32 copy."""
+    from transformers import AutoTokenizer
+
+    from .gguf import TensorDirectory, load_packed
+
+    path = embedded_gguf() if model is None else _gguf_file(str(model))
+    source = "embedded" if model is None else str(path)
+    if chosen.bits is None:
+        loaded = _float_folder(embedded_copy() if model is None else gguf_copy(path), {}, chosen, source)
+        described = embedded_copy(described=True, convert=False) if model is None else \
+            gguf_copy(path, described=True, convert=False)
+    else:
+        described = _described(model)
+        with quiet_transformers(), loading_errors(model or path):
+            tokenizer = AutoTokenizer.from_pretrained(described)
+            lm, formats = load_packed(path, described, bits=None if keep_widths else chosen.bits, dtype=chosen.dtype)
+        loaded = Loaded(lm, tokenizer, chosen, formats, source)
+    if described is not None:
+        loaded.file_tensor_bytes = TensorDirectory.load(described).tensor_bytes()
+    return loaded
+
+
+def _load_folder(model: str, chosen: precision.Precision) -> Loaded:
+    """A Hugging Face folder or hub id at its own dtype (auto) or the one asked for, its linear
+    weights packed for int8 / int4."""
+    folder, kwargs = _locate(model)
+    loaded = _float_folder(folder, kwargs, chosen, model)
+    if chosen.bits is not None:
+        loaded.formats = pack_model(loaded.model, chosen.bits, chosen.dtype)
+    return loaded
+
+
+def _float_folder(folder, kwargs: dict, chosen: precision.Precision, source: str) -> Loaded:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with quiet_transformers(), loading_errors(source):
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        lm = from_pretrained(AutoModelForCausalLM, folder, chosen.dtype, kwargs)
+    return Loaded(lm, tokenizer, chosen, {}, source)
+
+
+def _folder_dtype(folder, kwargs: dict) -> torch.dtype | None:
+    """The dtype a Hugging Face folder's config names, if any."""
+    from transformers import AutoConfig
+
+    with quiet_transformers(), loading_errors(folder):
+        config = AutoConfig.from_pretrained(folder, **kwargs)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = precision.DTYPES.get(dtype)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _gguf_file(name: str) -> Path:
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ModelNotFound(f"no model at {path}: the path does not exist", "check the path")
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise ModelNotFound(f"{path} is not a GGUF file (it lacks the GGUF header)", "check the file")
+    return path
 
 
 def _locate(name: str) -> tuple[str, dict]:
@@ -87,10 +197,7 @@ def _locate(name: str) -> tuple[str, dict]:
                 f"{path} is a file but not a .gguf model",
                 "pass a Hugging Face model folder or a .gguf file",
             )
-        with open(path, "rb") as fh:
-            if fh.read(4) != b"GGUF":
-                raise ModelNotFound(f"{path} is not a GGUF file (it lacks the GGUF header)", "check the file")
-        return str(gguf_copy(path)), {}
+        return str(gguf_copy(_gguf_file(name))), {}
     looks_like_path = name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1
     if looks_like_path or os.sep in name and Path(name.split(os.sep)[0]).exists():
         raise ModelNotFound(f"no model at {path}: the path does not exist", "check the path")

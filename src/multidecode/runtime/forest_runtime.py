@@ -193,7 +193,8 @@ class ForestRuntime:
         run: BranchRun = admit(
             self.scheduler, shared.prefix_ids[matched:], shared.suffix_ids, max_new_tokens=job.max_new_tokens,
             sampling=job.sampling, tokenizer=self.tokenizer, stop=job.stop,
-            speculate=resolve(job.speculate, self.engine.dtype, draft=self.draft), under=under,
+            speculate=resolve(job.speculate, self.engine.dtype, draft=self.draft, exact=self.engine.exact),
+            under=under,
             cached=shared.prefix_ids[:matched], prompt_owner=CACHE_OWNER, logprobs=job.logprobs)
         return run.group
 
