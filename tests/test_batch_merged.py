@@ -129,12 +129,13 @@ class FakeAnswerer:
         self.in_flight: dict[int, Future] = {}
         self.peaks: list[int] = []
         self.prepared: list[int] = []
+        self.runtime = SimpleNamespace(budget_bytes=1 << 40)
 
     def prepare(self, item):
         self.prepared.append(item.line)
         if item.error is not None:
             return Outcome(item, error=item.error)
-        return SimpleNamespace(item=item, tokens=self.tokens[item.line], branches=1)
+        return SimpleNamespace(item=item, tokens=self.tokens[item.line], branches=1, bytes=0)
 
     def submit(self, ticket) -> Future:
         future: Future = Future()

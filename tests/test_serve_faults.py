@@ -424,7 +424,7 @@ def test_a_client_that_leaves_just_as_its_request_ends_releases_its_reservation_
     forest.cancel(job)
     server.wait_idle()
     assert forest.counters.cancelled == cancelled
-    assert forest._reserved == [0, 0, 0]  # released once: a second release would let the cap be overrun
+    assert forest._reserved == [0, 0, 0, 0]  # released once: a second release would let the cap be overrun
 
 
 # ---------------------------------------------------------------------- 6. SIGTERM, a bad --model

@@ -18,12 +18,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
-import torch
-
 from .branches import BranchRun, TokenEvent, start, start_prompts
 from .cost import CostCurve
 from .engine import Engine
 from .exact import is_exact
+from .memory import Footprint, activation_dtype, available_bytes
 from .models.loading import Loaded, load_model
 from .models.packed import packed_bytes
 from .models.vetting import check_supported
@@ -225,16 +224,13 @@ def load(model: str | None = None, *, precision: str | None = None, dtype=None, 
 
 def memory_report(model, loaded: Loaded | None = None) -> dict:
     """See `MultiDecoder.memory`."""
-    config = model.config.get_text_config()
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = activation_dtype(model)
     formats = dict(Counter((loaded.formats if loaded else {}).values()))
     file_bytes = loaded.file_tensor_bytes if loaded else None
     return {"precision": loaded.precision.name if loaded else str(dtype).removeprefix("torch."),
             "reason": loaded.precision.reason if loaded else "",
             "weights_bytes": packed_bytes(model), "file_tensor_bytes": file_bytes,
-            "kv_bytes_per_token": config.num_hidden_layers * 2 * heads * head_dim * torch.finfo(dtype).bits // 8,
+            "kv_bytes_per_token": Footprint.of(model).kv_per_slot, "available_bytes": available_bytes(model.device),
             "formats": formats}
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,6 +28,7 @@ from .cost import AcceptanceTracker
 from .engine import Engine
 from .errors import InvalidArgument, InvalidInput, PromptTooLong, check_positive, is_int
 from .forest import ROOT
+from .memory import ENVIRONMENT, Need, budget_bytes, check_budget, most_branches
 from .prompts import share_prefix
 from .proposers import UNDER_LEAF, BranchContext, DraftTree
 from .proposers.mixture import Mixture
@@ -88,6 +89,13 @@ class DecodeStats:
     accepted: int = 0
     draft_budgets: list[int] = field(default_factory=list)
     speculate: str | None = None
+
+    @classmethod
+    def total(cls, parts: Sequence[DecodeStats]) -> DecodeStats:
+        """The stats of runs one after the other (the waves of one request)."""
+        return cls(sum(p.steps for p in parts), sum(p.forward_passes for p in parts), sum(p.tokens for p in parts),
+                   sum(p.drafted for p in parts), sum(p.accepted for p in parts),
+                   [b for p in parts for b in p.draft_budgets], parts[0].speculate if parts else None)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -153,6 +161,45 @@ def check_fits(engine: Engine, prompt_lengths: Sequence[int], max_new_tokens: in
             f"more than the model's {limit} positions",
             f"lower max_new_tokens to {limit - longest} or shorten the document",
         )
+
+
+def memory_need(engine: Engine, prefix_length: int, suffix_lengths: Sequence[int], max_new_tokens: int,
+                draft: int) -> Need:
+    """The bytes branches `prefix + suffixes[i]` will add to `engine` (see `memory`)."""
+    return engine.need(prompt_slots=prefix_length + sum(suffix_lengths), branches=len(suffix_lengths),
+                       branch_slots=max_new_tokens + draft, rows_per_branch=1 + draft)
+
+
+def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[int], max_new_tokens: int,
+                 draft: int) -> None:
+    """Refuse branches whose bytes the machine does not have, saying how many would fit."""
+    budget = budget_bytes(engine.device)
+    need = memory_need(engine, prefix_length, suffix_lengths, max_new_tokens, draft)
+    if need.total <= budget:
+        return
+    each = sum(suffix_lengths) // len(suffix_lengths)
+    fit = most_branches(lambda w: memory_need(engine, prefix_length, [each] * w, max_new_tokens, draft).total
+                        <= budget, len(suffix_lengths))
+    hint = (f"at most {fit:,} such branches fit at once: split the work" if fit else
+            "lower max_new_tokens or shorten the prompts")
+    check_budget(need, budget, what=f"decoding {len(suffix_lengths):,} branches of up to {max_new_tokens} new tokens",
+               hint=f"{hint}, or set {ENVIRONMENT} to a larger budget if more memory is free")
+
+
+def wave_size(engine: Engine, prompt_length: int, n: int, max_new_tokens: int, draft: int) -> int:
+    """How many of n branches of one prompt fit in memory at once (n when all of them do);
+    refuses (`NotEnoughMemory`) when not even one does."""
+    budget = budget_bytes(engine.device)
+
+    def fits(width: int) -> bool:
+        return memory_need(engine, prompt_length, [0] * width, max_new_tokens, draft).total <= budget
+
+    if fits(n):
+        return n
+    size = most_branches(fits, n)
+    if not size:
+        check_memory(engine, prompt_length, [0], max_new_tokens, draft)
+    return size
 
 
 # ---------------------------------------------------------------------- the work
@@ -456,6 +503,11 @@ class BranchRun:
         return self.group.stats
 
     @property
+    def sampling(self) -> list[SamplingParams]:
+        """Each branch's sampling settings (its seed), by index."""
+        return [b.sampler.params for b in self.group.branches]
+
+    @property
     def events(self) -> Iterator[TokenEvent]:
         return self._events()
 
@@ -474,6 +526,72 @@ class BranchRun:
 
     def finish(self) -> BranchRun:
         """Drain the events (when only the final outputs are wanted)."""
+        for _ in self.events:
+            pass
+        return self
+
+
+class Waves:
+    """n branches of one prompt decoded at most `size` at a time, for when all of them at once
+    would not fit in memory (see `memory`). Each wave is a `BranchRun` on the same scheduler; the
+    prompt is fed once and kept for the later waves, which hang under it (its last token fed
+    again, for its logits). Branch i keeps its own sampling settings and seed, so its tokens are
+    the ones it gets in one forest; `events`, `branches` and `prompts` use global indices.
+    Waves start lazily, as `events` is iterated."""
+
+    def __init__(self, scheduler: Scheduler, prompt: Sequence[int], sampling: Sequence[SamplingParams], size: int,
+                 **settings) -> None:
+        self.scheduler, self.prompt, self.sampling, self.size = scheduler, list(prompt), list(sampling), size
+        self.settings = settings
+        self.runs: list[tuple[int, BranchRun]] = []  # (index of its first branch, run), in order
+        self._keeper = object()  # owns the prompt's nodes, so no wave's compaction frees them
+        self._next(0)
+
+    def _next(self, offset: int) -> BranchRun:
+        sampling = self.sampling[offset : offset + self.size]
+        if not self.runs:
+            spec = self.settings.get("speculate")
+            # room for every wave: the prompt, its last token fed again, a wave's branches
+            self.scheduler.engine.reserve(len(self.prompt) + 1 + self.size * (
+                self.settings["max_new_tokens"] + (spec.size if isinstance(spec, Speculation) else 0)))
+            run = start(self.scheduler, self.prompt, [[]] * len(sampling), sampling=sampling,
+                        prompt_owner=self._keeper, **self.settings)
+        else:
+            self.scheduler.free_retired()  # the wave before's slots, before this one's need is counted
+            end = self.runs[0][1].group.prompt_ends[0]
+            run = start(self.scheduler, self.prompt[-1:], [[]] * len(sampling), sampling=sampling,
+                        under=self.scheduler.engine.forest.parents[end], cached=self.prompt[:-1], **self.settings)
+        self.runs.append((offset, run))
+        return run
+
+    @property
+    def engine(self) -> Engine:
+        return self.scheduler.engine
+
+    @property
+    def branches(self) -> list[Branch]:
+        return [replace(b, index=offset + b.index) for offset, run in self.runs for b in run.branches]
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [list(self.prompt) for _ in self.sampling]
+
+    @property
+    def stats(self) -> DecodeStats:
+        return DecodeStats.total([run.stats for _, run in self.runs])
+
+    @property
+    def events(self) -> Iterator[TokenEvent]:
+        offset, run = self.runs[0]
+        while True:
+            for event in run.events:
+                yield replace(event, branch=offset + event.branch)
+            offset += self.size
+            if offset >= len(self.sampling):
+                return
+            run = self._next(offset)
+
+    def finish(self) -> Waves:
         for _ in self.events:
             pass
         return self
@@ -526,13 +644,14 @@ def admit(
     if not prefix_ids and not all(suffixes):
         raise InvalidInput("a branch has no tokens and there is no prefix to continue", "give every branch a prompt")
     check_fits(engine, [len(cached) + len(prefix_ids) + len(s) for s in suffixes], max_new_tokens)
+    draft = 0 if spec is None else spec.size
+    check_memory(engine, len(prefix_ids), [len(s) for s in suffixes], max_new_tokens, draft)
     rule = StopRule(max_new_tokens, eos_ids_of(engine.model, eos_token_id), stop_strings_of(stop))
     group = BranchGroup(prefix_ids, suffixes, rule=rule, sampling=sampling, tokenizer=tokenizer, speculation=spec,
                         vocab_size=engine.vocab_size, under=under, cached=cached, prompt_owner=prompt_owner,
                         logprobs=logprobs)
-    draft_room = 0 if spec is None else len(suffixes) * spec.size
     engine.reserve(engine.forest.num_slots + len(prefix_ids) + sum(map(len, suffixes))
-                   + len(suffixes) * max_new_tokens + draft_room)
+                   + len(suffixes) * (max_new_tokens + draft))
     return BranchRun(scheduler, scheduler.admit(group))
 
 
@@ -546,5 +665,5 @@ def start_prompts(scheduler: Scheduler, prompts: Sequence[Sequence[int]], **sett
     return start(scheduler, shared.prefix_ids, shared.suffix_ids, **settings)
 
 
-__all__ = ["Branch", "BranchGroup", "BranchRun", "DecodeStats", "PromptLogits", "TokenEvent", "admit", "prompt_logits",
-           "start", "start_prompts"]
+__all__ = ["Branch", "BranchGroup", "BranchRun", "DecodeStats", "PromptLogits", "TokenEvent", "Waves", "admit",
+           "check_memory", "memory_need", "prompt_logits", "start", "start_prompts", "wave_size"]

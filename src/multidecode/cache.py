@@ -160,6 +160,11 @@ class SlotCache(Cache):
     def num_slots(self) -> int:
         return self.layers[0].length if self.layers else 0
 
+    @property
+    def capacity(self) -> int:
+        """Slots the cache holds room for (allocated once its layers exist)."""
+        return max([self._capacity] + [layer.capacity for layer in self.layers])
+
     def reserve(self, capacity: int) -> None:
         self._capacity = max(self._capacity, capacity)
         for layer in self.layers:

@@ -41,6 +41,7 @@ from .errors import PromptTooLong, UnsupportedModel
 from .exact import ExactPlan, is_exact, plan_attention, probe_row_multiple
 from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
 from .masks import build_attention_mask
+from .memory import Footprint, Need
 from .models.vetting import cache_argument, check_supported, mask_layout, max_positions
 
 APART_MIN_MEAN_LENGTH = 64
@@ -102,6 +103,7 @@ class Engine:
         self.cache_argument = cache_argument(model)  # "cache" or "past_key_values", by transformers version
         self.exact = is_exact(model)  # batch-invariant forwards (see `exact`)
         self.row_multiple = self._row_multiple() if self.exact else 1
+        self.footprint = Footprint.of(model)  # bytes per slot, per logits row, per forward row
 
     # ------------------------------------------------------------------ feeding
     def feed(
@@ -134,7 +136,7 @@ class Engine:
         try:
             positions = self._positions(placed)  # [q]
             forest.place(placed)
-            for kind, start, end in self._plan(placed, runs):
+            for kind, start, end in self._plan(placed, runs, kept=len(wanted)):
                 keep = [i - start for i in wanted if start <= i < end]
                 if kind == "apart":
                     out = self._run_apart(placed, start, end, keep)
@@ -225,18 +227,20 @@ class Engine:
         path = len(self.forest.path(parent)) if parent != ROOT else 0
         return length * slots > 2 * (length * (path + length) + path)
 
-    def _plan(self, nodes: list[int], chains: Sequence[tuple[int, int]] = ()) -> list[tuple[str, int, int]]:
+    def _plan(self, nodes: list[int], chains: Sequence[tuple[int, int]] = (), *,
+              kept: int = 0) -> list[tuple[str, int, int]]:
         """Split a feed into forwards: (kind, start, end) runs of `nodes`, in order. `chains`: long
-        chains at the head of the feed that run apart (see `_long_chains_first`)."""
+        chains at the head of the feed that run apart (see `_long_chains_first`); kept: how many
+        of the nodes return logits."""
         forest = self.forest
         plan: list[tuple[str, int, int]] = []
         for a, b in chains:
             plain = a == 0 and forest.is_plain_continuation(nodes[a:b])
             plan.append(("plain" if plain else "apart", a, b))
         start = chains[-1][1] if chains else 0
-        return plan + (self._plan_rest(nodes, start) if start < len(nodes) else [])
+        return plan + (self._plan_rest(nodes, start, kept / len(nodes)) if start < len(nodes) else [])
 
-    def _plan_rest(self, nodes: list[int], start: int) -> list[tuple[str, int, int]]:
+    def _plan_rest(self, nodes: list[int], start: int, kept_share: float) -> list[tuple[str, int, int]]:
         """The forwards of nodes[start:]: a plain trunk at the head of a feed, then chains apart
         or a forest."""
         forest = self.forest
@@ -256,7 +260,9 @@ class Engine:
             [b - a for a, b in spans], [forest.parents[nodes[a]] for a, b in spans]
         )):
             return plan + [("apart", a, b) for a, b in spans]
-        return plan + [("forest", start, len(nodes))]
+        # a wide forest runs in pieces whose scratch fits (rows see the pieces before theirs)
+        step = self.footprint.rows_per_forward(forest.num_slots, self.row_multiple, kept_share)
+        return plan + [("forest", a, min(a + step, len(nodes))) for a in range(start, len(nodes), step)]
 
     def prefers_apart(self, lengths: Sequence[int], parents: int | Sequence[int] = ROOT) -> bool:
         """Whether running chains of `lengths` (chain i under `parents[i]`, or all under one
@@ -439,6 +445,17 @@ class Engine:
         self._keep_slots(keep.nonzero().flatten())
         self.stats.rolled_back += len(nodes)
         return len(nodes)
+
+    def need(self, *, prompt_slots: int, branches: int, branch_slots: int, rows_per_branch: int = 1) -> Need:
+        """The bytes a group of branches will add to this engine (see `Footprint.group_bytes`):
+        cache slots past the cache's capacity are new memory, and growing copies the old ones."""
+        before = self.forest.num_slots
+        after = before + prompt_slots + branches * branch_slots
+        capacity = self.cache.capacity
+        grown = max(0, after - capacity) + (capacity if after > capacity and self.cache.layers else 0)
+        return self.footprint.group_bytes(slots_before=before, prompt_slots=prompt_slots, branches=branches,
+                                          branch_slots=branch_slots, rows_per_branch=rows_per_branch,
+                                          cache_slots=grown)
 
     def reserve(self, slots: int) -> None:
         """Preallocate the cache for `slots` slots in all."""

@@ -47,6 +47,10 @@ class UnsupportedModel(MultiDecodeError):
     """The model cannot be decoded exactly as a forest (architecture or attention kind)."""
 
 
+class NotEnoughMemory(MultiDecodeError, MemoryError):
+    """A request needs more memory than the machine (or the budget the user set) has."""
+
+
 class MissingExtra(MultiDecodeError, ImportError):
     """A feature needs an optional dependency that is not installed; the hint says how to install it."""
 

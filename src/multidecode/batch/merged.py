@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from ..prompts import share_prefix
-from ..runtime import ForestRuntime, Job, Limits
+from ..runtime import ForestRuntime, Job, Limits, TooLarge
 from ..sampling import per_branch_sampling
 from ..strategies.ask import Answer, answers_of, question_prompts
 from .lines import InputLine
@@ -62,6 +62,7 @@ class Ticket:
     job: Job
     tokens: int
     prompts: list[list[int]]
+    bytes: int = 0
 
     @property
     def branches(self) -> int:
@@ -98,7 +99,7 @@ class ForestAnswerer:
                   speculate=self.decoder.speculation(self.speculate))
         shared = share_prefix(prompts)  # the document is stored once, not once per question
         tokens = len(shared.prefix_ids) + sum(map(len, shared.suffix_ids)) + len(prompts) * settings.max_new_tokens
-        return Ticket(item, job, tokens, prompts)
+        return Ticket(item, job, tokens, prompts, self.runtime.job_bytes(job))
 
     def submit(self, ticket: Ticket) -> Future[Outcome]:
         """Queue a prepared line; the future's result is its `Outcome` (never an exception)."""
@@ -115,7 +116,10 @@ class ForestAnswerer:
                 future.set_result(Outcome(item, error=value, elapsed_s=time.perf_counter() - started))
 
         ticket.job.sink = sink
-        self.runtime.submit(ticket.job)
+        try:
+            self.runtime.submit(ticket.job)
+        except TooLarge as error:  # more than the machine has, even alone: the line's failure
+            future.set_result(Outcome(item, error=error, elapsed_s=time.perf_counter() - started))
         return future
 
     def answer(self, item: InputLine) -> Outcome:
@@ -136,8 +140,8 @@ class ForestAnswerer:
 def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, forest_tokens: int = FOREST_TOKENS,
                   forest_branches: int = FOREST_BRANCHES,
                   stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
-    """Each line's `Outcome`, as lines finish, keeping up to `forest_tokens` reserved and
-    `forest_branches` questions in flight.
+    """Each line's `Outcome`, as lines finish, keeping up to `forest_tokens` reserved,
+    `forest_branches` questions and the bytes the runtime may use (`memory`) in flight.
 
     Lines are taken from `items` only when there is room, so a generator may read them lazily.
     Once `stopping()` is true no further line starts; the lines in flight finish.
@@ -160,7 +164,9 @@ def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, fores
                     continue
                 waiting = prepared
             if in_flight and (sum(t.tokens for t in in_flight.values()) + waiting.tokens > forest_tokens
-                              or sum(t.branches for t in in_flight.values()) + waiting.branches > forest_branches):
+                              or sum(t.branches for t in in_flight.values()) + waiting.branches > forest_branches
+                              or sum(t.bytes for t in in_flight.values()) + waiting.bytes
+                              > answerer.runtime.budget_bytes):
                 break
             in_flight[answerer.submit(waiting)] = waiting
             waiting = None

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ..branches import TokenEvent
+from ..branches import TokenEvent, Waves
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_text
 from ..strategies import ask as ask_strategy
@@ -212,15 +212,17 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
                                 "token_ids": c.token_ids} for c in done], ensure_ascii=False))
         generated = sum(len(c.token_ids) for c in done)
     else:
-        labels = [f"completion {b.index + 1}" + (f" (seed {b.sampler.params.seed})" if b.sampler.params.do_sample
-                                                   else "") for b in run.branches]
+        labels = [f"completion {i + 1}" + (f" (seed {params.seed})" if params.do_sample else "")
+                  for i, params in enumerate(run.sampling)]
         board = show_stream(run.events, labels)
         generated = sum(map(len, board.token_ids))
     elapsed = time.perf_counter() - start
     if show_stats:
         print_stats(run.stats.as_dict())
-    stderr.print(f"[dim]{n} completion{'s' * (n != 1)}, {generated} tokens in {elapsed:.1f} s ({generated / elapsed:.1f} tokens/s), "
-                 f"one prefill[/dim]")
+    waves = len(run.runs) if isinstance(run, Waves) else 1
+    how = "one prefill" if waves == 1 else f"in {waves} waves of up to {run.size} (all at once would not fit in memory)"
+    stderr.print(f"[dim]{n} completion{'s' * (n != 1)}, {generated} tokens in {elapsed:.1f} s "
+                 f"({generated / elapsed:.1f} tokens/s), {how}[/dim]")
 
 
 @click.command()

@@ -32,6 +32,7 @@ from collections import deque
 from ..branches import BranchRun, admit
 from ..errors import MultiDecodeError
 from ..forest import ROOT
+from ..memory import budget_bytes, gigabytes
 from ..prompts import share_prefix
 from ..scheduler import CompactionPolicy, Scheduler, StepTrace, new_scheduler
 from ..speculation import resolve
@@ -74,7 +75,8 @@ class ForestRuntime:
         self._waiting: deque[Job] = deque()
         self._cancelled: list[Job] = []
         self._running: dict[str, Job] = {}
-        self._reserved = [0, 0, 0]  # jobs submitted and not finished: their tokens, branches, count
+        self._reserved = [0, 0, 0, 0]  # jobs submitted and not finished: their tokens, branches, count, bytes
+        self.budget_bytes = self.limits.max_live_bytes or budget_bytes(self.engine.device)
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -88,24 +90,38 @@ class ForestRuntime:
         """Queue a job; raises `Overloaded` past the admission cap or while draining, `TooLarge`
         for a job that could never fit."""
         limits = self.limits
+        need = self.job_bytes(job)
         if job.reserved_tokens > limits.max_live_tokens or job.branches > limits.max_branches:
             raise TooLarge(
                 f"the request needs {job.reserved_tokens} cache tokens and {job.branches} branches, over this "
                 f"server's limits of {limits.max_live_tokens} tokens and {limits.max_branches} branches",
                 "lower max_tokens, n or the number of questions, or start the server with larger limits")
+        if need > self.budget_bytes:
+            raise TooLarge(f"the request needs about {gigabytes(need)} ({need:,} bytes), over the "
+                           f"{gigabytes(self.budget_bytes)} this server may use",
+                           "lower max_tokens, n or the number of questions")
         with self._cond:
             if self.draining:
                 self.counters.rejected += 1
                 raise Overloaded("the server is shutting down", "retry against another replica", retry_after=5)
-            tokens, branches, jobs = self._reserved
-            if tokens + job.reserved_tokens > limits.max_live_tokens or branches + job.branches > limits.max_branches:
+            tokens, branches, jobs, used = self._reserved
+            if (tokens + job.reserved_tokens > limits.max_live_tokens or branches + job.branches > limits.max_branches
+                    or used + need > self.budget_bytes):
                 self.counters.rejected += 1
-                raise Overloaded(f"the server is at capacity ({tokens} cache tokens and {branches} branches "
-                                 "reserved)", "retry in a moment")
-            self._reserved = [tokens + job.reserved_tokens, branches + job.branches, jobs + 1]
+                raise Overloaded(f"the server is at capacity ({tokens} cache tokens, {branches} branches and "
+                                 f"{gigabytes(used)} reserved)", "retry in a moment")
+            self._reserved = [tokens + job.reserved_tokens, branches + job.branches, jobs + 1, used + need]
             self._waiting.append(job)
             self._cond.notify()
         return job
+
+    def job_bytes(self, job: Job) -> int:
+        """The bytes a job will need (see `memory`), its prompts counted whole (a shared prefix
+        or a cached one needs less: this errs on the safe side)."""
+        draft = getattr(job.speculate, "size", None) or 0
+        return self.engine.footprint.group_bytes(
+            slots_before=0, prompt_slots=sum(map(len, job.prompts)), branches=job.branches,
+            branch_slots=job.max_new_tokens + draft, rows_per_branch=1 + draft).total
 
     def cancel(self, job: Job) -> None:
         """Stop a job (its client went away): its branches are pruned at the next step."""
@@ -265,8 +281,9 @@ class ForestRuntime:
         if job.work is not None and job.work in self.scheduler.works:
             self.scheduler.retire(job.work)
         with self._cond:
-            tokens, branches, jobs = self._reserved
-            self._reserved = [tokens - job.reserved_tokens, branches - job.branches, jobs - 1]
+            tokens, branches, jobs, used = self._reserved
+            self._reserved = [tokens - job.reserved_tokens, branches - job.branches, jobs - 1,
+                              used - self.job_bytes(job)]
         self._send(job, item)
 
     def _cancel(self, job: Job) -> None:

@@ -7,7 +7,8 @@ the engine thread with ("token", TokenEvent), ("trace", dict), ("beams", [Beam])
 Usage) or ("error", exception); the last two end a job.
 
 **Admission limits** (`Limits`) are counted when a job is submitted: it reserves its prompt
-tokens plus its branches' max_new_tokens, and its branches. Past either cap `submit` raises
+tokens plus its branches' max_new_tokens, its branches, and the bytes those need
+(`multidecode.memory`: KV cache, visibility rows, logits). Past any cap `submit` raises
 `Overloaded` (a server answers 503 with Retry-After), never an out-of-memory error later; a job
 that would not fit even alone raises `TooLarge`. The defaults here are the ones `multidecode
 serve` starts with.
@@ -89,6 +90,8 @@ class Limits:
     the same round waits a step to hit the cache instead of computing them again.
     max_running: at most this many jobs decode at once; the rest wait their turn (1 serves one
     request at a time: the baseline a forest is measured against).
+    max_live_bytes: the bytes admitted jobs may need together (None: what `memory.budget_bytes`
+    gives when the runtime starts, the available memory less a margin).
     """
 
     max_live_tokens: int = 32768
@@ -96,6 +99,7 @@ class Limits:
     prefix_cache_tokens: int = 8192
     defer_tokens: int = 16
     max_running: int | None = None
+    max_live_bytes: int | None = None
 
 
 @dataclass

@@ -3,7 +3,9 @@
 The prompt is prefilled once; n branches start from its last node and are sampled side by side,
 each with its own seeded generator. With `seed=s`, completion i uses seed `s + i` and equals the
 n=1 run with that seed. Without a seed, a random base seed is drawn and reported, so every
-completion can still be reproduced.
+completion can still be reproduced. When n branches would not fit in memory at once (their
+visibility rows grow with n squared, see `multidecode.memory`), they run in waves of as many as
+fit, each completion still drawn with its own seed: the same completions, only later.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..branches import BranchRun, TokenEvent, start_prompts
+from ..branches import BranchRun, TokenEvent, Waves, start_prompts, wave_size
 from ..errors import InvalidInput, check_positive
 from ..prompts import has_chat_template, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
 from ..scheduler import Scheduler
+from ..speculation import resolve
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,9 @@ def sampled_settings(n: int, sampling: dict) -> dict:
 
 def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
           stop: Sequence[str] = (), chat: bool | None = None, sample: bool = True, speculate=None,
-          eos_token_id=None, **sampling) -> BranchRun:
-    """Admit n branches of one prompt to `scheduler` and prefill it once.
+          eos_token_id=None, **sampling) -> BranchRun | Waves:
+    """Admit n branches of one prompt to `scheduler` and prefill it once; when the n branches
+    would not fit in memory at once, they run in `Waves` of as many as fit.
 
     sample: sample by default (a random base seed when none is given); False keeps the given
     settings as they are (greedy unless they ask for sampling), as `generate` does.
@@ -71,15 +75,21 @@ def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: in
     check_positive("n", n)
     ids = prompt_ids(tokenizer, prompt, chat=chat)
     params = per_branch_sampling(n, sampled_settings(n, sampling) if sample else sampling)
-    return start_prompts(scheduler, [ids] * n, max_new_tokens=max_new_tokens, sampling=params, tokenizer=tokenizer,
-                         stop=stop, eos_token_id=eos_token_id, speculate=speculate)
+    engine = scheduler.engine
+    spec = resolve(speculate, engine.dtype, exact=engine.exact)
+    settings = {"max_new_tokens": max_new_tokens, "tokenizer": tokenizer, "stop": stop, "eos_token_id": eos_token_id,
+                "speculate": spec}
+    size = wave_size(engine, len(ids), n, max_new_tokens, 0 if spec is None else spec.size)
+    if size < n:  # too many to hold at once: in waves, each completion still drawn with its own seed
+        return Waves(scheduler, ids, params, size, **settings)
+    return start_prompts(scheduler, [ids] * n, sampling=params, **settings)
 
 
 def stream(scheduler: Scheduler, tokenizer, prompt, **settings) -> Iterator[TokenEvent]:
     return start(scheduler, tokenizer, prompt, **settings).events
 
 
-def completions(run: BranchRun) -> list[Completion]:
+def completions(run: BranchRun | Waves) -> list[Completion]:
     stats = run.stats.as_dict()
     return [
         Completion(b.index, b.output.text, b.output.token_ids, b.output.finish_reason,

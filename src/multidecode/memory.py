@@ -1,0 +1,216 @@
+"""Memory accounting: the bytes a forest will hold, known before it runs.
+
+A request that needs more memory than the machine has must get an answer from the library (run
+in waves, wait its turn, or a clear refusal), never a kill by the operating system. Everything a
+forest holds grows with numbers known before the first forward:
+
+- **KV bytes per token**: one cache slot, the keys and values of every layer.
+- **slots** of a group of branches: its prompt tokens, each branch's new tokens and draft room.
+- **visibility rows**: the forest keeps one boolean row over the slots per leaf (`Forest`), so w
+  branches over S slots hold w*S bytes. This term grows with the square of the width: a group of
+  100,000 branches is out of reach at once whatever the cache costs.
+- **a step's logits**: every branch (and draft node) gets a float32 row over the vocabulary,
+  held twice while the step's rows are gathered; **per branch** bookkeeping (its sampler, its
+  output, Python objects) adds a few kilobytes.
+- **forward scratch**: a forward's masks, attention scores and activations grow with its rows
+  times its slots. The engine cuts a wide forward into pieces (`Footprint.rows_per_forward`) so
+  that the scratch stays under `FORWARD_BYTES`, and a batch-invariant forward gives the same
+  logits cut or not.
+
+`available_bytes` is what the machine can still give: the kernel's MemAvailable (capped by a
+cgroup's limit where one is set, as in containers), free memory on a CUDA device, or the
+`MULTIDECODE_MEMORY` environment variable ("6GB", "512MiB", bytes) where the user sets a budget.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import InvalidArgument, NotEnoughMemory
+
+FORWARD_BYTES = 1 << 30
+"""Scratch one forward may use (masks, scores, activations); wider forwards are cut."""
+BRANCH_BYTES = 16 << 10
+"""Bookkeeping per branch: its sampler and generator, output, context and Python objects."""
+SLOT_OVERHEAD = 160
+"""Python bookkeeping per node beside its cache slot (the forest's lists and maps)."""
+HEADROOM = 0.85
+"""The share of the available memory a request may plan to use; the rest absorbs what the
+estimate does not see (allocator slack, other threads)."""
+ENVIRONMENT = "MULTIDECODE_MEMORY"
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one model's forest costs, in bytes (see the module notes).
+
+    kv_per_slot: one cache slot over all layers. logits_row: one float32 row of logits.
+    per_row_slot, per_row, per_kept_row: a forward's scratch per (row, slot), per row, and per
+    row whose logits it returns.
+    """
+
+    kv_per_slot: int
+    logits_row: int
+    per_row_slot: int
+    per_row: int
+    per_kept_row: int
+
+    @classmethod
+    def of(cls, model) -> Footprint:
+        config = model.config.get_text_config()
+        hidden = getattr(config, "hidden_size", 0)  # a config without these (a test's fake) costs nothing
+        heads = getattr(config, "num_attention_heads", 1)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        dtype = activation_dtype(model)
+        size = torch.finfo(dtype).bits // 8
+        vocab = model.get_input_embeddings().num_embeddings
+        intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+        return cls(
+            kv_per_slot=getattr(config, "num_hidden_layers", 0) * 2 * kv_heads * head_dim * size,
+            logits_row=vocab * 4,
+            # visibility (bool, and its kept copy), the mask, and scores and probabilities per head
+            per_row_slot=2 + size + 2 * heads * max(size, 4),
+            per_row=(3 * intermediate + 6 * hidden) * size,  # the widest activations of a layer
+            per_kept_row=vocab * (size + 4),  # logits in the model's dtype and in float32
+        )
+
+    def rows_per_forward(self, slots: int, multiple: int = 1, kept_share: float = 1.0) -> int:
+        """The most rows a forward over `slots` slots may take for its scratch to stay under
+        `FORWARD_BYTES` (at least `multiple`, and a multiple of it), when `kept_share` of its rows
+        return logits."""
+        row = slots * self.per_row_slot + self.per_row + kept_share * self.per_kept_row
+        rows = int(FORWARD_BYTES // row)
+        return max(multiple, rows - rows % multiple)
+
+    def group_bytes(self, *, slots_before: int, prompt_slots: int, branches: int, branch_slots: int,
+                    rows_per_branch: int = 1, cache_slots: int | None = None) -> Need:
+        """What a group of `branches` branches will add: its prompt's `prompt_slots` slots once,
+        `branch_slots` more for each branch (new tokens and draft room), over a forest that holds
+        `slots_before` slots already; each branch asks for `rows_per_branch` logits rows a step.
+        cache_slots: the cache slots to allocate for it (default: all its new slots; fewer where
+        the cache has room already)."""
+        slots = slots_before + prompt_slots + branches * branch_slots
+        new_slots = prompt_slots + branches * branch_slots
+        return Need(
+            kv=(new_slots if cache_slots is None else cache_slots) * self.kv_per_slot + new_slots * SLOT_OVERHEAD,
+            rows=branches * slots,
+            logits=2 * branches * rows_per_branch * self.logits_row + branches * BRANCH_BYTES,
+            scratch=min(FORWARD_BYTES, slots * self.per_row_slot + self.per_row + self.per_kept_row),
+            slots=new_slots,
+        )
+
+
+@dataclass(frozen=True)
+class Need:
+    """A request's bytes by what holds them (see `Footprint.group_bytes`)."""
+
+    kv: int
+    rows: int
+    logits: int
+    scratch: int
+    slots: int
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.rows + self.logits + self.scratch
+
+    def describe(self) -> str:
+        return (f"{gigabytes(self.total)} ({gigabytes(self.kv)} of KV cache for {self.slots:,} tokens, "
+                f"{gigabytes(self.rows)} of visibility rows, {gigabytes(self.logits + self.scratch)} of logits "
+                "and forward scratch)")
+
+
+def activation_dtype(model) -> torch.dtype:
+    """The dtype a model computes in (its first floating parameter's; packed weights keep codes)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def gigabytes(count: int) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
+
+
+def parse_bytes(text: str) -> int:
+    """'6GB', '512MiB', '1.5g' or a plain count of bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise InvalidArgument(f"{text!r} is not an amount of memory", "write it like 6GB, 512MiB or 1000000000")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def available_bytes(device: torch.device | str = "cpu") -> int:
+    """Bytes the machine can still give on `device` (see the module notes)."""
+    limit = os.environ.get(ENVIRONMENT)
+    found = _cuda_free(torch.device(device)) if torch.device(device).type == "cuda" else _host_free()
+    return min(found, parse_bytes(limit)) if limit else found
+
+
+def budget_bytes(device: torch.device | str = "cpu") -> int:
+    """What a request may plan to use: `HEADROOM` of what is available."""
+    return int(available_bytes(device) * HEADROOM)
+
+
+def check_budget(need: Need, budget: int, *, what: str, hint: str) -> None:
+    """Refuse a request whose bytes exceed `budget`, naming both."""
+    if need.total > budget:
+        raise NotEnoughMemory(f"{what} needs about {need.describe()}, but {gigabytes(budget)} is available", hint)
+
+
+def most_branches(fits, upper: int) -> int:
+    """The largest w in 1..upper with fits(w) true (fits grows false with w), or 0."""
+    low, high = 0, upper
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _cuda_free(device: torch.device) -> int:
+    free, _ = torch.cuda.mem_get_info(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+
+
+def _host_free() -> int:
+    free = _meminfo_available()
+    cgroup = _cgroup_room()
+    return min(free, cgroup) if cgroup is not None else free
+
+
+def _meminfo_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # not Linux: free pages
+
+
+def _cgroup_room() -> int | None:
+    """A cgroup's limit less its usage (v2, then v1), or None without a limit."""
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            top, used = Path(limit).read_text().strip(), Path(usage).read_text().strip()
+        except OSError:
+            continue
+        if top.isdigit() and int(top) < 1 << 60:
+            return max(0, int(top) - int(used))
+    return None
+
+
+__all__ = ["ENVIRONMENT", "FORWARD_BYTES", "Footprint", "Need", "NotEnoughMemory", "available_bytes", "budget_bytes", "check_budget",
+           "most_branches", "parse_bytes"]

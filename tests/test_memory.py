@@ -1,0 +1,172 @@
+"""Memory accounting (`multidecode.memory`): what a request needs is known before it runs, wide
+forwards are cut to fit, too many completions run in waves, and what cannot fit is refused with a
+message, never killed by the operating system.
+
+Budgets are set small through MULTIDECODE_MEMORY so that a tiny model meets them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import tiny_model
+
+import multidecode
+from multidecode import exact, memory
+from multidecode.branches import Waves, memory_need, wave_size
+from multidecode.cli import main
+from multidecode.engine import Engine
+from multidecode.errors import InvalidArgument, NotEnoughMemory
+from multidecode.memory import Footprint, parse_bytes
+from multidecode.runtime.jobs import Job, Limits, Overloaded, TooLarge
+
+PROMPT = [5, 17, 42, 99, 7, 3, 150, 23]
+
+
+@pytest.fixture(scope="module")
+def exact_decoder():
+    """A tiny Llama on token ids with batch-invariant attention."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama"))
+    exact.use_exact_attention(model)
+    return multidecode.MultiDecoder(model, None)
+
+
+def test_parse_bytes():
+    assert parse_bytes("6GB") == 6 * 10**9
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5g") == 1_500_000_000
+    assert parse_bytes("1000") == 1000
+    for bad in ("lots", "6 parsecs", "", "-1GB"):
+        with pytest.raises(InvalidArgument, match="not an amount of memory"):
+            parse_bytes(bad)
+
+
+def test_the_environment_caps_what_is_available(monkeypatch):
+    monkeypatch.delenv(memory.ENVIRONMENT, raising=False)
+    free = memory.available_bytes()
+    assert free > 0
+    monkeypatch.setenv(memory.ENVIRONMENT, "10MB")
+    assert memory.available_bytes() == 10**7
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_kv_bytes_per_slot_is_what_the_cache_holds(arch):
+    model = tiny_model(arch)
+    engine = Engine(model)
+    engine.feed_chain(PROMPT, logits=False)
+    per_slot = engine.cache.layers[0].used_bytes * len(engine.cache.layers) // engine.cache.num_slots
+    assert Footprint.of(model).kv_per_slot == per_slot
+
+
+def test_visibility_rows_grow_with_the_square_of_the_width():
+    engine = Engine(tiny_model("llama"))
+    small = memory_need(engine, 30, [0] * 1000, 4, 0)
+    large = memory_need(engine, 30, [0] * 10000, 4, 0)
+    assert large.rows > 90 * small.rows
+    assert 9 * small.kv < large.kv < 11 * small.kv
+
+
+def test_a_wide_forest_forward_is_cut_and_gives_the_same_logits(exact_decoder, monkeypatch):
+    """Cut into forwards of a few rows each (the budget shrunk), a step's logits are bit for bit
+    those of one forward: the rows of one step see only their ancestors, and exact kernels do not
+    depend on the rows beside them."""
+
+    def step_logits() -> tuple[torch.Tensor, int]:
+        engine = Engine(exact_decoder.model)
+        (*_, last), _ = engine.feed_chain(PROMPT, logits=False)
+        nodes, _ = engine.feed(list(range(10, 40)), [last] * 30, logits_for=range(30))
+        before = engine.stats.forward_passes
+        _, logits = engine.feed(list(range(50, 80)), nodes, logits_for=range(30))
+        return logits, engine.stats.forward_passes - before
+
+    whole, forwards = step_logits()
+    assert forwards == 1
+    small = Footprint.of(exact_decoder.model).per_kept_row * 7
+    monkeypatch.setattr(memory, "FORWARD_BYTES", small)
+    cut, forwards = step_logits()
+    assert forwards >= 4
+    assert torch.equal(whole, cut)
+
+
+def test_completions_run_in_waves_with_the_same_tokens(exact_decoder, monkeypatch):
+    settings = dict(n=12, max_new_tokens=6, temperature=0.9, seed=7)
+    monkeypatch.delenv(memory.ENVIRONMENT, raising=False)
+    together = exact_decoder.complete(PROMPT, **settings)
+    engine = exact_decoder.scheduler().engine
+    budget = memory_need(engine, len(PROMPT), [0] * 5, 6, 0).total  # five branches fit, not six
+    monkeypatch.setenv(memory.ENVIRONMENT, str(int(budget / memory.HEADROOM) + 1))
+    assert wave_size(engine, len(PROMPT), 12, 6, 0) == 5
+    run = multidecode.strategies.complete.start(exact_decoder.scheduler(), None, PROMPT, **settings)
+    assert isinstance(run, Waves)
+    events = list(run.events)
+    assert len(run.runs) == 3
+    assert sorted({e.branch for e in events}) == list(range(12))
+    waves = exact_decoder.complete(PROMPT, **settings)
+    assert [c.token_ids for c in waves] == [c.token_ids for c in together]
+    assert [c.seed for c in waves] == list(range(7, 19))
+    assert waves[0].stats["tokens"] == sum(len(c.token_ids) for c in waves)
+
+
+def test_a_request_that_cannot_fit_is_refused_before_it_runs(exact_decoder, monkeypatch):
+    monkeypatch.setenv(memory.ENVIRONMENT, "10kB")
+    with pytest.raises(NotEnoughMemory, match=r"needs about .* KV cache .* but .* is available") as caught:
+        exact_decoder.complete(PROMPT, n=4, max_new_tokens=8, seed=1)
+    assert "MULTIDECODE_MEMORY" in caught.value.hint
+    engine = exact_decoder.scheduler().engine
+    one = memory_need(engine, len(PROMPT), [3], 8, 0).total
+    monkeypatch.setenv(memory.ENVIRONMENT, str(int(one * 3 / memory.HEADROOM)))
+    with pytest.raises(NotEnoughMemory, match="branches") as caught:  # questions do not run in waves
+        exact_decoder.start([PROMPT + [1, 2, 3]] * 200, max_new_tokens=8)
+    assert "at most" in caught.value.hint
+
+
+def test_the_cli_says_what_does_not_fit(model_dir, monkeypatch):
+    monkeypatch.setenv(memory.ENVIRONMENT, "10kB")
+    result = CliRunner().invoke(main, ["complete", "--model", str(model_dir), "-p", "hi", "--n", "100000",
+                                       "--max-new-tokens", "4", "--json"])
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output and "is available" in result.output and "Traceback" not in result.output
+
+
+def test_the_cli_runs_waves(model_dir, monkeypatch):
+    runner = CliRunner()
+    args = ["complete", "--model", str(model_dir), "-p", "hi", "--n", "6", "--max-new-tokens", "3", "--seed", "3", "--json"]
+    monkeypatch.delenv(memory.ENVIRONMENT, raising=False)
+    together = runner.invoke(main, args)
+    assert together.exit_code == 0, together.output
+    decoder = multidecode.load(str(model_dir), device="cpu")
+    engine = decoder.scheduler().engine
+    prompt = multidecode.strategies.complete.prompt_ids(decoder.tokenizer, "hi")
+    budget = memory_need(engine, len(prompt), [0] * 2, 3, 0).total
+    monkeypatch.setenv(memory.ENVIRONMENT, str(int(budget / memory.HEADROOM) + 1))
+    waves = runner.invoke(main, args)
+    assert waves.exit_code == 0, waves.output
+    assert "in 3 waves of up to 2" in waves.stderr
+    first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (together, waves))
+    assert [c["token_ids"] for c in first] == [c["token_ids"] for c in second]
+
+
+# ---------------------------------------------------------------------- the runtime's admission
+def test_the_runtime_admits_by_bytes(exact_decoder):
+    from multidecode.runtime.forest_runtime import ForestRuntime
+    from multidecode.sampling import per_branch_sampling
+
+    def job(branches: int) -> Job:
+        return Job(prompts=[PROMPT] * branches, max_new_tokens=16, sampling=per_branch_sampling(branches, {}))
+
+    runtime = ForestRuntime(exact_decoder.model, None, limits=Limits(max_live_bytes=1))
+    one = runtime.job_bytes(job(1))
+    runtime = ForestRuntime(exact_decoder.model, None, limits=Limits(max_live_bytes=int(one * 2.5)))
+    with pytest.raises(TooLarge, match="bytes"):
+        runtime.submit(job(3))
+    runtime.submit(job(1))
+    runtime.submit(job(1))
+    with pytest.raises(Overloaded, match="at capacity"):
+        runtime.submit(job(1))
+    assert ForestRuntime(exact_decoder.model, None).limits.max_live_bytes is None
+    assert ForestRuntime(exact_decoder.model, None).budget_bytes > 0
