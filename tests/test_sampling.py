@@ -289,3 +289,17 @@ def test_first_token_frequencies_follow_the_processed_softmax(temperature, top_k
         f_obs, f_exp = f_obs[:-1], f_exp[:-1]
     assert len(f_obs) >= 5
     assert chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+def test_many_rows_choose_as_each_row_alone():
+    """Past SAMPLING_ROWS rows are chosen a slice at a time; every row still draws what it draws
+    alone (its own generator, its own settings)."""
+    from multidecode.sampling import SAMPLING_ROWS
+
+    rows = SAMPLING_ROWS + 70
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(3))
+    settings = [SamplingParams(do_sample=i % 3 != 0, temperature=0.8, top_k=None if i % 2 else 5, seed=i)
+                for i in range(rows)]
+    together = choose_tokens(logits, [BranchSampler(p) for p in settings])
+    alone = [choose_tokens(logits[i : i + 1], [BranchSampler(p)])[0] for i, p in enumerate(settings)]
+    assert together == alone

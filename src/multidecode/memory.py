@@ -10,7 +10,7 @@ forest holds grows with numbers known before the first forward:
   branches over S slots hold w*S bytes. This term grows with the square of the width: a group of
   100,000 branches is out of reach at once whatever the cache costs.
 - **a step's logits**: every branch (and draft node) gets a float32 row over the vocabulary,
-  held twice while the step's rows are gathered; **per branch** bookkeeping (its sampler, its
+  held up to three times while the step's rows are gathered and chosen from; **per branch** bookkeeping (its sampler, its
   output, Python objects) adds a few kilobytes.
 - **forward scratch**: a forward's masks, attention scores and activations grow with its rows
   times its slots. The engine cuts a wide forward into pieces (`Footprint.rows_per_forward`) so
@@ -39,6 +39,9 @@ BRANCH_BYTES = 16 << 10
 """Bookkeeping per branch: its sampler and generator, output, context and Python objects."""
 SLOT_OVERHEAD = 160
 """Python bookkeeping per node beside its cache slot (the forest's lists and maps)."""
+LOGITS_COPIES = 3
+"""A step's logits are held up to three times: as the forwards return them, gathered, and as the
+rows the branches choose from."""
 HEADROOM = 0.85
 """The share of the available memory a request may plan to use; the rest absorbs what the
 estimate does not see (allocator slack, other threads)."""
@@ -103,7 +106,7 @@ class Footprint:
         return Need(
             kv=(new_slots if cache_slots is None else cache_slots) * self.kv_per_slot + new_slots * SLOT_OVERHEAD,
             rows=branches * slots,
-            logits=2 * branches * rows_per_branch * self.logits_row + branches * BRANCH_BYTES,
+            logits=LOGITS_COPIES * branches * rows_per_branch * self.logits_row + branches * BRANCH_BYTES,
             scratch=min(FORWARD_BYTES, slots * self.per_row_slot + self.per_row + self.per_kept_row),
             slots=new_slots,
         )

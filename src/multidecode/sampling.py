@@ -159,6 +159,8 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 CANDIDATE_LIMIT = 4096
 """Rows that all use top-k at most this large are warped and drawn among their top-k only."""
+SAMPLING_ROWS = 256
+"""`choose_tokens` processes at most this many rows at once (its float copies stay small)."""
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -223,6 +225,9 @@ def choose_tokens(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> li
     CPU, so a seed gives the same random stream on every device (the logits themselves may differ
     slightly between devices).
     """
+    if logits.shape[0] > SAMPLING_ROWS:  # rows a slice at a time: the scratch stays small, no row changes
+        return [token for start in range(0, logits.shape[0], SAMPLING_ROWS)
+                for token in choose_tokens(logits[start : start + SAMPLING_ROWS], samplers[start : start + SAMPLING_ROWS])]
     scores = penalize(logits.float(), samplers)
     chosen = scores.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(samplers) if s.params.do_sample]
