@@ -1,16 +1,16 @@
 """Tiny GGUF files written with the `gguf` package: nothing is downloaded.
 
 `write_tiny_gguf` writes a Llama with random weights and a byte-level BPE vocabulary in its
-metadata. Its matrices are stored in a chosen GGUF type (`matrix_type`, or per tensor through
-`types`); `q4_k_blocks` makes Q4_K data by hand, which gguf-py can read but not write.
+metadata (the library's own: `multidecode.bench.random_gguf`, which writes files of real models'
+shapes for benchmarks). Its matrices are stored in a chosen GGUF type (`matrix_type`, or per
+tensor through `types`); `q4_k_blocks` makes Q4_K data by hand, which gguf-py can read but not write.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-BYTE_TOKENS = 3 + 256 + 4
-"""The vocabulary: <unk>, <s>, </s>, the 256 byte tokens, four merges."""
+from multidecode.bench.random_gguf import BYTE_TOKENS, add_byte_level_tokenizer, byte_level_tokens
 
 
 def write_tiny_gguf(path, *, seed: int = 0, name: str = "tiny", matrix_type: str = "Q8_0", types=None,
@@ -21,11 +21,9 @@ def write_tiny_gguf(path, *, seed: int = 0, name: str = "tiny", matrix_type: str
     "Q4_K"); types: {tensor name: type} for some tensors; extra_tokens: filler tokens after the
     real ones (a vocabulary of a round size)."""
     import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     rng = np.random.default_rng(seed)
-    tokens = ["<unk>", "<s>", "</s>", *bytes_to_unicode().values(), "he", "ll", "llo", "hello"]
-    tokens += [f"<extra_{i}>" for i in range(extra_tokens)]
+    tokens = byte_level_tokens(BYTE_TOKENS + extra_tokens)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(name)
     writer.add_block_count(layers)
@@ -38,14 +36,7 @@ def write_tiny_gguf(path, *, seed: int = 0, name: str = "tiny", matrix_type: str
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(len(tokens))
     writer.add_rope_dimension_count(hidden // heads)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges(["h e", "l l", "ll o", "he llo"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    add_byte_level_tokenizer(writer, tokens, pre="smollm")
 
     def matrix(tensor, rows, cols):
         kind = (types or {}).get(tensor, matrix_type)
