@@ -193,13 +193,22 @@ def _host_free() -> int:
 
 
 def _meminfo_available() -> int:
+    available = proc_kilobytes("/proc/meminfo", "MemAvailable")
+    if available is None:  # not Linux: free pages
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available
+
+
+def proc_kilobytes(path: str, key: str) -> int | None:
+    """The bytes a /proc file's `key:` line gives in kB ("MemAvailable" of /proc/meminfo, "VmRSS"
+    of /proc/self/status), None where the file or the line is not there."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # not Linux: free pages
+    return None
 
 
 def _cgroup_room() -> int | None:

@@ -49,8 +49,9 @@ class ForwardCounter:
         self._handles: list = []
 
     def __enter__(self) -> Self:
-        self._handles = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
-                         self.model.register_forward_hook(self._after, with_kwargs=True)]
+        if self.model is not None:  # None: a method outside torch (llama.cpp) counts its own
+            self._handles = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                             self.model.register_forward_hook(self._after, with_kwargs=True)]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -70,6 +71,11 @@ class ForwardCounter:
 
     def _after(self, module, args, kwargs, output) -> None:
         self.calls.append((self._phase, time.perf_counter() - self._started, self._shape))
+
+    def record(self, phase: str, seconds: float, shape: tuple[int, ...]) -> None:
+        """Count a forward call made outside torch (llama.cpp's `llama_decode`): its phase
+        (`PREFILL` or `DECODE`), seconds and input shape."""
+        self.calls.append((phase, seconds, shape))
 
     @property
     def forward_passes(self) -> int:
@@ -203,12 +209,13 @@ def measure_together(runs: dict[str, Callable[[ForwardCounter], RunOutput]], mod
                      budget_s: float = 8.0) -> dict[str, Measurement]:
     """Measure several methods in interleaved rounds (each method once per round), so that they
     see the same machine conditions and get the same number of runs. A new round starts while
-    fewer than `repeats` rounds ran and all rounds so far took under `budget_s` seconds."""
+    fewer than `repeats` rounds ran and all rounds so far took under `budget_s` seconds.
+    model: the model whose forwards are counted, or {method: model} (None: not a torch model)."""
     done: dict[str, list] = {name: [] for name in runs}
     spent, rounds = 0.0, 0
     while rounds == 0 or (rounds < repeats and spent < budget_s):
         for name, run in runs.items():
-            with ForwardCounter(model) as counter:
+            with ForwardCounter(model[name] if isinstance(model, dict) else model) as counter:
                 start = time.perf_counter()
                 out = run(counter)
                 wall = time.perf_counter() - start

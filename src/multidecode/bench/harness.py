@@ -47,6 +47,9 @@ from .common import (
 from .results import environment, finished
 
 Runner = Callable[[ForwardCounter], RunOutput]
+OUTSIDE_TORCH = "outside torch"
+"""`Method.model` of a method that no torch model runs (llama.cpp): its counter hooks nothing and
+its run reports its own forward passes and times."""
 NOTES = (
     "Answers are compared token for token with the reference's, up to and including the first eos.",
     ("wall_s is the median of runs_s (a method run item by item: their sum); prefill_s/decode_s are the "
@@ -78,6 +81,7 @@ class Method:
     short: str = ""  # for plots and column headers; default: the label
     solo: bool = False
     skip: str | None = None
+    model: object = None  # whose forwards its counter sees (default: the benchmark's; OUTSIDE_TORCH: none)
 
     @classmethod
     def named(cls, labels: dict[str, tuple[str, str]], name: str, **how) -> Method:
@@ -167,7 +171,8 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
         meta = environment(bench.model)
         if bench.warmup:
             say("warming up")
-            measure_together({m.name: m.run for m in bench.warmup}, bench.model, repeats=1)
+            measure_together({m.name: m.run for m in bench.warmup}, {m.name: _model(bench, m) for m in bench.warmup},
+                             repeats=1)
         done_parts: dict = {}
         rows = [_measure_case(bench, case, done_parts, say) for case in bench.cases]
     methods = {m.name: m for case in bench.cases for m in case.methods}
@@ -214,10 +219,12 @@ def _measure_case(bench: Benchmark, case: Case, done_parts: dict, say: Progress)
         if m.parts:
             got[m.name] = combine_sequential(m.name, [_part(bench, m, p, done_parts, say) for p in m.parts])
         elif m.solo:
-            got |= measure_together({m.name: m.run}, bench.model, repeats=bench.repeats, budget_s=case.budget_s / 2)
+            got |= measure_together({m.name: m.run}, _model(bench, m), repeats=bench.repeats,
+                                    budget_s=case.budget_s / 2)
     together = {m.name: m.run for m in live if not m.parts and not m.solo}
     if together:
-        got |= measure_together(together, bench.model, repeats=bench.repeats, budget_s=case.budget_s)
+        models = {m.name: _model(bench, m) for m in live if m.name in together}
+        got |= measure_together(together, models, repeats=bench.repeats, budget_s=case.budget_s)
     got = {m.name: got[m.name] for m in live}
     where = ", ".join(f"{k}={v}" for k, v in case.params.items())
     for m in live:
@@ -238,10 +245,17 @@ def _measure_case(bench: Benchmark, case: Case, done_parts: dict, say: Progress)
     return row
 
 
+def _model(bench: Benchmark, method: Method):
+    """The model whose forwards `method`'s counter sees (None: none)."""
+    if method.model is None:
+        return bench.model
+    return None if method.model is OUTSIDE_TORCH else method.model
+
+
 def _part(bench: Benchmark, method: Method, part: Part, done: dict, say: Progress) -> Measurement:
     key = (method.name, part.key)
     if key not in done:
-        done[key] = measure_together({method.name: part.run}, bench.model, repeats=1)[method.name]
+        done[key] = measure_together({method.name: part.run}, _model(bench, method), repeats=1)[method.name]
         say(f"{method.short or method.label}, item {part.key}: {done[key].wall_s:.2f} s")
     return done[key]
 

@@ -337,3 +337,75 @@ def bench_unrelated(requests, prompt_tokens, steps, warmup, seed, threads, model
     run_and_report("unrelated", lambda progress: run_unrelated(
         model, requests=levels, prompt_tokens=lengths, steps=steps, warmup=warmup, seed=seed, threads=threads,
         progress=progress), output, stem)
+
+
+@bench.command("precision")
+@click.option("--model", "model_name", default=None, metavar="FILE.gguf",
+              help="A GGUF file (default: the embedded SmolLM2-135M-Instruct's); `bench random-gguf` writes one "
+                   "of Llama-3.2-1B's shape.")
+@click.option("--precisions", default="auto,bfloat16,float32", show_default=True,
+              help="Precisions to load the file at, comma-separated (auto always runs).")
+@click.option("--workloads", default="summary,code_edit,story", show_default=True,
+              help="One-stream workloads of `bench speculate`, comma-separated (none: '').")
+@max_new_tokens(None, "Override every workload's own.")
+@click.option("--context-tokens", type=int, default=1400, show_default=True,
+              help="Tokens of the long-context case's prompt (0: leave it out).")
+@click.option("--context-new-tokens", type=int, default=64, show_default=True,
+              help="Tokens generated in the long-context case.")
+@click.option("--questions", type=int, default=8, show_default=True,
+              help="Questions about the sample call in the questions case (0: leave it out).")
+@click.option("--question-tokens", type=int, default=32, show_default=True, help="Longest answer, in tokens.")
+@click.option("--budget", type=float, default=60.0, show_default=True, metavar="SECONDS",
+              help="Time budget for each case's rounds of all methods.")
+@click.option("--llama/--no-llama", "with_llama", default=True, show_default=True,
+              help="Measure llama.cpp on the same file (needs pip install 'multidecode[peers]').")
+@run_options
+@output_options
+@report_errors
+def bench_precision(model_name, precisions, workloads, max_new_tokens, context_tokens, context_new_tokens, questions,
+                    question_tokens, budget, with_llama, repeats, threads, output, stem):
+    """One GGUF file at each precision and in llama.cpp: one stream on the speculate workloads and a long
+    context, and 8 questions about the sample call. Reports per decode step the bytes of weights read, ms, GB/s
+    and the memory floor at the measured bandwidth; writes JSON, a plot and markdown."""
+    from ..bench.precision import check_precisions, run_precision_benchmark
+    from ..bench.speculate import choose
+    from ..models.converted import embedded_gguf
+
+    chosen = check_precisions([p.strip() for p in precisions.split(",") if p.strip()] + ["auto"])
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    if names:
+        choose(names)
+    check_run(output, threads)
+    check_counts(repeats=repeats, context_new_tokens=context_new_tokens, question_tokens=question_tokens,
+                 **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}))
+    check_budget(budget, 60)
+    if context_tokens < 0 or questions < 0:
+        raise InvalidArgument("--context-tokens and --questions must be 0 or more", "0 leaves that case out")
+    path = model_name or embedded_gguf()
+    run_and_report("precision", lambda progress: run_precision_benchmark(
+        path, precisions_to_run=chosen, threads=threads, with_llama=with_llama, progress=progress, names=names,
+        max_new_tokens=max_new_tokens, context_tokens=context_tokens, context_new_tokens=context_new_tokens,
+        questions=questions, question_tokens=question_tokens, repeats=repeats, budget_s=budget), output, stem)
+
+
+@bench.command("random-gguf")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--shape", default="llama-3.2-1b", show_default=True, help="The model's dimensions: llama-3.2-1b or tiny.")
+@click.option("--quant", default="Q4_0", show_default=True, help="The GGUF type of the matrices (Q4_0, Q8_0, ...).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@report_errors
+def bench_random_gguf(path, shape, quant, seed):
+    """Write a GGUF file of a real model's shape with random weights (for timing: nothing is downloaded)."""
+    from ..bench.random_gguf import SHAPES, write_random_gguf
+
+    if shape not in SHAPES:
+        raise InvalidArgument(f"unknown shape {shape!r}", f"use one of {', '.join(SHAPES)}")
+    import gguf
+
+    if quant not in gguf.GGMLQuantizationType.__members__:
+        raise InvalidArgument(f"unknown GGUF type {quant!r}", "for example --quant Q4_0 or --quant Q8_0")
+    with stderr.status(f"writing {path}...") as status:
+        written = write_random_gguf(path, shape=shape, quant=quant, seed=seed,
+                                    progress=lambda message: status.update(f"writing {path}... {escape(message)}"))
+    stdout.print(f"wrote {written['path']}: {written['parameters'] / 1e9:.2f}B parameters, "
+                 f"{written['file_bytes'] / 1e9:.2f} GB, in {written['seconds']:.0f} s")

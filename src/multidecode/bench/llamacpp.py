@@ -1,0 +1,144 @@
+"""llama.cpp as a measured baseline, through llama-cpp-python's low-level batch API.
+
+On a CPU, the tool a user would pick instead of us is llama.cpp; the benchmarks time it on the
+same GGUF file. Terms (llama.cpp's): a **sequence** is one prompt and its continuation; the
+context's KV cache is **unified**, so one cached token may belong to several sequences. Prompts
+that share a prefix decode it once as sequence 0 and copy it to the others
+(`llama_memory_seq_cp`, no recomputation), then each sequence's own tokens, then one token per
+live sequence a step, greedy, every step a single `llama_decode` over all of them.
+
+Optional: `pip install 'multidecode[peers]'` builds llama-cpp-python from source (about five
+minutes); `missing()` says why it cannot run here, and benchmarks skip it then.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..prompts import common_prefix_length
+from .common import DECODE, PREFILL, ForwardCounter, RunOutput, trim_at_eos
+
+INSTALL = "pip install 'multidecode[peers]' (builds llama-cpp-python from source, about 5 minutes)"
+BATCH = 512
+"""Tokens per `llama_decode` call while reading prompts (llama.cpp's own default)."""
+
+
+def missing() -> str | None:
+    """Why llama.cpp cannot run here (None: it can)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return f"llama-cpp-python is not installed: {INSTALL}"
+    return None
+
+
+class LlamaCpp:
+    """One GGUF file loaded in llama.cpp with a context of `context` cells shared by up to
+    `sequences` sequences, decoding on `threads` threads."""
+
+    def __init__(self, path: str | Path, *, threads: int, context: int = 4096, sequences: int = 16) -> None:
+        import llama_cpp
+
+        self.lib = llama_cpp
+        llama_cpp.llama_backend_init()
+        self._log = llama_cpp.llama_log_callback(_quiet)  # kept: llama.cpp holds the pointer
+        llama_cpp.llama_log_set(self._log, None)
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise ValueError(f"llama.cpp could not load {path}")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = context, BATCH, BATCH
+        params.n_seq_max, params.kv_unified = sequences, True
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.batch = llama_cpp.llama_batch_init(BATCH, 0, sequences)
+        self.sequences = sequences
+        self.file_bytes = Path(path).stat().st_size
+        self.weights_bytes = int(llama_cpp.llama_model_size(self.model))  # its tensors, as llama.cpp holds them
+        self.record = None
+
+    def close(self) -> None:
+        lib = self.lib
+        lib.llama_batch_free(self.batch)
+        lib.llama_free(self.ctx)
+        lib.llama_model_free(self.model)
+
+    # ------------------------------------------------------------------ one decode call
+    def _decode(self, entries: Sequence[tuple[int, int, Sequence[int], bool]], phase: str) -> list[np.ndarray]:
+        """Decode (token, position, sequences, wants logits) entries, BATCH at a time; the logits
+        rows asked for, in order ([vocab] float32 each). Each `llama_decode` call is told to
+        `self.record(phase, seconds, (1, tokens))` where a run set it."""
+        rows = []
+        for start in range(0, len(entries), BATCH):
+            part = entries[start : start + BATCH]
+            batch = self.batch
+            batch.n_tokens = len(part)
+            for i, (token, position, sequences, logits) in enumerate(part):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, len(sequences), logits
+                for j, sequence in enumerate(sequences):
+                    batch.seq_id[i][j] = sequence
+            start = time.perf_counter()
+            if self.lib.llama_decode(self.ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed (the context is too small?)")
+            if self.record is not None:
+                self.record(phase, time.perf_counter() - start, (1, len(part)))
+            for i, (*_, logits) in enumerate(part):
+                if logits:
+                    pointer = self.lib.llama_get_logits_ith(self.ctx, i)
+                    rows.append(np.ctypeslib.as_array(pointer, shape=(self.vocab,)).copy())
+        return rows
+
+    # ------------------------------------------------------------------ greedy decoding
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: Sequence[int]) -> dict:
+        """Greedy continuations of `prompts` (their common prefix decoded once), and the run's
+        times: {"answers", "prefill_s", "decode_s", "steps", "decode_calls"}."""
+        if len(prompts) > self.sequences:
+            raise ValueError(f"{len(prompts)} prompts, but the context holds {self.sequences} sequences")
+        self.lib.llama_memory_clear(self.memory, True)
+        started = time.perf_counter()
+        shared = common_prefix_length(prompts)
+        if shared == min(map(len, prompts)):
+            shared -= 1  # every sequence keeps a token of its own, for its logits
+        self._decode([(t, p, [0], False) for p, t in enumerate(prompts[0][:shared])], PREFILL)
+        for sequence in range(1, len(prompts)):
+            self.lib.llama_memory_seq_cp(self.memory, 0, sequence, 0, shared)
+        own = [(t, p, [s], p == len(prompt) - 1) for s, prompt in enumerate(prompts)
+               for p, t in enumerate(prompt) if p >= shared]
+        heads = [int(row.argmax()) for row in self._decode(own, PREFILL)]
+        decoding = time.perf_counter()
+        answers: list[list[int]] = [[h] for h in heads]
+        live = [s for s, h in enumerate(heads) if h not in eos_ids and max_new_tokens > 1]
+        steps = 0
+        while live:
+            rows = self._decode([(answers[s][-1], len(prompts[s]) + len(answers[s]) - 1, [s], True) for s in live],
+                                DECODE)
+            steps += 1
+            for s, row in zip(live, rows):
+                answers[s].append(int(row.argmax()))
+            live = [s for s in live if answers[s][-1] not in eos_ids and len(answers[s]) < max_new_tokens]
+        ended = time.perf_counter()
+        return {"answers": answers, "prefill_s": decoding - started, "decode_s": ended - decoding, "steps": steps}
+
+
+def llama_run(engine: LlamaCpp, prompts: Sequence[Sequence[int]], counter: ForwardCounter, *, max_new_tokens: int,
+              eos_ids: Sequence[int]) -> RunOutput:
+    """A benchmark run of llama.cpp, each `llama_decode` call recorded on `counter`."""
+    engine.record = counter.record
+    try:
+        out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    finally:
+        engine.record = None
+    answers = [trim_at_eos(a, eos_ids) for a in out.pop("answers")]
+    return RunOutput(answers, 0, extra=out)
+
+
+def _quiet(level, text, data) -> None:
+    """llama.cpp's log callback: say nothing (the library never prints)."""
+
+
+__all__ = ["INSTALL", "LlamaCpp", "llama_run", "missing"]

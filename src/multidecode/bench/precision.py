@@ -1,0 +1,403 @@
+"""Benchmark: what a decode step reads and what it costs, at each precision, against llama.cpp
+on the same GGUF file, on the CPU (where llama.cpp is the alternative a user has).
+
+A decode step on a CPU is bound by reading the weights: its floor is the bytes of weights it
+reads over the machine's memory bandwidth. The benchmark loads one GGUF file at several
+precisions (`models.precision`: "auto" keeps the file's 4-/8-bit codes, packed; "bfloat16" and
+"float32" widen them) and, where llama-cpp-python is installed, in llama.cpp (`bench.llamacpp`).
+
+**Cases.** One stream, greedy: the three shipped workloads of `bench speculate` (summary, code
+edit, story) and a long-context case (`context_tokens` of the sample call, `context_new_tokens`
+new tokens). Each runs MultiDecode without speculation at every precision, MultiDecode at `auto`
+with the model's own attention (`exact=False`: what batch invariance costs), MultiDecode at
+`auto` speculating (`auto`, a fresh suffix store per timed run, so a run never drafts from an
+earlier run's output) and llama.cpp. Then 8 questions about the sample call: the forest at every
+precision, the forest speculating at `auto`, transformers `generate` one question at a time at
+`auto` (same weights, same kernels) and llama.cpp's shared-prefix run (the document decoded once,
+its cache cells shared by the 8 sequences).
+
+**Figures per step** (`steps` in each row): `weights_bytes`, the bytes of weights a step reads
+(the model's resident tensors, each storage once, less an input embedding the LM head does not
+share: a lookup reads a few of its rows); `ms_per_step`, the mean time of a decode forward (for
+llama.cpp, of a `llama_decode` call); `gb_per_s`, the two divided; `floor_ms`, the bytes over the
+measured bandwidth (`bandwidth`: the best of several sums over a 512 MB float32 tensor, on the
+run's threads), and `vs_floor`, ms_per_step / floor_ms. `per_token`: the time of each generated
+token after the first (wall time less prefill, over new tokens less one), and its ratio to
+llama.cpp's.
+
+**Exactness.** Methods at one precision must give the same tokens (MultiDecode plain,
+speculating and transformers' `generate` at `auto`; else `AnswersDiffer`). Other precisions and
+llama.cpp run other arithmetic: their agreement with `auto` is reported (`agreement`: identical
+answers, and the first token where each differs), not asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import data
+from ..errors import InvalidArgument
+from ..memory import proc_kilobytes
+from ..models import precision as precisions
+from ..models.packed import packed_bytes
+from ..strategies.complete import prompt_ids
+from . import llamacpp
+from .common import (
+    AnswersDiffer,
+    ForwardCounter,
+    Measurement,
+    Progress,
+    Setup,
+    auto_over,
+    excerpt_prompt,
+    hf_sequential,
+    multidecode_forest,
+)
+from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Part, Plot, Target, run
+from .speculate import Workload, choose, multidecode_generate
+
+AUTO = "auto"
+DEFAULT_PRECISIONS = (AUTO, "bfloat16", "float32")
+LLAMA, SPECULATING, SDPA, HF = "llama_cpp", "multidecode_auto_speculate", "multidecode_auto_sdpa", "hf_sequential_auto"
+BANDWIDTH_BYTES = 512 << 20
+"""The size of the tensor summed to measure the memory bandwidth (far past any cache)."""
+CONTEXT_INSTRUCTION = "Continue this support call transcript."
+
+
+def ours(precision: str) -> str:
+    """The method name of MultiDecode without speculation at `precision`."""
+    return f"multidecode_{precision}"
+
+
+def labels(chosen: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """Method -> (label, short label) for the precisions `chosen`."""
+    named = {ours(p): (f"MultiDecode at {p}", f"MD {p}") for p in chosen}
+    return {**named,
+            SDPA: ("MultiDecode at auto, the model's own attention (exact=False)", "MD auto sdpa"),
+            SPECULATING: ("MultiDecode at auto, speculate='auto' (first pass)", "MD auto spec"),
+            HF: ("HF generate at auto, one prompt at a time", "HF auto"),
+            LLAMA: ("llama.cpp (llama-cpp-python), same GGUF", "llama.cpp")}
+
+
+@dataclass
+class Loaded:
+    """The GGUF file loaded for the benchmark: a `MultiDecoder` per precision (plus `auto` with
+    the model's own attention), llama.cpp's engine (None: `llama_missing` says why), and what
+    each load cost."""
+
+    path: Path
+    decoders: dict[str, object]
+    sdpa: object
+    llama: llamacpp.LlamaCpp | None
+    llama_missing: str | None
+    loads: dict[str, dict] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, path: str | os.PathLike, chosen: Sequence[str], *, threads: int, with_llama: bool = True,
+           progress: Progress | None = None) -> Loaded:
+        from ..api import load
+
+        say, loads, decoders = progress or (lambda message: None), {}, {}
+        path = Path(path)
+        missing = llamacpp.missing() if with_llama else "left out (--no-llama)"
+        llama = None
+        if missing is None:
+            llama = _timed_load(loads, LLAMA, lambda: llamacpp.LlamaCpp(path, threads=threads))
+            loads[LLAMA]["weights_bytes"] = llama.weights_bytes
+            say(f"llama.cpp loaded {path.name}")
+        for p in chosen:
+            decoders[p] = _timed_load(loads, ours(p), lambda p=p: load(str(path), precision=p, device="cpu"))
+            loads[ours(p)] |= decoders[p].memory()
+            say(f"loaded at {p}: {decoders[p].memory()['weights_bytes'] / 1e6:.0f} MB of weights")
+        sdpa = load(str(path), precision=AUTO, device="cpu", exact=False)
+        return cls(path, decoders, sdpa, llama, missing, loads)
+
+    def close(self) -> None:
+        if self.llama is not None:
+            self.llama.close()
+
+
+def _timed_load(loads: dict, name: str, make):
+    """`make()`, with its seconds and the process's resident memory growth kept in `loads[name]`."""
+    before, start = resident_bytes(), time.perf_counter()
+    made = make()
+    loads[name] = {"load_s": round(time.perf_counter() - start, 2), "rss_growth_bytes": resident_bytes() - before}
+    return made
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS), 0 where /proc is not there."""
+    return proc_kilobytes("/proc/self/status", "VmRSS") or 0
+
+
+def measure_bandwidth(*, repeats: int = 5, size: int = BANDWIDTH_BYTES) -> float:
+    """Bytes per second this machine reads, on torch's current threads: the best of `repeats`
+    sums over a `size`-byte float32 tensor."""
+    values = torch.ones(size // 4, dtype=torch.float32)  # [size / 4]
+    values.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        values.sum()
+        best = min(best, time.perf_counter() - start)
+    return size / best
+
+
+def step_bytes(model) -> int:
+    """The bytes of weights a decode step reads: every resident tensor once, less an input
+    embedding that the LM head does not share (a lookup reads only its rows)."""
+    total = packed_bytes(model)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    shared = head is not None and {id(t) for t in embedding.parameters()} & {id(t) for t in head.parameters()}
+    if not shared:
+        total -= packed_bytes(embedding)
+    return total
+
+
+def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, max_new_tokens: int | None = None,
+                        context_tokens: int = 1400, context_new_tokens: int = 64, questions: int = 8,
+                        question_tokens: int = 32, document: str | None = None, repeats: int = 3, budget_s: float = 60.0,
+                        bandwidth: float | None = None, warmup: bool = True) -> Benchmark:
+    """The precision benchmark as data, over `loaded` (see `Loaded.of`).
+
+    names: the speculate workloads (None: all three; []: none); max_new_tokens overrides theirs.
+    context_tokens, context_new_tokens: the long-context case (0 tokens: left out).
+    questions, question_tokens: the questions case (0: left out): that many of the sample call's
+        questions (cycled) about `document` (default: the sample call).
+    bandwidth: bytes/s for the floor (default: measured now, on torch's current threads).
+    """
+    chosen = list(loaded.decoders)
+    if AUTO not in chosen:
+        raise InvalidArgument("the precision benchmark needs the auto precision", "add auto to --precisions")
+    auto = loaded.decoders[AUTO]
+    setup = Setup.of(auto)
+    bandwidth = bandwidth or measure_bandwidth()
+    plan = _Plan(loaded, setup, labels(chosen), bandwidth)
+    cases = [plan.stream(w, max_new_tokens or w.max_new_tokens, budget_s) for w in (choose(names) if names is None or names else [])]
+    if context_tokens > 0:
+        prompt = excerpt_prompt(setup.tokenizer, context_tokens, CONTEXT_INSTRUCTION)
+        cases.append(plan.stream(Workload("context", f"a {len(prompt)}-token context", "", None, context_new_tokens,
+                                          0.0), context_new_tokens, budget_s, prompt=prompt))
+    if questions > 0:
+        cases.append(plan.ask(questions, question_tokens, budget_s, document or data.sample_document()))
+    if not cases:
+        raise InvalidArgument("no case left to run", "keep a workload, the context case or the questions case")
+    file_bytes = auto.memory()["file_tensor_bytes"]
+    return Benchmark(
+        name="precision", title=f"precision and llama.cpp on {loaded.path.name}", model=auto.model,
+        cases=tuple(cases), reference=None,
+        pairs=tuple((name, LLAMA) for name in plan.labels if name != LLAMA) + ((SPECULATING, HF),),
+        config={"gguf": str(loaded.path), "file_bytes": loaded.path.stat().st_size, "file_tensor_bytes": file_bytes,
+                "precisions": chosen, "bandwidth_bytes_per_s": bandwidth, "loads": loaded.loads,
+                "llama_cpp": loaded.llama_missing or "measured", "eos_ids": setup.eos_ids, "notes": [
+                    "Greedy throughout; methods at one precision must agree token for token, the rest is reported.",
+                    ("steps: weights read per decode step, ms per decode forward, GB/s, and the memory floor "
+                     "(weights / measured bandwidth)."),
+                    "per_token: (wall - prefill) / (new tokens - 1), and its ratio to llama.cpp's.",
+                ]},
+        warmup=plan.warmup() if warmup else (), repeats=repeats,
+        columns=("wall_s", "forward_passes", "tokens_per_s", "decode_ms_per_step", "prefill_s"),
+        plot=Plot("bars", figures=("wall_s", "tokens_per_s", "decode_ms_per_step")), rows_key="cases",
+    )
+
+
+def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Sequence[str] = DEFAULT_PRECISIONS,
+                            threads: int | None = None, with_llama: bool = True, progress: Progress | None = None,
+                            **settings) -> dict:
+    """Load the GGUF file at `path` at each precision (and in llama.cpp), measure every case side
+    by side, and return the JSON-ready result; the settings are `precision_benchmark`'s."""
+    chosen = check_precisions(precisions_to_run)
+    if not str(path).endswith(".gguf") or not Path(path).is_file():
+        raise InvalidArgument(f"the precision benchmark needs a .gguf file, got {path}",
+                              "leave --model out for the embedded model's GGUF, or name a .gguf file")
+    threads = threads or torch.get_num_threads()
+    with _threads(threads):
+        loaded = Loaded.of(path, chosen, threads=threads, with_llama=with_llama, progress=progress)
+        try:
+            return run(precision_benchmark(loaded, **settings), threads=threads, progress=progress)
+        finally:
+            loaded.close()
+
+
+def check_precisions(names: Sequence[str]) -> list[str]:
+    """The precisions named, each once, canonical ("fp32" -> "float32"), auto first; unknown ones
+    and those the CPU cannot run refused."""
+    chosen = []
+    for name in names:
+        canonical = precisions.parse(name)
+        precisions.check(canonical, torch.device("cpu"))
+        if canonical not in chosen:
+            chosen.append(canonical)
+    return sorted(chosen, key=lambda p: p != AUTO)
+
+
+class _threads:
+    """torch's intra-op threads set for a block (the loads and the run), then restored."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads, self.before = threads, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.threads)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.before)
+
+
+# ---------------------------------------------------------------------- the cases
+@dataclass(frozen=True)
+class _Plan:
+    loaded: Loaded
+    setup: Setup
+    labels: dict[str, tuple[str, str]]
+    bandwidth: float
+
+    def _method(self, name: str, run, model, **how) -> Method:
+        return Method.named(self.labels, name, run=run, model=model, **how)
+
+    def _llama(self, prompts: Sequence[Sequence[int]], new: int) -> Method:
+        engine = self.loaded.llama
+
+        def go(counter: ForwardCounter):
+            return llamacpp.llama_run(engine, prompts, counter, max_new_tokens=new, eos_ids=self.setup.eos_ids)
+
+        return Method.named(self.labels, LLAMA, run=go, model=OUTSIDE_TORCH, skip=self.loaded.llama_missing)
+
+    def stream(self, w: Workload, new: int, budget_s: float, prompt: list[int] | None = None) -> Case:
+        """One prompt, one stream: every precision plain, auto with sdpa, auto speculating, llama.cpp."""
+        prompt = prompt or prompt_ids(self.setup.tokenizer, w.text())
+        eos = self.setup.eos_ids
+
+        def md(decoder, speculate):
+            return lambda c: multidecode_generate(decoder, prompt, c, speculate=speculate, max_new_tokens=new,
+                                                  eos_ids=eos)
+
+        methods = [self._method(ours(p), md(d, None), d.model) for p, d in self.loaded.decoders.items()]
+        methods += [self._method(SDPA, md(self.loaded.sdpa, None), self.loaded.sdpa.model),
+                    self._method(SPECULATING, md(self.loaded.decoders[AUTO], auto_over),
+                                 self.loaded.decoders[AUTO].model),
+                    self._llama([prompt], new)]
+        return Case({"case": w.name}, tuple(methods), budget_s=budget_s, targets=_stream_targets(w.name),
+                    report=lambda got: {"label": w.label, "prompt_tokens": len(prompt), "max_new_tokens": new,
+                                        **self.figures(got)})
+
+    def ask(self, k: int, new: int, budget_s: float, document: str) -> Case:
+        """k questions about the sample call: the forest at every precision, speculating at auto,
+        transformers one by one at auto, llama.cpp's shared-prefix run."""
+        auto = self.loaded.decoders[AUTO]
+        pool = data.sample_questions()
+        pool = [pool[i % len(pool)] for i in range(k)]
+        prompts = auto.question_prompts(document, pool)
+
+        def forest(decoder, speculate=None):
+            return lambda c: multidecode_forest(decoder, prompts, c, max_new_tokens=new,
+                                                speculate=speculate() if callable(speculate) else speculate)
+
+        methods = [self._method(ours(p), forest(d), d.model) for p, d in self.loaded.decoders.items()]
+        methods.append(self._method(SPECULATING, forest(auto, auto_over), auto.model))
+        parts = tuple(Part(("hf", i), self.setup.baseline(hf_sequential, prompts[i:i + 1], new))
+                      for i in range(k))
+        methods += [Method.named(self.labels, HF, parts=parts, model=auto.model), self._llama(prompts, new)]
+        return Case({"case": f"{k}_questions"}, tuple(methods), budget_s=budget_s, main=True,
+                    targets=_ask_targets(), report=lambda got: {
+                        "label": f"{k} questions about one document", "prompt_tokens": [len(p) for p in prompts],
+                        "max_new_tokens": new, **self.figures(got), "resident": self.resident()})
+
+    def warmup(self) -> tuple[Method, ...]:
+        """Every model once on a short prompt (4 new tokens)."""
+        short = self.stream(Workload("warmup", "", "Hello.", None, 4, 0.0), 4, 0.0)
+        return tuple(m for m in short.methods if m.skip is None)
+
+    # ------------------------------------------------------------------ figures
+    def figures(self, got: dict[str, Measurement]) -> dict:
+        """Same-precision agreement (asserted), agreement with auto (reported), per-step and per-token figures."""
+        _check_same_precision(got)
+        reference = got[ours(AUTO)].answers
+        agreement = {name: _agreement(reference, m.answers) for name, m in got.items() if name != ours(AUTO)}
+        steps = {name: self.step(name, m) for name, m in got.items() if name != HF}
+        per_token = {name: _per_token_ms(m) for name, m in got.items() if name != HF}
+        llama = per_token.get(LLAMA)
+        return {"agreement_with_auto": agreement, "steps": steps,
+                "per_token": {name: {"ms": ms, "vs_llama_cpp": ms / llama if llama else None}
+                              for name, ms in per_token.items()}}
+
+    def step(self, name: str, m: Measurement) -> dict:
+        weights = self.loaded.llama.weights_bytes if name == LLAMA else step_bytes(self._model_of(name))
+        ms = m.decode_ms_per_step
+        floor = 1000 * weights / self.bandwidth
+        return {"weights_bytes": weights, "ms_per_step": ms, "gb_per_s": weights / ms / 1e6 if ms else None,
+                "floor_ms": floor, "vs_floor": ms / floor if floor else None}
+
+    def _model_of(self, name: str):
+        if name == SDPA:
+            return self.loaded.sdpa.model
+        for p, decoder in self.loaded.decoders.items():
+            if name == ours(p):
+                return decoder.model
+        return self.loaded.decoders[AUTO].model
+
+    def resident(self) -> dict:
+        """Resident weights at auto against the file's tensor bytes (and llama.cpp's)."""
+        memory = self.loaded.decoders[AUTO].memory()
+        file_bytes = memory["file_tensor_bytes"]
+        out = {"auto_weights_bytes": memory["weights_bytes"], "file_tensor_bytes": file_bytes,
+               "ratio": memory["weights_bytes"] / file_bytes if file_bytes else None}
+        if self.loaded.llama is not None:
+            out["llama_cpp_weights_bytes"] = self.loaded.llama.weights_bytes
+        return out
+
+
+def _check_same_precision(got: dict[str, Measurement]) -> None:
+    """MultiDecode at auto (plain, with sdpa, speculating) and transformers at auto must give the
+    same tokens: one precision, one set of weights. sdpa is exact to the token on tested prompts,
+    not by construction, so a difference there is reported, not raised."""
+    reference = got[ours(AUTO)].answers
+    for name in (SPECULATING, HF):
+        if name in got and got[name].answers != reference:
+            raise AnswersDiffer(f"{name} differs from {ours(AUTO)} at the same precision: "
+                                f"{_agreement(reference, got[name].answers)}")
+
+
+def _agreement(reference: list[list[int]], answers: list[list[int]]) -> dict:
+    """How many answers equal the reference's, and where each that differs first differs."""
+    if len(answers) != len(reference):
+        raise AnswersDiffer(f"{len(answers)} answers where {len(reference)} were asked for")
+    first = []
+    for a, b in zip(reference, answers):
+        if a != b:
+            first.append(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return {"identical": len(reference) - len(first), "of": len(reference), "first_difference_at": first}
+
+
+def _per_token_ms(m: Measurement) -> float:
+    """Milliseconds per generated token after the first: the run's time less its prefill."""
+    return 1000 * (m.wall_s - m.prefill_s) / max(1, m.new_tokens - len(m.answers))
+
+
+def _stream_targets(name: str) -> tuple[Target, ...]:
+    vs_llama = (Target(f"{name}: auto, per token, vs llama.cpp", ("per_token", ours(AUTO), "vs_llama_cpp"), "<=",
+                       1.0),
+                Target(f"{name}: auto decode step vs the weights' memory floor", ("steps", ours(AUTO), "vs_floor"),
+                       "<=", 1.5))
+    if name == "context":
+        return vs_llama
+    return (*vs_llama, Target(f"{name}: auto speculating over llama.cpp", (f"{SPECULATING}_vs", LLAMA, "speedup"),
+                              ">", 1.0))
+
+
+def _ask_targets() -> tuple[Target, ...]:
+    return (Target("questions: auto speculating over llama.cpp shared prefix", (f"{SPECULATING}_vs", LLAMA, "speedup"),
+                   ">=", 3.0),
+            Target("questions: auto speculating over HF generate one by one at auto", (f"{SPECULATING}_vs", HF,
+                                                                                      "speedup"), ">=", 8.0),
+            Target("resident weights at auto / the file's tensor bytes", ("resident", "ratio"), "<=", 1.25, unit=""))
+
+
+__all__ = ["DEFAULT_PRECISIONS", "Loaded", "check_precisions", "measure_bandwidth", "precision_benchmark",
+           "run_precision_benchmark", "step_bytes"]

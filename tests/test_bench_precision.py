@@ -1,0 +1,130 @@
+"""`bench precision`: one GGUF file at several precisions (and in llama.cpp where it is installed),
+on a tiny random GGUF of the library's own writing. Timings are not asserted, only the shape of
+the result, the per-step figures and the same-precision check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from multidecode.bench import llamacpp
+from multidecode.bench.common import AnswersDiffer, Measurement
+from multidecode.bench.precision import (
+    HF,
+    LLAMA,
+    SPECULATING,
+    _check_same_precision,
+    check_precisions,
+    ours,
+    run_precision_benchmark,
+    step_bytes,
+)
+from multidecode.bench.random_gguf import write_random_gguf
+from multidecode.cli import main
+from multidecode.errors import InvalidArgument
+
+
+@pytest.fixture
+def tiny_gguf(monkeypatch, tmp_path):
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path / "cache"))
+    return write_random_gguf(tmp_path / "tiny.gguf", shape="tiny")["path"]
+
+
+def quick(path, **settings):
+    return run_precision_benchmark(path, precisions_to_run=("float32", "auto"), names=["story"], max_new_tokens=6,
+                                   context_tokens=40, context_new_tokens=4, questions=2, question_tokens=4,
+                                   document="Ann called about a late parcel. Bob sent a new one.",
+                                   repeats=1, budget_s=0.01, warmup=False, bandwidth=1e10, **settings)
+
+
+def test_every_case_reports_steps_per_token_and_resident_weights(tiny_gguf):
+    result = quick(tiny_gguf)
+    for row in result["cases"]:  # every method, llama.cpp included, answered every prompt
+        assert all(m["new_tokens"] >= len(row["answer_tokens"]) > 0 for m in row["methods"].values())
+    assert [row["case"] for row in result["cases"]] == ["story", "context", "2_questions"]
+    assert result["config"]["precisions"] == ["auto", "float32"]
+    for row in result["cases"]:
+        steps = row["steps"]
+        assert steps[ours("auto")]["weights_bytes"] < steps[ours("float32")]["weights_bytes"] / 3  # 4-bit codes
+        for step in steps.values():
+            assert step["floor_ms"] == pytest.approx(1000 * step["weights_bytes"] / 1e10)
+            assert step["vs_floor"] == pytest.approx(step["ms_per_step"] / step["floor_ms"])
+        assert set(row["per_token"]) >= {ours("auto"), ours("float32"), SPECULATING}
+        assert row["agreement_with_auto"][SPECULATING]["identical"] == row["agreement_with_auto"][SPECULATING]["of"]
+    questions = result["main"]
+    assert questions["agreement_with_auto"][HF] == {"identical": 2, "of": 2, "first_difference_at": []}
+    assert 0 < questions["resident"]["ratio"] <= 1.25
+    names = {t["name"] for t in result["targets"]}
+    assert "resident weights at auto / the file's tensor bytes" in names
+    if llamacpp.missing() is None:
+        assert LLAMA in questions["methods"] and questions["methods"][LLAMA]["decode_passes"] >= 1
+        assert questions["steps"][LLAMA]["weights_bytes"] > 0
+    else:
+        assert questions["skipped"][LLAMA] == llamacpp.missing()
+
+
+def test_llama_left_out_is_said(tiny_gguf):
+    result = quick(tiny_gguf, with_llama=False)
+    assert result["cases"][0]["skipped"] == {LLAMA: "left out (--no-llama)"}
+    assert result["config"]["llama_cpp"] == "left out (--no-llama)"
+
+
+def measurement(name, answers):
+    return Measurement(name, 1.0, 1, 1, 0, 0.0, 0.0, [1.0], 1, answers=answers)
+
+
+def test_a_same_precision_difference_fails_the_run():
+    same = {ours("auto"): measurement("a", [[1, 2, 3]]), SPECULATING: measurement("s", [[1, 2, 3]]),
+            ours("float32"): measurement("f", [[1, 9, 9]])}
+    _check_same_precision(same)  # another precision may differ: it is reported, not raised
+    with pytest.raises(AnswersDiffer, match="at the same precision"):
+        _check_same_precision({**same, HF: measurement("h", [[1, 2, 4]])})
+
+
+def test_step_bytes_leave_out_an_untied_input_embedding():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    untied = LlamaForCausalLM(config)
+    everything = sum(t.numel() * 4 for t in [*untied.parameters(), *untied.buffers()])
+    assert step_bytes(untied) == everything - 100 * 16 * 4
+    tied = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": True}))
+    assert step_bytes(tied) == sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
+                                   for t in [*tied.parameters(), *tied.buffers()]}.values())
+
+
+def test_precisions_are_checked_before_anything_loads():
+    assert check_precisions(["fp32", "auto", "float32"]) == ["auto", "float32"]
+    with pytest.raises(InvalidArgument):
+        check_precisions(["float33"])
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--precisions", "float33"], "precision"),
+    (["--model", "model.txt"], ".gguf"),
+    (["--workloads", "poem"], "workload"),
+    (["--context-tokens", "-1"], "--context-tokens"),
+])
+def test_bad_settings_exit_2_with_a_hint(tmp_path, monkeypatch, args, said):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.txt").write_text("not a model")
+    result = CliRunner().invoke(main, ["bench", "precision", *args])
+    assert result.exit_code == 2, result.output
+    assert said in result.output and "hint:" in result.output
+
+
+def test_random_gguf_command_writes_a_file_and_refuses_an_unknown_shape(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "random-gguf", str(tmp_path / "t.gguf"), "--shape", "tiny"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "t.gguf").stat().st_size > 0
+    result = CliRunner().invoke(main, ["bench", "random-gguf", str(tmp_path / "u.gguf"), "--shape", "huge"])
+    assert result.exit_code == 2 and "unknown shape" in result.output
+
+
+def test_measured_bandwidth_is_a_plausible_rate():
+    from multidecode.bench.precision import measure_bandwidth
+
+    assert 1e8 < measure_bandwidth(repeats=2, size=16 << 20) < 1e13
+    assert torch.get_num_threads() >= 1
