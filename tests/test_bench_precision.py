@@ -55,6 +55,8 @@ def test_every_case_reports_steps_per_token_and_resident_weights(tiny_gguf):
     questions = result["main"]
     assert questions["agreement_with_auto"][HF] == {"identical": 2, "of": 2, "first_difference_at": []}
     assert 0 < questions["resident"]["ratio"] <= 1.25
+    for profiled in result["profile"].values():
+        assert profiled["op_calls_per_step"] > 0 and profiled["op_ms_per_step"] > 0 and profiled["top_ops"]
     names = {t["name"] for t in result["targets"]}
     assert "resident weights at auto / the file's tensor bytes" in names
     if llamacpp.missing() is None:
@@ -64,10 +66,21 @@ def test_every_case_reports_steps_per_token_and_resident_weights(tiny_gguf):
         assert questions["skipped"][LLAMA] == llamacpp.missing()
 
 
-def test_llama_left_out_is_said(tiny_gguf):
-    result = quick(tiny_gguf, with_llama=False)
+def test_methods_left_out_are_said(tiny_gguf):
+    result = quick(tiny_gguf, with_llama=False, transformers=False)
     assert result["cases"][0]["skipped"] == {LLAMA: "left out (--no-llama)"}
+    assert result["main"]["skipped"] == {HF: "left out (--no-transformers)", LLAMA: "left out (--no-llama)"}
     assert result["config"]["llama_cpp"] == "left out (--no-llama)"
+
+
+def test_a_document_cut_to_about_n_tokens():
+    from multidecode.bench.precision import excerpt
+
+    def tokenizer(text, add_special_tokens):
+        return {"input_ids": text.split()}
+
+    short, longer = excerpt(tokenizer, 20), excerpt(tokenizer, 200)
+    assert 20 <= len(short.split()) < len(longer.split()) and longer.startswith(short)
 
 
 def measurement(name, answers):

@@ -25,6 +25,11 @@ run's threads), and `vs_floor`, ms_per_step / floor_ms. `per_token`: the time of
 token after the first (wall time less prefill, over new tokens less one), and its ratio to
 llama.cpp's.
 
+**Ratios.** Other arithmetic writes other tokens (llama.cpp's answers may end sooner or later
+than ours), so comparisons with llama.cpp are held on tokens per second (`tokens_per_s_ratio` of
+a pair) and per-token times; comparisons at one precision, where the tokens are the same, on
+wall time (`speedup`).
+
 **Exactness.** Methods at one precision must give the same tokens (MultiDecode plain,
 speculating and transformers' `generate` at `auto`; else `AnswersDiffer`). Other precisions and
 llama.cpp run other arithmetic: their agreement with `auto` is reported (`agreement`: identical
@@ -160,16 +165,55 @@ def step_bytes(model) -> int:
     return total
 
 
+PROFILE_STEPS = 16
+"""Decode steps profiled for `profile_step`."""
+
+
+def profile_step(decoder, prompt: Sequence[int], *, steps: int = PROFILE_STEPS, top: int = 8) -> dict:
+    """Where a one-stream decode step's time goes (`torch.profiler`): the wall time per step (a
+    run of `steps` + 1 tokens less a run of 1, over `steps`), the time inside torch operators per
+    step (their self times summed over the profiled run, over its forwards), the operator calls
+    per step, and the `top` operators by time. Wall time less operator time is Python and dispatch:
+    the modules' code, the engine, sampling."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(new: int):
+        return decoder.generate(list(prompt), max_new_tokens=new, speculate=None, chat=False, eos_token_id=[])
+
+    run(2)
+    start = time.perf_counter()
+    run(steps + 1)
+    longer = time.perf_counter() - start
+    start = time.perf_counter()
+    run(1)
+    shorter = time.perf_counter() - start
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        run(steps + 1)
+    events = profiled.key_averages()
+    forwards = steps + 1
+    ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    return {"wall_ms_per_step": 1000 * (longer - shorter) / steps,
+            "op_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1000 / forwards,
+            "op_calls_per_step": sum(e.count for e in events) / forwards,
+            "top_ops": [{"op": e.key, "calls_per_step": e.count / forwards,
+                         "ms_per_step": e.self_cpu_time_total / 1000 / forwards,
+                         "us_per_call": e.self_cpu_time_total / max(1, e.count)} for e in ranked]}
+
+
 def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, max_new_tokens: int | None = None,
                         context_tokens: int = 1400, context_new_tokens: int = 64, questions: int = 8,
-                        question_tokens: int = 32, document: str | None = None, repeats: int = 3, budget_s: float = 60.0,
+                        question_tokens: int = 32, document: str | None = None, document_tokens: int | None = None,
+                        transformers: bool = True, profile: bool = True, repeats: int = 3, budget_s: float = 60.0,
                         bandwidth: float | None = None, warmup: bool = True) -> Benchmark:
     """The precision benchmark as data, over `loaded` (see `Loaded.of`).
 
     names: the speculate workloads (None: all three; []: none); max_new_tokens overrides theirs.
     context_tokens, context_new_tokens: the long-context case (0 tokens: left out).
     questions, question_tokens: the questions case (0: left out): that many of the sample call's
-        questions (cycled) about `document` (default: the sample call).
+        questions (cycled) about `document` (default: the sample call; with `document_tokens`,
+        its opening lines up to about that many tokens).
+    transformers: also run transformers' `generate` one question at a time (the costly one).
+    profile: add `profile` to the result: `profile_step` of auto, exact and sdpa.
     bandwidth: bytes/s for the floor (default: measured now, on torch's current threads).
     """
     chosen = list(loaded.decoders)
@@ -185,10 +229,19 @@ def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, m
         cases.append(plan.stream(Workload("context", f"a {len(prompt)}-token context", "", None, context_new_tokens,
                                           0.0), context_new_tokens, budget_s, prompt=prompt))
     if questions > 0:
-        cases.append(plan.ask(questions, question_tokens, budget_s, document or data.sample_document()))
+        if document is None:
+            document = data.sample_document() if document_tokens is None else \
+                excerpt(setup.tokenizer, document_tokens)
+        cases.append(plan.ask(questions, question_tokens, budget_s, document, transformers=transformers))
     if not cases:
         raise InvalidArgument("no case left to run", "keep a workload, the context case or the questions case")
     file_bytes = auto.memory()["file_tensor_bytes"]
+    short = prompt_ids(setup.tokenizer, "Write a short story about a lighthouse keeper.")
+
+    def profiles(result: dict) -> dict:
+        """The decode step of `auto`, with exact and with the model's own attention, profiled."""
+        return {"profile": {ours(AUTO): profile_step(auto, short), SDPA: profile_step(loaded.sdpa, short)}}
+
     return Benchmark(
         name="precision", title=f"precision and llama.cpp on {loaded.path.name}", model=auto.model,
         cases=tuple(cases), reference=None,
@@ -204,7 +257,18 @@ def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, m
         warmup=plan.warmup() if warmup else (), repeats=repeats,
         columns=("wall_s", "forward_passes", "tokens_per_s", "decode_ms_per_step", "prefill_s"),
         plot=Plot("bars", figures=("wall_s", "tokens_per_s", "decode_ms_per_step")), rows_key="cases",
+        summary=profiles if profile else None,
     )
+
+
+def excerpt(tokenizer, tokens: int) -> str:
+    """The sample call's opening lines, up to about `tokens` tokens (the whole call if shorter)."""
+    lines, text = data.sample_document().splitlines(keepends=True), ""
+    for line in lines:
+        text += line
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= tokens:
+            break
+    return text.strip()
 
 
 def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Sequence[str] = DEFAULT_PRECISIONS,
@@ -287,7 +351,7 @@ class _Plan:
                     report=lambda got: {"label": w.label, "prompt_tokens": len(prompt), "max_new_tokens": new,
                                         **self.figures(got)})
 
-    def ask(self, k: int, new: int, budget_s: float, document: str) -> Case:
+    def ask(self, k: int, new: int, budget_s: float, document: str, *, transformers: bool = True) -> Case:
         """k questions about the sample call: the forest at every precision, speculating at auto,
         transformers one by one at auto, llama.cpp's shared-prefix run."""
         auto = self.loaded.decoders[AUTO]
@@ -303,7 +367,8 @@ class _Plan:
         methods.append(self._method(SPECULATING, forest(auto, auto_over), auto.model))
         parts = tuple(Part(("hf", i), self.setup.baseline(hf_sequential, prompts[i:i + 1], new))
                       for i in range(k))
-        methods += [Method.named(self.labels, HF, parts=parts, model=auto.model), self._llama(prompts, new)]
+        skip = None if transformers else "left out (--no-transformers)"
+        methods += [Method.named(self.labels, HF, parts=parts, model=auto.model, skip=skip), self._llama(prompts, new)]
         return Case({"case": f"{k}_questions"}, tuple(methods), budget_s=budget_s, main=True,
                     targets=_ask_targets(), report=lambda got: {
                         "label": f"{k} questions about one document", "prompt_tokens": [len(p) for p in prompts],
@@ -387,17 +452,17 @@ def _stream_targets(name: str) -> tuple[Target, ...]:
                        "<=", 1.5))
     if name == "context":
         return vs_llama
-    return (*vs_llama, Target(f"{name}: auto speculating over llama.cpp", (f"{SPECULATING}_vs", LLAMA, "speedup"),
-                              ">", 1.0))
+    return (*vs_llama, Target(f"{name}: auto speculating over llama.cpp, tokens/s",
+                              (f"{SPECULATING}_vs", LLAMA, "tokens_per_s_ratio"), ">", 1.0))
 
 
 def _ask_targets() -> tuple[Target, ...]:
-    return (Target("questions: auto speculating over llama.cpp shared prefix", (f"{SPECULATING}_vs", LLAMA, "speedup"),
-                   ">=", 3.0),
+    return (Target("questions: auto speculating over llama.cpp shared prefix, tokens/s",
+                   (f"{SPECULATING}_vs", LLAMA, "tokens_per_s_ratio"), ">=", 3.0),
             Target("questions: auto speculating over HF generate one by one at auto", (f"{SPECULATING}_vs", HF,
                                                                                       "speedup"), ">=", 8.0),
             Target("resident weights at auto / the file's tensor bytes", ("resident", "ratio"), "<=", 1.25, unit=""))
 
 
 __all__ = ["DEFAULT_PRECISIONS", "Loaded", "check_precisions", "measure_bandwidth", "precision_benchmark",
-           "run_precision_benchmark", "step_bytes"]
+           "profile_step", "run_precision_benchmark", "step_bytes"]

@@ -355,6 +355,10 @@ def bench_unrelated(requests, prompt_tokens, steps, warmup, seed, threads, model
 @click.option("--questions", type=int, default=8, show_default=True,
               help="Questions about the sample call in the questions case (0: leave it out).")
 @click.option("--question-tokens", type=int, default=32, show_default=True, help="Longest answer, in tokens.")
+@click.option("--document-tokens", type=int, default=None, metavar="N",
+              help="Ask about the sample call's opening lines, about N tokens (default: the whole call).")
+@click.option("--transformers/--no-transformers", default=True, show_default=True,
+              help="Also run transformers' generate one question at a time (the slowest method).")
 @click.option("--budget", type=float, default=60.0, show_default=True, metavar="SECONDS",
               help="Time budget for each case's rounds of all methods.")
 @click.option("--llama/--no-llama", "with_llama", default=True, show_default=True,
@@ -363,7 +367,7 @@ def bench_unrelated(requests, prompt_tokens, steps, warmup, seed, threads, model
 @output_options
 @report_errors
 def bench_precision(model_name, precisions, workloads, max_new_tokens, context_tokens, context_new_tokens, questions,
-                    question_tokens, budget, with_llama, repeats, threads, output, stem):
+                    question_tokens, document_tokens, transformers, budget, with_llama, repeats, threads, output, stem):
     """One GGUF file at each precision and in llama.cpp: one stream on the speculate workloads and a long
     context, and 8 questions about the sample call. Reports per decode step the bytes of weights read, ms, GB/s
     and the memory floor at the measured bandwidth; writes JSON, a plot and markdown."""
@@ -379,13 +383,16 @@ def bench_precision(model_name, precisions, workloads, max_new_tokens, context_t
     check_counts(repeats=repeats, context_new_tokens=context_new_tokens, question_tokens=question_tokens,
                  **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}))
     check_budget(budget, 60)
+    if document_tokens is not None:
+        check_counts(document_tokens=document_tokens)
     if context_tokens < 0 or questions < 0:
         raise InvalidArgument("--context-tokens and --questions must be 0 or more", "0 leaves that case out")
     path = model_name or embedded_gguf()
     run_and_report("precision", lambda progress: run_precision_benchmark(
         path, precisions_to_run=chosen, threads=threads, with_llama=with_llama, progress=progress, names=names,
         max_new_tokens=max_new_tokens, context_tokens=context_tokens, context_new_tokens=context_new_tokens,
-        questions=questions, question_tokens=question_tokens, repeats=repeats, budget_s=budget), output, stem)
+        questions=questions, question_tokens=question_tokens, document_tokens=document_tokens,
+        transformers=transformers, repeats=repeats, budget_s=budget), output, stem)
 
 
 @bench.command("random-gguf")
