@@ -21,6 +21,7 @@ from multidecode.bench.precision import (
     step_bytes,
 )
 from multidecode.bench.random_gguf import write_random_gguf
+from multidecode.bench.results import tables
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument
 
@@ -57,6 +58,9 @@ def test_every_case_reports_steps_per_token_and_resident_weights(tiny_gguf):
     assert 0 < questions["resident"]["ratio"] <= 1.25
     for profiled in result["profile"].values():
         assert profiled["op_calls_per_step"] > 0 and profiled["op_ms_per_step"] > 0 and profiled["top_ops"]
+    titles = [t.title for t in tables(result)]
+    assert titles[-3:] == ["What a decode step reads and costs", "One decode step profiled (one stream, short prompt)",
+                           "Targets"]
     names = {t["name"] for t in result["targets"]}
     assert "resident weights at auto / the file's tensor bytes" in names
     if llamacpp.missing() is None:

@@ -1,13 +1,14 @@
 """Benchmarks of MultiDecode against the transformers alternatives, measured side by side.
 
-`harness` runs the benchmarks declared as data (`serve` and `unrelated` measure on their own),
+`harness` runs the benchmarks declared as data (`serve` and `unrelated` measure on their own;
+`precision` compares precisions and llama.cpp on one GGUF file),
 `common` holds what they measure with and the transformers baselines, and `results` writes and
 reads every result. Importing the package registers every benchmark's view (`results.VIEWS`).
 """
 
 from __future__ import annotations
 
-from . import serve, unrelated
+from . import precision, serve, unrelated
 from .ask import METHODS, run_ask_benchmark
 from .batch import run_batch_benchmark, run_merged_benchmark
 from .beam import run_beam_benchmark
@@ -17,6 +18,20 @@ from .results import markdown, tables, write_results
 from .sample import run_sample_benchmark
 from .speculate import run_speculate_benchmark
 
-__all__ = ["METHODS", "AnswersDiffer", "markdown", "run_ask_benchmark", "run_batch_benchmark", "run_beam_benchmark",
-           "run_margins_benchmark", "run_merged_benchmark", "run_sample_benchmark", "run_speculate_benchmark",
-           "serve", "tables", "unrelated", "write_results"]
+__all__ = [
+           "METHODS",
+           "AnswersDiffer",
+           "markdown",
+           "precision",
+           "run_ask_benchmark",
+           "run_batch_benchmark",
+           "run_beam_benchmark",
+           "run_margins_benchmark",
+           "run_merged_benchmark",
+           "run_sample_benchmark",
+           "run_speculate_benchmark",
+           "serve",
+           "tables",
+           "unrelated",
+           "write_results",
+]

@@ -65,6 +65,7 @@ from .common import (
     multidecode_forest,
 )
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Part, Plot, Target, run
+from .results import LAYOUT, VIEWS, TextTable, View, fmt, grid
 from .speculate import Workload, choose, multidecode_generate
 
 AUTO = "auto"
@@ -462,6 +463,37 @@ def _ask_targets() -> tuple[Target, ...]:
             Target("questions: auto speculating over HF generate one by one at auto", (f"{SPECULATING}_vs", HF,
                                                                                       "speedup"), ">=", 8.0),
             Target("resident weights at auto / the file's tensor bytes", ("resident", "ratio"), "<=", 1.25, unit=""))
+
+
+# ---------------------------------------------------------------------- the result's tables
+def _tables(result: dict) -> list[TextTable]:
+    """The harness's tables, then per case and method what a step reads and costs, then the
+    profiled steps (before the targets)."""
+    short = result["layout"]["short"]
+    steps = [{"case": row["case"], "method": name, **step, **{f"token_{k}": v for k, v in
+                                                               row["per_token"].get(name, {}).items()}}
+             for row in result["cases"] for name, step in row["steps"].items()]
+    step_table = grid("What a decode step reads and costs", steps, [
+        ("case", lambda r: r["case"]), ("method", lambda r: short.get(r["method"], r["method"])),
+        ("weights read", lambda r: f"{r['weights_bytes'] / 1e6:.0f} MB"),
+        ("ms per step", lambda r: fmt(r["ms_per_step"], "{:.1f}")), ("GB/s", lambda r: fmt(r["gb_per_s"], "{:.1f}")),
+        ("floor ms", lambda r: fmt(r["floor_ms"], "{:.1f}")), ("x floor", lambda r: fmt(r["vs_floor"], "{:.1f}x")),
+        ("ms per token", lambda r: fmt(r.get("token_ms"), "{:.1f}")),
+        ("x llama.cpp", lambda r: fmt(r.get("token_vs_llama_cpp"), "{:.2f}x"))], lead=2)
+    profiled = [{"method": name, **p} for name, p in result.get("profile", {}).items()]
+    profile_table = grid("One decode step profiled (one stream, short prompt)", profiled, [
+        ("method", lambda r: short.get(r["method"], r["method"])),
+        ("wall ms per step", lambda r: f"{r['wall_ms_per_step']:.1f}"),
+        ("in torch operators, ms", lambda r: f"{r['op_ms_per_step']:.1f}"),
+        ("operator calls", lambda r: f"{r['op_calls_per_step']:.0f}"),
+        ("top operators (ms per step)", lambda r: ", ".join(f"{o['op'].removeprefix('aten::')} {o['ms_per_step']:.2f}"
+                                                            for o in r["top_ops"][:4]))])
+    tables = LAYOUT.tables(result)
+    at = next((i for i, t in enumerate(tables) if t.title == "Targets"), len(tables))
+    return [*tables[:at], step_table, *([profile_table] if profiled else []), *tables[at:]]
+
+
+VIEWS["precision"] = View(_tables, LAYOUT.chart)
 
 
 __all__ = ["DEFAULT_PRECISIONS", "Loaded", "check_precisions", "measure_bandwidth", "precision_benchmark",
