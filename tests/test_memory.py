@@ -112,6 +112,24 @@ def test_completions_run_in_waves_with_the_same_tokens(exact_decoder, monkeypatc
     assert waves[0].stats["tokens"] == sum(len(c.token_ids) for c in waves)
 
 
+def test_later_waves_keep_the_budget_the_first_was_sized_by(exact_decoder, monkeypatch):
+    """The memory a wave frees stays with the process (its allocator keeps it), so the machine's
+    free memory reads lower after the first wave: the later waves must not be refused for it."""
+    settings = dict(n=12, max_new_tokens=6, temperature=0.9, seed=7)
+    monkeypatch.delenv(memory.ENVIRONMENT, raising=False)
+    together = exact_decoder.complete(PROMPT, **settings)
+    engine = exact_decoder.scheduler().engine
+    budget = int(memory_need(engine, len(PROMPT), [0] * 5, 6, 0).total / memory.HEADROOM) + 1
+    reads = iter([budget, budget])  # what the machine has: the sizing's and the first wave's reads
+
+    def shrinking(device="cpu"):
+        return next(reads, budget // 4)  # then a quarter: the first wave's memory still held
+
+    monkeypatch.setattr(memory, "available_bytes", shrinking)
+    waves = exact_decoder.complete(PROMPT, **settings)
+    assert [c.token_ids for c in waves] == [c.token_ids for c in together]
+
+
 def test_a_request_that_cannot_fit_is_refused_before_it_runs(exact_decoder, monkeypatch):
     monkeypatch.setenv(memory.ENVIRONMENT, "10kB")
     with pytest.raises(NotEnoughMemory, match=r"needs about .* KV cache .* but .* is available") as caught:

@@ -171,9 +171,10 @@ def memory_need(engine: Engine, prefix_length: int, suffix_lengths: Sequence[int
 
 
 def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[int], max_new_tokens: int,
-                 draft: int) -> None:
-    """Refuse branches whose bytes the machine does not have, saying how many would fit."""
-    budget = budget_bytes(engine.device)
+                 draft: int, budget: int | None = None) -> None:
+    """Refuse branches whose bytes the machine does not have (`budget`: None for what it has
+    now, see `memory.budget_bytes`), saying how many would fit."""
+    budget = budget_bytes(engine.device) if budget is None else budget
     need = memory_need(engine, prefix_length, suffix_lengths, max_new_tokens, draft)
     if need.total <= budget:
         return
@@ -186,10 +187,11 @@ def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[in
                hint=f"{hint}, or set {ENVIRONMENT} to a larger budget if more memory is free")
 
 
-def wave_size(engine: Engine, prompt_length: int, n: int, max_new_tokens: int, draft: int) -> int:
-    """How many of n branches of one prompt fit in memory at once (n when all of them do);
-    refuses (`NotEnoughMemory`) when not even one does."""
-    budget = budget_bytes(engine.device)
+def wave_size(engine: Engine, prompt_length: int, n: int, max_new_tokens: int, draft: int,
+              budget: int | None = None) -> int:
+    """How many of n branches of one prompt fit in `budget` bytes at once (None: what the
+    machine has now; n when all of them do); refuses (`NotEnoughMemory`) when not even one does."""
+    budget = budget_bytes(engine.device) if budget is None else budget
 
     def fits(width: int) -> bool:
         return memory_need(engine, prompt_length, [0] * width, max_new_tokens, draft).total <= budget
@@ -198,7 +200,7 @@ def wave_size(engine: Engine, prompt_length: int, n: int, max_new_tokens: int, d
         return n
     size = most_branches(fits, n)
     if not size:
-        check_memory(engine, prompt_length, [0], max_new_tokens, draft)
+        check_memory(engine, prompt_length, [0], max_new_tokens, draft, budget)
     return size
 
 
@@ -537,12 +539,18 @@ class Waves:
     prompt is fed once and kept for the later waves, which hang under it (its last token fed
     again, for its logits). Branch i keeps its own sampling settings and seed, so its tokens are
     the ones it gets in one forest; `events`, `branches` and `prompts` use global indices.
-    Waves start lazily, as `events` is iterated."""
+    Waves start lazily, as `events` is iterated.
+
+    budget: the bytes every wave is checked against (default: what the machine has when the first
+    starts). One budget for all: the memory a wave frees stays with this process (its allocator
+    keeps it for the next wave), so the machine's free memory, measured again, would read lower
+    than what the next wave really has."""
 
     def __init__(self, scheduler: Scheduler, prompt: Sequence[int], sampling: Sequence[SamplingParams], size: int,
-                 **settings) -> None:
+                 *, budget: int | None = None, **settings) -> None:
         self.scheduler, self.prompt, self.sampling, self.size = scheduler, list(prompt), list(sampling), size
-        self.settings = settings
+        budget = budget_bytes(scheduler.engine.device) if budget is None else budget
+        self.settings = {**settings, "memory_budget": budget}
         self.runs: list[tuple[int, BranchRun]] = []  # (index of its first branch, run), in order
         self._keeper = object()  # owns the prompt's nodes, so no wave's compaction frees them
         self._next(0)
@@ -623,10 +631,12 @@ def admit(
     cached: Sequence[int] = (),
     prompt_owner: object | None = None,
     logprobs: int | None = None,
+    memory_budget: int | None = None,
 ) -> BranchRun:
     """Check the inputs and admit branches `prefix_ids + suffixes[i]` to `scheduler`; nothing is
     fed until the scheduler steps. speculate: see `speculation`; under, cached, prompt_owner,
-    logprobs: see `BranchGroup`.
+    logprobs: see `BranchGroup`; memory_budget: the bytes the branches must fit in (None: what
+    the machine has now).
     """
     check_positive("max_new_tokens", max_new_tokens)
     if isinstance(suffixes, torch.Tensor):
@@ -645,7 +655,7 @@ def admit(
         raise InvalidInput("a branch has no tokens and there is no prefix to continue", "give every branch a prompt")
     check_fits(engine, [len(cached) + len(prefix_ids) + len(s) for s in suffixes], max_new_tokens)
     draft = 0 if spec is None else spec.size
-    check_memory(engine, len(prefix_ids), [len(s) for s in suffixes], max_new_tokens, draft)
+    check_memory(engine, len(prefix_ids), [len(s) for s in suffixes], max_new_tokens, draft, memory_budget)
     rule = StopRule(max_new_tokens, eos_ids_of(engine.model, eos_token_id), stop_strings_of(stop))
     group = BranchGroup(prefix_ids, suffixes, rule=rule, sampling=sampling, tokenizer=tokenizer, speculation=spec,
                         vocab_size=engine.vocab_size, under=under, cached=cached, prompt_owner=prompt_owner,

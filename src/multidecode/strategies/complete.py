@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..branches import BranchRun, TokenEvent, Waves, start_prompts, wave_size
 from ..errors import InvalidInput, check_positive
+from ..memory import budget_bytes
 from ..prompts import has_chat_template, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
 from ..scheduler import Scheduler
@@ -79,10 +80,11 @@ def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: in
     spec = resolve(speculate, engine.dtype, exact=engine.exact)
     settings = {"max_new_tokens": max_new_tokens, "tokenizer": tokenizer, "stop": stop, "eos_token_id": eos_token_id,
                 "speculate": spec}
-    size = wave_size(engine, len(ids), n, max_new_tokens, 0 if spec is None else spec.size)
+    budget = budget_bytes(engine.device)
+    size = wave_size(engine, len(ids), n, max_new_tokens, 0 if spec is None else spec.size, budget=budget)
     if size < n:  # too many to hold at once: in waves, each completion still drawn with its own seed
-        return Waves(scheduler, ids, params, size, **settings)
-    return start_prompts(scheduler, [ids] * n, sampling=params, **settings)
+        return Waves(scheduler, ids, params, size, budget=budget, **settings)
+    return start_prompts(scheduler, [ids] * n, sampling=params, memory_budget=budget, **settings)
 
 
 def stream(scheduler: Scheduler, tokenizer, prompt, **settings) -> Iterator[TokenEvent]:
