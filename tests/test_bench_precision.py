@@ -78,13 +78,13 @@ def test_methods_left_out_are_said(tiny_gguf):
 
 
 def test_a_document_cut_to_about_n_tokens():
-    from multidecode.bench.precision import excerpt
+    from multidecode.bench.common import sample_excerpt
 
-    def tokenizer(text, add_special_tokens):
-        return {"input_ids": text.split()}
+    def words(text):
+        return len(text.split())
 
-    short, longer = excerpt(tokenizer, 20), excerpt(tokenizer, 200)
-    assert 20 <= len(short.split()) < len(longer.split()) and longer.startswith(short)
+    short, longer = sample_excerpt(20, words), sample_excerpt(200, words)
+    assert 20 <= words(short) < words(longer) and longer.startswith(short)
 
 
 def measurement(name, answers):

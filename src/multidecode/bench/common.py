@@ -438,15 +438,23 @@ def torch_threads(threads: int | None):
         torch.set_num_threads(before)
 
 
+def sample_excerpt(tokens: int, length: Callable[[str], int]) -> str:
+    """The sample support call's opening lines, as many as it takes for `length(text)` (the
+    tokens of what is built from them) to reach `tokens` (the whole call if it never does)."""
+    excerpt = ""
+    for line in data.sample_document().splitlines(keepends=True):
+        excerpt += line
+        if length(excerpt.strip()) >= tokens:
+            break
+    return excerpt.strip()
+
+
 def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
     """`instruction`, a blank line, then the sample support call's opening lines up to about
     `tokens` ids in all (the whole call if shorter), through the chat template when there is one."""
     from ..strategies.complete import prompt_ids
 
-    excerpt, ids = "", []
-    for line in data.sample_document().splitlines(keepends=True):
-        excerpt += line
-        ids = prompt_ids(tokenizer, f"{instruction}\n\n{excerpt.strip()}")
-        if len(ids) >= tokens:
-            break
-    return ids
+    def prompt(excerpt: str) -> list[int]:
+        return prompt_ids(tokenizer, f"{instruction}\n\n{excerpt}")
+
+    return prompt(sample_excerpt(tokens, lambda excerpt: len(prompt(excerpt))))

@@ -63,6 +63,8 @@ from .common import (
     excerpt_prompt,
     hf_sequential,
     multidecode_forest,
+    sample_excerpt,
+    torch_threads,
 )
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Part, Plot, Target, run
 from .results import LAYOUT, VIEWS, TextTable, View, fmt, grid
@@ -231,8 +233,8 @@ def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, m
                                           0.0), context_new_tokens, budget_s, prompt=prompt))
     if questions > 0:
         if document is None:
-            document = data.sample_document() if document_tokens is None else \
-                excerpt(setup.tokenizer, document_tokens)
+            document = data.sample_document() if document_tokens is None else sample_excerpt(
+                document_tokens, lambda text: len(setup.tokenizer(text, add_special_tokens=False)["input_ids"]))
         cases.append(plan.ask(questions, question_tokens, budget_s, document, transformers=transformers))
     if not cases:
         raise InvalidArgument("no case left to run", "keep a workload, the context case or the questions case")
@@ -262,16 +264,6 @@ def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, m
     )
 
 
-def excerpt(tokenizer, tokens: int) -> str:
-    """The sample call's opening lines, up to about `tokens` tokens (the whole call if shorter)."""
-    lines, text = data.sample_document().splitlines(keepends=True), ""
-    for line in lines:
-        text += line
-        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= tokens:
-            break
-    return text.strip()
-
-
 def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Sequence[str] = DEFAULT_PRECISIONS,
                             threads: int | None = None, with_llama: bool = True, progress: Progress | None = None,
                             **settings) -> dict:
@@ -282,7 +274,7 @@ def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Seque
         raise InvalidArgument(f"the precision benchmark needs a .gguf file, got {path}",
                               "leave --model out for the embedded model's GGUF, or name a .gguf file")
     threads = threads or torch.get_num_threads()
-    with _threads(threads):
+    with torch_threads(threads):
         loaded = Loaded.of(path, chosen, threads=threads, with_llama=with_llama, progress=progress)
         try:
             return run(precision_benchmark(loaded, **settings), threads=threads, progress=progress)
@@ -300,19 +292,6 @@ def check_precisions(names: Sequence[str]) -> list[str]:
         if canonical not in chosen:
             chosen.append(canonical)
     return sorted(chosen, key=lambda p: p != AUTO)
-
-
-class _threads:
-    """torch's intra-op threads set for a block (the loads and the run), then restored."""
-
-    def __init__(self, threads: int) -> None:
-        self.threads, self.before = threads, torch.get_num_threads()
-
-    def __enter__(self) -> None:
-        torch.set_num_threads(self.threads)
-
-    def __exit__(self, *exc) -> None:
-        torch.set_num_threads(self.before)
 
 
 # ---------------------------------------------------------------------- the cases
