@@ -26,10 +26,11 @@ This module alone says what a `speculate=` value means; the CLI, the server's pr
 job and the benchmarks all go through it.
 
 Speculation never changes what is generated: greedy output equals plain greedy decoding and a
-seeded sampled run equals the same run without speculation (see `verify`). That holds in
-float32, where the forest is exact; in bfloat16 or float16 a masked forward takes other kernels
-and near-ties can break differently, so explicit speculation is refused there and "auto" does
-not speculate.
+seeded sampled run equals the same run without speculation (see `verify`). That holds wherever
+the forest is exact: at every precision with the batch-invariant kernels (`exact`, the default
+of `load`), and in float32 with the model's own attention. With the model's own attention in
+bfloat16 or float16 a masked forward takes other kernels and near-ties can break differently,
+so explicit speculation is refused there and "auto" does not speculate.
 """
 
 from __future__ import annotations
