@@ -18,6 +18,7 @@ next-token logits kept, nothing generated. The entry points that build a schedul
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -580,9 +581,9 @@ class Waves:
     def branches(self) -> list[Branch]:
         return [replace(b, index=offset + b.index) for offset, run in self.runs for b in run.branches]
 
-    @property
+    @functools.cached_property
     def prompts(self) -> list[list[int]]:
-        return [list(self.prompt) for _ in self.sampling]
+        return [list(self.prompt) for _ in self.sampling]  # made once: n lists
 
     @property
     def stats(self) -> DecodeStats:

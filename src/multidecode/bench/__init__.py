@@ -18,20 +18,6 @@ from .results import markdown, tables, write_results
 from .sample import run_sample_benchmark
 from .speculate import run_speculate_benchmark
 
-__all__ = [
-           "METHODS",
-           "AnswersDiffer",
-           "markdown",
-           "precision",
-           "run_ask_benchmark",
-           "run_batch_benchmark",
-           "run_beam_benchmark",
-           "run_margins_benchmark",
-           "run_merged_benchmark",
-           "run_sample_benchmark",
-           "run_speculate_benchmark",
-           "serve",
-           "tables",
-           "unrelated",
-           "write_results",
-]
+__all__ = ["METHODS", "AnswersDiffer", "markdown", "precision", "run_ask_benchmark", "run_batch_benchmark",
+           "run_beam_benchmark", "run_margins_benchmark", "run_merged_benchmark", "run_sample_benchmark",
+           "run_speculate_benchmark", "serve", "tables", "unrelated", "write_results"]

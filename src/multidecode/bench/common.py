@@ -120,6 +120,12 @@ def trim_at_eos(ids: Iterable[int], eos_ids: Iterable[int]) -> list[int]:
     return out
 
 
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """The first index where two token lists differ (the shorter one's length when one is the
+    other's start)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def check_identical(answers: dict[str, Sequence[Sequence[int]]], *, reference: str | None = None) -> None:
     """Raise `AnswersDiffer` unless every method's answers equal the reference method's."""
     if not answers:
@@ -132,7 +138,7 @@ def check_identical(answers: dict[str, Sequence[Sequence[int]]], *, reference: s
             raise AnswersDiffer(f"{method} gave {len(got)} answers, {reference} gave {len(expected)}")
         for i, (a, b) in enumerate(zip(expected, got)):
             if a != b:
-                at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                at = first_difference(a, b)
                 raise AnswersDiffer(f"answer {i} differs between {reference} and {method} at token {at}: "
                                     f"{a[at:at + 5]} vs {b[at:at + 5]}")
 

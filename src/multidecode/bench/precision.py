@@ -61,6 +61,8 @@ from .common import (
     Setup,
     auto_over,
     excerpt_prompt,
+    first_difference,
+    fresh,
     hf_sequential,
     multidecode_forest,
     sample_excerpt,
@@ -122,9 +124,17 @@ class Loaded:
         for p in chosen:
             decoders[p] = _timed_load(loads, ours(p), lambda p=p: load(str(path), precision=p, device="cpu"))
             loads[ours(p)] |= decoders[p].memory()
-            say(f"loaded at {p}: {decoders[p].memory()['weights_bytes'] / 1e6:.0f} MB of weights")
+            say(f"loaded at {p}: {loads[ours(p)]['weights_bytes'] / 1e6:.0f} MB of weights")
         sdpa = load(str(path), precision=AUTO, device="cpu", exact=False)
         return cls(path, decoders, sdpa, llama, missing, loads)
+
+    def model_of(self, name: str):
+        """The torch model that MultiDecode's method `name` runs (SDPA: auto with sdpa; the
+        speculating method: auto's)."""
+        if name == SDPA:
+            return self.sdpa.model
+        precision = name.removeprefix(ours(""))
+        return self.decoders[precision if precision in self.decoders else AUTO].model
 
     def close(self) -> None:
         if self.llama is not None:
@@ -340,8 +350,7 @@ class _Plan:
         prompts = auto.question_prompts(document, pool)
 
         def forest(decoder, speculate=None):
-            return lambda c: multidecode_forest(decoder, prompts, c, max_new_tokens=new,
-                                                speculate=speculate() if callable(speculate) else speculate)
+            return lambda c: multidecode_forest(decoder, prompts, c, max_new_tokens=new, speculate=fresh(speculate))
 
         methods = [self._method(ours(p), forest(d), d.model) for p, d in self.loaded.decoders.items()]
         methods.append(self._method(SPECULATING, forest(auto, auto_over), auto.model))
@@ -373,19 +382,12 @@ class _Plan:
                               for name, ms in per_token.items()}}
 
     def step(self, name: str, m: Measurement) -> dict:
-        weights = self.loaded.llama.weights_bytes if name == LLAMA else step_bytes(self._model_of(name))
+        weights = self.loaded.llama.weights_bytes if name == LLAMA else step_bytes(self.loaded.model_of(name))
         ms = m.decode_ms_per_step
         floor = 1000 * weights / self.bandwidth
         return {"weights_bytes": weights, "ms_per_step": ms, "gb_per_s": weights / ms / 1e6 if ms else None,
                 "floor_ms": floor, "vs_floor": ms / floor if floor else None}
 
-    def _model_of(self, name: str):
-        if name == SDPA:
-            return self.loaded.sdpa.model
-        for p, decoder in self.loaded.decoders.items():
-            if name == ours(p):
-                return decoder.model
-        return self.loaded.decoders[AUTO].model
 
     def resident(self) -> dict:
         """Resident weights at auto against the file's tensor bytes (and llama.cpp's)."""
@@ -413,10 +415,7 @@ def _agreement(reference: list[list[int]], answers: list[list[int]]) -> dict:
     """How many answers equal the reference's, and where each that differs first differs."""
     if len(answers) != len(reference):
         raise AnswersDiffer(f"{len(answers)} answers where {len(reference)} were asked for")
-    first = []
-    for a, b in zip(reference, answers):
-        if a != b:
-            first.append(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    first = [first_difference(a, b) for a, b in zip(reference, answers) if a != b]
     return {"identical": len(reference) - len(first), "of": len(reference), "first_difference_at": first}
 
 
