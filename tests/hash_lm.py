@@ -67,12 +67,16 @@ class HashLM(torch.nn.Module):
         logits = logits_of(totals)[None]  # [1, q, V]
         if logits_to_keep is not None and not isinstance(logits_to_keep, int):
             logits = logits[:, logits_to_keep]
-        return _Output(logits)
+        hidden = None
+        if kwargs.get("output_hidden_states"):  # its one "hidden state": the visible sum and the position
+            hidden = (torch.stack([totals, position_ids[0].to(torch.float64)], -1)[None],)  # [1, q, 2]
+        return _Output(logits, hidden)
 
 
 class _Output:
-    def __init__(self, logits: torch.Tensor) -> None:
+    def __init__(self, logits: torch.Tensor, hidden_states=None) -> None:
         self.logits = logits
+        self.hidden_states = hidden_states
 
 
 def path_logits(tokens: list[int]) -> torch.Tensor:

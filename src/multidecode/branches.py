@@ -252,6 +252,8 @@ class BranchGroup(Work):
     def plan(self) -> Feed:
         self._heads, self._draft_nodes, self._side_nodes, self._drafts = {}, {}, {}, {}
         self._feed = self._decode_feed() if self._started else self._prompt_feed()
+        if self.speculation is not None:  # a learned drafter reads the target's hidden states
+            self._feed.hidden_layers = tuple(self.speculation.proposer.layers)
         return self._feed
 
     def _prompt_feed(self) -> Feed:
@@ -321,7 +323,8 @@ class BranchGroup(Work):
             self._side_nodes[side[-1]] = (branch, n)
 
     # ------------------------------------------------------------------ settling
-    def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor) -> Settled:
+    def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor,
+               hidden: torch.Tensor | None = None) -> Settled:
         node_of = dict(zip(fed, nodes))  # feed index -> node id
         if not self._started:
             self.prompt_ends = [node_of[self._heads[b.index]] for b in self.branches]
@@ -357,6 +360,8 @@ class BranchGroup(Work):
             branch.leaf = node_at_row[path[-1]]
             branch.head = branch.output.token_ids[-1]
             accepted.update(node_at_row[r] for r in path)
+            if hidden is not None:  # [path nodes, layers, hidden]: what the next draft reads
+                branch.context.features = hidden[path]
             draft = self._drafts.get(j)
             if draft is not None:
                 node_at = {row: n for (b, n), row in draft_row.items() if b == j}

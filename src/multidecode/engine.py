@@ -104,6 +104,7 @@ class Engine:
         self.exact = is_exact(model)  # batch-invariant forwards (see `exact`)
         self.row_multiple = self._row_multiple() if self.exact else 1
         self.footprint = Footprint.of(model)  # bytes per slot, per logits row, per forward row
+        self.hidden: torch.Tensor | None = None  # the hidden states the last feed asked for (see `feed`)
 
     # ------------------------------------------------------------------ feeding
     def feed(
@@ -114,14 +115,22 @@ class Engine:
         logits_for: Sequence[int] = (),
         root_position: int = 0,
         owners: Sequence[object] | None = None,
+        hidden_layers: Sequence[int] = (),
     ) -> tuple[list[int], torch.Tensor]:
         """Add nodes (see `Forest.add` for `parents` and `owners`) and run them through the model.
 
         logits_for: indices into this call's nodes whose next-token logits to return.
+        hidden_layers: also keep the hidden states of these layers at the `logits_for` nodes, in
+        `self.hidden` ([len(logits_for), len(hidden_layers), hidden size], in the model's dtype), as the model's
+        public `hidden_states` output numbers them: 0 the embeddings, i the output of layer i, -1
+        the last (after the final norm, what the LM head reads). A feed that asks for none pays
+        nothing, and `self.hidden` is then None.
         Returns (new node ids, logits [len(logits_for), vocab] in float32, in `logits_for` order).
         """
         forest = self.forest
         before = forest.num_slots
+        self.hidden = None
+        layers = list(hidden_layers)
         nodes = forest.add(tokens, parents, root_position=root_position, owners=owners)
         if not nodes:
             return nodes, torch.empty(0, 0)
@@ -133,21 +142,27 @@ class Engine:
         else:  # the usual step: cache order is call order
             placed, wanted = nodes, list(logits_for)
         rows: dict[int, torch.Tensor] = {}  # index into placed -> [vocab] float32
+        hidden: dict[int, torch.Tensor] = {}  # index into placed -> [layers, hidden]
         try:
             positions = self._positions(placed)  # [q]
             forest.place(placed)
             for kind, start, end in self._plan(placed, runs, kept=len(wanted)):
                 keep = [i - start for i in wanted if start <= i < end]
                 if kind == "apart":
-                    out = self._run_apart(placed, start, end, keep)
+                    out, states = self._run_apart(placed, start, end, keep, layers)
                 else:
-                    out = self._run(placed[start:end], positions[start:end], keep, plain=kind == "plain")
+                    out, states = self._run(placed[start:end], positions[start:end], keep, layers,
+                                            plain=kind == "plain")
                 rows.update({start + i: row for i, row in zip(keep, out)})
+                if states is not None:
+                    hidden.update({start + i: row for i, row in zip(keep, states)})
         except BaseException:
             self._undo(nodes, before)  # a failed forward (out of memory, Ctrl-C) leaves no trace
             raise
         if not wanted:
             return nodes, torch.empty(0, 0)
+        if layers:
+            self.hidden = torch.stack([hidden[i] for i in wanted])
         return nodes, torch.stack([rows[i] for i in wanted])
 
     def _undo(self, nodes: list[int], slots: int) -> None:
@@ -324,9 +339,11 @@ class Engine:
         return [index.get(self.forest.parents[n], -1) for n in nodes]
 
     # ------------------------------------------------------------------ the forwards
-    def _run(self, nodes: list[int], positions: torch.Tensor, keep: list[int], *, plain: bool) -> torch.Tensor:
+    def _run(self, nodes: list[int], positions: torch.Tensor, keep: list[int], layers: list[int], *,
+             plain: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward of `nodes` (placed at the cache's next slots) on the shared cache; logits
-        at `keep` (indices into nodes) as [len(keep), vocab] float32."""
+        at `keep` (indices into nodes) as [len(keep), vocab] float32, and the hidden states of
+        `layers` there (see `_forward`)."""
         forest = self.forest
         mask, plan, pad = None, None, 0
         start = 0
@@ -349,16 +366,17 @@ class Engine:
         slots = self.cache.num_slots
         if start:
             with self.cache.window(start):
-                logits = self._forward(nodes, positions, self.cache, keep, mask, plan, pad)
+                out = self._forward(nodes, positions, self.cache, keep, layers, mask, plan, pad)
             self.stats.slots_skipped += start
         else:
-            logits = self._forward(nodes, positions, self.cache, keep, mask, plan, pad)
+            out = self._forward(nodes, positions, self.cache, keep, layers, mask, plan, pad)
         if pad:
             self.cache.truncate(slots + len(nodes))
         self._count(len(nodes))
-        return logits
+        return out
 
-    def _run_apart(self, nodes: list[int], start: int, end: int, keep: list[int]) -> torch.Tensor:
+    def _run_apart(self, nodes: list[int], start: int, end: int, keep: list[int],
+                   layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chain nodes[start:end] in its own forward, in a scratch cache holding only its
         parent's path; its new keys and values are then appended to the shared cache.
 
@@ -383,19 +401,20 @@ class Engine:
             path_positions = forest.slot_positions()[path] if width else torch.empty(0, dtype=torch.long)
             mask, plan, pad = self._exact_inputs(visible, positions, torch.cat([path_positions, positions]),
                                                  self._parent_rows(chain))
-        logits = self._forward(chain, positions, scratch, keep, mask, plan, pad)
+        out = self._forward(chain, positions, scratch, keep, layers, mask, plan, pad)
         end = width + len(chain)
         with torch.inference_mode():
             for i, layer in enumerate(scratch.layers):
                 self.cache.update(layer.keys[:, :, width:end], layer.values[:, :, width:end], i)
         forest.attention_rows(chain[-1:])
         self._count(len(chain), extra_bytes=scratch.allocated_bytes)
-        return logits
+        return out
 
-    def _forward(self, nodes: list[int], positions: torch.Tensor, cache, keep: list[int], mask,
-                 plan: ExactPlan | None = None, pad: int = 0) -> torch.Tensor:
+    def _forward(self, nodes: list[int], positions: torch.Tensor, cache, keep: list[int], layers: list[int], mask,
+                 plan: ExactPlan | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's forward over `nodes` (and `pad` padding rows, see `_exact_inputs`):
-        [len(keep), vocab] float32 logits at `keep`."""
+        [len(keep), vocab] float32 logits at `keep`, and [len(keep), len(layers), hidden] hidden
+        states there (in the model's dtype) when `layers` are asked for (else None)."""
         wanted = keep or [len(nodes) - 1]
         # an exact forward's LM head gets a multiple of row_multiple rows too (repeats, dropped after)
         index = torch.tensor(wanted + wanted[:1] * (-len(wanted) % self.row_multiple), dtype=torch.long,
@@ -404,6 +423,8 @@ class Engine:
         if pad:
             positions = torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)])
         extra = {"forest_plan": plan} if plan is not None else {}
+        if layers:
+            extra["output_hidden_states"] = True
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
@@ -414,7 +435,13 @@ class Engine:
                 logits_to_keep=index,
                 **extra,
             )
-        return out.logits[0, : len(keep)].float()
+        logits = out.logits[0, : len(keep)].float()
+        if not layers:
+            return logits, None
+        rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+        # [len(keep), layers, hidden]: each asked layer's states at the kept rows
+        hidden = torch.stack([out.hidden_states[layer][0].index_select(0, rows) for layer in layers], 1)
+        return logits, hidden
 
     def _positions(self, nodes: Sequence[int]) -> torch.Tensor:
         """Position ids of new nodes ([len(nodes)]), refused past the model's last position."""

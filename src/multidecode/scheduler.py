@@ -47,6 +47,8 @@ class Feed:
         being accepted (never above its parent's, so the most likely nodes form a subtree).
     owners[i]: None for the work's own node; else the owner node i is kept under instead (a
         server's prefix cache keeps prompt nodes past the request that fed them).
+    hidden_layers: the layers whose hidden states the work wants at its logits nodes (a learned
+        drafter reads them, see `Engine.feed`); they come to `Work.settle` as `hidden`.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -55,6 +57,7 @@ class Feed:
     chances: list[float | None] = field(default_factory=list)
     owners: list[object | None] = field(default_factory=list)
     root_position: int = 0
+    hidden_layers: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -101,10 +104,12 @@ class Work:
         """The nodes to feed this step (None or an empty feed: nothing this step)."""
         raise NotImplementedError
 
-    def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor) -> Settled:
+    def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor,
+               hidden: torch.Tensor | None = None) -> Settled:
         """After the forward: `fed[j]` is the index in this step's feed of the j-th node fed
         (optional nodes may have been left out), `nodes[j]` its node id; `logits` holds one row
-        per fed node whose logits were asked for, in order."""
+        per fed node whose logits were asked for, in order. A work whose feed asked for
+        `hidden_layers` also gets `hidden=` [logits rows, len(hidden_layers), hidden size]."""
         raise NotImplementedError
 
     def live(self) -> Sequence[int]:
@@ -274,15 +279,19 @@ class Scheduler:
                     logits_for.append(len(tokens) - 1)
             spans.append((start, len(tokens)))
         calls = self.engine.stats.forward_passes
+        layers = sorted({layer for _, f in plans for layer in f.hidden_layers})
         nodes, logits = self.engine.feed(tokens, parents, logits_for=logits_for,
-                                         root_position=root_positions.pop(), owners=owners)
+                                         root_position=root_positions.pop(), owners=owners, hidden_layers=layers)
         calls = self.engine.stats.forward_passes - calls
         rejected: list[int] = []
         row = 0
         for (work, feed), chosen, (start, end) in zip(plans, kept, spans):
             rows = sum(feed.logits[i] for i in chosen)
             work.forward_passes += calls
-            settled = work.settle(chosen, nodes[start:end], logits[row : row + rows])
+            hidden = {}
+            if feed.hidden_layers:  # [rows, the work's layers, hidden]
+                hidden["hidden"] = self.engine.hidden[row : row + rows, [layers.index(k) for k in feed.hidden_layers]]
+            settled = work.settle(chosen, nodes[start:end], logits[row : row + rows], **hidden)
             row += rows
             rejected.extend(settled.rejected)
             self._steps[work.owner] = self._steps.get(work.owner, 0) + 1

@@ -49,13 +49,17 @@ class BranchContext:
 
     tokens: the root-to-leaf path (prompt, then every token generated so far; the last one is the
     token the draft continues). prompt_length: how many of them are the prompt. sampling: how the
-    branch chooses its tokens (a draft model drafts the same way).
+    branch chooses its tokens (a draft model drafts the same way). features: for a proposer that
+    reads the target's hidden states (`Proposer.layers`), those layers' states at the nodes the
+    last step settled on the branch's path, [nodes, layers, hidden size] in the model's dtype; the last row is
+    at the node whose logits chose the newest token. None before the first step.
     """
 
     tokens: list[int]
     prompt_length: int
     scratch: dict = field(default_factory=dict)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -182,6 +186,9 @@ class Proposer:
     name = "proposer"
     default_budget: int | None = None
     """The draft budget a named mode runs this proposer at (None: `speculation.DEFAULT_BUDGET`)."""
+    layers: tuple[int, ...] = ()
+    """The target's layers whose hidden states this proposer reads (`BranchContext.features`),
+    numbered as `Engine.feed` numbers them; none for a proposer that reads only tokens."""
 
     def propose(self, context: BranchContext, budget: int) -> DraftTree:
         raise NotImplementedError
