@@ -174,8 +174,8 @@ def test_resolve_speculation_settings():
     assert resolve("auto", torch.bfloat16) is None  # auto does not speculate where it cannot be exact
     with pytest.raises(InvalidArgument, match="cannot be exact in bfloat16"):
         resolve("lookup", torch.bfloat16)
-    with pytest.raises(InvalidArgument, match="unknown speculation mode 'medusa'"):
-        resolve("medusa", torch.float32)
+    with pytest.raises(InvalidArgument, match="unknown speculation mode 'hydra'"):
+        resolve("hydra", torch.float32)
     with pytest.raises(InvalidArgument, match="positive integer"):
         resolve("lookup", torch.float32, budget=0)
     with pytest.raises(InvalidArgument, match="positive integer"):

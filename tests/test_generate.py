@@ -102,7 +102,7 @@ def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, mon
 
 @pytest.mark.xdist_group("cli")
 @pytest.mark.parametrize("extra, message", [
-    (["--speculate", "medusa"], "unknown speculation mode"),
+    (["--speculate", "hydra"], "unknown speculation mode"),
     (["--speculate", "lookup", "--draft-budget", "0"], "positive integer"),
     (["--speculate", "off", "--draft-budget", "4"], "--draft-budget needs speculation"),
     (["--speculate", "draft"], "--speculate draft needs a draft model"),

@@ -30,7 +30,7 @@ def test_modes_and_their_details_parse():
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (dict(mode="medusa"), "unknown speculation mode"),
+    (dict(mode="hydra"), "unknown speculation mode"),
     (dict(mode="off", budget=4), "draft_budget needs speculation, and speculate is 'off'"),
     (dict(mode="lookup", skip_layers="1"), "but speculate is 'lookup'"),
     (dict(mode="lookup", lookahead="7,5,7"), "lookahead sets lookahead decoding"),

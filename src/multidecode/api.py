@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from .branches import BranchRun, TokenEvent, start, start_prompts
 from .cost import CostCurve
 from .engine import Engine
+from .errors import InvalidArgument
 from .exact import is_exact
 from .memory import Footprint, activation_dtype, available_bytes
 from .models.loading import Loaded, load_model
@@ -28,7 +29,7 @@ from .models.packed import packed_bytes
 from .models.vetting import check_supported
 from .sampling import per_branch_sampling
 from .scheduler import CompactionPolicy, Scheduler, new_scheduler
-from .speculation import SpeculationSettings, load_draft, resolve
+from .speculation import LEARNED, SpeculationSettings, load_draft, load_heads, resolve
 from .stopping import eos_ids_of
 from .strategies import ask as _ask
 from .strategies import beam as _beam
@@ -65,11 +66,12 @@ class MultiDecoder:
 
     def speculation(self, speculate):
         """`speculate` as this decoder runs it. "draft" drafts with this decoder's draft model;
-        `SpeculationSettings` that name their own draft (a model, or a self-draft) get it from
-        `draft_for`. Both come back as a `Speculation` with a fresh proposer, so call this once
-        per run; other values come back as they are."""
-        if isinstance(speculate, str) and speculate.strip().lower() == "draft":
-            speculate = SpeculationSettings("draft")
+        "medusa" with the heads trained for this model, and "auto" with them too where there are
+        some (`learned_heads`); `SpeculationSettings` that name their own draft (a model, or a
+        self-draft) get it from `draft_for`. These come back as a `Speculation` with a fresh
+        proposer, so call this once per run; other values come back as they are."""
+        if isinstance(speculate, str) and speculate.strip().lower() in ("draft", "auto", *LEARNED):
+            speculate = SpeculationSettings(speculate.strip().lower())
         if isinstance(speculate, SpeculationSettings):
             return resolve(speculate, self.model.dtype, draft=self.draft_for(speculate),
                            exact=is_exact(self.model))
@@ -78,12 +80,29 @@ class MultiDecoder:
     def draft_for(self, settings: SpeculationSettings):
         """The draft model `settings` draft with: the one they name, loaded or built once and kept
         (see `speculation.load_draft`), else this decoder's `draft`."""
+        if settings.mode == "auto":
+            return self.learned_heads()
+        if settings.mode in LEARNED:  # the learned heads, found for this model once
+            key = (settings.mode, settings.head)
+            if key not in self._drafts:
+                self._drafts[key] = load_heads(settings, self.model)
+            return self._drafts[key]
         if not settings.own_draft:
             return self.draft
         key = (settings.draft_model, settings.skip_layers)
         if key not in self._drafts:
             self._drafts[key] = load_draft(settings, self.model, self.tokenizer)
         return self._drafts[key]
+
+    def learned_heads(self):
+        """The Medusa heads trained for this model (user cache, or shipped for the embedded model),
+        or None: "auto" drafts with them too, where the cost model finds they pay."""
+        if "auto" not in self._drafts:
+            try:
+                self._drafts["auto"] = load_heads(SpeculationSettings("medusa"), self.model)
+            except InvalidArgument:  # none, or trained for another model: auto goes without
+                self._drafts["auto"] = None
+        return self._drafts["auto"]
 
     def memory(self) -> dict:
         """What the model holds: its precision (and why `auto` chose it), the bytes of its resident

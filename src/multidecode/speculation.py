@@ -10,6 +10,9 @@
   the paper's settings (N=5, W=G=7) unless given a `Lookahead` of other settings;
 - "draft": a draft model (`proposers.draft`; the `draft=` argument: a model sharing the target's
   tokenizer, or a self-draft of the target, see `self_draft`);
+- "medusa": Medusa heads on the target's last hidden state (`proposers.medusa`): the heads
+  `head=` names (a folder), else the ones trained for this model by `multidecode train-drafter`
+  (kept in the user cache), else the ones shipped for the embedded model;
 - "auto": prompt lookup and the suffix store merged into one tree (`proposers.mixture`), with
   the draft nodes of each step chosen by the measured cost of a forward on this hardware and the
   acceptance each source has had so far (`cost`), so that it speculates only where that pays,
@@ -45,8 +48,10 @@ from .errors import InvalidArgument, check_positive, is_int
 from .models.loading import load_model_and_tokenizer
 from .proposers import Proposer
 from .proposers.draft import DraftModel, check_same_tokenizer
+from .proposers.heads import head_dir, shape_key, shipped_head_dir
 from .proposers.lookahead import Lookahead
 from .proposers.lookup import PromptLookup
+from .proposers.medusa import Medusa, MedusaHeads
 from .proposers.mixture import Mixture
 from .proposers.self_draft import choose_skip, self_draft
 from .proposers.suffix import SuffixProposer
@@ -57,7 +62,9 @@ DEFAULT_BUDGET = 8
 AUTO_MAX_DRAFT = 16
 """In "auto", the most draft nodes a branch proposes per step (the cost model keeps fewer)."""
 
-MODES = ("lookup", "suffix", "lookahead", "draft", "auto")
+MODES = ("lookup", "suffix", "lookahead", "draft", "medusa", "auto")
+LEARNED = ("medusa",)
+"""The modes that draft with a learned head (found by `load_heads`)."""
 OFF = ("off", "none")
 """Names that mean no speculation, beside None."""
 EXACT_DTYPES = (torch.float32, torch.float64)
@@ -102,7 +109,8 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
     """`speculate` (see the module notes) as a `Speculation`, or None for none.
 
     budget: overrides the draft budget of a named mode or proposer (for "auto", the most nodes a
-    branch may propose). draft: the draft model (or `DraftModel` proposer) of "draft". exact:
+    branch may propose). draft: the draft model (or `DraftModel` proposer) of "draft", the
+    `MedusaHeads` of "medusa" (and of "auto", which then drafts with them too where they pay). exact:
     whether the model's forwards are batch-invariant (`multidecode.exact`): then speculation is
     exact in every dtype. Raises `InvalidArgument` for an unknown mode, a bad budget, "draft"
     without a draft model, or explicit speculation in a dtype where it cannot be exact.
@@ -121,8 +129,9 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
         spec = speculate
     elif isinstance(speculate, Proposer):
         spec = Speculation(speculate, budget or speculate.default_budget or DEFAULT_BUDGET)
-    elif speculate == "auto":
-        spec = Speculation(auto_proposer(), None, budget or AUTO_MAX_DRAFT)
+    elif speculate == "auto":  # with Medusa heads among its members when `draft` is some
+        heads = draft if isinstance(draft, MedusaHeads) else None
+        spec = Speculation(auto_proposer(heads=heads), None, budget or AUTO_MAX_DRAFT)
     else:
         proposer = named_proposer(speculate, draft)
         spec = Speculation(proposer, budget or proposer.default_budget or DEFAULT_BUDGET)
@@ -157,14 +166,26 @@ def named_proposer(mode: str, draft=None) -> Proposer:
                                   "pass draft= (a model with the target's tokenizer, or self_draft(model, layers)); "
                                   "on the command line, --draft-model PATH or --draft-skip-layers")
         return draft if isinstance(draft, DraftModel) else DraftModel(draft)
+    if mode == "medusa":
+        if isinstance(draft, Medusa):
+            return draft
+        if not isinstance(draft, MedusaHeads):
+            raise InvalidArgument("speculate='medusa' needs Medusa heads",
+                                  "pass draft=MedusaHeads.load(folder), or train heads for the model: "
+                                  "multidecode train-drafter --kind medusa")
+        return Medusa(draft)
     raise InvalidArgument(f"unknown speculation mode {mode!r}", f"use one of {', '.join(MODES)}, a Proposer, or None")
 
 
-def auto_proposer(store=None) -> Mixture:
+def auto_proposer(store=None, heads: MedusaHeads | None = None) -> Mixture:
     """What "auto" drafts with: prompt lookup and the suffix store (`store`, default the shared
-    one), and lookahead where the hardware makes its window nearly free (`Mixture.fit`, done when
-    a run starts and the cost curve is known)."""
-    return Mixture([PromptLookup(), SuffixProposer(store=store)], name="auto", lookahead=True)
+    one), Medusa `heads` when the model has some, and lookahead where the hardware makes its
+    window nearly free (`Mixture.fit`, done when a run starts and the cost curve is known). The
+    cost model keeps the nodes of each that pay, by the acceptance each has had."""
+    members = [PromptLookup(), SuffixProposer(store=store)]
+    if heads is not None:
+        members.append(Medusa(heads))
+    return Mixture(members, name="auto", lookahead=True)
 
 
 # ---------------------------------------------------------------------- settings by name
@@ -178,6 +199,7 @@ class Spelling:
     lookahead: str = "lookahead"
     draft_model: str = "draft_model"
     skip_layers: str = "draft_skip_layers"
+    head: str = "draft_head"
 
     def setting(self, mode: str) -> str:
         """How to write the mode setting `mode`: speculate='lookup', --speculate lookup."""
@@ -200,7 +222,8 @@ class SpeculationSettings:
     "lookahead". draft_model: a model name (as `load` takes it) to draft with; skip_layers: draft
     with the target itself, these layers skipped, or "auto" to choose them by measured
     acceptance. Either one implies mode "draft"; with neither, "draft" uses the caller's draft
-    model (`MultiDecoder(draft=...)`).
+    model (`MultiDecoder(draft=...)`). head: the folder of a learned head ("medusa"; implies it);
+    without it the head is looked up for the model (`load_heads`).
     """
 
     mode: str | None = None
@@ -208,11 +231,12 @@ class SpeculationSettings:
     lookahead: tuple[int, int, int] | None = None
     draft_model: str | None = None
     skip_layers: tuple[int, ...] | str | None = None
+    head: str | None = None
 
     @classmethod
     def parse(cls, mode: str | None = None, *, budget: int | None = None, lookahead: str | Sequence[int] | None = None,
               draft_model: str | None = None, skip_layers: str | Sequence[int] | None = None,
-              spelling: Spelling = PYTHON) -> SpeculationSettings:
+              head: str | None = None, spelling: Spelling = PYTHON) -> SpeculationSettings:
         """Settings from what a user wrote, checked: an unknown mode, a bad budget, lookahead
         settings or layer list, or details that need another mode raise `InvalidArgument`,
         naming each setting as `spelling` does (Python arguments by default)."""
@@ -226,6 +250,11 @@ class SpeculationSettings:
         drafting = draft_model is not None or skip_layers is not None
         if drafting and mode in (None, "auto"):
             mode = "draft"
+        if head is not None and mode in (None, "auto"):
+            mode = "medusa"
+        if head is not None and mode not in LEARNED:
+            raise InvalidArgument(f"{spelling.head} names a learned head, but {spelling.is_set(mode)}",
+                                  f"use {spelling.setting('medusa')}")
         if budget is not None:
             check_positive("the draft budget", budget)
         if mode is None:
@@ -242,7 +271,8 @@ class SpeculationSettings:
             raise InvalidArgument(f"{spelling.lookahead} sets lookahead decoding, but {spelling.is_set(mode)}",
                                   f"add {spelling.setting('lookahead')}")
         return cls(mode, budget, None if lookahead is None else lookahead_settings(lookahead, spelling),
-                   draft_model, None if skip_layers is None else skip_layer_list(skip_layers, spelling))
+                   draft_model, None if skip_layers is None else skip_layer_list(skip_layers, spelling),
+                   None if head is None else str(head))
 
     @property
     def off(self) -> bool:
@@ -261,7 +291,8 @@ class SpeculationSettings:
         return SpeculationSettings.parse(mode, budget=self.budget,
                                          lookahead=self.lookahead if mode == "lookahead" else None,
                                          draft_model=self.draft_model if mode == "draft" else None,
-                                         skip_layers=self.skip_layers if mode == "draft" else None)
+                                         skip_layers=self.skip_layers if mode == "draft" else None,
+                                         head=self.head if mode in LEARNED else None)
 
     def check(self, dtype: torch.dtype | None = None, *, draft=None, exact: bool = False,
               spelling: Spelling = PYTHON) -> None:
@@ -299,6 +330,22 @@ def load_draft(settings: SpeculationSettings, model, tokenizer):
         check_same_tokenizer(tokenizer, draft_tokenizer)
         return draft
     return self_draft(model, list(choose_draft_layers(settings, model, tokenizer).skip_layers))
+
+
+def load_heads(settings: SpeculationSettings, model) -> MedusaHeads:
+    """The learned heads of `settings` for `model`, checked against it: from the folder
+    `settings.head`, else the user cache (`heads.head_dir`, where `multidecode train-drafter`
+    writes), else the heads shipped in the package for the embedded model. Raises
+    `InvalidArgument` when there are none, naming the command that trains them."""
+    kind = settings.mode
+    if settings.head is not None:
+        return MedusaHeads.load(settings.head).bind(model)
+    for folder in (head_dir(model, kind), shipped_head_dir(model, kind)):
+        if (folder / "config.json").exists():
+            return MedusaHeads.load(folder).bind(model)
+    raise InvalidArgument(f"no {kind} head was trained for this model ({shape_key(model)})",
+                          f"train one: multidecode train-drafter --model M --kind {kind} "
+                          "(or name a head's folder with --draft-head)")
 
 
 def choose_draft_layers(settings: SpeculationSettings, model, tokenizer, *, sample_ids=None) -> SpeculationSettings:

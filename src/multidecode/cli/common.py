@@ -60,7 +60,7 @@ def sampling_from(options: dict) -> dict:
 
 
 SPELLING = Spelling(mode="--speculate {}", current="--speculate is {}", budget="--draft-budget", lookahead="--lookahead",
-                    draft_model="--draft-model", skip_layers="--draft-skip-layers")
+                    draft_model="--draft-model", skip_layers="--draft-skip-layers", head="--draft-head")
 """How speculation's error messages name the settings here: as the options below."""
 
 
@@ -72,6 +72,7 @@ class SpeculateOptions:
     draft_model: str | None = None
     draft_skip_layers: str | None = None
     lookahead: str | None = None
+    draft_head: str | None = None
 
 
 def speculate_options(default: str | None = None, *, stats: bool = True, scope: str = ""):
@@ -82,8 +83,8 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
 
     def add(function):
         @functools.wraps(function)
-        def bundled(*args, speculate, draft_model, draft_skip_layers, lookahead, **kwargs):
-            options = SpeculateOptions(speculate, draft_model, draft_skip_layers, lookahead)
+        def bundled(*args, speculate, draft_model, draft_skip_layers, lookahead, draft_head, **kwargs):
+            options = SpeculateOptions(speculate, draft_model, draft_skip_layers, lookahead, draft_head)
             return function(*args, speculate=options, **kwargs)
 
         command = bundled
@@ -92,6 +93,9 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
                                    "draft acceptance and budget on stderr.")(command)
         command = click.option("--lookahead", default=None, metavar="W,N,G",
                                help="Lookahead settings: window, n-gram size, guesses (default 7,5,7).")(command)
+        command = click.option("--draft-head", default=None, metavar="DIR",
+                               help="A learned head's folder (Medusa's layout) to draft with; default: the heads "
+                                    "`multidecode train-drafter` trained for this model. Implies --speculate medusa.")(command)
         command = click.option("--draft-skip-layers", default=None, metavar="LIST|auto",
                                help="Draft with the model itself, skipping these layers (e.g. 4,6,8-12), or "
                                     "'auto' to pick them by measured acceptance. Implies --speculate draft.")(command)
@@ -102,8 +106,9 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
                                help="Draft tokens per branch per step (for auto: the most it may propose).")(command)
         return click.option("--speculate", default=default, metavar="MODE", show_default=bool(default),
                             help="Speculative decoding inside every branch: lookup (prompt lookup), suffix (what "
-                                 "this process saw before), lookahead (Jacobi window), draft (a draft model), auto "
-                                 "(lookup and suffix, only where the measured cost says it pays) or off. Never "
+                                 "this process saw before), lookahead (Jacobi window), draft (a draft model), medusa "
+                                 "(heads trained by train-drafter), auto (lookup, suffix and any trained heads, only "
+                                 "where the measured cost says it pays) or off. Never "
                                  "changes the output." + (" " + scope if scope else ""))(command)
 
     return add
@@ -117,6 +122,7 @@ def speculation_from(options: SpeculateOptions | str | None, draft_budget: int |
         options = SpeculateOptions(options)
     settings = SpeculationSettings.parse(options.mode, budget=draft_budget, lookahead=options.lookahead,
                                          draft_model=options.draft_model, skip_layers=options.draft_skip_layers,
+                                         head=options.draft_head,
                                          spelling=SPELLING)
     settings.check(exact=True, spelling=SPELLING)
     return settings
@@ -242,14 +248,15 @@ def read_lines(path: str, what: str = "questions") -> list[str]:
 
 
 # ---------------------------------------------------------------------- the model
-def load_decoder(model_name: str | None, precision: str | None, device: str | None):
-    """Load a MultiDecoder, with a status line on stderr (saying so when a GGUF file is first read)."""
+def load_decoder(model_name: str | None, precision: str | None, device: str | None, *, exact: bool = True):
+    """Load a MultiDecoder, with a status line on stderr (saying so when a GGUF file is first read).
+    exact: see `load` (False: the model's own attention, for work that needs no batch invariance)."""
     from ..api import load
 
     message = _first_read(model_name, precision) or f"Loading {escape(model_name or 'the embedded model')}..."
     start = time.perf_counter()
     with stderr.status(message):
-        decoder = load(model_name, precision=precision, device=device)
+        decoder = load(model_name, precision=precision, device=device, exact=exact)
     label = escape(_model_label(decoder, model_name))
     stderr.print(f"[dim]Loaded {label} in {time.perf_counter() - start:.1f} s[/dim]")
     return decoder

@@ -6,15 +6,23 @@
 - `water_board_meeting.txt`: minutes of a meeting, long enough to cut into chunks (margins);
 - `shipping_quote.py.txt`, `speculate_workloads.jsonl`: the speculation benchmark's workloads;
 - `self_draft_sample.txt`: prose and code to choose a self-draft's skipped layers on;
-- `example_batch.jsonl`: a batch job's input, as `docs/batch.md` describes it.
+- `example_batch.jsonl`: a batch job's input, as `docs/batch.md` describes it;
+- `drafters/<model shape>/<kind>/`: learned draft heads shipped for the embedded model;
+- `distill_prompts.jsonl`: the prompts `multidecode train-drafter` distills on by default.
 """
 
 from __future__ import annotations
 
 from importlib import resources
+from pathlib import Path
 
 SAMPLE_DOCUMENT = "support_call.txt"
 SAMPLE_QUESTIONS = "support_call_questions.txt"
+
+
+def folder() -> Path:
+    """This folder on disk."""
+    return Path(str(resources.files(__name__)))
 
 
 def text(name: str) -> str:

@@ -120,6 +120,14 @@ class PackedLinear(nn.Module):
     def plane_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(getattr(self, f"packed{i}"), getattr(self, f"scale{i}")) for i in range(self.planes)]
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[len(ids), in_features] float32: the weights of output rows `ids` ([n] long), read back."""
+        out = None
+        for packed, scale_and_offset in self.plane_tensors():
+            part = _rows(packed, scale_and_offset, ids, self.in_features)  # [n, K] float32
+            out = part if out is None else out + part
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()  # [M, K]
         out = None
@@ -152,12 +160,7 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
-        rows = ids.reshape(-1)
-        out = None
-        for packed, scale_and_offset in head.plane_tensors():
-            part = _rows(packed, scale_and_offset, rows, head.in_features)  # [len(ids), K] float32
-            out = part if out is None else out + part
-        out = out.to(head.dtype).reshape(*ids.shape, head.in_features)
+        out = head.rows(ids.reshape(-1)).to(head.dtype).reshape(*ids.shape, head.in_features)
         return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
 
 

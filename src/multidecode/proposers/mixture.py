@@ -44,6 +44,10 @@ class Mixture(Proposer):
         self.members = list(members)
         self.name = name
         self.lookahead = lookahead
+        reading = {tuple(m.layers) for m in members if m.layers}
+        if len(reading) > 1:
+            raise ValueError("the members of a Mixture that read hidden states must read the same layers")
+        self.layers = reading.pop() if reading else ()  # what a learned member reads, fed for it
 
     def fit(self, curve, branches: int, budget: int, max_ratio: float = 1.3) -> None:
         """Size the lookahead member to the cost curve: the largest window `Lookahead.from_cost`

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import MultiDecodeError
 from ..runtime import ForestRuntime, Job, Limits, Overloaded, TooLarge
-from ..speculation import SpeculationSettings, load_draft
+from ..speculation import LEARNED, SpeculationSettings, load_draft, load_heads
 from .protocol import (
     BadRequest,
     ChatBody,
@@ -76,7 +76,11 @@ class ServeState:
         def run():
             try:
                 model, tokenizer = loader()
-                draft = load_draft(self.speculate, model, tokenizer) if self.speculate.own_draft else None
+                draft = None
+                if self.speculate.own_draft:
+                    draft = load_draft(self.speculate, model, tokenizer)
+                elif self.speculate.mode in LEARNED:  # the server drafts with learned heads
+                    draft = load_heads(self.speculate, model)
                 self.runtime = ForestRuntime(model, tokenizer, limits=limits, cost=cost, draft=draft).start()
                 log.info("model %s ready", self.name)
             except BaseException as error:  # reported by /health and by every request

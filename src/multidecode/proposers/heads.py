@@ -1,0 +1,127 @@
+"""Learned draft heads on disk: which target a head was trained for, where it is kept, and its tensors.
+
+A **learned head** is a small network that drafts from the target's own hidden states (Medusa's
+heads, `medusa`). It is only worth anything on the model it was trained for, so every head
+written here carries its target's **fingerprint**: the shape of its config (architecture, layers,
+widths, vocabulary) and a **probe**, the sums of a few rows of its input embeddings. The shape
+names the folder a head is kept in (`head_dir`: the user cache, `drafters/<shape>/<kind>`, where
+`speculate="medusa"` looks first); the probe tells two models of one shape apart (a fine-tune of
+the same base), within the rounding that separates the target's precisions.
+
+Heads published elsewhere come in their own formats (a `config.json` beside a
+`*.safetensors` or a `*.pt` state dict); `read_tensors` reads either, and each kind's module
+reads its own keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from .. import data
+from ..errors import InvalidArgument
+from ..user_cache import cache_dir
+
+SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "vocab_size")
+PROBE_ROWS = 16
+"""The probe sums this many embedding rows, spread over the vocabulary."""
+PROBE_MATCH = 0.98
+"""Two probes name one model when their cosine similarity is at least this (4-bit weights of a
+model stay above 0.999 against its float32 ones; unrelated models of one shape fall near 0)."""
+
+
+def shape_key(model) -> str:
+    """The folder name of a target's heads: its model type and a hash of its config's shape."""
+    config = model.config
+    shape = {key: getattr(config, key, None) for key in SHAPE_KEYS}
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{shape['model_type']}-{digest}"
+
+
+def probe(model) -> list[float]:
+    """A fingerprint of the target's weights: the sums of `PROBE_ROWS` embedding rows."""
+    embeddings = model.get_input_embeddings()
+    rows = torch.linspace(0, embeddings.num_embeddings - 1, PROBE_ROWS).long()
+    with torch.inference_mode():
+        return [round(float(v), 5) for v in embeddings(rows[None])[0].float().sum(-1)]
+
+
+def fingerprint(model) -> dict:
+    """What a head records of its target (see the module notes)."""
+    return {"shape": shape_key(model), "probe": probe(model),
+            "name": str(getattr(model.config, "_name_or_path", "") or "")}
+
+
+def check_target(recorded: dict | None, model, what: str) -> None:
+    """Refuse a head whose recorded target (`fingerprint`) is not `model`. A head with no record
+    (one published elsewhere) is taken on trust, after its shapes were checked."""
+    if not recorded:
+        return
+    if recorded.get("shape") != shape_key(model):
+        raise InvalidArgument(f"{what} was trained for another model ({recorded.get('name') or recorded.get('shape')}), "
+                              f"not this one ({shape_key(model)})",
+                              "train a head for this model: multidecode train-drafter --model M")
+    mine, theirs = torch.tensor(probe(model)), torch.tensor(recorded.get("probe", []), dtype=torch.float32)
+    if theirs.shape != mine.shape or float(torch.cosine_similarity(mine, theirs, dim=0)) < PROBE_MATCH:
+        raise InvalidArgument(f"{what} was trained for a model of this shape with other weights "
+                              f"({recorded.get('name') or 'unnamed'})",
+                              "train a head for this model: multidecode train-drafter --model M")
+
+
+def head_dir(model, kind: str) -> Path:
+    """Where the head of `kind` trained for `model` is kept: the user cache's drafters/<shape>/<kind>."""
+    return cache_dir() / "drafters" / shape_key(model) / kind
+
+
+def shipped_head_dir(model, kind: str) -> Path:
+    """Where the package keeps a head of `kind` for `model`, if it ships one (the embedded model's)."""
+    return data.folder() / "drafters" / shape_key(model) / kind
+
+
+def read_config(folder: Path, what: str) -> dict:
+    """A head folder's config.json, refused with a message when missing or not JSON."""
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InvalidArgument(f"{what}: no config.json in {folder}",
+                              "point at the folder that holds the head's config.json and weights") from None
+    except json.JSONDecodeError as err:
+        raise InvalidArgument(f"{what}: {path} is not JSON ({err})", "rewrite or replace the file") from None
+
+
+def read_tensors(folder: Path, stem: str, what: str) -> dict[str, torch.Tensor]:
+    """The tensors of `<stem>.safetensors` (or `<stem>.pt`, a torch state dict) in `folder`."""
+    folder = Path(folder)
+    safe, pickled = folder / f"{stem}.safetensors", folder / f"{stem}.pt"
+    if safe.exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(safe))
+    if pickled.exists():
+        state = torch.load(pickled, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise InvalidArgument(f"{what}: {pickled} holds a {type(state).__name__}, not a state dict",
+                                  "save the head's state_dict()")
+        return state
+    raise InvalidArgument(f"{what}: neither {safe.name} nor {pickled.name} in {folder}",
+                          "point at the folder that holds the head's config.json and weights")
+
+
+def write_head(folder: Path, stem: str, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write a head (config.json and `<stem>.safetensors`) into `folder`, each file whole or not at all."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = folder / f"{stem}.safetensors"
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(weights.with_suffix(".tmp")))
+    weights.with_suffix(".tmp").replace(weights)
+    tmp = folder / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2))
+    tmp.replace(folder / "config.json")
+    return folder
