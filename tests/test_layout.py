@@ -21,7 +21,7 @@ LAYERS = [
     ("decoding", {"branches", "proposers", "speculation"}),
     ("strategies and the runtime", {"strategies", "runtime"}),
     ("the entry points", {"api", ""}),
-    ("drivers", {"batch", "serving", "explain"}),
+    ("drivers", {"batch", "serving", "explain", "training"}),
     ("benchmarks", {"bench"}),
     ("the command line", {"cli"}),
     ("python -m multidecode", {"__main__"}),

@@ -12,6 +12,7 @@ from .decoding import ask, beam, complete, generate, margins, vote
 from .demo import demo
 from .explain import explain
 from .serve import serve
+from .train import train_drafter
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -24,5 +25,5 @@ def main() -> None:
     """
 
 
-for command in (ask, generate, complete, beam, margins, vote, batch, demo, bench, explain, serve, cache):
+for command in (ask, generate, complete, beam, margins, vote, batch, demo, bench, explain, serve, cache, train_drafter):
     main.add_command(command)

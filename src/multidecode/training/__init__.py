@@ -1,0 +1,1 @@
+"""Training learned drafters for a target model (see `distill`)."""

@@ -1,0 +1,111 @@
+"""`train-drafter` trains Medusa heads by self-distillation: the loss falls on a tiny model, the
+heads land where speculate="medusa" finds them and decode exactly, an interrupted run resumes to
+the very weights of an uninterrupted one, and a bad prompts file, a model without what the heads
+read, and a work folder of other settings are refused with clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from byte_tokenizer import ByteTokenizer
+from click.testing import CliRunner
+from hash_lm import HashLM
+from speculation_cases import BRANCHES, NO_EOS, PREFIX, STEPS, outputs, run, tiny_references
+from tiny_models import tiny_model
+
+import multidecode
+from multidecode.cli import main
+from multidecode.errors import InvalidArgument
+from multidecode.training.distill import DistillSettings, read_prompts, train_drafter
+
+PROMPTS = [f"Tell me about the number {i}." for i in range(6)]
+
+
+def _prompts(tmp_path):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return str(path)
+
+
+def _settings(tmp_path, **overrides) -> DistillSettings:
+    base = dict(prompts=_prompts(tmp_path), heads=2, draft_vocab=128, max_new_tokens=12, batch=3, epochs=20,
+                batch_positions=32, learning_rate=3e-3, checkpoint_every=10, output=str(tmp_path / "heads"),
+                work=str(tmp_path / "work"))
+    return DistillSettings(**{**base, **overrides})
+
+
+def _decoder():
+    return multidecode.MultiDecoder(tiny_model("llama", "sdpa"), ByteTokenizer())
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("llama")
+def test_the_loss_falls_and_the_heads_decode_exactly(tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path / "cache"))
+    decoder = _decoder()
+    events = list(train_drafter(decoder, _settings(tmp_path, output=None, work=None)))
+    losses = [e.info["loss"] for e in events if e.phase == "train" and "loss" in e.info]
+    assert losses[-1] < 0.9 * losses[0]  # a random tiny target's distributions are broad: a high floor
+    done = events[-1]
+    assert done.phase == "done" and "mean_accepted" in done.info
+    log = json.loads((tmp_path / "cache").joinpath(*_relative(done.info["folder"], tmp_path / "cache"),
+                                                   "training.json").read_text())["log"]
+    assert log and log[-1]["step"] == events[-2].total
+    spec = decoder.speculation("medusa")  # found in the user cache, for this model
+    assert spec.proposer.heads.num_heads == 2
+    forest = run(decoder.model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])
+    assert outputs(forest) == tiny_references("llama", "sdpa")
+
+
+def _relative(folder: str, root) -> tuple[str, ...]:
+    from pathlib import Path
+
+    return Path(folder).relative_to(root).parts
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("llama")
+def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path):
+    decoder = _decoder()
+    whole = list(train_drafter(decoder, _settings(tmp_path / "a")))
+    assert whole[-1].phase == "done"
+    settings = _settings(tmp_path / "b")
+    events = train_drafter(decoder, settings)
+    for event in events:  # stop in the write phase, after its first batch
+        if event.phase == "write" and event.done > 0:
+            break
+    events.close()
+    for event in (events := train_drafter(decoder, settings)):  # stop in the train phase, at a checkpoint
+        if event.phase == "write":
+            assert event.done >= 3  # the first batch was kept
+        if event.phase == "train" and event.done == 20:
+            break
+    events.close()
+    resumed = list(train_drafter(decoder, settings))
+    first_train = next(e for e in resumed if e.phase == "train")
+    assert first_train.done == 20  # from the checkpoint, not from the start
+    assert all(e.done == e.total for e in resumed if e.phase in ("write",))
+    a = torch.load(tmp_path / "a" / "work" / "checkpoint.pt", weights_only=False)["blocks"]
+    b = torch.load(tmp_path / "b" / "work" / "checkpoint.pt", weights_only=False)["blocks"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_prompts_a_model_without_an_lm_head_and_other_settings_are_refused(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"text": "not a prompt"}\n')
+    with pytest.raises(InvalidArgument, match="line 2"):
+        read_prompts(str(bad))
+    with pytest.raises(InvalidArgument, match="cannot read"):
+        read_prompts(str(tmp_path / "missing.jsonl"))
+    model = HashLM()
+    with pytest.raises(InvalidArgument, match="hidden state"):
+        list(train_drafter(multidecode.MultiDecoder(model, ByteTokenizer()), _settings(tmp_path)))
+    decoder = _decoder()
+    list(train_drafter(decoder, _settings(tmp_path, epochs=1)))
+    with pytest.raises(InvalidArgument, match="other settings"):
+        list(train_drafter(decoder, _settings(tmp_path, epochs=2)))
+    result = CliRunner().invoke(main, ["train-drafter", "--prompts", str(bad)])
+    assert result.exit_code != 0 and "line 2" in result.output and "Traceback" not in result.output
