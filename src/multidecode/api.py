@@ -94,14 +94,18 @@ class MultiDecoder:
             self._drafts[key] = load_draft(settings, self.model, self.tokenizer)
         return self._drafts[key]
 
-    def learned_heads(self):
-        """The Medusa heads trained for this model (user cache, or shipped for the embedded model),
-        or None: "auto" drafts with them too, where the cost model finds they pay."""
+    def learned_heads(self) -> list:
+        """The learned heads trained for this model (in the user cache, or shipped for the
+        embedded model), of each kind: "auto" drafts with them too, where the cost model finds
+        they pay."""
         if "auto" not in self._drafts:
-            try:
-                self._drafts["auto"] = load_heads(SpeculationSettings("medusa"), self.model)
-            except InvalidArgument:  # none, or trained for another model: auto goes without
-                self._drafts["auto"] = None
+            found = []
+            for kind in LEARNED:
+                try:
+                    found.append(load_heads(SpeculationSettings(kind), self.model))
+                except InvalidArgument:  # none, or trained for another model: auto goes without
+                    pass
+            self._drafts["auto"] = found
         return self._drafts["auto"]
 
     def memory(self) -> dict:

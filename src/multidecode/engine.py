@@ -105,6 +105,7 @@ class Engine:
         self.row_multiple = self._row_multiple() if self.exact else 1
         self.footprint = Footprint.of(model)  # bytes per slot, per logits row, per forward row
         self.hidden: torch.Tensor | None = None  # the hidden states the last feed asked for (see `feed`)
+        self._embeds: dict[int, torch.Tensor] | None = None  # node -> input vector, during a feed given `embeds`
 
     # ------------------------------------------------------------------ feeding
     def feed(
@@ -116,6 +117,7 @@ class Engine:
         root_position: int = 0,
         owners: Sequence[object] | None = None,
         hidden_layers: Sequence[int] = (),
+        embeds: torch.Tensor | None = None,
     ) -> tuple[list[int], torch.Tensor]:
         """Add nodes (see `Forest.add` for `parents` and `owners`) and run them through the model.
 
@@ -125,15 +127,16 @@ class Engine:
         public `hidden_states` output numbers them: 0 the embeddings, i the output of layer i, -1
         the last (after the final norm, what the LM head reads). A feed that asks for none pays
         nothing, and `self.hidden` is then None.
+        embeds: [len(tokens), hidden size], the nodes' input vectors, given to the model's forward
+        in place of their tokens' embeddings (`inputs_embeds`: a learned draft head's input is
+        built from the target's features); the tokens still name the nodes.
         Returns (new node ids, logits [len(logits_for), vocab] in float32, in `logits_for` order).
         """
-        forest = self.forest
-        before = forest.num_slots
-        self.hidden = None
-        layers = list(hidden_layers)
+        forest, before, layers, self.hidden = self.forest, self.forest.num_slots, list(hidden_layers), None
         nodes = forest.add(tokens, parents, root_position=root_position, owners=owners)
         if not nodes:
             return nodes, torch.empty(0, 0)
+        self._embeds = None if embeds is None else dict(zip(nodes, embeds.to(self.device, self.dtype)))
         runs, order = self._long_chains_first(nodes, before)
         if runs:  # the cache order: long chains first, the rest as fed
             placed = [nodes[i] for i in order]
@@ -161,8 +164,7 @@ class Engine:
             raise
         if not wanted:
             return nodes, torch.empty(0, 0)
-        if layers:
-            self.hidden = torch.stack([hidden[i] for i in wanted])
+        self.hidden = torch.stack([hidden[i] for i in wanted]) if layers else None
         return nodes, torch.stack([rows[i] for i in wanted])
 
     def _undo(self, nodes: list[int], slots: int) -> None:
@@ -184,16 +186,18 @@ class Engine:
         )
 
     def feed_chains(
-        self, chains: Sequence[Sequence[int]], parents: Sequence[int], *, root_position: int = 0
+        self, chains: Sequence[Sequence[int]], parents: Sequence[int], *, root_position: int = 0,
+        hidden_layers: Sequence[int] = (), embeds: torch.Tensor | None = None,
     ) -> tuple[list[list[int]], torch.Tensor]:
-        """Feed several sequences in one call, chain i under `parents[i]`.
+        """Feed several sequences in one call, chain i under `parents[i]` (`hidden_layers` and
+        `embeds`, the chains' input vectors in order: see `feed`).
 
         Returns the node ids of each chain and the logits at each non-empty chain's last node
         ([number of non-empty chains, vocab]), in chain order.
         """
         tokens, flat_parents, spans = chain_layout(chains, parents)
         nodes, logits = self.feed(tokens, flat_parents, logits_for=[b - 1 for a, b in spans if b > a],
-                                  root_position=root_position)
+                                  root_position=root_position, hidden_layers=hidden_layers, embeds=embeds)
         return [nodes[a:b] for a, b in spans], logits
 
     # ------------------------------------------------------------------ planning the forwards
@@ -425,9 +429,13 @@ class Engine:
         extra = {"forest_plan": plan} if plan is not None else {}
         if layers:
             extra["output_hidden_states"] = True
+        if self._embeds is not None:  # [1, q, hidden]: the given input vectors (padding rows zero)
+            rows = [self._embeds[n] for n in nodes]
+            extra["inputs_embeds"] = torch.stack(rows + [torch.zeros_like(rows[0])] * pad)[None]
+        else:
+            extra["input_ids"] = torch.tensor([tokens], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             out = self.model(
-                input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
                 position_ids=positions[None].to(self.device),
                 attention_mask=mask,
                 use_cache=True,

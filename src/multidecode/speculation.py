@@ -10,9 +10,10 @@
   the paper's settings (N=5, W=G=7) unless given a `Lookahead` of other settings;
 - "draft": a draft model (`proposers.draft`; the `draft=` argument: a model sharing the target's
   tokenizer, or a self-draft of the target, see `self_draft`);
-- "medusa": Medusa heads on the target's last hidden state (`proposers.medusa`): the heads
-  `head=` names (a folder), else the ones trained for this model by `multidecode train-drafter`
-  (kept in the user cache), else the ones shipped for the embedded model;
+- "medusa", "eagle": a learned head on the target's last hidden state (`proposers.medusa`, Medusa
+  heads; `proposers.eagle`, an EAGLE-style decoder layer): the head `head=` names (a folder), else
+  the one trained for this model by `multidecode train-drafter` (kept in the user cache), else
+  the one shipped for the embedded model;
 - "auto": prompt lookup and the suffix store merged into one tree (`proposers.mixture`), with
   the draft nodes of each step chosen by the measured cost of a forward on this hardware and the
   acceptance each source has had so far (`cost`), so that it speculates only where that pays,
@@ -48,6 +49,7 @@ from .errors import InvalidArgument, check_positive, is_int
 from .models.loading import load_model_and_tokenizer
 from .proposers import Proposer
 from .proposers.draft import DraftModel, check_same_tokenizer
+from .proposers.eagle import Eagle, EagleHead
 from .proposers.heads import head_dir, shape_key, shipped_head_dir
 from .proposers.lookahead import Lookahead
 from .proposers.lookup import PromptLookup
@@ -62,9 +64,9 @@ DEFAULT_BUDGET = 8
 AUTO_MAX_DRAFT = 16
 """In "auto", the most draft nodes a branch proposes per step (the cost model keeps fewer)."""
 
-MODES = ("lookup", "suffix", "lookahead", "draft", "medusa", "auto")
-LEARNED = ("medusa",)
-"""The modes that draft with a learned head (found by `load_heads`)."""
+MODES = ("lookup", "suffix", "lookahead", "draft", "medusa", "eagle", "auto")
+LEARNED = {"medusa": MedusaHeads, "eagle": EagleHead}
+"""The modes that draft with a learned head, and the head's class (found by `load_heads`)."""
 OFF = ("off", "none")
 """Names that mean no speculation, beside None."""
 EXACT_DTYPES = (torch.float32, torch.float64)
@@ -110,7 +112,8 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
 
     budget: overrides the draft budget of a named mode or proposer (for "auto", the most nodes a
     branch may propose). draft: the draft model (or `DraftModel` proposer) of "draft", the
-    `MedusaHeads` of "medusa" (and of "auto", which then drafts with them too where they pay). exact:
+    head of "medusa" or "eagle" (`MedusaHeads`, `EagleHead`), and for "auto" a list of learned
+    heads it then drafts with too, where they pay. exact:
     whether the model's forwards are batch-invariant (`multidecode.exact`): then speculation is
     exact in every dtype. Raises `InvalidArgument` for an unknown mode, a bad budget, "draft"
     without a draft model, or explicit speculation in a dtype where it cannot be exact.
@@ -129,8 +132,8 @@ def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=N
         spec = speculate
     elif isinstance(speculate, Proposer):
         spec = Speculation(speculate, budget or speculate.default_budget or DEFAULT_BUDGET)
-    elif speculate == "auto":  # with Medusa heads among its members when `draft` is some
-        heads = draft if isinstance(draft, MedusaHeads) else None
+    elif speculate == "auto":  # with the learned heads `draft` lists among its members
+        heads = draft if isinstance(draft, (list, tuple)) else ()
         spec = Speculation(auto_proposer(heads=heads), None, budget or AUTO_MAX_DRAFT)
     else:
         proposer = named_proposer(speculate, draft)
@@ -166,26 +169,34 @@ def named_proposer(mode: str, draft=None) -> Proposer:
                                   "pass draft= (a model with the target's tokenizer, or self_draft(model, layers)); "
                                   "on the command line, --draft-model PATH or --draft-skip-layers")
         return draft if isinstance(draft, DraftModel) else DraftModel(draft)
-    if mode == "medusa":
-        if isinstance(draft, Medusa):
+    if mode in LEARNED:
+        if isinstance(draft, (Medusa, Eagle)) and draft.name == mode:
             return draft
-        if not isinstance(draft, MedusaHeads):
-            raise InvalidArgument("speculate='medusa' needs Medusa heads",
-                                  "pass draft=MedusaHeads.load(folder), or train heads for the model: "
-                                  "multidecode train-drafter --kind medusa")
-        return Medusa(draft)
+        if not isinstance(draft, LEARNED[mode]):
+            raise InvalidArgument(f"speculate={mode!r} needs a {mode} head",
+                                  f"pass draft={LEARNED[mode].__name__}.load(folder), or train one for the model: "
+                                  f"multidecode train-drafter --kind {mode}")
+        return learned_proposer(draft)
     raise InvalidArgument(f"unknown speculation mode {mode!r}", f"use one of {', '.join(MODES)}, a Proposer, or None")
 
 
-def auto_proposer(store=None, heads: MedusaHeads | None = None) -> Mixture:
+def auto_proposer(store=None, heads: Sequence = ()) -> Mixture:
     """What "auto" drafts with: prompt lookup and the suffix store (`store`, default the shared
-    one), Medusa `heads` when the model has some, and lookahead where the hardware makes its
-    window nearly free (`Mixture.fit`, done when a run starts and the cost curve is known). The
-    cost model keeps the nodes of each that pay, by the acceptance each has had."""
-    members = [PromptLookup(), SuffixProposer(store=store)]
-    if heads is not None:
-        members.append(Medusa(heads))
+    one), the learned `heads` the model has, and lookahead where the hardware makes its window
+    nearly free (`Mixture.fit`, done when a run starts and the cost curve is known). The cost
+    model keeps the nodes of each that pay, by the acceptance each has had."""
+    members = [PromptLookup(), SuffixProposer(store=store), *(learned_proposer(h) for h in heads)]
     return Mixture(members, name="auto", lookahead=True)
+
+
+def learned_kind(head) -> str:
+    """The mode name of a learned head ("medusa", "eagle")."""
+    return next(kind for kind, cls in LEARNED.items() if isinstance(head, cls))
+
+
+def learned_proposer(head) -> Proposer:
+    """The proposer of a learned head: `Medusa` for Medusa heads, `Eagle` for an EAGLE head."""
+    return Medusa(head) if isinstance(head, MedusaHeads) else Eagle(head)
 
 
 # ---------------------------------------------------------------------- settings by name
@@ -254,7 +265,7 @@ class SpeculationSettings:
             mode = "medusa"
         if head is not None and mode not in LEARNED:
             raise InvalidArgument(f"{spelling.head} names a learned head, but {spelling.is_set(mode)}",
-                                  f"use {spelling.setting('medusa')}")
+                                  f"use {spelling.setting('medusa')} or {spelling.setting('eagle')}")
         if budget is not None:
             check_positive("the draft budget", budget)
         if mode is None:
@@ -332,17 +343,17 @@ def load_draft(settings: SpeculationSettings, model, tokenizer):
     return self_draft(model, list(choose_draft_layers(settings, model, tokenizer).skip_layers))
 
 
-def load_heads(settings: SpeculationSettings, model) -> MedusaHeads:
+def load_heads(settings: SpeculationSettings, model):
     """The learned heads of `settings` for `model`, checked against it: from the folder
     `settings.head`, else the user cache (`heads.head_dir`, where `multidecode train-drafter`
     writes), else the heads shipped in the package for the embedded model. Raises
     `InvalidArgument` when there are none, naming the command that trains them."""
     kind = settings.mode
     if settings.head is not None:
-        return MedusaHeads.load(settings.head).bind(model)
+        return LEARNED[kind].load(settings.head).bind(model)
     for folder in (head_dir(model, kind), shipped_head_dir(model, kind)):
         if (folder / "config.json").exists():
-            return MedusaHeads.load(folder).bind(model)
+            return LEARNED[kind].load(folder).bind(model)
     raise InvalidArgument(f"no {kind} head was trained for this model ({shape_key(model)})",
                           f"train one: multidecode train-drafter --model M --kind {kind} "
                           "(or name a head's folder with --draft-head)")

@@ -1,5 +1,6 @@
-"""`multidecode train-drafter`: train Medusa heads for a model by self-distillation, with progress
-bars and an ETA per phase; an interrupted run resumes from its work folder."""
+"""`multidecode train-drafter`: train Medusa heads or an EAGLE-style head for a model by
+self-distillation, with progress bars and an ETA per phase; an interrupted run resumes from its
+work folder."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ UNITS = {"write": "prompts", "read": "sequences", "train": "steps"}
 
 @click.command("train-drafter")
 @model_options
-@click.option("--kind", type=click.Choice(["medusa"]), default="medusa", show_default=True,
-              help="What to train: Medusa heads on the model's last hidden state.")
+@click.option("--kind", type=click.Choice(["medusa", "eagle"]), default="medusa", show_default=True,
+              help="What to train: Medusa heads, or an EAGLE-style decoder layer, on the model's last hidden state.")
 @click.option("--prompts", "prompts", default=None, metavar="FILE.jsonl",
               help='Prompts to distill on, one {"prompt": ...} or {"document": ..., "question": ...} per line '
                    "(default: the 251 prompts shipped in the package: stories, explanations, code, summaries).")
-@click.option("--heads", type=click.IntRange(1, 8), default=4, show_default=True, help="Heads (tokens guessed ahead).")
+@click.option("--heads", type=click.IntRange(1, 8), default=4, show_default=True,
+              help="Medusa heads (tokens guessed ahead).")
 @click.option("--draft-vocab", type=click.IntRange(256), default=8192, show_default=True,
               help="Tokens the heads choose among (the ones the model writes most); the full vocabulary costs more per step.")
 @click.option("--max-new-tokens", type=click.IntRange(8), default=192, show_default=True, help="Length of each answer.")
@@ -53,12 +55,14 @@ def train_drafter(model_name, precision, device, kind, prompts, heads, draft_voc
             click.echo(json.dumps({"phase": event.phase, "done": event.done, "total": event.total, **event.info}))
         return
     result = _show(events)
-    stderr.print(f"[bold]Medusa heads written to {escape(result['folder'])}[/bold] in {result['seconds']:.0f} s "
+    stderr.print(f"[bold]The {kind} head was written to {escape(result['folder'])}[/bold] in {result['seconds']:.0f} s "
                  f"({result['tokens']:,} tokens seen)")
     if "mean_accepted" in result:
         stderr.print(f"Held out: a chain of the heads' guesses is accepted for {result['mean_accepted']:.2f} tokens on "
                      f"average; head top-1 agreement {', '.join(f'{v:.0%}' for v in result['head_top1'])}")
-    stderr.print("Use them with --speculate medusa.")
+    elif "head_top1" in result:
+        stderr.print(f"Held out: its first guess is the model's token {result['head_top1'][0]:.0%} of the time")
+    stderr.print(f"Use it with --speculate {kind} (and --speculate auto uses it where it pays).")
 
 
 def _show(events) -> dict:

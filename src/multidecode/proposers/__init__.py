@@ -180,6 +180,19 @@ class DraftTree:
         return self.keep(kept) if len(kept) < len(self) else self
 
 
+def draft_generator(sampling: SamplingParams) -> torch.Generator | None:
+    """The random stream a proposer draws a sampled branch's candidates from: seeded from the
+    branch's seed (offset, so it is not the branch's own stream), else fresh; None for greedy."""
+    if not sampling.do_sample:
+        return None
+    generator = torch.Generator()
+    if sampling.seed is not None:
+        generator.manual_seed(sampling.seed + 7919)
+    else:
+        generator.seed()
+    return generator
+
+
 class Proposer:
     """Base class of draft proposers (see the module notes). Subclasses set `name`."""
 

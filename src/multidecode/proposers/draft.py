@@ -40,7 +40,7 @@ from ..forest import ROOT
 from ..prompts import common_prefix_length
 from ..sampling import warp
 from ..scheduler import Feed
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer
+from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, draft_generator
 
 
 @dataclass
@@ -181,14 +181,7 @@ class DraftModel(Proposer):
         if key is None:
             key = context.scratch["draft"] = self._next_key
             self._next_key += 1
-            generator = None
-            if context.sampling.do_sample:
-                generator = torch.Generator()
-                if context.sampling.seed is not None:
-                    generator.manual_seed(context.sampling.seed + 7919)  # the draft's own stream
-                else:
-                    generator.seed()
-            self._branches[key] = _Branch(key, generator=generator)
+            self._branches[key] = _Branch(key, generator=draft_generator(context.sampling))
         return self._branches[key]
 
     def _reject_grown(self, state: _Branch, keep: set[int] = frozenset()) -> None:

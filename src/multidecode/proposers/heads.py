@@ -56,6 +56,23 @@ def fingerprint(model) -> dict:
             "name": str(getattr(model.config, "_name_or_path", "") or "")}
 
 
+def output_size(model) -> int:
+    """The size of the target's LM head's output (its vocabulary)."""
+    head = model.get_output_embeddings()
+    return getattr(head, "out_features", None) or head.weight.shape[0]
+
+
+def check_fits(model, hidden_size: int, vocab_size: int, recorded: dict | None, kind: str) -> None:
+    """Refuse a head of `kind` made for other widths than `model`'s, or trained for another model."""
+    what = f"the {kind} head"
+    hidden, vocab = getattr(model.config, "hidden_size", None), output_size(model)
+    if hidden != hidden_size or vocab != vocab_size:
+        raise InvalidArgument(f"{what} is for hidden size {hidden_size} and a vocabulary of {vocab_size}, "
+                              f"the model has {hidden} and {vocab}",
+                              f"train one for this model: multidecode train-drafter --kind {kind}")
+    check_target(recorded, model, what)
+
+
 def check_target(recorded: dict | None, model, what: str) -> None:
     """Refuse a head whose recorded target (`fingerprint`) is not `model`. A head with no record
     (one published elsewhere) is taken on trust, after its shapes were checked."""
@@ -98,18 +115,27 @@ def read_tensors(folder: Path, stem: str, what: str) -> dict[str, torch.Tensor]:
     """The tensors of `<stem>.safetensors` (or `<stem>.pt`, a torch state dict) in `folder`."""
     folder = Path(folder)
     safe, pickled = folder / f"{stem}.safetensors", folder / f"{stem}.pt"
-    if safe.exists():
-        from safetensors.torch import load_file
-
-        return load_file(str(safe))
-    if pickled.exists():
-        state = torch.load(pickled, map_location="cpu", weights_only=True)
+    if safe.exists() or pickled.exists():
+        state = _load(safe if safe.exists() else pickled, what)
         if not isinstance(state, dict):
             raise InvalidArgument(f"{what}: {pickled} holds a {type(state).__name__}, not a state dict",
                                   "save the head's state_dict()")
         return state
     raise InvalidArgument(f"{what}: neither {safe.name} nor {pickled.name} in {folder}",
                           "point at the folder that holds the head's config.json and weights")
+
+
+def _load(path: Path, what: str):
+    """A weights file's tensors, refused with a message when it cannot be read (cut short, say)."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the user's to replace
+        raise InvalidArgument(f"{what}: cannot read {path} ({type(err).__name__}: {err})",
+                              "the file is damaged or not a weights file: write or download it again") from None
 
 
 def write_head(folder: Path, stem: str, config: dict, tensors: dict[str, torch.Tensor]) -> Path:

@@ -37,8 +37,8 @@ from torch import nn
 from ..errors import InvalidArgument
 from ..models.packed import PackedLinear
 from ..sampling import warp
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer
-from .heads import check_target, read_config, read_tensors, write_head
+from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, draft_generator
+from .heads import check_fits, read_config, read_tensors, write_head
 
 WEIGHTS = "medusa_lm_head"
 """The stem of a Medusa head's weights file, as the Medusa project names it."""
@@ -86,14 +86,7 @@ class MedusaHeads(nn.Module):
 
     def bind(self, model) -> MedusaHeads:
         """Check these heads fit `model` (and were trained for it), and read its LM head rows."""
-        hidden = getattr(model.config, "hidden_size", None)
-        vocab = model.get_output_embeddings()
-        vocab_size = getattr(vocab, "out_features", None) or vocab.weight.shape[0]
-        if hidden != self.hidden_size or vocab_size != self.vocab_size:
-            raise InvalidArgument(f"the Medusa heads are for hidden size {self.hidden_size} and a vocabulary of "
-                                  f"{self.vocab_size}, the model has {hidden} and {vocab_size}",
-                                  "train heads for this model: multidecode train-drafter --kind medusa")
-        check_target(self.target, model, "the Medusa heads")
+        check_fits(model, self.hidden_size, self.vocab_size, self.target, "medusa")
         if self.projections is None and self.shared is None:
             ids = self.token_ids if self.token_ids is not None else torch.arange(self.vocab_size)
             self.shared = output_rows(model, ids)
@@ -238,9 +231,7 @@ class Medusa(Proposer):
         k's softmax warped by the branch's settings, the first one continued."""
         generator = context.scratch.get("medusa")
         if generator is None:
-            generator = context.scratch["medusa"] = torch.Generator()
-            seed = context.sampling.seed
-            generator.manual_seed(seed + 7919) if seed is not None else generator.seed()  # the draft's own stream
+            generator = context.scratch["medusa"] = draft_generator(context.sampling)
         tree, parent, chance = DraftTree(), UNDER_LEAF, 1.0
         for depth in range(logits.shape[0]):
             full = torch.full((self.heads.vocab_size,), float("-inf"))

@@ -1,23 +1,24 @@
-"""Training Medusa heads by self-distillation: the target writes, the heads learn to guess it.
+"""Training learned drafters by self-distillation: the target writes, the head learns to guess it.
 
-Medusa (Cai et al., 2024, arXiv 2401.10774) trains its heads on the target's own text
-("self-distillation"), so that they learn what the target will write, not what some dataset says.
-Here that runs in three **phases**, each kept in a work folder as it goes, so an interrupted run
-resumes where it stopped:
+Medusa (Cai et al., 2024, arXiv 2401.10774) and EAGLE (Li et al., 2024, arXiv 2401.15077) train
+their heads on the target's own text ("self-distillation"), so that they learn what the target
+will write, not what some dataset says. Here that runs in three **phases**, each kept in a work
+folder as it goes, so an interrupted run resumes where it stopped:
 
 1. **write**: the target answers each prompt greedily, `batch` prompts at a time in one forest:
    `answers.jsonl` (one line per prompt, appended as each forest finishes);
-2. **read**: the target reads each prompt and answer once; its last hidden state and its `TOP`
-   likeliest next tokens with their probabilities at every position are kept: `features/NNNNN.pt`;
-3. **train**: head k learns, at position t, the target's distribution at t + 1 + k (the token
-   k + 2 places ahead) by soft cross-entropy over the draft vocabulary, weighted `DECAY ** k`;
-   `checkpoint.pt` holds the heads, the optimizer and the log every `checkpoint_every` steps.
+2. **read**: the target reads each prompt and answer once; its last hidden state (the
+   **feature**) and its `features.TOP` likeliest next tokens with their probabilities at every position
+   are kept: `features/NNNNN.pt`. Both phases are shared by every kind trained in the folder;
+3. **train**: the head learns from the features (`trainees`: what each kind learns);
+   `<kind>-checkpoint.pt` holds the trained tensors, the optimizer and the log every
+   `checkpoint_every` steps.
 
-One sequence in `HOLDOUT` is held out (the last one, in a run of fewer). On it, at every checkpoint, the **chain acceptance** is
-measured: at each position of an answer, how many heads in a row guess the target's greedy tokens
-(the mean accepted length of a chain draft, before the target's own token), and each head's top-1
-agreement. The heads are then written (default: the user cache, where `speculate="medusa"` finds
-them for this model) with `training.json`: what they saw and how acceptance grew.
+One sequence in `features.HOLDOUT` is held out (the last one, in a run of fewer); at every checkpoint the
+head is measured on it (`evaluate` of its trainee: top-1 agreement with the target's greedy
+tokens, and for Medusa the mean accepted length of a chain of its guesses). The head is then
+written (default: the user cache, where `speculate="medusa"` or `"eagle"` finds it for this
+model) with `training.json`: what it saw and how acceptance grew.
 """
 
 from __future__ import annotations
@@ -37,17 +38,13 @@ from ..engine import Engine
 from ..errors import InvalidArgument
 from ..forest import chain_parents
 from ..prompts import render_prompt, tokenize_prompt
-from ..proposers.heads import fingerprint, head_dir
+from ..proposers.eagle import EagleHead, head_config
+from ..proposers.heads import fingerprint, head_dir, output_size
 from ..proposers.medusa import MedusaHeads
+from .features import TOP, Features, load_features
+from .trainees import EagleTrainee, MedusaTrainee
 
-TOP = 16
-"""The target's likeliest next tokens kept per position: the soft targets."""
-DECAY = 0.8
-"""Head k's loss weighs DECAY ** k (the Medusa recipe: far heads matter less, and learn less)."""
-HOLDOUT = 20
-"""One sequence in this many is held out for measuring acceptance."""
-EVAL_POSITIONS = 4096
-KINDS = ("medusa",)
+KINDS = ("medusa", "eagle")
 
 
 @dataclass(frozen=True)
@@ -75,6 +72,11 @@ class DistillSettings:
     def training_key(self) -> str:
         """A hash of what decides the trained weights (not where they go): a resumed run must match."""
         keep = {k: v for k, v in asdict(self).items() if k not in ("work", "output", "checkpoint_every")}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+    def data_key(self) -> str:
+        """A hash of what decides the answers the target writes (shared by every kind trained on them)."""
+        keep = {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "limit": self.limit}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -136,7 +138,7 @@ def check_model(model, kind: str) -> None:
         raise InvalidArgument(f"cannot train a {kind!r} drafter yet", f"use --kind {' or '.join(KINDS)}")
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if getattr(model.config, "hidden_size", None) is None or head is None:
-        raise InvalidArgument("Medusa heads read the model's last hidden state and share its LM head, and this "
+        raise InvalidArgument(f"{kind} heads read the model's last hidden state and share its LM head, and this "
                               "model has no hidden_size or no output embeddings",
                               "train heads for a causal LM with an LM head")
 
@@ -149,7 +151,7 @@ def train_drafter(decoder, settings: DistillSettings) -> Iterator[Progress]:
     check_model(model, settings.kind)
     prompts = read_prompts(settings.prompts)[: settings.limit]
     output = Path(settings.output) if settings.output else head_dir(model, settings.kind)
-    work = Path(settings.work) if settings.work else output.with_name(output.name + ".work")
+    work = Path(settings.work) if settings.work else output.parent / "distill.work"
     work.mkdir(parents=True, exist_ok=True)
     _check_work(work, settings)
     started = time.perf_counter()
@@ -157,33 +159,40 @@ def train_drafter(decoder, settings: DistillSettings) -> Iterator[Progress]:
     answers = read_answers(work / "answers.jsonl")
     yield from read_features(model, answers, work / "features")
     token_ids = draft_vocabulary(answers, settings.draft_vocab, model)
-    heads = MedusaHeads(model.config.hidden_size, _vocab(model), settings.heads,
-                        num_layers=settings.layers, token_ids=token_ids, target=fingerprint(model)).bind(model)
-    heads.to(next(model.parameters()).device)
+    trainee = new_trainee(settings, model, token_ids, load_features(work / "features", len(answers)))
     log: list[dict] = []
-    yield from train_heads(heads, load_features(work / "features", len(answers)), settings, work / "checkpoint.pt", log)
+    yield from train_loop(trainee, settings, work / f"{settings.kind}-checkpoint.pt", log)
     seen = sum(len(a["prompt"]) + len(a["answer"]) for a in answers)
     summary = {"prompts": len(prompts), "tokens": seen, "answer_tokens": sum(len(a["answer"]) for a in answers),
                "seconds": round(time.perf_counter() - started, 1), "settings": asdict(settings), "log": log}
-    heads.save(output, extra={"training": {k: v for k, v in summary.items() if k != "log"}})
+    trainee.head.save(output, extra={"training": {k: v for k, v in summary.items() if k != "log"}})
     (output / "training.json").write_text(json.dumps(summary, indent=2))
     yield Progress("done", 1, 1, {"folder": str(output), **(log[-1] if log else {}), "tokens": seen,
                                   "seconds": summary["seconds"]})
 
 
-def _vocab(model) -> int:
-    head = model.get_output_embeddings()
-    return getattr(head, "out_features", None) or head.weight.shape[0]
+def new_trainee(settings: DistillSettings, model, token_ids: torch.Tensor, data_: Features):
+    """The trainee of `settings.kind`: fresh heads bound to `model`, over `data_`."""
+    device = next(model.parameters()).device
+    if settings.kind == "eagle":
+        head = EagleHead(head_config(model, len(token_ids)), token_ids, output_size(model), target=fingerprint(model))
+        head.bind(model)
+        return EagleTrainee(head.to(device), data_)
+    heads = MedusaHeads(model.config.hidden_size, output_size(model), settings.heads, num_layers=settings.layers,
+                        token_ids=token_ids, target=fingerprint(model)).bind(model)
+    return MedusaTrainee(heads.to(device), data_, settings.batch_positions)
 
 
 def _check_work(work: Path, settings: DistillSettings) -> None:
-    """A work folder belongs to one set of settings: resuming with others would mix two runs."""
+    """A work folder's answers belong to one set of data settings (every kind trained there reads
+    them): resuming with others would mix two runs."""
     stamp = work / "settings.json"
-    key = settings.training_key()
+    key = settings.data_key()
     if stamp.exists():
         if json.loads(stamp.read_text()).get("key") != key:
-            raise InvalidArgument(f"the work folder {work} holds a run with other settings",
-                                  "resume it with the same settings, or give another --work folder (or delete it)")
+            raise InvalidArgument(f"the work folder {work} holds answers written with other settings",
+                                  "resume it with the same prompts, limit and max new tokens, or give another "
+                                  "--work folder (or delete it)")
         return
     stamp.write_text(json.dumps({"key": key, "settings": asdict(settings)}, indent=2))
 
@@ -235,7 +244,8 @@ def read_features(model, answers: list[dict], folder: Path) -> Iterator[Progress
                                     hidden_layers=[-1])  # logits [n, vocab]
             probs, ids = logits.softmax(-1).topk(TOP, -1)  # [n, TOP]
             state = {"features": engine.hidden[:, 0].to(torch.float16).cpu(), "top_ids": ids.to(torch.int32).cpu(),
-                     "top_probs": probs.to(torch.float16).cpu(), "prompt_length": len(record["prompt"])}
+                     "top_probs": probs.to(torch.float16).cpu(), "prompt_length": len(record["prompt"]),
+                     "tokens": torch.tensor(tokens, dtype=torch.int32)}
             engine.compact([])
             torch.save(state, path.with_suffix(".tmp"))
             path.with_suffix(".tmp").replace(path)
@@ -249,7 +259,7 @@ def draft_vocabulary(answers: list[dict], size: int, model) -> torch.Tensor:
         counts.update(record["answer"])
     for record in answers:
         counts.update({t: 0 for t in record["prompt"]})  # seen, after every written token
-    vocab = _vocab(model)
+    vocab = output_size(model)
     if size >= vocab:
         return torch.arange(vocab)
     chosen = [t for t, _ in counts.most_common(size)]
@@ -258,112 +268,58 @@ def draft_vocabulary(answers: list[dict], size: int, model) -> torch.Tensor:
     return torch.tensor(sorted(chosen + rest))
 
 
-@dataclass
-class Features:
-    """Every position of every sequence, concatenated: features [N, hidden] float32, top_ids and
-    top_probs [N, TOP], last [N] (the index of its sequence's last position), answer [N] (whether
-    a position is in an answer), holdout [N] (held-out sequences)."""
-
-    features: torch.Tensor
-    top_ids: torch.Tensor
-    top_probs: torch.Tensor
-    last: torch.Tensor
-    answer: torch.Tensor
-    holdout: torch.Tensor
-
-
-def load_features(folder: Path, count: int) -> Features:
-    parts = [torch.load(folder / f"{n:05d}.pt", weights_only=True) for n in range(count)]
-    lengths = [p["features"].shape[0] for p in parts]
-    ends = torch.tensor(lengths).cumsum(0)
-    last = torch.cat([torch.full((n,), int(e) - 1) for n, e in zip(lengths, ends)])
-    answer = torch.cat([torch.arange(n) >= p["prompt_length"] - 1 for n, p in zip(lengths, parts)])
-    held = [i % HOLDOUT == HOLDOUT - 1 or (count < HOLDOUT and i == count - 1) for i in range(count)]  # at least one
-    holdout = torch.cat([torch.full((n,), h) for h, n in zip(held, lengths)])
-    return Features(torch.cat([p["features"] for p in parts]).float(), torch.cat([p["top_ids"] for p in parts]).long(),
-                    torch.cat([p["top_probs"] for p in parts]).float(), last, answer, holdout)
-
-
 # ---------------------------------------------------------------------- 3. train
-def train_heads(heads: MedusaHeads, data_: Features, settings: DistillSettings, checkpoint: Path,
-                log: list[dict]) -> Iterator[Progress]:
-    """Train the heads' blocks (the shared LM head rows stay frozen), resuming from `checkpoint`."""
-    device = heads.shared.device
-    index = torch.full((heads.vocab_size,), -1, dtype=torch.long)
-    index[heads.token_ids.cpu()] = torch.arange(heads.draft_vocab_size)
-    draft_ids = index[data_.top_ids]  # [N, TOP] draft-vocabulary index, -1 outside it
-    train = ((~data_.holdout) & (torch.arange(len(data_.last)) < data_.last)).nonzero().flatten()
-    total = max(1, int(settings.epochs * len(train) / settings.batch_positions))
-    optimizer = torch.optim.AdamW(heads.blocks.parameters(), lr=settings.learning_rate, weight_decay=0.0)
+def train_loop(trainee, settings: DistillSettings, checkpoint: Path, log: list[dict]) -> Iterator[Progress]:
+    """Train `trainee` (a `trainees.MedusaTrainee` or `trainees.EagleTrainee`: its trained
+    `module`, its `loss` of a seeded batch, its held-out `evaluate`) for `settings.epochs`,
+    resuming from `checkpoint`; every `checkpoint_every` steps it is evaluated and saved."""
+    total = max(1, int(settings.epochs * trainee.steps_per_epoch))
+    optimizer = torch.optim.AdamW([p for p in trainee.module.parameters() if p.requires_grad],
+                                  lr=settings.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, settings.learning_rate, total_steps=total, pct_start=0.05)
-    step = _resume(checkpoint, heads, optimizer, schedule, log)
+    step = _resume(checkpoint, settings, trainee.module, optimizer, schedule, log)
     generator = torch.Generator()
     yield Progress("train", step, total, log[-1] if log else {})
     while step < total:
-        generator.manual_seed(settings.seed * 1_000_003 + step)  # each step's positions, the same after a resume
-        rows = train[torch.randint(len(train), (settings.batch_positions,), generator=generator)]
-        loss = _loss(heads, data_, draft_ids, rows, device)
+        generator.manual_seed(settings.seed * 1_000_003 + step)  # each step's batch, the same after a resume
+        loss = trainee.loss(generator)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
         step += 1
-        info = {"loss": round(float(loss.detach()), 4), "positions_seen": step * settings.batch_positions}
+        info = {"loss": round(float(loss.detach()), 4), "positions_seen": step * trainee.positions_per_step}
         if step % settings.checkpoint_every == 0 or step == total:
-            info.update(evaluate(heads, data_, device))
+            info.update(trainee.evaluate())
             log.append({"step": step, **info})
-            _save_checkpoint(checkpoint, heads, optimizer, schedule, step, log)
+            _save_checkpoint(checkpoint, settings, trainee.module, optimizer, schedule, step, log)
         yield Progress("train", step, total, info)
 
 
-def _loss(heads: MedusaHeads, data_: Features, draft_ids: torch.Tensor, rows: torch.Tensor, device) -> torch.Tensor:
-    """Soft cross-entropy of each head against the target's distribution k + 1 positions later."""
-    logq = heads(data_.features[rows].to(device)).log_softmax(-1)  # [B, K, V']
-    total = logq.new_zeros(())
-    for k in range(heads.num_heads):
-        later = rows + 1 + k
-        valid = later <= data_.last[rows]  # [B]
-        if not valid.any():
-            continue
-        target = later[valid]
-        ids, probs = draft_ids[target].to(device), data_.top_probs[target].to(device)  # [b, TOP]
-        probs = probs * (ids >= 0)
-        probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-6)
-        picked = logq[valid.to(device), k].gather(-1, ids.clamp(min=0))  # [b, TOP]
-        total = total + DECAY**k * -(probs * picked).sum(-1).mean()
-    return total
-
-
-@torch.no_grad()
-def evaluate(heads: MedusaHeads, data_: Features, device) -> dict:
-    """On held-out answers: each head's top-1 agreement with the target's greedy token, and the
-    mean accepted length of a chain of the heads' top-1 guesses."""
-    K = heads.num_heads
-    rows = (data_.holdout & data_.answer & (torch.arange(len(data_.last)) + K < data_.last)).nonzero().flatten()
-    rows = rows[:EVAL_POSITIONS]
-    if not len(rows):
-        return {}
-    guess = heads.token_ids.cpu()[heads(data_.features[rows].to(device)).argmax(-1).cpu()]  # [R, K] target ids
-    truth = torch.stack([data_.top_ids[rows + 1 + k, 0] for k in range(K)], 1)  # [R, K]
-    right = guess == truth
-    chain = right.long().cumprod(1).sum(1).float()  # heads right in a row
-    return {"mean_accepted": round(float(chain.mean()), 3),
-            "head_top1": [round(float(v), 3) for v in right.float().mean(0)]}
-
-
-def _save_checkpoint(path: Path, heads, optimizer, schedule, step: int, log: list[dict]) -> None:
-    state = {"step": step, "blocks": heads.blocks.state_dict(), "optimizer": optimizer.state_dict(),
-             "schedule": schedule.state_dict(), "log": log}
+def _save_checkpoint(path: Path, settings: DistillSettings, module, optimizer, schedule, step: int,
+                     log: list[dict]) -> None:
+    state = {"key": settings.training_key(), "step": step, "module": _trained_state(module),
+             "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "log": log}
     torch.save(state, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)
 
 
-def _resume(path: Path, heads, optimizer, schedule, log: list[dict]) -> int:
-    """The step a checkpoint reached (0 without one), with the heads and optimizer restored."""
+def _trained_state(module) -> dict:
+    """The module's trained tensors (the target's tied rows are not the trainee's)."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in module.state_dict().items() if k not in frozen}
+
+
+def _resume(path: Path, settings: DistillSettings, module, optimizer, schedule, log: list[dict]) -> int:
+    """The step a checkpoint reached (0 without one), with the module and optimizer restored. A
+    checkpoint of other training settings is refused: resuming it would mix two runs."""
     if not path.exists():
         return 0
     state = torch.load(path, weights_only=False)
-    heads.blocks.load_state_dict(state["blocks"])
+    if state.get("key") != settings.training_key():
+        raise InvalidArgument(f"the work folder holds a {settings.kind} training with other settings ({path})",
+                              "resume it with the same settings, or give another --work folder (or delete the file)")
+    module.load_state_dict(state["module"], strict=False)
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
     log[:] = state["log"]

@@ -1,0 +1,274 @@
+"""An EAGLE-style draft head: one decoder layer that runs ahead on the target's features.
+
+EAGLE (Li et al., 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty",
+arXiv 2401.15077; EAGLE-2, arXiv 2406.16858, grows the draft tree where the head is confident)
+drafts at the level of features rather than tokens. Terms:
+
+- a **feature** f_i is the target's last hidden state at position i (here after its final norm,
+  what its LM head reads: the public `hidden_states[-1]`);
+- a **pair** (f_i, x_{i+1}) is a feature and the token chosen after it. The head reads
+  `fc([embedding of x_{i+1}; f_i])` (the target's own embedding, shared) through one decoder layer
+  and predicts f_{i+1}; the target's LM head on that prediction (over the draft vocabulary) gives
+  the distribution of x_{i+2};
+- the head attends over its own **path**: the pairs of the branch's answer so far, with the
+  target's true features. Drafting runs on: a predicted feature and a candidate token make the
+  next pair, and so on, one head forward per depth for every branch at once.
+
+The head is a one-layer causal LM of transformers' Llama family (`model`), run on its own `Engine`:
+its cache is a forest like the target's, every branch's path in it, and each depth's candidates
+are fed as a forest forward with their inputs given as vectors (`Engine.feed(embeds=...)`). Its
+embedding table and LM head are one tied matrix, the target's LM head rows of the draft vocabulary
+(bound from the target, never written to disk), so a head file holds `fc` and one layer: a few MB.
+
+The tree grows best first (EAGLE-2): under each node the `width` likeliest tokens, and a node is
+expanded while its path probability is at least `confidence`, up to `max_depth`. A greedy branch's
+candidates are the likeliest tokens; a sampled branch's are drawn from the head's warped softmax,
+which goes with the draft (`DraftTree.dists`), so verification keeps the target's distribution.
+Every draft node is taken back from the head's cache before the next round; the accepted tokens
+come back as pairs with the target's true features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..engine import Engine
+from ..errors import InvalidArgument
+from ..forest import ROOT
+from ..sampling import warp
+from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, draft_generator
+from .heads import check_fits, read_config, read_tensors, write_head
+from .medusa import output_rows
+
+WEIGHTS = "eagle_head"
+
+
+def head_config(model, draft_vocab_size: int):
+    """A one-layer Llama config of the target's widths (its attention and MLP shapes where it has
+    them), whose vocabulary is the draft vocabulary."""
+    from transformers import LlamaConfig
+
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None) or max(1, config.hidden_size // 64)
+    return LlamaConfig(
+        hidden_size=config.hidden_size, intermediate_size=getattr(config, "intermediate_size", None)
+        or 4 * config.hidden_size, num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab_size=draft_vocab_size, tie_word_embeddings=True, max_position_embeddings=1 << 16,
+        rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6), rope_theta=getattr(config, "rope_theta", 10000.0),
+        attn_implementation="sdpa")
+
+
+class EagleHead(nn.Module):
+    """`fc` and a one-layer causal LM (see the module notes).
+
+    config: `head_config`'s. token_ids: the draft vocabulary ([V'] target token ids).
+    vocab_size: the target's. target: the fingerprint of the model it was trained for.
+    """
+
+    def __init__(self, config, token_ids: torch.Tensor, vocab_size: int, *, target: dict | None = None) -> None:
+        from transformers import LlamaForCausalLM
+
+        super().__init__()
+        self.hidden_size, self.vocab_size, self.target = config.hidden_size, vocab_size, target
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
+        self.model = LlamaForCausalLM(config).eval()
+        self.register_buffer("token_ids", token_ids.long())
+        self.embed: list[nn.Module] = []  # the target's input embeddings (not a submodule: not ours)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return len(self.token_ids)
+
+    def bind(self, model) -> EagleHead:
+        """Check the head fits `model` (and was trained for it); tie its LM head to the target's
+        rows of the draft vocabulary and keep the target's embeddings for its inputs."""
+        check_fits(model, self.hidden_size, self.vocab_size, self.target, "eagle")
+        rows = output_rows(model, self.token_ids.cpu())  # [V', hidden]
+        with torch.no_grad():
+            self.model.lm_head.weight.copy_(rows.to(self.model.lm_head.weight.device))
+        self.model.lm_head.weight.requires_grad_(False)
+        self.embed = [model.get_input_embeddings()]
+        return self
+
+    def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The head's input vectors of pairs: features [n, hidden] and the tokens after them [n]."""
+        embedded = self.embed[0](tokens.to(features.device)).to(self.fc.weight.dtype)  # [n, hidden]
+        return self.fc(torch.cat([embedded, features.to(self.fc.weight.dtype)], -1))
+
+    # ------------------------------------------------------------------ files
+    def save(self, folder: str | Path, *, extra: dict | None = None) -> Path:
+        """config.json (the layer's Llama config and what the head is) and eagle_head.safetensors
+        (fc, the layer and the norm, the draft vocabulary; not the tied matrix: the target's)."""
+        tensors = {k: v for k, v in self.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+        config = {**self.model.config.to_dict(), "eagle": {"vocab_size": self.vocab_size,
+                                                          "draft_vocab_size": self.draft_vocab_size},
+                  "multidecode_target": self.target, **(extra or {})}
+        return write_head(Path(folder), WEIGHTS, config, tensors)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> EagleHead:
+        from transformers import LlamaConfig
+
+        what = "the EAGLE head"
+        config = read_config(Path(folder), what)
+        tensors = read_tensors(Path(folder), WEIGHTS, what)
+        if "eagle" not in config or "token_ids" not in tensors:
+            raise InvalidArgument(f"{what} in {folder} is not in multidecode's EAGLE layout",
+                                  "write it with multidecode train-drafter --kind eagle")
+        layer_config = LlamaConfig(**{k: v for k, v in config.items() if k not in ("eagle", "multidecode_target",
+                                                                                  "training")})
+        layer_config._attn_implementation = "sdpa"
+        head = cls(layer_config, tensors["token_ids"], config["eagle"]["vocab_size"],
+                   target=config.get("multidecode_target"))
+        missing, unexpected = head.load_state_dict(tensors, strict=False)
+        missing = [k for k in missing if "embed_tokens" not in k and "lm_head" not in k]
+        if missing or unexpected:
+            raise InvalidArgument(f"{what} in {folder} does not match its config "
+                                  f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})",
+                                  "write it again with multidecode train-drafter --kind eagle")
+        head.config = config
+        return head
+
+
+@dataclass
+class _Branch:
+    """What the head holds for one branch: the last node of its path, and its generator."""
+
+    leaf: int = ROOT
+    generator: torch.Generator | None = None
+    grown: list[int] = field(default_factory=list)
+
+
+class Eagle(Proposer):
+    """Drafts with an `EagleHead` (see the module notes). width: candidates per node; confidence:
+    expand a node while its path probability is at least this; max_depth: the deepest node."""
+
+    name = "eagle"
+    layers = (-1,)
+    default_budget = 8
+
+    def __init__(self, head: EagleHead, *, width: int = 2, confidence: float = 0.05, max_depth: int = 6) -> None:
+        self.head = head
+        self.width, self.confidence, self.max_depth = width, confidence, max_depth
+        self.engine: Engine | None = None
+        self._branches: dict[int, _Branch] = {}
+        self._next_key = 0
+        self._grown: list[int] = []  # last round's draft nodes, taken back before the next
+        self._released = 0  # branches finished since the last compaction
+
+    def check(self, model) -> None:
+        if not isinstance(self.head, EagleHead) or not self.head.embed:
+            self.head.bind(model)
+        if self.engine is None:
+            self.engine = Engine(self.head.model)
+
+    def release(self, context: BranchContext) -> None:
+        if self._branches.pop(context.scratch.pop("eagle", -1), None) is not None:
+            self._released += 1
+
+    def propose(self, context: BranchContext, budget: int) -> DraftTree:
+        return self.propose_many([context], budget)[0]
+
+    def propose_many(self, contexts: Sequence[BranchContext], budget: int) -> list[DraftTree]:
+        trees = [DraftTree() for _ in contexts]
+        if self.engine is None:
+            raise InvalidArgument("the EAGLE proposer was not checked against a target", "call check(model) first")
+        self.engine.drop(self._grown)
+        self._grown = []
+        if self._released:  # finished branches' paths leave the head's cache
+            self.engine.compact([s.leaf for s in self._branches.values() if s.leaf != ROOT])
+            self._released = 0
+        ready = [b for b, c in enumerate(contexts) if c.features is not None]
+        if not ready or budget < 1:
+            return trees
+        states = [self._state(contexts[b]) for b in ready]
+        logits, hidden = self._catch_up([contexts[b] for b in ready], states)  # [B, V'], [B, hidden]
+        # frontier: (branch, candidate index or UNDER_LEAF, head node, path probability)
+        frontier = [(i, UNDER_LEAF, s.leaf, 1.0) for i, s in enumerate(states)]
+        for depth in range(1, self.max_depth + 1):
+            grow = []
+            for (i, parent, node, prob), row, feature in zip(frontier, logits, hidden):
+                b = ready[i]
+                for child, token, q in self._children(contexts[b], states[i], trees[b], parent, row, budget):
+                    if prob * q >= self.confidence and depth < self.max_depth:
+                        grow.append((i, child, node, prob * q, token, feature))
+            grow = self._worth_growing(grow, [budget - len(trees[b]) for b in ready])
+            if not grow:
+                break
+            logits, hidden, nodes = self._feed_grown(grow)
+            frontier = [(i, child, n, p) for (i, child, _, p, _, _), n in zip(grow, nodes)]
+        return trees
+
+    @staticmethod
+    def _worth_growing(grow: list, room: list[int]) -> list:
+        """The likeliest nodes to grow, at most as many per branch as its budget has room for
+        (each grown node adds at least one candidate)."""
+        kept = []
+        for g in sorted(grow, key=lambda g: -g[3]):
+            if room[g[0]] > 0:
+                room[g[0]] -= 1
+                kept.append(g)
+        return kept
+
+    def _state(self, context: BranchContext) -> _Branch:
+        key = context.scratch.get("eagle")
+        if key is None:
+            key = context.scratch["eagle"] = self._next_key
+            self._next_key += 1
+            self._branches[key] = _Branch(generator=draft_generator(context.sampling))
+        return self._branches[key]
+
+    def _catch_up(self, contexts: Sequence[BranchContext], states: Sequence[_Branch]):
+        """Feed each branch's newly settled pairs (the target's features with the tokens chosen
+        after them) to the head; its logits and predicted feature after each branch's last pair."""
+        chains, parents, inputs = [], [], []
+        for context, state in zip(contexts, states):
+            features = context.features[:, -1]  # [m, hidden]
+            tokens = torch.tensor(context.tokens[-len(features):])
+            chains.append(tokens.tolist())
+            parents.append(state.leaf)
+            inputs.append(self.head.inputs(features, tokens))
+        with torch.inference_mode():
+            nodes, logits = self.engine.feed_chains(chains, parents, hidden_layers=[-1], embeds=torch.cat(inputs))
+        for state, chain in zip(states, nodes):
+            state.leaf = chain[-1]
+        return logits, self.engine.hidden[:, 0]
+
+    def _feed_grown(self, grow) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """One head forward for every node worth growing: pair (its parent's predicted feature, its token)."""
+        tokens = torch.tensor([g[4] for g in grow])
+        features = torch.stack([g[5] for g in grow])
+        with torch.inference_mode():
+            nodes, logits = self.engine.feed(tokens.tolist(), [g[2] for g in grow], logits_for=range(len(grow)),
+                                             hidden_layers=[-1], embeds=self.head.inputs(features, tokens))
+        self._grown.extend(nodes)
+        return logits, self.engine.hidden[:, 0], nodes
+
+    def _children(self, context: BranchContext, state: _Branch, tree: DraftTree, parent: int,
+                  logits: torch.Tensor, budget: int) -> list[tuple[int, int, float]]:
+        """Add the candidates under `parent` from the head's logits there ([V'])."""
+        full = torch.full((self.head.vocab_size,), float("-inf"))
+        full[self.head.token_ids.cpu()] = logits.float().cpu()
+        params = context.sampling
+        scores = warp(full[None], [params])[0] if params.do_sample else full
+        q = scores.softmax(-1)  # [vocab]
+        count = min(self.width, budget - len(tree), int((q > 0).sum()))
+        if count < 1:
+            return []
+        if params.do_sample:
+            tokens = torch.multinomial(q, count, replacement=False, generator=state.generator).tolist()
+            tree.dists[parent] = q
+        else:
+            tokens = q.topk(count).indices.tolist()
+        out = []
+        for token in tokens:
+            chance = float(q[token])
+            out.append((tree.add(token, parent, kind=min(int(chance * 10), 9), prior=chance), token, chance))
+        return out

@@ -1,0 +1,180 @@
+"""The EAGLE-style head is exact: a random head changes nothing on every architecture (greedy
+equals `generate`, with eos inside the run and compaction at every step), a head that knows the
+target (on the hash LM) has every draft accepted in the predicted number of steps, stop strings
+and eos land inside accepted drafts, sampled output follows the target's softmax (a rule that
+trusts the draft fails), and a head written to disk loads back to the same drafts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from eos_cases import pick_eos, truncate
+from hash_lm import VOCAB as HASH_VOCAB
+from hash_lm import HashLM, LetterTokenizer, feature, logits_of
+from speculation_cases import (
+    BRANCHES,
+    HASH_BRANCHES,
+    HASH_PREFIX,
+    NO_EOS,
+    PREFIX,
+    STEPS,
+    combos,
+    cut_at_stop,
+    hash_expected,
+    outputs,
+    run,
+    tiny_references,
+)
+from test_medusa import _tokens_two_and_three
+from tiny_models import tiny_model
+
+from multidecode.errors import InvalidArgument
+from multidecode.proposers.eagle import Eagle, EagleHead, head_config
+from multidecode.proposers.heads import fingerprint
+from multidecode.scheduler import CompactionPolicy
+from multidecode.speculation import Speculation
+
+
+def random_head(model, *, draft_vocab: int | None = None, seed: int = 3) -> EagleHead:
+    """A head with random weights (unrelated to the target), bound to `model`."""
+    vocab = model.config.vocab_size
+    ids = torch.arange(vocab) if draft_vocab is None else \
+        torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
+    torch.manual_seed(seed)
+    return EagleHead(head_config(model, len(ids)), ids, vocab, target=fingerprint(model)).bind(model)
+
+
+class _OracleModel(torch.nn.Module):
+    """The hash LM run one pair ahead: a pair's input is (visible sum, position, token); its output
+    "feature" is the sum after the token, and its logits pick the hash LM's greedy token there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = HashLM().config
+        self.anchor = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+
+    def get_input_embeddings(self):
+        return torch.nn.Embedding(HASH_VOCAB, 1)
+
+    def forward(self, inputs_embeds=None, position_ids=None, past_key_values=None, logits_to_keep=None, **kwargs):
+        rows = inputs_embeds[0].double()  # [q, 3]
+        past_key_values.update(rows[None, None, :, :1], rows[None, None, :, :1], 0)
+        totals = rows[:, 0] + torch.tensor([float(feature(int(t), int(p) + 1)) for _, p, t in rows.tolist()],
+                                           dtype=torch.float64)
+        hidden = torch.stack([totals, rows[:, 1] + 1], -1)[None]  # [1, q, 2]
+        logits = 50 * torch.nn.functional.one_hot(logits_of(totals).argmax(-1), HASH_VOCAB).double()[None]
+        if logits_to_keep is not None and not isinstance(logits_to_keep, int):
+            logits = logits[:, logits_to_keep]
+        return _Out(logits, (hidden,))
+
+
+class _Out:
+    def __init__(self, logits, hidden_states) -> None:
+        self.logits, self.hidden_states = logits, hidden_states
+
+
+class HashOracleHead(EagleHead):
+    """An EAGLE head that knows the hash LM: its pairs are (sum, position, token), exactly."""
+
+    def __init__(self) -> None:
+        torch.nn.Module.__init__(self)
+        self.hidden_size, self.vocab_size, self.target = 2, HASH_VOCAB, None
+        self.model = _OracleModel()
+        self.register_buffer("token_ids", torch.arange(HASH_VOCAB))
+        self.embed = [None]  # bound: it reads no embeddings
+
+    def bind(self, model):
+        return self
+
+    def inputs(self, features, tokens):
+        return torch.cat([features.double(), tokens.double()[:, None]], -1)  # [n, 3]
+
+
+@pytest.mark.parametrize("arch, attn", combos())
+def test_a_random_eagle_head_is_exact_with_eos_and_compaction(arch, attn):
+    model = tiny_model(arch, attn)
+    full = tiny_references(arch, attn)
+    spec = Speculation(Eagle(random_head(model, draft_vocab=model.config.vocab_size // 2), confidence=0.0), budget=6)
+    forest = run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])
+    assert outputs(forest) == full
+    assert forest.stats.drafted > 0
+    eos = set(pick_eos(full, STEPS))
+    forest = run(model, PREFIX, BRANCHES, speculate=Speculation(Eagle(random_head(model), confidence=0.0), budget=6),
+                 max_new_tokens=STEPS, eos=eos, compaction=CompactionPolicy(every=1))
+    assert outputs(forest) == truncate(full, eos)
+
+
+@pytest.mark.parametrize("depth", [1, 3, 6])
+def test_a_head_that_knows_the_target_is_accepted_in_full(depth):
+    """On the hash LM, a head that knows it has every draft accepted: after the prompt's step
+    each step emits depth + 1 tokens, so the run takes 1 + ceil((n - 1) / (depth + 1)) steps."""
+    steps = 30
+    spec = Speculation(Eagle(HashOracleHead(), width=1, max_depth=depth), budget=depth)
+    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=spec, max_new_tokens=steps)
+    assert outputs(forest) == hash_expected(HASH_PREFIX, HASH_BRANCHES, steps)
+    assert forest.stats.steps == 1 + math.ceil((steps - 1) / (depth + 1))
+    assert forest.stats.accepted == forest.stats.drafted
+
+
+def test_stop_strings_and_eos_inside_accepted_eagle_drafts():
+    tokenizer = LetterTokenizer()
+    full = hash_expected(HASH_PREFIX, HASH_BRANCHES, 40)
+    stop = tokenizer.decode(full[0][6:8])
+
+    def spec():
+        return Speculation(Eagle(HashOracleHead(), width=1, max_depth=4), budget=4)
+
+    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=spec(), max_new_tokens=40, tokenizer=tokenizer,
+                 stop=[stop])
+    assert [b.output.text for b in forest.branches] == cut_at_stop([tokenizer.decode(out) for out in full], stop)
+    eos = {full[1][9]}
+    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=spec(), max_new_tokens=40, eos=eos)
+    assert outputs(forest) == hash_expected(HASH_PREFIX, HASH_BRANCHES, 40, eos)
+    assert forest.stats.accepted > 0
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("sampling")
+def test_sampled_eagle_speculation_follows_the_softmax_and_a_trusting_rule_fails(monkeypatch):
+    """3000 seeded samples with a random head drawing three candidates from its softmax: the
+    second tokens after the likeliest first one follow softmax(logits / T); a rule that takes the
+    first candidate wherever p gives it any chance fails (the head's guesses are rarely the
+    target's likeliest, so a 5% threshold would seldom trust them)."""
+    from speculation_cases import SAMPLE_PREFIX, frequencies_pass, tiny_softmax
+
+    def _trusting(p, q, candidates, generator):
+        return int(candidates[0]) if p[candidates[0]] > 0 else int(torch.multinomial(p, 1, generator=generator))
+
+    first = int(tiny_softmax(SAMPLE_PREFIX).argmax())
+    probs = tiny_softmax(SAMPLE_PREFIX + [first])
+
+    def spec_of(model):
+        return Speculation(Eagle(random_head(model, seed=4), width=3, confidence=0.0, max_depth=1), budget=3)
+
+    seconds, _, stats = _tokens_two_and_three(3000, spec_of)
+    assert stats.accepted > 100
+    assert len(seconds) > 200 and frequencies_pass(seconds, probs)
+    monkeypatch.setattr("multidecode.verify.speculative_sample", _trusting)
+    seconds, _, _ = _tokens_two_and_three(3000, spec_of)
+    assert not frequencies_pass(seconds, probs)
+
+
+def test_a_head_round_trips_and_one_for_another_model_is_refused(tmp_path):
+    model = tiny_model("llama", "sdpa")
+    head = random_head(model, draft_vocab=64)
+    head.save(tmp_path / "head")
+    loaded = EagleHead.load(tmp_path / "head").bind(model)
+    pairs = head.inputs(torch.randn(3, model.config.hidden_size), torch.tensor([5, 6, 7]))
+    assert torch.equal(loaded.inputs(torch.zeros(1, model.config.hidden_size), torch.tensor([5])),
+                       head.inputs(torch.zeros(1, model.config.hidden_size), torch.tensor([5])))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(inputs_embeds=pairs[None]).logits, head.model(inputs_embeds=pairs[None]).logits)
+    with pytest.raises(InvalidArgument, match="another model|hidden size"):
+        EagleHead.load(tmp_path / "head").bind(tiny_model("qwen2", "sdpa"))
+    (tmp_path / "medusa").mkdir()
+    (tmp_path / "medusa" / "config.json").write_text('{"medusa_num_heads": 2}')
+    (tmp_path / "medusa" / "eagle_head.pt").write_bytes(b"")
+    with pytest.raises(InvalidArgument):
+        EagleHead.load(tmp_path / "medusa")
