@@ -124,3 +124,27 @@ def test_bench_speculate_command_writes_its_three_files(tmp_path):
     assert bad.exit_code == 2 and "unknown workload(s): poem" in bad.output
     none = CliRunner().invoke(main, [*args, "--workloads", ","])
     assert none.exit_code == 2 and "no workload chosen" in none.output
+
+
+def test_the_learned_heads_of_the_model_join_the_benchmark(tmp_path, monkeypatch):
+    """With a Medusa and an EAGLE head trained for the model in the user cache, each is measured,
+    auto drafts with them and is compared with auto without them, and all equal plain greedy."""
+    from test_eagle import random_head
+    from test_medusa import random_heads
+
+    from multidecode.proposers.heads import head_dir
+
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    random_heads(model).save(head_dir(model, "medusa"))
+    random_head(model).save(head_dir(model, "eagle"))
+    settings = {"names": ["story"], "max_new_tokens": 6, "repeats": 1, "warmup": False}
+    result = run_speculate_benchmark(MultiDecoder(model, ByteTokenizer()), **settings)
+    assert result["answers_identical"] is True
+    (row,) = result["workloads"]
+    assert {"multidecode_medusa", "multidecode_eagle", "multidecode_auto_tokens"} <= set(row["methods"])
+    assert row["multidecode_auto_vs"]["multidecode_auto_tokens"]["speedup"] > 0
+    names = [t["name"] for t in result["targets"]]
+    assert "story: medusa over plain greedy" in names and "story: eagle over plain greedy" in names
+    assert "story: auto with the heads no worse than without" in names
+    assert set(result["config"]["learned_heads"]) == {"medusa", "eagle"}

@@ -84,3 +84,29 @@ def test_lookahead_joins_only_where_its_window_is_nearly_free():
     assert not any(isinstance(m, Lookahead) for m in mixture.members)
     mixture.fit(GPU_LIKE, branches=64, budget=16)  # 64 branches' windows are not free there either
     assert not any(isinstance(m, Lookahead) for m in mixture.members)
+
+
+class ByBranch(Fixed):
+    """Proposes a fixed path only for branches whose last token is in `for_last`, and counts what it is asked."""
+
+    def __init__(self, paths, for_last) -> None:
+        super().__init__(paths)
+        self.for_last, self.asked = set(for_last), []
+
+    def propose(self, context, budget):
+        self.asked.append(context.tokens[-1])
+        return super().propose(context, budget) if context.tokens[-1] in self.for_last else DraftTree()
+
+
+def test_a_fallback_is_asked_only_where_the_others_have_no_guess():
+    """Branch ending in 3 gets the member's draft; branch ending in 4 nothing from it, so the
+    fallback (a learned head, say) is asked for that branch alone, and both observe their views."""
+    member, fallback = ByBranch([[5, 6]], for_last=[3]), ByBranch([[7, 8]], for_last=[3, 4])
+    mixture = Mixture([member], fallbacks=[fallback])
+    contexts = [BranchContext([1, 2, 3], 3), BranchContext([1, 2, 4], 3)]
+    trees = mixture.propose_many(contexts, budget=8)
+    assert fallback.asked == [4]
+    assert trees[0].tokens == [5, 6] and trees[1].tokens == [7, 8]
+    assert trees[1].kinds[0] == KIND_STRIDE + 1  # the fallback's own kinds, for its acceptance
+    mixture.observe(contexts[1], trees[1], [0])
+    assert fallback.seen[-1][0] == [7] and member.seen[-1][0] == []

@@ -182,11 +182,12 @@ def named_proposer(mode: str, draft=None) -> Proposer:
 
 def auto_proposer(store=None, heads: Sequence = ()) -> Mixture:
     """What "auto" drafts with: prompt lookup and the suffix store (`store`, default the shared
-    one), the learned `heads` the model has, and lookahead where the hardware makes its window
-    nearly free (`Mixture.fit`, done when a run starts and the cost curve is known). The cost
-    model keeps the nodes of each that pay, by the acceptance each has had."""
-    members = [PromptLookup(), SuffixProposer(store=store), *(learned_proposer(h) for h in heads)]
-    return Mixture(members, name="auto", lookahead=True)
+    one), lookahead where the hardware makes its window nearly free (`Mixture.fit`, done when a
+    run starts and the cost curve is known), and the learned `heads` the model has, as fallbacks
+    for the branches the others have no guess for. The cost model keeps the nodes of each that
+    pay, by the acceptance each has had."""
+    return Mixture([PromptLookup(), SuffixProposer(store=store)], name="auto", lookahead=True,
+                   fallbacks=[learned_proposer(h) for h in heads or ()])
 
 
 def learned_kind(head) -> str:

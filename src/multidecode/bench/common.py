@@ -405,7 +405,7 @@ def suffix_over(store: SuffixStore | None = None) -> SuffixProposer:
     return SuffixProposer(store=SuffixStore() if store is None else store)
 
 
-def auto_over(store: SuffixStore | None = None, heads=None) -> Speculation:
+def auto_over(store: SuffixStore | None = None, heads=()) -> Speculation:
     """`speculate=` for "auto" (`speculation.auto_proposer`, its budget chosen by the cost model)
     drafting from `store` (default: a new, empty one), and from Medusa `heads` when given."""
     return Speculation(auto_proposer(SuffixStore() if store is None else store, heads=heads), None)

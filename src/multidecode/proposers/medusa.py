@@ -177,9 +177,10 @@ class Medusa(Proposer):
 
     name = "medusa"
     layers = (-1,)
-    default_budget = 8
+    default_budget = 4
 
-    def __init__(self, heads: MedusaHeads, *, width: int = 3, min_chance: float = 0.01) -> None:
+    # The defaults measured best on the three speculate workloads on this CPU (docs/benchmarks.md).
+    def __init__(self, heads: MedusaHeads, *, width: int = 2, min_chance: float = 0.01) -> None:
         self.heads = heads
         self.width, self.min_chance = width, min_chance
 

@@ -9,6 +9,11 @@ member's label for how it was guessed, offset per member (`kind = member * KIND_
 so `cost.AcceptanceTracker` learns each member's acceptance apart, and the cost model keeps only
 the nodes that pay, wherever they came from.
 
+**Fallbacks** are members asked only for the branches the others gave no candidate this step:
+a learned head (Medusa, EAGLE) costs a few small forwards whether or not its nodes are kept, so
+where prompt lookup or the suffix store already guess (an edit, repeated work) it is not run,
+and where they have nothing (open-ended text) it is.
+
 A member's candidates are merged in the member's own order. Draft distributions (`dists`) stay
 only where a single member proposed under a node (a sibling from another member is not a draw
 from q). Side nodes of every member are kept, each member's apart. After verification each member
@@ -37,14 +42,16 @@ class Mixture(Proposer):
 
     name = "mixture"
 
-    def __init__(self, members: Sequence[Proposer], name: str = "mixture", *, lookahead: bool = False) -> None:
+    def __init__(self, members: Sequence[Proposer], name: str = "mixture", *, lookahead: bool = False,
+                 fallbacks: Sequence[Proposer] = ()) -> None:
         if not members:
             raise ValueError("a Mixture needs at least one member")
         self.base = list(members)
-        self.members = list(members)
+        self.fallbacks = list(fallbacks)
+        self.members = self.base + self.fallbacks
         self.name = name
         self.lookahead = lookahead
-        reading = {tuple(m.layers) for m in members if m.layers}
+        reading = {tuple(m.layers) for m in [*members, *fallbacks] if m.layers}
         if len(reading) > 1:
             raise ValueError("the members of a Mixture that read hidden states must read the same layers")
         self.layers = reading.pop() if reading else ()  # what a learned member reads, fed for it
@@ -54,7 +61,7 @@ class Mixture(Proposer):
         allows one branch, kept only if it fits that rule at all (not its smallest fallback) and
         all `branches`' windows added to a full-budget step cost at most `max_ratio` times the
         step without them; otherwise no lookahead (as on a CPU, where every row costs)."""
-        self.members = list(self.base)
+        self.members = self.base + self.fallbacks
         if not self.lookahead:
             return
         candidate = Lookahead.from_cost(curve, max_ratio=max_ratio, budget=budget)
@@ -62,7 +69,7 @@ class Mixture(Proposer):
         without = branches * (1 + budget)
         added = curve.relative(without + branches * candidate.side_nodes, 0) / curve.relative(without, 0)
         if alone <= max_ratio and added <= max_ratio:
-            self.members.append(candidate)
+            self.members = [*self.base, candidate, *self.fallbacks]
 
     def check(self, model) -> None:
         for member in self.members:
@@ -76,7 +83,15 @@ class Mixture(Proposer):
         return self.propose_many([context], budget)[0]
 
     def propose_many(self, contexts: Sequence[BranchContext], budget: int) -> list[DraftTree]:
-        per_member = [member.propose_many(contexts, budget) for member in self.members]
+        first = len(self.members) - len(self.fallbacks)
+        per_member = [member.propose_many(contexts, budget) for member in self.members[:first]]
+        bare = [b for b in range(len(contexts)) if not any(len(drafts[b]) for drafts in per_member)]
+        for fallback in self.fallbacks:  # only for the branches nobody else guessed for
+            asked = fallback.propose_many([contexts[b] for b in bare], budget) if bare else []
+            drafts = [DraftTree() for _ in contexts]
+            for b, draft in zip(bare, asked):
+                drafts[b] = draft
+            per_member.append(drafts)
         merged = []
         for b, context in enumerate(contexts):
             tree = DraftTree()

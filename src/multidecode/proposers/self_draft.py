@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument, UnsupportedModel, is_int
+from ..models.packed import packed_bytes
 from ..models.vetting import text_config
 
 MAX_DRAFT_LENGTH = 8
@@ -413,10 +414,11 @@ def _greedy(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_weights(model, layers: nn.ModuleList) -> dict:
-    """Weights read per token: each layer's parameters, the output head's, and the sum."""
-    weight: dict = {i: sum(p.numel() for p in layer.parameters()) for i, layer in enumerate(layers)}
+    """Bytes of weights read per token: each layer's, the output head's, and the sum (packed
+    layers keep theirs in buffers, so bytes of both are counted, not parameters)."""
+    weight: dict = {i: packed_bytes(layer) for i, layer in enumerate(layers)}
     head = model.get_output_embeddings()
-    weight["head"] = head.weight.numel() if head is not None else 0
+    weight["head"] = packed_bytes(head) if head is not None else 0
     weight["all"] = weight["head"] + sum(weight[i] for i in range(len(layers)))
     return weight
 
