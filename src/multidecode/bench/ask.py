@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import data
+from ..exact import is_exact
 from ..prompts import common_prefix_length
 from ..speculation import SpeculationSettings
 from .common import Setup, hf_batched, hf_sequential, hf_shared_prefix, multidecode_forest, shared_prefix_length
@@ -70,7 +71,7 @@ def ask_benchmark(decoder, *, document: str | None = None, questions: Sequence[s
     positive_counts("K", ks, "pass ks=(1, 2, 4, 8, 16)")
     if not isinstance(speculate, SpeculationSettings):
         speculate = SpeculationSettings.parse(speculate)
-    speculate.check(decoder.model.dtype, draft=decoder.draft)
+    speculate.check(decoder.model.dtype, draft=decoder.draft, exact=is_exact(decoder.model))
     all_ks = sorted({int(k) for k in ks} | {len(questions)})
     pool = extend_questions(questions, extra_questions or (), max(all_ks))
     plan = _Plan(Setup.of(decoder), decoder.question_prompts(document, pool), pool, len(questions), max_new_tokens,
