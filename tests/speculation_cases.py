@@ -104,6 +104,7 @@ def frequencies_pass(draws: list[int], probs: np.ndarray) -> bool:
 
 def tiny_softmax(tokens: list[int]) -> np.ndarray:
     """The tiny Llama's next-token distribution after `tokens`, at temperature T."""
+    model = tiny_model("llama", "sdpa")  # made outside inference mode: the cached model is shared
     with torch.inference_mode():
-        logits = tiny_model("llama", "sdpa")(torch.tensor([tokens])).logits[0, -1].double()
+        logits = model(torch.tensor([tokens])).logits[0, -1].double()
     return torch.softmax(logits / T, -1).numpy()
