@@ -154,6 +154,30 @@ def test_a_left_padded_batch_gives_each_row_the_logits_of_the_row_alone(precisio
             assert torch.isfinite(got).all() and torch.equal(got, alone)
 
 
+@pytest.mark.parametrize("precision", ["bfloat16", "int4"])
+def test_padding_inside_a_batch_after_a_cached_prefix_gives_each_row_its_own_logits(precision):
+    """A shared prefix cached once, then tails padded on their left (padding inside each row, as a
+    benchmark baseline feeds transformers' `generate`): each row's last logits equal the row's
+    alone, bit for bit. Keys past the padding keep the positions transformers counts for them."""
+    from transformers import DynamicCache
+
+    model = exact_model("llama", "sdpa", precision)
+    prefix, tails = [5, 6, 7, 8, 9, 10], [[11, 12, 13, 14], [15, 16]]
+    width = max(map(len, tails))
+    ids = torch.tensor([[0] * (width - len(t)) + t for t in tails])
+    attention = torch.tensor([[1] * len(prefix) + [0] * (width - len(t)) + [1] * len(t) for t in tails])
+    positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, len(prefix):]
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([prefix]), use_cache=True, past_key_values=cache)
+        cache.batch_repeat_interleave(len(tails))
+        batched = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                        past_key_values=cache).logits[:, -1]
+        for tail, got in zip(tails, batched):
+            alone = model(input_ids=torch.tensor([prefix + tail])).logits[0, -1]
+            assert torch.equal(got, alone)
+
+
 # ---------------------------------------------------------------------- the plan, without a model
 def test_each_row_reads_each_of_its_position_blocks_once_and_chains_share_theirs():
     # a chain of 150 nodes (slots 0-149), then two branches of 20 under node 99 (slots 150-189)

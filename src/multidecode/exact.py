@@ -233,13 +233,18 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 
 def _sequence_plan(mask, query_positions, rows_count: int, keys: int, device, dtype) -> ExactPlan:
     """The plan of one plain sequence: keys are its tokens in order (the last `rows_count` the
-    queries), so key j sits `keys - 1 - j` positions before the last query; a key no query may
-    see (left padding) is no one's ancestor."""
+    queries). A key no query may see (padding, on the left or inside the sequence after a cached
+    prefix) is no one's ancestor and takes no position: the others count their positions past it,
+    as transformers counts position ids from the attention mask. Without a mask, key j sits
+    `keys - 1 - j` positions before the last query."""
     if query_positions is None:
         query_positions = torch.arange(keys - rows_count, keys)
     query_positions = query_positions.to("cpu", torch.long)
-    key_positions = (query_positions[-1] - (keys - 1 - torch.arange(keys))).clamp(min=0)
     seen = _allowed(mask, rows_count, keys, "cpu").any(0)  # [S]: keys some query sees
+    if mask is None:
+        key_positions = (query_positions[-1] - (keys - 1 - torch.arange(keys))).clamp(min=0)
+    else:  # [S]: the real keys' positions, padding skipped
+        key_positions = (seen.long().cumsum(0) - 1 + (query_positions[-1] - (int(seen.sum()) - 1))).clamp(min=0)
     visible = (key_positions[None, :] <= query_positions[:, None]) & seen[None, :]
     parents = torch.arange(-1, rows_count - 1)
     return plan_attention(visible, key_positions, query_positions, parents, row_multiple=row_multiple(dtype, device))
