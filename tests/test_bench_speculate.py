@@ -148,3 +148,20 @@ def test_the_learned_heads_of_the_model_join_the_benchmark(tmp_path, monkeypatch
     assert "story: medusa over plain greedy" in names and "story: eagle over plain greedy" in names
     assert "story: auto with the heads no worse than without" in names
     assert set(result["config"]["learned_heads"]) == {"medusa", "eagle"}
+
+
+def test_a_model_without_a_self_draft_runs_without_the_draft_methods(monkeypatch):
+    """Where the model cannot be self-drafted (a GGUF file whose layers keep different formats),
+    the benchmark leaves out the two self-draft methods and says why, and measures the rest."""
+    from multidecode.errors import UnsupportedModel
+
+    def refuse(*args, **kwargs):
+        raise UnsupportedModel("layer 1 of the target and layer 0 of the draft differ", "use another model")
+
+    monkeypatch.setattr("multidecode.bench.speculate.choose_skip", refuse)
+    settings = {"names": ["story"], "max_new_tokens": 4, "repeats": 1, "warmup": False}
+    result = run_speculate_benchmark(MultiDecoder(tiny_model("llama"), ByteTokenizer()), **settings)
+    (row,) = result["workloads"]
+    assert "hf_assisted_self" not in row["methods"] and "multidecode_draft" not in row["methods"]
+    assert "multidecode_auto" in row["methods"] and result["answers_identical"] is True
+    assert result["config"]["self_draft"].startswith("no self-draft: layer 1")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from .. import data
 from ..cost import cost_curve
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, MultiDecodeError
 from ..proposers.draft import DraftModel
 from ..proposers.lookahead import Lookahead
 from ..proposers.self_draft import choose_skip, decoder_layers
@@ -158,10 +158,11 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
     max_new_tokens: overrides every workload's own (for quick runs).
     """
     chosen, setup = choose(names), Setup.of(decoder)
-    draft, fitted, skip = _drafts(decoder)
+    draft, fitted, skip = _drafts(decoder)  # draft None: the model has no self-draft (skip says why)
     heads = decoder.learned_heads()  # the learned heads trained for the model, if any
     ours = _our_speculations(decoder, chosen, max_new_tokens, draft, fitted, heads)
-    measured = {name for name in LABELS if name not in HEADS_ONLY} | set(ours)
+    assisted = (ASSISTED,) if draft is not None else ()
+    measured = {*HF_METHODS, *assisted, *ours}
 
     def methods(prompt: list[int], new: int) -> tuple[Method, ...]:
         def hf(**how) -> Runner:
@@ -172,7 +173,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
                                                   eos_ids=setup.eos_ids)
 
         return (*(Method.named(LABELS, name, run=hf(lookup=n)) for name, n in HF_METHODS.items()),
-                Method.named(LABELS, ASSISTED, run=hf(assistant=decoder.draft_for(draft))),
+                *(Method.named(LABELS, name, run=hf(assistant=decoder.draft_for(draft))) for name in assisted),
                 *(Method.named(LABELS, name, run=md(speculate)) for name, speculate in ours.items()))
 
     def case(w: Workload) -> Case:
@@ -189,8 +190,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
         pairs=tuple((name, GREEDY) for name in LABELS if name != GREEDY and name in measured)
         + (((OURS_AUTO, OURS_AUTO_TOKENS),) if heads else ()),
         config={"workloads": [w.name for w in chosen], "decoding": "greedy", "eos_ids": setup.eos_ids,
-                "pad_id": setup.pad_id, "auto_floor": FLOOR, "self_draft_skips": skip.layers,
-                "self_draft_agreement": round(skip.agreement, 4), "lookahead_fit": repr(fitted),
+                "pad_id": setup.pad_id, "auto_floor": FLOOR, **_self_draft_config(skip), "lookahead_fit": repr(fitted),
                 "learned_heads": {learned_kind(h): getattr(h, "config", {}).get("training", {}) for h in heads},
                 "notes": [
                     "tokens_per_forward = new tokens / forward passes (prefill included).",
@@ -208,15 +208,27 @@ run_speculate_benchmark = runs(speculate_benchmark)
 Raises `AnswersDiffer` where a method's tokens differ from plain greedy `generate`."""
 
 
-def _drafts(decoder) -> tuple[SpeculationSettings, Lookahead, object]:
+def _drafts(decoder) -> tuple[SpeculationSettings | None, Lookahead, object]:
     """The self-draft's settings (its layers chosen on `data.self_draft_sample()`, skipping at
     least a quarter of them: a benchmark of a draft that is the target itself would say nothing,
     and on small models no skip set is expected to pay), the lookahead settings the cost curve
-    picks, and the layer choice."""
+    picks, and the layer choice. A model that cannot be self-drafted (a GGUF file whose layers
+    keep different formats cannot be renumbered) has no draft methods: None, and why."""
     model, tokenizer = decoder.model, decoder.tokenizer
-    skip = choose_skip(model, [tokenizer(data.self_draft_sample())["input_ids"]],
-                       min_skip=max(1, len(decoder_layers(model)[1]) // 4))
-    return SpeculationSettings.parse("draft", skip_layers=skip.layers), Lookahead.from_cost(cost_curve(model)), skip
+    fitted = Lookahead.from_cost(cost_curve(model))
+    try:
+        skip = choose_skip(model, [tokenizer(data.self_draft_sample())["input_ids"]],
+                           min_skip=max(1, len(decoder_layers(model)[1]) // 4))
+    except MultiDecodeError as err:
+        return None, fitted, f"no self-draft: {err.message}"
+    return SpeculationSettings.parse("draft", skip_layers=skip.layers), fitted, skip
+
+
+def _self_draft_config(skip) -> dict:
+    """What the results say of the self-draft: its skipped layers and agreement, or why there is none."""
+    if isinstance(skip, str):
+        return {"self_draft_skips": None, "self_draft": skip}
+    return {"self_draft_skips": skip.layers, "self_draft_agreement": round(skip.agreement, 4)}
 
 
 def _our_speculations(decoder, chosen: list[Workload], max_new_tokens: int | None, draft: SpeculationSettings,
@@ -240,7 +252,7 @@ def _our_speculations(decoder, chosen: list[Workload], max_new_tokens: int | Non
         OURS_LOOKAHEAD_FIT: SpeculationSettings.parse("lookahead", lookahead=(fitted.window, fitted.ngram,
                                                                               fitted.guesses)),
         OURS_SUFFIX: suffix_over,
-        OURS_DRAFT: draft,
+        **({OURS_DRAFT: draft} if draft is not None else {}),
         OURS_SUFFIX_2ND: lambda: suffix_over(seen),
         OURS_AUTO_2ND: lambda: auto_over(seen, heads),
         **learned,
