@@ -22,7 +22,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from hash_lm import reference
+from hash_lm import HashLM, LetterTokenizer, reference
 from scipy.stats import chisquare
 from tiny_models import VOCAB, reference_generate, tiny_model
 
@@ -62,6 +62,23 @@ def cut_at_stop(texts, stop: str) -> list[str]:
 
 def hash_expected(prefix, branches, steps, eos=frozenset()):
     return [reference(prefix + b, steps, set(eos)) for b in branches]
+
+
+def check_stops_and_eos_inside_drafts(spec_of) -> None:
+    """On the hash LM with a proposer whose drafts are all right (`spec_of()`: a fresh
+    `Speculation`): a stop string and an eos land inside accepted drafts, and the text and tokens
+    are cut where sequential decoding cuts them."""
+    tokenizer = LetterTokenizer()
+    full = hash_expected(HASH_PREFIX, HASH_BRANCHES, 40)
+    stop = tokenizer.decode(full[0][6:8])
+    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=spec_of(), max_new_tokens=40, tokenizer=tokenizer,
+                 stop=[stop])
+    assert [b.output.text for b in forest.branches] == cut_at_stop([tokenizer.decode(out) for out in full], stop)
+    assert forest.branches[0].output.finish_reason == "stop"
+    eos = {full[1][9]}
+    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=spec_of(), max_new_tokens=40, eos=eos)
+    assert outputs(forest) == hash_expected(HASH_PREFIX, HASH_BRANCHES, 40, eos)
+    assert forest.stats.accepted > 0
 
 
 # ---------------------------------------------------------------------- tiny transformers models

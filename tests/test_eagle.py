@@ -12,7 +12,7 @@ import pytest
 import torch
 from eos_cases import pick_eos, truncate
 from hash_lm import VOCAB as HASH_VOCAB
-from hash_lm import HashLM, LetterTokenizer, feature, logits_of
+from hash_lm import HashLM, feature, logits_of
 from speculation_cases import (
     BRANCHES,
     HASH_BRANCHES,
@@ -20,8 +20,8 @@ from speculation_cases import (
     NO_EOS,
     PREFIX,
     STEPS,
+    check_stops_and_eos_inside_drafts,
     combos,
-    cut_at_stop,
     hash_expected,
     outputs,
     run,
@@ -119,20 +119,7 @@ def test_a_head_that_knows_the_target_is_accepted_in_full(depth):
 
 
 def test_stop_strings_and_eos_inside_accepted_eagle_drafts():
-    tokenizer = LetterTokenizer()
-    full = hash_expected(HASH_PREFIX, HASH_BRANCHES, 40)
-    stop = tokenizer.decode(full[0][6:8])
-
-    def spec():
-        return Speculation(Eagle(HashOracleHead(), width=1, max_depth=4), budget=4)
-
-    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=spec(), max_new_tokens=40, tokenizer=tokenizer,
-                 stop=[stop])
-    assert [b.output.text for b in forest.branches] == cut_at_stop([tokenizer.decode(out) for out in full], stop)
-    eos = {full[1][9]}
-    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=spec(), max_new_tokens=40, eos=eos)
-    assert outputs(forest) == hash_expected(HASH_PREFIX, HASH_BRANCHES, 40, eos)
-    assert forest.stats.accepted > 0
+    check_stops_and_eos_inside_drafts(lambda: Speculation(Eagle(HashOracleHead(), width=1, max_depth=4), budget=4))
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 import torch
 from eos_cases import pick_eos, truncate
 from hash_lm import VOCAB as HASH_VOCAB
-from hash_lm import HashLM, LetterTokenizer, feature, logits_of
+from hash_lm import HashLM, feature, logits_of
 from speculation_cases import (
     BRANCHES,
     HASH_BRANCHES,
@@ -24,8 +24,8 @@ from speculation_cases import (
     SAMPLE_PREFIX,
     STEPS,
     T,
+    check_stops_and_eos_inside_drafts,
     combos,
-    cut_at_stop,
     frequencies_pass,
     hash_expected,
     outputs,
@@ -110,18 +110,7 @@ def test_heads_that_agree_with_the_target_are_accepted_in_full(heads):
 
 def test_stop_strings_and_eos_inside_accepted_medusa_drafts():
     """Stop strings and eos land inside accepted drafts; the text is cut where sequential decoding cuts."""
-    tokenizer = LetterTokenizer()
-    full = hash_expected(HASH_PREFIX, HASH_BRANCHES, 40)
-    stop = tokenizer.decode(full[0][6:8])
-    spec = Speculation(Medusa(HashOracle(4)), budget=4)
-    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=spec, max_new_tokens=40, tokenizer=tokenizer,
-                 stop=[stop])
-    assert [b.output.text for b in forest.branches] == cut_at_stop([tokenizer.decode(out) for out in full], stop)
-    assert forest.branches[0].output.finish_reason == "stop"
-    eos = {full[1][9]}
-    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=spec, max_new_tokens=40, eos=eos)
-    assert outputs(forest) == hash_expected(HASH_PREFIX, HASH_BRANCHES, 40, eos)
-    assert forest.stats.accepted > 0
+    check_stops_and_eos_inside_drafts(lambda: Speculation(Medusa(HashOracle(4)), budget=4))
 
 
 def _perturbed_heads(model) -> MedusaHeads:

@@ -65,8 +65,8 @@ AUTO_MAX_DRAFT = 16
 """In "auto", the most draft nodes a branch proposes per step (the cost model keeps fewer)."""
 
 MODES = ("lookup", "suffix", "lookahead", "draft", "medusa", "eagle", "auto")
-LEARNED = {"medusa": MedusaHeads, "eagle": EagleHead}
-"""The modes that draft with a learned head, and the head's class (found by `load_heads`)."""
+LEARNED = {"medusa": (MedusaHeads, Medusa), "eagle": (EagleHead, Eagle)}
+"""The modes that draft with a learned head: the head's class (found by `load_heads`) and its proposer's."""
 OFF = ("off", "none")
 """Names that mean no speculation, beside None."""
 EXACT_DTYPES = (torch.float32, torch.float64)
@@ -170,13 +170,14 @@ def named_proposer(mode: str, draft=None) -> Proposer:
                                   "on the command line, --draft-model PATH or --draft-skip-layers")
         return draft if isinstance(draft, DraftModel) else DraftModel(draft)
     if mode in LEARNED:
-        if isinstance(draft, (Medusa, Eagle)) and draft.name == mode:
+        head_class, proposer_class = LEARNED[mode]
+        if isinstance(draft, proposer_class):
             return draft
-        if not isinstance(draft, LEARNED[mode]):
+        if not isinstance(draft, head_class):
             raise InvalidArgument(f"speculate={mode!r} needs a {mode} head",
-                                  f"pass draft={LEARNED[mode].__name__}.load(folder), or train one for the model: "
+                                  f"pass draft={head_class.__name__}.load(folder), or train one for the model: "
                                   f"multidecode train-drafter --kind {mode}")
-        return learned_proposer(draft)
+        return proposer_class(draft)
     raise InvalidArgument(f"unknown speculation mode {mode!r}", f"use one of {', '.join(MODES)}, a Proposer, or None")
 
 
@@ -187,17 +188,12 @@ def auto_proposer(store=None, heads: Sequence = ()) -> Mixture:
     for the branches the others have no guess for. The cost model keeps the nodes of each that
     pay, by the acceptance each has had."""
     return Mixture([PromptLookup(), SuffixProposer(store=store)], name="auto", lookahead=True,
-                   fallbacks=[learned_proposer(h) for h in heads or ()])
+                   fallbacks=[named_proposer(learned_kind(h), h) for h in heads])
 
 
 def learned_kind(head) -> str:
     """The mode name of a learned head ("medusa", "eagle")."""
-    return next(kind for kind, cls in LEARNED.items() if isinstance(head, cls))
-
-
-def learned_proposer(head) -> Proposer:
-    """The proposer of a learned head: `Medusa` for Medusa heads, `Eagle` for an EAGLE head."""
-    return Medusa(head) if isinstance(head, MedusaHeads) else Eagle(head)
+    return next(kind for kind, (head_class, _) in LEARNED.items() if isinstance(head, head_class))
 
 
 # ---------------------------------------------------------------------- settings by name
@@ -350,11 +346,12 @@ def load_heads(settings: SpeculationSettings, model):
     writes), else the heads shipped in the package for the embedded model. Raises
     `InvalidArgument` when there are none, naming the command that trains them."""
     kind = settings.mode
+    head_class = LEARNED[kind][0]
     if settings.head is not None:
-        return LEARNED[kind].load(settings.head).bind(model)
+        return head_class.load(settings.head).bind(model)
     for folder in (head_dir(model, kind), shipped_head_dir(model, kind)):
         if (folder / "config.json").exists():
-            return LEARNED[kind].load(folder).bind(model)
+            return head_class.load(folder).bind(model)
     raise InvalidArgument(f"no {kind} head was trained for this model ({shape_key(model)})",
                           f"train one: multidecode train-drafter --model M --kind {kind} "
                           "(or name a head's folder with --draft-head)")

@@ -94,8 +94,9 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
         command = click.option("--lookahead", default=None, metavar="W,N,G",
                                help="Lookahead settings: window, n-gram size, guesses (default 7,5,7).")(command)
         command = click.option("--draft-head", default=None, metavar="DIR",
-                               help="A learned head's folder (Medusa's layout) to draft with; default: the heads "
-                                    "`multidecode train-drafter` trained for this model. Implies --speculate medusa.")(command)
+                               help="A learned head's folder to draft with (Medusa's layout, or an EAGLE head "
+                                    "with --speculate eagle); default: the head `multidecode train-drafter` trained "
+                                    "for this model. Implies --speculate medusa.")(command)
         command = click.option("--draft-skip-layers", default=None, metavar="LIST|auto",
                                help="Draft with the model itself, skipping these layers (e.g. 4,6,8-12), or "
                                     "'auto' to pick them by measured acceptance. Implies --speculate draft.")(command)
@@ -107,7 +108,7 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
         return click.option("--speculate", default=default, metavar="MODE", show_default=bool(default),
                             help="Speculative decoding inside every branch: lookup (prompt lookup), suffix (what "
                                  "this process saw before), lookahead (Jacobi window), draft (a draft model), medusa "
-                                 "(heads trained by train-drafter), auto (lookup, suffix and any trained heads, only "
+                                 "or eagle (heads trained by train-drafter), auto (lookup, suffix and any trained heads, only "
                                  "where the measured cost says it pays) or off. Never "
                                  "changes the output." + (" " + scope if scope else ""))(command)
 

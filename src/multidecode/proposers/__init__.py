@@ -180,6 +180,38 @@ class DraftTree:
         return self.keep(kept) if len(kept) < len(self) else self
 
 
+def vocabulary_size(model) -> int:
+    """The size of the model's next-token distribution: its output layer's, else its embeddings'."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if head is not None:
+        return head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
+    return model.get_input_embeddings().num_embeddings
+
+
+def add_candidates(tree: DraftTree, parent: int, q: torch.Tensor, count: int, generator: torch.Generator | None, *,
+                   min_prob: float = 0.0, kind: int | None = None) -> list[tuple[int, int, float]]:
+    """Add up to `count` candidates under `parent` from the draft distribution q ([vocab]): drawn
+    without replacement where `generator` is given (a sampled branch; q goes with the draft, see
+    `DraftTree.dists`), else the likeliest, those after the first only at `min_prob` or above.
+    A node's prior is its q; its kind is `kind`, else its q's decile. Returns (candidate index,
+    token, q) of each."""
+    count = min(count, int((q > 0).sum()))
+    if count < 1:
+        return []
+    if generator is not None:
+        tokens = torch.multinomial(q, count, replacement=False, generator=generator).tolist()
+        tree.dists[parent] = q
+    else:
+        values, ids = q.topk(count)
+        tokens = [t for n, (t, v) in enumerate(zip(ids.tolist(), values.tolist())) if n == 0 or v >= min_prob]
+    out = []
+    for token in tokens:
+        chance = float(q[token])
+        out.append((tree.add(token, parent, kind=min(int(chance * 10), 9) if kind is None else kind, prior=chance),
+                    token, chance))
+    return out
+
+
 def draft_generator(sampling: SamplingParams) -> torch.Generator | None:
     """The random stream a proposer draws a sampled branch's candidates from: seeded from the
     branch's seed (offset, so it is not the branch's own stream), else fresh; None for greedy."""

@@ -40,7 +40,7 @@ from ..forest import ROOT
 from ..prompts import common_prefix_length
 from ..sampling import warp
 from ..scheduler import Feed
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, draft_generator
+from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_generator, vocabulary_size
 
 
 @dataclass
@@ -51,14 +51,6 @@ class _Branch:
     path: list[int] = field(default_factory=list)  # draft node of each of the branch's tokens cached so far
     grown: dict[tuple[int, ...], int] = field(default_factory=dict)  # last step's tree: token path -> draft node
     generator: torch.Generator | None = None
-
-
-def vocabulary_size(model) -> int:
-    """The size of the model's next-token distribution: its output layer's, else its embeddings'."""
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if head is not None:
-        return head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
-    return model.get_input_embeddings().num_embeddings
 
 
 def check_same_tokenizer(target, draft) -> None:
@@ -155,25 +147,10 @@ class DraftModel(Proposer):
         """Add the candidates under `parent` from the draft's logits there ([vocab]); returns
         (candidate index, token, q of it) for each."""
         params = context.sampling
-        sampled = params.do_sample
-        scores = warp(logits[None].float(), [params])[0] if sampled else logits.float()
+        scores = warp(logits[None].float(), [params])[0] if params.do_sample else logits.float()
         q = scores.softmax(dim=-1).cpu()  # [vocab]
         count = 1 if float(q.max()) >= self.sure else self.width
-        count = min(count, budget - len(tree), int((q > 0).sum()))
-        if count < 1:
-            return []
-        if sampled:
-            tokens = torch.multinomial(q, count, replacement=False, generator=state.generator).tolist()
-            tree.dists[parent] = q
-        else:
-            values, ids = q.topk(count)
-            tokens = [t for n, (t, v) in enumerate(zip(ids.tolist(), values.tolist())) if n == 0 or v >= self.min_prob]
-        out = []
-        for token in tokens:
-            chance = float(q[token])
-            index = tree.add(token, parent, kind=min(int(chance * 10), 9), prior=chance)
-            out.append((index, token, chance))
-        return out
+        return add_candidates(tree, parent, q, min(count, budget - len(tree)), state.generator, min_prob=self.min_prob)
 
     # ------------------------------------------------------------------ the draft's engine
     def _state(self, context: BranchContext) -> _Branch:

@@ -40,9 +40,8 @@ from torch import nn
 from ..engine import Engine
 from ..errors import InvalidArgument
 from ..forest import ROOT
-from ..sampling import warp
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, draft_generator
-from .heads import check_fits, read_config, read_tensors, write_head
+from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_generator
+from .heads import check_fits, draft_distribution, read_config, read_tensors, write_head
 from .medusa import output_rows
 
 WEIGHTS = "eagle_head"
@@ -166,7 +165,7 @@ class Eagle(Proposer):
         self._released = 0  # branches finished since the last compaction
 
     def check(self, model) -> None:
-        if not isinstance(self.head, EagleHead) or not self.head.embed:
+        if not self.head.embed:  # not bound to the target yet
             self.head.bind(model)
         if self.engine is None:
             self.engine = Engine(self.head.model)
@@ -256,21 +255,5 @@ class Eagle(Proposer):
     def _children(self, context: BranchContext, state: _Branch, tree: DraftTree, parent: int,
                   logits: torch.Tensor, budget: int) -> list[tuple[int, int, float]]:
         """Add the candidates under `parent` from the head's logits there ([V'])."""
-        full = torch.full((self.head.vocab_size,), float("-inf"))
-        full[self.head.token_ids.cpu()] = logits.float().cpu()
-        params = context.sampling
-        scores = warp(full[None], [params])[0] if params.do_sample else full
-        q = scores.softmax(-1)  # [vocab]
-        count = min(self.width, budget - len(tree), int((q > 0).sum()))
-        if count < 1:
-            return []
-        if params.do_sample:
-            tokens = torch.multinomial(q, count, replacement=False, generator=state.generator).tolist()
-            tree.dists[parent] = q
-        else:
-            tokens = q.topk(count).indices.tolist()
-        out = []
-        for token in tokens:
-            chance = float(q[token])
-            out.append((tree.add(token, parent, kind=min(int(chance * 10), 9), prior=chance), token, chance))
-        return out
+        q = draft_distribution(logits, self.head.token_ids, self.head.vocab_size, context.sampling)  # [vocab]
+        return add_candidates(tree, parent, q, min(self.width, budget - len(tree)), state.generator)

@@ -1,11 +1,11 @@
 """Learned draft heads on disk: which target a head was trained for, where it is kept, and its tensors.
 
 A **learned head** is a small network that drafts from the target's own hidden states (Medusa's
-heads, `medusa`). It is only worth anything on the model it was trained for, so every head
+heads, `medusa`; an EAGLE-style layer, `eagle`). It is only worth anything on the model it was trained for, so every head
 written here carries its target's **fingerprint**: the shape of its config (architecture, layers,
 widths, vocabulary) and a **probe**, the sums of a few rows of its input embeddings. The shape
 names the folder a head is kept in (`head_dir`: the user cache, `drafters/<shape>/<kind>`, where
-`speculate="medusa"` looks first); the probe tells two models of one shape apart (a fine-tune of
+`speculate="medusa"` and `"eagle"` look first); the probe tells two models of one shape apart (a fine-tune of
 the same base), within the rounding that separates the target's precisions.
 
 Heads published elsewhere come in their own formats (a `config.json` beside a
@@ -23,7 +23,9 @@ import torch
 
 from .. import data
 from ..errors import InvalidArgument
+from ..sampling import SamplingParams, warp
 from ..user_cache import cache_dir
+from . import vocabulary_size
 
 SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
               "num_key_value_heads", "vocab_size")
@@ -56,21 +58,24 @@ def fingerprint(model) -> dict:
             "name": str(getattr(model.config, "_name_or_path", "") or "")}
 
 
-def output_size(model) -> int:
-    """The size of the target's LM head's output (its vocabulary)."""
-    head = model.get_output_embeddings()
-    return getattr(head, "out_features", None) or head.weight.shape[0]
-
-
 def check_fits(model, hidden_size: int, vocab_size: int, recorded: dict | None, kind: str) -> None:
     """Refuse a head of `kind` made for other widths than `model`'s, or trained for another model."""
     what = f"the {kind} head"
-    hidden, vocab = getattr(model.config, "hidden_size", None), output_size(model)
+    hidden, vocab = getattr(model.config, "hidden_size", None), vocabulary_size(model)
     if hidden != hidden_size or vocab != vocab_size:
         raise InvalidArgument(f"{what} is for hidden size {hidden_size} and a vocabulary of {vocab_size}, "
                               f"the model has {hidden} and {vocab}",
                               f"train one for this model: multidecode train-drafter --kind {kind}")
     check_target(recorded, model, what)
+
+
+def draft_distribution(logits: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int,
+                       sampling: SamplingParams) -> torch.Tensor:
+    """A head's logits over its draft vocabulary ([V'], the target ids `token_ids`; None: the whole
+    vocabulary) as a distribution over the target's [vocab], warped as the branch samples."""
+    full = torch.full((vocab_size,), float("-inf"))
+    full[slice(None) if token_ids is None else token_ids.cpu()] = logits.float().cpu()
+    return (warp(full[None], [sampling])[0] if sampling.do_sample else full).softmax(-1)
 
 
 def check_target(recorded: dict | None, model, what: str) -> None:

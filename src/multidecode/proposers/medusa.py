@@ -36,9 +36,8 @@ from torch import nn
 
 from ..errors import InvalidArgument
 from ..models.packed import PackedLinear
-from ..sampling import warp
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, draft_generator
-from .heads import check_fits, read_config, read_tensors, write_head
+from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_generator
+from .heads import check_fits, draft_distribution, read_config, read_tensors, write_head
 
 WEIGHTS = "medusa_lm_head"
 """The stem of a Medusa head's weights file, as the Medusa project names it."""
@@ -234,20 +233,13 @@ class Medusa(Proposer):
         if generator is None:
             generator = context.scratch["medusa"] = draft_generator(context.sampling)
         tree, parent, chance = DraftTree(), UNDER_LEAF, 1.0
-        for depth in range(logits.shape[0]):
-            full = torch.full((self.heads.vocab_size,), float("-inf"))
-            full[self._target_ids(torch.arange(logits.shape[1]))] = logits[depth]
-            q = warp(full[None], [context.sampling])[0].softmax(-1)  # [vocab]
-            count = min(self.width, budget - len(tree), int((q > 0).sum()))
-            if count < 1:
+        for depth, row in enumerate(logits):
+            q = draft_distribution(row, self.heads.token_ids, self.heads.vocab_size, context.sampling)  # [vocab]
+            drawn = add_candidates(tree, parent, q, min(self.width, budget - len(tree)), generator, kind=depth + 1)
+            if not drawn:
                 break
-            drawn = torch.multinomial(q, count, replacement=False, generator=generator).tolist()
-            tree.dists[parent] = q
-            first = None
-            for token in drawn:
-                index = tree.add(token, parent, kind=depth + 1, prior=float(q[token]))
-                first = index if first is None else first
-            chance *= float(q[drawn[0]])
+            first, _, q_first = drawn[0]
+            chance *= q_first
             if chance < self.min_chance:
                 break
             parent = first

@@ -38,8 +38,9 @@ from ..engine import Engine
 from ..errors import InvalidArgument
 from ..forest import chain_parents
 from ..prompts import render_prompt, tokenize_prompt
+from ..proposers import vocabulary_size
 from ..proposers.eagle import EagleHead, head_config
-from ..proposers.heads import fingerprint, head_dir, output_size
+from ..proposers.heads import fingerprint, head_dir
 from ..proposers.medusa import MedusaHeads
 from .features import TOP, Features, load_features
 from .trainees import EagleTrainee, MedusaTrainee
@@ -175,10 +176,10 @@ def new_trainee(settings: DistillSettings, model, token_ids: torch.Tensor, data_
     """The trainee of `settings.kind`: fresh heads bound to `model`, over `data_`."""
     device = next(model.parameters()).device
     if settings.kind == "eagle":
-        head = EagleHead(head_config(model, len(token_ids)), token_ids, output_size(model), target=fingerprint(model))
+        head = EagleHead(head_config(model, len(token_ids)), token_ids, vocabulary_size(model), target=fingerprint(model))
         head.bind(model)
         return EagleTrainee(head.to(device), data_)
-    heads = MedusaHeads(model.config.hidden_size, output_size(model), settings.heads, num_layers=settings.layers,
+    heads = MedusaHeads(model.config.hidden_size, vocabulary_size(model), settings.heads, num_layers=settings.layers,
                         token_ids=token_ids, target=fingerprint(model)).bind(model)
     return MedusaTrainee(heads.to(device), data_, settings.batch_positions)
 
@@ -247,8 +248,7 @@ def read_features(model, answers: list[dict], folder: Path) -> Iterator[Progress
                      "top_probs": probs.to(torch.float16).cpu(), "prompt_length": len(record["prompt"]),
                      "tokens": torch.tensor(tokens, dtype=torch.int32)}
             engine.compact([])
-            torch.save(state, path.with_suffix(".tmp"))
-            path.with_suffix(".tmp").replace(path)
+            _save(state, path)
         yield Progress("read", n + 1, len(answers))
 
 
@@ -259,7 +259,7 @@ def draft_vocabulary(answers: list[dict], size: int, model) -> torch.Tensor:
         counts.update(record["answer"])
     for record in answers:
         counts.update({t: 0 for t in record["prompt"]})  # seen, after every written token
-    vocab = output_size(model)
+    vocab = vocabulary_size(model)
     if size >= vocab:
         return torch.arange(vocab)
     chosen = [t for t, _ in counts.most_common(size)]
@@ -298,8 +298,12 @@ def train_loop(trainee, settings: DistillSettings, checkpoint: Path, log: list[d
 
 def _save_checkpoint(path: Path, settings: DistillSettings, module, optimizer, schedule, step: int,
                      log: list[dict]) -> None:
-    state = {"key": settings.training_key(), "step": step, "module": _trained_state(module),
-             "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "log": log}
+    _save({"key": settings.training_key(), "step": step, "module": _trained_state(module),
+           "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "log": log}, path)
+
+
+def _save(state: dict, path: Path) -> None:
+    """torch.save, whole or not at all (an interrupted write leaves the old file, or none)."""
     torch.save(state, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)
 
