@@ -60,3 +60,26 @@ def tiny_model_folder(path: Path, *, max_positions: int = 256, chat: bool = True
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def tiny_mtp_folder(path: Path, *, seed: int = 5) -> Path:
+    """Write a tiny Mellum (a model whose checkpoint carries an MTP layer) + tokenizer into `path`,
+    its MTP layer's weights in the published layout (`mtp.*` keys beside the model's, which its own
+    load leaves out); returns `path`."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import MTP_ARCHITECTURES, random_mtp
+
+    tokenizer = tiny_tokenizer(True, 400)
+    config, cls = MTP_ARCHITECTURES["mellum"]()
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    model = cls(config)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    mtp = {f"mtp.{k}": v.contiguous() for k, v in random_mtp(model, seed).state_dict().items()
+           if not k.startswith(("embed_tokens", "shared_head"))}
+    weights = path / "model.safetensors"
+    save_file({**load_file(weights), **mtp}, weights, metadata={"format": "pt"})
+    return path

@@ -77,3 +77,62 @@ def reference_generate(model, prompt: list[int], *, max_new_tokens: int, eos_tok
             do_sample=False, max_new_tokens=max_new_tokens, **kwargs,
         )
     return out[0, len(prompt):].tolist()
+
+
+MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+MTP_ARCHITECTURES = {
+    # hybrid sliding and full layers, MoE; its MTP layer is a sliding one
+    "mellum": lambda: (
+        tf.MellumConfig(**COMMON, **{**ROPE, "num_hidden_layers": 2}, **MOE, head_dim=16, num_experts=4,
+                        sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                        mlp_layer_types=["dense", "sparse"], num_mtp_layers=1),
+        tf.MellumForCausalLM,
+    ),
+    # GQA with partial rotary, a dense first layer then MoE (GLM-4.5)
+    "glm4_moe": lambda: (
+        tf.Glm4MoeConfig(**COMMON, **ROPE, **MOE, n_routed_experts=4, first_k_dense_replace=1, n_group=1,
+                         topk_group=1, num_nextn_predict_layers=1),
+        tf.Glm4MoeForCausalLM,
+    ),
+    # multi-head latent attention, MoE (DeepSeek-V3)
+    "deepseek_v3": lambda: (
+        tf.DeepseekV3Config(**COMMON, **{**ROPE, "num_key_value_heads": 4}, **MOE, n_routed_experts=4,
+                            first_k_dense_replace=1, n_group=1, topk_group=1, num_nextn_predict_layers=1,
+                            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+        tf.DeepseekV3ForCausalLM,
+    ),
+}
+"""Models whose checkpoints carry one multi-token-prediction layer: name -> () -> (config, model class)."""
+
+
+@functools.cache
+def tiny_mtp_model(arch: str, attn: str = "sdpa"):
+    """A deterministic tiny model of an `MTP_ARCHITECTURES` kind (cached)."""
+    config, cls = MTP_ARCHITECTURES[arch]()
+    config._attn_implementation = attn
+    torch.manual_seed(1234)
+    model = cls(config).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def random_mtp(model, seed: int = 5):
+    """transformers' MTP module for `model` (one layer), with random weights (norms at one).
+
+    Every weight of its own is drawn here: `MtpModel`'s init leaves some (the experts' stacked
+    projections) as uninitialized memory, which a checkpoint's load fills."""
+    from transformers.modeling_layers import MtpModel
+
+    mtp = MtpModel(model, 1).eval()
+    generator = torch.Generator().manual_seed(seed)
+    shared = {id(p) for p in [*model.get_input_embeddings().parameters(), *model.get_output_embeddings().parameters()]}
+    with torch.no_grad():
+        for name, weight in mtp.named_parameters():
+            if id(weight) in shared:
+                continue
+            if "norm" in name:
+                weight.fill_(1.0)
+            else:
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.1)
+    return mtp

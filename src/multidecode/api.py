@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from .branches import BranchRun, TokenEvent, start, start_prompts
 from .cost import CostCurve
 from .engine import Engine
-from .errors import InvalidArgument
+from .errors import InvalidArgument, UnsupportedModel
 from .exact import is_exact
 from .memory import Footprint, activation_dtype, available_bytes
 from .models.loading import Loaded, load_model
@@ -96,14 +96,14 @@ class MultiDecoder:
 
     def learned_heads(self) -> list:
         """The learned heads trained for this model (in the user cache, or shipped for the
-        embedded model), of each kind: "auto" drafts with them too, where the cost model finds
-        they pay."""
+        embedded model), of each kind, and the MTP layer its checkpoint ships: "auto" drafts with
+        them too, where the cost model finds they pay."""
         if "auto" not in self._drafts:
             found = []
             for kind in LEARNED:
                 try:
                     found.append(load_heads(SpeculationSettings(kind), self.model))
-                except InvalidArgument:  # none, or trained for another model: auto goes without
+                except (InvalidArgument, UnsupportedModel):  # none, or for another model: auto goes without
                     pass
             self._drafts["auto"] = found
         return self._drafts["auto"]

@@ -14,6 +14,9 @@
   heads; `proposers.eagle`, an EAGLE-style decoder layer): the head `head=` names (a folder), else
   the one trained for this model by `multidecode train-drafter` (kept in the user cache), else
   the one shipped for the embedded model;
+- "mtp": the multi-token-prediction layer that ships in the model's own checkpoint
+  (`proposers.mtp`: DeepSeek-V3, GLM-4.5, Mellum style), read from the files the model was
+  loaded from;
 - "auto": prompt lookup and the suffix store merged into one tree (`proposers.mixture`), with
   the draft nodes of each step chosen by the measured cost of a forward on this hardware and the
   acceptance each source has had so far (`cost`), so that it speculates only where that pays,
@@ -55,6 +58,7 @@ from .proposers.lookahead import Lookahead
 from .proposers.lookup import PromptLookup
 from .proposers.medusa import Medusa, MedusaHeads
 from .proposers.mixture import Mixture
+from .proposers.mtp import Mtp, MtpHead
 from .proposers.self_draft import choose_skip, self_draft
 from .proposers.suffix import SuffixProposer
 
@@ -64,9 +68,11 @@ DEFAULT_BUDGET = 8
 AUTO_MAX_DRAFT = 16
 """In "auto", the most draft nodes a branch proposes per step (the cost model keeps fewer)."""
 
-MODES = ("lookup", "suffix", "lookahead", "draft", "medusa", "eagle", "auto")
-LEARNED = {"medusa": (MedusaHeads, Medusa), "eagle": (EagleHead, Eagle)}
+MODES = ("lookup", "suffix", "lookahead", "draft", "medusa", "eagle", "mtp", "auto")
+LEARNED = {"medusa": (MedusaHeads, Medusa), "eagle": (EagleHead, Eagle), "mtp": (MtpHead, Mtp)}
 """The modes that draft with a learned head: the head's class (found by `load_heads`) and its proposer's."""
+SHIPPED_WITH_MODEL = ("mtp",)
+"""The learned kinds whose head comes in the model's own checkpoint, not from a folder of its own."""
 OFF = ("off", "none")
 """Names that mean no speculation, beside None."""
 EXACT_DTYPES = (torch.float32, torch.float64)
@@ -173,6 +179,8 @@ def named_proposer(mode: str, draft=None) -> Proposer:
         head_class, proposer_class = LEARNED[mode]
         if isinstance(draft, proposer_class):
             return draft
+        if draft is None and mode in SHIPPED_WITH_MODEL:
+            return proposer_class()  # reads its head from the target's checkpoint when the run starts
         if not isinstance(draft, head_class):
             raise InvalidArgument(f"speculate={mode!r} needs a {mode} head",
                                   f"pass draft={head_class.__name__}.load(folder), or train one for the model: "
@@ -192,7 +200,7 @@ def auto_proposer(store=None, heads: Sequence = ()) -> Mixture:
 
 
 def learned_kind(head) -> str:
-    """The mode name of a learned head ("medusa", "eagle")."""
+    """The mode name of a learned head ("medusa", "eagle", "mtp")."""
     return next(kind for kind, (head_class, _) in LEARNED.items() if isinstance(head, head_class))
 
 
@@ -260,8 +268,9 @@ class SpeculationSettings:
             mode = "draft"
         if head is not None and mode in (None, "auto"):
             mode = "medusa"
-        if head is not None and mode not in LEARNED:
-            raise InvalidArgument(f"{spelling.head} names a learned head, but {spelling.is_set(mode)}",
+        if head is not None and (mode not in LEARNED or mode in SHIPPED_WITH_MODEL):
+            raise InvalidArgument(f"{spelling.head} names a learned head, but {spelling.is_set(mode)}"
+                                  + (" (whose layers come in the model's own checkpoint)" if mode in LEARNED else ""),
                                   f"use {spelling.setting('medusa')} or {spelling.setting('eagle')}")
         if budget is not None:
             check_positive("the draft budget", budget)
@@ -343,10 +352,13 @@ def load_draft(settings: SpeculationSettings, model, tokenizer):
 def load_heads(settings: SpeculationSettings, model):
     """The learned heads of `settings` for `model`, checked against it: from the folder
     `settings.head`, else the user cache (`heads.head_dir`, where `multidecode train-drafter`
-    writes), else the heads shipped in the package for the embedded model. Raises
-    `InvalidArgument` when there are none, naming the command that trains them."""
+    writes), else the heads shipped in the package for the embedded model; an MTP layer from the
+    model's own checkpoint. Raises `InvalidArgument` when there are none, naming the command that
+    trains them."""
     kind = settings.mode
     head_class = LEARNED[kind][0]
+    if kind in SHIPPED_WITH_MODEL:
+        return head_class.of(model)
     if settings.head is not None:
         return head_class.load(settings.head).bind(model)
     for folder in (head_dir(model, kind), shipped_head_dir(model, kind)):

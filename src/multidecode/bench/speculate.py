@@ -47,7 +47,8 @@ OURS_LOOKAHEAD, OURS_LOOKAHEAD_FIT = "multidecode_lookahead", "multidecode_looka
 OURS_SUFFIX, OURS_DRAFT = "multidecode_suffix", "multidecode_draft"
 OURS_SUFFIX_2ND, OURS_AUTO_2ND = "multidecode_suffix_2nd", "multidecode_auto_2nd"
 OURS_MEDUSA, OURS_EAGLE, OURS_AUTO_TOKENS = "multidecode_medusa", "multidecode_eagle", "multidecode_auto_tokens"
-LEARNED_METHODS = {"medusa": OURS_MEDUSA, "eagle": OURS_EAGLE}
+OURS_MTP = "multidecode_mtp"
+LEARNED_METHODS = {"medusa": OURS_MEDUSA, "eagle": OURS_EAGLE, "mtp": OURS_MTP}
 """A learned head's kind -> its method, measured where the model has such a head."""
 HF_METHODS = {GREEDY: 0, LOOKUP_3: 3, LOOKUP_10: 10}
 """transformers' prompt-lookup methods -> prompt_lookup_num_tokens (0: plain greedy)."""
@@ -67,6 +68,7 @@ LABELS = {
     OURS_AUTO_2ND: ("MultiDecode auto, second pass", "MD auto 2nd"),
     OURS_MEDUSA: ("MultiDecode speculate='medusa' (heads from train-drafter)", "MD medusa"),
     OURS_EAGLE: ("MultiDecode speculate='eagle' (head from train-drafter)", "MD eagle"),
+    OURS_MTP: ("MultiDecode speculate='mtp' (the checkpoint's MTP layer)", "MD mtp"),
     OURS_AUTO_TOKENS: ("MultiDecode auto without the learned heads, first pass", "MD auto tokens"),
 }
 """Method -> (label, short label)."""

@@ -108,7 +108,8 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
         return click.option("--speculate", default=default, metavar="MODE", show_default=bool(default),
                             help="Speculative decoding inside every branch: lookup (prompt lookup), suffix (what "
                                  "this process saw before), lookahead (Jacobi window), draft (a draft model), medusa "
-                                 "or eagle (heads trained by train-drafter), auto (lookup, suffix and any trained heads, only "
+                                 "or eagle (heads trained by train-drafter), mtp (the multi-token-prediction layer in the "
+                                 "model's checkpoint), auto (lookup, suffix and any learned heads, only "
                                  "where the measured cost says it pays) or off. Never "
                                  "changes the output." + (" " + scope if scope else ""))(command)
 

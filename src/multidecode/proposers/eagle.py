@@ -171,7 +171,7 @@ class Eagle(Proposer):
             self.engine = Engine(self.head.model)
 
     def release(self, context: BranchContext) -> None:
-        if self._branches.pop(context.scratch.pop("eagle", -1), None) is not None:
+        if self._branches.pop(context.scratch.pop(self.name, -1), None) is not None:
             self._released += 1
 
     def propose(self, context: BranchContext, budget: int) -> DraftTree:
@@ -219,9 +219,9 @@ class Eagle(Proposer):
         return kept
 
     def _state(self, context: BranchContext) -> _Branch:
-        key = context.scratch.get("eagle")
+        key = context.scratch.get(self.name)  # by name: an EAGLE head and an MTP layer may both draft
         if key is None:
-            key = context.scratch["eagle"] = self._next_key
+            key = context.scratch[self.name] = self._next_key
             self._next_key += 1
             self._branches[key] = _Branch(generator=draft_generator(context.sampling))
         return self._branches[key]
