@@ -94,6 +94,23 @@ def combos():
             for arch in ARCHS for attn in ("eager", "sdpa")]
 
 
+def check_exact_with_eos_and_compaction(model, full, spec_of) -> None:
+    """A run of `model` with `spec_of()` (a fresh `Speculation`) gives `full` (what `generate` gives,
+    never stopping early) and drafts; with eos ids picked inside the run and finished branches
+    compacted out at every step, it gives `full` cut at them."""
+    from eos_cases import pick_eos, truncate
+
+    from multidecode.scheduler import CompactionPolicy
+
+    forest = run(model, PREFIX, BRANCHES, speculate=spec_of(), max_new_tokens=STEPS, eos=[NO_EOS])
+    assert outputs(forest) == full
+    assert forest.stats.drafted > 0
+    eos = set(pick_eos(full, STEPS))
+    forest = run(model, PREFIX, BRANCHES, speculate=spec_of(), max_new_tokens=STEPS, eos=eos,
+                 compaction=CompactionPolicy(every=1))
+    assert outputs(forest) == truncate(full, eos)
+
+
 def tiny_references(arch, attn, branches=BRANCHES, steps=STEPS):
     model = tiny_model(arch, attn)
     return [reference_generate(model, PREFIX + b, max_new_tokens=steps, eos_token_id=NO_EOS) for b in branches]

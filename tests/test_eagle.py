@@ -10,16 +10,12 @@ import math
 
 import pytest
 import torch
-from eos_cases import pick_eos, truncate
 from hash_lm import VOCAB as HASH_VOCAB
 from hash_lm import HashLM, feature, logits_of
 from speculation_cases import (
-    BRANCHES,
     HASH_BRANCHES,
     HASH_PREFIX,
-    NO_EOS,
-    PREFIX,
-    STEPS,
+    check_exact_with_eos_and_compaction,
     check_stops_and_eos_inside_drafts,
     combos,
     hash_expected,
@@ -33,7 +29,6 @@ from tiny_models import tiny_model
 from multidecode.errors import InvalidArgument
 from multidecode.proposers.eagle import Eagle, EagleHead, head_config
 from multidecode.proposers.heads import fingerprint
-from multidecode.scheduler import CompactionPolicy
 from multidecode.speculation import Speculation
 
 
@@ -96,14 +91,8 @@ class HashOracleHead(EagleHead):
 def test_a_random_eagle_head_is_exact_with_eos_and_compaction(arch, attn):
     model = tiny_model(arch, attn)
     full = tiny_references(arch, attn)
-    spec = Speculation(Eagle(random_head(model, draft_vocab=model.config.vocab_size // 2), confidence=0.0), budget=6)
-    forest = run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])
-    assert outputs(forest) == full
-    assert forest.stats.drafted > 0
-    eos = set(pick_eos(full, STEPS))
-    forest = run(model, PREFIX, BRANCHES, speculate=Speculation(Eagle(random_head(model), confidence=0.0), budget=6),
-                 max_new_tokens=STEPS, eos=eos, compaction=CompactionPolicy(every=1))
-    assert outputs(forest) == truncate(full, eos)
+    head = random_head(model, draft_vocab=model.config.vocab_size // 2)
+    check_exact_with_eos_and_compaction(model, full, lambda: Speculation(Eagle(head, confidence=0.0), budget=6))
 
 
 @pytest.mark.parametrize("depth", [1, 3, 6])

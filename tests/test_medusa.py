@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-from eos_cases import pick_eos, truncate
 from hash_lm import VOCAB as HASH_VOCAB
 from hash_lm import HashLM, feature, logits_of
 from speculation_cases import (
@@ -24,6 +23,7 @@ from speculation_cases import (
     SAMPLE_PREFIX,
     STEPS,
     T,
+    check_exact_with_eos_and_compaction,
     check_stops_and_eos_inside_drafts,
     combos,
     frequencies_pass,
@@ -39,7 +39,6 @@ import multidecode
 from multidecode.errors import InvalidArgument
 from multidecode.proposers.heads import fingerprint
 from multidecode.proposers.medusa import Medusa, MedusaHeads
-from multidecode.scheduler import CompactionPolicy
 from multidecode.speculation import Speculation, SpeculationSettings, load_heads
 
 
@@ -86,14 +85,8 @@ def test_random_medusa_heads_are_exact_with_eos_and_compaction(arch, attn):
     eos inside the run and finished branches compacted out at every step."""
     model = tiny_model(arch, attn)
     full = tiny_references(arch, attn)
-    spec = Speculation(Medusa(random_heads(model, draft_vocab=model.config.vocab_size // 2), min_chance=0.0), budget=6)
-    forest = run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=[NO_EOS])
-    assert outputs(forest) == full
-    assert forest.stats.drafted > 0
-    eos = set(pick_eos(full, STEPS))
-    forest = run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS, eos=eos,
-                 compaction=CompactionPolicy(every=1))
-    assert outputs(forest) == truncate(full, eos)
+    heads = random_heads(model, draft_vocab=model.config.vocab_size // 2)
+    check_exact_with_eos_and_compaction(model, full, lambda: Speculation(Medusa(heads, min_chance=0.0), budget=6))
 
 
 @pytest.mark.parametrize("heads", [1, 3, 5])

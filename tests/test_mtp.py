@@ -11,9 +11,8 @@ import json
 
 import pytest
 import torch
-from eos_cases import pick_eos, truncate
 from local_models import tiny_model_folder, tiny_mtp_folder
-from speculation_cases import BRANCHES, NO_EOS, PREFIX, STEPS, outputs, run
+from speculation_cases import BRANCHES, NO_EOS, PREFIX, STEPS, check_exact_with_eos_and_compaction, outputs, run
 from tiny_models import random_mtp, reference_generate, tiny_mtp_model
 
 import multidecode
@@ -21,7 +20,6 @@ from multidecode.engine import Engine
 from multidecode.errors import InvalidArgument
 from multidecode.forest import chain_parents
 from multidecode.proposers.mtp import Mtp, MtpHead
-from multidecode.scheduler import CompactionPolicy
 from multidecode.speculation import Speculation, SpeculationSettings
 
 try:
@@ -42,14 +40,7 @@ def test_a_random_mtp_layer_is_exact_with_eos_and_compaction(arch, attn):
     model = tiny_mtp_model(arch, attn)
     full = references(model)
     head = MtpHead(random_mtp(model)).bind(model)
-    forest = run(model, PREFIX, BRANCHES, speculate=Speculation(Mtp(head, width=2, confidence=0.0), budget=6),
-                 max_new_tokens=STEPS, eos=[NO_EOS])
-    assert outputs(forest) == full
-    assert forest.stats.drafted > 0
-    eos = set(pick_eos(full, STEPS))
-    forest = run(model, PREFIX, BRANCHES, speculate=Speculation(Mtp(head, confidence=0.0), budget=4),
-                 max_new_tokens=STEPS, eos=eos, compaction=CompactionPolicy(every=1))
-    assert outputs(forest) == truncate(full, eos)
+    check_exact_with_eos_and_compaction(model, full, lambda: Speculation(Mtp(head, width=2, confidence=0.0), budget=6))
 
 
 @pytest.mark.parametrize("arch", MTP_ARCHS)

@@ -362,6 +362,7 @@ class BranchGroup(Work):
             accepted.update(node_at_row[r] for r in path)
             if hidden is not None:  # [path nodes, layers, hidden]: what the next draft reads
                 branch.context.features = hidden[path]
+                branch.context.feature_layers = self._feed.hidden_layers
             draft = self._drafts.get(j)
             if draft is not None:
                 node_at = {row: n for (b, n), row in draft_row.items() if b == j}

@@ -53,6 +53,7 @@ from .models.loading import load_model_and_tokenizer
 from .proposers import Proposer
 from .proposers.draft import DraftModel, check_same_tokenizer
 from .proposers.eagle import Eagle, EagleHead
+from .proposers.eagle3 import Eagle3Head
 from .proposers.heads import head_dir, shape_key, shipped_head_dir
 from .proposers.lookahead import Lookahead
 from .proposers.lookup import PromptLookup
@@ -69,8 +70,9 @@ AUTO_MAX_DRAFT = 16
 """In "auto", the most draft nodes a branch proposes per step (the cost model keeps fewer)."""
 
 MODES = ("lookup", "suffix", "lookahead", "draft", "medusa", "eagle", "mtp", "auto")
-LEARNED = {"medusa": (MedusaHeads, Medusa), "eagle": (EagleHead, Eagle), "mtp": (MtpHead, Mtp)}
-"""The modes that draft with a learned head: the head's class (found by `load_heads`) and its proposer's."""
+LEARNED = {"medusa": ((MedusaHeads,), Medusa), "eagle": ((EagleHead, Eagle3Head), Eagle), "mtp": ((MtpHead,), Mtp)}
+"""The modes that draft with a learned head: its head classes (the first one's `load` reads each
+layout, found by `load_heads`) and its proposer's class."""
 SHIPPED_WITH_MODEL = ("mtp",)
 """The learned kinds whose head comes in the model's own checkpoint, not from a folder of its own."""
 OFF = ("off", "none")
@@ -176,14 +178,14 @@ def named_proposer(mode: str, draft=None) -> Proposer:
                                   "on the command line, --draft-model PATH or --draft-skip-layers")
         return draft if isinstance(draft, DraftModel) else DraftModel(draft)
     if mode in LEARNED:
-        head_class, proposer_class = LEARNED[mode]
+        head_classes, proposer_class = LEARNED[mode]
         if isinstance(draft, proposer_class):
             return draft
         if draft is None and mode in SHIPPED_WITH_MODEL:
             return proposer_class()  # reads its head from the target's checkpoint when the run starts
-        if not isinstance(draft, head_class):
+        if not isinstance(draft, head_classes):
             raise InvalidArgument(f"speculate={mode!r} needs a {mode} head",
-                                  f"pass draft={head_class.__name__}.load(folder), or train one for the model: "
+                                  f"pass draft={head_classes[0].__name__}.load(folder), or train one for the model: "
                                   f"multidecode train-drafter --kind {mode}")
         return proposer_class(draft)
     raise InvalidArgument(f"unknown speculation mode {mode!r}", f"use one of {', '.join(MODES)}, a Proposer, or None")
@@ -201,7 +203,7 @@ def auto_proposer(store=None, heads: Sequence = ()) -> Mixture:
 
 def learned_kind(head) -> str:
     """The mode name of a learned head ("medusa", "eagle", "mtp")."""
-    return next(kind for kind, (head_class, _) in LEARNED.items() if isinstance(head, head_class))
+    return next(kind for kind, (head_classes, _) in LEARNED.items() if isinstance(head, head_classes))
 
 
 # ---------------------------------------------------------------------- settings by name
@@ -356,7 +358,7 @@ def load_heads(settings: SpeculationSettings, model):
     model's own checkpoint. Raises `InvalidArgument` when there are none, naming the command that
     trains them."""
     kind = settings.mode
-    head_class = LEARNED[kind][0]
+    head_class = LEARNED[kind][0][0]
     if kind in SHIPPED_WITH_MODEL:
         return head_class.of(model)
     if settings.head is not None:

@@ -52,7 +52,9 @@ class BranchContext:
     branch chooses its tokens (a draft model drafts the same way). features: for a proposer that
     reads the target's hidden states (`Proposer.layers`), those layers' states at the nodes the
     last step settled on the branch's path, [nodes, layers, hidden size] in the model's dtype; the last row is
-    at the node whose logits chose the newest token. None before the first step.
+    at the node whose logits chose the newest token. None before the first step. feature_layers:
+    the layers `features` holds, in order (a mixture feeds the union of what its members read;
+    empty: just the layers the proposer reads).
     """
 
     tokens: list[int]
@@ -60,6 +62,13 @@ class BranchContext:
     scratch: dict = field(default_factory=dict)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     features: torch.Tensor | None = None
+    feature_layers: tuple[int, ...] = ()
+
+    def features_of(self, layers: Sequence[int]) -> torch.Tensor:
+        """[nodes, len(layers), hidden size]: the states of `layers` (each among `feature_layers`)."""
+        if not self.feature_layers or tuple(layers) == self.feature_layers:
+            return self.features
+        return self.features[:, [self.feature_layers.index(layer) for layer in layers]]
 
 
 @dataclass

@@ -20,6 +20,12 @@ are fed as a forest forward with their inputs given as vectors (`Engine.feed(emb
 embedding table and LM head are one tied matrix, the target's LM head rows of the draft vocabulary
 (bound from the target, never written to disk), so a head file holds `fc` and one layer: a few MB.
 
+Heads published by others load too (`EagleHead.load` reads each layout): the EAGLE project's
+EAGLE-1/2 heads (a first layer without its input norm and no final norm, over the target's whole
+LM head: built here by replacing those two norms with identities) and EAGLE-3 heads in the EAGLE
+project's and the `speculators` layouts (`proposers.eagle3`: several target layers in, a 2h-wide
+attention, a draft vocabulary of its own). The proposer reads whichever layers its head names.
+
 The tree grows best first (EAGLE-2): under each node the `width` likeliest tokens, and a node is
 expanded while its path probability is at least `confidence`, up to `max_depth`. A greedy branch's
 candidates are the likeliest tokens; a sampled branch's are drawn from the head's warped softmax,
@@ -41,7 +47,7 @@ from ..engine import Engine
 from ..errors import InvalidArgument
 from ..forest import ROOT
 from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_generator
-from .heads import check_fits, draft_distribution, read_config, read_tensors, write_head
+from .heads import check_fits, draft_distribution, read_config, read_tensors, read_weights, write_head
 from .medusa import output_rows
 
 WEIGHTS = "eagle_head"
@@ -69,15 +75,22 @@ class EagleHead(nn.Module):
 
     config: `head_config`'s. token_ids: the draft vocabulary ([V'] target token ids).
     vocab_size: the target's. target: the fingerprint of the model it was trained for.
+    norms: the layer's input norm and a final norm before the LM head (ours); EAGLE-1/2 heads as
+    published have neither (their first layer skips its input norm, and the LM head reads the
+    layer's output, which is also what the next depth reads). fc_bias: whether `fc` has a bias.
     """
 
-    def __init__(self, config, token_ids: torch.Tensor, vocab_size: int, *, target: dict | None = None) -> None:
+    def __init__(self, config, token_ids: torch.Tensor, vocab_size: int, *, target: dict | None = None,
+                 norms: bool = True, fc_bias: bool = True) -> None:
         from transformers import LlamaForCausalLM
 
         super().__init__()
-        self.hidden_size, self.vocab_size, self.target = config.hidden_size, vocab_size, target
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
+        self.hidden_size, self.vocab_size, self.target, self.norms = config.hidden_size, vocab_size, target, norms
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         self.model = LlamaForCausalLM(config).eval()
+        if not norms:
+            self.model.model.layers[0].input_layernorm = nn.Identity()
+            self.model.model.norm = nn.Identity()
         self.register_buffer("token_ids", token_ids.long())
         self.embed: list[nn.Module] = []  # the target's input embeddings (not a submodule: not ours)
 
@@ -107,33 +120,75 @@ class EagleHead(nn.Module):
         (fc, the layer and the norm, the draft vocabulary; not the tied matrix: the target's)."""
         tensors = {k: v for k, v in self.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
         config = {**self.model.config.to_dict(), "eagle": {"vocab_size": self.vocab_size,
-                                                          "draft_vocab_size": self.draft_vocab_size},
+                                                          "draft_vocab_size": self.draft_vocab_size,
+                                                          "norms": self.norms},
                   "multidecode_target": self.target, **(extra or {})}
         return write_head(Path(folder), WEIGHTS, config, tensors)
 
     @classmethod
-    def load(cls, folder: str | Path) -> EagleHead:
+    def load(cls, folder: str | Path):
+        """A head from `folder`, in any layout `Eagle` drafts with: ours (written by `save`), the
+        EAGLE project's EAGLE-1/2 layout, or an EAGLE-3 head (the EAGLE project's or the
+        `speculators` format: an `eagle3.Eagle3Head`)."""
+        from .eagle3 import WEIGHT_FILES, Eagle3Head
+
+        folder, what = Path(folder), "the EAGLE head"
+        config = read_config(folder, what)
+        if "eagle" in config:
+            return cls._load_ours(folder, config)
+        tensors = read_weights(folder, WEIGHT_FILES, what)
+        if "speculators_model_type" in config or any(k.startswith("midlayer.") for k in tensors):
+            return Eagle3Head.load(folder)
+        if "fc.weight" in tensors and any(k.startswith("layers.0.") for k in tensors):
+            return cls._load_published(folder, config, tensors)
+        raise InvalidArgument(f"{what} in {folder} is in no layout multidecode reads",
+                              "use a head written by multidecode train-drafter --kind eagle, or an EAGLE, EAGLE-3 "
+                              "or speculators head as published")
+
+    @classmethod
+    def _load_ours(cls, folder: Path, config: dict) -> EagleHead:
         from transformers import LlamaConfig
 
-        what = "the EAGLE head"
-        config = read_config(Path(folder), what)
-        tensors = read_tensors(Path(folder), WEIGHTS, what)
-        if "eagle" not in config or "token_ids" not in tensors:
-            raise InvalidArgument(f"{what} in {folder} is not in multidecode's EAGLE layout",
+        tensors = read_tensors(folder, WEIGHTS, "the EAGLE head")
+        if "token_ids" not in tensors:
+            raise InvalidArgument(f"the EAGLE head in {folder} is not in multidecode's EAGLE layout",
                                   "write it with multidecode train-drafter --kind eagle")
         layer_config = LlamaConfig(**{k: v for k, v in config.items() if k not in ("eagle", "multidecode_target",
                                                                                   "training")})
         layer_config._attn_implementation = "sdpa"
         head = cls(layer_config, tensors["token_ids"], config["eagle"]["vocab_size"],
-                   target=config.get("multidecode_target"))
-        missing, unexpected = head.load_state_dict(tensors, strict=False)
-        missing = [k for k in missing if "embed_tokens" not in k and "lm_head" not in k]
+                   target=config.get("multidecode_target"), norms=config["eagle"].get("norms", True),
+                   fc_bias="fc.bias" in tensors)
+        return head._fill(tensors, folder, config)
+
+    @classmethod
+    def _load_published(cls, folder: Path, config: dict, tensors: dict) -> EagleHead:
+        """An EAGLE-1/2 head as the EAGLE project publishes it: a Llama config of its layers and
+        `fc`, `layers.*` (the first without an input norm), no final norm, the target's LM head
+        over its whole vocabulary, the target's embeddings (a copy in the file is not read)."""
+        from transformers import LlamaConfig
+
+        from .eagle3 import NOT_LAYER_KEYS
+
+        layer_config = LlamaConfig(**{k: v for k, v in config.items() if k not in NOT_LAYER_KEYS})
+        layer_config.head_dim = layer_config.hidden_size // layer_config.num_attention_heads  # as EAGLE computes it
+        layer_config._attn_implementation = "sdpa"
+        vocab = layer_config.vocab_size
+        state = {("model.model." + k if k.startswith("layers.") else k): v for k, v in tensors.items()
+                 if k != "embed_tokens.weight"}
+        head = cls(layer_config, torch.arange(vocab), vocab, norms=False, fc_bias="fc.bias" in tensors)
+        return head._fill(state, folder, config)
+
+    def _fill(self, tensors: dict, folder: Path, config: dict) -> EagleHead:
+        """Load `tensors` (all but the tied matrix, which `bind` takes from the target), or refuse."""
+        missing, unexpected = self.load_state_dict(tensors, strict=False)
+        missing = [k for k in missing if "embed_tokens" not in k and "lm_head" not in k and k != "token_ids"]
         if missing or unexpected:
-            raise InvalidArgument(f"{what} in {folder} does not match its config "
+            raise InvalidArgument(f"the EAGLE head in {folder} does not match its config "
                                   f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})",
                                   "write it again with multidecode train-drafter --kind eagle")
-        head.config = config
-        return head
+        self.config = config
+        return self
 
 
 @dataclass
@@ -150,7 +205,6 @@ class Eagle(Proposer):
     expand a node while its path probability is at least this; max_depth: the deepest node."""
 
     name = "eagle"
-    layers = (-1,)
     default_budget = 6
 
     # The defaults measured best on the story workload on this CPU, where a row past the first
@@ -163,6 +217,11 @@ class Eagle(Proposer):
         self._next_key = 0
         self._grown: list[int] = []  # last round's draft nodes, taken back before the next
         self._released = 0  # branches finished since the last compaction
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The target layers the head reads: the last one (ours, EAGLE-1/2, MTP), or EAGLE-3's aux layers."""
+        return tuple(getattr(self.head, "layers", (-1,)))
 
     def check(self, model) -> None:
         if not self.head.embed:  # not bound to the target yet
@@ -231,7 +290,7 @@ class Eagle(Proposer):
         after them) to the head; its logits and predicted feature after each branch's last pair."""
         chains, parents, inputs = [], [], []
         for context, state in zip(contexts, states):
-            features = context.features[:, -1]  # [m, hidden]
+            features = context.features_of(self.layers).flatten(1)  # [m, layers * hidden]
             tokens = torch.tensor(context.tokens[-len(features):])
             chains.append(tokens.tolist())
             parents.append(state.leaf)

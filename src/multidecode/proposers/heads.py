@@ -118,15 +118,21 @@ def read_config(folder: Path, what: str) -> dict:
 
 def read_tensors(folder: Path, stem: str, what: str) -> dict[str, torch.Tensor]:
     """The tensors of `<stem>.safetensors` (or `<stem>.pt`, a torch state dict) in `folder`."""
+    return read_weights(folder, (f"{stem}.safetensors", f"{stem}.pt"), what)
+
+
+def read_weights(folder: Path, names: tuple[str, ...], what: str) -> dict[str, torch.Tensor]:
+    """The tensors of the first of the files `names` (safetensors, or a pickled torch state dict)
+    that `folder` holds."""
     folder = Path(folder)
-    safe, pickled = folder / f"{stem}.safetensors", folder / f"{stem}.pt"
-    if safe.exists() or pickled.exists():
-        state = _load(safe if safe.exists() else pickled, what)
-        if not isinstance(state, dict):
-            raise InvalidArgument(f"{what}: {pickled} holds a {type(state).__name__}, not a state dict",
-                                  "save the head's state_dict()")
-        return state
-    raise InvalidArgument(f"{what}: neither {safe.name} nor {pickled.name} in {folder}",
+    for path in (folder / name for name in names):
+        if path.exists():
+            state = _load(path, what)
+            if not isinstance(state, dict):
+                raise InvalidArgument(f"{what}: {path} holds a {type(state).__name__}, not a state dict",
+                                      "save the head's state_dict()")
+            return state
+    raise InvalidArgument(f"{what}: none of {', '.join(names)} in {folder}",
                           "point at the folder that holds the head's config.json and weights")
 
 

@@ -191,7 +191,7 @@ class Medusa(Proposer):
         ready = [i for i, c in enumerate(contexts) if c.features is not None]
         if not ready or budget < 1:
             return trees
-        features = torch.stack([contexts[i].features[-1, -1] for i in ready])  # [B, hidden]
+        features = torch.stack([contexts[i].features_of(self.layers)[-1, -1] for i in ready])  # [B, hidden]
         with torch.inference_mode():
             logits = self.heads(features).cpu()  # [B, K, V'] (the heads sit on the target's device)
         for i, row in zip(ready, logits):

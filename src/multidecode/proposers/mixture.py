@@ -51,10 +51,8 @@ class Mixture(Proposer):
         self.members = self.base + self.fallbacks
         self.name = name
         self.lookahead = lookahead
-        reading = {tuple(m.layers) for m in [*members, *fallbacks] if m.layers}
-        if len(reading) > 1:
-            raise ValueError("the members of a Mixture that read hidden states must read the same layers")
-        self.layers = reading.pop() if reading else ()  # what a learned member reads, fed for it
+        # what the learned members read, fed for them all (each picks its own: `BranchContext.features_of`)
+        self.layers = tuple(sorted({layer for m in [*members, *fallbacks] for layer in m.layers}))
 
     def fit(self, curve, branches: int, budget: int, max_ratio: float = 1.3) -> None:
         """Size the lookahead member to the cost curve: the largest window `Lookahead.from_cost`
