@@ -58,43 +58,44 @@ def _layer(generator, prefix: str, width: int) -> dict[str, torch.Tensor]:
             f"{prefix}post_attention_layernorm.weight": 1 + _random(generator, H, scale=0.1)}
 
 
-def write_eagle1(folder, seed: int = 1):
+def write_eagle1(folder, seed: int = 1, vocab: int = VOCAB):
     """An EAGLE-1/2 head as the EAGLE project publishes it (with fc's bias, and a copy of the
-    target's embeddings that is not read)."""
+    target's embeddings that is not read), for a target of `vocab` tokens."""
     g = torch.Generator().manual_seed(seed)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({**LAYER, "architectures": ["LlamaForCausalLM"],
-                                                    "model_type": "llama", "bias": True}))
+                                                    "model_type": "llama", "bias": True, "vocab_size": vocab}))
     tensors = {"fc.weight": _random(g, H, 2 * H), "fc.bias": _random(g, H), **_layer(g, "layers.0.", H),
-               "embed_tokens.weight": _random(g, VOCAB, H)}
+               "embed_tokens.weight": _random(g, vocab, H)}
     torch.save(tensors, folder / "pytorch_model.bin")
     return folder
 
 
-def _eagle3_tensors(g, prefix: str, aux: int) -> dict[str, torch.Tensor]:
-    used = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+def _eagle3_tensors(g, prefix: str, aux: int, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+    used = torch.randperm(vocab, generator=g)[:DRAFT_VOCAB].sort().values
     return {"fc.weight": _random(g, H, aux * H), f"{prefix}input_layernorm.weight": 1 + _random(g, H, scale=0.1),
             f"{prefix}hidden_norm.weight": 1 + _random(g, H, scale=0.1), **_layer(g, prefix, 2 * H),
             "norm.weight": 1 + _random(g, H, scale=0.1), "lm_head.weight": _random(g, DRAFT_VOCAB, H),
-            "d2t": used - torch.arange(DRAFT_VOCAB), "t2d": torch.isin(torch.arange(VOCAB), used)}
+            "d2t": used - torch.arange(DRAFT_VOCAB), "t2d": torch.isin(torch.arange(vocab), used)}
 
 
-def write_eagle3(folder, seed: int = 2):
+def write_eagle3(folder, seed: int = 2, vocab: int = VOCAB):
     """An EAGLE-3 head in the EAGLE project's layout (model.safetensors; aux layers by default)."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({**LAYER, "architectures": ["LlamaForCausalLMEagle3"],
-                                                    "model_type": "llama", "draft_vocab_size": DRAFT_VOCAB}))
-    save_file(_eagle3_tensors(g, "midlayer.", 3), str(folder / "model.safetensors"))
+                                                    "model_type": "llama", "draft_vocab_size": DRAFT_VOCAB,
+                                                    "vocab_size": vocab}))
+    save_file(_eagle3_tensors(g, "midlayer.", 3, vocab), str(folder / "model.safetensors"))
     return folder
 
 
 SPECULATORS_AUX = [1, 2, 3]
 
 
-def write_speculators(folder, seed: int = 3):
+def write_speculators(folder, seed: int = 3, vocab: int = VOCAB, aux: list[int] = SPECULATORS_AUX):
     """An EAGLE-3 head in the speculators format: its own embeddings, aux layers named, the
     residual taken after hidden_norm."""
     from safetensors.torch import save_file
@@ -103,11 +104,11 @@ def write_speculators(folder, seed: int = 3):
     folder.mkdir(parents=True, exist_ok=True)
     config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
               "draft_vocab_size": DRAFT_VOCAB, "norm_before_residual": True, "target_hidden_size": None,
-              "eagle_aux_hidden_state_layer_ids": SPECULATORS_AUX,
-              "transformer_layer_config": {**LAYER, "model_type": "llama", "head_dim": HD},
+              "eagle_aux_hidden_state_layer_ids": aux,
+              "transformer_layer_config": {**LAYER, "model_type": "llama", "head_dim": HD, "vocab_size": vocab},
               "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny-llama"}}}
     (folder / "config.json").write_text(json.dumps(config))
-    save_file({**_eagle3_tensors(g, "layers.0.", 3), "embed_tokens.weight": _random(g, VOCAB, H, scale=0.5)},
+    save_file({**_eagle3_tensors(g, "layers.0.", len(aux), vocab), "embed_tokens.weight": _random(g, vocab, H, scale=0.5)},
               str(folder / "model.safetensors"))
     return folder
 
@@ -248,3 +249,22 @@ def _wider_target_refused(tmp_path):
     wide = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
     EagleHead.load(write_eagle3(tmp_path / "eagle3")).bind(wide)
+
+
+def test_the_cli_drafts_with_a_published_head_named_by_draft_head(model_dir, tmp_path):
+    """`--speculate eagle --draft-head DIR` with an EAGLE-3 head as published, on a model folder
+    (two layers: the head names its aux layers); the same text as without speculation."""
+    from click.testing import CliRunner
+
+    from multidecode.cli import main
+
+    config = json.loads((model_dir / "config.json").read_text())
+    folder = write_speculators(tmp_path / "spec", vocab=config["vocab_size"], aux=[0, 1, 2])
+    args = ["generate", "--model", str(model_dir), "-p", "Here is a document about", "--max-new-tokens", "12",
+            "--precision", "float32", "--json"]
+    runner = CliRunner()
+    plain = runner.invoke(main, [*args, "--speculate", "off"])
+    drafted = runner.invoke(main, [*args, "--speculate", "eagle", "--draft-head", str(folder), "--stats"])
+    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.output
+    assert json.loads(plain.stdout)["text"] == json.loads(drafted.stdout)["text"]
+    assert "speculate=eagle" in drafted.stderr
