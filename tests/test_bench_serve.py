@@ -75,13 +75,17 @@ def test_summarize_a_worked_example():
 def test_bench_serve_command_measures_both_servers(tmp_path):
     model = tiny_model_folder(tmp_path / "model", max_positions=512)
     out = tmp_path / "out"
+    # --gather-s: the tiny model answers a request in a few milliseconds, so on a loaded machine the
+    # four requests sent at once could reach the engine one after another, each done before the next;
+    # the servers wait for all four of a cell (30 s at most, never reached) before their first step
     args = ["bench", "serve", "--model", str(model), "--requests", "4", "--concurrency", "1,4", "--shared", "0,0.9",
-            "--max-tokens", "8", "--prompt-tokens", "40", "--rate", "inf", "--no-transformers", "--output", str(out)]
+            "--max-tokens", "8", "--prompt-tokens", "40", "--rate", "inf", "--gather-s", "30", "--no-transformers",
+            "--output", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, (result.output, result.exception)
     assert sorted(p.name for p in out.iterdir()) == ["bench_serve.json", "bench_serve.md", "bench_serve.png"]
     stored = json.loads((out / "bench_serve.json").read_text())
-    assert stored["benchmark"] == "serve" and stored["skipped"] == {}
+    assert stored["benchmark"] == "serve" and stored["skipped"] == {} and stored["config"]["gather_s"] == 30
     rows = {(r["server"], r["concurrency"], r["shared"]): r for r in stored["cells"]}
     assert sorted(rows) == sorted((s, c, f) for s in (FOREST, ONE) for c in (1, 4) for f in (0.0, 0.9))
     for (server, concurrency, shared), row in rows.items():
@@ -118,6 +122,7 @@ def test_bench_serve_refuses_bad_settings_before_starting_anything(tmp_path):
     for extra, message in ((["--shared", "0,1.5"], "--shared needs fractions"),
                            (["--concurrency", "0"], "--concurrency needs positive integers"),
                            (["--requests", "0"], "--requests must be 1 or more"),
-                           (["--rate", "0"], "--rate must be positive")):
+                           (["--rate", "0"], "--rate must be positive"),
+                           (["--gather-s", "-1"], "--gather-s must be 0 or more")):
         result = CliRunner().invoke(main, ["bench", "serve", "--output", str(tmp_path), *extra])
         assert result.exit_code == 2 and message in result.output, (extra, result.output)

@@ -233,6 +233,39 @@ def test_waiting_requests_that_share_an_uncached_prefix_let_one_go_first(model_d
         assert tokens == _greedy_reference_model(model, forest.eos, prompt, 6)
 
 
+def test_an_idle_engine_gathers_the_jobs_sent_together(model_dir):
+    """Limits.gather: an idle engine waits until `gather` jobs wait, so jobs that reach it one by
+    one still start in one step; fewer than that start once `gather_s` has passed."""
+    model, tokenizer = tiny_loader(model_dir)()
+    forest = ForestRuntime(model, tokenizer, limits=Limits(gather=3, gather_s=60)).start()
+    try:
+        jobs = []
+        for text in (PROMPT, DOCUMENT, "Tickets, cables and routers: which failed first?"):  # no common head
+            jobs.append(forest.submit(Job(prompts=[_tokens(tokenizer, text)], max_new_tokens=4,
+                                          sampling=[SamplingParams()], sink=lambda item: None)))
+            time.sleep(0.2)  # each answered in a few steps: without gathering, one after another
+        _wait_idle(forest)
+        assert forest.counters.steps == max(job.steps for job in jobs)  # one round: all from the first step
+    finally:
+        forest.stop()
+    forest = ForestRuntime(model, tokenizer, limits=Limits(gather=3, gather_s=0.3)).start()
+    try:
+        started = time.monotonic()
+        forest.submit(Job(prompts=[_tokens(tokenizer, PROMPT)], max_new_tokens=2, sampling=[SamplingParams()],
+                          sink=lambda item: None))
+        _wait_idle(forest)
+        assert forest.counters.admitted == 1 and time.monotonic() - started >= 0.3
+    finally:
+        forest.stop()
+
+
+def _wait_idle(forest: ForestRuntime) -> None:
+    deadline = time.monotonic() + 60
+    while forest.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not forest.busy
+
+
 def test_the_cache_goes_back_to_the_prefix_index_when_idle(server):
     client = server.client()
     for i in range(3):

@@ -16,7 +16,10 @@ of each prompt is a head common to the cell's requests; the rest starts at a wor
 prompt of the run starts at, so cells never hit each other's cache. Requests arrive as a seeded
 Poisson process at `rate` per second, at most `concurrency` in flight, each asking for exactly
 `max_tokens` tokens at temperature 0. Each cell starts a fresh pair of multidecode servers and
-measures them one after the other, the forest first in every other cell. The figures (TTFT, ITL,
+measures them one after the other, the forest first in every other cell. With `gather_s` > 0 an
+idle multidecode server waits (up to that long) for the cell's `concurrency` requests before its
+first step, so that requests sent at once decode together from it even where a loaded machine
+delays some on their way in (`Limits.gather`). The figures (TTFT, ITL,
 TPOT, e2e, throughput, the server's counters) are defined in `NOTES`, stored with every result;
 docs/benchmarks.md reads a full run.
 
@@ -342,13 +345,16 @@ class Server:
 
 
 def multidecode_server(name: str, model: str | None, launched: dict, *, max_running: int | None = None,
-                       max_live_tokens: int, prefix_cache_tokens: int) -> Server:
+                       max_live_tokens: int, prefix_cache_tokens: int, gather: int = 1,
+                       gather_s: float = 0.0) -> Server:
     """`multidecode serve` in a subprocess as `launched` says (dtype, device, threads), with the
-    admission limits given (max_running 1: one request at a time)."""
+    admission limits given (max_running 1: one request at a time; gather, gather_s: see `Limits`)."""
     command = [sys.executable, "-m", "multidecode", "serve", "--port", "{port}", "--served-model-name", SERVED_NAME,
                "--max-live-tokens", str(max_live_tokens), "--prefix-cache-tokens", str(prefix_cache_tokens),
                "--log-level", "warning", "--drain-timeout", "10", "--dtype", launched["dtype"],
                "--device", launched["device"], "--threads", str(launched["threads"])]
+    if gather > 1 and gather_s > 0:
+        command += ["--gather", str(gather), "--gather-s", str(gather_s)]
     for option, value in (("--model", model), ("--max-running", max_running)):
         command += [option, str(value)] if value is not None else []
     return Server(name, command, model=SERVED_NAME)
@@ -382,12 +388,15 @@ def load_tokenizer(model: str | None):
 
 
 # ---------------------------------------------------------------------- running it
-def warm_up(server: Server, max_tokens: int) -> None:
-    """Two short requests, one after the other, then two at once, before anything is timed."""
+def warm_up(server: Server, max_tokens: int, gather: int = 1) -> None:
+    """Two short requests, one after the other, then two at once, before anything is timed (to a
+    server that gathers `gather` > 1 requests: that many at once, twice, so that it never waits)."""
     prompts = ("Warm-up: the quick brown fox", "Warm-up, again: a lazy dog")
-    for concurrency in (1, 2):
-        outcomes, _ = drive(server.url, server.model, Cell(concurrency, 0.0, prompts, (0.0, 0.0), (0, 0), 0),
-                            min(max_tokens, 4), 600.0)
+    if gather > 1:
+        prompts = tuple(prompts[i % 2] + f" ({i})" for i in range(gather))
+    for concurrency in (1, 2) if gather <= 1 else (gather, gather):
+        outcomes, _ = drive(server.url, server.model, Cell(concurrency, 0.0, prompts, (0.0,) * len(prompts),
+                                                           (0,) * len(prompts), 0), min(max_tokens, 4), 600.0)
         failed = [o.error for o in outcomes if o.error]
         if failed:
             raise ServerFailed(f"the {server.name} server failed a warm-up request: {failed[0]}; {server.log_tail()}")
@@ -414,17 +423,19 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
                         prompt_tokens: int = 300, seed: int = 0, threads: int | None = None,
                         transformers: bool = True, transformers_requests: int = 8, transformers_cb: bool = False,
                         max_live_tokens: int = Limits.max_live_tokens,
-                        prefix_cache_tokens: int = Limits.prefix_cache_tokens, timeout_s: float = 600.0,
-                        progress: Progress | None = None) -> dict:
+                        prefix_cache_tokens: int = Limits.prefix_cache_tokens, gather_s: float = 0.0,
+                        timeout_s: float = 600.0, progress: Progress | None = None) -> dict:
     """Run every cell of the grid against fresh servers and return the JSON-ready result.
 
     model: a local folder or .gguf file (None: the embedded model). threads: torch threads in the
     multidecode servers (None: torch's default). transformers: also run `transformers serve` (with
-    --continuous-batching if transformers_cb) on the grid's corners, where it starts here.
+    --continuous-batching if transformers_cb) on the grid's corners, where it starts here. gather_s:
+    how long an idle multidecode server waits for a cell's `concurrency` requests before its first
+    step (0: it starts on the first; see the module notes).
     Raises `ServerFailed` where a multidecode server does not start or dies.
     """
     _check(requests=requests, concurrency=concurrency, shared=shared, rate=rate, max_tokens=max_tokens,
-           prompt_tokens=prompt_tokens)
+           prompt_tokens=prompt_tokens, gather_s=gather_s)
     _openai()
     say, started = progress or (lambda message: None), time.perf_counter()
     meta = environment(launched=_launched(model, threads))
@@ -433,8 +444,8 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
                         rate=rate, prompt_tokens=prompt_tokens, seed=seed)
     skipped: dict[str, str] = {}
     with _terminate_as_interrupt():
-        rows, ready = _multidecode_rows(model, cells, meta, max_tokens, timeout_s, say, max_live_tokens=max_live_tokens,
-                                        prefix_cache_tokens=prefix_cache_tokens)
+        rows, ready = _multidecode_rows(model, cells, meta, max_tokens, timeout_s, say, gather_s,
+                                        max_live_tokens=max_live_tokens, prefix_cache_tokens=prefix_cache_tokens)
         meta["multidecode_ready_s"] = {"min": round(min(ready), 1), "max": round(max(ready), 1)}
         if transformers:
             corners = [c.first(transformers_requests) for c in cells if c.concurrency in (min(concurrency),
@@ -450,6 +461,7 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
                    "rate_per_s": rate if math.isfinite(rate) else "inf", "max_tokens": max_tokens,
                    "prompt_tokens": prompt_tokens, "seed": seed, "temperature": 0, "endpoint": "/v1/completions",
                    "stream": True, "max_live_tokens": max_live_tokens, "prefix_cache_tokens": prefix_cache_tokens,
+                   "gather_s": gather_s,
                    "client": "openai.AsyncOpenAI (max_retries=0), in the benchmark's process; servers in subprocesses",
                    "notes": NOTES},
         "labels": {**LABELS, HF: LABELS[HF] + (" --continuous-batching" if transformers_cb else "")},
@@ -470,19 +482,21 @@ def _launched(model: str | None, threads: int | None) -> dict:
 
 
 def _multidecode_rows(model, cells: list[Cell], launched: dict, max_tokens: int, timeout_s: float, say: Progress,
-                      **limits) -> tuple[list[dict], list[float]]:
+                      gather_s: float, **limits) -> tuple[list[dict], list[float]]:
     """Every cell against a fresh pair of multidecode servers (forest and one at a time), the
     forest first in every other cell; the rows, and the seconds each server took to be ready."""
     rows, ready = [], []
     for cell in cells:
-        servers = {FOREST: multidecode_server(FOREST, model, launched, **limits),
-                   ONE: multidecode_server(ONE, model, launched, max_running=1, **limits)}
+        gather = cell.concurrency if gather_s > 0 else 1
+        cell_limits = {**limits, "gather": gather, "gather_s": gather_s}
+        servers = {FOREST: multidecode_server(FOREST, model, launched, **cell_limits),
+                   ONE: multidecode_server(ONE, model, launched, max_running=1, **cell_limits)}
         with contextlib.ExitStack() as stack:
             for server in servers.values():  # both start loading at once
                 stack.enter_context(server)
             for server in servers.values():
                 ready.append(server.wait_ready())
-                warm_up(server, max_tokens)
+                warm_up(server, max_tokens, gather)
             order = [FOREST, ONE] if len(rows) % 4 == 0 else [ONE, FOREST]  # alternate: no server always first
             for name in order:
                 row = measure_cell(servers[name], cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=True)
@@ -583,7 +597,7 @@ def _terminate_as_interrupt():
             signal.signal(signal.SIGTERM, before)
 
 
-def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens) -> None:
+def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens, gather_s=0.0) -> None:
     for name, value in (("requests", requests), ("max_tokens", max_tokens), ("prompt_tokens", prompt_tokens)):
         check_positive(name, value)
     if prompt_tokens < 4:
@@ -594,6 +608,8 @@ def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens) ->
         raise InvalidArgument(f"shared shares must be in [0, 1), got {list(shared)}", "e.g. 0,0.5,0.9")
     if not rate > 0:
         raise InvalidArgument(f"the arrival rate must be positive, got {rate}", "e.g. 8 (requests per second) or inf")
+    if not gather_s >= 0:
+        raise InvalidArgument(f"gather_s must be 0 or more, got {gather_s}", "e.g. 0 (off) or 30")
 
 
 # ---------------------------------------------------------------------- how the result is read

@@ -278,6 +278,10 @@ def parse_shares(text: str) -> tuple[float, ...]:
 @click.option("--transformers-cb", is_flag=True, help="Run transformers serve with --continuous-batching.")
 @click.option("--threads", type=int, default=None,
               help="torch threads in the multidecode servers (default: torch's own).")
+@click.option("--gather-s", type=float, default=0.0, show_default=True,
+              help="An idle multidecode server waits up to this long for the cell's `concurrency` requests before "
+                   "its first step, so that requests sent at once (--rate inf) decode together even where a loaded "
+                   "machine delays some on their way in (0: it starts on the first).")
 @click.option("--quick", is_flag=True,
               help="A small grid for a smoke test: concurrency 1,4, shared 0,0.9, 6 requests of 8 tokens, "
                    "120-token prompts, no transformers serve (each option given still wins).")
@@ -301,6 +305,8 @@ def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, pro
                  transformers_requests=settings["transformers_requests"])
     if not rate > 0:
         raise InvalidArgument(f"--rate must be positive, got {rate}", "for example --rate 8, or --rate inf")
+    if not settings["gather_s"] >= 0:
+        raise InvalidArgument(f"--gather-s must be 0 or more, got {settings['gather_s']}", "for example --gather-s 30")
     check_run(output, settings["threads"])
     transformers = (not quick) if with_transformers is None else with_transformers
     run_and_report("serve", lambda progress: run_serve_benchmark(

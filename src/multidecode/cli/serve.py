@@ -34,6 +34,11 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
               help="Prompt tokens kept cached for later requests once their own requests end.")
 @click.option("--max-running", default=None, type=int, hidden=True,
               help="Requests decoding at once, the rest waiting (1: one at a time, the serve benchmark's baseline).")
+@click.option("--gather", default=DEFAULTS["gather"], type=int, hidden=True,
+              help="An idle engine waits until this many requests wait, at most --gather-s seconds, before its "
+                   "first step (the serve benchmark's --gather-s).")
+@click.option("--gather-s", default=DEFAULTS["gather_s"], type=float, hidden=True,
+              help="The most seconds an idle engine waits for --gather requests.")
 @click.option("--threads", default=None, type=int, hidden=True, help="torch threads (the serve benchmark's).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=float,
               help="On SIGTERM, seconds to let running requests finish (new ones get 503) before exiting.")
@@ -41,7 +46,8 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
               type=click.Choice(["debug", "info", "warning", "error"]), help="debug logs every step.")
 @report_errors
 def serve(model_name, precision, device, host, port, api_key, served_model_name, speculate, draft_budget,
-          max_live_tokens, max_branches, prefix_cache_tokens, max_running, threads, drain_timeout, log_level):
+          max_live_tokens, max_branches, prefix_cache_tokens, max_running, gather, gather_s, threads, drain_timeout,
+          log_level):
     """Serve the model over HTTP with OpenAI's API; concurrent requests decode as one forest.
 
     Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and / (a live
@@ -53,7 +59,7 @@ def serve(model_name, precision, device, host, port, api_key, served_model_name,
     from ..serving.launch import run
 
     limits = Limits(max_live_tokens=max_live_tokens, max_branches=max_branches,
-                    prefix_cache_tokens=prefix_cache_tokens, max_running=max_running)
+                    prefix_cache_tokens=prefix_cache_tokens, max_running=max_running, gather=gather, gather_s=gather_s)
     check_limits(limits, threads)
     settings = speculation_from(speculate, draft_budget)
     if threads is not None:
@@ -77,7 +83,8 @@ def check_limits(limits: Limits, threads: int | None) -> None:
     for option, value, least in (("--max-live-tokens", limits.max_live_tokens, 1),
                                  ("--max-branches", limits.max_branches, 1),
                                  ("--prefix-cache-tokens", limits.prefix_cache_tokens, 0),
-                                 ("--max-running", limits.max_running, 1), ("--threads", threads, 1)):
+                                 ("--max-running", limits.max_running, 1), ("--gather", limits.gather, 1),
+                                 ("--gather-s", limits.gather_s, 0), ("--threads", threads, 1)):
         if value is not None and value < least:
             raise InvalidArgument(f"{option} must be at least {least}, got {value}", f"pass a larger {option}")
 

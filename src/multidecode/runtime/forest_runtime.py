@@ -9,7 +9,8 @@ This is the continuous-batching runtime that `multidecode serve` and the batch j
    their common prefix and the rest; the longest part of the prefix already cached is looked up
    in the `PrefixIndex` and not fed again: the job's prompt hangs under that node. When a waiting
    job shares at least `defer_tokens` uncached prefix tokens with a job admitted in the same
-   round, it waits one step and then hits the cache;
+   round, it waits one step and then hits the cache. An idle engine may first wait for more jobs
+   (`Limits.gather`), so that jobs sent together start together;
 3. run one `Scheduler.step` (every running job's branches in one forward), hand each job its
    tokens, index the prompts just fed, retire finished jobs;
 4. keep the prefix cache within its budget: prompt nodes belong to the cache owner, not to a
@@ -135,6 +136,7 @@ class ForestRuntime:
         """Refuse new jobs from now on; running ones go on."""
         with self._cond:
             self.draining = True
+            self._cond.notify()  # an engine gathering jobs starts on those it has
 
     @property
     def busy(self) -> int:
@@ -151,10 +153,13 @@ class ForestRuntime:
 
     # ------------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
+        deferred: list[Job] = []
         while True:
             with self._cond:
                 while not (self._stopping or self._waiting or self._cancelled or self._running):
                     self._cond.wait()
+                if self._waiting and not (self._running or deferred):
+                    self._gather()
                 if self._stopping:
                     return
                 cancelled, self._cancelled = self._cancelled, []
@@ -171,6 +176,14 @@ class ForestRuntime:
                 log.exception("a step failed; its requests get an error")
                 self._fail_all(error)
                 self._settle_cache()
+
+    def _gather(self) -> None:
+        """(Under the lock, the engine idle.) Wait until `limits.gather` jobs wait, at most
+        `limits.gather_s` seconds (see `Limits`)."""
+        deadline = time.monotonic() + self.limits.gather_s
+        while (len(self._waiting) < self.limits.gather and not (self._stopping or self.draining)
+               and (left := deadline - time.monotonic()) > 0):
+            self._cond.wait(left)
 
     def _admit(self, jobs: list[Job]) -> list[Job]:
         """Admit jobs to the scheduler; returns those deferred to the next round."""

@@ -92,6 +92,10 @@ class Limits:
     request at a time: the baseline a forest is measured against).
     max_live_bytes: the bytes admitted jobs may need together (None: what `memory.budget_bytes`
     gives when the runtime starts, the available memory less a margin).
+    gather, gather_s: an idle engine (nothing running, nothing deferred) that gets a job waits
+    until `gather` jobs wait, at most `gather_s` seconds, before it admits them: jobs sent
+    together then decode together from their first step, however their requests were delayed on
+    the way in (the serve benchmark's `--gather-s`; 1 or 0 s: no waiting).
     """
 
     max_live_tokens: int = 32768
@@ -100,6 +104,8 @@ class Limits:
     defer_tokens: int = 16
     max_running: int | None = None
     max_live_bytes: int | None = None
+    gather: int = 1
+    gather_s: float = 0.0
 
 
 @dataclass
