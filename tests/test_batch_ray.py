@@ -94,13 +94,43 @@ def test_two_workers_give_the_local_jobs_records(model_dir, tmp_path):
     assert failed["too-long"]["error"]["type"] == "PromptTooLong" and failed["too-long"]["error"]["hint"]
 
 
+def holding_the_first_worker(holder: Path):
+    """A `prepare` for `RayWorkers`: the first worker to load its model (the one that creates
+    `holder`) holds every line it is sent until it is killed (5 minutes at most, so that nothing
+    hangs), as a stuck worker would; the others, and any started later, answer at once."""
+    def prepare(decoder, speculate):  # runs in each worker once its model is loaded
+        import os
+        import time
+
+        from multidecode.strategies import ask
+
+        try:
+            os.close(os.open(holder, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return speculate
+        tokenize = ask.tokenize_prompt
+
+        def held(tokenizer, text):
+            time.sleep(300)
+            return tokenize(tokenizer, text)
+
+        ask.tokenize_prompt = held
+        return speculate
+
+    return prepare
+
+
 @on_ray
 def test_a_killed_worker_loses_nothing_and_duplicates_nothing(model_dir, tmp_path, ray_session):
+    """The first worker loaded holds its lines until it is killed, so that it has lines in flight
+    when the other worker's first line is done, however fast or slow the machine."""
     source = write_lines(tmp_path / "in.jsonl", documents(12))
     expected = reference(model_dir, source, tmp_path / "local.jsonl", 16)
     settings = settings_for(model_dir, 16)
     with open_batch(source, tmp_path / "ray.jsonl", settings) as job, \
-            RayWorkers(settings=settings, model=str(model_dir), workers=2, lines_per_worker=2) as pool:
+            RayWorkers(settings=settings, model=str(model_dir), workers=2, lines_per_worker=2,
+                       prepare=holding_the_first_worker(tmp_path / "holder")) as pool:
+        pool.wait_ready()  # both workers get 2 lines at once: the holder's stay in flight until it is killed
         killed = None
         for _ in job.record(pool.outcomes(job.pending_items(), stopping=lambda: job.stopping)):
             if killed is None:  # one line is done: kill the worker with the most lines in flight
