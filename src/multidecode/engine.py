@@ -427,8 +427,8 @@ class Engine:
         if pad:
             positions = torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)])
         extra = {"forest_plan": plan} if plan is not None else {}
-        if layers:
-            extra["output_hidden_states"] = True
+        if layers:  # only these are kept (transformers 5.24 on; before it, a list is a true flag: all)
+            extra["output_hidden_states"] = list(layers)
         if self._embeds is not None:  # [1, q, hidden]: the given input vectors (padding rows zero)
             rows = [self._embeds[n] for n in nodes]
             extra["inputs_embeds"] = torch.stack(rows + [torch.zeros_like(rows[0])] * pad)[None]
