@@ -83,7 +83,7 @@ class HashOracleHead(EagleHead):
     def bind(self, model):
         return self
 
-    def inputs(self, features, tokens):
+    def inputs(self, features, tokens, *, own=False):
         return torch.cat([features.double(), tokens.double()[:, None]], -1)  # [n, 3]
 
 

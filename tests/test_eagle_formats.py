@@ -46,12 +46,13 @@ def _random(generator, *shape, scale=0.15):
     return torch.randn(*shape, generator=generator) * scale
 
 
-def _layer(generator, prefix: str, width: int) -> dict[str, torch.Tensor]:
-    """A decoder layer's attention (reading `width`) and MLP weights, and its post-attention norm."""
-    return {f"{prefix}self_attn.q_proj.weight": _random(generator, HEADS * HD, width),
-            f"{prefix}self_attn.k_proj.weight": _random(generator, KV * HD, width),
-            f"{prefix}self_attn.v_proj.weight": _random(generator, KV * HD, width),
-            f"{prefix}self_attn.o_proj.weight": _random(generator, H, HEADS * HD),
+def _layer(generator, prefix: str, width: int, hd: int = HD) -> dict[str, torch.Tensor]:
+    """A decoder layer's attention (reading `width`, heads of `hd`) and MLP weights, and its
+    post-attention norm."""
+    return {f"{prefix}self_attn.q_proj.weight": _random(generator, HEADS * hd, width),
+            f"{prefix}self_attn.k_proj.weight": _random(generator, KV * hd, width),
+            f"{prefix}self_attn.v_proj.weight": _random(generator, KV * hd, width),
+            f"{prefix}self_attn.o_proj.weight": _random(generator, H, HEADS * hd),
             f"{prefix}mlp.gate_proj.weight": _random(generator, FF, H),
             f"{prefix}mlp.up_proj.weight": _random(generator, FF, H),
             f"{prefix}mlp.down_proj.weight": _random(generator, H, FF),
@@ -71,10 +72,10 @@ def write_eagle1(folder, seed: int = 1, vocab: int = VOCAB):
     return folder
 
 
-def _eagle3_tensors(g, prefix: str, aux: int, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+def _eagle3_tensors(g, prefix: str, aux: int, vocab: int = VOCAB, hd: int = HD) -> dict[str, torch.Tensor]:
     used = torch.randperm(vocab, generator=g)[:DRAFT_VOCAB].sort().values
     return {"fc.weight": _random(g, H, aux * H), f"{prefix}input_layernorm.weight": 1 + _random(g, H, scale=0.1),
-            f"{prefix}hidden_norm.weight": 1 + _random(g, H, scale=0.1), **_layer(g, prefix, 2 * H),
+            f"{prefix}hidden_norm.weight": 1 + _random(g, H, scale=0.1), **_layer(g, prefix, 2 * H, hd),
             "norm.weight": 1 + _random(g, H, scale=0.1), "lm_head.weight": _random(g, DRAFT_VOCAB, H),
             "d2t": used - torch.arange(DRAFT_VOCAB), "t2d": torch.isin(torch.arange(vocab), used)}
 
@@ -194,7 +195,7 @@ def test_a_published_head_computes_its_published_forward_on_a_forest(kind, tmp_p
         assert torch.allclose(ours, expected, atol=1e-4)
         assert torch.allclose(engine.hidden[:, 0], fed_back, atol=1e-4)
         if kind != "eagle1":  # a deeper node's input is its parent's output beside the token, fc not applied again
-            assert torch.equal(head.inputs(fed_back[:2], tokens[:2])[:, H:], fed_back[:2])
+            assert torch.equal(head.inputs(fed_back[:2], tokens[:2], own=True)[:, H:], fed_back[:2])
 
 
 @pytest.mark.parametrize("kind", list(WRITERS))
@@ -235,6 +236,14 @@ def test_published_heads_that_do_not_fit_are_refused_clearly(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [1, 2]}))
     with pytest.raises(InvalidArgument, match="reads 3 layers"):
         EagleHead.load(folder).bind(model)
+    # a tensor of another shape than the config says: refused with a message, not a torch error
+    from safetensors.torch import load_file, save_file
+
+    eagle3 = write_eagle3(tmp_path / "eagle3-bad")
+    tensors = load_file(eagle3 / "model.safetensors")
+    save_file({**tensors, "midlayer.mlp.down_proj.weight": torch.zeros(H, FF + 1)}, str(eagle3 / "model.safetensors"))
+    with pytest.raises(InvalidArgument, match="does not match its config"):
+        EagleHead.load(eagle3)
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text("{}")
@@ -268,3 +277,19 @@ def test_the_cli_drafts_with_a_published_head_named_by_draft_head(model_dir, tmp
     assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.output
     assert json.loads(plain.stdout)["text"] == json.loads(drafted.stdout)["text"]
     assert "speculate=eagle" in drafted.stderr
+
+
+def test_an_eagle3_head_whose_config_names_its_head_dim_loads_with_it(tmp_path):
+    """Heads whose heads are wider than hidden / heads (Qwen3's EAGLE-3 heads) name `head_dim`."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "wide-heads"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**LAYER, "head_dim": 2 * HD, "draft_vocab_size": DRAFT_VOCAB}))
+    save_file(_eagle3_tensors(torch.Generator().manual_seed(4), "midlayer.", 3, hd=2 * HD),
+              str(folder / "model.safetensors"))
+    model = tiny_model("llama", "sdpa")
+    head = EagleHead.load(folder).bind(model)
+    assert head.model.self_attn.head_dim == 2 * HD
+    check_exact_with_eos_and_compaction(model, tiny_references("llama", "sdpa"),
+                                        lambda: Speculation(Eagle(head, width=2, confidence=0.0), budget=6))

@@ -18,7 +18,7 @@ from tiny_models import random_mtp, reference_generate, tiny_mtp_model
 import multidecode
 from multidecode.engine import Engine
 from multidecode.errors import InvalidArgument
-from multidecode.forest import chain_parents
+from multidecode.forest import ROOT, chain_parents
 from multidecode.proposers.mtp import Mtp, MtpHead
 from multidecode.speculation import Speculation, SpeculationSettings
 
@@ -66,6 +66,14 @@ def test_the_mtp_layer_on_a_forest_computes_what_transformers_mtp_module_does(ar
         ours = engine.hidden[:, 0]
         assert torch.allclose(ours, theirs, atol=1e-5)
         assert torch.allclose(logits, mtp.shared_head(theirs).float(), atol=1e-4)
+        # one pair at a time (plain continuations, no mask given): Mellum's MTP layer keeps its
+        # sliding window (6) past the window's length
+        engine, node, states = Engine(head.model), ROOT, []
+        for i, token in enumerate(tokens.tolist()):
+            (node,), _ = engine.feed([token], [node], logits_for=[0], hidden_layers=[-1],
+                                     embeds=head.inputs(features[i:i + 1], tokens[i:i + 1]))
+            states.append(engine.hidden[0, 0])
+        assert torch.allclose(torch.stack(states), theirs, atol=1e-5)
 
 
 def _drafting_decoder(tmp_path):
@@ -108,6 +116,8 @@ def test_a_model_without_mtp_layers_or_their_weights_is_refused_clearly(tmp_path
         stripped.speculation("mtp")
     with pytest.raises(InvalidArgument, match="model's own checkpoint"):
         SpeculationSettings.parse("mtp", head=str(folder))
+    # a server drafting with an EAGLE head from a folder hands no folder to a request's "mtp"
+    assert SpeculationSettings.parse("eagle", head=str(folder)).with_mode("mtp") == SpeculationSettings("mtp")
 
 
 def test_the_cli_drafts_with_the_checkpoints_mtp_layer(tmp_path):

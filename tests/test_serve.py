@@ -9,6 +9,7 @@ import logging
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 from serving import MODEL, running_server, tiny_loader
@@ -207,6 +208,9 @@ def test_speculation_never_changes_the_answer(server):
                                             extra_body={"speculate": mode})
         assert drafted.choices[0].text == plain.choices[0].text
         assert drafted.model_extra["multidecode"]["speculate"] == mode
+    for mode in ("eagle", "mtp"):  # a learned head loads once, when the server starts, never per request
+        with pytest.raises(openai.BadRequestError, match="did not load one"):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"speculate": mode})
 
 
 def test_waiting_requests_that_share_an_uncached_prefix_let_one_go_first(model_dir):

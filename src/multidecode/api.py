@@ -83,10 +83,7 @@ class MultiDecoder:
         if settings.mode == "auto":
             return self.learned_heads()
         if settings.mode in LEARNED:  # the learned heads, found for this model once
-            key = (settings.mode, settings.head)
-            if key not in self._drafts:
-                self._drafts[key] = load_heads(settings, self.model)
-            return self._drafts[key]
+            return self._learned_head(settings)
         if not settings.own_draft:
             return self.draft
         key = (settings.draft_model, settings.skip_layers)
@@ -102,11 +99,18 @@ class MultiDecoder:
             found = []
             for kind in LEARNED:
                 try:
-                    found.append(load_heads(SpeculationSettings(kind), self.model))
+                    found.append(self._learned_head(SpeculationSettings(kind)))
                 except (InvalidArgument, UnsupportedModel):  # none, or for another model: auto goes without
                     pass
             self._drafts["auto"] = found
         return self._drafts["auto"]
+
+    def _learned_head(self, settings: SpeculationSettings):
+        """The learned head `settings` name, loaded once (one copy for its mode and for "auto")."""
+        key = (settings.mode, settings.head)
+        if key not in self._drafts:
+            self._drafts[key] = load_heads(settings, self.model)
+        return self._drafts[key]
 
     def memory(self) -> dict:
         """What the model holds: its precision (and why `auto` chose it), the bytes of its resident

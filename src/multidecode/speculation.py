@@ -183,6 +183,10 @@ def named_proposer(mode: str, draft=None) -> Proposer:
             return draft
         if draft is None and mode in SHIPPED_WITH_MODEL:
             return proposer_class()  # reads its head from the target's checkpoint when the run starts
+        if not isinstance(draft, head_classes) and mode in SHIPPED_WITH_MODEL:
+            raise InvalidArgument(f"speculate={mode!r} drafts with the model's own {mode} layer",
+                                  f"pass draft={head_classes[0].__name__}.of(model), or none to read it from the "
+                                  "model's checkpoint")
         if not isinstance(draft, head_classes):
             raise InvalidArgument(f"speculate={mode!r} needs a {mode} head",
                                   f"pass draft={head_classes[0].__name__}.load(folder), or train one for the model: "
@@ -311,7 +315,8 @@ class SpeculationSettings:
                                          lookahead=self.lookahead if mode == "lookahead" else None,
                                          draft_model=self.draft_model if mode == "draft" else None,
                                          skip_layers=self.skip_layers if mode == "draft" else None,
-                                         head=self.head if mode in LEARNED else None)
+                                         head=self.head if mode in LEARNED and mode not in SHIPPED_WITH_MODEL
+                                         else None)
 
     def check(self, dtype: torch.dtype | None = None, *, draft=None, exact: bool = False,
               spelling: Spelling = PYTHON) -> None:

@@ -47,7 +47,16 @@ from ..engine import Engine
 from ..errors import InvalidArgument
 from ..forest import ROOT
 from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_generator
-from .heads import check_fits, draft_distribution, read_config, read_tensors, read_weights, write_head
+from .heads import (
+    check_fits,
+    draft_distribution,
+    load_checked,
+    on_device_of,
+    read_config,
+    read_tensors,
+    read_weights,
+    write_head,
+)
 from .medusa import output_rows
 
 WEIGHTS = "eagle_head"
@@ -102,6 +111,7 @@ class EagleHead(nn.Module):
         """Check the head fits `model` (and was trained for it); tie its LM head to the target's
         rows of the draft vocabulary and keep the target's embeddings for its inputs."""
         check_fits(model, self.hidden_size, self.vocab_size, self.target, "eagle")
+        on_device_of(self, model)
         rows = output_rows(model, self.token_ids.cpu())  # [V', hidden]
         with torch.no_grad():
             self.model.lm_head.weight.copy_(rows.to(self.model.lm_head.weight.device))
@@ -109,8 +119,9 @@ class EagleHead(nn.Module):
         self.embed = [model.get_input_embeddings()]
         return self
 
-    def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The head's input vectors of pairs: features [n, hidden] and the tokens after them [n]."""
+    def inputs(self, features: torch.Tensor, tokens: torch.Tensor, *, own: bool = False) -> torch.Tensor:
+        """The head's input vectors of pairs: features [n, hidden] (the target's, or with `own` the
+        head's predicted ones: the same here) and the tokens after them [n]."""
         embedded = self.embed[0](tokens.to(features.device)).to(self.fc.weight.dtype)  # [n, hidden]
         return self.fc(torch.cat([embedded, features.to(self.fc.weight.dtype)], -1))
 
@@ -181,7 +192,7 @@ class EagleHead(nn.Module):
 
     def _fill(self, tensors: dict, folder: Path, config: dict) -> EagleHead:
         """Load `tensors` (all but the tied matrix, which `bind` takes from the target), or refuse."""
-        missing, unexpected = self.load_state_dict(tensors, strict=False)
+        missing, unexpected = load_checked(self, tensors, f"the EAGLE head in {folder}")
         missing = [k for k in missing if "embed_tokens" not in k and "lm_head" not in k and k != "token_ids"]
         if missing or unexpected:
             raise InvalidArgument(f"the EAGLE head in {folder} does not match its config "
@@ -307,7 +318,7 @@ class Eagle(Proposer):
         features = torch.stack([g[5] for g in grow])
         with torch.inference_mode():
             nodes, logits = self.engine.feed(tokens.tolist(), [g[2] for g in grow], logits_for=range(len(grow)),
-                                             hidden_layers=[-1], embeds=self.head.inputs(features, tokens))
+                                             hidden_layers=[-1], embeds=self.head.inputs(features, tokens, own=True))
         self._grown.extend(nodes)
         return logits, self.engine.hidden[:, 0], nodes
 

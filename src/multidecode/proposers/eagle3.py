@@ -40,7 +40,7 @@ from torch import nn
 from ..errors import InvalidArgument
 from ..models.vetting import cache_argument
 from . import vocabulary_size
-from .heads import read_config, read_weights
+from .heads import causal_mask, load_checked, on_device_of, read_config, read_weights
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 """Where a published head keeps its weights, in the order they are looked for."""
@@ -97,6 +97,8 @@ class Eagle3LM(nn.Module):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         embeds, hidden = inputs_embeds.split(self.config.hidden_size, dim=-1)  # [1, q, h] each
+        if attention_mask is None:  # a plain continuation: the mask the model would build itself
+            attention_mask = causal_mask(self.config, embeds, cache, position_ids)
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], -1)  # [1, q, 2h]
         attended, _ = self.self_attn(x, position_embeddings=self.rotary_emb(x, position_ids),
@@ -147,11 +149,16 @@ class Eagle3Head(nn.Module):
             raise InvalidArgument(f"the EAGLE-3 head is for hidden size {self.target_hidden_size} and a vocabulary "
                                   f"of {self.vocab_size}, the model has {hidden} and {vocab}",
                                   "use a head published for this model")
+        if self.embed_tokens is None and model.get_input_embeddings().embedding_dim != self.hidden_size:
+            raise InvalidArgument(f"the EAGLE-3 head is {self.hidden_size} wide and has no embeddings of its own, "
+                                  f"and the model's are {model.get_input_embeddings().embedding_dim} wide",
+                                  "use a head published with its embeddings (embed_tokens)")
         if self.aux_layers is None:
             self.aux_layers = aux_layers_of(model)
         if len(self.aux_layers) * hidden != self.fc.in_features:
             raise InvalidArgument(f"the EAGLE-3 head reads {self.fc.in_features // hidden} layers, but "
                                   f"{list(self.aux_layers)} were named", "name as many aux layers as fc reads")
+        on_device_of(self, model)
         self.embed = [self.embed_tokens if self.embed_tokens is not None else model.get_input_embeddings()]
         self.model.embed = self.embed
         return self
@@ -160,11 +167,12 @@ class Eagle3Head(nn.Module):
     def draft_vocab_size(self) -> int:
         return len(self.token_ids)
 
-    def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def inputs(self, features: torch.Tensor, tokens: torch.Tensor, *, own: bool = False) -> torch.Tensor:
         """The input vectors of pairs ([n, 2h]): the token's embedding beside h, where h is `fc` of
-        the target's aux features ([n, layers * H]) or a deeper node's fed-back output ([n, h])."""
+        the target's aux features ([n, layers * H]), or with `own` a deeper node's fed-back output
+        ([n, h], which `fc` does not read again)."""
         dtype = self.fc.weight.dtype
-        if features.shape[-1] != self.hidden_size:
+        if not own:
             features = self.fc(features.to(dtype))
         embedded = self.embed[0](tokens.to(features.device)).to(dtype)  # [n, h]
         return torch.cat([embedded, features.to(dtype)], -1)
@@ -212,15 +220,15 @@ class Eagle3Head(nn.Module):
         vocab = len(t2d) if t2d is not None else layer.get("vocab_size") or config.get("vocab_size")
         layer_config = LlamaConfig(**{k: v for k, v in layer.items() if k not in NOT_LAYER_KEYS})
         layer_config.vocab_size, layer_config.num_hidden_layers = draft_vocab, 1
-        if "speculators_model_type" not in config or not layer.get("head_dim"):
-            layer_config.head_dim = layer_config.hidden_size // layer_config.num_attention_heads  # as EAGLE computes it
+        if not layer.get("head_dim"):  # as EAGLE computes it where the config names none
+            layer_config.head_dim = layer_config.hidden_size // layer_config.num_attention_heads
         layer_config._attn_implementation = "sdpa"
         head = cls(layer_config, d2t, vocab, target_hidden_size=config.get("target_hidden_size"), aux_layers=aux,
                    norm_before_residual=norm_before_residual, own_embeddings="embed_tokens.weight" in tensors,
                    fc_inputs=tensors["fc.weight"].shape[1])
         state = {("model." + k[len("midlayer."):] if k.startswith("midlayer.") else
                   "model." + k if k.startswith(("norm.", "lm_head.")) else k): v for k, v in tensors.items()}
-        missing, unexpected = head.load_state_dict(state, strict=False)
+        missing, unexpected = load_checked(head, state, f"{what} in {folder}")
         if missing or unexpected:
             raise InvalidArgument(f"{what} in {folder} does not match its config "
                                   f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})",

@@ -69,6 +69,32 @@ def check_fits(model, hidden_size: int, vocab_size: int, recorded: dict | None, 
     check_target(recorded, model, what)
 
 
+def on_device_of(head: torch.nn.Module, model) -> None:
+    """Move a head to the device its target computes on (keeping the head's own dtype)."""
+    head.to(next(model.parameters()).device)
+
+
+def causal_mask(config, embeds: torch.Tensor, cache, position_ids: torch.Tensor | None):
+    """The mask a head layer run outside a model's own forward needs when an `Engine` feed passes
+    none (a plain continuation): causal, or causal within the sliding window of a sliding layer
+    (`config.layer_types[0]`), as transformers' masking utilities build them."""
+    from transformers import masking_utils
+
+    sliding = (getattr(config, "layer_types", None) or ["full_attention"])[0] == "sliding_attention"
+    build = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
+    return build(config=config, inputs_embeds=embeds, attention_mask=None, cache=cache, position_ids=position_ids)
+
+
+def load_checked(head: torch.nn.Module, tensors: dict, what: str) -> tuple[list[str], list[str]]:
+    """`head.load_state_dict(tensors, strict=False)`, a tensor of the wrong shape refused with a
+    message; returns the missing and unexpected keys."""
+    try:
+        return head.load_state_dict(tensors, strict=False)
+    except RuntimeError as error:
+        raise InvalidArgument(f"{what} does not match its config ({str(error).splitlines()[-1].strip()})",
+                              "point at a head's folder as it was written or published") from None
+
+
 def draft_distribution(logits: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int,
                        sampling: SamplingParams) -> torch.Tensor:
     """A head's logits over its draft vocabulary ([V'], the target ids `token_ids`; None: the whole

@@ -37,7 +37,7 @@ from torch import nn
 from ..errors import InvalidArgument
 from ..models.packed import PackedLinear
 from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_generator
-from .heads import check_fits, draft_distribution, read_config, read_tensors, write_head
+from .heads import check_fits, draft_distribution, on_device_of, read_config, read_tensors, write_head
 
 WEIGHTS = "medusa_lm_head"
 """The stem of a Medusa head's weights file, as the Medusa project names it."""
@@ -86,6 +86,7 @@ class MedusaHeads(nn.Module):
     def bind(self, model) -> MedusaHeads:
         """Check these heads fit `model` (and were trained for it), and read its LM head rows."""
         check_fits(model, self.hidden_size, self.vocab_size, self.target, "medusa")
+        on_device_of(self, model)
         if self.projections is None and self.shared is None:
             ids = self.token_ids if self.token_ids is not None else torch.arange(self.vocab_size)
             self.shared = output_rows(model, ids)

@@ -35,12 +35,14 @@ from torch import nn
 from ..errors import InvalidArgument, UnsupportedModel
 from . import vocabulary_size
 from .eagle import Eagle
+from .heads import causal_mask
 
 
 def mtp_layers(model) -> int:
-    """How many MTP layers `model`'s config says its checkpoint holds (0: none)."""
+    """How many MTP layers `model`'s config says its checkpoint holds, as transformers' `MtpModel`
+    reads them (`num_mtp_layers`; 0: none, or none that transformers can build)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(getattr(config, "num_mtp_layers", None) or getattr(config, "num_nextn_predict_layers", None) or 0)
+    return int(getattr(config, "num_mtp_layers", None) or 0)
 
 
 def _mtp_model_class():
@@ -75,6 +77,8 @@ class MtpLM(nn.Module):
 
         mtp, hidden_size = self.mtp, self.config.hidden_size
         embeds, features = inputs_embeds.split(hidden_size, dim=-1)  # [1, q, hidden] each
+        if attention_mask is None:  # a plain continuation: the mask the model would build itself
+            attention_mask = causal_mask(self.config, embeds, cache, position_ids)
         rope = {"layer_type": self.config.layer_types[0]} if getattr(mtp, "has_per_layer_rope", False) else {}
         position_embeddings = None if mtp.rotary_emb is None else mtp.rotary_emb(embeds, position_ids=position_ids,
                                                                                   **rope)
@@ -105,7 +109,7 @@ class MtpHead(nn.Module):
         super().__init__()
         self.model = MtpLM(mtp)
         self.hidden_size = mtp.config.hidden_size
-        self.vocab_size = vocabulary_size(self.model)
+        self.vocab_size = getattr(mtp.config, "unpadded_vocab_size", None) or vocabulary_size(self.model)
         self.embed: list[nn.Module] = []
 
     @classmethod
@@ -121,12 +125,15 @@ class MtpHead(nn.Module):
         if not name:
             raise InvalidArgument("the model was not loaded from a checkpoint, so its MTP layers cannot be read",
                                   "load it with from_pretrained from the folder that holds them")
+        if getattr(model.config, "quantization_config", None):
+            raise InvalidArgument(f"the MTP layers of {name} are quantized, and transformers reads them without "
+                                  "their scales", "use a checkpoint of the model in bfloat16 or float32")
         from ..models.reading import quiet_transformers
 
         try:
             with quiet_transformers():
                 mtp = _mtp_model_class().from_pretrained(model)
-        except (OSError, RuntimeError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - whatever stops the read, the user's fix is another checkpoint
             raise InvalidArgument(f"the MTP layers of {name} could not be read: {str(error).splitlines()[0]}",
                                   "load the model from a checkpoint that keeps them (config.json and "
                                   "*.safetensors as published)") from None
@@ -142,8 +149,9 @@ class MtpHead(nn.Module):
         self.embed = [self.model.get_input_embeddings()]
         return self
 
-    def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The input vectors of pairs ([n, 2 * hidden]): each token's embedding beside its feature."""
+    def inputs(self, features: torch.Tensor, tokens: torch.Tensor, *, own: bool = False) -> torch.Tensor:
+        """The input vectors of pairs ([n, 2 * hidden]): each token's embedding beside its feature
+        (the target's, or with `own` the layer's output at the parent: the same here)."""
         embedded = self.embed[0](tokens.to(features.device))  # [n, hidden]
         return torch.cat([embedded, features.to(embedded.dtype)], -1)
 

@@ -29,7 +29,7 @@ from ..errors import MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
 from ..sampling import SamplingParams
-from ..speculation import MODES, OFF, SpeculationSettings
+from ..speculation import LEARNED, MODES, OFF, SpeculationSettings
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
@@ -305,6 +305,9 @@ def _speculation(requested: str | None, default: SpeculationSettings | None, has
     if mode == "draft" and not has_draft:
         raise BadRequest("speculate 'draft' needs a draft model, and this server has none (start it with "
                          "--draft-model or --draft-skip-layers)", "speculate")
+    if mode in LEARNED and mode != default.mode:  # its head is loaded once, when the server starts
+        raise BadRequest(f"speculate {mode!r} drafts with a learned head, and this server did not load one "
+                         f"(start it with --speculate {mode})", "speculate")
     return default.with_mode(mode)
 
 
