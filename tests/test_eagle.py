@@ -73,9 +73,9 @@ class _Out:
 class HashOracleHead(EagleHead):
     """An EAGLE head that knows the hash LM: its pairs are (sum, position, token), exactly."""
 
-    def __init__(self) -> None:
+    def __init__(self, reads_prompt: bool = False) -> None:
         torch.nn.Module.__init__(self)
-        self.hidden_size, self.vocab_size, self.target = 2, HASH_VOCAB, None
+        self.hidden_size, self.vocab_size, self.target, self.reads_prompt = 2, HASH_VOCAB, None, reads_prompt
         self.model = _OracleModel()
         self.register_buffer("token_ids", torch.arange(HASH_VOCAB))
         self.embed = [None]  # bound: it reads no embeddings
@@ -95,12 +95,14 @@ def test_a_random_eagle_head_is_exact_with_eos_and_compaction(arch, attn):
     check_exact_with_eos_and_compaction(model, full, lambda: Speculation(Eagle(head, confidence=0.0), budget=6))
 
 
+@pytest.mark.parametrize("reads_prompt", [False, True])
 @pytest.mark.parametrize("depth", [1, 3, 6])
-def test_a_head_that_knows_the_target_is_accepted_in_full(depth):
+def test_a_head_that_knows_the_target_is_accepted_in_full(depth, reads_prompt):
     """On the hash LM, a head that knows it has every draft accepted: after the prompt's step
-    each step emits depth + 1 tokens, so the run takes 1 + ceil((n - 1) / (depth + 1)) steps."""
+    each step emits depth + 1 tokens, so the run takes 1 + ceil((n - 1) / (depth + 1)) steps.
+    A head that reads the prompt gets its pairs first (the branches' common prompt fed once)."""
     steps = 30
-    spec = Speculation(Eagle(HashOracleHead(), width=1, max_depth=depth), budget=depth)
+    spec = Speculation(Eagle(HashOracleHead(reads_prompt), width=1, max_depth=depth), budget=depth)
     forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=spec, max_new_tokens=steps)
     assert outputs(forest) == hash_expected(HASH_PREFIX, HASH_BRANCHES, steps)
     assert forest.stats.steps == 1 + math.ceil((steps - 1) / (depth + 1))
@@ -154,3 +156,23 @@ def test_a_head_round_trips_and_one_for_another_model_is_refused(tmp_path):
     (tmp_path / "medusa" / "eagle_head.pt").write_bytes(b"")
     with pytest.raises(InvalidArgument):
         EagleHead.load(tmp_path / "medusa")
+
+
+def test_a_head_that_reads_the_prompt_gets_its_pairs_in_order_and_the_common_prompt_once():
+    """Every pair the head is fed is (the state at t, the token at t + 1) of its branch; the
+    branches' common prompt reaches it once, as a shared trunk."""
+    rows = []
+
+    class Recording(_OracleModel):
+        def forward(self, inputs_embeds=None, position_ids=None, past_key_values=None, logits_to_keep=None, **kwargs):
+            rows.extend(inputs_embeds[0].tolist())
+            return super().forward(inputs_embeds, position_ids, past_key_values, logits_to_keep, **kwargs)
+
+    head = HashOracleHead(reads_prompt=True)
+    head.model = Recording()
+    forest = run(HashLM(), HASH_PREFIX, HASH_BRANCHES, speculate=Speculation(Eagle(head, width=1, max_depth=3),
+                                                                             budget=3), max_new_tokens=12)
+    sequences = [HASH_PREFIX + b + out for b, out in zip(HASH_BRANCHES, outputs(forest))]
+    for _, position, token in rows:
+        assert any(len(s) > position + 1 and s[int(position) + 1] == token for s in sequences)
+    assert sum(position + 1 < len(HASH_PREFIX) for _, position, _ in rows) == len(HASH_PREFIX) - 1

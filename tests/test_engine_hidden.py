@@ -38,3 +38,17 @@ def test_a_feed_returns_each_asked_layer_at_its_logits_nodes(arch, apart):
             assert torch.allclose(engine.hidden[i].float(), alone(model, PROMPT + branch), atol=1e-4)
         engine.feed([7], [chains[0][-1]])  # a feed that asks for none keeps none
         assert engine.hidden is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_feed_can_keep_the_states_of_every_node(arch):
+    """`hidden_for`: the states of other nodes than those with logits (a drafter that reads the
+    whole prompt), each equal to its path run alone."""
+    model = tiny_model(arch, "sdpa")
+    engine = Engine(model)
+    with torch.inference_mode():
+        engine.feed(PROMPT, [ROOT] + [-(i + 2) for i in range(len(PROMPT) - 1)], logits_for=[len(PROMPT) - 1],
+                    hidden_layers=LAYERS, hidden_for=range(len(PROMPT)))
+    assert engine.hidden.shape[0] == len(PROMPT)
+    for i in range(len(PROMPT)):
+        assert torch.allclose(engine.hidden[i].float(), alone(model, PROMPT[: i + 1]), atol=1e-4)

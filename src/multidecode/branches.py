@@ -28,7 +28,7 @@ import torch
 from .cost import AcceptanceTracker
 from .engine import Engine
 from .errors import InvalidArgument, InvalidInput, PromptTooLong, check_positive, is_int
-from .forest import ROOT
+from .forest import ROOT, local_parent
 from .memory import ENVIRONMENT, Need, budget_bytes, check_budget, most_branches
 from .prompts import share_prefix
 from .proposers import UNDER_LEAF, BranchContext, DraftTree
@@ -254,6 +254,8 @@ class BranchGroup(Work):
         self._feed = self._decode_feed() if self._started else self._prompt_feed()
         if self.speculation is not None:  # a learned drafter reads the target's hidden states
             self._feed.hidden_layers = tuple(self.speculation.proposer.layers)
+            # one that reads the whole prompt gets the states of every prompt node fed
+            self._feed.hidden_everywhere = not self._started and self.speculation.proposer.reads_prompt
         return self._feed
 
     def _prompt_feed(self) -> Feed:
@@ -324,7 +326,7 @@ class BranchGroup(Work):
 
     # ------------------------------------------------------------------ settling
     def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor,
-               hidden: torch.Tensor | None = None) -> Settled:
+               hidden: torch.Tensor | None = None, hidden_nodes: torch.Tensor | None = None) -> Settled:
         node_of = dict(zip(fed, nodes))  # feed index -> node id
         if not self._started:
             self.prompt_ends = [node_of[self._heads[b.index]] for b in self.branches]
@@ -363,6 +365,9 @@ class BranchGroup(Work):
             if hidden is not None:  # [path nodes, layers, hidden]: what the next draft reads
                 branch.context.features = hidden[path]
                 branch.context.feature_layers = self._feed.hidden_layers
+                if hidden_nodes is not None:  # the prompt's fed nodes before the head, too
+                    prompt = self._prompt_rows(j, {i: k for k, i in enumerate(fed)})
+                    branch.context.features = torch.cat([hidden_nodes[prompt], branch.context.features])
             draft = self._drafts.get(j)
             if draft is not None:
                 node_at = {row: n for (b, n), row in draft_row.items() if b == j}
@@ -382,6 +387,15 @@ class BranchGroup(Work):
         self.stats.draft_budgets.append(len(fed_drafts))
         self.done = all(b.output.finished for b in self.branches)
         return Settled(rejected, dead=sum(b.output.finished for b in self.branches) > finished_before)
+
+    def _prompt_rows(self, branch: int, position: dict[int, int]) -> list[int]:
+        """The rows (positions in this step's fed nodes) of the prompt nodes fed before branch's
+        head, root first: its path within this feed (a cached prefix was not fed, so not here)."""
+        rows, at = [], self._heads[branch]
+        while (parent := local_parent(self._feed.parents[at])) is not None:
+            at = parent
+            rows.append(position[at])
+        return rows[::-1]
 
     def _emit(self, index: int, token: int, logits: torch.Tensor, row: int) -> bool:
         branch = self.branches[index]

@@ -117,6 +117,7 @@ class Engine:
         root_position: int = 0,
         owners: Sequence[object] | None = None,
         hidden_layers: Sequence[int] = (),
+        hidden_for: Sequence[int] | None = None,
         embeds: torch.Tensor | None = None,
     ) -> tuple[list[int], torch.Tensor]:
         """Add nodes (see `Forest.add` for `parents` and `owners`) and run them through the model.
@@ -126,7 +127,8 @@ class Engine:
         `self.hidden` ([len(logits_for), len(hidden_layers), hidden size], in the model's dtype), as the model's
         public `hidden_states` output numbers them: 0 the embeddings, i the output of layer i, -1
         the last (after the final norm, what the LM head reads). A feed that asks for none pays
-        nothing, and `self.hidden` is then None.
+        nothing, and `self.hidden` is then None. hidden_for: the nodes (indices into this call's)
+        whose hidden states to keep instead of the `logits_for` ones ([len(hidden_for), ...]).
         embeds: [len(tokens), hidden size], the nodes' input vectors, given to the model's forward
         in place of their tokens' embeddings (`inputs_embeds`: a learned draft head's input is
         built from the target's features); the tokens still name the nodes.
@@ -138,12 +140,13 @@ class Engine:
             return nodes, torch.empty(0, 0)
         self._embeds = None if embeds is None else dict(zip(nodes, embeds.to(self.device, self.dtype)))
         runs, order = self._long_chains_first(nodes, before)
+        states_for = logits_for if hidden_for is None else hidden_for
         if runs:  # the cache order: long chains first, the rest as fed
             placed = [nodes[i] for i in order]
             where = {i: j for j, i in enumerate(order)}  # index in nodes -> index in placed
-            wanted = [where[i] for i in logits_for]
+            wanted, wanted_states = [where[i] for i in logits_for], [where[i] for i in states_for]
         else:  # the usual step: cache order is call order
-            placed, wanted = nodes, list(logits_for)
+            placed, wanted, wanted_states = nodes, list(logits_for), list(states_for)
         rows: dict[int, torch.Tensor] = {}  # index into placed -> [vocab] float32
         hidden: dict[int, torch.Tensor] = {}  # index into placed -> [layers, hidden]
         try:
@@ -151,20 +154,22 @@ class Engine:
             forest.place(placed)
             for kind, start, end in self._plan(placed, runs, kept=len(wanted)):
                 keep = [i - start for i in wanted if start <= i < end]
+                keep_states = [i - start for i in wanted_states if start <= i < end] if layers else []
                 if kind == "apart":
-                    out, states = self._run_apart(placed, start, end, keep, layers)
+                    out, states = self._run_apart(placed, start, end, keep, layers, keep_states)
                 else:
-                    out, states = self._run(placed[start:end], positions[start:end], keep, layers,
+                    out, states = self._run(placed[start:end], positions[start:end], keep, layers, keep_states,
                                             plain=kind == "plain")
                 rows.update({start + i: row for i, row in zip(keep, out)})
                 if states is not None:
-                    hidden.update({start + i: row for i, row in zip(keep, states)})
+                    hidden.update({start + i: row for i, row in zip(keep_states, states)})
         except BaseException:
             self._undo(nodes, before)  # a failed forward (out of memory, Ctrl-C) leaves no trace
             raise
+        if layers and wanted_states:
+            self.hidden = torch.stack([hidden[i] for i in wanted_states])
         if not wanted:
             return nodes, torch.empty(0, 0)
-        self.hidden = torch.stack([hidden[i] for i in wanted]) if layers else None
         return nodes, torch.stack([rows[i] for i in wanted])
 
     def _undo(self, nodes: list[int], slots: int) -> None:
@@ -343,8 +348,8 @@ class Engine:
         return [index.get(self.forest.parents[n], -1) for n in nodes]
 
     # ------------------------------------------------------------------ the forwards
-    def _run(self, nodes: list[int], positions: torch.Tensor, keep: list[int], layers: list[int], *,
-             plain: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, nodes: list[int], positions: torch.Tensor, keep: list[int], layers: list[int],
+             keep_states: list[int], *, plain: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward of `nodes` (placed at the cache's next slots) on the shared cache; logits
         at `keep` (indices into nodes) as [len(keep), vocab] float32, and the hidden states of
         `layers` there (see `_forward`)."""
@@ -370,17 +375,17 @@ class Engine:
         slots = self.cache.num_slots
         if start:
             with self.cache.window(start):
-                out = self._forward(nodes, positions, self.cache, keep, layers, mask, plan, pad)
+                out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan, pad)
             self.stats.slots_skipped += start
         else:
-            out = self._forward(nodes, positions, self.cache, keep, layers, mask, plan, pad)
+            out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan, pad)
         if pad:
             self.cache.truncate(slots + len(nodes))
         self._count(len(nodes))
         return out
 
     def _run_apart(self, nodes: list[int], start: int, end: int, keep: list[int],
-                   layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   layers: list[int], keep_states: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chain nodes[start:end] in its own forward, in a scratch cache holding only its
         parent's path; its new keys and values are then appended to the shared cache.
 
@@ -405,7 +410,7 @@ class Engine:
             path_positions = forest.slot_positions()[path] if width else torch.empty(0, dtype=torch.long)
             mask, plan, pad = self._exact_inputs(visible, positions, torch.cat([path_positions, positions]),
                                                  self._parent_rows(chain))
-        out = self._forward(chain, positions, scratch, keep, layers, mask, plan, pad)
+        out = self._forward(chain, positions, scratch, keep, layers, keep_states, mask, plan, pad)
         end = width + len(chain)
         with torch.inference_mode():
             for i, layer in enumerate(scratch.layers):
@@ -414,11 +419,12 @@ class Engine:
         self._count(len(chain), extra_bytes=scratch.allocated_bytes)
         return out
 
-    def _forward(self, nodes: list[int], positions: torch.Tensor, cache, keep: list[int], layers: list[int], mask,
-                 plan: ExactPlan | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, nodes: list[int], positions: torch.Tensor, cache, keep: list[int], layers: list[int],
+                 keep_states: list[int], mask, plan: ExactPlan | None = None,
+                 pad: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's forward over `nodes` (and `pad` padding rows, see `_exact_inputs`):
-        [len(keep), vocab] float32 logits at `keep`, and [len(keep), len(layers), hidden] hidden
-        states there (in the model's dtype) when `layers` are asked for (else None)."""
+        [len(keep), vocab] float32 logits at `keep`, and [len(keep_states), len(layers), hidden]
+        hidden states at `keep_states` (in the model's dtype) when `layers` are asked for (else None)."""
         wanted = keep or [len(nodes) - 1]
         # an exact forward's LM head gets a multiple of row_multiple rows too (repeats, dropped after)
         index = torch.tensor(wanted + wanted[:1] * (-len(wanted) % self.row_multiple), dtype=torch.long,
@@ -446,8 +452,8 @@ class Engine:
         logits = out.logits[0, : len(keep)].float()
         if not layers:
             return logits, None
-        rows = torch.tensor(keep, dtype=torch.long, device=self.device)
-        # [len(keep), layers, hidden]: each asked layer's states at the kept rows
+        rows = torch.tensor(keep_states, dtype=torch.long, device=self.device)
+        # [len(keep_states), layers, hidden]: each asked layer's states at those rows
         hidden = torch.stack([out.hidden_states[layer][0].index_select(0, rows) for layer in layers], 1)
         return logits, hidden
 

@@ -49,6 +49,8 @@ class Feed:
         server's prefix cache keeps prompt nodes past the request that fed them).
     hidden_layers: the layers whose hidden states the work wants at its logits nodes (a learned
         drafter reads them, see `Engine.feed`); they come to `Work.settle` as `hidden`.
+    hidden_everywhere: also those states at every node fed (a drafter that reads the whole
+        prompt), to `Work.settle` as `hidden_nodes`.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -58,6 +60,7 @@ class Feed:
     owners: list[object | None] = field(default_factory=list)
     root_position: int = 0
     hidden_layers: tuple[int, ...] = ()
+    hidden_everywhere: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -109,7 +112,8 @@ class Work:
         """After the forward: `fed[j]` is the index in this step's feed of the j-th node fed
         (optional nodes may have been left out), `nodes[j]` its node id; `logits` holds one row
         per fed node whose logits were asked for, in order. A work whose feed asked for
-        `hidden_layers` also gets `hidden=` [logits rows, len(hidden_layers), hidden size]."""
+        `hidden_layers` also gets `hidden=` [logits rows, len(hidden_layers), hidden size], and
+        with `hidden_everywhere` `hidden_nodes=` [len(fed), len(hidden_layers), hidden size]."""
         raise NotImplementedError
 
     def live(self) -> Sequence[int]:
@@ -280,8 +284,10 @@ class Scheduler:
             spans.append((start, len(tokens)))
         calls = self.engine.stats.forward_passes
         layers = sorted({layer for _, f in plans for layer in f.hidden_layers})
+        everywhere = any(f.hidden_everywhere and f.hidden_layers for _, f in plans)
         nodes, logits = self.engine.feed(tokens, parents, logits_for=logits_for,
-                                         root_position=root_positions.pop(), owners=owners, hidden_layers=layers)
+                                         root_position=root_positions.pop(), owners=owners, hidden_layers=layers,
+                                         hidden_for=range(len(tokens)) if everywhere else None)
         calls = self.engine.stats.forward_passes - calls
         rejected: list[int] = []
         row = 0
@@ -290,7 +296,14 @@ class Scheduler:
             work.forward_passes += calls
             hidden = {}
             if feed.hidden_layers:  # [rows, the work's layers, hidden]
-                hidden["hidden"] = self.engine.hidden[row : row + rows, [layers.index(k) for k in feed.hidden_layers]]
+                columns = [layers.index(k) for k in feed.hidden_layers]
+                if everywhere:  # the engine kept every node's: the logits rows are some of them
+                    at = torch.tensor([i for i in logits_for if start <= i < end], dtype=torch.long)
+                    hidden["hidden"] = self.engine.hidden[at.to(self.engine.hidden.device)][:, columns]
+                    if feed.hidden_everywhere:
+                        hidden["hidden_nodes"] = self.engine.hidden[start:end, columns]
+                else:
+                    hidden["hidden"] = self.engine.hidden[row : row + rows, columns]
             settled = work.settle(chosen, nodes[start:end], logits[row : row + rows], **hidden)
             row += rows
             rejected.extend(settled.rejected)

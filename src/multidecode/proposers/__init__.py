@@ -52,7 +52,8 @@ class BranchContext:
     branch chooses its tokens (a draft model drafts the same way). features: for a proposer that
     reads the target's hidden states (`Proposer.layers`), those layers' states at the nodes the
     last step settled on the branch's path, [nodes, layers, hidden size] in the model's dtype; the last row is
-    at the node whose logits chose the newest token. None before the first step. feature_layers:
+    at the node whose logits chose the newest token. None before the first step; after it, for a
+    proposer that `reads_prompt`, the prompt nodes fed on the branch's path come first. feature_layers:
     the layers `features` holds, in order (a mixture feeds the union of what its members read;
     empty: just the layers the proposer reads).
     """
@@ -243,6 +244,9 @@ class Proposer:
     layers: tuple[int, ...] = ()
     """The target's layers whose hidden states this proposer reads (`BranchContext.features`),
     numbered as `Engine.feed` numbers them; none for a proposer that reads only tokens."""
+    reads_prompt: bool = False
+    """Whether its first `BranchContext.features` hold the states of the whole prompt fed (a head
+    trained with the prompt in its context), not only of the node after it."""
 
     def propose(self, context: BranchContext, budget: int) -> DraftTree:
         raise NotImplementedError

@@ -87,14 +87,17 @@ class EagleHead(nn.Module):
     norms: the layer's input norm and a final norm before the LM head (ours); EAGLE-1/2 heads as
     published have neither (their first layer skips its input norm, and the LM head reads the
     layer's output, which is also what the next depth reads). fc_bias: whether `fc` has a bias.
+    reads_prompt: trained with each sequence's prompt pairs before its answer's (heads written
+    before that was so read from the node after the prompt on).
     """
 
     def __init__(self, config, token_ids: torch.Tensor, vocab_size: int, *, target: dict | None = None,
-                 norms: bool = True, fc_bias: bool = True) -> None:
+                 norms: bool = True, fc_bias: bool = True, reads_prompt: bool = True) -> None:
         from transformers import LlamaForCausalLM
 
         super().__init__()
         self.hidden_size, self.vocab_size, self.target, self.norms = config.hidden_size, vocab_size, target, norms
+        self.reads_prompt = reads_prompt
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         self.model = LlamaForCausalLM(config).eval()
         if not norms:
@@ -132,7 +135,7 @@ class EagleHead(nn.Module):
         tensors = {k: v for k, v in self.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
         config = {**self.model.config.to_dict(), "eagle": {"vocab_size": self.vocab_size,
                                                           "draft_vocab_size": self.draft_vocab_size,
-                                                          "norms": self.norms},
+                                                          "norms": self.norms, "reads_prompt": self.reads_prompt},
                   "multidecode_target": self.target, **(extra or {})}
         return write_head(Path(folder), WEIGHTS, config, tensors)
 
@@ -169,7 +172,7 @@ class EagleHead(nn.Module):
         layer_config._attn_implementation = "sdpa"
         head = cls(layer_config, tensors["token_ids"], config["eagle"]["vocab_size"],
                    target=config.get("multidecode_target"), norms=config["eagle"].get("norms", True),
-                   fc_bias="fc.bias" in tensors)
+                   fc_bias="fc.bias" in tensors, reads_prompt=config["eagle"].get("reads_prompt", False))
         return head._fill(tensors, folder, config)
 
     @classmethod
@@ -228,6 +231,11 @@ class Eagle(Proposer):
         self._next_key = 0
         self._grown: list[int] = []  # last round's draft nodes, taken back before the next
         self._released = 0  # branches finished since the last compaction
+
+    @property
+    def reads_prompt(self) -> bool:
+        """Whether the head was trained with the prompt in its context (published heads are)."""
+        return bool(getattr(self.head, "reads_prompt", False))
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -298,19 +306,55 @@ class Eagle(Proposer):
 
     def _catch_up(self, contexts: Sequence[BranchContext], states: Sequence[_Branch]):
         """Feed each branch's newly settled pairs (the target's features with the tokens chosen
-        after them) to the head; its logits and predicted feature after each branch's last pair."""
-        chains, parents, inputs = [], [], []
+        after them) to the head; its logits and predicted feature after each branch's last pair.
+        New branches' pairs start with their prompt's where the head reads prompts; the pairs
+        they share (a common document) are fed once, as a trunk they all hang under."""
+        pairs = []  # per branch: (tokens [m], features [m, layers * hidden])
         for context, state in zip(contexts, states):
             features = context.features_of(self.layers).flatten(1)  # [m, layers * hidden]
-            tokens = torch.tensor(context.tokens[-len(features):])
-            chains.append(tokens.tolist())
-            parents.append(state.leaf)
-            inputs.append(self.head.inputs(features, tokens))
+            if state.leaf == ROOT and not self.reads_prompt:  # from the head node on, as it was trained
+                features = features[-(len(context.tokens) - context.prompt_length):]
+            pairs.append((context.tokens[-len(features):], features))
+        trunk = self._feed_trunk(pairs, states)
+        chains = [tokens for tokens, _ in pairs]
+        fed = [i for i, chain in enumerate(chains) if chain]
+        logits, hidden = [trunk[0]] * len(pairs), [trunk[1]] * len(pairs)  # a branch left nothing: the trunk's
+        if fed:
+            with torch.inference_mode():
+                embeds = torch.cat([self.head.inputs(pairs[i][1], torch.tensor(chains[i])) for i in fed])
+                nodes, rows = self.engine.feed_chains([chains[i] for i in fed], [states[i].leaf for i in fed],
+                                                      hidden_layers=[-1], embeds=embeds)
+            for k, i in enumerate(fed):
+                states[i].leaf, logits[i], hidden[i] = nodes[k][-1], rows[k], self.engine.hidden[k, 0]
+        return torch.stack(logits), torch.stack(hidden)
+
+    def _feed_trunk(self, pairs: list, states: Sequence[_Branch]) -> tuple:
+        """Feed the pairs that all new branches begin with (the same tokens and features: one
+        prompt's) once, and take them off their pairs; their leaves move to its last node.
+        Returns the logits and predicted feature after the trunk (None, None without one)."""
+        new = [i for i, state in enumerate(states) if state.leaf == ROOT]
+        if len(new) < 2:
+            return None, None
+        first = pairs[new[0]]
+        length = min(len(pairs[i][0]) for i in new)
+        for i in new[1:]:
+            tokens, features = pairs[i]
+            same = 0
+            while same < length and tokens[same] == first[0][same]:
+                same += 1
+            while same and not torch.equal(features[:same], first[1][:same]):  # another prompt's states
+                same -= 1
+            length = same
+        if length < 2:
+            return None, None
+        tokens = first[0][:length]
         with torch.inference_mode():
-            nodes, logits = self.engine.feed_chains(chains, parents, hidden_layers=[-1], embeds=torch.cat(inputs))
-        for state, chain in zip(states, nodes):
-            state.leaf = chain[-1]
-        return logits, self.engine.hidden[:, 0]
+            nodes, logits = self.engine.feed_chains([tokens], [ROOT], hidden_layers=[-1],
+                                                    embeds=self.head.inputs(first[1][:length], torch.tensor(tokens)))
+        for i in new:
+            states[i].leaf = nodes[0][-1]
+            pairs[i] = (pairs[i][0][length:], pairs[i][1][length:])
+        return logits[0], self.engine.hidden[0, 0]
 
     def _feed_grown(self, grow) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """One head forward for every node worth growing: pair (its parent's predicted feature, its token)."""

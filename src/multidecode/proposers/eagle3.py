@@ -119,6 +119,7 @@ class Eagle3Head(nn.Module):
     """
 
     target = None  # published heads carry no fingerprint: their shapes are checked instead
+    reads_prompt = True  # trained over whole conversations
 
     def __init__(self, config, d2t: torch.Tensor, vocab_size: int, *, target_hidden_size: int | None = None,
                  aux_layers: tuple[int, ...] | None = None, norm_before_residual: bool = False,

@@ -53,6 +53,7 @@ class Mixture(Proposer):
         self.lookahead = lookahead
         # what the learned members read, fed for them all (each picks its own: `BranchContext.features_of`)
         self.layers = tuple(sorted({layer for m in [*members, *fallbacks] for layer in m.layers}))
+        self.reads_prompt = any(m.reads_prompt for m in [*members, *fallbacks])
 
     def fit(self, curve, branches: int, budget: int, max_ratio: float = 1.3) -> None:
         """Size the lookahead member to the cost curve: the largest window `Lookahead.from_cost`

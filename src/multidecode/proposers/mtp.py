@@ -104,6 +104,7 @@ class MtpHead(nn.Module):
 
     token_ids = None  # it drafts over the whole vocabulary
     target = None  # it comes with the model: nothing to check against a record
+    reads_prompt = True  # trained with the model, over whole sequences
 
     def __init__(self, mtp) -> None:
         super().__init__()

@@ -48,6 +48,11 @@ from .trainees import EagleTrainee, MedusaTrainee
 KINDS = ("medusa", "eagle")
 
 
+RECIPE = 2
+"""What the trainees learn (2: the EAGLE head reads whole sequences, prompt first): a checkpoint of
+another recipe is not resumed."""
+
+
 @dataclass(frozen=True)
 class DistillSettings:
     """What `train_drafter` does. prompts: a JSONL file (None: the prompts shipped in the package).
@@ -73,6 +78,7 @@ class DistillSettings:
     def training_key(self) -> str:
         """A hash of what decides the trained weights (not where they go): a resumed run must match."""
         keep = {k: v for k, v in asdict(self).items() if k not in ("work", "output", "checkpoint_every")}
+        keep["recipe"] = RECIPE
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
     def data_key(self) -> str:

@@ -23,7 +23,7 @@ class Features:
     """Every position of every sequence, concatenated: features [N, hidden] float32, top_ids and
     top_probs [N, TOP], last [N] (the index of its sequence's last position), answer [N] (whether
     a position is in an answer), holdout [N] (held-out sequences), tokens [N]; starts: each
-    sequence's answer as (first position, end, held out)."""
+    sequence's answer as (first position, end, held out); begins: each sequence's first position."""
 
     features: torch.Tensor
     top_ids: torch.Tensor
@@ -33,6 +33,7 @@ class Features:
     holdout: torch.Tensor
     tokens: torch.Tensor
     starts: list[tuple[int, int, bool]]
+    begins: list[int]
 
 
 def load_features(folder: Path, count: int) -> Features:
@@ -47,4 +48,4 @@ def load_features(folder: Path, count: int) -> Features:
     starts = [(int(e) - n + p["prompt_length"] - 1, int(e), h) for n, e, p, h in zip(lengths, ends, parts, held)]
     return Features(torch.cat([p["features"] for p in parts]).float(), torch.cat([p["top_ids"] for p in parts]).long(),
                     torch.cat([p["top_probs"] for p in parts]).float(), last, answer, holdout,
-                    torch.cat([p["tokens"] for p in parts]).long(), starts)
+                    torch.cat([p["tokens"] for p in parts]).long(), starts, [int(e) - n for n, e in zip(lengths, ends)])

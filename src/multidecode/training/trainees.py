@@ -6,9 +6,11 @@ held-out answers) and the counts that size an epoch.
 
 - `MedusaTrainee`: head k, at position t, learns the target's distribution at t + 1 + k (the
   token k + 2 ahead) by soft cross-entropy over the draft vocabulary, weighted `DECAY ** k`.
-- `EagleTrainee`: the head reads the pairs (f_t, x_{t+1}) of an answer in order (positions from
-  0, as it runs on a branch's answer) and learns both the next feature f_{t+1} (smooth L1, EAGLE's
-  regression) and the target's distribution after it (soft cross-entropy, weight `EAGLE_CLASS`).
+- `EagleTrainee`: the head reads the pairs (f_t, x_{t+1}) of a whole sequence in order, its
+  prompt's and then its answer's (positions from 0, as it runs on a branch that `reads_prompt`),
+  and learns at each both the next feature f_{t+1} (smooth L1, EAGLE's regression) and the
+  target's distribution after it (soft cross-entropy, weight `EAGLE_CLASS`); it is measured on
+  the answers' pairs.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class MedusaTrainee:
 
 
 class EagleTrainee:
-    """An EAGLE head over the target's answers (see the module notes)."""
+    """An EAGLE head over the target's prompts and answers (see the module notes)."""
 
     def __init__(self, head: EagleHead, data: Features) -> None:
         self.head = head
@@ -98,30 +100,34 @@ class EagleTrainee:
         self.data = data
         self.device = head.fc.weight.device
         self.draft_ids = draft_index(head.token_ids, head.vocab_size, data.top_ids)  # [N, TOP]
-        self.train = [(a, e) for a, e, held in data.starts if not held and e - a > 1]
-        self.held = [(a, e) for a, e, held in data.starts if held and e - a > 1]
-        pairs = sum(e - a - 1 for a, e in self.train)
+        # (the sequence's first position, its answer's, one past its last)
+        self.train = [(b, a, e) for (a, e, held), b in zip(data.starts, data.begins) if not held and e - a > 1]
+        self.held = [(b, a, e) for (a, e, held), b in zip(data.starts, data.begins) if held and e - a > 1]
+        pairs = sum(e - b - 1 for b, a, e in self.train)
         self.steps_per_epoch = len(self.train) / EAGLE_SEQUENCES
         self.positions_per_step = max(1, pairs // max(1, len(self.train))) * EAGLE_SEQUENCES
 
-    def _batch(self, spans: list[tuple[int, int]]):
-        """Padded pairs of answers: inputs [B, T, hidden], mask [B, T], and each pair's target row
-        (the position after it) [B, T] (-1 on padding)."""
-        longest = max(e - a - 1 for a, e in spans)
+    def _batch(self, spans: list[tuple[int, int, int]], answers_only: bool):
+        """Padded pairs of whole sequences: inputs [B, T, hidden], mask [B, T], each pair's target
+        row (the position after it) [B, T] (-1 on padding), and the pairs scored [B, T] (all, or
+        with `answers_only` the answers')."""
+        longest = max(e - b - 1 for b, a, e in spans)
         inputs = torch.zeros(len(spans), longest, self.head.hidden_size, device=self.device)
         targets = torch.full((len(spans), longest), -1, dtype=torch.long)
-        for i, (a, e) in enumerate(spans):
-            rows = torch.arange(a, e - 1)  # pairs (f_t, x_{t+1}) for t in the answer
+        for i, (b, a, e) in enumerate(spans):
+            rows = torch.arange(b, e - 1)  # pairs (f_t, x_{t+1}) for t in the prompt, then the answer
             inputs[i, : len(rows)] = self.head.inputs(self.data.features[rows].to(self.device),
                                                       self.data.tokens[rows + 1])
             targets[i, : len(rows)] = rows + 1
-        return inputs, targets >= 0, targets
+        scored = targets > torch.tensor([a if answers_only else b for b, a, e in spans])[:, None]
+        return inputs, targets >= 0, targets, scored
 
-    def _forward(self, spans: list[tuple[int, int]]):
-        inputs, mask, targets = self._batch(spans)
+    def _forward(self, spans: list[tuple[int, int, int]], *, answers_only: bool = False):
+        inputs, mask, targets, scored = self._batch(spans, answers_only)
         out = self.head.model(inputs_embeds=inputs, attention_mask=mask.long().to(self.device),
                               output_hidden_states=True, use_cache=False)
-        return out.hidden_states[-1][mask.to(self.device)], out.logits[mask.to(self.device)], targets[mask]
+        at = scored.to(self.device)
+        return out.hidden_states[-1][at], out.logits[at], targets[scored]
 
     def loss(self, generator: torch.Generator) -> torch.Tensor:
         chosen = torch.randint(len(self.train), (EAGLE_SEQUENCES,), generator=generator).tolist()
@@ -137,6 +143,6 @@ class EagleTrainee:
         before it) on held-out answers."""
         if not self.held:
             return {}
-        _, logits, rows = self._forward(self.held[:EAGLE_SEQUENCES * 4])
+        _, logits, rows = self._forward(self.held[:EAGLE_SEQUENCES * 4], answers_only=True)
         guess = self.head.token_ids.cpu()[logits.argmax(-1).cpu()]
         return {"head_top1": [round(float((guess == self.data.top_ids[rows, 0]).float().mean()), 3)]}
