@@ -363,11 +363,7 @@ class BranchGroup(Work):
             branch.head = branch.output.token_ids[-1]
             accepted.update(node_at_row[r] for r in path)
             if hidden is not None:  # [path nodes, layers, hidden]: what the next draft reads
-                branch.context.features = hidden[path]
-                branch.context.feature_layers = self._feed.hidden_layers
-                if hidden_nodes is not None:  # the prompt's fed nodes before the head, too
-                    prompt = self._prompt_rows(j, {i: k for k, i in enumerate(fed)})
-                    branch.context.features = torch.cat([hidden_nodes[prompt], branch.context.features])
+                self._keep_features(j, hidden[path], hidden_nodes, fed)
             draft = self._drafts.get(j)
             if draft is not None:
                 node_at = {row: n for (b, n), row in draft_row.items() if b == j}
@@ -387,6 +383,15 @@ class BranchGroup(Work):
         self.stats.draft_budgets.append(len(fed_drafts))
         self.done = all(b.output.finished for b in self.branches)
         return Settled(rejected, dead=sum(b.output.finished for b in self.branches) > finished_before)
+
+    def _keep_features(self, branch: int, states: torch.Tensor, hidden_nodes: torch.Tensor | None,
+                       fed: Sequence[int]) -> None:
+        """Give the branch's proposer the states of the path its step settled ([nodes, layers,
+        hidden]), after those of the prompt nodes fed before it where the step fed them all."""
+        context = self.branches[branch].context
+        if hidden_nodes is not None:
+            states = torch.cat([hidden_nodes[self._prompt_rows(branch, {i: k for k, i in enumerate(fed)})], states])
+        context.features, context.feature_layers = states, self._feed.hidden_layers
 
     def _prompt_rows(self, branch: int, position: dict[int, int]) -> list[int]:
         """The rows (positions in this step's fed nodes) of the prompt nodes fed before branch's

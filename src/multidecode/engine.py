@@ -147,22 +147,10 @@ class Engine:
             wanted, wanted_states = [where[i] for i in logits_for], [where[i] for i in states_for]
         else:  # the usual step: cache order is call order
             placed, wanted, wanted_states = nodes, list(logits_for), list(states_for)
-        rows: dict[int, torch.Tensor] = {}  # index into placed -> [vocab] float32
-        hidden: dict[int, torch.Tensor] = {}  # index into placed -> [layers, hidden]
         try:
             positions = self._positions(placed)  # [q]
             forest.place(placed)
-            for kind, start, end in self._plan(placed, runs, kept=len(wanted)):
-                keep = [i - start for i in wanted if start <= i < end]
-                keep_states = [i - start for i in wanted_states if start <= i < end] if layers else []
-                if kind == "apart":
-                    out, states = self._run_apart(placed, start, end, keep, layers, keep_states)
-                else:
-                    out, states = self._run(placed[start:end], positions[start:end], keep, layers, keep_states,
-                                            plain=kind == "plain")
-                rows.update({start + i: row for i, row in zip(keep, out)})
-                if states is not None:
-                    hidden.update({start + i: row for i, row in zip(keep_states, states)})
+            rows, hidden = self._run_all(placed, positions, runs, wanted, wanted_states, layers)
         except BaseException:
             self._undo(nodes, before)  # a failed forward (out of memory, Ctrl-C) leaves no trace
             raise
@@ -171,6 +159,25 @@ class Engine:
         if not wanted:
             return nodes, torch.empty(0, 0)
         return nodes, torch.stack([rows[i] for i in wanted])
+
+    def _run_all(self, placed: list[int], positions: torch.Tensor, runs, wanted: list[int], wanted_states: list[int],
+                 layers: list[int]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Every forward of a feed (see `_plan`): index into placed -> its logits row ([vocab]
+        float32, at `wanted`), and -> its hidden states ([layers, hidden], at `wanted_states`)."""
+        rows: dict[int, torch.Tensor] = {}
+        hidden: dict[int, torch.Tensor] = {}
+        for kind, start, end in self._plan(placed, runs, kept=len(wanted)):
+            keep = [i - start for i in wanted if start <= i < end]
+            keep_states = [i - start for i in wanted_states if start <= i < end] if layers else []
+            if kind == "apart":
+                out, states = self._run_apart(placed, start, end, keep, layers, keep_states)
+            else:
+                out, states = self._run(placed[start:end], positions[start:end], keep, layers, keep_states,
+                                        plain=kind == "plain")
+            rows.update({start + i: row for i, row in zip(keep, out)})
+            if states is not None:
+                hidden.update({start + i: row for i, row in zip(keep_states, states)})
+        return rows, hidden
 
     def _undo(self, nodes: list[int], slots: int) -> None:
         """Take back a feed that did not finish: its nodes leave the forest, and the cache goes back
