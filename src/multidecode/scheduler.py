@@ -284,10 +284,13 @@ class Scheduler:
             spans.append((start, len(tokens)))
         calls = self.engine.stats.forward_passes
         layers = sorted({layer for _, f in plans for layer in f.hidden_layers})
-        everywhere = any(f.hidden_everywhere and f.hidden_layers for _, f in plans)
+        # the nodes whose states are kept: the logits nodes, and every node of a work that reads them all
+        states_for = sorted({*logits_for, *(i for (_, f), (a, b) in zip(plans, spans)
+                                            if f.hidden_everywhere and f.hidden_layers for i in range(a, b))})
+        state_row = {i: r for r, i in enumerate(states_for)}
         nodes, logits = self.engine.feed(tokens, parents, logits_for=logits_for,
                                          root_position=root_positions.pop(), owners=owners, hidden_layers=layers,
-                                         hidden_for=range(len(tokens)) if everywhere else None)
+                                         hidden_for=states_for if layers else None)
         calls = self.engine.stats.forward_passes - calls
         rejected: list[int] = []
         row = 0
@@ -296,14 +299,10 @@ class Scheduler:
             work.forward_passes += calls
             hidden = {}
             if feed.hidden_layers:  # [rows, the work's layers, hidden]
-                columns = [layers.index(k) for k in feed.hidden_layers]
-                if everywhere:  # the engine kept every node's: the logits rows are some of them
-                    at = torch.tensor([i for i in logits_for if start <= i < end], dtype=torch.long)
-                    hidden["hidden"] = self.engine.hidden[at.to(self.engine.hidden.device)][:, columns]
-                    if feed.hidden_everywhere:
-                        hidden["hidden_nodes"] = self.engine.hidden[start:end, columns]
-                else:
-                    hidden["hidden"] = self.engine.hidden[row : row + rows, columns]
+                states = self.engine.hidden[:, [layers.index(k) for k in feed.hidden_layers]]
+                hidden["hidden"] = states[[state_row[i] for i in logits_for if start <= i < end]]
+                if feed.hidden_everywhere:
+                    hidden["hidden_nodes"] = states[[state_row[i] for i in range(start, end)]]
             settled = work.settle(chosen, nodes[start:end], logits[row : row + rows], **hidden)
             row += rows
             rejected.extend(settled.rejected)

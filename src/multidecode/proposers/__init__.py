@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, warp
 
 UNDER_LEAF = -1
 """`DraftTree.parents` value of a node that hangs directly under the branch's newest token."""
@@ -196,6 +196,16 @@ def vocabulary_size(model) -> int:
     if head is not None:
         return head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
     return model.get_input_embeddings().num_embeddings
+
+
+def draft_distribution(logits: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int,
+                       sampling: SamplingParams) -> torch.Tensor:
+    """A drafter's logits over its draft vocabulary ([V'], the target ids `token_ids`; None: the
+    whole vocabulary) as a distribution over the target's [vocab] (on the CPU), warped as the
+    branch samples."""
+    full = torch.full((vocab_size,), float("-inf"))
+    full[slice(None) if token_ids is None else token_ids.cpu()] = logits.float().cpu()
+    return (warp(full[None], [sampling])[0] if sampling.do_sample else full).softmax(-1)
 
 
 def add_candidates(tree: DraftTree, parent: int, q: torch.Tensor, count: int, generator: torch.Generator | None, *,

@@ -38,9 +38,17 @@ from ..engine import Engine
 from ..errors import InvalidArgument
 from ..forest import ROOT
 from ..prompts import common_prefix_length
-from ..sampling import warp
 from ..scheduler import Feed
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_generator, vocabulary_size
+from . import (
+    UNDER_LEAF,
+    BranchContext,
+    DraftTree,
+    Proposer,
+    add_candidates,
+    draft_distribution,
+    draft_generator,
+    vocabulary_size,
+)
 
 
 @dataclass
@@ -146,9 +154,7 @@ class DraftModel(Proposer):
                   logits: torch.Tensor, budget: int) -> list[tuple[int, int, float]]:
         """Add the candidates under `parent` from the draft's logits there ([vocab]); returns
         (candidate index, token, q of it) for each."""
-        params = context.sampling
-        scores = warp(logits[None].float(), [params])[0] if params.do_sample else logits.float()
-        q = scores.softmax(dim=-1).cpu()  # [vocab]
+        q = draft_distribution(logits, None, logits.shape[-1], context.sampling)  # [vocab]
         count = 1 if float(q.max()) >= self.sure else self.width
         return add_candidates(tree, parent, q, min(count, budget - len(tree)), state.generator, min_prob=self.min_prob)
 

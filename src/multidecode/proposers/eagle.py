@@ -46,10 +46,9 @@ from torch import nn
 from ..engine import Engine
 from ..errors import InvalidArgument
 from ..forest import ROOT
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_generator
+from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_distribution, draft_generator
 from .heads import (
     check_fits,
-    draft_distribution,
     load_checked,
     on_device_of,
     read_config,
@@ -337,14 +336,11 @@ class Eagle(Proposer):
             return None, None
         first = pairs[new[0]]
         length = min(len(pairs[i][0]) for i in new)
-        for i in new[1:]:
+        for i in new[1:]:  # the leading pairs of the same tokens and states (another prompt's differ)
             tokens, features = pairs[i]
-            same = 0
-            while same < length and tokens[same] == first[0][same]:
-                same += 1
-            while same and not torch.equal(features[:same], first[1][:same]):  # another prompt's states
-                same -= 1
-            length = same
+            differ = torch.tensor(tokens[:length]) != torch.tensor(first[0][:length])  # [length]
+            differ |= (features[:length] != first[1][:length]).flatten(1).any(-1)
+            length = int(differ.int().argmax()) if differ.any() else length
         if length < 2:
             return None, None
         tokens = first[0][:length]

@@ -39,8 +39,7 @@ from torch import nn
 
 from ..errors import InvalidArgument
 from ..models.vetting import cache_argument
-from . import vocabulary_size
-from .heads import causal_mask, load_checked, on_device_of, read_config, read_weights
+from .heads import causal_mask, check_fits, load_checked, on_device_of, read_config, read_weights
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 """Where a published head keeps its weights, in the order they are looked for."""
@@ -145,11 +144,9 @@ class Eagle3Head(nn.Module):
 
     def bind(self, model) -> Eagle3Head:
         """Check the head fits `model` (its widths and vocabulary) and read the target's embeddings."""
-        hidden, vocab = model.config.get_text_config().hidden_size, vocabulary_size(model)
-        if hidden != self.target_hidden_size or vocab != self.vocab_size:
-            raise InvalidArgument(f"the EAGLE-3 head is for hidden size {self.target_hidden_size} and a vocabulary "
-                                  f"of {self.vocab_size}, the model has {hidden} and {vocab}",
-                                  "use a head published for this model")
+        check_fits(model, self.target_hidden_size, self.vocab_size, None, "eagle", what="the EAGLE-3 head",
+                   fix="use a head published for this model")
+        hidden = self.target_hidden_size
         if self.embed_tokens is None and model.get_input_embeddings().embedding_dim != self.hidden_size:
             raise InvalidArgument(f"the EAGLE-3 head is {self.hidden_size} wide and has no embeddings of its own, "
                                   f"and the model's are {model.get_input_embeddings().embedding_dim} wide",

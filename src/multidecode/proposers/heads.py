@@ -23,7 +23,6 @@ import torch
 
 from .. import data
 from ..errors import InvalidArgument
-from ..sampling import SamplingParams, warp
 from ..user_cache import cache_dir
 from . import vocabulary_size
 
@@ -58,14 +57,16 @@ def fingerprint(model) -> dict:
             "name": str(getattr(model.config, "_name_or_path", "") or "")}
 
 
-def check_fits(model, hidden_size: int, vocab_size: int, recorded: dict | None, kind: str) -> None:
-    """Refuse a head of `kind` made for other widths than `model`'s, or trained for another model."""
-    what = f"the {kind} head"
-    hidden, vocab = getattr(model.config, "hidden_size", None), vocabulary_size(model)
+def check_fits(model, hidden_size: int, vocab_size: int, recorded: dict | None, kind: str, *,
+               what: str | None = None, fix: str | None = None) -> None:
+    """Refuse a head of `kind` (named `what`) made for other widths than `model`'s, or trained for
+    another model; `fix`: what to do instead (default: train one)."""
+    what = what or f"the {kind} head"
+    hidden, vocab = getattr(model.config.get_text_config(), "hidden_size", None), vocabulary_size(model)
     if hidden != hidden_size or vocab != vocab_size:
         raise InvalidArgument(f"{what} is for hidden size {hidden_size} and a vocabulary of {vocab_size}, "
                               f"the model has {hidden} and {vocab}",
-                              f"train one for this model: multidecode train-drafter --kind {kind}")
+                              fix or f"train one for this model: multidecode train-drafter --kind {kind}")
     check_target(recorded, model, what)
 
 
@@ -93,15 +94,6 @@ def load_checked(head: torch.nn.Module, tensors: dict, what: str) -> tuple[list[
     except RuntimeError as error:
         raise InvalidArgument(f"{what} does not match its config ({str(error).splitlines()[-1].strip()})",
                               "point at a head's folder as it was written or published") from None
-
-
-def draft_distribution(logits: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int,
-                       sampling: SamplingParams) -> torch.Tensor:
-    """A head's logits over its draft vocabulary ([V'], the target ids `token_ids`; None: the whole
-    vocabulary) as a distribution over the target's [vocab], warped as the branch samples."""
-    full = torch.full((vocab_size,), float("-inf"))
-    full[slice(None) if token_ids is None else token_ids.cpu()] = logits.float().cpu()
-    return (warp(full[None], [sampling])[0] if sampling.do_sample else full).softmax(-1)
 
 
 def check_target(recorded: dict | None, model, what: str) -> None:

@@ -36,8 +36,8 @@ from torch import nn
 
 from ..errors import InvalidArgument
 from ..models.packed import PackedLinear
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_generator
-from .heads import check_fits, draft_distribution, on_device_of, read_config, read_tensors, write_head
+from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_distribution, draft_generator
+from .heads import check_fits, on_device_of, read_config, read_tensors, write_head
 
 WEIGHTS = "medusa_lm_head"
 """The stem of a Medusa head's weights file, as the Medusa project names it."""

@@ -35,7 +35,7 @@ from torch import nn
 from ..errors import InvalidArgument, UnsupportedModel
 from . import vocabulary_size
 from .eagle import Eagle
-from .heads import causal_mask
+from .heads import causal_mask, check_fits
 
 
 def mtp_layers(model) -> int:
@@ -142,11 +142,8 @@ class MtpHead(nn.Module):
 
     def bind(self, model) -> MtpHead:
         """Check the layer belongs to `model` (its widths) and read the target's embeddings through it."""
-        hidden, vocab = getattr(model.config.get_text_config(), "hidden_size", None), vocabulary_size(model)
-        if hidden != self.hidden_size or vocab != self.vocab_size:
-            raise InvalidArgument(f"the MTP layer is for hidden size {self.hidden_size} and a vocabulary of "
-                                  f"{self.vocab_size}, the model has {hidden} and {vocab}",
-                                  "read the MTP layers from this model's own checkpoint")
+        check_fits(model, self.hidden_size, self.vocab_size, None, "mtp", what="the MTP layer",
+                   fix="read the MTP layers from this model's own checkpoint")
         self.embed = [self.model.get_input_embeddings()]
         return self
 
