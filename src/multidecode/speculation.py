@@ -50,7 +50,7 @@ import torch
 from . import data
 from .errors import InvalidArgument, check_positive, is_int
 from .models.loading import load_model_and_tokenizer
-from .proposers import Proposer
+from .proposers.base import Proposer
 from .proposers.draft import DraftModel, check_same_tokenizer
 from .proposers.eagle import Eagle, EagleHead
 from .proposers.eagle3 import Eagle3Head

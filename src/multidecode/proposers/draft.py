@@ -39,16 +39,8 @@ from ..errors import InvalidArgument
 from ..forest import ROOT
 from ..prompts import common_prefix_length
 from ..scheduler import Feed
-from . import (
-    UNDER_LEAF,
-    BranchContext,
-    DraftTree,
-    Proposer,
-    add_candidates,
-    draft_distribution,
-    draft_generator,
-    vocabulary_size,
-)
+from .base import UNDER_LEAF, BranchContext, DraftTree, Proposer
+from .drafting import add_candidates, draft_distribution, draft_generator, vocabulary_size
 
 
 @dataclass

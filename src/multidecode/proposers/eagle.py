@@ -46,7 +46,8 @@ from torch import nn
 from ..engine import Engine
 from ..errors import InvalidArgument
 from ..forest import ROOT
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_distribution, draft_generator
+from .base import UNDER_LEAF, BranchContext, DraftTree, Proposer
+from .drafting import add_candidates, draft_distribution, draft_generator
 from .heads import (
     check_fits,
     load_checked,

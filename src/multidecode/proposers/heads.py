@@ -24,7 +24,7 @@ import torch
 from .. import data
 from ..errors import InvalidArgument
 from ..user_cache import cache_dir
-from . import vocabulary_size
+from .drafting import vocabulary_size
 
 SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
               "num_key_value_heads", "vocab_size")

@@ -84,7 +84,7 @@ import numpy as np
 import torch
 
 from ..models.vetting import max_positions
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer
+from .base import UNDER_LEAF, BranchContext, DraftTree, Proposer
 
 KIND_JACOBI = 0
 """`DraftTree.kinds` of a candidate from the lookahead branch's Jacobi trajectory."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import BranchContext, DraftTree, Proposer
+from .base import BranchContext, DraftTree, Proposer
 
 PRIORS = {1: 0.1, 2: 0.25, 3: 0.45}
 """A guess at how often a draft token is accepted once its parent is, by match length, used only

@@ -36,7 +36,8 @@ from torch import nn
 
 from ..errors import InvalidArgument
 from ..models.packed import PackedLinear
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer, add_candidates, draft_distribution, draft_generator
+from .base import UNDER_LEAF, BranchContext, DraftTree, Proposer
+from .drafting import add_candidates, draft_distribution, draft_generator
 from .heads import check_fits, on_device_of, read_config, read_tensors, write_head
 
 WEIGHTS = "medusa_lm_head"

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer
+from .base import UNDER_LEAF, BranchContext, DraftTree, Proposer
 from .lookahead import Lookahead
 
 KIND_STRIDE = 100

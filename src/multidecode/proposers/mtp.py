@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument, UnsupportedModel
-from . import vocabulary_size
+from .drafting import vocabulary_size
 from .eagle import Eagle
 from .heads import causal_mask, check_fits
 

@@ -65,7 +65,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from itertools import count
 
-from . import UNDER_LEAF, BranchContext, DraftTree, Proposer
+from .base import UNDER_LEAF, BranchContext, DraftTree, Proposer
 
 MAX_DEPTH = 32
 """Default trie depth D: the longest substring counted."""

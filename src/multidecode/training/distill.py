@@ -38,7 +38,7 @@ from ..engine import Engine
 from ..errors import InvalidArgument
 from ..forest import chain_parents
 from ..prompts import render_prompt, tokenize_prompt
-from ..proposers import vocabulary_size
+from ..proposers.drafting import vocabulary_size
 from ..proposers.eagle import EagleHead, head_config
 from ..proposers.heads import fingerprint, head_dir
 from ..proposers.medusa import MedusaHeads
