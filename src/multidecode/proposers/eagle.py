@@ -49,7 +49,7 @@ from ..forest import ROOT
 from .base import UNDER_LEAF, BranchContext, DraftTree, Proposer
 from .drafting import add_candidates, draft_distribution, draft_generator
 from .heads import (
-    check_fits,
+    check_head_fits,
     load_checked,
     on_device_of,
     read_config,
@@ -113,7 +113,7 @@ class EagleHead(nn.Module):
     def bind(self, model) -> EagleHead:
         """Check the head fits `model` (and was trained for it); tie its LM head to the target's
         rows of the draft vocabulary and keep the target's embeddings for its inputs."""
-        check_fits(model, self.hidden_size, self.vocab_size, self.target, "eagle")
+        check_head_fits(model, self.hidden_size, self.vocab_size, self.target, "eagle")
         on_device_of(self, model)
         rows = output_rows(model, self.token_ids.cpu())  # [V', hidden]
         with torch.no_grad():

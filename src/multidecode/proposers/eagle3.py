@@ -39,7 +39,7 @@ from torch import nn
 
 from ..errors import InvalidArgument
 from ..models.vetting import cache_argument
-from .heads import causal_mask, check_fits, load_checked, on_device_of, read_config, read_weights
+from .heads import causal_mask, check_head_fits, load_checked, on_device_of, read_config, read_weights
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 """Where a published head keeps its weights, in the order they are looked for."""
@@ -144,8 +144,8 @@ class Eagle3Head(nn.Module):
 
     def bind(self, model) -> Eagle3Head:
         """Check the head fits `model` (its widths and vocabulary) and read the target's embeddings."""
-        check_fits(model, self.target_hidden_size, self.vocab_size, None, "eagle", what="the EAGLE-3 head",
-                   fix="use a head published for this model")
+        check_head_fits(model, self.target_hidden_size, self.vocab_size, None, "eagle", what="the EAGLE-3 head",
+                        fix="use a head published for this model")
         hidden = self.target_hidden_size
         if self.embed_tokens is None and model.get_input_embeddings().embedding_dim != self.hidden_size:
             raise InvalidArgument(f"the EAGLE-3 head is {self.hidden_size} wide and has no embeddings of its own, "

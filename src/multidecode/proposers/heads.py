@@ -57,8 +57,8 @@ def fingerprint(model) -> dict:
             "name": str(getattr(model.config, "_name_or_path", "") or "")}
 
 
-def check_fits(model, hidden_size: int, vocab_size: int, recorded: dict | None, kind: str, *,
-               what: str | None = None, fix: str | None = None) -> None:
+def check_head_fits(model, hidden_size: int, vocab_size: int, recorded: dict | None, kind: str, *,
+                    what: str | None = None, fix: str | None = None) -> None:
     """Refuse a head of `kind` (named `what`) made for other widths than `model`'s, or trained for
     another model; `fix`: what to do instead (default: train one)."""
     what = what or f"the {kind} head"

@@ -38,7 +38,7 @@ from ..errors import InvalidArgument
 from ..models.packed import PackedLinear
 from .base import UNDER_LEAF, BranchContext, DraftTree, Proposer
 from .drafting import add_candidates, draft_distribution, draft_generator
-from .heads import check_fits, on_device_of, read_config, read_tensors, write_head
+from .heads import check_head_fits, on_device_of, read_config, read_tensors, write_head
 
 WEIGHTS = "medusa_lm_head"
 """The stem of a Medusa head's weights file, as the Medusa project names it."""
@@ -86,7 +86,7 @@ class MedusaHeads(nn.Module):
 
     def bind(self, model) -> MedusaHeads:
         """Check these heads fit `model` (and were trained for it), and read its LM head rows."""
-        check_fits(model, self.hidden_size, self.vocab_size, self.target, "medusa")
+        check_head_fits(model, self.hidden_size, self.vocab_size, self.target, "medusa")
         on_device_of(self, model)
         if self.projections is None and self.shared is None:
             ids = self.token_ids if self.token_ids is not None else torch.arange(self.vocab_size)

@@ -35,7 +35,7 @@ from torch import nn
 from ..errors import InvalidArgument, UnsupportedModel
 from .drafting import vocabulary_size
 from .eagle import Eagle
-from .heads import causal_mask, check_fits
+from .heads import causal_mask, check_head_fits
 
 
 def mtp_layers(model) -> int:
@@ -142,8 +142,8 @@ class MtpHead(nn.Module):
 
     def bind(self, model) -> MtpHead:
         """Check the layer belongs to `model` (its widths) and read the target's embeddings through it."""
-        check_fits(model, self.hidden_size, self.vocab_size, None, "mtp", what="the MTP layer",
-                   fix="read the MTP layers from this model's own checkpoint")
+        check_head_fits(model, self.hidden_size, self.vocab_size, None, "mtp", what="the MTP layer",
+                        fix="read the MTP layers from this model's own checkpoint")
         self.embed = [self.model.get_input_embeddings()]
         return self
 
