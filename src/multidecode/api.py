@@ -29,7 +29,15 @@ from .models.packed import packed_bytes
 from .models.vetting import check_supported
 from .sampling import per_branch_sampling
 from .scheduler import CompactionPolicy, Scheduler, new_scheduler
-from .speculation import LEARNED, SpeculationSettings, load_draft, load_heads, resolve
+from .speculation import (
+    LEARNED,
+    PROPOSER_MODES,
+    SpeculationSettings,
+    build_speculation,
+    load_draft,
+    load_heads,
+    speculation_mode,
+)
 from .stopping import eos_ids_of
 from .strategies import ask as _ask
 from .strategies import beam as _beam
@@ -66,15 +74,18 @@ class MultiDecoder:
 
     def speculation(self, speculate):
         """`speculate` as this decoder runs it. "draft" drafts with this decoder's draft model;
-        "medusa" with the heads trained for this model, and "auto" with them too where there are
-        some (`learned_heads`); `SpeculationSettings` that name their own draft (a model, or a
-        self-draft) get it from `draft_for`. These come back as a `Speculation` with a fresh
-        proposer, so call this once per run; other values come back as they are."""
-        if isinstance(speculate, str) and speculate.strip().lower() in ("draft", "auto", *LEARNED):
-            speculate = SpeculationSettings(speculate.strip().lower())
+        a learned mode ("medusa", "eagle", "mtp") with the head found for this model, and "auto"
+        with them too where there are some (`learned_heads`); `SpeculationSettings` that name their
+        own draft (a model, or a self-draft) get it from `draft_for`. These come back as a
+        `Speculation` with a fresh proposer, so call this once per run; other values come back as
+        they are (an unknown mode's name is refused here)."""
+        if isinstance(speculate, str):
+            mode = speculation_mode(speculate)
+            if mode is not None and PROPOSER_MODES[mode].drafts_with_decoder:
+                speculate = SpeculationSettings(mode)
         if isinstance(speculate, SpeculationSettings):
-            return resolve(speculate, self.model.dtype, draft=self.draft_for(speculate),
-                           exact=is_exact(self.model))
+            return build_speculation(speculate, self.model.dtype, draft=self.draft_for(speculate),
+                                     exact=is_exact(self.model))
         return speculate
 
     def draft_for(self, settings: SpeculationSettings):

@@ -2,35 +2,33 @@
 
 `speculate=` on every decoding entry point takes:
 
-- None (or False): no speculation, one token per branch per step;
-- "lookup": prompt lookup (`proposers.lookup`), up to `DEFAULT_BUDGET` draft nodes per branch
-  per step, all fed;
-- "suffix": drafts from everything this process saw before (`proposers.suffix`);
-- "lookahead": lookahead decoding's Jacobi window and n-gram pool (`proposers.lookahead`), at
-  the paper's settings (N=5, W=G=7) unless given a `Lookahead` of other settings;
-- "draft": a draft model (`proposers.draft`; the `draft=` argument: a model sharing the target's
-  tokenizer, or a self-draft of the target, see `self_draft`);
-- "medusa", "eagle": a learned head on the target's last hidden state (`proposers.medusa`, Medusa
-  heads; `proposers.eagle`, an EAGLE-style decoder layer): the head `head=` names (a folder), else
-  the one trained for this model by `multidecode train-drafter` (kept in the user cache), else
-  the one shipped for the embedded model;
-- "mtp": the multi-token-prediction layer that ships in the model's own checkpoint
-  (`proposers.mtp`: DeepSeek-V3, GLM-4.5, Mellum style), read from the files the model was
-  loaded from;
-- "auto": prompt lookup and the suffix store merged into one tree (`proposers.mixture`), with
-  the draft nodes of each step chosen by the measured cost of a forward on this hardware and the
-  acceptance each source has had so far (`cost`), so that it speculates only where that pays,
-  and not at all where it does not;
+- None (or False, "off", "none"): no speculation, one token per branch per step;
+- a mode by name: one row of `PROPOSERS`, the table of the proposers a name stands for (their
+  class, how a run builds one, their learned heads, their line of --speculate's help). Named
+  modes run at their proposer's default budget (`Proposer.default_budget`, else `DEFAULT_BUDGET`
+  draft nodes per branch per step, all fed):
+  "lookup" (prompt lookup, `proposers.lookup`), "suffix" (everything this process saw before,
+  `proposers.suffix`), "lookahead" (the Jacobi window and n-gram pool, `proposers.lookahead`, at
+  the paper's settings unless given a `Lookahead` of other settings), "draft" (a draft model,
+  `proposers.draft`: the `draft=` argument, a model sharing the target's tokenizer or a self-draft
+  of the target, see `self_draft`), the learned heads "medusa" and "eagle" (on the target's
+  hidden states: the head `head=` names, else the one `multidecode train-drafter` trained for
+  this model, else the one shipped for the embedded model, see `load_heads`), "mtp" (the
+  multi-token-prediction layer in the model's own checkpoint), and "auto": prompt lookup and the
+  suffix store merged into one tree (`proposers.mixture`), with the draft nodes of each step
+  chosen by the measured cost of a forward on this hardware and the acceptance each source has
+  had so far (`cost`), so that it speculates only where that pays, and not at all where it does not;
 - a `Proposer`: that proposer, at the default budget;
 - a `Speculation`: all of it spelled out;
 - a `SpeculationSettings`: a mode by name with its details (a draft budget, lookahead's W,N,G, a
   draft model by name or a self-draft's skipped layers), as the command line, the server and the
   batch job take them: parsed and checked before any model loads (`SpeculationSettings.parse`),
-  built into a `Speculation` once the target is loaded (`resolve`, with the draft model that
-  `load_draft` made).
+  built into a `Speculation` once the target is loaded (`build_speculation`, with the draft
+  model that `load_draft` made).
 
 This module alone says what a `speculate=` value means; the CLI, the server's protocol, the batch
-job and the benchmarks all go through it.
+job and the benchmarks all go through it, and every mode given by name is read by one function,
+`speculation_mode`.
 
 Speculation never changes what is generated: greedy output equals plain greedy decoding and a
 seeded sampled run equals the same run without speculation (see `verify`). That holds wherever
@@ -42,7 +40,7 @@ so explicit speculation is refused there and "auto" does not speculate.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -69,12 +67,6 @@ DEFAULT_BUDGET = 8
 AUTO_MAX_DRAFT = 16
 """In "auto", the most draft nodes a branch proposes per step (the cost model keeps fewer)."""
 
-MODES = ("lookup", "suffix", "lookahead", "draft", "medusa", "eagle", "mtp", "auto")
-LEARNED = {"medusa": ((MedusaHeads,), Medusa), "eagle": ((EagleHead, Eagle3Head), Eagle), "mtp": ((MtpHead,), Mtp)}
-"""The modes that draft with a learned head: its head classes (the first one's `load` reads each
-layout, found by `load_heads`) and its proposer's class."""
-SHIPPED_WITH_MODEL = ("mtp",)
-"""The learned kinds whose head comes in the model's own checkpoint, not from a folder of its own."""
 OFF = ("off", "none")
 """Names that mean no speculation, beside None."""
 EXACT_DTYPES = (torch.float32, torch.float64)
@@ -114,43 +106,152 @@ class Speculation:
         return self.max_draft if self.budget is None else self.budget
 
 
-def resolve(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=None,
-            exact: bool = False) -> Speculation | None:
-    """`speculate` (see the module notes) as a `Speculation`, or None for none.
+# ---------------------------------------------------------------------- the proposers by name
+@dataclass(frozen=True)
+class ProposerMode:
+    """One row of `PROPOSERS`: a speculation mode by name and the proposer it stands for.
+
+    name: the mode, as `speculate=` and `--speculate` take it. proposer: its class. summary: a few
+    words on it for --speculate's help. make: how a run builds one from `draft=`, where calling the
+    class is not enough (a learned mode needs none: it builds its proposer on its head). heads: a
+    learned mode's head classes (the first one's `load` reads a head's folder; `of` reads it from
+    the model's checkpoint). shipped_with_model: its head comes in the model's own checkpoint, not
+    in a folder of its own. takes_draft: besides a learned head, it drafts with what `draft=`
+    carries (the decoder's draft model for "draft", the learned heads found for the model for "auto").
+    """
+
+    name: str
+    proposer: type[Proposer]
+    summary: str
+    make: Callable[[object], Proposer] | None = None
+    heads: tuple[type, ...] = ()
+    shipped_with_model: bool = False
+    takes_draft: bool = False
+
+    @property
+    def learned(self) -> bool:
+        """Whether it drafts with a learned head."""
+        return bool(self.heads)
+
+    @property
+    def drafts_with_decoder(self) -> bool:
+        """Whether a `MultiDecoder` supplies what it drafts with (a draft model, learned heads)."""
+        return self.takes_draft or self.learned
+
+    def build(self, draft=None) -> Proposer:
+        """A fresh proposer of this mode; draft: what it drafts with (see `build_speculation`)."""
+        if self.make is not None:
+            return self.make(draft)
+        if self.learned:
+            return learned_proposer(self, draft)
+        return self.proposer()
+
+
+def draft_model_proposer(draft) -> DraftModel:
+    """"draft"'s proposer: `draft` (a model with the target's tokenizer, a self-draft, or a `DraftModel`)."""
+    if draft is None:
+        raise InvalidArgument("speculate='draft' needs a draft model",
+                              "pass draft= (a model with the target's tokenizer, or self_draft(model, layers)); "
+                              "on the command line, --draft-model PATH or --draft-skip-layers")
+    return draft if isinstance(draft, DraftModel) else DraftModel(draft)
+
+
+def learned_proposer(mode: ProposerMode, draft) -> Proposer:
+    """A learned mode's proposer on the head `draft` (or `draft` itself, that proposer already
+    built); a mode whose head ships with the model reads it from the target's checkpoint when
+    the run starts if `draft` is None."""
+    if isinstance(draft, mode.proposer):
+        return draft
+    if draft is None and mode.shipped_with_model:
+        return mode.proposer()
+    if not isinstance(draft, mode.heads) and mode.shipped_with_model:
+        raise InvalidArgument(f"speculate={mode.name!r} drafts with the model's own {mode.name} layer",
+                              f"pass draft={mode.heads[0].__name__}.of(model), or none to read it from the "
+                              "model's checkpoint")
+    if not isinstance(draft, mode.heads):
+        raise InvalidArgument(f"speculate={mode.name!r} needs a {mode.name} head",
+                              f"pass draft={mode.heads[0].__name__}.load(folder), or train one for the model: "
+                              f"multidecode train-drafter --kind {mode.name}")
+    return mode.proposer(draft)
+
+
+def auto_with_heads(draft) -> Mixture:
+    """"auto"'s proposer, drafting too with the learned heads `draft` lists (if it is a list)."""
+    return auto_proposer(heads=draft if isinstance(draft, (list, tuple)) else ())
+
+
+PROPOSERS = (
+    ProposerMode("lookup", PromptLookup, "prompt lookup"),
+    ProposerMode("suffix", SuffixProposer, "what this process saw before"),
+    ProposerMode("lookahead", Lookahead, "Jacobi window"),
+    ProposerMode("draft", DraftModel, "a draft model", make=draft_model_proposer, takes_draft=True),
+    ProposerMode("medusa", Medusa, "Medusa heads trained by train-drafter", heads=(MedusaHeads,)),
+    ProposerMode("eagle", Eagle, "an EAGLE head trained by train-drafter", heads=(EagleHead, Eagle3Head)),
+    ProposerMode("mtp", Mtp, "the multi-token-prediction layer in the model's checkpoint", heads=(MtpHead,),
+                 shipped_with_model=True),
+    ProposerMode("auto", Mixture, "lookup, suffix and any learned heads, only where the measured cost says it pays",
+                 make=auto_with_heads, takes_draft=True),
+)
+"""Every speculation mode by name: a new proposer is a module in `proposers/` and a row here."""
+PROPOSER_MODES = {mode.name: mode for mode in PROPOSERS}
+MODES = tuple(PROPOSER_MODES)
+LEARNED = tuple(mode.name for mode in PROPOSERS if mode.learned)
+"""The modes that draft with a learned head."""
+SHIPPED_WITH_MODEL = tuple(mode.name for mode in PROPOSERS if mode.shipped_with_model)
+"""The learned modes whose head comes in the model's own checkpoint, not from a folder of its own."""
+MODES_HELP = ", ".join(f"{mode.name} ({mode.summary})" for mode in PROPOSERS) + " or off"
+"""The modes as the command line's --speculate help lists them."""
+
+
+def speculation_mode(value) -> str | None:
+    """A mode a user wrote (`speculate=`, --speculate, a request's "speculate") as its canonical
+    name in `MODES`, or None for no speculation (None, False, "off" or "none"; any case, spaces
+    around). Raises `InvalidArgument` naming the choices for anything else."""
+    if value is None or value is False:
+        return None
+    mode = str(value).strip().lower()
+    if mode in OFF:
+        return None
+    if mode not in PROPOSER_MODES:
+        raise InvalidArgument(f"unknown speculation mode {mode!r}", f"use one of {', '.join(MODES)}, or off")
+    return mode
+
+
+def build_speculation(speculate, dtype: torch.dtype, *, budget: int | None = None, draft=None,
+                      exact: bool = False) -> Speculation | None:
+    """`speculate` (see the module notes) as a `Speculation` with a fresh proposer, or None for none.
 
     budget: overrides the draft budget of a named mode or proposer (for "auto", the most nodes a
-    branch may propose). draft: the draft model (or `DraftModel` proposer) of "draft", the
-    head of "medusa" or "eagle" (`MedusaHeads`, `EagleHead`), and for "auto" a list of learned
-    heads it then drafts with too, where they pay. exact:
-    whether the model's forwards are batch-invariant (`multidecode.exact`): then speculation is
-    exact in every dtype. Raises `InvalidArgument` for an unknown mode, a bad budget, "draft"
-    without a draft model, or explicit speculation in a dtype where it cannot be exact.
+    branch may propose). draft: what a named mode drafts with: the draft model (or `DraftModel`
+    proposer) of "draft", the head of a learned mode (`MedusaHeads`, `EagleHead`, `MtpHead`), and
+    for "auto" a list of learned heads it then drafts with too, where they pay. exact: whether
+    the model's forwards are batch-invariant (`multidecode.exact`): then speculation is exact in
+    every dtype. Raises `InvalidArgument` for an unknown mode, a bad budget, "draft" without a
+    draft model, or explicit speculation in a dtype where it cannot be exact.
     """
     if budget is not None:
         check_positive("the draft budget", budget)
-    if speculate is None or speculate is False:
-        return None
     if isinstance(speculate, SpeculationSettings):
         return speculate.build(dtype, draft=draft, exact=exact)
-    if isinstance(speculate, str):
-        speculate = speculate.strip().lower()
-        if speculate in OFF:
-            return None
     if isinstance(speculate, Speculation):
         spec = speculate
     elif isinstance(speculate, Proposer):
         spec = Speculation(speculate, budget or speculate.default_budget or DEFAULT_BUDGET)
-    elif speculate == "auto":  # with the learned heads `draft` lists among its members
-        heads = draft if isinstance(draft, (list, tuple)) else ()
-        spec = Speculation(auto_proposer(heads=heads), None, budget or AUTO_MAX_DRAFT)
-    else:
-        proposer = named_proposer(speculate, draft)
-        spec = Speculation(proposer, budget or proposer.default_budget or DEFAULT_BUDGET)
+    elif (mode := speculation_mode(speculate)) is None:
+        return None
+    elif mode == "auto":
+        spec = Speculation(PROPOSER_MODES[mode].build(draft), None, budget or AUTO_MAX_DRAFT)
+    else:  # a named mode runs as its proposer given as an object does
+        return build_speculation(PROPOSER_MODES[mode].build(draft), dtype, budget=budget, exact=exact)
     if exact or dtype in EXACT_DTYPES:
         return spec
     if spec.auto:
         return None  # "auto" does not speculate where it cannot be exact
     raise inexact(spec.name, dtype)
+
+
+resolve = build_speculation
+"""The old name of `build_speculation`, kept only until `branches` calls it by its new name."""
 
 
 def inexact(name: str, dtype: torch.dtype) -> InvalidArgument:
@@ -162,39 +263,6 @@ def inexact(name: str, dtype: torch.dtype) -> InvalidArgument:
     "(which then does not speculate)")
 
 
-def named_proposer(mode: str, draft=None) -> Proposer:
-    """A fresh proposer for a named mode (`draft`: the draft model of "draft")."""
-    mode = mode.strip().lower() if isinstance(mode, str) else mode
-    if mode == "lookup":
-        return PromptLookup()
-    if mode == "suffix":
-        return SuffixProposer()
-    if mode == "lookahead":
-        return Lookahead()
-    if mode == "draft":
-        if draft is None:
-            raise InvalidArgument("speculate='draft' needs a draft model",
-                                  "pass draft= (a model with the target's tokenizer, or self_draft(model, layers)); "
-                                  "on the command line, --draft-model PATH or --draft-skip-layers")
-        return draft if isinstance(draft, DraftModel) else DraftModel(draft)
-    if mode in LEARNED:
-        head_classes, proposer_class = LEARNED[mode]
-        if isinstance(draft, proposer_class):
-            return draft
-        if draft is None and mode in SHIPPED_WITH_MODEL:
-            return proposer_class()  # reads its head from the target's checkpoint when the run starts
-        if not isinstance(draft, head_classes) and mode in SHIPPED_WITH_MODEL:
-            raise InvalidArgument(f"speculate={mode!r} drafts with the model's own {mode} layer",
-                                  f"pass draft={head_classes[0].__name__}.of(model), or none to read it from the "
-                                  "model's checkpoint")
-        if not isinstance(draft, head_classes):
-            raise InvalidArgument(f"speculate={mode!r} needs a {mode} head",
-                                  f"pass draft={head_classes[0].__name__}.load(folder), or train one for the model: "
-                                  f"multidecode train-drafter --kind {mode}")
-        return proposer_class(draft)
-    raise InvalidArgument(f"unknown speculation mode {mode!r}", f"use one of {', '.join(MODES)}, a Proposer, or None")
-
-
 def auto_proposer(store=None, heads: Sequence = ()) -> Mixture:
     """What "auto" drafts with: prompt lookup and the suffix store (`store`, default the shared
     one), lookahead where the hardware makes its window nearly free (`Mixture.fit`, done when a
@@ -202,12 +270,12 @@ def auto_proposer(store=None, heads: Sequence = ()) -> Mixture:
     for the branches the others have no guess for. The cost model keeps the nodes of each that
     pay, by the acceptance each has had."""
     return Mixture([PromptLookup(), SuffixProposer(store=store)], name="auto", lookahead=True,
-                   fallbacks=[named_proposer(learned_kind(h), h) for h in heads])
+                   fallbacks=[PROPOSER_MODES[learned_kind(head)].build(head) for head in heads])
 
 
 def learned_kind(head) -> str:
     """The mode name of a learned head ("medusa", "eagle", "mtp")."""
-    return next(kind for kind, (head_classes, _) in LEARNED.items() if isinstance(head, head_classes))
+    return next(mode.name for mode in PROPOSERS if isinstance(head, mode.heads))
 
 
 # ---------------------------------------------------------------------- settings by name
@@ -262,10 +330,7 @@ class SpeculationSettings:
         """Settings from what a user wrote, checked: an unknown mode, a bad budget, lookahead
         settings or layer list, or details that need another mode raise `InvalidArgument`,
         naming each setting as `spelling` does (Python arguments by default)."""
-        mode = None if mode is None else str(mode).strip().lower()
-        mode = None if mode in OFF else mode
-        if mode is not None and mode not in MODES:
-            raise InvalidArgument(f"unknown speculation mode {mode!r}", f"use one of {', '.join(MODES)}, or off")
+        mode = speculation_mode(mode)
         if draft_model is not None and skip_layers is not None:
             raise InvalidArgument(f"{spelling.draft_model} and {spelling.skip_layers} both name a draft",
                                   "keep one: a second model, or the target with layers skipped")
@@ -308,8 +373,8 @@ class SpeculationSettings:
 
     def with_mode(self, mode: str | None) -> SpeculationSettings:
         """The details that apply under another mode (a server request picking a mode of its own)."""
-        mode = None if mode is None else str(mode).strip().lower()
-        if mode is None or mode in OFF:
+        mode = speculation_mode(mode)
+        if mode is None:
             return SpeculationSettings()
         return SpeculationSettings.parse(mode, budget=self.budget,
                                          lookahead=self.lookahead if mode == "lookahead" else None,
@@ -331,15 +396,15 @@ class SpeculationSettings:
             raise inexact(self.mode, dtype)
 
     def build(self, dtype: torch.dtype, *, draft=None, exact: bool = False) -> Speculation | None:
-        """A `Speculation` with a fresh proposer (see `resolve`); draft: the draft model for
+        """A `Speculation` with a fresh proposer (see `build_speculation`); draft: the draft model for
         "draft" (from `load_draft` where these settings name their own)."""
         if self.mode is None:
             return None
         if self.mode == "lookahead" and self.lookahead is not None:
             window, ngram, guesses = self.lookahead
-            return resolve(Lookahead(window=window, ngram=ngram, guesses=guesses), dtype, budget=self.budget,
-                           exact=exact)
-        return resolve(self.mode, dtype, budget=self.budget, draft=draft, exact=exact)
+            return build_speculation(Lookahead(window=window, ngram=ngram, guesses=guesses), dtype,
+                                     budget=self.budget, exact=exact)
+        return build_speculation(self.mode, dtype, budget=self.budget, draft=draft, exact=exact)
 
 
 def load_draft(settings: SpeculationSettings, model, tokenizer):
@@ -363,8 +428,8 @@ def load_heads(settings: SpeculationSettings, model):
     model's own checkpoint. Raises `InvalidArgument` when there are none, naming the command that
     trains them."""
     kind = settings.mode
-    head_class = LEARNED[kind][0][0]
-    if kind in SHIPPED_WITH_MODEL:
+    head_class = PROPOSER_MODES[kind].heads[0]
+    if PROPOSER_MODES[kind].shipped_with_model:
         return head_class.of(model)
     if settings.head is not None:
         return head_class.load(settings.head).bind(model)

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import InvalidInput, MultiDecodeError
-from ..speculation import SpeculationSettings, Spelling
+from ..speculation import MODES_HELP, SpeculationSettings, Spelling
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 stdout = Console(highlight=False, soft_wrap=True)
@@ -106,12 +106,8 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
         command = click.option("--draft-budget", type=int, default=None, metavar="N",
                                help="Draft tokens per branch per step (for auto: the most it may propose).")(command)
         return click.option("--speculate", default=default, metavar="MODE", show_default=bool(default),
-                            help="Speculative decoding inside every branch: lookup (prompt lookup), suffix (what "
-                                 "this process saw before), lookahead (Jacobi window), draft (a draft model), medusa "
-                                 "or eagle (heads trained by train-drafter), mtp (the multi-token-prediction layer in the "
-                                 "model's checkpoint), auto (lookup, suffix and any learned heads, only "
-                                 "where the measured cost says it pays) or off. Never "
-                                 "changes the output." + (" " + scope if scope else ""))(command)
+                            help=f"Speculative decoding inside every branch: {MODES_HELP}. Never changes the "
+                                 "output." + (" " + scope if scope else ""))(command)
 
     return add
 

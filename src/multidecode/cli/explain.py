@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from .. import explain as _explain
 from ..errors import InvalidArgument
+from ..speculation import speculation_mode
 from ..strategies.ask import check_document, check_questions
 from .common import (
     model_options,
@@ -63,7 +64,7 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
     questions = list(question) or _explain.sample_questions()
     check_document(text)
     check_questions(questions)
-    if speculate in ("off", "none"):
+    if speculation_mode(speculate) is None:
         raise InvalidArgument(f"--speculate {speculate} has no draft tokens to draw", "use lookup or auto")
     if step is not None and step < 2:
         raise InvalidArgument(f"--step must be 2 or more, got {step}",

@@ -25,11 +25,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import MultiDecodeError, is_int
+from ..errors import InvalidArgument, MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
 from ..sampling import SamplingParams
-from ..speculation import LEARNED, MODES, OFF, SpeculationSettings
+from ..speculation import LEARNED, SpeculationSettings, speculation_mode
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
@@ -299,9 +299,10 @@ def _speculation(requested: str | None, default: SpeculationSettings | None, has
     default = default or SpeculationSettings()
     if requested is None:
         return default
-    mode = requested.strip().lower()
-    if mode not in MODES + OFF:
-        raise BadRequest(f"speculate must be one of {', '.join(MODES)} or off, got {requested!r}", "speculate")
+    try:
+        mode = speculation_mode(requested)
+    except InvalidArgument as error:
+        raise BadRequest(f"speculate: {error}", "speculate") from None
     if mode == "draft" and not has_draft:
         raise BadRequest("speculate 'draft' needs a draft model, and this server has none (start it with "
                          "--draft-model or --draft-skip-layers)", "speculate")
