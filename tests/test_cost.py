@@ -17,7 +17,7 @@ from multidecode.cost import AcceptanceTracker, CostCurve, choose_draft_count, c
 from multidecode.errors import InvalidArgument
 from multidecode.proposers import UNDER_LEAF, BranchContext, DraftTree
 from multidecode.proposers.lookup import PromptLookup
-from multidecode.speculation import AUTO_MAX_DRAFT, DEFAULT_BUDGET, Speculation, resolve
+from multidecode.speculation import AUTO_MAX_DRAFT, DEFAULT_BUDGET, Speculation, build_speculation
 
 
 # ---------------------------------------------------------------------- the cost curve
@@ -165,19 +165,19 @@ def test_draft_tree_keep_and_truncate():
 def test_resolve_speculation_settings():
     import torch
 
-    assert resolve(None, torch.float32) is None
-    assert resolve("lookup", torch.float32).budget == DEFAULT_BUDGET
-    auto = resolve("auto", torch.float32)
+    assert build_speculation(None, torch.float32) is None
+    assert build_speculation("lookup", torch.float32).budget == DEFAULT_BUDGET
+    auto = build_speculation("auto", torch.float32)
     assert auto.auto and auto.size == AUTO_MAX_DRAFT and auto.name == "auto"
-    assert resolve("lookup", torch.float32, budget=3).budget == 3
-    assert resolve(PromptLookup(), torch.float32).proposer.name == "lookup"
-    assert resolve("auto", torch.bfloat16) is None  # auto does not speculate where it cannot be exact
+    assert build_speculation("lookup", torch.float32, budget=3).budget == 3
+    assert build_speculation(PromptLookup(), torch.float32).proposer.name == "lookup"
+    assert build_speculation("auto", torch.bfloat16) is None  # auto does not speculate where it cannot be exact
     with pytest.raises(InvalidArgument, match="cannot be exact in bfloat16"):
-        resolve("lookup", torch.bfloat16)
+        build_speculation("lookup", torch.bfloat16)
     with pytest.raises(InvalidArgument, match="unknown speculation mode 'hydra'"):
-        resolve("hydra", torch.float32)
+        build_speculation("hydra", torch.float32)
     with pytest.raises(InvalidArgument, match="positive integer"):
-        resolve("lookup", torch.float32, budget=0)
+        build_speculation("lookup", torch.float32, budget=0)
     with pytest.raises(InvalidArgument, match="positive integer"):
         Speculation(PromptLookup(), budget=-2)
     with pytest.raises(InvalidArgument, match="needs a Proposer"):

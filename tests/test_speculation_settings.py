@@ -14,7 +14,7 @@ import multidecode
 from multidecode import InvalidArgument
 from multidecode.cli import main
 from multidecode.proposers.lookahead import Lookahead
-from multidecode.speculation import SpeculationSettings, resolve
+from multidecode.speculation import SpeculationSettings, build_speculation
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -55,11 +55,11 @@ def test_check_refuses_what_cannot_run_before_anything_loads():
 
 def test_build_gives_a_fresh_proposer_with_the_details():
     settings = SpeculationSettings.parse("lookahead", budget=5, lookahead="4,3,2")
-    first, second = resolve(settings, F32), resolve(settings, F32)
+    first, second = build_speculation(settings, F32), build_speculation(settings, F32)
     assert isinstance(first.proposer, Lookahead) and first.proposer is not second.proposer
     assert (first.proposer.window, first.proposer.ngram, first.proposer.guesses, first.budget) == (4, 3, 2, 5)
-    assert resolve(SpeculationSettings(), F32) is None and resolve("off", F32) is None
-    assert resolve(SpeculationSettings("auto"), BF16) is None
+    assert build_speculation(SpeculationSettings(), F32) is None and build_speculation("off", F32) is None
+    assert build_speculation(SpeculationSettings("auto"), BF16) is None
 
 
 def test_with_mode_keeps_the_details_that_apply():

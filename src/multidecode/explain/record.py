@@ -20,7 +20,7 @@ from ..errors import InvalidArgument, InvalidInput, is_int
 from ..forest import ROOT
 from ..sampling import per_branch_sampling
 from ..scheduler import Scheduler, StepTrace, new_scheduler
-from ..speculation import Speculation, resolve
+from ..speculation import Speculation, build_speculation
 from ..strategies import ask as ask_strategy
 from .draw import draw
 from .step import FedNode, Lane, StepCounts, StepView
@@ -69,7 +69,7 @@ def explain(decoder, *, document: str | None = None, questions: Sequence[str] | 
     of its questions) with speculation, as `ask` does, and draw one step.
 
     decoder: a `MultiDecoder` (its model, tokenizer, compaction policy and cost curve are used).
-    speculate, draft_budget: as `speculation.resolve` takes them; the run must speculate.
+    speculate, draft_budget: as `speculation.build_speculation` takes them; the run must speculate.
     step: the step to draw (2 or later); default: the one that shows verification best: drafts on
         at least two branches, some accepted and some rejected, and of such steps the one with the
         most accepted (the earliest of equals).
@@ -118,7 +118,7 @@ def _explain(model, begin, *, compaction, cost, tokenizer, labels, speculate, dr
     recorder = _Recorder(tokenizer, labels, step)
     scheduler = new_scheduler(model, compaction=compaction, cost=cost, observer=recorder)
     recorder.scheduler = scheduler
-    spec = resolve(speculate, scheduler.engine.dtype, budget=draft_budget, exact=scheduler.engine.exact)
+    spec = build_speculation(speculate, scheduler.engine.dtype, budget=draft_budget, exact=scheduler.engine.exact)
     if spec is None:
         raise InvalidArgument("explain draws a speculative step, but this run would not speculate",
                               "use speculate='lookup' (or 'auto' in float32)")

@@ -36,7 +36,7 @@ from ..forest import ROOT
 from ..memory import budget_bytes, gigabytes
 from ..prompts import share_prefix
 from ..scheduler import CompactionPolicy, Scheduler, StepTrace, new_scheduler
-from ..speculation import resolve
+from ..speculation import build_speculation
 from ..stopping import eos_ids_of
 from ..strategies.beam import BeamWork, check_settings
 from .jobs import Counters, Job, Limits, Overloaded, TooLarge, Usage
@@ -59,7 +59,7 @@ class ForestRuntime:
 
     model, tokenizer: a transformers causal LM (eager or sdpa) and its tokenizer.
     limits: see `Limits`. compaction, cost: see `Scheduler`. draft: the draft model of jobs that
-    speculate with "draft" (see `speculation.resolve`).
+    speculate with "draft" (see `speculation.build_speculation`).
     """
 
     def __init__(self, model, tokenizer, *, limits: Limits | None = None,
@@ -222,7 +222,7 @@ class ForestRuntime:
         run: BranchRun = admit(
             self.scheduler, shared.prefix_ids[matched:], shared.suffix_ids, max_new_tokens=job.max_new_tokens,
             sampling=job.sampling, tokenizer=self.tokenizer, stop=job.stop,
-            speculate=resolve(job.speculate, self.engine.dtype, draft=self.draft, exact=self.engine.exact),
+            speculate=build_speculation(job.speculate, self.engine.dtype, draft=self.draft, exact=self.engine.exact),
             under=under,
             cached=shared.prefix_ids[:matched], prompt_owner=CACHE_OWNER, logprobs=job.logprobs)
         return run.group

@@ -20,7 +20,7 @@ from ..memory import budget_bytes
 from ..prompts import has_chat_template, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
 from ..scheduler import Scheduler
-from ..speculation import resolve
+from ..speculation import build_speculation
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: in
     ids = prompt_ids(tokenizer, prompt, chat=chat)
     params = per_branch_sampling(n, sampled_settings(n, sampling) if sample else sampling)
     engine = scheduler.engine
-    spec = resolve(speculate, engine.dtype, exact=engine.exact)
+    spec = build_speculation(speculate, engine.dtype, exact=engine.exact)
     settings = {"max_new_tokens": max_new_tokens, "tokenizer": tokenizer, "stop": stop, "eos_token_id": eos_token_id,
                 "speculate": spec}
     budget = budget_bytes(engine.device)
