@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .cost import AcceptanceTracker
-from .engine import Engine
+from .engine import Engine, FeedResult
 from .errors import InvalidArgument, InvalidInput, PromptTooLong, check_positive, is_int
 from .forest import ROOT, local_parent
 from .memory import ENVIRONMENT, Need, budget_bytes, check_budget, most_branches
@@ -325,9 +325,9 @@ class BranchGroup(Work):
             self._side_nodes[side[-1]] = (branch, n)
 
     # ------------------------------------------------------------------ settling
-    def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor,
-               hidden: torch.Tensor | None = None, hidden_nodes: torch.Tensor | None = None) -> Settled:
-        node_of = dict(zip(fed, nodes))  # feed index -> node id
+    def settle(self, fed: Sequence[int], result: FeedResult[list[int]]) -> Settled:
+        logits = result.logits  # [rows, vocab]
+        node_of = dict(zip(fed, result.nodes))  # feed index -> node id
         if not self._started:
             self.prompt_ends = [node_of[self._heads[b.index]] for b in self.branches]
         self._started = True
@@ -362,8 +362,8 @@ class BranchGroup(Work):
             branch.leaf = node_at_row[path[-1]]
             branch.head = branch.output.token_ids[-1]
             accepted.update(node_at_row[r] for r in path)
-            if hidden is not None:  # [path nodes, layers, hidden]: what the next draft reads
-                self._keep_features(j, hidden[path], hidden_nodes, fed)
+            if result.hidden is not None:  # what the next draft reads
+                self._keep_features(j, path, result.hidden, fed)
             draft = self._drafts.get(j)
             if draft is not None:
                 node_at = {row: n for (b, n), row in draft_row.items() if b == j}
@@ -384,14 +384,17 @@ class BranchGroup(Work):
         self.done = all(b.output.finished for b in self.branches)
         return Settled(rejected, dead=sum(b.output.finished for b in self.branches) > finished_before)
 
-    def _keep_features(self, branch: int, states: torch.Tensor, hidden_nodes: torch.Tensor | None,
-                       fed: Sequence[int]) -> None:
-        """Give the branch's proposer the states of the path its step settled ([nodes, layers,
-        hidden]), after those of the prompt nodes fed before it where the step fed them all."""
+    def _keep_features(self, branch: int, path: list[int], hidden: torch.Tensor, fed: Sequence[int]) -> None:
+        """Give the branch's proposer the target's states along the path its step settled (`path`:
+        logits rows), after those of the prompt nodes fed before it where the step fed them all.
+        hidden: this work's share, a row per logits row, or per node fed when it asked for
+        `hidden_everywhere` ([rows, layers, hidden])."""
+        if self._feed.hidden_everywhere:  # the path's rows are its nodes' places in `fed`
+            place = {i: k for k, i in enumerate(fed)}  # feed index -> place in fed
+            logits_places = [k for k, i in enumerate(fed) if self._feed.logits[i]]  # logits row -> place in fed
+            path = self._prompt_rows(branch, place) + [logits_places[row] for row in path]
         context = self.branches[branch].context
-        if hidden_nodes is not None:
-            states = torch.cat([hidden_nodes[self._prompt_rows(branch, {i: k for k, i in enumerate(fed)})], states])
-        context.features, context.feature_layers = states, self._feed.hidden_layers
+        context.features, context.feature_layers = hidden[path], self._feed.hidden_layers  # [path nodes, layers, hidden]
 
     def _prompt_rows(self, branch: int, position: dict[int, int]) -> list[int]:
         """The rows (positions in this step's fed nodes) of the prompt nodes fed before branch's
@@ -476,9 +479,9 @@ class PromptLogits(Work):
     def plan(self) -> Feed:
         return self.feed
 
-    def settle(self, fed, nodes, logits: torch.Tensor) -> Settled:
+    def settle(self, fed, result: FeedResult[list[int]]) -> Settled:
         row_of = {i: r for r, i in enumerate(i for i in fed if self.feed.logits[i])}
-        self.values = logits[[row_of[end] for end in self.ends]]  # [prompts, vocab]
+        self.values = result.logits[[row_of[end] for end in self.ends]]  # [prompts, vocab]
         self.done = True
         return Settled()
 
