@@ -16,12 +16,13 @@ from tiny_models import tiny_model
 
 import multidecode
 from multidecode import exact, memory
-from multidecode.branches import Waves, memory_need, wave_size
+from multidecode.branches import memory_need
 from multidecode.cli import main
 from multidecode.engine import Engine
 from multidecode.errors import InvalidArgument, NotEnoughMemory
 from multidecode.memory import Footprint, parse_bytes
 from multidecode.runtime.jobs import Job, Limits, Overloaded, TooLarge
+from multidecode.strategies.complete import Waves, wave_size
 
 PROMPT = [5, 17, 42, 99, 7, 3, 150, 23]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hash_lm import HashLM, path_logits, reference
 
-from multidecode.branches import BranchGroup, prompt_logits, start
+from multidecode.branches import BranchGroup, start
 from multidecode.cost import CostCurve
 from multidecode.engine import Engine
 from multidecode.forest import EVERYONE, ROOT, Forest, unchanged_prefix
@@ -20,6 +20,7 @@ from multidecode.sampling import SamplingParams
 from multidecode.scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work
 from multidecode.speculation import Speculation
 from multidecode.stopping import StopRule
+from multidecode.strategies.margins import prompt_logits
 
 PROMPT = [5, 9, 14, 3, 5, 9, 14, 8]
 
