@@ -188,12 +188,12 @@ def test_a_published_head_computes_its_published_forward_on_a_forest(kind, tmp_p
         table = w["embed_tokens.weight"] if kind == "speculators" else model.get_input_embeddings().weight
         expected, fed_back = reference(kind, w, table[tokens], features, model.lm_head.weight)
         engine = Engine(head.model)
-        _, logits = engine.feed(tokens.tolist(), chain_parents(len(tokens)), logits_for=range(len(tokens)),
-                                hidden_layers=[-1], embeds=head.inputs(features, tokens))
+        fed = engine.feed(tokens.tolist(), chain_parents(len(tokens)), logits_for=range(len(tokens)),
+                          hidden_layers=[-1], embeds=head.inputs(features, tokens))
         ours = torch.full_like(expected, float("-inf"))
-        ours[:, head.token_ids] = logits
+        ours[:, head.token_ids] = fed.logits
         assert torch.allclose(ours, expected, atol=1e-4)
-        assert torch.allclose(engine.hidden[:, 0], fed_back, atol=1e-4)
+        assert torch.allclose(fed.hidden[:, 0], fed_back, atol=1e-4)
         if kind != "eagle1":  # a deeper node's input is its parent's output beside the token, fc not applied again
             assert torch.equal(head.inputs(fed_back[:2], tokens[:2], own=True)[:, H:], fed_back[:2])
 

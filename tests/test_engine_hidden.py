@@ -29,15 +29,15 @@ def test_a_feed_returns_each_asked_layer_at_its_logits_nodes(arch, apart):
     model = tiny_model(arch, "sdpa")
     engine = Engine(model, apart=apart)
     with torch.inference_mode():
-        nodes, _ = engine.feed(PROMPT, [ROOT] + [-(i + 2) for i in range(len(PROMPT) - 1)],
-                               logits_for=[len(PROMPT) - 1], hidden_layers=LAYERS)
-        assert engine.hidden.shape == (1, len(LAYERS), model.config.hidden_size)
-        assert torch.allclose(engine.hidden[0].float(), alone(model, PROMPT), atol=1e-4)
-        chains, _ = engine.feed_chains(BRANCHES, [nodes[-1]] * len(BRANCHES), hidden_layers=LAYERS)
+        prompt = engine.feed(PROMPT, [ROOT] + [-(i + 2) for i in range(len(PROMPT) - 1)],
+                             logits_for=[len(PROMPT) - 1], hidden_layers=LAYERS)
+        assert prompt.hidden.shape == (1, len(LAYERS), model.config.hidden_size)
+        assert torch.allclose(prompt.hidden[0].float(), alone(model, PROMPT), atol=1e-4)
+        chains = engine.feed_chains(BRANCHES, [prompt.nodes[-1]] * len(BRANCHES), hidden_layers=LAYERS)
         for i, branch in enumerate(BRANCHES):
-            assert torch.allclose(engine.hidden[i].float(), alone(model, PROMPT + branch), atol=1e-4)
-        engine.feed([7], [chains[0][-1]])  # a feed that asks for none keeps none
-        assert engine.hidden is None
+            assert torch.allclose(chains.hidden[i].float(), alone(model, PROMPT + branch), atol=1e-4)
+        # a feed that asks for none keeps none
+        assert engine.feed([7], [chains.nodes[0][-1]]).hidden is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -47,8 +47,8 @@ def test_a_feed_can_keep_the_states_of_every_node(arch):
     model = tiny_model(arch, "sdpa")
     engine = Engine(model)
     with torch.inference_mode():
-        engine.feed(PROMPT, [ROOT] + [-(i + 2) for i in range(len(PROMPT) - 1)], logits_for=[len(PROMPT) - 1],
-                    hidden_layers=LAYERS, hidden_for=range(len(PROMPT)))
-    assert engine.hidden.shape[0] == len(PROMPT)
+        fed = engine.feed(PROMPT, [ROOT] + [-(i + 2) for i in range(len(PROMPT) - 1)], logits_for=[len(PROMPT) - 1],
+                          hidden_layers=LAYERS, hidden_for=range(len(PROMPT)))
+    assert fed.hidden.shape[0] == len(PROMPT)
     for i in range(len(PROMPT)):
-        assert torch.allclose(engine.hidden[i].float(), alone(model, PROMPT[: i + 1]), atol=1e-4)
+        assert torch.allclose(fed.hidden[i].float(), alone(model, PROMPT[: i + 1]), atol=1e-4)

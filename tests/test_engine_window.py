@@ -14,8 +14,7 @@ PROMPT = torch.randint(3, 250, (30,), generator=generator).tolist()
 
 def _tree_logits(engine: Engine, under: int) -> torch.Tensor:
     """Two sibling branches of two tokens under `under`: a forest feed (not a plain chain)."""
-    _, logits = engine.feed([7, 8, 9, 10], [under, -2, under, -4], logits_for=[0, 1, 2, 3])
-    return logits
+    return engine.feed([7, 8, 9, 10], [under, -2, under, -4], logits_for=[0, 1, 2, 3]).logits
 
 
 @pytest.mark.parametrize("attn", ATTENTION)
@@ -23,12 +22,12 @@ def _tree_logits(engine: Engine, under: int) -> torch.Tensor:
 def test_leading_slots_nobody_sees_are_left_out_exactly(arch, attn):
     model = tiny_model(arch, attn)
     alone = Engine(model)
-    nodes, _ = alone.feed_chain(PROMPT)
+    nodes = alone.feed_chain(PROMPT).nodes
     expected = _tree_logits(alone, nodes[-1])  # [4, vocab]
 
     crowded = Engine(model)
     crowded.feed_chain(UNRELATED)  # another request's prompt, at the leading slots
-    nodes, _ = crowded.feed_chain(PROMPT)
+    nodes = crowded.feed_chain(PROMPT).nodes
     got = _tree_logits(crowded, nodes[-1])
     assert crowded.stats.slots_skipped == 2 * len(UNRELATED)  # the prompt (a second root) and the tree
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
@@ -39,6 +38,6 @@ def test_a_few_unseen_slots_are_not_worth_a_window():
     model = tiny_model("llama")
     engine = Engine(model)
     engine.feed_chain(UNRELATED[: WINDOW_MIN_SKIP - 1])
-    nodes, _ = engine.feed_chain(PROMPT)
+    nodes = engine.feed_chain(PROMPT).nodes
     _tree_logits(engine, nodes[-1])
     assert engine.stats.slots_skipped == 0

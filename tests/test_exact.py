@@ -47,7 +47,7 @@ def random_forest(engine: Engine, rng: random.Random, *, steps: int = 4, vocab: 
     A prompt of 1-150 tokens (so paths cross position blocks), then steps of up to 12 nodes: each
     under a recent leaf, any cached node, or a node of the same step (draft trees); some steps
     take back leaves (rejected drafts), some compact to half the leaves."""
-    prompt, _ = engine.feed_chain([rng.randint(3, vocab) for _ in range(rng.randint(1, 150))], logits=False)
+    prompt = engine.feed_chain([rng.randint(3, vocab) for _ in range(rng.randint(1, 150))], logits=False).nodes
     cached, leaves, logits = list(prompt), [prompt[-1]], {}
     for _ in range(steps):
         tokens, parents = [], []
@@ -57,7 +57,8 @@ def random_forest(engine: Engine, rng: random.Random, *, steps: int = 4, vocab: 
             else:
                 parents.append(rng.choice(cached if rng.random() < 0.3 else leaves))
             tokens.append(rng.randint(3, vocab))
-        new, rows = engine.feed(tokens, parents, logits_for=list(range(len(tokens))))
+        fed = engine.feed(tokens, parents, logits_for=list(range(len(tokens))))
+        new, rows = fed.nodes, fed.logits
         logits.update(zip(new, rows))
         cached += new
         leaves = list(new)
@@ -80,7 +81,7 @@ def differing(model, *, seed: int, apart: bool | None = None) -> tuple[list[int]
     engine = Engine(model, apart=apart)
     logits = random_forest(engine, random.Random(seed))
     bad = [node for node, row in logits.items()
-           if not torch.equal(Engine(model).feed_chain(engine.forest.path_tokens(node))[1][0], row)]
+           if not torch.equal(Engine(model).feed_chain(engine.forest.path_tokens(node)).logits[0], row)]
     return bad, len(logits)
 
 
@@ -98,15 +99,16 @@ def test_every_node_of_a_random_forest_equals_its_path_alone_bit_for_bit(arch, a
 def test_chains_fed_apart_equal_their_paths_alone(precision):
     model = exact_model("qwen2", "sdpa", precision)
     engine = Engine(model, apart=True)
-    prompt, _ = engine.feed_chain(list(range(3, 40)), logits=False)
+    prompt = engine.feed_chain(list(range(3, 40)), logits=False).nodes
     chains = [[5 + i] * 70 for i in range(3)]  # three long chains under the prompt: run apart
     tokens = [t for chain in chains for t in chain]
     parents = [p for c, chain in enumerate(chains) for p in
                [prompt[-1]] + [Feed.ref(sum(map(len, chains[:c])) + j) for j in range(len(chain) - 1)]]
-    nodes, rows = engine.feed(tokens, parents, logits_for=list(range(len(tokens))))
+    fed = engine.feed(tokens, parents, logits_for=list(range(len(tokens))))
+    nodes, rows = fed.nodes, fed.logits
     assert engine.stats.forward_passes > 2  # the chains did run apart
     for node in nodes[::23]:
-        assert torch.equal(Engine(model).feed_chain(engine.forest.path_tokens(node))[1][0], rows[nodes.index(node)])
+        assert torch.equal(Engine(model).feed_chain(engine.forest.path_tokens(node)).logits[0], rows[nodes.index(node)])
 
 
 def test_greedy_decoding_equals_transformers_generate_through_the_same_kernels():

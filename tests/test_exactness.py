@@ -181,13 +181,16 @@ def build_forest(model) -> tuple[Engine, list[int]]:
     them off an inner node of a branch and one the child of another new node. Checks the logits of
     every feed and returns the engine and the last step's nodes."""
     engine = Engine(model)
-    prefix, _ = engine.feed_chain(PREFIX)
-    chains, logits = engine.feed_chains([_fixed(7, 1), _fixed(2, 2), _fixed(9, 3)], [prefix[-1], prefix[-1], prefix[2]])
+    prefix = engine.feed_chain(PREFIX).nodes
+    fed = engine.feed_chains([_fixed(7, 1), _fixed(2, 2), _fixed(9, 3)], [prefix[-1], prefix[-1], prefix[2]])
+    chains, logits = fed.nodes, fed.logits
     assert_close_to_paths(model, engine, [c[-1] for c in chains], logits)
-    second, logits = engine.feed_chain(_fixed(5, 4), root_position=20)
+    fed = engine.feed_chain(_fixed(5, 4), root_position=20)
+    second, logits = fed.nodes, fed.logits
     assert_close_to_paths(model, engine, second[-1:], logits)
     leaves = [chains[0][-1], chains[2][-1], second[-1], chains[0][3]]
-    nodes, logits = engine.feed([11, 12, 13, 14, 15], [*leaves, -2], logits_for=range(5))
+    fed = engine.feed([11, 12, 13, 14, 15], [*leaves, -2], logits_for=range(5))
+    nodes, logits = fed.nodes, fed.logits
     assert_close_to_paths(model, engine, nodes, logits)
     return engine, nodes
 
@@ -207,7 +210,8 @@ def test_engine_logits_after_compaction(arch, attn):
     engine, nodes = build_forest(model)
     live = [nodes[1], nodes[4], nodes[3]]
     assert engine.compact(live) > 0
-    more, logits = engine.feed([16, 17, 18], [live[0], live[1], -3], logits_for=range(3))
+    fed = engine.feed([16, 17, 18], [live[0], live[1], -3], logits_for=range(3))
+    more, logits = fed.nodes, fed.logits
     assert_close_to_paths(model, engine, more, logits)
 
 
@@ -223,9 +227,10 @@ def test_chain_fed_after_a_sibling_branch_sees_only_its_ancestors(arch, attn):
     under the same prefix end takes the plain causal path and B attends to A's keys."""
     model = tiny_model(arch, attn)
     engine = Engine(model)
-    prefix, _ = engine.feed_chain(PREFIX)
+    prefix = engine.feed_chain(PREFIX).nodes
     engine.feed_chain(_fixed(4, 5), parent=prefix[-1])
-    nodes, logits = engine.feed_chain(_fixed(3, 6), parent=prefix[-1])
+    fed = engine.feed_chain(_fixed(3, 6), parent=prefix[-1])
+    nodes, logits = fed.nodes, fed.logits
     assert_close_to_paths(model, engine, nodes[-1:], logits)
 
 
@@ -234,8 +239,9 @@ def test_chain_under_an_inner_prefix_node_sees_only_its_ancestors(arch, attn):
     """BUG (same cause): a chain under the prefix's 3rd node must not see the prefix's later tokens."""
     model = tiny_model(arch, attn)
     engine = Engine(model)
-    prefix, _ = engine.feed_chain(PREFIX)
-    nodes, logits = engine.feed_chain(_fixed(3, 7), parent=prefix[2])
+    prefix = engine.feed_chain(PREFIX).nodes
+    fed = engine.feed_chain(_fixed(3, 7), parent=prefix[2])
+    nodes, logits = fed.nodes, fed.logits
     assert_close_to_paths(model, engine, nodes[-1:], logits)
 
 
@@ -262,9 +268,9 @@ def _tokens_fixed(n: int, seed: int) -> list[int]:
 
 def test_the_engine_chooses_apart_only_for_long_chains_under_a_short_path():
     engine = Engine(tiny_model("llama"))
-    doc, _ = engine.feed_chain(_tokens_fixed(300, 1))
+    doc = engine.feed_chain(_tokens_fixed(300, 1)).nodes
     assert not engine.prefers_apart([20] * 8, doc[-1])  # questions under a long document: one pass
-    head, _ = engine.feed_chain(_tokens_fixed(10, 2))
+    head = engine.feed_chain(_tokens_fixed(10, 2)).nodes
     assert engine.prefers_apart([300] * 8, head[-1])  # long chunks under a short instruction: apart
     assert not engine.prefers_apart([40] * 8, head[-1])  # short notes: the extra passes cost more
     assert not engine.prefers_apart([300], head[-1])  # a single chain: nothing to gain
@@ -277,14 +283,15 @@ def test_a_long_chain_fed_beside_other_rows_runs_apart_and_stays_exact(arch, att
     others); every node's logits are still those of its path run alone."""
     model = tiny_model(arch, attn)
     engine = Engine(model)
-    head, _ = engine.feed_chain(_tokens_fixed(6, 1))
-    first, _ = engine.feed_chain(_tokens_fixed(150, 2), parent=head[-1])
-    second, _ = engine.feed_chain(_tokens_fixed(120, 3), parent=head[-1])
+    head = engine.feed_chain(_tokens_fixed(6, 1)).nodes
+    first = engine.feed_chain(_tokens_fixed(150, 2), parent=head[-1]).nodes
+    second = engine.feed_chain(_tokens_fixed(120, 3), parent=head[-1]).nodes
     document = _tokens_fixed(100, 4)
     tokens = [5, 6, *document, 7, 8, 9]
     parents = [first[-1], second[-1], *chain_parents(100, head[-1], 2), Feed.ref(101), Feed.ref(102), Feed.ref(101)]
     forwards = engine.stats.forward_passes
-    nodes, logits = engine.feed(tokens, parents, logits_for=[0, 1, 101, 102, 103, 104])
+    fed = engine.feed(tokens, parents, logits_for=[0, 1, 101, 102, 103, 104])
+    nodes, logits = fed.nodes, fed.logits
     assert engine.stats.forward_passes - forwards == 2  # the document apart, then the rest as a forest
     assert_close_to_paths(model, engine, [nodes[i] for i in (0, 1, 101, 102, 103, 104)], logits)
     assert engine.forest.path_tokens(nodes[103])[-3:] == [document[-1], 7, 8]

@@ -16,12 +16,13 @@ from tiny_models import tiny_model
 
 import multidecode
 from multidecode import exact, memory
-from multidecode.branches import Waves, memory_need, wave_size
+from multidecode.branches import memory_need
 from multidecode.cli import main
 from multidecode.engine import Engine
 from multidecode.errors import InvalidArgument, NotEnoughMemory
 from multidecode.memory import Footprint, parse_bytes
 from multidecode.runtime.jobs import Job, Limits, Overloaded, TooLarge
+from multidecode.strategies.complete import Waves, wave_size
 
 PROMPT = [5, 17, 42, 99, 7, 3, 150, 23]
 
@@ -78,10 +79,10 @@ def test_a_wide_forest_forward_is_cut_and_gives_the_same_logits(exact_decoder, m
 
     def step_logits() -> tuple[torch.Tensor, int]:
         engine = Engine(exact_decoder.model)
-        (*_, last), _ = engine.feed_chain(PROMPT, logits=False)
-        nodes, _ = engine.feed(list(range(10, 40)), [last] * 30, logits_for=range(30))
+        last = engine.feed_chain(PROMPT, logits=False).nodes[-1]
+        nodes = engine.feed(list(range(10, 40)), [last] * 30, logits_for=range(30)).nodes
         before = engine.stats.forward_passes
-        _, logits = engine.feed(list(range(50, 80)), nodes, logits_for=range(30))
+        logits = engine.feed(list(range(50, 80)), nodes, logits_for=range(30)).logits
         return logits, engine.stats.forward_passes - before
 
     whole, forwards = step_logits()

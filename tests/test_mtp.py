@@ -60,19 +60,19 @@ def test_the_mtp_layer_on_a_forest_computes_what_transformers_mtp_module_does(ar
         theirs = mtp.forward_layer(0, features[None], torch.arange(len(tokens))[None],
                                    DynamicCache(config=mtp.config), input_ids=tokens[None])[0]  # [n - 1, hidden]
         engine = Engine(head.model)
-        _, logits = engine.feed(tokens.tolist(), chain_parents(len(tokens)),
-                                logits_for=range(len(tokens)), hidden_layers=[-1],
-                                embeds=head.inputs(features, tokens))
-        ours = engine.hidden[:, 0]
+        fed = engine.feed(tokens.tolist(), chain_parents(len(tokens)), logits_for=range(len(tokens)),
+                          hidden_layers=[-1], embeds=head.inputs(features, tokens))
+        ours = fed.hidden[:, 0]
         assert torch.allclose(ours, theirs, atol=1e-5)
-        assert torch.allclose(logits, mtp.shared_head(theirs).float(), atol=1e-4)
+        assert torch.allclose(fed.logits, mtp.shared_head(theirs).float(), atol=1e-4)
         # one pair at a time (plain continuations, no mask given): Mellum's MTP layer keeps its
         # sliding window (6) past the window's length
         engine, node, states = Engine(head.model), ROOT, []
         for i, token in enumerate(tokens.tolist()):
-            (node,), _ = engine.feed([token], [node], logits_for=[0], hidden_layers=[-1],
-                                     embeds=head.inputs(features[i:i + 1], tokens[i:i + 1]))
-            states.append(engine.hidden[0, 0])
+            fed = engine.feed([token], [node], logits_for=[0], hidden_layers=[-1],
+                              embeds=head.inputs(features[i:i + 1], tokens[i:i + 1]))
+            (node,) = fed.nodes
+            states.append(fed.hidden[0, 0])
         assert torch.allclose(torch.stack(states), theirs, atol=1e-5)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hash_lm import HashLM, path_logits, reference
 
-from multidecode.branches import BranchGroup, prompt_logits, start
+from multidecode.branches import BranchGroup, start
 from multidecode.cost import CostCurve
 from multidecode.engine import Engine
 from multidecode.forest import EVERYONE, ROOT, Forest, unchanged_prefix
@@ -20,6 +20,7 @@ from multidecode.sampling import SamplingParams
 from multidecode.scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work
 from multidecode.speculation import Speculation
 from multidecode.stopping import StopRule
+from multidecode.strategies.margins import prompt_logits
 
 PROMPT = [5, 9, 14, 3, 5, 9, 14, 8]
 
@@ -96,9 +97,9 @@ def test_compaction_plan_of_one_owner_keeps_every_other_owners_slots():
 # ---------------------------------------------------------------------- engine: rollback moves only the tail
 def test_drop_moves_only_the_accepted_tail_and_crops():
     engine = Engine(HashLM())
-    prompt, _ = engine.feed_chain(PROMPT)
+    prompt = engine.feed_chain(PROMPT).nodes
     keys_before = engine.cache.layers[0].keys.clone()
-    nodes, _ = engine.feed([10, 11, 12, 13], [prompt[-1], -2, prompt[-1], -4], logits_for=range(4))
+    nodes = engine.feed([10, 11, 12, 13], [prompt[-1], -2, prompt[-1], -4], logits_for=range(4)).nodes
     accepted_keys = engine.cache.layers[0].keys[:, :, [len(PROMPT) + 2, len(PROMPT) + 3]].clone()
     engine.drop(nodes[:2])  # reject 10 -> 11, keep 12 -> 13
     layer = engine.cache.layers[0]
@@ -106,7 +107,7 @@ def test_drop_moves_only_the_accepted_tail_and_crops():
     torch.testing.assert_close(layer.keys[:, :, : len(PROMPT)], keys_before)  # the prefix never moved
     torch.testing.assert_close(layer.keys[:, :, len(PROMPT):], accepted_keys)
     assert engine.forest.path_tokens(nodes[3]) == PROMPT + [12, 13]
-    _, logits = engine.feed([20], [nodes[3]], logits_for=[0])
+    logits = engine.feed([20], [nodes[3]], logits_for=[0]).logits
     torch.testing.assert_close(logits[0], path_logits(PROMPT + [12, 13, 20]).float(), rtol=0, atol=0)
     assert engine.stats.rolled_back == 2
 
@@ -169,9 +170,9 @@ class _Offer(Work):
             at = feed.add(2, Feed.ref(at), chance=c)
         return feed
 
-    def settle(self, fed, nodes, logits):
+    def settle(self, fed, result):
         self.got, self.done = list(fed), True
-        return Settled(rejected=list(nodes[1:]))
+        return Settled(rejected=list(result.nodes[1:]))
 
     def live(self):
         return []
@@ -183,7 +184,7 @@ class _Offer(Work):
 ])
 def test_optional_nodes_are_fed_only_where_they_pay(curve, expected):
     engine = Engine(HashLM())
-    prompt, _ = engine.feed_chain(PROMPT)
+    prompt = engine.feed_chain(PROMPT).nodes
     scheduler = Scheduler(engine, cost=CostCurve.from_relative(curve))
     work = scheduler.admit(_Offer(prompt[-1], [0.5, 0.4, 0.3]))
     scheduler.step()
@@ -194,7 +195,7 @@ def test_optional_nodes_are_fed_only_where_they_pay(curve, expected):
 
 def test_an_optional_node_is_never_fed_without_its_parent():
     engine = Engine(HashLM())
-    prompt, _ = engine.feed_chain(PROMPT)
+    prompt = engine.feed_chain(PROMPT).nodes
     # the child claims a higher chance than its parent; only what forms a subtree may go
     scheduler = Scheduler(engine, cost=CostCurve.from_relative({1: 1.0, 2: 1.9, 3: 1.95, 64: 30.0}))
     work = scheduler.admit(_Offer(prompt[-1], [0.05, 0.99]))

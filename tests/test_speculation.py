@@ -205,16 +205,16 @@ def test_logits_after_a_rollback_equal_a_fresh_run_over_the_accepted_tokens():
     fresh engine that only ever saw the accepted path."""
     model = HashLM()
     engine = Engine(model)
-    prefix, _ = engine.feed_chain(HASH_PREFIX)
+    prefix = engine.feed_chain(HASH_PREFIX).nodes
     head = prefix[-1]
     # a tree under the prefix: two chains of 3 and a lone node
-    nodes, _ = engine.feed([11, 12, 13, 21, 22, 23, 31], [head, -2, -3, head, -5, -6, head], logits_for=range(7))
+    nodes = engine.feed([11, 12, 13, 21, 22, 23, 31], [head, -2, -3, head, -5, -6, head], logits_for=range(7)).nodes
     engine.drop([nodes[2], *nodes[3:]])  # keep 11, 12 only
-    _new, logits = engine.feed([40], [nodes[1]], logits_for=[0])
+    logits = engine.feed([40], [nodes[1]], logits_for=[0]).logits
     torch.testing.assert_close(logits[0], path_logits(HASH_PREFIX + [11, 12, 40]).float(), rtol=0, atol=0)
     assert engine.forest.num_slots == len(HASH_PREFIX) + 3
     fresh = Engine(HashLM())
-    _, expected = fresh.feed_chain(HASH_PREFIX + [11, 12, 40])
+    expected = fresh.feed_chain(HASH_PREFIX + [11, 12, 40]).logits
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
 
 
@@ -225,14 +225,14 @@ def test_rollback_on_real_architectures_equals_a_fresh_run(arch):
     engine that saw only the accepted path."""
     model = tiny_model(arch, "sdpa")
     engine = Engine(model)
-    prefix, _ = engine.feed_chain(PREFIX)
-    nodes, _ = engine.feed([11, 12, 13, 21, 22, 31], [prefix[-1], -2, -3, prefix[-1], -5, prefix[-1]],
-                           logits_for=range(6))
+    prefix = engine.feed_chain(PREFIX).nodes
+    nodes = engine.feed([11, 12, 13, 21, 22, 31], [prefix[-1], -2, -3, prefix[-1], -5, prefix[-1]],
+                        logits_for=range(6)).nodes
     engine.drop([nodes[2], *nodes[3:]])  # keep 11, 12
-    _, logits = engine.feed([40, 41], [nodes[1], -2], logits_for=[0, 1])
+    logits = engine.feed([40, 41], [nodes[1], -2], logits_for=[0, 1]).logits
     fresh = Engine(model)
-    _, expected = fresh.feed(PREFIX + [11, 12, 40, 41], [-1] + [-(i + 2) for i in range(len(PREFIX) + 3)],
-                             logits_for=[len(PREFIX) + 2, len(PREFIX) + 3])
+    expected = fresh.feed(PREFIX + [11, 12, 40, 41], [-1] + [-(i + 2) for i in range(len(PREFIX) + 3)],
+                          logits_for=[len(PREFIX) + 2, len(PREFIX) + 3]).logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
 
 

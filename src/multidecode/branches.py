@@ -11,22 +11,20 @@ the scheduler compacts it.
 
 This is the branch half of a step (the scheduler is the other): `admit` checks inputs and adds a
 `BranchGroup` to a scheduler, `start` also feeds its prompts, and a `BranchRun` yields its
-`TokenEvent`s as the scheduler steps. `PromptLogits` is the scoring work: prompts fed, their
-next-token logits kept, nothing generated. The entry points that build a scheduler for a model
-(`decode`, `MultiDecoder`) are in `api`.
+`TokenEvent`s as the scheduler steps. The entry points that build a scheduler for a model
+(`decode`, `MultiDecoder`) are in `api`; the strategies build on `start`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from .cost import AcceptanceTracker
-from .engine import Engine
+from .engine import Engine, FeedResult
 from .errors import InvalidArgument, InvalidInput, PromptTooLong, check_positive, is_int
 from .forest import ROOT, local_parent
 from .memory import ENVIRONMENT, Need, budget_bytes, check_budget, most_branches
@@ -35,7 +33,7 @@ from .proposers import UNDER_LEAF, BranchContext, DraftTree
 from .proposers.mixture import Mixture
 from .sampling import BranchSampler, SamplingParams
 from .scheduler import Feed, Scheduler, Settled, Work
-from .speculation import Speculation, resolve
+from .speculation import Speculation, build_speculation
 from .stopping import BranchOutput, StopRule, eos_ids_of, stop_strings_of
 from .verify import walk
 
@@ -188,23 +186,6 @@ def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[in
                hint=f"{hint}, or set {ENVIRONMENT} to a larger budget if more memory is free")
 
 
-def wave_size(engine: Engine, prompt_length: int, n: int, max_new_tokens: int, draft: int,
-              budget: int | None = None) -> int:
-    """How many of n branches of one prompt fit in `budget` bytes at once (None: what the
-    machine has now; n when all of them do); refuses (`NotEnoughMemory`) when not even one does."""
-    budget = budget_bytes(engine.device) if budget is None else budget
-
-    def fits(width: int) -> bool:
-        return memory_need(engine, prompt_length, [0] * width, max_new_tokens, draft).total <= budget
-
-    if fits(n):
-        return n
-    size = most_branches(fits, n)
-    if not size:
-        check_memory(engine, prompt_length, [0], max_new_tokens, draft, budget)
-    return size
-
-
 # ---------------------------------------------------------------------- the work
 class BranchGroup(Work):
     """Independent branches `prefix_ids + suffixes[i]`, decoded together (see the module notes).
@@ -325,9 +306,9 @@ class BranchGroup(Work):
             self._side_nodes[side[-1]] = (branch, n)
 
     # ------------------------------------------------------------------ settling
-    def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor,
-               hidden: torch.Tensor | None = None, hidden_nodes: torch.Tensor | None = None) -> Settled:
-        node_of = dict(zip(fed, nodes))  # feed index -> node id
+    def settle(self, fed: Sequence[int], result: FeedResult[list[int]]) -> Settled:
+        logits = result.logits  # [rows, vocab]
+        node_of = dict(zip(fed, result.nodes))  # feed index -> node id
         if not self._started:
             self.prompt_ends = [node_of[self._heads[b.index]] for b in self.branches]
         self._started = True
@@ -362,8 +343,8 @@ class BranchGroup(Work):
             branch.leaf = node_at_row[path[-1]]
             branch.head = branch.output.token_ids[-1]
             accepted.update(node_at_row[r] for r in path)
-            if hidden is not None:  # [path nodes, layers, hidden]: what the next draft reads
-                self._keep_features(j, hidden[path], hidden_nodes, fed)
+            if result.hidden is not None:  # what the next draft reads
+                self._keep_features(j, path, result.hidden, fed)
             draft = self._drafts.get(j)
             if draft is not None:
                 node_at = {row: n for (b, n), row in draft_row.items() if b == j}
@@ -384,14 +365,17 @@ class BranchGroup(Work):
         self.done = all(b.output.finished for b in self.branches)
         return Settled(rejected, dead=sum(b.output.finished for b in self.branches) > finished_before)
 
-    def _keep_features(self, branch: int, states: torch.Tensor, hidden_nodes: torch.Tensor | None,
-                       fed: Sequence[int]) -> None:
-        """Give the branch's proposer the states of the path its step settled ([nodes, layers,
-        hidden]), after those of the prompt nodes fed before it where the step fed them all."""
+    def _keep_features(self, branch: int, path: list[int], hidden: torch.Tensor, fed: Sequence[int]) -> None:
+        """Give the branch's proposer the target's states along the path its step settled (`path`:
+        logits rows), after those of the prompt nodes fed before it where the step fed them all.
+        hidden: this work's share, a row per logits row, or per node fed when it asked for
+        `hidden_everywhere` ([rows, layers, hidden])."""
+        if self._feed.hidden_everywhere:  # the path's rows are its nodes' places in `fed`
+            place = {i: k for k, i in enumerate(fed)}  # feed index -> place in fed
+            logits_places = [k for k, i in enumerate(fed) if self._feed.logits[i]]  # logits row -> place in fed
+            path = self._prompt_rows(branch, place) + [logits_places[row] for row in path]
         context = self.branches[branch].context
-        if hidden_nodes is not None:
-            states = torch.cat([hidden_nodes[self._prompt_rows(branch, {i: k for k, i in enumerate(fed)})], states])
-        context.features, context.feature_layers = states, self._feed.hidden_layers
+        context.features, context.feature_layers = hidden[path], self._feed.hidden_layers  # [path nodes, layers, hidden]
 
     def _prompt_rows(self, branch: int, position: dict[int, int]) -> list[int]:
         """The rows (positions in this step's fed nodes) of the prompt nodes fed before branch's
@@ -462,49 +446,6 @@ def prompt_feed(prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *,
     return feed, ends
 
 
-class PromptLogits(Work):
-    """Feeds whole prompts (their common prefix once) and keeps each one's next-token logits in
-    `values` ([prompts, vocab] float32); nothing is generated."""
-
-    def __init__(self, prompts: Sequence[Sequence[int]]) -> None:
-        shared = share_prefix(prompts)
-        self.feed, self.ends = prompt_feed(shared.prefix_ids, shared.suffix_ids)
-        self.prefix_tokens = len(shared.prefix_ids)
-        self.values = torch.empty(0, 0)
-        self.done = False
-
-    def plan(self) -> Feed:
-        return self.feed
-
-    def settle(self, fed, nodes, logits: torch.Tensor) -> Settled:
-        row_of = {i: r for r, i in enumerate(i for i in fed if self.feed.logits[i])}
-        self.values = logits[[row_of[end] for end in self.ends]]  # [prompts, vocab]
-        self.done = True
-        return Settled()
-
-    def live(self) -> list[int]:
-        return []
-
-
-def prompt_logits(scheduler: Scheduler, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, dict]:
-    """Next-token logits after each whole prompt ([len(prompts), vocab], float32), all from one
-    feed on `scheduler`, and what it cost (forwards, tokens fed, the shared prefix)."""
-    if not prompts:
-        raise InvalidInput("there are no prompts to score", "pass at least one prompt")
-    engine = scheduler.engine
-    prompts = [token_ids(p, engine.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
-    check_fits(engine, [len(p) for p in prompts], 1)
-    before = engine.stats.as_dict()
-    work = PromptLogits(prompts)
-    engine.reserve(engine.forest.num_slots + len(work.feed))
-    scheduler.admit(work)
-    scheduler.run(work)
-    after = engine.stats.as_dict()
-    stats = {"forward_passes": after["forward_passes"] - before["forward_passes"],
-             "tokens_fed": after["tokens_fed"] - before["tokens_fed"], "prefix_tokens": work.prefix_tokens}
-    return work.values, stats
-
-
 # ---------------------------------------------------------------------- runs
 @dataclass
 class BranchRun:
@@ -559,78 +500,6 @@ class BranchRun:
         return self
 
 
-class Waves:
-    """n branches of one prompt decoded at most `size` at a time, for when all of them at once
-    would not fit in memory (see `memory`). Each wave is a `BranchRun` on the same scheduler; the
-    prompt is fed once and kept for the later waves, which hang under it (its last token fed
-    again, for its logits). Branch i keeps its own sampling settings and seed, so its tokens are
-    the ones it gets in one forest; `events`, `branches` and `prompts` use global indices.
-    Waves start lazily, as `events` is iterated.
-
-    budget: the bytes every wave is checked against (default: what the machine has when the first
-    starts). One budget for all: the memory a wave frees stays with this process (its allocator
-    keeps it for the next wave), so the machine's free memory, measured again, would read lower
-    than what the next wave really has."""
-
-    def __init__(self, scheduler: Scheduler, prompt: Sequence[int], sampling: Sequence[SamplingParams], size: int,
-                 *, budget: int | None = None, **settings) -> None:
-        self.scheduler, self.prompt, self.sampling, self.size = scheduler, list(prompt), list(sampling), size
-        budget = budget_bytes(scheduler.engine.device) if budget is None else budget
-        self.settings = {**settings, "memory_budget": budget}
-        self.runs: list[tuple[int, BranchRun]] = []  # (index of its first branch, run), in order
-        self._keeper = object()  # owns the prompt's nodes, so no wave's compaction frees them
-        self._next(0)
-
-    def _next(self, offset: int) -> BranchRun:
-        sampling = self.sampling[offset : offset + self.size]
-        if not self.runs:
-            spec = self.settings.get("speculate")
-            # room for every wave: the prompt, its last token fed again, a wave's branches
-            self.scheduler.engine.reserve(len(self.prompt) + 1 + self.size * (
-                self.settings["max_new_tokens"] + (spec.size if isinstance(spec, Speculation) else 0)))
-            run = start(self.scheduler, self.prompt, [[]] * len(sampling), sampling=sampling,
-                        prompt_owner=self._keeper, **self.settings)
-        else:
-            self.scheduler.free_retired()  # the wave before's slots, before this one's need is counted
-            end = self.runs[0][1].group.prompt_ends[0]
-            run = start(self.scheduler, self.prompt[-1:], [[]] * len(sampling), sampling=sampling,
-                        under=self.scheduler.engine.forest.parents[end], cached=self.prompt[:-1], **self.settings)
-        self.runs.append((offset, run))
-        return run
-
-    @property
-    def engine(self) -> Engine:
-        return self.scheduler.engine
-
-    @property
-    def branches(self) -> list[Branch]:
-        return [replace(b, index=offset + b.index) for offset, run in self.runs for b in run.branches]
-
-    @functools.cached_property
-    def prompts(self) -> list[list[int]]:
-        return [list(self.prompt) for _ in self.sampling]  # made once: n lists
-
-    @property
-    def stats(self) -> DecodeStats:
-        return DecodeStats.total([run.stats for _, run in self.runs])
-
-    @property
-    def events(self) -> Iterator[TokenEvent]:
-        offset, run = self.runs[0]
-        while True:
-            for event in run.events:
-                yield replace(event, branch=offset + event.branch)
-            offset += self.size
-            if offset >= len(self.sampling):
-                return
-            run = self._next(offset)
-
-    def finish(self) -> Waves:
-        for _ in self.events:
-            pass
-        return self
-
-
 def start(scheduler: Scheduler, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], **settings) -> BranchRun:
     """Admit branches `prefix_ids + suffixes[i]` to `scheduler` and feed their prompts.
 
@@ -670,7 +539,7 @@ def admit(
     if not suffixes:
         raise InvalidInput("there are no branches to decode", "pass at least one branch")
     engine = scheduler.engine
-    spec = resolve(speculate, engine.dtype, exact=engine.exact)
+    spec = build_speculation(speculate, engine.dtype, exact=engine.exact)
     if spec is not None:
         if spec.auto and isinstance(spec.proposer, Mixture):
             spec.proposer.fit(scheduler.cost_curve(), len(suffixes), spec.size)
@@ -701,5 +570,5 @@ def start_prompts(scheduler: Scheduler, prompts: Sequence[Sequence[int]], **sett
     return start(scheduler, shared.prefix_ids, shared.suffix_ids, **settings)
 
 
-__all__ = ["Branch", "BranchGroup", "BranchRun", "DecodeStats", "PromptLogits", "TokenEvent", "Waves", "admit",
-           "check_memory", "memory_need", "prompt_logits", "start", "start_prompts", "wave_size"]
+__all__ = ["Branch", "BranchGroup", "BranchRun", "DecodeStats", "TokenEvent", "admit", "check_memory", "memory_need",
+           "start", "start_prompts"]

@@ -147,15 +147,14 @@ def measure_cost(model, *, sizes: Sequence[int] = SIZES, contexts: Sequence[int]
     table = []
     for context in contexts:
         engine.compact([])
-        nodes, _ = engine.feed_chain(torch.randint(3, vocab, (context,), generator=generator).tolist())
-        leaf = nodes[-1]
+        leaf = engine.feed_chain(torch.randint(3, vocab, (context,), generator=generator).tolist()).nodes[-1]
         row = []
         for q in sizes:
             times = []
             for attempt in range(repeats + 1):
                 tokens = torch.randint(3, vocab, (q,), generator=generator).tolist()
                 started = time.perf_counter()
-                fed, _ = engine.feed(tokens, [leaf] * q, logits_for=range(q))
+                fed = engine.feed(tokens, [leaf] * q, logits_for=range(q)).nodes
                 if engine.device.type == "cuda":
                     torch.cuda.synchronize(engine.device)
                 elapsed = time.perf_counter() - started

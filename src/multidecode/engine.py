@@ -1,8 +1,9 @@
 """The engine: feeds forest nodes through a causal LM over one shared cache, and nothing else.
 
 One call, `feed`, adds nodes to the forest, runs them through the model's public `forward`, and
-returns the logits at the nodes asked for. It is the only caller of `model.forward` in the
-package. Strategies and the scheduler decide which nodes to add, which to take back and which
+returns a `FeedResult`: the new nodes, the logits at the nodes asked for and, for a learned
+drafter, the hidden states asked for. It is the only caller of `model.forward` in the package, and
+its result is all that the layers above read of a forward. Strategies and the scheduler decide which nodes to add, which to take back and which
 leaves stay alive; the engine does not know which strategy or proposer is running.
 
 A feed is planned as one or more forwards over contiguous runs of its nodes:
@@ -32,7 +33,8 @@ the cache (the accepted slots after the first rejected one move down, then the c
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Generic, TypeVar
 
 import torch
 
@@ -79,6 +81,27 @@ class EngineStats:
         return asdict(self)
 
 
+Nodes = TypeVar("Nodes", list[int], list[list[int]])
+
+
+@dataclass(frozen=True)
+class FeedResult(Generic[Nodes]):
+    """What one feed computed, and all of it: the engine and the rest of the package meet here
+    (however the engine runs its forwards inside).
+
+    nodes: the new nodes' ids, in call order ([len(tokens)]; `feed_chains`: one list per chain).
+    logits: [len(logits_for), vocab] float32, the next-token logits at the `logits_for` nodes, in
+        that order; [0, 0] when none were asked for.
+    hidden: [len(hidden_for), len(hidden_layers), hidden size] in the model's dtype, the asked
+        layers' hidden states at the `hidden_for` nodes (by default the `logits_for` ones), in that
+        order; None when the feed asked for no layers or no nodes.
+    """
+
+    nodes: Nodes
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
 class Engine:
     """A forest of token nodes decoded over one shared KV cache of `model`.
 
@@ -104,7 +127,6 @@ class Engine:
         self.exact = is_exact(model)  # batch-invariant forwards (see `exact`)
         self.row_multiple = self._row_multiple() if self.exact else 1
         self.footprint = Footprint.of(model)  # bytes per slot, per logits row, per forward row
-        self.hidden: torch.Tensor | None = None  # the hidden states the last feed asked for (see `feed`)
         self._embeds: dict[int, torch.Tensor] | None = None  # node -> input vector, during a feed given `embeds`
 
     # ------------------------------------------------------------------ feeding
@@ -119,25 +141,24 @@ class Engine:
         hidden_layers: Sequence[int] = (),
         hidden_for: Sequence[int] | None = None,
         embeds: torch.Tensor | None = None,
-    ) -> tuple[list[int], torch.Tensor]:
+    ) -> FeedResult[list[int]]:
         """Add nodes (see `Forest.add` for `parents` and `owners`) and run them through the model.
 
         logits_for: indices into this call's nodes whose next-token logits to return.
-        hidden_layers: also keep the hidden states of these layers at the `logits_for` nodes, in
-        `self.hidden` ([len(logits_for), len(hidden_layers), hidden size], in the model's dtype), as the model's
-        public `hidden_states` output numbers them: 0 the embeddings, i the output of layer i, -1
-        the last (after the final norm, what the LM head reads). A feed that asks for none pays
-        nothing, and `self.hidden` is then None. hidden_for: the nodes (indices into this call's)
-        whose hidden states to keep instead of the `logits_for` ones ([len(hidden_for), ...]).
+        hidden_layers: also return the hidden states of these layers, as the model's public
+        `hidden_states` output numbers them: 0 the embeddings, i the output of layer i, -1 the last
+        (after the final norm, what the LM head reads). A feed that asks for none pays nothing.
+        hidden_for: the nodes (indices into this call's) whose hidden states to return, when not
+        the `logits_for` ones.
         embeds: [len(tokens), hidden size], the nodes' input vectors, given to the model's forward
         in place of their tokens' embeddings (`inputs_embeds`: a learned draft head's input is
         built from the target's features); the tokens still name the nodes.
-        Returns (new node ids, logits [len(logits_for), vocab] in float32, in `logits_for` order).
+        Returns what the feed computed (see `FeedResult` for the shapes).
         """
-        forest, before, layers, self.hidden = self.forest, self.forest.num_slots, list(hidden_layers), None
+        forest, before, layers = self.forest, self.forest.num_slots, list(hidden_layers)
         nodes = forest.add(tokens, parents, root_position=root_position, owners=owners)
         if not nodes:
-            return nodes, torch.empty(0, 0)
+            return FeedResult(nodes, torch.empty(0, 0))
         self._embeds = None if embeds is None else dict(zip(nodes, embeds.to(self.device, self.dtype)))
         runs, order = self._long_chains_first(nodes, before)
         states_for = logits_for if hidden_for is None else hidden_for
@@ -150,15 +171,14 @@ class Engine:
         try:
             positions = self._positions(placed)  # [q]
             forest.place(placed)
-            rows, hidden = self._run_all(placed, positions, runs, wanted, wanted_states, layers)
+            rows, states = self._run_all(placed, positions, runs, wanted, wanted_states, layers)
         except BaseException:
             self._undo(nodes, before)  # a failed forward (out of memory, Ctrl-C) leaves no trace
             raise
-        if layers and wanted_states:
-            self.hidden = torch.stack([hidden[i] for i in wanted_states])
-        if not wanted:
-            return nodes, torch.empty(0, 0)
-        return nodes, torch.stack([rows[i] for i in wanted])
+        logits = torch.stack([rows[i] for i in wanted]) if wanted else torch.empty(0, 0)  # [len(logits_for), vocab]
+        # [len(hidden_for), len(hidden_layers), hidden size]
+        hidden = torch.stack([states[i] for i in wanted_states]) if layers and wanted_states else None
+        return FeedResult(nodes, logits, hidden)
 
     def _run_all(self, placed: list[int], positions: torch.Tensor, runs, wanted: list[int], wanted_states: list[int],
                  layers: list[int]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
@@ -190,8 +210,9 @@ class Engine:
     def feed_chain(
         self, tokens: Sequence[int], parent: int = ROOT, *, root_position: int = 0, logits: bool = True,
         owner: object = None,
-    ) -> tuple[list[int], torch.Tensor]:
-        """Feed one straight sequence under `parent`; logits of its last node if `logits`."""
+    ) -> FeedResult[list[int]]:
+        """Feed one straight sequence under `parent`; logits of its last node if `logits`
+        ([1, vocab], else [0, 0])."""
         return self.feed(
             tokens, chain_parents(len(tokens), parent), logits_for=[len(tokens) - 1] if logits and tokens else (),
             root_position=root_position, owners=[owner] * len(tokens),
@@ -200,17 +221,17 @@ class Engine:
     def feed_chains(
         self, chains: Sequence[Sequence[int]], parents: Sequence[int], *, root_position: int = 0,
         hidden_layers: Sequence[int] = (), embeds: torch.Tensor | None = None,
-    ) -> tuple[list[list[int]], torch.Tensor]:
+    ) -> FeedResult[list[list[int]]]:
         """Feed several sequences in one call, chain i under `parents[i]` (`hidden_layers` and
         `embeds`, the chains' input vectors in order: see `feed`).
 
-        Returns the node ids of each chain and the logits at each non-empty chain's last node
-        ([number of non-empty chains, vocab]), in chain order.
+        Returns the node ids of each chain, and the logits (and hidden states) at each non-empty
+        chain's last node ([number of non-empty chains, ...]), in chain order.
         """
         tokens, flat_parents, spans = chain_layout(chains, parents)
-        nodes, logits = self.feed(tokens, flat_parents, logits_for=[b - 1 for a, b in spans if b > a],
-                                  root_position=root_position, hidden_layers=hidden_layers, embeds=embeds)
-        return [nodes[a:b] for a, b in spans], logits
+        fed = self.feed(tokens, flat_parents, logits_for=[b - 1 for a, b in spans if b > a],
+                        root_position=root_position, hidden_layers=hidden_layers, embeds=embeds)
+        return replace(fed, nodes=[fed.nodes[a:b] for a, b in spans])
 
     # ------------------------------------------------------------------ planning the forwards
     def _long_chains_first(self, nodes: list[int], cached: int) -> tuple[list[tuple[int, int]], list[int]]:

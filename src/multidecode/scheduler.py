@@ -11,7 +11,8 @@ works admitted to it, and each `step`:
 2. keeps the optional nodes that pay for their rows, by the measured cost of a forward on this
    hardware (`cost.choose_draft_count`), when any work asks for that;
 3. runs everything in one `Engine.feed` (the only door to `model.forward`);
-4. hands each work its nodes' logits to **settle**: emit tokens, accept or reject drafts, pick
+4. hands each work its share of the feed's result (a `FeedResult` of its nodes, their logits and
+   the hidden states it asked for) to **settle**: emit tokens, accept or reject drafts, pick
    beams. Rejected nodes are taken back (`Engine.drop`) in one pass over the cache tail;
 5. compacts a work's dead slots when enough of the cache is dead, acting on that work's own
    nodes only (its **owner**), and retires finished works. A retired work's slots are freed
@@ -26,14 +27,13 @@ engine knows nothing about works.
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from .cost import choose_draft_count, cost_curve
-from .engine import Engine
+from .engine import Engine, FeedResult
 from .forest import ROOT, Forest, local_parent
 
 
@@ -48,9 +48,9 @@ class Feed:
     owners[i]: None for the work's own node; else the owner node i is kept under instead (a
         server's prefix cache keeps prompt nodes past the request that fed them).
     hidden_layers: the layers whose hidden states the work wants at its logits nodes (a learned
-        drafter reads them, see `Engine.feed`); they come to `Work.settle` as `hidden`.
-    hidden_everywhere: also those states at every node fed (a drafter that reads the whole
-        prompt), to `Work.settle` as `hidden_nodes`.
+        drafter reads them, see `Engine.feed`), in its share's `hidden` (see `Work.settle`).
+    hidden_everywhere: those states at every node fed instead (a drafter that reads the whole
+        prompt).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -107,13 +107,13 @@ class Work:
         """The nodes to feed this step (None or an empty feed: nothing this step)."""
         raise NotImplementedError
 
-    def settle(self, fed: Sequence[int], nodes: Sequence[int], logits: torch.Tensor,
-               hidden: torch.Tensor | None = None) -> Settled:
-        """After the forward: `fed[j]` is the index in this step's feed of the j-th node fed
-        (optional nodes may have been left out), `nodes[j]` its node id; `logits` holds one row
-        per fed node whose logits were asked for, in order. A work whose feed asked for
-        `hidden_layers` also gets `hidden=` [logits rows, len(hidden_layers), hidden size], and
-        with `hidden_everywhere` `hidden_nodes=` [len(fed), len(hidden_layers), hidden size]."""
+    def settle(self, fed: Sequence[int], result: FeedResult[list[int]]) -> Settled:
+        """After the forward, this work's share of what it computed: `fed[j]` is the index in this
+        step's feed of the j-th node fed (optional nodes may have been left out), `result.nodes[j]`
+        its node id; `result.logits` holds one row per fed node whose logits were asked for, in
+        order ([rows, vocab]). `result.hidden` holds the states of the feed's `hidden_layers`, in
+        its order, at those rows ([rows, len(hidden_layers), hidden size]), or with
+        `hidden_everywhere` at every node fed ([len(fed), ...]); None when it asked for none."""
         raise NotImplementedError
 
     def live(self) -> Sequence[int]:
@@ -266,6 +266,7 @@ class Scheduler:
         return kept
 
     def _feed(self, plans: list[tuple[Work, Feed]], kept: list[list[int]]) -> None:
+        """Run the step's one feed (each work's kept nodes, in work order) and settle every work."""
         tokens, parents, logits_for, owners = [], [], [], []
         spans = []
         root_positions = {f.root_position for _, f in plans}
@@ -283,34 +284,22 @@ class Scheduler:
                     logits_for.append(len(tokens) - 1)
             spans.append((start, len(tokens)))
         calls = self.engine.stats.forward_passes
+        states_at = [states_wanted(feed, span, logits_for) for (_, feed), span in zip(plans, spans)]
         layers = sorted({layer for _, f in plans for layer in f.hidden_layers})
-        # the nodes whose states are kept: the logits nodes, and every node of a work that reads them all
-        states_for = sorted({*logits_for, *(i for (_, f), (a, b) in zip(plans, spans)
-                                            if f.hidden_everywhere and f.hidden_layers for i in range(a, b))})
-        state_row = {i: r for r, i in enumerate(states_for)}
-        nodes, logits = self.engine.feed(tokens, parents, logits_for=logits_for,
-                                         root_position=root_positions.pop(), owners=owners, hidden_layers=layers,
-                                         hidden_for=states_for if layers else None)
+        result = self.engine.feed(tokens, parents, logits_for=logits_for, root_position=root_positions.pop(),
+                                  owners=owners, hidden_layers=layers, hidden_for=[i for at in states_at for i in at])
         calls = self.engine.stats.forward_passes - calls
         rejected: list[int] = []
-        row = 0
-        for (work, feed), chosen, (start, end) in zip(plans, kept, spans):
-            rows = sum(feed.logits[i] for i in chosen)
+        shares = shares_of(result, [feed for _, feed in plans], spans, logits_for, states_at, layers)
+        for (work, _), chosen, share in zip(plans, kept, shares):
             work.forward_passes += calls
-            hidden = {}
-            if feed.hidden_layers:  # [rows, the work's layers, hidden]
-                states = self.engine.hidden[:, [layers.index(k) for k in feed.hidden_layers]]
-                hidden["hidden"] = states[[state_row[i] for i in logits_for if start <= i < end]]
-                if feed.hidden_everywhere:
-                    hidden["hidden_nodes"] = states[[state_row[i] for i in range(start, end)]]
-            settled = work.settle(chosen, nodes[start:end], logits[row : row + rows], **hidden)
-            row += rows
+            settled = work.settle(chosen, share)
             rejected.extend(settled.rejected)
             self._steps[work.owner] = self._steps.get(work.owner, 0) + 1
             if settled.dead:
                 self._dirty.add(work.owner)
         if self.observer is not None:
-            self.observer(StepTrace(self.steps, list(nodes), list(rejected), self.engine.forest))
+            self.observer(StepTrace(self.steps, list(result.nodes), list(rejected), self.engine.forest))
         self.engine.drop(rejected)
         for work, _ in plans:
             self._compact_if_due(work)
@@ -322,6 +311,37 @@ class Scheduler:
         if self.engine.compact_if_due(list(work.live()), lambda dead, total: self.compaction.due(step, dead, total),
                                       owner=work.owner):
             self._dirty.discard(work.owner)
+
+
+def states_wanted(feed: Feed, span: tuple[int, int], logits_for: Sequence[int]) -> list[int]:
+    """The nodes of a step (indices into its whole feed) whose hidden states one work reads, its
+    nodes being `span` of it: none, its logits nodes, or with `hidden_everywhere` all it fed."""
+    if not feed.hidden_layers:
+        return []
+    if feed.hidden_everywhere:
+        return list(range(*span))
+    return within(logits_for, span)
+
+
+def within(indices: Sequence[int], span: tuple[int, int]) -> list[int]:
+    """The ascending `indices` that fall in `span` (start, end)."""
+    return list(indices[bisect_left(indices, span[0]) : bisect_left(indices, span[1])])
+
+
+def shares_of(result: FeedResult[list[int]], feeds: Sequence[Feed], spans: Sequence[tuple[int, int]],
+              logits_for: Sequence[int], states_at: Sequence[list[int]], layers: list[int]) -> list[FeedResult[list[int]]]:
+    """Each work's share of a step's result: its nodes (`spans`), its logits rows, and the hidden
+    states of its own `hidden_layers` (out of the step's `layers`) at its `states_at` nodes. The
+    works' nodes, logits rows and state rows each follow work order, so every share is a slice."""
+    shares, row, state_row = [], 0, 0
+    for feed, (start, end), at in zip(feeds, spans, states_at):
+        rows = len(within(logits_for, (start, end)))
+        hidden = None
+        if at:  # [len(at), the work's layers, hidden size]
+            hidden = result.hidden[state_row : state_row + len(at), [layers.index(k) for k in feed.hidden_layers]]
+        shares.append(FeedResult(result.nodes[start:end], result.logits[row : row + rows], hidden))
+        row, state_row = row + rows, state_row + len(at)
+    return shares
 
 
 def new_scheduler(model, *, engine: Engine | None = None, compaction: CompactionPolicy | None = None,

@@ -250,10 +250,6 @@ def build_speculation(speculate, dtype: torch.dtype, *, budget: int | None = Non
     raise inexact(spec.name, dtype)
 
 
-resolve = build_speculation
-"""The old name of `build_speculation`, kept only until `branches` calls it by its new name."""
-
-
 def inexact(name: str, dtype: torch.dtype) -> InvalidArgument:
     """The error for explicit speculation (`name`) in a dtype where it cannot be exact."""
     return InvalidArgument(

@@ -94,12 +94,12 @@ class Step:
         self.device = next(model.parameters()).device
         # one forest of R roots; each prompt prefilled apart (its own forward), then steps are planned as usual
         self.forest = Engine(model, capacity=r * p + r, apart=True)
-        self.roots_last = [self.forest.feed_chain(q, logits=False, owner=i)[0][-1] for i, q in enumerate(prompts)]
+        self.roots_last = [self.forest.feed_chain(q, logits=False, owner=i).nodes[-1] for i, q in enumerate(prompts)]
         self.forest.apart = None
         self.shared = Engine(model, capacity=p + r)
-        self.shared_last = self.shared.feed_chain(prompts[0], logits=False)[0][-1]
+        self.shared_last = self.shared.feed_chain(prompts[0], logits=False).nodes[-1]
         self.engines = [Engine(model, capacity=p + 1) for _ in prompts]
-        self.engines_last = [e.feed_chain(q, logits=False)[0][-1] for e, q in zip(self.engines, prompts)]
+        self.engines_last = [e.feed_chain(q, logits=False).nodes[-1] for e, q in zip(self.engines, prompts)]
         self.cache = DynamicCache(config=model.config)
         with torch.inference_mode():
             for i in range(len(self.engines[0].cache.layers)):
@@ -114,16 +114,16 @@ class Step:
         return getattr(self, variant)()  # each variant is the method of its name
 
     def forest_unrelated(self) -> torch.Tensor:
-        nodes, logits = self.forest.feed(self.tokens, self.roots_last, logits_for=range(len(self.tokens)),
-                                         owners=list(range(len(self.tokens))))
-        self.forest.drop(nodes)
-        return logits
+        result = self.forest.feed(self.tokens, self.roots_last, logits_for=range(len(self.tokens)),
+                                  owners=list(range(len(self.tokens))))
+        self.forest.drop(result.nodes)
+        return result.logits
 
     def forest_shared(self) -> torch.Tensor:
-        nodes, logits = self.shared.feed(self.tokens, [self.shared_last] * len(self.tokens),
-                                         logits_for=range(len(self.tokens)))
-        self.shared.drop(nodes)
-        return logits
+        result = self.shared.feed(self.tokens, [self.shared_last] * len(self.tokens),
+                                  logits_for=range(len(self.tokens)))
+        self.shared.drop(result.nodes)
+        return result.logits
 
     def separate(self) -> torch.Tensor:
         return torch.cat([_one(e, last, t) for e, last, t in zip(self.engines, self.engines_last, self.tokens)])
@@ -145,9 +145,9 @@ class Step:
 
 def _one(engine: Engine, last: int, token: int) -> torch.Tensor:
     """One token under `last`, taken back after: its logits [1, vocab]."""
-    nodes, logits = engine.feed([token], [last], logits_for=[0])
-    engine.drop(nodes)
-    return logits
+    result = engine.feed([token], [last], logits_for=[0])
+    engine.drop(result.nodes)
+    return result.logits
 
 
 def measure_cell(model, requests: int, prompt_tokens: int, *, steps: int, warmup: int, atol: float,

@@ -18,13 +18,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ..branches import TokenEvent, Waves
+from ..branches import TokenEvent
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_text
 from ..strategies import ask as ask_strategy
 from ..strategies import complete as complete_strategy
 from ..strategies import margins as margins_strategy
 from ..strategies.ask import check_document, check_questions
+from ..strategies.complete import Waves
 from .common import (
     check_early,
     decoding_options,

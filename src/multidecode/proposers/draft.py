@@ -190,12 +190,12 @@ class DraftModel(Proposer):
                 at = Feed.ref(feed.add(token, at, logits=False))
                 owners.append([b])
             feed.logits[-1] = True  # the head is always new to the draft
-        nodes, logits = self.engine.feed(feed.tokens, feed.parents,
-                                         logits_for=[i for i, wanted in enumerate(feed.logits) if wanted])
-        for node, branches in zip(nodes, owners):
+        result = self.engine.feed(feed.tokens, feed.parents,
+                                  logits_for=[i for i, wanted in enumerate(feed.logits) if wanted])
+        for node, branches in zip(result.nodes, owners):
             for b in branches:
                 states[b].path.append(node)
-        return logits
+        return result.logits
 
     def _feed_grown(self, states: Sequence[_Branch], grow: list[tuple[int, int, tuple[int, ...], float]]) -> torch.Tensor:
         """Feed the candidates chosen to grow (their parents are fed already); returns their logits."""
@@ -204,7 +204,7 @@ class DraftModel(Proposer):
             state = states[b]
             parents.append(state.grown[path[:-1]] if len(path) > 1 else state.path[-1])
             tokens.append(path[-1])
-        nodes, logits = self.engine.feed(tokens, parents, logits_for=range(len(tokens)))
-        for node, (b, _, path, _) in zip(nodes, grow):
+        result = self.engine.feed(tokens, parents, logits_for=range(len(tokens)))
+        for node, (b, _, path, _) in zip(result.nodes, grow):
             states[b].grown[path] = node
-        return logits
+        return result.logits

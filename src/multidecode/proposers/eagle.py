@@ -322,10 +322,10 @@ class Eagle(Proposer):
         if fed:
             with torch.inference_mode():
                 embeds = torch.cat([self.head.inputs(pairs[i][1], torch.tensor(chains[i])) for i in fed])
-                nodes, rows = self.engine.feed_chains([chains[i] for i in fed], [states[i].leaf for i in fed],
-                                                      hidden_layers=[-1], embeds=embeds)
+                result = self.engine.feed_chains([chains[i] for i in fed], [states[i].leaf for i in fed],
+                                                 hidden_layers=[-1], embeds=embeds)
             for k, i in enumerate(fed):
-                states[i].leaf, logits[i], hidden[i] = nodes[k][-1], rows[k], self.engine.hidden[k, 0]
+                states[i].leaf, logits[i], hidden[i] = result.nodes[k][-1], result.logits[k], result.hidden[k, 0]
         return torch.stack(logits), torch.stack(hidden)
 
     def _feed_trunk(self, pairs: list, states: Sequence[_Branch]) -> tuple:
@@ -346,22 +346,22 @@ class Eagle(Proposer):
             return None, None
         tokens = first[0][:length]
         with torch.inference_mode():
-            nodes, logits = self.engine.feed_chains([tokens], [ROOT], hidden_layers=[-1],
-                                                    embeds=self.head.inputs(first[1][:length], torch.tensor(tokens)))
+            result = self.engine.feed_chains([tokens], [ROOT], hidden_layers=[-1],
+                                             embeds=self.head.inputs(first[1][:length], torch.tensor(tokens)))
         for i in new:
-            states[i].leaf = nodes[0][-1]
+            states[i].leaf = result.nodes[0][-1]
             pairs[i] = (pairs[i][0][length:], pairs[i][1][length:])
-        return logits[0], self.engine.hidden[0, 0]
+        return result.logits[0], result.hidden[0, 0]
 
     def _feed_grown(self, grow) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """One head forward for every node worth growing: pair (its parent's predicted feature, its token)."""
         tokens = torch.tensor([g[4] for g in grow])
         features = torch.stack([g[5] for g in grow])
         with torch.inference_mode():
-            nodes, logits = self.engine.feed(tokens.tolist(), [g[2] for g in grow], logits_for=range(len(grow)),
-                                             hidden_layers=[-1], embeds=self.head.inputs(features, tokens, own=True))
-        self._grown.extend(nodes)
-        return logits, self.engine.hidden[:, 0], nodes
+            result = self.engine.feed(tokens.tolist(), [g[2] for g in grow], logits_for=range(len(grow)),
+                                      hidden_layers=[-1], embeds=self.head.inputs(features, tokens, own=True))
+        self._grown.extend(result.nodes)
+        return result.logits, result.hidden[:, 0], result.nodes
 
     def _children(self, context: BranchContext, state: _Branch, tree: DraftTree, parent: int,
                   logits: torch.Tensor, budget: int) -> list[tuple[int, int, float]]:

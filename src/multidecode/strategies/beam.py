@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from ..branches import check_fits, token_ids
-from ..engine import Engine, EngineStats
+from ..engine import Engine, EngineStats, FeedResult
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..forest import ROOT
 from ..scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work, new_scheduler
@@ -137,16 +137,16 @@ class BeamWork(Work):
                 feed.add(token, parent)
         return feed
 
-    def settle(self, fed, nodes, logits: torch.Tensor) -> Settled:
+    def settle(self, fed, result: FeedResult[list[int]]) -> Settled:
         if self.start is None:
-            self.start = nodes[-1]
+            self.start = result.nodes[-1]
             self.leaves = [self.start] * self.B
         else:
-            self.leaves = list(nodes)
+            self.leaves = list(result.nodes)
         B, K, P = self.B, self.K, self.P
         self.steps += 1
         # on the CPU, where the running scores live (a GPU's logits come over once per step)
-        log_probs = torch.log_softmax(logits.to("cpu", torch.float32), dim=-1)  # [1 or B, V]
+        log_probs = torch.log_softmax(result.logits.to("cpu", torch.float32), dim=-1)  # [1 or B, V]
         vocab = log_probs.shape[-1]
         log_probs = log_probs.expand(B, vocab) if log_probs.shape[0] == 1 else log_probs  # [B, V]
         # The K best (beam, token) pairs over all beams: scores [B] + log_probs [B, V], flattened.

@@ -10,17 +10,20 @@ fit, each completion still drawn with its own seed: the same completions, only l
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ..branches import BranchRun, TokenEvent, Waves, start_prompts, wave_size
+from ..branches import Branch, BranchRun, DecodeStats, TokenEvent, check_memory, memory_need, start_prompts
+from ..branches import start as start_branches
+from ..engine import Engine
 from ..errors import InvalidInput, check_positive
-from ..memory import budget_bytes
+from ..memory import budget_bytes, most_branches
 from ..prompts import has_chat_template, render_prompt, tokenize_prompt
-from ..sampling import per_branch_sampling
+from ..sampling import SamplingParams, per_branch_sampling
 from ..scheduler import Scheduler
-from ..speculation import build_speculation
+from ..speculation import Speculation, build_speculation
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,98 @@ def sampled_settings(n: int, sampling: dict) -> dict:
     return sampling
 
 
+# ---------------------------------------------------------------------- waves
+def wave_size(engine: Engine, prompt_length: int, n: int, max_new_tokens: int, draft: int,
+              budget: int | None = None) -> int:
+    """How many of n branches of one prompt fit in `budget` bytes at once (None: what the
+    machine has now; n when all of them do); refuses (`NotEnoughMemory`) when not even one does."""
+    budget = budget_bytes(engine.device) if budget is None else budget
+
+    def fits(width: int) -> bool:
+        return memory_need(engine, prompt_length, [0] * width, max_new_tokens, draft).total <= budget
+
+    if fits(n):
+        return n
+    size = most_branches(fits, n)
+    if not size:
+        check_memory(engine, prompt_length, [0], max_new_tokens, draft, budget)
+    return size
+
+
+class Waves:
+    """n branches of one prompt decoded at most `size` at a time, for when all of them at once
+    would not fit in memory (see `memory`). Each wave is a `BranchRun` on the same scheduler; the
+    prompt is fed once and kept for the later waves, which hang under it (its last token fed
+    again, for its logits). Branch i keeps its own sampling settings and seed, so its tokens are
+    the ones it gets in one forest; `events`, `branches` and `prompts` use global indices.
+    Waves start lazily, as `events` is iterated.
+
+    budget: the bytes every wave is checked against (default: what the machine has when the first
+    starts). One budget for all: the memory a wave frees stays with this process (its allocator
+    keeps it for the next wave), so the machine's free memory, measured again, would read lower
+    than what the next wave really has."""
+
+    def __init__(self, scheduler: Scheduler, prompt: Sequence[int], sampling: Sequence[SamplingParams], size: int,
+                 *, budget: int | None = None, **settings) -> None:
+        self.scheduler, self.prompt, self.sampling, self.size = scheduler, list(prompt), list(sampling), size
+        budget = budget_bytes(scheduler.engine.device) if budget is None else budget
+        self.settings = {**settings, "memory_budget": budget}
+        self.runs: list[tuple[int, BranchRun]] = []  # (index of its first branch, run), in order
+        self._keeper = object()  # owns the prompt's nodes, so no wave's compaction frees them
+        self._next(0)
+
+    def _next(self, offset: int) -> BranchRun:
+        sampling = self.sampling[offset : offset + self.size]
+        if not self.runs:
+            spec = self.settings.get("speculate")
+            # room for every wave: the prompt, its last token fed again, a wave's branches
+            self.scheduler.engine.reserve(len(self.prompt) + 1 + self.size * (
+                self.settings["max_new_tokens"] + (spec.size if isinstance(spec, Speculation) else 0)))
+            run = start_branches(self.scheduler, self.prompt, [[]] * len(sampling), sampling=sampling,
+                                 prompt_owner=self._keeper, **self.settings)
+        else:
+            self.scheduler.free_retired()  # the wave before's slots, before this one's need is counted
+            end = self.runs[0][1].group.prompt_ends[0]
+            run = start_branches(self.scheduler, self.prompt[-1:], [[]] * len(sampling), sampling=sampling,
+                                 under=self.scheduler.engine.forest.parents[end], cached=self.prompt[:-1],
+                                 **self.settings)
+        self.runs.append((offset, run))
+        return run
+
+    @property
+    def engine(self) -> Engine:
+        return self.scheduler.engine
+
+    @property
+    def branches(self) -> list[Branch]:
+        return [replace(b, index=offset + b.index) for offset, run in self.runs for b in run.branches]
+
+    @functools.cached_property
+    def prompts(self) -> list[list[int]]:
+        return [list(self.prompt) for _ in self.sampling]  # made once: n lists
+
+    @property
+    def stats(self) -> DecodeStats:
+        return DecodeStats.total([run.stats for _, run in self.runs])
+
+    @property
+    def events(self) -> Iterator[TokenEvent]:
+        offset, run = self.runs[0]
+        while True:
+            for event in run.events:
+                yield replace(event, branch=offset + event.branch)
+            offset += self.size
+            if offset >= len(self.sampling):
+                return
+            run = self._next(offset)
+
+    def finish(self) -> Waves:
+        for _ in self.events:
+            pass
+        return self
+
+
+# ---------------------------------------------------------------------- completions
 def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
           stop: Sequence[str] = (), chat: bool | None = None, sample: bool = True, speculate=None,
           eos_token_id=None, **sampling) -> BranchRun | Waves:

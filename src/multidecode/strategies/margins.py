@@ -16,6 +16,7 @@ Stages, each usable on its own:
 
 - `split_document` / `chunks_from_list`: the chunks and their character spans;
 - `margin_prompts`: the whole prompt ids of each chunk;
+- `prompt_logits`: the next-token logits after whole prompts, in one feed (`PromptLogits`);
 - `YesNoClassifier`: the default relevance classifier (replaceable by any callable);
 - `start` -> `MarginsRun`: stream the margins, then `judge()`, then stream the answer;
 - `margins`: all of it, returning a `Margins`.
@@ -30,11 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..branches import BranchRun, TokenEvent, prompt_logits, start_prompts
+from ..branches import BranchRun, TokenEvent, check_fits, prompt_feed, start_prompts, token_ids
+from ..engine import FeedResult
 from ..errors import InvalidArgument, InvalidInput, check_positive
-from ..prompts import check_text, render_prompt, tokenize_prompt
+from ..prompts import check_text, render_prompt, share_prefix, tokenize_prompt
 from ..sampling import per_branch_sampling
-from ..scheduler import Scheduler, new_scheduler
+from ..scheduler import Feed, Scheduler, Settled, Work, new_scheduler
 from ..stopping import stop_strings_of
 from .ask import check_document
 
@@ -301,6 +303,50 @@ def answer_prompt(tokenizer, question: str, notes: Sequence[str], *, template: s
     """The whole prompt ids of the final answer: the question and the relevant notes."""
     lines = "\n".join("- " + " ".join(n.split()) for n in notes) if notes else NO_NOTES
     return tokenize_prompt(tokenizer, render_prompt(tokenizer, template.format(notes=lines, question=question.strip())))
+
+
+# ---------------------------------------------------------------------- scoring prompts
+class PromptLogits(Work):
+    """Feeds whole prompts (their common prefix once) and keeps each one's next-token logits in
+    `values` ([prompts, vocab] float32); nothing is generated."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]]) -> None:
+        shared = share_prefix(prompts)
+        self.feed, self.ends = prompt_feed(shared.prefix_ids, shared.suffix_ids)
+        self.prefix_tokens = len(shared.prefix_ids)
+        self.values = torch.empty(0, 0)
+        self.done = False
+
+    def plan(self) -> Feed:
+        return self.feed
+
+    def settle(self, fed, result: FeedResult[list[int]]) -> Settled:
+        row_of = {i: r for r, i in enumerate(i for i in fed if self.feed.logits[i])}
+        self.values = result.logits[[row_of[end] for end in self.ends]]  # [prompts, vocab]
+        self.done = True
+        return Settled()
+
+    def live(self) -> list[int]:
+        return []
+
+
+def prompt_logits(scheduler: Scheduler, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, dict]:
+    """Next-token logits after each whole prompt ([len(prompts), vocab], float32), all from one
+    feed on `scheduler`, and what it cost (forwards, tokens fed, the shared prefix)."""
+    if not prompts:
+        raise InvalidInput("there are no prompts to score", "pass at least one prompt")
+    engine = scheduler.engine
+    prompts = [token_ids(p, engine.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
+    check_fits(engine, [len(p) for p in prompts], 1)
+    before = engine.stats.as_dict()
+    work = PromptLogits(prompts)
+    engine.reserve(engine.forest.num_slots + len(work.feed))
+    scheduler.admit(work)
+    scheduler.run(work)
+    after = engine.stats.as_dict()
+    stats = {"forward_passes": after["forward_passes"] - before["forward_passes"],
+             "tokens_fed": after["tokens_fed"] - before["tokens_fed"], "prefix_tokens": work.prefix_tokens}
+    return work.values, stats
 
 
 # ---------------------------------------------------------------------- relevance

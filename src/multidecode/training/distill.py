@@ -247,10 +247,10 @@ def read_features(model, answers: list[dict], folder: Path) -> Iterator[Progress
         path = folder / f"{n:05d}.pt"
         if not path.exists():
             tokens = record["prompt"] + record["answer"]
-            _, logits = engine.feed(tokens, chain_parents(len(tokens)), logits_for=range(len(tokens)),
-                                    hidden_layers=[-1])  # logits [n, vocab]
-            probs, ids = logits.softmax(-1).topk(TOP, -1)  # [n, TOP]
-            state = {"features": engine.hidden[:, 0].to(torch.float16).cpu(), "top_ids": ids.to(torch.int32).cpu(),
+            result = engine.feed(tokens, chain_parents(len(tokens)), logits_for=range(len(tokens)),
+                                 hidden_layers=[-1])  # logits [n, vocab], hidden [n, 1, hidden size]
+            probs, ids = result.logits.softmax(-1).topk(TOP, -1)  # [n, TOP]
+            state = {"features": result.hidden[:, 0].to(torch.float16).cpu(), "top_ids": ids.to(torch.int32).cpu(),
                      "top_probs": probs.to(torch.float16).cpu(), "prompt_length": len(record["prompt"]),
                      "tokens": torch.tensor(tokens, dtype=torch.int32)}
             engine.compact([])
