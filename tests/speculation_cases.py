@@ -10,7 +10,9 @@
   architecture on one xdist worker) and `tiny_references` (what `generate` gives, never stopping
   early: `NO_EOS` is an id no model produces).
 - Sampling: `SAMPLE_PREFIX`, temperature `T`, `tiny_softmax` (the tiny Llama's next-token
-  distribution at T) and `frequencies_pass` (a chi-square test of drawn tokens against it).
+  distribution at T), `frequencies_pass` (a chi-square test of drawn tokens against it),
+  `sampled_run` / `sample_three_tokens` (seeded samples of the tiny Llama with a drafter) and
+  `trusting_rule` (the control: a rule that trusts the draft, which these checks must catch).
 
 The token lists come from fixed seeds, so every module sees the same cases.
 """
@@ -28,7 +30,7 @@ from tiny_models import VOCAB, reference_generate, tiny_model
 
 from multidecode.api import start_forest
 from multidecode.cost import CostCurve
-from multidecode.sampling import SamplingParams
+from multidecode.sampling import SamplingParams, per_branch_sampling
 
 ARCHS = ["llama", "qwen2", "qwen2-hybrid", "mistral", "gemma3", "gpt2", "phi3", "gpt_neox"]
 NO_EOS = VOCAB
@@ -142,3 +144,33 @@ def tiny_softmax(tokens: list[int]) -> np.ndarray:
     with torch.inference_mode():
         logits = model(torch.tensor([tokens])).logits[0, -1].double()
     return torch.softmax(logits / T, -1).numpy()
+
+
+def sampled_run(draws: int, max_new_tokens: int, spec_of):
+    """`draws` seeded samples of `max_new_tokens` tokens from the tiny Llama after SAMPLE_PREFIX at
+    temperature T, drafted by `spec_of(model)`: the finished run (its outputs and its stats)."""
+    model = tiny_model("llama", "sdpa")
+    return start_forest(
+        model, SAMPLE_PREFIX, [[]] * draws, max_new_tokens=max_new_tokens, eos_token_id=[NO_EOS],
+        sampling=per_branch_sampling(draws, dict(do_sample=True, temperature=T, seed=0)),
+        speculate=spec_of(model)).finish()
+
+
+def sample_three_tokens(draws: int, spec_of) -> tuple[list[int], list[list[int]], object]:
+    """`sampled_run` of 3 tokens (learned heads draft from the second step on, after the first
+    forward gave them a hidden state): the second tokens of the samples whose first token is the
+    likeliest one, every sample's tokens, and the run's stats."""
+    run_ = sampled_run(draws, 3, spec_of)
+    out = outputs(run_)
+    first = int(tiny_softmax(SAMPLE_PREFIX).argmax())
+    seconds = [o[1] for o in out if o[0] == first]
+    return seconds, out, run_.stats
+
+
+def trusting_rule(p, q, candidates, generator) -> int:
+    """The control of the sampling tests, put in place of `verify.speculative_sample`: take the
+    draft's first candidate whenever the target gives it 5% or more (else draw from p). Its tokens
+    do not follow p, so a check that passes the real rule must fail this one."""
+    if p[candidates[0]] >= 0.05:
+        return int(candidates[0])
+    return int(torch.multinomial(p, 1, generator=generator))
