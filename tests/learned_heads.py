@@ -20,7 +20,8 @@ from multidecode.proposers.medusa import MedusaHeads
 def random_heads(model, heads: int = 3, *, draft_vocab: int | None = None, seed: int = 5) -> MedusaHeads:
     """Heads with random blocks (unrelated to the target), bound to `model`."""
     hidden, vocab = model.config.hidden_size, model.config.vocab_size
-    token_ids = None if draft_vocab is None else torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
+    token_ids = None if draft_vocab is None else \
+        torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
     module = MedusaHeads(hidden, vocab, heads, token_ids=token_ids, target=fingerprint(model))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
