@@ -6,9 +6,9 @@
   `HASH_BRANCHES`, `hash_expected` (the sequential rule's outputs) and `cut_at_stop` (texts as
   sequential decoding returns them with a stop string).
 - Tiny transformers cases: `PREFIX` (built from `BASE`, repeated), `BRANCHES`, `STEPS` (longer
-  than the sliding window), `combos()` (every architecture with eager and sdpa attention, each
-  architecture on one xdist worker) and `tiny_references` (what `generate` gives, never stopping
-  early: `NO_EOS` is an id no model produces).
+  than the sliding window) and `tiny_references` (what `generate` gives, never stopping early:
+  `NO_EOS`, from `tiny_models`, is an id no model produces). The (arch, attn) parameters are
+  `tiny_models.combos()`.
 - Sampling: `SAMPLE_PREFIX`, temperature `T`, `tiny_softmax` (the tiny Llama's next-token
   distribution at T), `frequencies_pass` (a chi-square test of drawn tokens against it),
   `sampled_run` / `sample_three_tokens` (seeded samples of the tiny Llama with a drafter) and
@@ -22,18 +22,15 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import pytest
 import torch
 from hash_lm import HashLM, LetterTokenizer, reference
 from scipy.stats import chisquare
-from tiny_models import VOCAB, reference_generate, tiny_model
+from tiny_models import NO_EOS, VOCAB, reference_generate, tiny_model
 
 from multidecode.api import start_forest
 from multidecode.cost import CostCurve
 from multidecode.sampling import SamplingParams, per_branch_sampling
 
-ARCHS = ["llama", "qwen2", "qwen2-hybrid", "mistral", "gemma3", "gpt2", "phi3", "gpt_neox"]
-NO_EOS = VOCAB
 FLAT = CostCurve.from_relative({1: 1.0, 2: 1.02, 64: 1.5, 512: 4.0})
 """A GPU-like cost curve: extra rows are nearly free, so "auto" drafts whatever has a chance."""
 
@@ -89,11 +86,6 @@ BASE = [_trng.randrange(3, VOCAB) for _ in range(5)]
 PREFIX = BASE * 2 + [_trng.randrange(3, VOCAB) for _ in range(3)]
 BRANCHES = [[], BASE[:3], [_trng.randrange(3, VOCAB) for _ in range(4)], [_trng.randrange(3, VOCAB) for _ in range(7)]]
 STEPS = 20  # longer than the sliding window (6) of mistral, gemma3 and qwen2-hybrid
-
-
-def combos():
-    return [pytest.param(arch, attn, id=f"{arch}-{attn}", marks=pytest.mark.xdist_group(arch))
-            for arch in ARCHS for attn in ("eager", "sdpa")]
 
 
 def check_exact_with_eos_and_compaction(model, full, spec_of) -> None:

@@ -21,7 +21,6 @@ from speculation_cases import (
     PREFIX,
     SAMPLE_PREFIX,
     STEPS,
-    combos,
     cut_at_stop,
     frequencies_pass,
     hash_expected,
@@ -32,7 +31,7 @@ from speculation_cases import (
     tiny_softmax,
     trusting_rule,
 )
-from tiny_models import tiny_model
+from tiny_models import combos, tiny_model
 
 import multidecode
 from multidecode.errors import InvalidArgument

@@ -18,14 +18,13 @@ from speculation_cases import (
     HASH_PREFIX,
     check_exact_with_eos_and_compaction,
     check_stops_and_eos_inside_drafts,
-    combos,
     hash_expected,
     outputs,
     run,
     sample_three_tokens,
     tiny_references,
 )
-from tiny_models import tiny_model
+from tiny_models import combos, tiny_model
 
 from multidecode.errors import InvalidArgument
 from multidecode.proposers.eagle import Eagle, EagleHead

@@ -25,7 +25,6 @@ from speculation_cases import (
     STEPS,
     check_exact_with_eos_and_compaction,
     check_stops_and_eos_inside_drafts,
-    combos,
     frequencies_pass,
     hash_expected,
     outputs,
@@ -35,7 +34,7 @@ from speculation_cases import (
     tiny_softmax,
     trusting_rule,
 )
-from tiny_models import tiny_model
+from tiny_models import combos, tiny_model
 
 import multidecode
 from multidecode.errors import InvalidArgument
