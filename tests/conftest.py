@@ -14,6 +14,8 @@ Fixtures:
 - `model_dir`: `model_dir_of(256)`, the folder most tests use. A module that needs another context
   length (a short one that long prompts overflow, a long one for long documents) overrides
   `model_dir` with `model_dir_of(n)` and says why.
+- `cache`: a model cache folder of the test's own (MULTIDECODE_CACHE points at it), for the tests
+  that load or convert GGUF files: the user's cache is never read or written.
 """
 
 from __future__ import annotations
@@ -66,3 +68,12 @@ def model_dir_of(tmp_path_factory):
 def model_dir(model_dir_of) -> Path:
     """The shared tiny model folder with 256 positions."""
     return model_dir_of(DEFAULT_POSITIONS)
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path) -> Path:
+    """`tmp_path / "cache"`, named by MULTIDECODE_CACHE for this test. It is not created: a load
+    creates it, as it would the user's, and the tests of a missing cache folder need it absent."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(folder))
+    return folder

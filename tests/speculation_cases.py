@@ -6,11 +6,13 @@
   `HASH_BRANCHES`, `hash_expected` (the sequential rule's outputs) and `cut_at_stop` (texts as
   sequential decoding returns them with a stop string).
 - Tiny transformers cases: `PREFIX` (built from `BASE`, repeated), `BRANCHES`, `STEPS` (longer
-  than the sliding window), `combos()` (every architecture with eager and sdpa attention, each
-  architecture on one xdist worker) and `tiny_references` (what `generate` gives, never stopping
-  early: `NO_EOS` is an id no model produces).
+  than the sliding window) and `tiny_references` (what `generate` gives, never stopping early:
+  `NO_EOS`, from `tiny_models`, is an id no model produces). The (arch, attn) parameters are
+  `tiny_models.combos()`.
 - Sampling: `SAMPLE_PREFIX`, temperature `T`, `tiny_softmax` (the tiny Llama's next-token
-  distribution at T) and `frequencies_pass` (a chi-square test of drawn tokens against it).
+  distribution at T), `frequencies_pass` (a chi-square test of drawn tokens against it),
+  `sampled_run` / `sample_three_tokens` (seeded samples of the tiny Llama with a drafter) and
+  `trusting_rule` (the control: a rule that trusts the draft, which these checks must catch).
 
 The token lists come from fixed seeds, so every module sees the same cases.
 """
@@ -20,18 +22,15 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import pytest
 import torch
 from hash_lm import HashLM, LetterTokenizer, reference
 from scipy.stats import chisquare
-from tiny_models import VOCAB, reference_generate, tiny_model
+from tiny_models import NO_EOS, VOCAB, reference_generate, tiny_model
 
 from multidecode.api import start_forest
 from multidecode.cost import CostCurve
-from multidecode.sampling import SamplingParams
+from multidecode.sampling import SamplingParams, per_branch_sampling
 
-ARCHS = ["llama", "qwen2", "qwen2-hybrid", "mistral", "gemma3", "gpt2", "phi3", "gpt_neox"]
-NO_EOS = VOCAB
 FLAT = CostCurve.from_relative({1: 1.0, 2: 1.02, 64: 1.5, 512: 4.0})
 """A GPU-like cost curve: extra rows are nearly free, so "auto" drafts whatever has a chance."""
 
@@ -89,11 +88,6 @@ BRANCHES = [[], BASE[:3], [_trng.randrange(3, VOCAB) for _ in range(4)], [_trng.
 STEPS = 20  # longer than the sliding window (6) of mistral, gemma3 and qwen2-hybrid
 
 
-def combos():
-    return [pytest.param(arch, attn, id=f"{arch}-{attn}", marks=pytest.mark.xdist_group(arch))
-            for arch in ARCHS for attn in ("eager", "sdpa")]
-
-
 def check_exact_with_eos_and_compaction(model, full, spec_of) -> None:
     """A run of `model` with `spec_of()` (a fresh `Speculation`) gives `full` (what `generate` gives,
     never stopping early) and drafts; with eos ids picked inside the run and finished branches
@@ -142,3 +136,33 @@ def tiny_softmax(tokens: list[int]) -> np.ndarray:
     with torch.inference_mode():
         logits = model(torch.tensor([tokens])).logits[0, -1].double()
     return torch.softmax(logits / T, -1).numpy()
+
+
+def sampled_run(draws: int, max_new_tokens: int, spec_of):
+    """`draws` seeded samples of `max_new_tokens` tokens from the tiny Llama after SAMPLE_PREFIX at
+    temperature T, drafted by `spec_of(model)`: the finished run (its outputs and its stats)."""
+    model = tiny_model("llama", "sdpa")
+    return start_forest(
+        model, SAMPLE_PREFIX, [[]] * draws, max_new_tokens=max_new_tokens, eos_token_id=[NO_EOS],
+        sampling=per_branch_sampling(draws, dict(do_sample=True, temperature=T, seed=0)),
+        speculate=spec_of(model)).finish()
+
+
+def sample_three_tokens(draws: int, spec_of) -> tuple[list[int], list[list[int]], object]:
+    """`sampled_run` of 3 tokens (learned heads draft from the second step on, after the first
+    forward gave them a hidden state): the second tokens of the samples whose first token is the
+    likeliest one, every sample's tokens, and the run's stats."""
+    run_ = sampled_run(draws, 3, spec_of)
+    out = outputs(run_)
+    first = int(tiny_softmax(SAMPLE_PREFIX).argmax())
+    seconds = [o[1] for o in out if o[0] == first]
+    return seconds, out, run_.stats
+
+
+def trusting_rule(p, q, candidates, generator) -> int:
+    """The control of the sampling tests, put in place of `verify.speculative_sample`: take the
+    draft's first candidate whenever the target gives it 5% or more (else draw from p). Its tokens
+    do not follow p, so a check that passes the real rule must fail this one."""
+    if p[candidates[0]] >= 0.05:
+        return int(candidates[0])
+    return int(torch.multinomial(p, 1, generator=generator))

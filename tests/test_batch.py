@@ -577,6 +577,16 @@ def wait_for_lines(process: subprocess.Popen, out: Path, at_least: int, timeout:
     pytest.fail("the run wrote too few lines in time")
 
 
+def interrupt(source: Path, out: Path, model_dir: Path, *, after_lines: int, sig: int) -> tuple[subprocess.Popen, str]:
+    """Start a batch run, send it `sig` once `after_lines` lines are written, and wait for it to
+    end: the run and what it wrote to stderr, for the resume tests to check what was kept."""
+    process = start(source, out, model_dir)
+    wait_for_lines(process, out, at_least=after_lines)
+    process.send_signal(sig)
+    _stdout, stderr = process.communicate(timeout=30)
+    return process, stderr
+
+
 @pytest.fixture()
 def job(model_dir, tmp_path):
     """60 documents and the records of an uninterrupted run over them."""
@@ -591,10 +601,7 @@ def job(model_dir, tmp_path):
 def test_a_run_killed_part_way_resumes_without_losing_or_repeating_a_line(model_dir, tmp_path, job):
     source, reference = job
     out = tmp_path / "out.jsonl"
-    process = start(source, out, model_dir)
-    wait_for_lines(process, out, at_least=3)
-    process.send_signal(signal.SIGKILL)
-    process.communicate(timeout=30)
+    process, _stderr = interrupt(source, out, model_dir, after_lines=3, sig=signal.SIGKILL)
     assert process.returncode == -signal.SIGKILL
     kept = by_id([json.loads(line) for line in out.read_text().splitlines(keepends=True) if line.endswith("\n")])
     assert 3 <= len(kept) < 60, len(kept)
@@ -611,10 +618,7 @@ def test_a_run_killed_part_way_resumes_without_losing_or_repeating_a_line(model_
 def test_ctrl_c_finishes_the_current_document_exits_130_and_resumes(model_dir, tmp_path, job):
     source, reference = job
     out = tmp_path / "out.jsonl"
-    process = start(source, out, model_dir)
-    wait_for_lines(process, out, at_least=2)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=30)
+    process, stderr = interrupt(source, out, model_dir, after_lines=2, sig=signal.SIGINT)
     assert process.returncode == 130, stderr
     assert "stopping after the documents in progress" in stderr and "Traceback" not in stderr
     assert "run the same command again to resume: multidecode batch" in stderr

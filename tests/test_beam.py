@@ -23,7 +23,7 @@ import pytest
 import torch
 from byte_tokenizer import ByteTokenizer
 from click.testing import CliRunner
-from tiny_models import VOCAB, reference_generate, tiny_model
+from tiny_models import ARCHS, NO_EOS, VOCAB, reference_generate, tiny_model
 
 import multidecode
 import multidecode.engine
@@ -34,8 +34,6 @@ from multidecode.masks import build_attention_mask
 from multidecode.strategies import beam as beam_module
 from multidecode.strategies.beam import run_beam_search
 
-ARCHS = ["llama", "qwen2", "qwen2-hybrid", "mistral", "gemma3", "gpt2", "phi3", "gpt_neox"]
-NO_EOS = VOCAB  # an id no tiny model can produce
 STEPS = 14  # past the sliding window (6) of mistral, gemma3 and qwen2-hybrid
 
 

@@ -129,8 +129,7 @@ def test_bench_speculate_command_writes_its_three_files(tmp_path):
 def test_the_learned_heads_of_the_model_join_the_benchmark(tmp_path, monkeypatch):
     """With a Medusa and an EAGLE head trained for the model in the user cache, each is measured,
     auto drafts with them and is compared with auto without them, and all equal plain greedy."""
-    from test_eagle import random_head
-    from test_medusa import random_heads
+    from learned_heads import random_head, random_heads
 
     from multidecode.proposers.heads import head_dir
 

@@ -21,17 +21,17 @@ from speculation_cases import (
     PREFIX,
     SAMPLE_PREFIX,
     STEPS,
-    T,
-    combos,
     cut_at_stop,
     frequencies_pass,
     hash_expected,
     outputs,
     run,
+    sampled_run,
     tiny_references,
     tiny_softmax,
+    trusting_rule,
 )
-from tiny_models import tiny_model
+from tiny_models import combos, tiny_model
 
 import multidecode
 from multidecode.errors import InvalidArgument
@@ -113,20 +113,11 @@ def _perturbed(model, scale: float):
 
 
 def _two_tokens(draws: int, first: int, spec) -> tuple[list[int], list[int], object]:
-    model = tiny_model("llama", "sdpa")
-    run_ = multidecode.api.start_forest(
-        model, SAMPLE_PREFIX, [[]] * draws, max_new_tokens=2, eos_token_id=[NO_EOS],
-        sampling=multidecode.sampling.per_branch_sampling(draws, dict(do_sample=True, temperature=T, seed=0)),
-        speculate=spec).finish()
+    """`draws` seeded 2-token samples drafted by `spec`: the first tokens, the second token of every
+    sample whose first token was `first`, and the run's stats."""
+    run_ = sampled_run(draws, 2, lambda _model: spec)
     out = outputs(run_)
     return [o[0] for o in out], [o[1] for o in out if o[0] == first], run_.stats
-
-
-def _trusting(p, q, candidates, generator):
-    """The control: take the first candidate whenever the target gives it 5% or more."""
-    if p[candidates[0]] >= 0.05:
-        return int(candidates[0])
-    return int(torch.multinomial(p, 1, generator=generator))
 
 
 @pytest.mark.slow
@@ -150,7 +141,7 @@ def test_sampled_draft_speculation_follows_the_softmax_and_a_trusting_rule_fails
     assert frequencies_pass(firsts, first_probs)
     assert len(seconds) > 200 and frequencies_pass(seconds, second_probs)
 
-    monkeypatch.setattr("multidecode.verify.speculative_sample", _trusting)
+    monkeypatch.setattr("multidecode.verify.speculative_sample", trusting_rule)
     firsts, _, _ = _two_tokens(3000, first, spec())
     assert not frequencies_pass(firsts, first_probs)
 

@@ -12,33 +12,23 @@ import pytest
 import torch
 from hash_lm import VOCAB as HASH_VOCAB
 from hash_lm import HashLM, feature, logits_of
+from learned_heads import random_head
 from speculation_cases import (
     HASH_BRANCHES,
     HASH_PREFIX,
     check_exact_with_eos_and_compaction,
     check_stops_and_eos_inside_drafts,
-    combos,
     hash_expected,
     outputs,
     run,
+    sample_three_tokens,
     tiny_references,
 )
-from test_medusa import _tokens_two_and_three
-from tiny_models import tiny_model
+from tiny_models import combos, tiny_model
 
 from multidecode.errors import InvalidArgument
-from multidecode.proposers.eagle import Eagle, EagleHead, head_config
-from multidecode.proposers.heads import fingerprint
+from multidecode.proposers.eagle import Eagle, EagleHead
 from multidecode.speculation import Speculation
-
-
-def random_head(model, *, draft_vocab: int | None = None, seed: int = 3) -> EagleHead:
-    """A head with random weights (unrelated to the target), bound to `model`."""
-    vocab = model.config.vocab_size
-    ids = torch.arange(vocab) if draft_vocab is None else \
-        torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
-    torch.manual_seed(seed)
-    return EagleHead(head_config(model, len(ids)), ids, vocab, target=fingerprint(model)).bind(model)
 
 
 class _OracleModel(torch.nn.Module):
@@ -131,11 +121,11 @@ def test_sampled_eagle_speculation_follows_the_softmax_and_a_trusting_rule_fails
     def spec_of(model):
         return Speculation(Eagle(random_head(model, seed=4), width=3, confidence=0.0, max_depth=1), budget=3)
 
-    seconds, _, stats = _tokens_two_and_three(3000, spec_of)
+    seconds, _, stats = sample_three_tokens(3000, spec_of)
     assert stats.accepted > 100
     assert len(seconds) > 200 and frequencies_pass(seconds, probs)
     monkeypatch.setattr("multidecode.verify.speculative_sample", _trusting)
-    seconds, _, _ = _tokens_two_and_three(3000, spec_of)
+    seconds, _, _ = sample_three_tokens(3000, spec_of)
     assert not frequencies_pass(seconds, probs)
 
 

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from learned_heads import random_heads
 from speculation_cases import (
     BRANCHES,
     NO_EOS,
@@ -25,7 +26,6 @@ from speculation_cases import (
     run,
     tiny_references,
 )
-from test_medusa import random_heads
 from tiny_models import VOCAB, tiny_model
 
 from multidecode.engine import Engine

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 from eos_cases import pick_eos, truncate
-from tiny_models import ATTENTION, MAIN_ARCHITECTURES, VOCAB, reference_generate, tiny_model
+from tiny_models import ATTENTION, MAIN_ARCHITECTURES, NO_EOS, VOCAB, reference_generate, tiny_model
 
 import multidecode
 import multidecode.engine
@@ -27,7 +27,6 @@ from multidecode.scheduler import Feed
 
 ARCHS = [*MAIN_ARCHITECTURES, "qwen2-hybrid"]
 WINDOW = 6  # the tiny sliding-window models' window
-NO_EOS = VOCAB  # an id no model can produce: nothing stops before max_new_tokens
 STEPS = 14
 
 _rng = random.Random(2024)

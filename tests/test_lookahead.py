@@ -28,13 +28,12 @@ from speculation_cases import (
     NO_EOS,
     PREFIX,
     STEPS,
-    combos,
     cut_at_stop,
     outputs,
     run,
     tiny_references,
 )
-from tiny_models import tiny_model
+from tiny_models import combos, tiny_model
 
 from multidecode.cost import CostCurve
 from multidecode.proposers import UNDER_LEAF, BranchContext, DraftTree

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hash_lm import VOCAB as HASH_VOCAB
 from hash_lm import HashLM, feature, logits_of
+from learned_heads import random_heads
 from speculation_cases import (
     BRANCHES,
     HASH_BRANCHES,
@@ -22,36 +23,24 @@ from speculation_cases import (
     PREFIX,
     SAMPLE_PREFIX,
     STEPS,
-    T,
     check_exact_with_eos_and_compaction,
     check_stops_and_eos_inside_drafts,
-    combos,
     frequencies_pass,
     hash_expected,
     outputs,
     run,
+    sample_three_tokens,
     tiny_references,
     tiny_softmax,
+    trusting_rule,
 )
-from tiny_models import tiny_model
+from tiny_models import combos, tiny_model
 
 import multidecode
 from multidecode.errors import InvalidArgument
 from multidecode.proposers.heads import fingerprint
 from multidecode.proposers.medusa import Medusa, MedusaHeads
 from multidecode.speculation import Speculation, SpeculationSettings, load_heads
-
-
-def random_heads(model, heads: int = 3, *, draft_vocab: int | None = None, seed: int = 5) -> MedusaHeads:
-    """Heads with random blocks (unrelated to the target), bound to `model`."""
-    hidden, vocab = model.config.hidden_size, model.config.vocab_size
-    token_ids = None if draft_vocab is None else torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
-    module = MedusaHeads(hidden, vocab, heads, token_ids=token_ids, target=fingerprint(model))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.blocks.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
-    return module.bind(model)
 
 
 class HashOracle(torch.nn.Module):
@@ -115,39 +104,23 @@ def _perturbed_heads(model) -> MedusaHeads:
     return heads
 
 
-def _tokens_two_and_three(draws: int, spec_of) -> tuple[list[int], list[int], object]:
-    """Seeded samples of 3 tokens after SAMPLE_PREFIX (Medusa drafts from the second step on):
-    the second tokens, the third tokens after the likeliest first two, and the run's stats."""
-    model = tiny_model("llama", "sdpa")
-    run_ = multidecode.api.start_forest(
-        model, SAMPLE_PREFIX, [[]] * draws, max_new_tokens=3, eos_token_id=[NO_EOS],
-        sampling=multidecode.sampling.per_branch_sampling(draws, dict(do_sample=True, temperature=T, seed=0)),
-        speculate=spec_of(model)).finish()
-    out = outputs(run_)
-    first = int(tiny_softmax(SAMPLE_PREFIX).argmax())
-    seconds = [o[1] for o in out if o[0] == first]
-    return seconds, out, run_.stats
-
-
 @pytest.mark.slow
 @pytest.mark.xdist_group("sampling")
 def test_sampled_medusa_speculation_follows_the_softmax_and_a_trusting_rule_fails(monkeypatch):
     """3000 seeded samples with Medusa heads drafting three candidates drawn from their softmax:
     the second tokens after the likeliest first one follow softmax(logits / T). Control: a rule that
     takes the first candidate where p gives it 5% fails."""
-    from test_draft_model import _trusting
-
     first = int(tiny_softmax(SAMPLE_PREFIX).argmax())
     probs = tiny_softmax(SAMPLE_PREFIX + [first])
 
     def spec_of(model):
         return Speculation(Medusa(_perturbed_heads(model), width=3, min_chance=0.0), budget=3)
 
-    seconds, _, stats = _tokens_two_and_three(3000, spec_of)
+    seconds, _, stats = sample_three_tokens(3000, spec_of)
     assert stats.accepted > 300 and stats.accepted < stats.drafted / 2
     assert len(seconds) > 200 and frequencies_pass(seconds, probs)
-    monkeypatch.setattr("multidecode.verify.speculative_sample", _trusting)
-    seconds, _, _ = _tokens_two_and_three(3000, spec_of)
+    monkeypatch.setattr("multidecode.verify.speculative_sample", trusting_rule)
+    seconds, _, _ = sample_three_tokens(3000, spec_of)
     assert not frequencies_pass(seconds, probs)
 
 

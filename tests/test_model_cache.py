@@ -24,13 +24,6 @@ from multidecode.models import converted, loading
 
 
 @pytest.fixture
-def cache(monkeypatch, tmp_path):
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("MULTIDECODE_CACHE", str(folder))
-    return folder
-
-
-@pytest.fixture
 def tiny_gguf(tmp_path):
     return write_tiny_gguf(tmp_path / "tiny.gguf")
 

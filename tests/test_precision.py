@@ -28,12 +28,6 @@ from multidecode.models.packed import PackedEmbedding, PackedLinear, check_layou
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-@pytest.fixture
-def cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 # ---------------------------------------------------------------------- choosing a precision
 @pytest.mark.parametrize("given, name", [(None, "auto"), ("AUTO", "auto"), ("bf16", "bfloat16"), ("fp32", "float32"),
                                          ("q4", "int4"), ("int8", "int8"), (torch.bfloat16, "bfloat16")])

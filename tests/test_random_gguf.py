@@ -24,12 +24,6 @@ TINY = SHAPES["tiny"]
 
 
 @pytest.fixture
-def cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-@pytest.fixture
 def tiny(tmp_path):
     """The "tiny" shape at Q4_0, seed 0, and what `write_random_gguf` returned."""
     written = write_random_gguf(tmp_path / "tiny.gguf", shape="tiny")

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 import transformers as tf
-from tiny_models import ARCHITECTURES, COMMON, VOCAB, reference_generate, tiny_model
+from tiny_models import ARCHITECTURES, ARCHS, COMMON, NO_EOS, VOCAB, combos, reference_generate, tiny_model
 
 import multidecode
 from multidecode import InvalidArgument, UnsupportedModel
@@ -24,8 +24,6 @@ from multidecode.proposers.self_draft import (
     self_draft,
 )
 
-ARCHS = ["llama", "qwen2", "qwen2-hybrid", "mistral", "gemma3", "gpt2", "phi3", "gpt_neox"]
-NO_EOS = VOCAB  # an id no model can produce
 STEPS = 14  # past the sliding window (6) of the tiny sliding models
 
 _rng = random.Random(7)
@@ -33,11 +31,6 @@ IDS = torch.tensor([[_rng.randrange(3, VOCAB) for _ in range(24)]])  # [1, 24]
 PREFIX = [_rng.randrange(3, VOCAB) for _ in range(8)]
 BRANCHES = [[], [_rng.randrange(3, VOCAB)], [_rng.randrange(3, VOCAB) for _ in range(5)]]
 SAMPLE = [[_rng.randrange(3, VOCAB) for _ in range(40)], [_rng.randrange(3, VOCAB) for _ in range(25)]]
-
-
-def combos(attns=("eager", "sdpa")):
-    return [pytest.param(arch, attn, id=f"{arch}-{attn}", marks=pytest.mark.xdist_group(arch))
-            for arch in ARCHS for attn in attns]
 
 
 def skip_sets(model) -> list[list[int]]:

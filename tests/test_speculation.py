@@ -28,7 +28,6 @@ from speculation_cases import (
     SAMPLE_PREFIX,
     STEPS,
     T,
-    combos,
     cut_at_stop,
     frequencies_pass,
     hash_expected,
@@ -37,7 +36,7 @@ from speculation_cases import (
     tiny_references,
     tiny_softmax,
 )
-from tiny_models import VOCAB, reference_generate, tiny_model
+from tiny_models import VOCAB, combos, reference_generate, tiny_model
 
 import multidecode
 from multidecode import verify

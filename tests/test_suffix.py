@@ -27,14 +27,13 @@ from speculation_cases import (
     NO_EOS,
     PREFIX,
     STEPS,
-    combos,
     cut_at_stop,
     hash_expected,
     outputs,
     run,
     tiny_references,
 )
-from tiny_models import tiny_model
+from tiny_models import combos, tiny_model
 
 from multidecode.proposers import UNDER_LEAF, BranchContext, DraftTree
 from multidecode.proposers.suffix import ROOT, SuffixProposer, SuffixStore, shared_store

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from speculation_cases import trusting_rule
 
 from multidecode.verify import speculative_sample
 
@@ -26,13 +27,6 @@ def _frequencies(rule, p, q, k, n=20000, seed=0) -> np.ndarray:
     return counts
 
 
-def _trusting(p, q, candidates, g):
-    """The control: take the first candidate whenever the target gives it 5% or more."""
-    if p[candidates[0]] >= 0.05:
-        return candidates[0]
-    return int(torch.multinomial(p, 1, generator=g))
-
-
 P = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04])
 Q = torch.tensor([0.05, 0.1, 0.15, 0.2, 0.25, 0.25])
 
@@ -44,7 +38,7 @@ def test_recursive_rejection_sampling_emits_p(k):
 
 
 def test_a_rule_that_trusts_the_draft_fails_the_same_check():
-    counts = _frequencies(_trusting, P, Q, 2)
+    counts = _frequencies(trusting_rule, P, Q, 2)
     assert chisquare(counts, P.numpy() * counts.sum()).pvalue < 1e-6
 
 

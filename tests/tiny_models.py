@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 import transformers as tf
 
@@ -48,10 +49,22 @@ ARCHITECTURES = {
 }
 """Name -> () -> (config, model class)."""
 
+ARCHS = list(ARCHITECTURES)
+"""Every tiny architecture, in one fixed order (the test ids follow it)."""
+NO_EOS = VOCAB
+"""An id no tiny model can produce (one past the vocabulary): given as eos, nothing stops early."""
+
 MAIN_ARCHITECTURES = ["llama", "qwen2", "mistral", "gemma3", "gpt2", "phi3", "gpt_neox"]
 ATTENTION = ["eager", "sdpa", "multidecode_sdpa"]
 """multidecode_sdpa is our grouped-query sdpa kernel (`multidecode.attention`); generate() on a
 single unpadded sequence passes no mask, so references still run transformers' own sdpa."""
+
+
+def combos(attns=("eager", "sdpa")):
+    """(arch, attn) test parameters: every architecture with each of `attns`, each architecture
+    kept on one xdist worker so that its model and references are built once."""
+    return [pytest.param(arch, attn, id=f"{arch}-{attn}", marks=pytest.mark.xdist_group(arch))
+            for arch in ARCHS for attn in attns]
 
 
 @functools.cache
