@@ -19,7 +19,7 @@ from tiny_models import ARCHITECTURES, EOS, MAIN_ARCHITECTURES
 
 from multidecode import MultiDecoder
 from multidecode.batch import BatchSettings, merged, open_batch, parse_line
-from multidecode.batch.merged import ForestAnswerer, Outcome, answer_merged
+from multidecode.batch.merged import ForestAnswerer, LineOutcome, answer_merged
 
 WORDS = ["router", "cable", "ticket", "fiber", "modem", "signal", "storm", "light"]
 
@@ -134,7 +134,7 @@ class FakeAnswerer:
     def prepare(self, item):
         self.prepared.append(item.line)
         if item.error is not None:
-            return Outcome(item, error=item.error)
+            return LineOutcome(item, error=item.error)
         return SimpleNamespace(item=item, tokens=self.tokens[item.line], branches=1, bytes=0)
 
     def submit(self, ticket) -> Future:
@@ -145,7 +145,7 @@ class FakeAnswerer:
 
     def finish_oldest(self) -> None:
         line = next(iter(self.in_flight))
-        self.in_flight.pop(line).set_result(Outcome(parse_line(b'{"document": "d", "questions": ["q"]}', line)))
+        self.in_flight.pop(line).set_result(LineOutcome(parse_line(b'{"document": "d", "questions": ["q"]}', line)))
 
 
 def drive(monkeypatch, tokens: dict[int, int], budget: int, *, bad=(), stop_after: int | None = None,

@@ -4,7 +4,7 @@ A batch job's lines are independent, so nothing forces one document at a time. `
 hands each line (its question prompts, one branch per question) to a `ForestRuntime` engine
 thread: one scheduler, one KV cache, jobs admitted and retired between steps. `answer_merged`
 keeps that forest full: it submits the next line as soon as there is room, and yields each line's
-`Outcome` as the line finishes, which may be out of input order.
+`LineOutcome` as the line finishes, which may be out of input order.
 
 Terms: a line is *in flight* from its submission until its outcome. It *reserves* cache tokens:
 its document once, each question's own tokens, and questions x max_new_tokens. The *forest
@@ -43,9 +43,10 @@ template); documents differ, so a larger cache would only add attention to every
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """A finished line: its answers, or the error that stopped it. elapsed_s runs from its
-    submission to its end (in a merged forest that includes the steps it shared)."""
+class LineOutcome:
+    """How a batch line ended, before it is recorded: its answers, or the error that stopped it
+    (`BatchJob.record` turns it into the line's record). elapsed_s runs from its submission to its
+    end (in a merged forest that includes the steps it shared)."""
 
     item: InputLine
     answers: tuple[Answer, ...] = ()
@@ -84,26 +85,26 @@ class ForestAnswerer:
         self.runtime = ForestRuntime(decoder.model, decoder.tokenizer, limits=limits, compaction=decoder.compaction,
                                    cost=decoder.cost).start()
 
-    def prepare(self, item: InputLine) -> Ticket | Outcome:
-        """Tokenize a line's prompts; a line that cannot run comes back as its failed `Outcome`."""
+    def prepare(self, item: InputLine) -> Ticket | LineOutcome:
+        """Tokenize a line's prompts; a line that cannot run comes back as its failed `LineOutcome`."""
         if item.error is not None:
-            return Outcome(item, error=item.error)
+            return LineOutcome(item, error=item.error)
         settings = self.settings
         try:
             prompts = question_prompts(self.decoder.tokenizer, item.document, item.questions,
                                        instruction=settings.instruction)
             sampling = per_branch_sampling(len(prompts), dict(settings.sampling))
         except Exception as error:  # noqa: BLE001 - recorded as the line's failure
-            return Outcome(item, error=error)
+            return LineOutcome(item, error=error)
         job = Job(prompts=prompts, max_new_tokens=settings.max_new_tokens, sampling=sampling, stop=settings.stop,
                   speculate=self.decoder.speculation(self.speculate))
         shared = share_prefix(prompts)  # the document is stored once, not once per question
         tokens = len(shared.prefix_ids) + sum(map(len, shared.suffix_ids)) + len(prompts) * settings.max_new_tokens
         return Ticket(item, job, tokens, prompts, self.runtime.job_bytes(job))
 
-    def submit(self, ticket: Ticket) -> Future[Outcome]:
-        """Queue a prepared line; the future's result is its `Outcome` (never an exception)."""
-        future: Future[Outcome] = Future()
+    def submit(self, ticket: Ticket) -> Future[LineOutcome]:
+        """Queue a prepared line; the future's result is its `LineOutcome` (never an exception)."""
+        future: Future[LineOutcome] = Future()
         started = time.perf_counter()
         item, questions = ticket.item, ticket.item.questions
 
@@ -111,21 +112,21 @@ class ForestAnswerer:
             kind, value = message
             if kind == "done":
                 answers = answers_of(questions, ticket.job.work.branches, ticket.prompts, value.stats)
-                future.set_result(Outcome(item, tuple(answers), elapsed_s=time.perf_counter() - started))
+                future.set_result(LineOutcome(item, tuple(answers), elapsed_s=time.perf_counter() - started))
             elif kind == "error":
-                future.set_result(Outcome(item, error=value, elapsed_s=time.perf_counter() - started))
+                future.set_result(LineOutcome(item, error=value, elapsed_s=time.perf_counter() - started))
 
         ticket.job.sink = sink
         try:
             self.runtime.submit(ticket.job)
         except TooLarge as error:  # more than the machine has, even alone: the line's failure
-            future.set_result(Outcome(item, error=error, elapsed_s=time.perf_counter() - started))
+            future.set_result(LineOutcome(item, error=error, elapsed_s=time.perf_counter() - started))
         return future
 
-    def answer(self, item: InputLine) -> Outcome:
+    def answer(self, item: InputLine) -> LineOutcome:
         """One line, blocking until it is done (other threads' lines share its forwards)."""
         ticket = self.prepare(item)
-        return ticket if isinstance(ticket, Outcome) else self.submit(ticket).result()
+        return ticket if isinstance(ticket, LineOutcome) else self.submit(ticket).result()
 
     def close(self) -> None:
         self.runtime.stop()
@@ -139,8 +140,8 @@ class ForestAnswerer:
 
 def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, forest_tokens: int = FOREST_TOKENS,
                   forest_branches: int = FOREST_BRANCHES,
-                  stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
-    """Each line's `Outcome`, as lines finish, keeping up to `forest_tokens` reserved,
+                  stopping: Callable[[], bool] = lambda: False) -> Iterator[LineOutcome]:
+    """Each line's `LineOutcome`, as lines finish, keeping up to `forest_tokens` reserved,
     `forest_branches` questions and the bytes the runtime may use (`memory`) in flight.
 
     Lines are taken from `items` only when there is room, so a generator may read them lazily.
@@ -148,7 +149,7 @@ def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, fores
     forest_tokens=0 runs one line at a time.
     """
     items = iter(items)
-    in_flight: dict[Future[Outcome], Ticket] = {}
+    in_flight: dict[Future[LineOutcome], Ticket] = {}
     waiting: Ticket | None = None  # prepared, but over the budget until something finishes
     exhausted = False
     while True:
@@ -159,7 +160,7 @@ def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, fores
                     exhausted = True
                     break
                 prepared = answerer.prepare(item)
-                if isinstance(prepared, Outcome):
+                if isinstance(prepared, LineOutcome):
                     yield prepared
                     continue
                 waiting = prepared
@@ -178,4 +179,4 @@ def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, fores
             yield future.result()
 
 
-__all__ = ["CACHE_TOKENS", "FOREST_BRANCHES", "FOREST_TOKENS", "ForestAnswerer", "Outcome", "Ticket", "answer_merged"]
+__all__ = ["CACHE_TOKENS", "FOREST_BRANCHES", "FOREST_TOKENS", "ForestAnswerer", "LineOutcome", "Ticket", "answer_merged"]

@@ -59,7 +59,7 @@ from urllib.parse import urlsplit
 from ..errors import InvalidArgument, MissingExtra, MultiDecodeError, check_positive
 from .job import BatchAborted
 from .lines import InputLine
-from .merged import ForestAnswerer, Outcome
+from .merged import ForestAnswerer, LineOutcome
 from .settings import BatchSettings
 
 LINES_PER_WORKER = 4
@@ -185,13 +185,13 @@ class Worker:
             return {"error": self.failed}
         return {"pid": os.getpid(), "node": socket.gethostname()}
 
-    def answer(self, item: InputLine) -> Outcome:
-        """One line's `Outcome` (blocks until done; lines answered at once share forwards), its
+    def answer(self, item: InputLine) -> LineOutcome:
+        """One line's `LineOutcome` (blocks until done; lines answered at once share forwards), its
         error, if any, as an `ErrorInfo`."""
         try:
             outcome = self.answerer.answer(item)
         except Exception as error:  # noqa: BLE001 - the line's failure
-            outcome = Outcome(item, error=error)
+            outcome = LineOutcome(item, error=error)
         return outcome if outcome.error is None else replace(outcome, error=self._info(outcome.error))
 
     def _info(self, error: BaseException) -> ErrorInfo:
@@ -383,8 +383,8 @@ class RayWorkers:
 
     # -------------------------------------------------------------- the loop
     def outcomes(self, items: Iterable[InputLine], *, stopping: Callable[[], bool] = lambda: False
-                 ) -> Iterator[Outcome]:
-        """Each line's `Outcome` as it arrives (any order), at most once per line; ends when every
+                 ) -> Iterator[LineOutcome]:
+        """Each line's `LineOutcome` as it arrives (any order), at most once per line; ends when every
         line is done, or after `stopping()` once the lines in flight are done."""
         lines = _LineQueue(items, stopping)
         attempts: dict[int, int] = {}  # line -> times its worker died under it
@@ -395,7 +395,7 @@ class RayWorkers:
             while (slot := self._free_slot(alone=bool(lines.retry))) is not None and (item := lines.next()) is not None:
                 if item.error is not None:  # unreadable: recorded as it is, by the driver
                     yielded.add(item.line)
-                    yield Outcome(item, error=item.error)
+                    yield LineOutcome(item, error=item.error)
                     continue
                 self._flight[slot.actor.answer.remote(item)] = (slot, item)
                 slot.lines, slot.alone = slot.lines + 1, item.line in attempts
@@ -413,7 +413,7 @@ class RayWorkers:
                     yield self._local(outcome, slot)
 
     def _arrivals(self, starting: list, attempts: dict[int, int],
-                  lines: _LineQueue) -> list[tuple[_Slot, InputLine, Outcome]]:
+                  lines: _LineQueue) -> list[tuple[_Slot, InputLine, LineOutcome]]:
         """Wait for a line's answer or a worker's start; returns the lines answered, by line. A
         line whose worker died is queued to be sent again, until it has killed `MAX_ATTEMPTS`."""
         refs = list(self._flight) + starting
@@ -435,10 +435,10 @@ class RayWorkers:
                     lines.again(item)
                     self.resent += 1
                     continue
-                outcome = Outcome(item, error=WorkerDied(
+                outcome = LineOutcome(item, error=WorkerDied(
                     f"the Ray worker answering this line died {MAX_ATTEMPTS} times (last: {self._last_loss})"))
             except Exception as err:  # noqa: BLE001 - a Ray error about this line only: its failure
-                outcome = Outcome(item, error=err)
+                outcome = LineOutcome(item, error=err)
             arrived.append((slot, item, outcome))
         return arrived
 
@@ -479,7 +479,7 @@ class RayWorkers:
         if self._failed_starts < MAX_FAILED_STARTS:
             self._start_worker()
 
-    def _local(self, outcome: Outcome, slot: _Slot) -> Outcome:
+    def _local(self, outcome: LineOutcome, slot: _Slot) -> LineOutcome:
         """The outcome with its error rebuilt; one error object stays one object (one crash)."""
         info = outcome.error
         if not isinstance(info, ErrorInfo):
@@ -524,8 +524,8 @@ def ray_outcomes(items: Iterable[InputLine], *, settings: BatchSettings, model: 
                  precision: str | None = None, device: str | None = None, speculate=None, prepare: Callable | None = None,
                  address: str | None = None, workers: int = 2, lines_per_worker: int = LINES_PER_WORKER,
                  cpus_per_worker: int = 1, gpus_per_worker: float | None = None,
-                 stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
-    """Each line's `Outcome` from Ray workers, as lines finish, for `BatchJob.record` (see the
+                 stopping: Callable[[], bool] = lambda: False) -> Iterator[LineOutcome]:
+    """Each line's `LineOutcome` from Ray workers, as lines finish, for `BatchJob.record` (see the
     module notes; the arguments are `RayWorkers`'). Connects and starts the workers on the first
     `next()`, and stops them (and a Ray it started) when exhausted or closed."""
     with RayWorkers(settings=settings, model=model, precision=precision, device=device, speculate=speculate,
