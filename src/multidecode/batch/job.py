@@ -143,9 +143,9 @@ class BatchJob:
         record valid. speculate: `MultiDecoder.ask`'s, for every line; it never changes the answers.
         """
         self._check_open()
-        with ForestAnswerer(decoder, self.settings, speculate=speculate) as answerer:
-            outcomes = answer_merged(answerer, self.pending_items(), forest_tokens=forest_tokens,
-                                     forest_branches=forest_branches, stopping=lambda: self._stop)
+        with ForestAnswerer(decoder, self.settings, speculate=speculate, forest_tokens=forest_tokens,
+                            forest_branches=forest_branches) as answerer:
+            outcomes = answer_merged(answerer, self.pending_items(), stopping=lambda: self._stop)
             yield from self.record(outcomes)
 
     def pending_items(self) -> Iterator[InputLine]:
