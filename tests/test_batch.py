@@ -226,9 +226,9 @@ def test_parse_line_words_each_problem_in_the_format_s_terms():
 
 
 def test_record_takes_outcomes_from_any_backend_and_writes_each_line_once(tmp_path):
-    """What a Ray backend does: pending_items, then record(Outcome, ...) with errors that may be
+    """What a Ray backend does: pending_items, then record(LineOutcome, ...) with errors that may be
     picklable stand-ins (any object with a class name, .message and .hint)."""
-    from multidecode.batch.merged import Outcome
+    from multidecode.batch.merged import LineOutcome
 
     class PromptTooLong:  # a stand-in: not an exception, not a MultiDecodeError
         message, hint = "the prompt is 900 tokens long", "shorten the document"
@@ -236,9 +236,10 @@ def test_record_takes_outcomes_from_any_backend_and_writes_each_line_once(tmp_pa
     source = write_lines(tmp_path / "in.jsonl", documents(4))
     with open_batch(source, tmp_path / "out.jsonl", BatchSettings()) as job:
         items = list(job.pending_items())
-        outcomes = [Outcome(items[1], error=PromptTooLong()), Outcome(items[0], error=MemoryError("out of\nmemory")),
-                    Outcome(items[1], error=ValueError("a second outcome for doc-1")),  # dropped
-                    Outcome(items[3], error=multidecode.InvalidInput("bad", None))]
+        outcomes = [LineOutcome(items[1], error=PromptTooLong()),
+                    LineOutcome(items[0], error=MemoryError("out of\nmemory")),
+                    LineOutcome(items[1], error=ValueError("a second outcome for doc-1")),  # dropped
+                    LineOutcome(items[3], error=multidecode.InvalidInput("bad", None))]
         got = [result.record for result in job.record(outcomes)]
         assert (job.done, job.failed, len(job.pending), job.summary().remaining) == (3, 3, 1, 1)
     assert [r["id"] for r in got] == ["doc-1", "doc-0", "doc-3"] and records(tmp_path / "out.jsonl") == got
@@ -631,10 +632,10 @@ def test_ctrl_c_finishes_the_current_document_exits_130_and_resumes(model_dir, t
 
 
 def test_the_example_input_is_valid():
-    from multidecode.batch.lines import _input_lines, scan_input
+    from multidecode.batch.lines import input_lines, scan_input
 
     data = Path(multidecode.__file__).parent / "data"
     questions = (data / "support_call_questions.txt").read_text().splitlines()
     assert len(scan_input(data / "example_batch.jsonl", questions)) == 4
-    for number, raw in _input_lines(data / "example_batch.jsonl"):
+    for number, raw in input_lines(data / "example_batch.jsonl"):
         assert parse_line(raw, number, questions).error is None

@@ -17,9 +17,10 @@ import torch
 from local_models import tiny_tokenizer
 from tiny_models import ARCHITECTURES, EOS, MAIN_ARCHITECTURES
 
-from multidecode import MultiDecoder
+from multidecode import MultiDecoder, memory
 from multidecode.batch import BatchSettings, merged, open_batch, parse_line
-from multidecode.batch.merged import ForestAnswerer, Outcome, answer_merged
+from multidecode.batch.merged import ForestAnswerer, LineOutcome, answer_merged
+from multidecode.runtime import Admission, Limits, Reservation, TooLarge
 
 WORDS = ["router", "cable", "ticket", "fiber", "modem", "signal", "storm", "light"]
 
@@ -71,12 +72,25 @@ def test_seeded_sampling_is_the_same_merged_or_alone():
     settings = BatchSettings(max_new_tokens=8, sampling=sampling)
     with ForestAnswerer(decoder, settings) as answerer:
         merged = answers_of(answer_merged(answerer, items))
-    with ForestAnswerer(decoder, settings) as answerer:
-        one_by_one = answers_of(answer_merged(answerer, items, forest_tokens=0))
+    with ForestAnswerer(decoder, settings, forest_tokens=0) as answerer:
+        one_by_one = answers_of(answer_merged(answerer, items))
     alone = {item.line: [list(a.token_ids) for a in decoder.ask(item.document, list(item.questions),
                                                                  max_new_tokens=8, **sampling)] for item in items}
     assert merged == one_by_one == alone
     assert len({tuple(a) for answers in alone.values() for a in answers}) > 5  # it did sample
+
+
+def test_a_line_past_the_machines_memory_fails_in_the_batch_jobs_words(monkeypatch):
+    """The runtime's admission refuses a line that needs more bytes than the machine has, even
+    alone; its error names the line and the job's knobs, not a server's."""
+    monkeypatch.setenv(memory.ENVIRONMENT, "1000")  # bytes: less than any line needs
+    decoder, items = decoder_for("llama"), lines(2)
+    with ForestAnswerer(decoder, BatchSettings(max_new_tokens=4)) as answerer:
+        outcomes = list(answer_merged(answerer, items))
+    assert len(outcomes) == 2 and all(isinstance(o.error, TooLarge) for o in outcomes)
+    error = outcomes[0].error
+    assert error.message.startswith("the line needs about") and "this job may use" in error.message
+    assert "--max-new-tokens" in error.hint and "server" not in str(error) and "max_tokens" not in str(error)
 
 
 def test_a_merged_job_writes_the_same_records_as_one_line_at_a_time(tmp_path):
@@ -121,23 +135,29 @@ def test_stop_lets_the_lines_in_flight_finish_and_a_rerun_completes(tmp_path):
 
 # ---------------------------------------------------------------------- the admission loop, as data
 class FakeAnswerer:
-    """`prepare`/`submit` without a model: line i reserves tokens[i]; a line finishes only when
-    the loop would otherwise wait (the oldest first). Records the tokens in flight at each submit."""
+    """`prepare`/`submit` without a model, admitted by the runtime's own `Admission` under the
+    batch job's limits: line i reserves tokens[i] and one question; a line finishes only when the
+    loop would otherwise wait (the oldest first). Records the tokens in flight at each submit."""
 
-    def __init__(self, tokens: dict[int, int]) -> None:
+    def __init__(self, tokens: dict[int, int], budget: int, branches: int) -> None:
         self.tokens = tokens
         self.in_flight: dict[int, Future] = {}
         self.peaks: list[int] = []
         self.prepared: list[int] = []
-        self.runtime = SimpleNamespace(budget_bytes=1 << 40)
+        limits = Limits(max_live_tokens=budget, max_branches=branches, oversized_runs_alone=True)
+        self.admission = Admission(limits, budget_bytes=1 << 40)
 
     def prepare(self, item):
         self.prepared.append(item.line)
         if item.error is not None:
-            return Outcome(item, error=item.error)
-        return SimpleNamespace(item=item, tokens=self.tokens[item.line], branches=1, bytes=0)
+            return LineOutcome(item, error=item.error)
+        return SimpleNamespace(item=item, need=Reservation(self.tokens[item.line], 1, 0))
 
-    def submit(self, ticket) -> Future:
+    def submit(self, ticket, *, wait: bool = False) -> Future | None:
+        if self.admission.refusal(ticket.need) is not None:
+            assert not wait, "nothing in flight, and still no room"
+            return None
+        self.admission.hold(ticket.need)
         future: Future = Future()
         self.in_flight[ticket.item.line] = future
         self.peaks.append(sum(self.tokens[line] for line in self.in_flight))
@@ -145,14 +165,15 @@ class FakeAnswerer:
 
     def finish_oldest(self) -> None:
         line = next(iter(self.in_flight))
-        self.in_flight.pop(line).set_result(Outcome(parse_line(b'{"document": "d", "questions": ["q"]}', line)))
+        self.admission.release(Reservation(self.tokens[line], 1, 0))
+        self.in_flight.pop(line).set_result(LineOutcome(parse_line(b'{"document": "d", "questions": ["q"]}', line)))
 
 
 def drive(monkeypatch, tokens: dict[int, int], budget: int, *, bad=(), stop_after: int | None = None,
           branches: int = 1000):
     """Run `answer_merged` over lines of `tokens` with a fake answerer; returns (lines in the
     order they came back, the fake)."""
-    fake = FakeAnswerer(tokens)
+    fake = FakeAnswerer(tokens, budget, branches)
     real_wait = merged.wait
 
     def wait(futures, return_when):
@@ -163,8 +184,7 @@ def drive(monkeypatch, tokens: dict[int, int], budget: int, *, bad=(), stop_afte
     monkeypatch.setattr(merged, "wait", wait)
     items = [parse_line(b"[]" if line in bad else b'{"document": "d", "questions": ["q"]}', line) for line in tokens]
     stopped, out = [False], []
-    for outcome in answer_merged(fake, items, forest_tokens=budget, forest_branches=branches,
-                                 stopping=lambda: stopped[0]):
+    for outcome in answer_merged(fake, items, stopping=lambda: stopped[0]):
         out.append(outcome.item.line)
         stopped[0] = stop_after is not None and len(out) >= stop_after
     return out, fake

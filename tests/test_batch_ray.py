@@ -26,7 +26,7 @@ from click.testing import CliRunner
 
 import multidecode
 from multidecode.batch import BatchSettings, InputLine, open_batch, run_batch
-from multidecode.batch.merged import Outcome
+from multidecode.batch.merged import LineOutcome
 from multidecode.batch.ray import ErrorInfo, RayUnavailable, RayWorkers, WorkersLost, ray_outcomes
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument, InvalidInput, MissingExtra, ModelNotFound
@@ -334,7 +334,7 @@ class FakeRay:
             for ref, method, item in calls:
                 ready = {} if self.start_error is None else {"error": ErrorInfo.of(self.start_error, 1)}
                 self.values[ref] = (self.RayActorError("died") if actor.dead
-                                    else ready if method == "ready" else Outcome(item))
+                                    else ready if method == "ready" else LineOutcome(item))
         self.queued.clear()
         return [ref for ref in refs if ref in self.values], [ref for ref in refs if ref not in self.values]
 

@@ -189,3 +189,18 @@ def test_the_runtime_admits_by_bytes(exact_decoder):
         runtime.submit(job(1))
     assert ForestRuntime(exact_decoder.model, None).limits.max_live_bytes is None
     assert ForestRuntime(exact_decoder.model, None).budget_bytes > 0
+
+
+def test_a_job_reserves_its_common_prefix_once_and_its_refusals_name_no_driver(exact_decoder):
+    """The one admission counts tokens as the forest holds them (the prompts' common prefix once),
+    and speaks of the job and the runtime: each driver words a refusal in its own terms."""
+    from multidecode.runtime.forest_runtime import ForestRuntime
+
+    job = Job(prompts=[PROMPT, PROMPT[:5] + [1, 2]], max_new_tokens=4)
+    assert job.reserved_tokens == 5 + 3 + 2 + 2 * 4
+    runtime = ForestRuntime(exact_decoder.model, None, limits=Limits(max_live_tokens=10, max_branches=4))
+    with pytest.raises(TooLarge) as caught:
+        runtime.submit(job)
+    assert "18 cache tokens" in caught.value.message and "server" not in str(caught.value)
+    assert "max_tokens" not in str(caught.value)
+    assert (caught.value.need.tokens, caught.value.limit.tokens) == (18, 10) and not caught.value.over_bytes

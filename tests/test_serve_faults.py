@@ -38,6 +38,7 @@ from serving import MODEL, free_port, running_server
 
 from multidecode.models.loading import load_model_and_tokenizer
 from multidecode.runtime import Job, Limits
+from multidecode.runtime.jobs import NOTHING
 from multidecode.sampling import SamplingParams
 
 EOS = 2  # the tiny model's end-of-sequence token
@@ -257,7 +258,7 @@ def test_the_api_key_guards_every_route_but_health(model_dir):
 # ---------------------------------------------------------------------- 3. the admission cap
 def test_past_the_admission_cap_requests_get_503_with_retry_after(model_dir):
     control = Control()
-    prompt = [5, 6, 7, 8]  # 4 tokens: a request reserves 4 per branch plus max_tokens per branch
+    prompt = [5, 6, 7, 8]  # 4 tokens: a request reserves them once (its n copies share them) plus max_tokens per branch
     limits = Limits(max_live_tokens=600, max_branches=3)
     with running_server(controlled_loader(model_dir, control), limits=limits) as running:
         client = running.client()
@@ -273,16 +274,16 @@ def test_past_the_admission_cap_requests_get_503_with_retry_after(model_dir):
             assert int(caught.value.response.headers["retry-after"]) >= 1
             return error
 
-        for n, max_tokens in ((3, 200), (4, 1), (1, 300)):  # could never fit: 612 tokens; 4 branches; the window
+        for n, max_tokens in ((3, 200), (4, 1), (1, 300)):  # could never fit: 604 tokens; 4 branches; the window
             with pytest.raises(openai.BadRequestError) as caught:
                 create(n, max_tokens)
             assert_error_shape(caught.value.response, 400, "invalid_request_error")
 
         control.delay = 0.02  # 200 steps: 4 s, far longer than the checks below
-        first = create(2, 200, stream=True)  # 408 tokens, 2 branches
+        first = create(2, 200, stream=True)  # 404 tokens, 2 branches
         next(iter(first))
-        refused(1, 200)  # 612 tokens > 600
-        second = create(1, 50, stream=True)  # 462 tokens, 3 branches
+        refused(1, 200)  # 608 tokens > 600
+        second = create(1, 50, stream=True)  # 458 tokens, 3 branches
         next(iter(second))
         error = refused(1, 1)  # 4 branches > 3
         assert error["type"] == "server_overloaded" and "capacity" in error["message"]
@@ -424,7 +425,8 @@ def test_a_client_that_leaves_just_as_its_request_ends_releases_its_reservation_
     forest.cancel(job)
     server.wait_idle()
     assert forest.counters.cancelled == cancelled
-    assert forest._reserved == [0, 0, 0, 0]  # released once: a second release would let the cap be overrun
+    assert (forest.admission.held, forest.admission.jobs) == (NOTHING, 0)  # released once: a second release
+    # would let the cap be overrun
 
 
 # ---------------------------------------------------------------------- 6. SIGTERM, a bad --model

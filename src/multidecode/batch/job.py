@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Self
 
 from ..errors import InvalidInput, MultiDecodeError
-from .lines import InputLine, _check_input_file, _input_lines, parse_line, scan_input
-from .merged import FOREST_BRANCHES, FOREST_TOKENS, ForestAnswerer, Outcome, answer_merged
+from .lines import InputLine, check_input_file, input_lines, parse_line, scan_input
+from .merged import FOREST_BRANCHES, FOREST_TOKENS, ForestAnswerer, LineOutcome, answer_merged
 from .output import OutputFile
 from .settings import BatchSettings, model_identity
 
@@ -143,22 +143,22 @@ class BatchJob:
         record valid. speculate: `MultiDecoder.ask`'s, for every line; it never changes the answers.
         """
         self._check_open()
-        with ForestAnswerer(decoder, self.settings, speculate=speculate) as answerer:
-            outcomes = answer_merged(answerer, self.pending_items(), forest_tokens=forest_tokens,
-                                     forest_branches=forest_branches, stopping=lambda: self._stop)
+        with ForestAnswerer(decoder, self.settings, speculate=speculate, forest_tokens=forest_tokens,
+                            forest_branches=forest_branches) as answerer:
+            outcomes = answer_merged(answerer, self.pending_items(), stopping=lambda: self._stop)
             yield from self.record(outcomes)
 
     def pending_items(self) -> Iterator[InputLine]:
         """The lines still without a record, parsed, in input order; ends early after `stop()`.
         A line whose id changed since the job was opened is left to the next run."""
-        for number, raw in _input_lines(self.input_path):
+        for number, raw in input_lines(self.input_path):
             if self._stop:
                 return
             key = self.pending.get(number)
             if key is not None and (item := parse_line(raw, number, self.settings.questions)).key == key:
                 yield item
 
-    def record(self, outcomes: Iterable[Outcome]) -> Iterator[LineResult]:
+    def record(self, outcomes: Iterable[LineOutcome]) -> Iterator[LineResult]:
         """Append each outcome's record (fsync-ed) and yield its `LineResult`, from any backend
         (the local merged forest or Ray workers). An outcome for a line that already has a record
         is dropped, so a line retried elsewhere is never written twice."""
@@ -191,7 +191,7 @@ class BatchJob:
         if self._output.closed:
             raise InvalidInput("this batch job is closed", "open it again with open_batch")
 
-    def _record(self, outcome: Outcome) -> dict:
+    def _record(self, outcome: LineOutcome) -> dict:
         """The output record of an outcome; counts unexpected errors (one failed step that took
         several lines with it counts once)."""
         error, answers = outcome.error, outcome.answers
@@ -235,7 +235,7 @@ def open_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, se
     settings = settings or BatchSettings()
     settings.check()
     input_path, output_path = Path(input_path), Path(output_path)
-    _check_input_file(input_path)
+    check_input_file(input_path)
     if output_path.is_dir():
         raise InvalidInput(f"the output {output_path} is a folder", "pass a file name, such as answers.jsonl")
     if not output_path.parent.is_dir():

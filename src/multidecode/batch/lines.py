@@ -111,7 +111,7 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
     return InputLine(line, ident, parsed.document, questions)
 
 
-def _input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes without the line end) for each non-blank line."""
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
@@ -122,7 +122,9 @@ def _input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield number, raw
 
 
-def _check_input_file(path: Path) -> None:
+def check_input_file(path: Path) -> None:
+    """Refuse an input the job cannot read again to resume (standard input), or that is missing,
+    a folder, or not text, before anything runs."""
     if str(path) == "-":
         raise InvalidInput("batch needs its input in a file, not standard input",
                            "it reads the input again to resume; save it to a file first")
@@ -142,7 +144,7 @@ def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int,
     first_line: dict[str, int] = {}
     lines: list[tuple[int, str]] = []
     clashes: list[str] = []
-    for number, raw in _input_lines(path):
+    for number, raw in input_lines(path):
         item = parse_line(raw, number, job_questions)
         if item.key in first_line:
             clashes.append(f"id {item.id!r} is on lines {first_line[item.key]} and {number}")

@@ -3,13 +3,16 @@
 A batch job's lines are independent, so nothing forces one document at a time. `ForestAnswerer`
 hands each line (its question prompts, one branch per question) to a `ForestRuntime` engine
 thread: one scheduler, one KV cache, jobs admitted and retired between steps. `answer_merged`
-keeps that forest full: it submits the next line as soon as there is room, and yields each line's
-`Outcome` as the line finishes, which may be out of input order.
+keeps that forest full: it submits the next line as soon as the runtime admits it, and yields
+each line's `LineOutcome` as the line finishes, which may be out of input order.
 
-Terms: a line is *in flight* from its submission until its outcome. It *reserves* cache tokens:
-its document once, each question's own tokens, and questions x max_new_tokens. The *forest
-budget* is `forest_tokens` reserved and `forest_branches` questions in flight; a line that alone
-needs more than the budget still runs, alone.
+Terms: a line is *in flight* from its submission until its outcome. Whether it may start is the
+runtime's admission, the same as a server's request (`multidecode.runtime.admission`): a line
+*reserves* cache tokens (its document once, each question's own tokens, and questions x
+max_new_tokens), its questions as branches, and the bytes they need. The *forest budget* is the
+runtime's limits: `forest_tokens` reserved and `forest_branches` questions in flight, and the
+bytes the machine has; a line that alone needs more tokens or questions than the budget still
+runs, alone, and a line that needs more bytes than the machine has fails (`TooLarge`).
 
 Exactness: a branch attends only to its ancestors (its own document and question) at the
 positions it would have alone, and its sampler is seeded per question (seed + i), so a line's
@@ -26,7 +29,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Self
 
-from ..prompts import share_prefix
 from ..runtime import ForestRuntime, Job, Limits, TooLarge
 from ..sampling import per_branch_sampling
 from ..strategies.ask import Answer, answers_of, question_prompts
@@ -43,9 +45,10 @@ template); documents differ, so a larger cache would only add attention to every
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """A finished line: its answers, or the error that stopped it. elapsed_s runs from its
-    submission to its end (in a merged forest that includes the steps it shared)."""
+class LineOutcome:
+    """How a batch line ended, before it is recorded: its answers, or the error that stopped it
+    (`BatchJob.record` turns it into the line's record). elapsed_s runs from its submission to its
+    end (in a merged forest that includes the steps it shared)."""
 
     item: InputLine
     answers: tuple[Answer, ...] = ()
@@ -55,18 +58,11 @@ class Outcome:
 
 @dataclass
 class Ticket:
-    """A line ready to submit: its job, and the cache tokens it reserves (its shared prefix once,
-    each question's own tokens, and each answer's max_new_tokens)."""
+    """A line ready to submit: its job (one branch per question) and its question prompts."""
 
     item: InputLine
     job: Job
-    tokens: int
     prompts: list[list[int]]
-    bytes: int = 0
-
-    @property
-    def branches(self) -> int:
-        return len(self.prompts)
 
 
 class ForestAnswerer:
@@ -74,36 +70,40 @@ class ForestAnswerer:
 
     decoder: a `MultiDecoder`; settings: the job's `BatchSettings`; speculate: as for
     `MultiDecoder.ask` (bound per line, so "draft" gets a fresh proposer each time).
+    forest_tokens, forest_branches: the forest budget (forest_tokens=0 runs one line at a time);
+    cache_tokens: the prompt tokens kept cached for later lines.
     """
 
-    def __init__(self, decoder, settings, *, speculate=None, cache_tokens: int = CACHE_TOKENS) -> None:
+    def __init__(self, decoder, settings, *, speculate=None, forest_tokens: int = FOREST_TOKENS,
+                 forest_branches: int = FOREST_BRANCHES, cache_tokens: int = CACHE_TOKENS) -> None:
         self.decoder = decoder
         self.settings = settings
         self.speculate = speculate
-        limits = Limits(max_live_tokens=2**62, max_branches=2**31, prefix_cache_tokens=cache_tokens)
+        limits = Limits(max_live_tokens=forest_tokens, max_branches=forest_branches, prefix_cache_tokens=cache_tokens,
+                        oversized_runs_alone=True)
         self.runtime = ForestRuntime(decoder.model, decoder.tokenizer, limits=limits, compaction=decoder.compaction,
-                                   cost=decoder.cost).start()
+                                     cost=decoder.cost).start()
 
-    def prepare(self, item: InputLine) -> Ticket | Outcome:
-        """Tokenize a line's prompts; a line that cannot run comes back as its failed `Outcome`."""
+    def prepare(self, item: InputLine) -> Ticket | LineOutcome:
+        """Tokenize a line's prompts; a line that cannot run comes back as its failed `LineOutcome`."""
         if item.error is not None:
-            return Outcome(item, error=item.error)
+            return LineOutcome(item, error=item.error)
         settings = self.settings
         try:
             prompts = question_prompts(self.decoder.tokenizer, item.document, item.questions,
                                        instruction=settings.instruction)
             sampling = per_branch_sampling(len(prompts), dict(settings.sampling))
         except Exception as error:  # noqa: BLE001 - recorded as the line's failure
-            return Outcome(item, error=error)
+            return LineOutcome(item, error=error)
         job = Job(prompts=prompts, max_new_tokens=settings.max_new_tokens, sampling=sampling, stop=settings.stop,
                   speculate=self.decoder.speculation(self.speculate))
-        shared = share_prefix(prompts)  # the document is stored once, not once per question
-        tokens = len(shared.prefix_ids) + sum(map(len, shared.suffix_ids)) + len(prompts) * settings.max_new_tokens
-        return Ticket(item, job, tokens, prompts, self.runtime.job_bytes(job))
+        return Ticket(item, job, prompts)
 
-    def submit(self, ticket: Ticket) -> Future[Outcome]:
-        """Queue a prepared line; the future's result is its `Outcome` (never an exception)."""
-        future: Future[Outcome] = Future()
+    def submit(self, ticket: Ticket, *, wait: bool = False) -> Future[LineOutcome] | None:
+        """Queue a prepared line, if the runtime admits it now (with wait: once it does); None if
+        it must wait for a line in flight to finish. The future's result is the line's
+        `LineOutcome` (never an exception)."""
+        future: Future[LineOutcome] = Future()
         started = time.perf_counter()
         item, questions = ticket.item, ticket.item.questions
 
@@ -111,21 +111,25 @@ class ForestAnswerer:
             kind, value = message
             if kind == "done":
                 answers = answers_of(questions, ticket.job.work.branches, ticket.prompts, value.stats)
-                future.set_result(Outcome(item, tuple(answers), elapsed_s=time.perf_counter() - started))
+                future.set_result(LineOutcome(item, tuple(answers), elapsed_s=time.perf_counter() - started))
             elif kind == "error":
-                future.set_result(Outcome(item, error=value, elapsed_s=time.perf_counter() - started))
+                future.set_result(LineOutcome(item, error=value, elapsed_s=time.perf_counter() - started))
 
         ticket.job.sink = sink
         try:
-            self.runtime.submit(ticket.job)
+            if wait:
+                self.runtime.submit(ticket.job, wait=True)
+            elif not self.runtime.offer(ticket.job):
+                return None
         except TooLarge as error:  # more than the machine has, even alone: the line's failure
-            future.set_result(Outcome(item, error=error, elapsed_s=time.perf_counter() - started))
+            elapsed_s = time.perf_counter() - started
+            future.set_result(LineOutcome(item, error=_in_the_jobs_words(error), elapsed_s=elapsed_s))
         return future
 
-    def answer(self, item: InputLine) -> Outcome:
+    def answer(self, item: InputLine) -> LineOutcome:
         """One line, blocking until it is done (other threads' lines share its forwards)."""
         ticket = self.prepare(item)
-        return ticket if isinstance(ticket, Outcome) else self.submit(ticket).result()
+        return ticket if isinstance(ticket, LineOutcome) else self.submit(ticket, wait=True).result()
 
     def close(self) -> None:
         self.runtime.stop()
@@ -137,19 +141,23 @@ class ForestAnswerer:
         self.close()
 
 
-def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, forest_tokens: int = FOREST_TOKENS,
-                  forest_branches: int = FOREST_BRANCHES,
-                  stopping: Callable[[], bool] = lambda: False) -> Iterator[Outcome]:
-    """Each line's `Outcome`, as lines finish, keeping up to `forest_tokens` reserved,
-    `forest_branches` questions and the bytes the runtime may use (`memory`) in flight.
+def _in_the_jobs_words(error: TooLarge) -> TooLarge:
+    """The runtime's refusal of a line, said as the batch job's (the line's record keeps it): "the
+    line", "this job", and the knobs of a job."""
+    return error.reworded("ask it fewer questions, or lower --max-new-tokens", subject="the line", holder="this job")
+
+
+def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *,
+                  stopping: Callable[[], bool] = lambda: False) -> Iterator[LineOutcome]:
+    """Each line's `LineOutcome`, as lines finish, keeping the answerer's forest as full as the
+    runtime's admission allows (its forest budget and the machine's bytes).
 
     Lines are taken from `items` only when there is room, so a generator may read them lazily.
     Once `stopping()` is true no further line starts; the lines in flight finish.
-    forest_tokens=0 runs one line at a time.
     """
     items = iter(items)
-    in_flight: dict[Future[Outcome], Ticket] = {}
-    waiting: Ticket | None = None  # prepared, but over the budget until something finishes
+    in_flight: set[Future[LineOutcome]] = set()
+    waiting: Ticket | None = None  # prepared, but no room until a line in flight finishes
     exhausted = False
     while True:
         while not stopping() and (waiting is not None or not exhausted):
@@ -159,23 +167,22 @@ def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *, fores
                     exhausted = True
                     break
                 prepared = answerer.prepare(item)
-                if isinstance(prepared, Outcome):
+                if isinstance(prepared, LineOutcome):
                     yield prepared
                     continue
                 waiting = prepared
-            if in_flight and (sum(t.tokens for t in in_flight.values()) + waiting.tokens > forest_tokens
-                              or sum(t.branches for t in in_flight.values()) + waiting.branches > forest_branches
-                              or sum(t.bytes for t in in_flight.values()) + waiting.bytes
-                              > answerer.runtime.budget_bytes):
+            future = answerer.submit(waiting, wait=not in_flight)  # alone, it starts once the forest is empty
+            if future is None:
                 break
-            in_flight[answerer.submit(waiting)] = waiting
+            in_flight.add(future)
             waiting = None
         if not in_flight:
             return
         done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
         for future in sorted(done, key=lambda f: f.result().item.line):
-            del in_flight[future]
+            in_flight.discard(future)
             yield future.result()
 
 
-__all__ = ["CACHE_TOKENS", "FOREST_BRANCHES", "FOREST_TOKENS", "ForestAnswerer", "Outcome", "Ticket", "answer_merged"]
+__all__ = ["CACHE_TOKENS", "FOREST_BRANCHES", "FOREST_TOKENS", "ForestAnswerer", "LineOutcome", "Ticket",
+           "answer_merged"]

@@ -3,14 +3,19 @@
 Both `multidecode serve` (HTTP requests) and the batch job (documents) drive it:
 
 - `jobs`: a `Job` (prompts, sampling, stop rules, a sink for what it produces), its `Usage`, the
-  admission `Limits` (one set of defaults) and the `Counters` the metrics read;
+  `Reservation` it holds, the admission `Limits` (one set of defaults), the refusals `TooLarge`
+  and `Overloaded` (numbers a driver words its own way) and the `Counters` the metrics read;
+- `admission`: `Admission`, the one rule by which the server's requests and the batch job's
+  lines start (tokens, branches and bytes held together, within the limits);
 - `radix`: the `PrefixIndex`, which prompt prefixes are cached in the forest and at which node;
 - `forest_runtime`: `ForestRuntime`, the engine thread: one scheduler, jobs admitted between
-  steps (continuous batching), prefix hits, admission caps, cancellation, draining.
+  steps (continuous batching), prefix hits, jobs refused or waiting for room, cancellation, draining.
 """
 
+from .admission import Admission
 from .forest_runtime import CACHE_OWNER, ForestRuntime
-from .jobs import Counters, Job, Limits, Overloaded, TooLarge, Usage
+from .jobs import Counters, Job, Limits, Overloaded, Reservation, TooLarge, Usage
 from .radix import PrefixIndex
 
-__all__ = ["CACHE_OWNER", "Counters", "ForestRuntime", "Job", "Limits", "Overloaded", "PrefixIndex", "TooLarge", "Usage"]
+__all__ = ["CACHE_OWNER", "Admission", "Counters", "ForestRuntime", "Job", "Limits", "Overloaded", "PrefixIndex",
+           "Reservation", "TooLarge", "Usage"]

@@ -17,7 +17,9 @@ This is the continuous-batching runtime that `multidecode serve` and the batch j
    job, so they outlive it; least recently used prefixes are forgotten, and the cache owner's
    slots that no indexed prefix and no running job needs are compacted away.
 
-Admission is counted when a job is submitted (`jobs.Limits`). A trace (for a job that asks for
+Admission is counted when a job is submitted (`admission.Admission`, within `jobs.Limits`): a
+driver that cannot take a refusal (the batch job, a Ray worker) submits with `wait=True`, or
+`offer`s a job and tries again once one of its jobs ends. A trace (for a job that asks for
 one) lists the nodes the job fed in a step as [node, parent, token text, kind], kind being
 "prompt", "kept" (a token the model chose), "accepted" (a draft token it confirmed) or
 "rejected" (a draft token taken back), with the cached prefix's size and each branch's last node.
@@ -33,13 +35,14 @@ from collections import deque
 from ..branches import BranchRun, admit
 from ..errors import MultiDecodeError
 from ..forest import ROOT
-from ..memory import budget_bytes, gigabytes
+from ..memory import budget_bytes
 from ..prompts import share_prefix
 from ..scheduler import CompactionPolicy, Scheduler, StepTrace, new_scheduler
 from ..speculation import build_speculation
 from ..stopping import eos_ids_of
 from ..strategies.beam import BeamWork, check_settings
-from .jobs import Counters, Job, Limits, Overloaded, TooLarge, Usage
+from .admission import Admission
+from .jobs import Counters, Job, Limits, Overloaded, Reservation, TooLarge, Usage
 from .radix import PrefixIndex
 
 log = logging.getLogger("multidecode.runtime")
@@ -76,8 +79,8 @@ class ForestRuntime:
         self._waiting: deque[Job] = deque()
         self._cancelled: list[Job] = []
         self._running: dict[str, Job] = {}
-        self._reserved = [0, 0, 0, 0]  # jobs submitted and not finished: their tokens, branches, count, bytes
         self.budget_bytes = self.limits.max_live_bytes or budget_bytes(self.engine.device)
+        self.admission = Admission(self.limits, self.budget_bytes)  # jobs submitted and not finished
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -87,34 +90,47 @@ class ForestRuntime:
         self._thread.start()
         return self
 
-    def submit(self, job: Job) -> Job:
-        """Queue a job; raises `Overloaded` past the admission cap or while draining, `TooLarge`
-        for a job that could never fit."""
-        limits = self.limits
-        need = self.job_bytes(job)
-        if job.reserved_tokens > limits.max_live_tokens or job.branches > limits.max_branches:
-            raise TooLarge(
-                f"the request needs {job.reserved_tokens} cache tokens and {job.branches} branches, over this "
-                f"server's limits of {limits.max_live_tokens} tokens and {limits.max_branches} branches",
-                "lower max_tokens, n or the number of questions, or start the server with larger limits")
-        if need > self.budget_bytes:
-            raise TooLarge(f"the request needs about {gigabytes(need)} ({need:,} bytes), over the "
-                           f"{gigabytes(self.budget_bytes)} this server may use",
-                           "lower max_tokens, n or the number of questions")
-        with self._cond:
-            if self.draining:
-                self.counters.rejected += 1
-                raise Overloaded("the server is shutting down", "retry against another replica", retry_after=5)
-            tokens, branches, jobs, used = self._reserved
-            if (tokens + job.reserved_tokens > limits.max_live_tokens or branches + job.branches > limits.max_branches
-                    or used + need > self.budget_bytes):
-                self.counters.rejected += 1
-                raise Overloaded(f"the server is at capacity ({tokens} cache tokens, {branches} branches and "
-                                 f"{gigabytes(used)} reserved)", "retry in a moment")
-            self._reserved = [tokens + job.reserved_tokens, branches + job.branches, jobs + 1, used + need]
-            self._waiting.append(job)
-            self._cond.notify()
+    def submit(self, job: Job, *, wait: bool = False) -> Job:
+        """Queue a job. Raises `TooLarge` for a job that could never fit, `Overloaded` while
+        shutting down, and past the admission limits `Overloaded` too, or with wait=True waits
+        until jobs that end make room."""
+        refusal = self._queue(job, wait=wait)
+        if refusal is not None:
+            self.counters.rejected += 1
+            raise refusal
         return job
+
+    def offer(self, job: Job) -> bool:
+        """Queue a job if it fits now; False (nothing queued) if it must wait for jobs in flight to
+        end. Raises as `submit` does for a job that could never fit, or while shutting down."""
+        refusal = self._queue(job, wait=False)
+        if refusal is not None and refusal.draining:
+            raise refusal
+        return refusal is None
+
+    def _queue(self, job: Job, *, wait: bool) -> Overloaded | None:
+        """Reserve and queue `job` if admission lets it start (with wait, once it does); else why not."""
+        job.reservation = need = self.reservation(job)
+        with self._cond:
+            while True:
+                refusal = self.admission.refusal(need)
+                if isinstance(refusal, TooLarge):
+                    raise refusal
+                if self.draining or self._stopping:
+                    return Overloaded.shutting_down()
+                if refusal is None:
+                    break
+                if not wait:
+                    return refusal
+                self._cond.wait()
+            self.admission.hold(need)
+            self._waiting.append(job)
+            self._cond.notify_all()
+        return None
+
+    def reservation(self, job: Job) -> Reservation:
+        """What a job will hold from its submission to its end (see `Admission`)."""
+        return Reservation(job.reserved_tokens, job.branches, self.job_bytes(job))
 
     def job_bytes(self, job: Job) -> int:
         """The bytes a job will need (see `memory`), its prompts counted whole (a shared prefix
@@ -130,24 +146,24 @@ class ForestRuntime:
             if not job.cancelled:
                 job.cancelled = True
                 self._cancelled.append(job)
-                self._cond.notify()
+                self._cond.notify_all()
 
     def drain(self) -> None:
         """Refuse new jobs from now on; running ones go on."""
         with self._cond:
             self.draining = True
-            self._cond.notify()  # an engine gathering jobs starts on those it has
+            self._cond.notify_all()  # an engine gathering jobs starts on those it has; waiting submitters give up
 
     @property
     def busy(self) -> int:
         """Jobs submitted and not finished (waiting, being admitted or decoding)."""
         with self._cond:
-            return self._reserved[2]
+            return self.admission.jobs
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
             self._stopping = True
-            self._cond.notify()
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -294,9 +310,8 @@ class ForestRuntime:
         if job.work is not None and job.work in self.scheduler.works:
             self.scheduler.retire(job.work)
         with self._cond:
-            tokens, branches, jobs, used = self._reserved
-            self._reserved = [tokens - job.reserved_tokens, branches - job.branches, jobs - 1,
-                              used - self.job_bytes(job)]
+            self.admission.release(job.reservation)
+            self._cond.notify_all()  # a submitter waiting for room
         self._send(job, item)
 
     def _cancel(self, job: Job) -> None:

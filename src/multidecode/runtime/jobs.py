@@ -6,12 +6,13 @@ sample each, when to stop, and a **sink** that receives what it produces. Sinks 
 the engine thread with ("token", TokenEvent), ("trace", dict), ("beams", [Beam]), ("done",
 Usage) or ("error", exception); the last two end a job.
 
-**Admission limits** (`Limits`) are counted when a job is submitted: it reserves its prompt
-tokens plus its branches' max_new_tokens, its branches, and the bytes those need
-(`multidecode.memory`: KV cache, visibility rows, logits). Past any cap `submit` raises
-`Overloaded` (a server answers 503 with Retry-After), never an out-of-memory error later; a job
-that would not fit even alone raises `TooLarge`. The defaults here are the ones `multidecode
-serve` starts with.
+**Admission** (`admission.Admission`, the one rule every driver goes through) is counted when a
+job is submitted: it holds a `Reservation` (its cache tokens, its branches, and the bytes those
+need: `multidecode.memory`) until it ends, within the `Limits`. A job that does not fit now gets
+`Overloaded` (or waits, if its driver asks to), never an out-of-memory error later; a job that
+could never fit gets `TooLarge`. Both carry the numbers and speak of "the job" and "the runtime":
+a driver words them in its own terms (a server of its request and its max_tokens, a batch job of
+its line). The defaults of `Limits` are the ones `multidecode serve` starts with.
 """
 
 from __future__ import annotations
@@ -21,19 +22,78 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import MultiDecodeError
+from ..memory import gigabytes
+from ..prompts import common_prefix_length
 from ..sampling import SamplingParams
 
 
-class Overloaded(MultiDecodeError):
-    """The server is at its admission cap (or draining); retry later."""
+@dataclass(frozen=True)
+class Reservation:
+    """What a job holds from its submission to its end (or a limit on what jobs hold together):
+    cache tokens, branches, and bytes."""
 
-    def __init__(self, message: str, hint: str | None = None, *, retry_after: int = 1) -> None:
+    tokens: int
+    branches: int
+    bytes: int
+
+    def __add__(self, other: Reservation) -> Reservation:
+        return Reservation(self.tokens + other.tokens, self.branches + other.branches, self.bytes + other.bytes)
+
+    def __sub__(self, other: Reservation) -> Reservation:
+        return Reservation(self.tokens - other.tokens, self.branches - other.branches, self.bytes - other.bytes)
+
+    def exceeds(self, limit: Reservation) -> bool:
+        return self.tokens > limit.tokens or self.branches > limit.branches or self.bytes > limit.bytes
+
+    def describe(self) -> str:
+        return f"{self.tokens} cache tokens, {self.branches} branches and {gigabytes(self.bytes)}"
+
+
+NOTHING = Reservation(0, 0, 0)
+
+
+class Overloaded(MultiDecodeError):
+    """No room now: the jobs in flight hold what the limits allow (`held`), or the runtime is
+    shutting down (`draining`); retry later (a server answers 503 with Retry-After)."""
+
+    def __init__(self, message: str, hint: str | None = None, *, retry_after: int = 1,
+                 held: Reservation | None = None, draining: bool = False) -> None:
         super().__init__(message, hint)
-        self.retry_after = retry_after
+        self.retry_after, self.held, self.draining = retry_after, held, draining
+
+    @classmethod
+    def at_capacity(cls, held: Reservation, holder: str = "the runtime") -> Overloaded:
+        return cls(f"{holder} is at capacity ({held.describe()} reserved)", "retry in a moment", held=held)
+
+    @classmethod
+    def shutting_down(cls, holder: str = "the runtime", hint: str = "retry elsewhere") -> Overloaded:
+        return cls(f"{holder} is shutting down", hint, retry_after=5, draining=True)
 
 
 class TooLarge(MultiDecodeError, ValueError):
-    """A request that could never fit under the admission cap."""
+    """A job that could never fit under the admission limits: it needs `need`, the limits are
+    `limit`. The message names "the job" and "the runtime" unless a driver words it as its own
+    (`reworded`): its subject (the request, the line) and its own knobs in the hint."""
+
+    def __init__(self, need: Reservation, limit: Reservation, hint: str | None = None, *,
+                 subject: str = "the job", holder: str = "the runtime") -> None:
+        self.need, self.limit = need, limit
+        if self.over_bytes:
+            message = (f"{subject} needs about {gigabytes(need.bytes)} ({need.bytes:,} bytes), over the "
+                       f"{gigabytes(limit.bytes)} {holder} may use")
+        else:
+            message = (f"{subject} needs {need.tokens} cache tokens and {need.branches} branches, over {holder}'s "
+                       f"limits of {limit.tokens} tokens and {limit.branches} branches")
+        super().__init__(message, hint or "give it fewer branches or fewer new tokens")
+
+    @property
+    def over_bytes(self) -> bool:
+        """Whether it needs more memory than the runtime may use (else more tokens or branches than its limits)."""
+        return self.need.bytes > self.limit.bytes
+
+    def reworded(self, hint: str, *, subject: str, holder: str) -> TooLarge:
+        """The same facts in a driver's words: subject ("the request"), holder ("this server")."""
+        return TooLarge(self.need, self.limit, hint, subject=subject, holder=holder)
 
 
 @dataclass
@@ -67,6 +127,7 @@ class Job:
     finished: bool = False
     work: object = None  # the scheduler work, once admitted
     steps: int = 0
+    reservation: Reservation = NOTHING  # what it holds, from its submission to its end
 
     @property
     def branches(self) -> int:
@@ -74,7 +135,10 @@ class Job:
 
     @property
     def reserved_tokens(self) -> int:
-        return sum(map(len, self.prompts)) + self.branches * self.max_new_tokens
+        """The cache tokens it will hold, as the forest stores them: its prompts' common prefix
+        once, the rest of each prompt, and max_new_tokens per branch."""
+        shared = common_prefix_length(self.prompts)
+        return shared + sum(len(p) - shared for p in self.prompts) + self.branches * self.max_new_tokens
 
     @property
     def prompt_tokens(self) -> int:
@@ -85,6 +149,10 @@ class Job:
 @dataclass
 class Limits:
     """Admission caps and the prefix cache's budget, in cache slots (tokens) and branches.
+
+    oversized_runs_alone: a job over max_live_tokens or max_branches waits until nothing else is
+    reserved and then runs alone, instead of being refused as `TooLarge` (the batch job's forest
+    budget, which a large line may exceed); its bytes must fit all the same.
 
     defer_tokens: a waiting job that shares this many uncached prefix tokens with one admitted in
     the same round waits a step to hit the cache instead of computing them again.
@@ -104,6 +172,7 @@ class Limits:
     defer_tokens: int = 16
     max_running: int | None = None
     max_live_bytes: int | None = None
+    oversized_runs_alone: bool = False
     gather: int = 1
     gather_s: float = 0.0
 
@@ -132,4 +201,4 @@ class Counters:
         self.busy_seconds += seconds
 
 
-__all__ = ["Counters", "Job", "Limits", "Overloaded", "TooLarge", "Usage"]
+__all__ = ["NOTHING", "Counters", "Job", "Limits", "Overloaded", "Reservation", "TooLarge", "Usage"]

@@ -204,13 +204,26 @@ def _completion_routes(app: FastAPI, state: ServeState) -> None:
         job.sink = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
         try:
             runtime.submit(job)
-        except TooLarge as error:
-            raise BadRequest(str(error), "max_tokens") from None
+        except (TooLarge, Overloaded) as error:
+            raise _in_this_servers_words(error) from None
         reply = _Reply(state, runtime, job, body, chat=kind is ChatBody)
         if body.stream:
             return StreamingResponse(reply.stream(queue), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await reply.collect(request, queue)
+
+
+def _in_this_servers_words(refusal: TooLarge | Overloaded) -> MultiDecodeError:
+    """The runtime's refusal of a request, said as the server's: "the request", "this server",
+    and the knobs a client or an operator can turn (max_tokens, n, the server's limits)."""
+    if isinstance(refusal, TooLarge):
+        hint = "lower max_tokens, n or the number of questions"
+        if not refusal.over_bytes:
+            hint += ", or start the server with larger limits"
+        return BadRequest(str(refusal.reworded(hint, subject="the request", holder="this server")), "max_tokens")
+    if refusal.draining:
+        return Overloaded.shutting_down("the server", "retry against another replica")
+    return Overloaded.at_capacity(refusal.held, "the server")
 
 
 async def _read_body(request: Request) -> bytes:
