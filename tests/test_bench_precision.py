@@ -20,10 +20,10 @@ from multidecode.bench.precision import (
     run_precision_benchmark,
     step_bytes,
 )
-from multidecode.bench.random_gguf import write_random_gguf
 from multidecode.bench.results import tables
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument
+from multidecode.models.random_gguf import write_random_gguf
 
 
 @pytest.fixture
