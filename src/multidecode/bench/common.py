@@ -417,23 +417,6 @@ def spread(values: Sequence[float]) -> dict:
 
 
 @contextlib.contextmanager
-def quiet_transformers():
-    """transformers' own warnings (generation flags, padding hints) off while benchmarking."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
-@contextlib.contextmanager
 def torch_threads(threads: int | None):
     """torch's intra-op thread count set to `threads` inside the block (None: left as it is)."""
     before = torch.get_num_threads()
@@ -444,7 +427,7 @@ def torch_threads(threads: int | None):
         torch.set_num_threads(before)
 
 
-def sample_excerpt(tokens: int, length: Callable[[str], int]) -> str:
+def opening_lines(tokens: int, length: Callable[[str], int]) -> str:
     """The sample support call's opening lines, as many as it takes for `length(text)` (the
     tokens of what is built from them) to reach `tokens` (the whole call if it never does)."""
     excerpt = ""
@@ -463,4 +446,4 @@ def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
     def prompt(excerpt: str) -> list[int]:
         return prompt_ids(tokenizer, f"{instruction}\n\n{excerpt}")
 
-    return prompt(sample_excerpt(tokens, lambda excerpt: len(prompt(excerpt))))
+    return prompt(opening_lines(tokens, lambda excerpt: len(prompt(excerpt))))

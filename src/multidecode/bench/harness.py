@@ -33,6 +33,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ..errors import InvalidArgument, is_int
+from ..models.reading import quiet_transformers
 from .common import (
     ForwardCounter,
     Measurement,
@@ -41,7 +42,6 @@ from .common import (
     check_identical,
     combine_sequential,
     measure_together,
-    quiet_transformers,
     torch_threads,
 )
 from .results import environment, finished
@@ -167,7 +167,7 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
     """
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    with torch_threads(threads), quiet_transformers():
+    with torch_threads(threads), quiet_transformers(loading=False):
         meta = environment(bench.model)
         if bench.warmup:
             say("warming up")

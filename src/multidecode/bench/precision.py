@@ -65,7 +65,7 @@ from .common import (
     fresh,
     hf_sequential,
     multidecode_forest,
-    sample_excerpt,
+    opening_lines,
     torch_threads,
 )
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Part, Plot, Target, run
@@ -96,7 +96,7 @@ def labels(chosen: Sequence[str]) -> dict[str, tuple[str, str]]:
 
 
 @dataclass
-class Loaded:
+class FileAtPrecisions:
     """The GGUF file loaded for the benchmark: a `MultiDecoder` per precision (plus `auto` with
     the model's own attention), llama.cpp's engine (None: `llama_missing` says why), and what
     each load cost."""
@@ -110,7 +110,7 @@ class Loaded:
 
     @classmethod
     def of(cls, path: str | os.PathLike, chosen: Sequence[str], *, threads: int, with_llama: bool = True,
-           progress: Progress | None = None) -> Loaded:
+           progress: Progress | None = None) -> FileAtPrecisions:
         from ..api import load
 
         say, loads, decoders = progress or (lambda message: None), {}, {}
@@ -213,12 +213,12 @@ def profile_step(decoder, prompt: Sequence[int], *, steps: int = PROFILE_STEPS, 
                          "us_per_call": e.self_cpu_time_total / max(1, e.count)} for e in ranked]}
 
 
-def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, max_new_tokens: int | None = None,
+def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None = None, max_new_tokens: int | None = None,
                         context_tokens: int = 1400, context_new_tokens: int = 64, questions: int = 8,
                         question_tokens: int = 32, document: str | None = None, document_tokens: int | None = None,
                         transformers: bool = True, profile: bool = True, repeats: int = 3, budget_s: float = 60.0,
                         bandwidth: float | None = None, warmup: bool = True) -> Benchmark:
-    """The precision benchmark as data, over `loaded` (see `Loaded.of`).
+    """The precision benchmark as data, over `loaded` (see `FileAtPrecisions.of`).
 
     names: the speculate workloads (None: all three; []: none); max_new_tokens overrides theirs.
     context_tokens, context_new_tokens: the long-context case (0 tokens: left out).
@@ -243,7 +243,7 @@ def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, m
                                           0.0), context_new_tokens, budget_s, prompt=prompt))
     if questions > 0:
         if document is None:
-            document = data.sample_document() if document_tokens is None else sample_excerpt(
+            document = data.sample_document() if document_tokens is None else opening_lines(
                 document_tokens, lambda text: len(setup.tokenizer(text, add_special_tokens=False)["input_ids"]))
         cases.append(plan.ask(questions, question_tokens, budget_s, document, transformers=transformers))
     if not cases:
@@ -285,7 +285,7 @@ def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Seque
                               "leave --model out for the embedded model's GGUF, or name a .gguf file")
     threads = threads or torch.get_num_threads()
     with torch_threads(threads):
-        loaded = Loaded.of(path, chosen, threads=threads, with_llama=with_llama, progress=progress)
+        loaded = FileAtPrecisions.of(path, chosen, threads=threads, with_llama=with_llama, progress=progress)
         try:
             return run(precision_benchmark(loaded, **settings), threads=threads, progress=progress)
         finally:
@@ -307,7 +307,7 @@ def check_precisions(names: Sequence[str]) -> list[str]:
 # ---------------------------------------------------------------------- the cases
 @dataclass(frozen=True)
 class _Plan:
-    loaded: Loaded
+    loaded: FileAtPrecisions
     setup: Setup
     labels: dict[str, tuple[str, str]]
     bandwidth: float
@@ -474,5 +474,5 @@ def _tables(result: dict) -> list[TextTable]:
 VIEWS["precision"] = View(_tables, LAYOUT.chart)
 
 
-__all__ = ["DEFAULT_PRECISIONS", "Loaded", "check_precisions", "measure_bandwidth", "precision_benchmark",
+__all__ = ["DEFAULT_PRECISIONS", "FileAtPrecisions", "check_precisions", "measure_bandwidth", "precision_benchmark",
            "profile_step", "run_precision_benchmark", "step_bytes"]

@@ -160,7 +160,7 @@ def build_cells(tokenizer, *, requests: int, concurrency: Sequence[int], shared:
 
 # ---------------------------------------------------------------------- one cell's requests
 @dataclass
-class Outcome:
+class StreamedRequest:
     """One request as the client saw it (times from `time.perf_counter`)."""
 
     index: int
@@ -178,7 +178,7 @@ class Outcome:
         return self.completion_tokens if self.completion_tokens is not None else len(self.token_times)
 
 
-async def _request(client, model: str, prompt: str, outcome: Outcome, max_tokens: int) -> None:
+async def _request(client, model: str, prompt: str, outcome: StreamedRequest, max_tokens: int) -> None:
     import httpx
     import openai
 
@@ -201,18 +201,18 @@ async def _request(client, model: str, prompt: str, outcome: Outcome, max_tokens
     outcome.end = time.perf_counter()
 
 
-def drive(url: str, model: str, cell: Cell, max_tokens: int, timeout_s: float) -> tuple[list[Outcome], float]:
+def drive(url: str, model: str, cell: Cell, max_tokens: int, timeout_s: float) -> tuple[list[StreamedRequest], float]:
     """Send the cell's requests at their arrival times, at most `cell.concurrency` in flight; their
     outcomes, and when the arrival times count from."""
     openai = _openai()
 
-    async def send_all() -> tuple[list[Outcome], float]:
+    async def send_all() -> tuple[list[StreamedRequest], float]:
         slots = asyncio.Semaphore(cell.concurrency)
-        outcomes = [Outcome(i, a) for i, a in enumerate(cell.arrivals)]
+        outcomes = [StreamedRequest(i, a) for i, a in enumerate(cell.arrivals)]
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout_s) as client:
             start = time.perf_counter()
 
-            async def send(outcome: Outcome) -> None:
+            async def send(outcome: StreamedRequest) -> None:
                 await asyncio.sleep(max(0.0, start + outcome.arrival - time.perf_counter()))
                 async with slots:
                     await _request(client, model, cell.prompts[outcome.index], outcome, max_tokens)
@@ -240,7 +240,7 @@ def percentiles(values: Sequence[float]) -> dict | None:
     return {**{f"p{q}": cuts[q - 1] for q in PERCENTILES}, "mean": statistics.fmean(values), "n": len(values)}
 
 
-def summarize(outcomes: Sequence[Outcome], start: float) -> dict:
+def summarize(outcomes: Sequence[StreamedRequest], start: float) -> dict:
     """The cell's latency percentiles and throughput from its requests' outcomes (`start`: when
     the cell's arrival times count from); client_wait_s is how long requests waited for a slot."""
     done = [o for o in outcomes if o.error is None and o.token_times]
@@ -377,7 +377,7 @@ def model_folder(model: str | None) -> tuple[str, dict]:
     """The local folder (and loading kwargs) of `model`, the embedded model's float32 copy by default."""
     from ..models import converted, loading
 
-    return (str(converted.embedded_copy()), {}) if model is None else loading._locate(model)
+    return (str(converted.embedded_copy()), {}) if model is None else loading.locate(model)
 
 
 def load_tokenizer(model: str | None):

@@ -30,8 +30,9 @@ import torch
 
 from ..engine import Engine
 from ..errors import InvalidArgument, check_positive
+from ..models.reading import quiet_transformers
 from ..models.vetting import cache_argument
-from .common import AnswersDiffer, Progress, quiet_transformers, torch_threads
+from .common import AnswersDiffer, Progress, torch_threads
 from .results import VIEWS, Chart, Line, Panel, TextTable, View, environment, finished, grid
 
 FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS = "forest_unrelated", "forest_shared", "separate", "batch_rows"
@@ -211,7 +212,7 @@ def run_unrelated(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens:
     started = time.perf_counter()
     generator, order = torch.Generator().manual_seed(seed), random.Random(seed)
     cells = []
-    with torch_threads(threads), quiet_transformers():
+    with torch_threads(threads), quiet_transformers(loading=False):
         meta = environment(model)
         for p in prompt_tokens:
             for r in requests:
