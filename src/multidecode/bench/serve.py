@@ -32,26 +32,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import random
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
 
 from .. import data
-from ..errors import InvalidArgument, MultiDecodeError, check_positive
+from ..errors import InvalidArgument, check_positive
 from ..prompts import common_prefix_length
 from ..runtime import Limits
+from ..serving.launch import ServerFailed, ServerProcess
 from .common import Progress, spread
 from .harness import Target
 from .results import VIEWS, Chart, Line, Panel, View, environment, finished, fmt, grid, targets_table
@@ -87,10 +83,6 @@ NOTES = [
     "one_at_a_time is the same server with Limits(max_running=1): the prefix cache still works, only batching differs.",
     "Timings on a 2-core machine shared with other work are noisy: compare ratios measured in one run.",
 ]
-
-
-class ServerFailed(MultiDecodeError):
-    """A server the benchmark started did not come up, or died while measured."""
 
 
 # ---------------------------------------------------------------------- the load
@@ -291,62 +283,9 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
             "busy_seconds": d["busy_seconds"]}
 
 
-class Server:
-    """A server in a subprocess on a free loopback port, its output in a temporary log file (a
-    context manager: started on entry, stopped on exit). `command` says "{port}" where the port goes."""
-
-    def __init__(self, name: str, command: list[str], *, model: str, env: dict | None = None) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.name, self.model, self.url = name, model, f"http://127.0.0.1:{port}"
-        self.command = [part.replace("{port}", str(port)) for part in command]
-        self.env = {**os.environ, **(env or {})}
-
-    def __enter__(self) -> Self:
-        handle, log = tempfile.mkstemp(prefix=f"multidecode-bench-{self.name}-", suffix=".log")
-        self.log = Path(log)
-        with open(handle, "wb") as out:  # the child keeps its own copy of the descriptor
-            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        self.started = time.monotonic()
-        return self
-
-    def wait_ready(self, ready_s: float = 300.0) -> float:
-        """Until /health answers 200; returns the seconds it took. Raises `ServerFailed`."""
-        import httpx
-
-        while True:
-            self.alive("exited")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return time.monotonic() - self.started
-            if time.monotonic() - self.started > ready_s:
-                raise ServerFailed(f"the {self.name} server was not ready after {ready_s:.0f} s: {self.log_tail()}")
-            time.sleep(0.25)
-
-    def alive(self, died: str = "died") -> None:
-        if self.process.poll() is not None:
-            raise ServerFailed(f"the {self.name} server {died} with code {self.process.returncode}: {self.log_tail()}")
-
-    def log_tail(self, lines: int = 12) -> str:
-        text = self.log.read_text("utf-8", "replace").strip().splitlines()
-        return " | ".join(text[-lines:]) or "(no output)"
-
-    def __exit__(self, *exc) -> None:
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            if self.process.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(wait)
-        self.log.unlink(missing_ok=True)
-
-
 def multidecode_server(name: str, model: str | None, launched: dict, *, max_running: int | None = None,
                        max_live_tokens: int, prefix_cache_tokens: int, gather: int = 1,
-                       gather_s: float = 0.0) -> Server:
+                       gather_s: float = 0.0) -> ServerProcess:
     """`multidecode serve` in a subprocess as `launched` says (dtype, device, threads), with the
     admission limits given (max_running 1: one request at a time; gather, gather_s: see `Limits`)."""
     command = [sys.executable, "-m", "multidecode", "serve", "--port", "{port}", "--served-model-name", SERVED_NAME,
@@ -357,10 +296,10 @@ def multidecode_server(name: str, model: str | None, launched: dict, *, max_runn
         command += ["--gather", str(gather), "--gather-s", str(gather_s)]
     for option, value in (("--model", model), ("--max-running", max_running)):
         command += [option, str(value)] if value is not None else []
-    return Server(name, command, model=SERVED_NAME)
+    return ServerProcess(name, command, model=SERVED_NAME)
 
 
-def transformers_server(model: str | None, *, continuous_batching: bool = False) -> Server:
+def transformers_server(model: str | None, *, continuous_batching: bool = False) -> ServerProcess:
     """`transformers serve` on the model's folder offline (on the CPU, float32); `ServerFailed` says
     why where it cannot be started."""
     folder, kwargs = model_folder(model)
@@ -370,7 +309,7 @@ def transformers_server(model: str | None, *, continuous_batching: bool = False)
                            else "the `transformers` command is not installed next to this Python")
     command = [exe, "serve", folder, "--host", "127.0.0.1", "--port", "{port}", "--device", "cpu",
                "--dtype", "float32", "--log-level", "warning"] + ["--continuous-batching"] * continuous_batching
-    return Server(HF, command, model=folder, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
+    return ServerProcess(HF, command, model=folder, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
 
 
 def model_folder(model: str | None) -> tuple[str, dict]:
@@ -388,7 +327,7 @@ def load_tokenizer(model: str | None):
 
 
 # ---------------------------------------------------------------------- running it
-def warm_up(server: Server, max_tokens: int, gather: int = 1) -> None:
+def warm_up(server: ServerProcess, max_tokens: int, gather: int = 1) -> None:
     """Two short requests, one after the other, then two at once, before anything is timed (to a
     server that gathers `gather` > 1 requests: that many at once, twice, so that it never waits)."""
     prompts = ("Warm-up: the quick brown fox", "Warm-up, again: a lazy dog")
@@ -402,7 +341,7 @@ def warm_up(server: Server, max_tokens: int, gather: int = 1) -> None:
             raise ServerFailed(f"the {server.name} server failed a warm-up request: {failed[0]}; {server.log_tail()}")
 
 
-def measure_cell(server: Server, cell: Cell, *, max_tokens: int, timeout_s: float, metrics: bool) -> dict:
+def measure_cell(server: ServerProcess, cell: Cell, *, max_tokens: int, timeout_s: float, metrics: bool) -> dict:
     """Run one cell's load against `server`; its row (figures, the server's counters, the texts)."""
     server.alive()
     before = read_metrics(server.url) if metrics else None
