@@ -14,8 +14,8 @@ from multidecode.bench.precision import (
     HF,
     LLAMA,
     SPECULATING,
-    _check_same_precision,
     check_precisions,
+    check_same_precision,
     ours,
     run_precision_benchmark,
     step_bytes,
@@ -94,9 +94,9 @@ def measurement(name, answers):
 def test_a_same_precision_difference_fails_the_run():
     same = {ours("auto"): measurement("a", [[1, 2, 3]]), SPECULATING: measurement("s", [[1, 2, 3]]),
             ours("float32"): measurement("f", [[1, 9, 9]])}
-    _check_same_precision(same)  # another precision may differ: it is reported, not raised
+    check_same_precision(same)  # another precision may differ: it is reported, not raised
     with pytest.raises(AnswersDiffer, match="at the same precision"):
-        _check_same_precision({**same, HF: measurement("h", [[1, 2, 4]])})
+        check_same_precision({**same, HF: measurement("h", [[1, 2, 4]])})
 
 
 def test_step_bytes_leave_out_an_untied_input_embedding():

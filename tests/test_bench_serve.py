@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from local_models import tiny_model_folder, tiny_tokenizer
 
-from multidecode.bench.serve import FOREST, ONE, StreamedRequest, build_cells, metrics_delta, percentiles, summarize
+from multidecode.bench.serve import FOREST, ONE, StreamedRequest, build_cells, cell_figures, metrics_delta, percentiles
 from multidecode.cli import main
 
 
@@ -59,7 +59,7 @@ def test_summarize_a_worked_example():
     a = StreamedRequest(0, 0.0, sent=10.0, token_times=[10.2, 10.3, 10.5], end=10.6, completion_tokens=3)
     b = StreamedRequest(1, 1.0, sent=11.5, token_times=[11.9, 12.0], end=12.0, completion_tokens=2)
     failed = StreamedRequest(2, 1.0, sent=11.0, end=11.1, error="APIStatusError: 503")
-    got = summarize([a, b, failed], start=10.0)
+    got = cell_figures([a, b, failed], start=10.0)
     assert got["completed"] == 2 and got["errors"] == 1 and got["error_examples"] == ["APIStatusError: 503"]
     assert got["ttft_s"]["p50"] == pytest.approx(0.3) and got["ttft_s"]["n"] == 2
     assert got["ttft_s"]["p95"] == pytest.approx(0.39) and got["ttft_s"]["p99"] == pytest.approx(0.398)
