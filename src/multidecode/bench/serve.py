@@ -584,4 +584,4 @@ def chart(result: dict) -> Chart:
               f"{cfg['max_tokens']} new tokens, Poisson {cfg['rate_per_s']}/s")
 
 
-VIEW = VIEWS["serve"] = View(tables, chart)
+VIEWS["serve"] = View(tables, chart)

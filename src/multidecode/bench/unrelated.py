@@ -242,4 +242,4 @@ def chart(result: dict) -> Chart:
                  legend="first")
 
 
-VIEW = VIEWS["unrelated"] = View(tables, chart)
+VIEWS["unrelated"] = View(tables, chart)
