@@ -1,7 +1,7 @@
 """Tiny GGUF files written with the `gguf` package: nothing is downloaded.
 
 `write_tiny_gguf` writes a Llama with random weights and a byte-level BPE vocabulary in its
-metadata (the library's own: `multidecode.bench.random_gguf`, which writes files of real models'
+metadata (the library's own: `multidecode.models.random_gguf`, which writes files of real models'
 shapes for benchmarks). Its matrices are stored in a chosen GGUF type (`matrix_type`, or per
 tensor through `types`); `q4_k_blocks` makes Q4_K data by hand, which gguf-py can read but not write.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from multidecode.bench.random_gguf import BYTE_TOKENS, add_byte_level_tokenizer, byte_level_tokens
+from multidecode.models.random_gguf import BYTE_TOKENS, add_byte_level_tokenizer, byte_level_tokens
 
 
 def write_tiny_gguf(path, *, seed: int = 0, name: str = "tiny", matrix_type: str = "Q8_0", types=None,

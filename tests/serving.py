@@ -4,7 +4,6 @@ folder is conftest's `model_dir` fixture: `running_server(tiny_loader(model_dir)
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -16,15 +15,9 @@ import uvicorn
 from multidecode.models.loading import load_model_and_tokenizer
 from multidecode.runtime import Limits
 from multidecode.serving.app import ServeState, create_app
-from multidecode.serving.launch import DrainingServer
+from multidecode.serving.launch import DrainingServer, free_port
 
 MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Running:

@@ -14,16 +14,16 @@ from multidecode.bench.precision import (
     HF,
     LLAMA,
     SPECULATING,
-    _check_same_precision,
     check_precisions,
+    check_same_precision,
     ours,
     run_precision_benchmark,
     step_bytes,
 )
-from multidecode.bench.random_gguf import write_random_gguf
 from multidecode.bench.results import tables
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument
+from multidecode.models.random_gguf import write_random_gguf
 
 
 @pytest.fixture
@@ -78,12 +78,12 @@ def test_methods_left_out_are_said(tiny_gguf):
 
 
 def test_a_document_cut_to_about_n_tokens():
-    from multidecode.bench.common import sample_excerpt
+    from multidecode.bench.common import opening_lines
 
     def words(text):
         return len(text.split())
 
-    short, longer = sample_excerpt(20, words), sample_excerpt(200, words)
+    short, longer = opening_lines(20, words), opening_lines(200, words)
     assert 20 <= words(short) < words(longer) and longer.startswith(short)
 
 
@@ -94,9 +94,9 @@ def measurement(name, answers):
 def test_a_same_precision_difference_fails_the_run():
     same = {ours("auto"): measurement("a", [[1, 2, 3]]), SPECULATING: measurement("s", [[1, 2, 3]]),
             ours("float32"): measurement("f", [[1, 9, 9]])}
-    _check_same_precision(same)  # another precision may differ: it is reported, not raised
+    check_same_precision(same)  # another precision may differ: it is reported, not raised
     with pytest.raises(AnswersDiffer, match="at the same precision"):
-        _check_same_precision({**same, HF: measurement("h", [[1, 2, 4]])})
+        check_same_precision({**same, HF: measurement("h", [[1, 2, 4]])})
 
 
 def test_step_bytes_leave_out_an_untied_input_embedding():

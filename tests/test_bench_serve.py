@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from local_models import tiny_model_folder, tiny_tokenizer
 
-from multidecode.bench.serve import FOREST, ONE, Outcome, build_cells, metrics_delta, percentiles, summarize
+from multidecode.bench.serve import FOREST, ONE, StreamedRequest, build_cells, cell_figures, metrics_delta, percentiles
 from multidecode.cli import main
 
 
@@ -56,10 +56,10 @@ def test_percentiles_and_counters():
 def test_summarize_a_worked_example():
     """Two requests arriving at 0 and 1 s; the second waits 0.5 s for a slot. TTFT from send, ITL
     the gaps between tokens, TPOT (e2e - TTFT) / (tokens - 1), throughput over first send to last end."""
-    a = Outcome(0, 0.0, sent=10.0, token_times=[10.2, 10.3, 10.5], end=10.6, completion_tokens=3)
-    b = Outcome(1, 1.0, sent=11.5, token_times=[11.9, 12.0], end=12.0, completion_tokens=2)
-    failed = Outcome(2, 1.0, sent=11.0, end=11.1, error="APIStatusError: 503")
-    got = summarize([a, b, failed], start=10.0)
+    a = StreamedRequest(0, 0.0, sent=10.0, token_times=[10.2, 10.3, 10.5], end=10.6, completion_tokens=3)
+    b = StreamedRequest(1, 1.0, sent=11.5, token_times=[11.9, 12.0], end=12.0, completion_tokens=2)
+    failed = StreamedRequest(2, 1.0, sent=11.0, end=11.1, error="APIStatusError: 503")
+    got = cell_figures([a, b, failed], start=10.0)
     assert got["completed"] == 2 and got["errors"] == 1 and got["error_examples"] == ["APIStatusError: 503"]
     assert got["ttft_s"]["p50"] == pytest.approx(0.3) and got["ttft_s"]["n"] == 2
     assert got["ttft_s"]["p95"] == pytest.approx(0.39) and got["ttft_s"]["p99"] == pytest.approx(0.398)

@@ -1,4 +1,4 @@
-"""The benchmark's random GGUF files (`multidecode.bench.random_gguf`), on the "tiny" shape.
+"""The random GGUF files for benchmarks at size (`multidecode.models.random_gguf`), on the "tiny" shape.
 
 What a benchmark relies on: the same seed writes the same bytes (two tools timed on one file, a
 file written again is the same file); the file says what `Shape` says (gguf-py reads back the
@@ -16,9 +16,9 @@ import hashlib
 import pytest
 
 import multidecode
-from multidecode.bench import random_gguf
-from multidecode.bench.random_gguf import BYTE_TOKENS, SHAPES, byte_level_tokens, write_random_gguf
+from multidecode.models import random_gguf
 from multidecode.models.packed import PackedEmbedding, PackedLinear
+from multidecode.models.random_gguf import BYTE_TOKENS, SHAPES, byte_level_tokens, write_random_gguf
 
 TINY = SHAPES["tiny"]
 

@@ -40,6 +40,7 @@ from multidecode.models.loading import load_model_and_tokenizer
 from multidecode.runtime import Job, Limits
 from multidecode.runtime.jobs import NOTHING
 from multidecode.sampling import SamplingParams
+from multidecode.serving.launch import ServerProcess
 
 EOS = 2  # the tiny model's end-of-sequence token
 MULTIDECODE = Path(sys.executable).with_name("multidecode")
@@ -430,31 +431,13 @@ def test_a_client_that_leaves_just_as_its_request_ends_releases_its_reservation_
 
 
 # ---------------------------------------------------------------------- 6. SIGTERM, a bad --model
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited: {process.communicate()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    pytest.fail("the server did not become healthy")
-
-
 @pytest.mark.slow
 def test_sigterm_drains_the_running_requests_and_refuses_new_ones(model_dir):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    process = subprocess.Popen([str(MULTIDECODE), "serve", "--model", str(model_dir), "--port", str(port),
-                                "--served-model-name", MODEL, "--drain-timeout", "30", "--log-level", "warning"],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_healthy(url, process)
+    command = [str(MULTIDECODE), "serve", "--model", str(model_dir), "--port", "{port}", "--served-model-name", MODEL,
+               "--drain-timeout", "30", "--log-level", "warning"]
+    with ServerProcess("sigterm", command, env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as server:
+        server.wait_ready(120)
+        url, process = server.url, server.process
         body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 240, "n": 16, "temperature": 1,
                 "seed": 3, "stream": True}
         events: list[str] = []
@@ -477,11 +460,7 @@ def test_sigterm_drains_the_running_requests_and_refuses_new_ones(model_dir):
         finished = [c for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
         assert sorted(c["index"] for c in finished) == list(range(16))
         assert {c["finish_reason"] for c in finished} <= {"length", "stop"}
-        assert process.wait(30) == 0, process.communicate()
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()
+        assert process.wait(30) == 0, server.log_tail()
 
 
 @pytest.mark.slow

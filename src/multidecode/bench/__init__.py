@@ -1,10 +1,5 @@
-"""Benchmarks of MultiDecode against the transformers alternatives, measured side by side.
-
-`harness` runs the benchmarks declared as data (`serve` and `unrelated` measure on their own;
-`precision` compares precisions and llama.cpp on one GGUF file),
-`common` holds what they measure with and the transformers baselines, and `results` writes and
-reads every result. Importing the package registers every benchmark's view (`results.VIEWS`).
-"""
+"""Benchmarks of MultiDecode against the alternatives, measured side by side (docs/benchmarks.md).
+Importing the package registers every benchmark's view (`results.VIEWS`)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Benchmark: many questions about one document, MultiDecode against transformers.
-
-The methods answer the same questions from the same whole-prompt ids
-(`MultiDecoder.question_prompts`), greedy, in one process, and must all give (a)'s answer ids:
-(a) `hf_sequential`, one `generate` per question (K questions cost the sum of the first K
-single-question runs); (b) `hf_batched`, a left-padded batch (the costly one: rounds of its
-own); (c) `hf_shared_prefix`, the shared prefix's cache copied to a batch; (d) `multidecode`, one
-forest over one cache (what `ask` runs); (e) `multidecode_speculate`, (d) with every branch
-speculating (`speculate=MODE`). At the main K (the number of questions) (d) also answers each
-question alone (`multidecode_alone`): "the time of one answer" for the scaling target. The sweep
-runs K = 1, 2, 4, 8, 16 questions (the list extended with `extra_questions`, then cycled).
-"""
+"""Benchmark: many questions about one document, (a)-(c) transformers, (d) one forest, (e) the
+forest speculating, and (d) answering each question alone (docs/benchmarks.md, `bench ask`)."""
 
 from __future__ import annotations
 
@@ -49,19 +39,10 @@ def ask_benchmark(decoder, *, document: str | None = None, questions: Sequence[s
                   ks: Sequence[int] = (1, 2, 4, 8, 16), sweep_methods: Sequence[str] = METHODS,
                   speculate: str | SpeculationSettings | None = None, repeats: int = 3, repeat_budget_s: float = 30.0,
                   sweep_repeat_budget_s: float = 8.0, warmup: bool = True) -> Benchmark:
-    """The ask benchmark as data.
-
-    document, questions: default to the sample support call and its 8 questions.
-    extra_questions: more questions for sweep points past len(questions) (default: 8 more about
-        the sample document when it is the document; otherwise the list is cycled).
-    ks: the sweep's question counts; the main comparison is at K = len(questions), always run.
-    sweep_methods: which of (b), (c), (d) the sweep measures at K other than len(questions);
-        (a) is always measured, as the reference. (e) runs wherever (d) does.
-    speculate: the speculation of (e) (a mode such as "lookup" or "auto", or
-        `SpeculationSettings`); None leaves (e) out.
-    repeat_budget_s, sweep_repeat_budget_s: the time budget of the rounds at the main K and
-        elsewhere. On a machine shared with other busy processes, 1 thread is far steadier than 2.
-    """
+    """The ask benchmark as data. document, questions: default to the sample call and its 8
+    questions (the sweep's further ones from `extra_questions`, then cycled); ks: the sweep's
+    question counts, the main one (len(questions)) always run; sweep_methods: which of (b)-(d) the
+    sweep measures away from it ((a), the reference, always); speculate: (e)'s mode (None: no (e))."""
     if document is None:
         document = data.sample_document()
         if extra_questions is None:
@@ -88,8 +69,6 @@ def ask_benchmark(decoder, *, document: str | None = None, questions: Sequence[s
 
 
 run_ask_benchmark = runs(ask_benchmark)
-"""Measure (a)-(d) (and (e)) side by side and return the results as a JSON-ready dict; the
-settings are `ask_benchmark`'s. Raises `AnswersDiffer` if any method's answers differ from (a)'s."""
 
 
 @dataclass(frozen=True)
@@ -137,9 +116,7 @@ class _Plan:
         return (self.method(SEQUENTIAL, short[:1], 2), *(self.method(name, short, 2) for name in names))
 
     def answers(self, got: dict) -> dict:
-        """The main case's answers as text, and what K answers cost against one: "one answer" is
-        the mean of (d) answering each question alone, not the first question alone, because the
-        forest decodes until its longest answer ends."""
+        """The main case's answers as text, and K answers' time over one (the mean of (d) alone)."""
         d, alone = got[MULTIDECODE], got[ALONE]
         mean_single = alone.wall_s / len(alone.answers)
         answers = [{"question": self.pool[i], "text": self.setup.text(ids), "token_ids": ids,

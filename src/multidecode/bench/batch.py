@@ -1,15 +1,6 @@
-"""Benchmark: the batch job, run for real (`open_batch` and `BatchJob.run` into a fresh output file
-in a temporary folder), greedy, on two workloads.
-
-- **similar** (`similar_benchmark`): the suffix proposer's home ground. N support calls that differ
-  only in names, tickets, routers, problem, visit and credit (`similar_documents`, from fixed
-  lists by index), the 8 shipped questions each, so their answers repeat each other's words. The
-  job without speculation (the reference), with lookup, and with suffix and `auto` over a store
-  that is new each run, so that only the run's earlier documents help.
-- **merged** (`merged_benchmark`): a day's log of 3 to 12 calls per line (`call_logs`), 4 to 8
-  questions each: HF `generate` once per question (the reference), the job one document at a
-  time (`forest_tokens=0`), and the job in merged forests, with and without suffix drafts.
-"""
+"""Benchmark: the batch job run for real, on similar documents with and without speculation
+(`similar_benchmark`) and on a day's logs in merged forests (`merged_benchmark`), against HF
+`generate` (docs/benchmarks.md, `bench batch`)."""
 
 from __future__ import annotations
 
@@ -41,7 +32,6 @@ SPECULATE = {PLAIN: None, LOOKUP: SpeculationSettings.parse("lookup"), SUFFIX: s
 TARGETS = {SUFFIX: 1.0, AUTO: 1.0}
 """Speed-ups over the plain job that the methods are held to."""
 
-# ---------------------------------------------------------------------- the documents
 CUSTOMERS = ["Daniel Okafor", "Aiko Tanaka", "Lena Fischer", "Rosa Delgado", "Omar Haddad", "Grace Mensah",
              "Piotr Nowak", "Sofia Rossi", "Kwame Boateng", "Mei Lin", "Lucas Moreau"]
 AGENTS = ["Priya Raman", "Marco Silva", "Tom Becker", "Hannah Cole"]
@@ -99,15 +89,11 @@ def questions() -> list[str]:
     return data.sample_questions()
 
 
-# ---------------------------------------------------------------------- one run of the job
 def run_job(decoder, rows: list[dict], settings: BatchSettings, speculate, counter: ForwardCounter, *,
             forest_tokens: int = FOREST_TOKENS, forwards_from_stats: bool = True) -> RunOutput:
-    """The whole batch job once over the input lines `rows`, written with its output file to a new
-    temporary folder (removed afterwards): its answers' token ids in input order (records come in
-    the order lines finish), its documents/s, and its drafts summed from the lines' stats.
-    speculate: a `speculate=` value, or a function making a fresh one for the run.
-    forwards_from_stats: count forwards from the lines' stats (right for one line at a time);
-    otherwise the counter's hooked count (in a merged forest the lines share their forwards)."""
+    """The whole job once over the input lines `rows`, in a temporary folder: its answers in input
+    order, its documents/s and its drafts summed from the lines' stats (forwards too where
+    `forwards_from_stats`: one line at a time; merged lines share theirs, counted at the model)."""
     by_line, stats = {}, []
     with tempfile.TemporaryDirectory(prefix="multidecode-bench-batch-") as folder:
         source, out = Path(folder) / "documents.jsonl", Path(folder) / "answers.jsonl"
@@ -137,11 +123,7 @@ def token_counts(tokenizer, rows: list[dict]) -> dict | None:
 
 def similar_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 48, repeats: int = 3,
                       budget_s: float = 300.0, warmup: bool = True) -> Benchmark:
-    """The batch job over `documents` similar calls with every method, side by side, as data.
-
-    budget_s: the time budget for rounds of all methods (one round always runs).
-    Raises `AnswersDiffer` where a method's answers differ from the plain job's.
-    """
+    """The batch job over `documents` similar calls with every method, side by side, as data."""
     check_positive("documents", documents)
     check_positive("max_new_tokens", max_new_tokens)
     if decoder.cost is None:
@@ -178,10 +160,8 @@ def similar_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 48,
 
 
 run_batch_benchmark = runs(similar_benchmark)
-"""Run the batch job over similar documents with every method; the settings are `similar_benchmark`'s."""
 
 
-# ---------------------------------------------------------------------- merged forests
 GENERATE, ONE, MERGED, MERGED_SUFFIX = "generate_loop", "one_at_a_time", "merged", "merged_suffix"
 MERGED_LABELS = {
     GENERATE: ("HF generate, one question at a time", "generate loop"),
@@ -222,10 +202,8 @@ def call_logs(n: int) -> list[dict]:
 
 def merged_benchmark(decoder, *, documents: int = 24, max_new_tokens: int = 48, repeats: int = 1,
                      budget_s: float = 600.0, forest_tokens: int = FOREST_TOKENS, warmup: bool = True) -> Benchmark:
-    """Many documents, 4-8 questions each: HF generate once per question, the batch job one
-    document at a time, and the job in merged forests (with and without suffix drafts), side by
-    side, as data. Raises `AnswersDiffer` where a method's answers differ from generate's.
-    """
+    """HF generate once per question, the job one document at a time and in merged forests (with
+    and without suffix drafts), over `documents` call logs, as data."""
     check_positive("documents", documents)
     check_positive("max_new_tokens", max_new_tokens)
     setup, rows = Setup.of(decoder), call_logs(documents)
@@ -268,4 +246,3 @@ def merged_benchmark(decoder, *, documents: int = 24, max_new_tokens: int = 48, 
 
 
 run_merged_benchmark = runs(merged_benchmark)
-"""Run the merged-forests workload; the settings are `merged_benchmark`'s."""

@@ -1,13 +1,5 @@
-"""Benchmark: beam search, one tree over one cache against transformers' `generate(num_beams=B)`.
-
-`hf_beam` (`generate(num_beams=B, num_return_sequences=B)`: B copies of the prompt prefilled,
-one cache row per beam, the whole cache reordered every step) and `multidecode_beam`
-(`strategies.beam.run_beam_search`: the prompt prefilled once, beams as branches of one tree,
-dropped beams compacted out) search the same prompt ids with the same settings. Both must return
-the same B sequences (token for token, up to and including the eos) and the same scores to
-float32 rounding (`SCORE_ATOL`/`SCORE_RTOL`), else `AnswersDiffer`. The main comparison is at
-`num_beams`; the sweep repeats it for each B in `beams_sweep`.
-"""
+"""Benchmark: beam search as one tree over one cache against transformers' `generate(num_beams=B)`,
+identical sequences and scores asserted (docs/benchmarks.md, `bench beam`)."""
 
 from __future__ import annotations
 
@@ -18,7 +10,16 @@ import torch
 from ..errors import check_positive
 from ..strategies.beam import check_settings, run_beam_search
 from ..strategies.complete import prompt_ids
-from .common import AnswersDiffer, ForwardCounter, Measurement, RunOutput, Setup, excerpt_prompt, hf_sequential
+from .common import (
+    AnswersDiffer,
+    ForwardCounter,
+    Measurement,
+    RunOutput,
+    Setup,
+    engine_output,
+    excerpt_prompt,
+    hf_sequential,
+)
 from .harness import Benchmark, Case, Method, Plot, Target, positive_counts, ratios, runs
 
 HF, MULTIDECODE = "hf_beam", "multidecode_beam"
@@ -44,12 +45,9 @@ def multidecode_beam(model, prompt: Sequence[int], counter: ForwardCounter, *, n
                            num_return_sequences=num_beams, eos_token_id=list(eos_ids), compaction=compaction)
     stats, cache = run_.stats, run_.engine.cache
     per_slot = cache.used_bytes // cache.num_slots if cache.num_slots else 0
-    return RunOutput(
-        [b.token_ids for b in run_.beams], stats.peak_cache_bytes, forward_passes=stats.forward_passes,
-        extra={"scores": [b.score for b in run_.beams], "tokens_fed": stats.tokens_fed, "steps": run_.steps,
-               "peak_slots": stats.peak_slots, "peak_used_kv_bytes": stats.peak_slots * per_slot,
-               "compactions": stats.compactions, "slots_dropped": stats.slots_dropped},
-    )
+    return engine_output([b.token_ids for b in run_.beams], stats, scores=[b.score for b in run_.beams],
+                         steps=run_.steps, peak_used_kv_bytes=stats.peak_slots * per_slot,
+                         slots_dropped=stats.slots_dropped)
 
 
 def check_scores(hf: Measurement, ours: Measurement) -> float:
@@ -65,16 +63,8 @@ def beam_benchmark(decoder, *, prompt: str | Sequence[int] | None = None, prompt
                    num_beams: int = 4, beams_sweep: Sequence[int] = (2, 4, 8), max_new_tokens: int = 32,
                    length_penalty: float = 1.0, early_stopping: bool | str = False, repeats: int = 3,
                    repeat_budget_s: float = 60.0, sweep_repeat_budget_s: float = 20.0, warmup: bool = True) -> Benchmark:
-    """HF beam search and MultiDecode's side by side, as data.
-
-    prompt: text (chat-templated when the tokenizer has a template), ids, or None for about
-        `prompt_tokens` ids asking to summarize the sample support call. MultiDecode saves the
-        B-fold prompt prefill and the per-step cache copies, so its gain grows with B and with the
-        prompt's length relative to max_new_tokens.
-    num_beams: the main comparison's B (always measured); beams_sweep: the other B to measure.
-    repeat_budget_s, sweep_repeat_budget_s: the rounds' time budget at the main B and elsewhere.
-    Raises `AnswersDiffer` unless both return the same sequences and (to float32 rounding) scores.
-    """
+    """Both beam searches as data. prompt: text, ids, or None for about `prompt_tokens` ids asking
+    to summarize the sample call; num_beams: the main B (always measured), beams_sweep the others."""
     check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, 1)
     check_positive("prompt_tokens", prompt_tokens)
     positive_counts("beam count", beams_sweep, "pass beams_sweep=(2, 4, 8)")
@@ -112,7 +102,6 @@ def beam_benchmark(decoder, *, prompt: str | Sequence[int] | None = None, prompt
 
 
 run_beam_benchmark = runs(beam_benchmark)
-"""Measure HF beam search and MultiDecode's side by side; the settings are `beam_benchmark`'s."""
 
 
 def _methods(setup: Setup, prompt: Sequence[int], **settings) -> tuple[Method, ...]:
@@ -125,8 +114,7 @@ def _methods(setup: Setup, prompt: Sequence[int], **settings) -> tuple[Method, .
 
 
 def _report(setup: Setup, main: bool):
-    """Scores checked to float32 rounding; the ratios beam search adds (tokens fed, KV filled);
-    at the main B, the beams as text."""
+    """Scores checked; the ratios beam search adds (tokens fed, KV filled); at the main B, the beams."""
     def report(got: dict) -> dict:
         hf, md = got[HF], got[MULTIDECODE]
         vs = {**ratios(md, hf), "tokens_fed_ratio": md.extra["tokens_fed"] / hf.extra["tokens_fed"],

@@ -1,11 +1,7 @@
-"""What every benchmark measures with, independent of its use case: counting and timing forward
-passes (`ForwardCounter`), a method's runs and their median (`RunOutput`, `Measurement`,
-`measure_together`), KV bytes (`cache_bytes`), answers compared up to and including the first eos
-(`trim_at_eos`, `check_identical`), and what a user of plain transformers would run instead on
-the same prompt ids: (a) `hf_sequential`, (b) `hf_batched`, (c) `hf_shared_prefix`, each taking
-any further `generate` settings; (d) `multidecode_forest` is MultiDecode on the same prompts.
-Nothing here prints; callers pass a `progress` callback where they want news.
-"""
+"""What every benchmark measures with: forward passes counted and timed, a method's runs and their
+median, KV bytes, answers compared, the transformers baselines (a) `hf_sequential`, (b)
+`hf_batched`, (c) `hf_shared_prefix` and (d) `multidecode_forest` on the same prompt ids.
+docs/benchmarks.md ("How the benchmarks measure") says how."""
 
 from __future__ import annotations
 
@@ -25,22 +21,17 @@ from ..proposers.suffix import SuffixProposer, SuffixStore
 from ..speculation import Speculation, auto_proposer
 
 Progress = Callable[[str], None]
-
-PREFILL = "prefill"
-DECODE = "decode"
+PREFILL, DECODE = "prefill", "decode"
 
 
 class AnswersDiffer(AssertionError):
     """Two methods that must agree token for token gave different answers."""
 
 
-# ---------------------------------------------------------------------- counting forward passes
 class ForwardCounter:
-    """Counts and times the forward calls of `model` while active (a context manager).
-
-    Each call is labelled `prefill` or `decode`: `prefill(n)` labels the next n calls prefill
-    (the runner knows which calls read the prompt), every other call is decode.
-    """
+    """Counts and times the forward calls of `model` while active (a context manager), each
+    labelled prefill or decode: `prefill(n)` labels the next n calls prefill (the runner knows
+    which calls read the prompt), every other call is decode."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -49,7 +40,7 @@ class ForwardCounter:
         self._handles: list = []
 
     def __enter__(self) -> Self:
-        if self.model is not None:  # None: a method outside torch (llama.cpp) counts its own
+        if self.model is not None:  # None: a method outside torch (llama.cpp) records its own
             self._handles = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
                              self.model.register_forward_hook(self._after, with_kwargs=True)]
         return self
@@ -70,11 +61,10 @@ class ForwardCounter:
         self._started = time.perf_counter()
 
     def _after(self, module, args, kwargs, output) -> None:
-        self.calls.append((self._phase, time.perf_counter() - self._started, self._shape))
+        self.record(self._phase, time.perf_counter() - self._started, self._shape)
 
     def record(self, phase: str, seconds: float, shape: tuple[int, ...]) -> None:
-        """Count a forward call made outside torch (llama.cpp's `llama_decode`): its phase
-        (`PREFILL` or `DECODE`), seconds and input shape."""
+        """Count a forward call: its phase, seconds and input shape (llama.cpp's come from outside torch)."""
         self.calls.append((phase, seconds, shape))
 
     @property
@@ -90,16 +80,8 @@ class ForwardCounter:
         return sum(s for p, s, _ in self.calls if p == phase)
 
 
-# ---------------------------------------------------------------------- memory
-def output_cache(out):
-    """The KV cache a transformers output holds: `cache` from 5.23 on, `past_key_values` before."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
-
-
 def cache_bytes(cache) -> int:
-    """Bytes of key/value tensors `cache` holds now (a transformers `Cache`, or a `SlotCache`,
-    whose preallocated buffer counts in full)."""
+    """Bytes of key/value tensors `cache` holds now (a `SlotCache`'s preallocated buffer in full)."""
     if cache is None:
         return 0
     if hasattr(cache, "allocated_bytes"):
@@ -108,11 +90,9 @@ def cache_bytes(cache) -> int:
                if isinstance(t, torch.Tensor))
 
 
-# ---------------------------------------------------------------------- answers
 def trim_at_eos(ids: Iterable[int], eos_ids: Iterable[int]) -> list[int]:
     """`ids` up to and including the first eos (padding after it dropped)."""
-    eos = set(eos_ids)
-    out: list[int] = []
+    eos, out = set(eos_ids), []
     for t in ids:
         out.append(int(t))
         if t in eos:
@@ -121,8 +101,7 @@ def trim_at_eos(ids: Iterable[int], eos_ids: Iterable[int]) -> list[int]:
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    """The first index where two token lists differ (the shorter one's length when one is the
-    other's start)."""
+    """The first index where two token lists differ (the shorter one's length if one starts the other)."""
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -143,10 +122,9 @@ def check_identical(answers: dict[str, Sequence[Sequence[int]]], *, reference: s
                                     f"{a[at:at + 5]} vs {b[at:at + 5]}")
 
 
-# ---------------------------------------------------------------------- one run, and repeats
 @dataclass
 class RunOutput:
-    """What one run of a method returns: its answers (trimmed) and the KV bytes it held at most."""
+    """One run of a method: its answers (trimmed), the KV bytes it held at most, its own counts."""
 
     answers: list[list[int]]
     kv_bytes: int
@@ -196,8 +174,8 @@ class Measurement:
 
 
 def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter]]) -> Measurement:
-    """The median-time run of `runs` (the faster of the middle two for an even count) as a
-    `Measurement`, with every run's time kept. All runs must have given the same answers."""
+    """The median-time run (the faster of the middle two for an even count), every run's time
+    kept; all runs must have given the same answers."""
     for _, out, _ in runs[1:]:
         if out.answers != runs[0][1].answers:
             raise AnswersDiffer(f"{method} gave different answers on a repeat run")
@@ -213,10 +191,8 @@ def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter
 
 def measure_together(runs: dict[str, Callable[[ForwardCounter], RunOutput]], model, *, repeats: int = 3,
                      budget_s: float = 8.0) -> dict[str, Measurement]:
-    """Measure several methods in interleaved rounds (each method once per round), so that they
-    see the same machine conditions and get the same number of runs. A new round starts while
-    fewer than `repeats` rounds ran and all rounds so far took under `budget_s` seconds.
-    model: the model whose forwards are counted, or {method: model} (None: not a torch model)."""
+    """Measure methods in interleaved rounds: a new round starts while fewer than `repeats` ran
+    and all took under `budget_s`. model: whose forwards are counted, or {method: model} (None: none)."""
     done: dict[str, list] = {name: [] for name in runs}
     spent, rounds = 0.0, 0
     while rounds == 0 or (rounds < repeats and spent < budget_s):
@@ -244,7 +220,7 @@ def combine_sequential(method: str, parts: Sequence[Measurement]) -> Measurement
         extra={"summed_over_items": len(parts)})
 
 
-# ---------------------------------------------------------------------- the transformers baselines
+# ---------------------------------------------------------------------- the baselines, and ours
 def pad_id_of(model, tokenizer=None) -> int:
     """The id to pad batches with: the tokenizer's, else the model's configs', else the first eos (else 0)."""
     for source in (tokenizer, getattr(model, "generation_config", None), model.config):
@@ -269,39 +245,36 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[t
     return ids.to(device), mask.to(device)
 
 
-def greedy_config(model, max_new_tokens: int, eos_ids: Iterable[int], pad_id: int, **settings):
-    """An explicit `GenerationConfig`: greedy (unless `settings` say otherwise), our eos and pad."""
+def _generate(model, counter: ForwardCounter, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int,
+              eos_ids, pad_id: int, arguments: dict | None = None, **settings) -> tuple[object, list[list[int]], int]:
+    """One `model.generate`, greedy unless `settings` say otherwise (its first forward counted as
+    prefill): the output, each row's new tokens up to the first eos, and its cache's bytes at the end."""
     from transformers import GenerationConfig
 
     eos = sorted({int(e) for e in eos_ids})
-    base = {"do_sample": False, "num_beams": 1, "max_new_tokens": max_new_tokens, "pad_token_id": pad_id,
-            "eos_token_id": eos or None, "bos_token_id": getattr(model.generation_config, "bos_token_id", None)}
-    return GenerationConfig(**{**base, **settings})
-
-
-def _generate(model, counter: ForwardCounter, ids: torch.Tensor, mask: torch.Tensor, config, eos_ids,
-              **arguments) -> tuple[object, list[list[int]], int]:
-    """One `model.generate` (its first forward counted as prefill): the output, each row's new
-    tokens up to the first eos, and the bytes of the cache it held at the end."""
+    config = GenerationConfig(**{
+        "do_sample": False, "num_beams": 1, "max_new_tokens": max_new_tokens, "pad_token_id": pad_id,
+        "eos_token_id": eos or None, "bos_token_id": getattr(model.generation_config, "bos_token_id", None),
+        **settings})
     counter.prefill(1)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, generation_config=config, return_dict_in_generate=True,
-                             **arguments)
+                             **(arguments or {}))
     answers = [trim_at_eos(row, eos_ids) for row in out.sequences[:, ids.shape[1]:].tolist()]
-    return out, answers, cache_bytes(output_cache(out))
+    cache = getattr(out, "cache", None)  # `cache` from transformers 5.23 on, `past_key_values` before
+    return out, answers, cache_bytes(cache if cache is not None else getattr(out, "past_key_values", None))
 
 
 def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, assistant=None,
                   **settings) -> RunOutput:
     """(a) `model.generate` once per prompt, the whole prompt each time (with `assistant` as its
-    `assistant_model`: assisted generation). With `output_scores=True` the sequences' scores (beam
-    search) are kept in `extra["scores"]`."""
-    config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
-    assisted = {} if assistant is None else {"assistant_model": assistant}
+    `assistant_model`: assisted generation); beam search's sequence scores in `extra["scores"]`."""
     answers, peak, scores = [], 0, []
     for prompt in prompts:
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
-        out, got, kv = _generate(model, counter, ids, torch.ones_like(ids), config, eos_ids, **assisted)
+        out, got, kv = _generate(model, counter, ids, torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 eos_ids=eos_ids, pad_id=pad_id, **settings,
+                                 arguments=None if assistant is None else {"assistant_model": assistant})
         answers += got
         peak = max(peak, kv)
         if getattr(out, "sequences_scores", None) is not None:
@@ -312,9 +285,9 @@ def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, a
 
 def hf_batched(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
     """(b) one `model.generate` over all prompts, left-padded, with their attention mask."""
-    config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
     ids, mask = left_pad(prompts, pad_id, model.device)
-    _, answers, peak = _generate(model, counter, ids, mask, config, eos_ids)
+    _, answers, peak = _generate(model, counter, ids, mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                 pad_id=pad_id, **settings)
     return RunOutput(answers, peak, extra={"padded_width": int(ids.shape[1])})
 
 
@@ -324,14 +297,11 @@ def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
 
 
 def hf_shared_prefix(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
-    """(c) the best plain-transformers version: prefill the shared prefix once into a
-    `DynamicCache`, copy it to a batch (`batch_repeat_interleave`), and let `generate` feed only
-    the uncached tails. Tails differ in length, so each is padded on its left, inside the tail,
-    with attention-mask zeros; `generate` derives position ids from the mask
-    (`cumsum - 1`), so every real token keeps its exact position."""
+    """(c) the shared prefix prefilled once into a `DynamicCache`, copied to a batch, and
+    `generate` fed only the tails, each left-padded inside the tail: `generate` derives positions
+    from the mask (`cumsum - 1`), so every real token keeps its exact position."""
     from transformers import DynamicCache
 
-    config = greedy_config(model, max_new_tokens, eos_ids, pad_id, **settings)
     n, p, device = len(prompts), shared_prefix_length(prompts), model.device
     tail_ids, tail_mask = left_pad([list(q[p:]) for q in prompts], pad_id, device)
     ids = torch.cat([torch.tensor([list(prompts[0][:p])] * n, dtype=torch.long, device=device).reshape(n, p),
@@ -345,9 +315,17 @@ def hf_shared_prefix(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id
             model(input_ids=ids[:1, :p], use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
         prefix_bytes = cache_bytes(cache)
         cache.batch_repeat_interleave(n)
-    _, answers, peak = _generate(model, counter, ids, mask, config, eos_ids, **{cache_argument(model): cache})
+    _, answers, peak = _generate(model, counter, ids, mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                 pad_id=pad_id, arguments={cache_argument(model): cache}, **settings)
     return RunOutput(answers, peak, extra={"prefix_tokens": p, "padded_tail": int(tail_ids.shape[1]),
                                            "prefix_cache_bytes": prefix_bytes})
+
+
+def engine_output(answers: list[list[int]], stats, **extra) -> RunOutput:
+    """A run of our engine: its answers with the engine's own counts (`EngineStats`)."""
+    return RunOutput(answers, stats.peak_cache_bytes, forward_passes=stats.forward_passes,
+                     extra={"peak_slots": stats.peak_slots, "tokens_fed": stats.tokens_fed,
+                            "compactions": stats.compactions, **extra})
 
 
 def multidecode_forest(decoder, prompts, counter, *, max_new_tokens, sampling=None, **start) -> RunOutput:
@@ -357,20 +335,16 @@ def multidecode_forest(decoder, prompts, counter, *, max_new_tokens, sampling=No
     counter.prefill(0)
     for _ in run.events:
         pass
-    stats = run.engine.stats
-    answers = [list(b.output.token_ids) for b in run.branches]
     decoded = run.stats.as_dict()
-    return RunOutput(answers, stats.peak_cache_bytes, forward_passes=stats.forward_passes,
-                     extra={"peak_slots": stats.peak_slots, "tokens_fed": stats.tokens_fed,
-                            "compactions": stats.compactions, "prefix_tokens": common_prefix_length(run.prompts),
-                            **{k: decoded[k] for k in ("speculate", "drafted", "accepted", "acceptance",
-                                                       "mean_draft_budget", "steps")}})
+    return engine_output([list(b.output.token_ids) for b in run.branches], run.engine.stats,
+                         prefix_tokens=common_prefix_length(run.prompts),
+                         **{k: decoded[k] for k in ("speculate", "drafted", "accepted", "acceptance",
+                                                    "mean_draft_budget", "steps")})
 
 
 @dataclass(frozen=True)
 class Setup:
-    """What every benchmark of a decoder needs: its model and tokenizer, and the eos and pad ids
-    the transformers baselines run with."""
+    """A decoder's model and tokenizer, and the eos and pad ids the transformers baselines run with."""
 
     decoder: object
     model: object
@@ -394,43 +368,23 @@ class Setup:
 
 
 def fresh(speculate):
-    """A `speculate=` value for one run: `speculate()` where it makes a fresh one per run (a new
-    store, a new proposer), else `speculate` as it is."""
+    """A `speculate=` value for one run: `speculate()` where it makes a fresh one (a new store), else itself."""
     return speculate() if callable(speculate) else speculate
 
 
 def suffix_over(store: SuffixStore | None = None) -> SuffixProposer:
-    """`speculate=` for the suffix proposer drafting from `store` (default: a new, empty one)
-    rather than the process-wide store: what it learns is this run's alone."""
+    """The suffix proposer drafting from `store` (default: a new one), not the process-wide store."""
     return SuffixProposer(store=SuffixStore() if store is None else store)
 
 
 def auto_over(store: SuffixStore | None = None, heads=()) -> Speculation:
-    """`speculate=` for "auto" (`speculation.auto_proposer`, its budget chosen by the cost model)
-    drafting from `store` (default: a new, empty one), and from Medusa `heads` when given."""
+    """"auto" drafting from `store` (default: a new one), and from learned `heads` when given."""
     return Speculation(auto_proposer(SuffixStore() if store is None else store, heads=heads), None)
 
 
 def spread(values: Sequence[float]) -> dict:
     """The least, the most and the mean (to one decimal) of `values`."""
     return {"min": min(values), "max": max(values), "mean": round(sum(values) / len(values), 1)}
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers' own warnings (generation flags, padding hints) off while benchmarking."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 @contextlib.contextmanager
@@ -444,9 +398,9 @@ def torch_threads(threads: int | None):
         torch.set_num_threads(before)
 
 
-def sample_excerpt(tokens: int, length: Callable[[str], int]) -> str:
-    """The sample support call's opening lines, as many as it takes for `length(text)` (the
-    tokens of what is built from them) to reach `tokens` (the whole call if it never does)."""
+def opening_lines(tokens: int, length: Callable[[str], int]) -> str:
+    """The sample support call's opening lines, as many as it takes for `length(text)` (the tokens
+    of what is built from them) to reach `tokens` (the whole call if it never does)."""
     excerpt = ""
     for line in data.sample_document().splitlines(keepends=True):
         excerpt += line
@@ -456,11 +410,10 @@ def sample_excerpt(tokens: int, length: Callable[[str], int]) -> str:
 
 
 def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
-    """`instruction`, a blank line, then the sample support call's opening lines up to about
-    `tokens` ids in all (the whole call if shorter), through the chat template when there is one."""
+    """`instruction`, a blank line, then the sample call's opening lines: about `tokens` ids in all."""
     from ..strategies.complete import prompt_ids
 
     def prompt(excerpt: str) -> list[int]:
         return prompt_ids(tokenizer, f"{instruction}\n\n{excerpt}")
 
-    return prompt(sample_excerpt(tokens, lambda excerpt: len(prompt(excerpt))))
+    return prompt(opening_lines(tokens, lambda excerpt: len(prompt(excerpt))))

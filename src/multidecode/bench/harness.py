@@ -1,29 +1,6 @@
-"""The one benchmark harness: a benchmark is declared as data and `run` measures it; the result
-is written by `results.write_results` as `<stem>.json`, `<stem>.png` and `<stem>.md`.
-
-Terms:
-- **method** (`Method`): one way to do a case's work. `run(counter)` does it once under a
-  `ForwardCounter` and returns a `RunOutput` (answers, KV bytes, the method's own counters). A
-  method may instead be `parts` run one after another, each measured once and shared by every
-  case that names it (one question at a time: K questions cost the sum of the first K).
-- **case** (`Case`): one workload or sweep point: its parameters (`{"k": 8}`), its methods, its
-  time budget and its targets.
-- **reference**: the method whose answers every other method of a case must equal token for
-  token (else `AnswersDiffer`); None where outputs are sampled and cannot be compared.
-- **round**: every method of a case run once, in order. Rounds repeat while fewer than `repeats`
-  ran and they took under the case's budget, and each method keeps its median run: interleaving
-  gives the methods the same machine conditions and the same number of runs. A `solo` method (a
-  costly one) gets rounds of its own under half the budget, so it does not use up the others'.
-- **pair** `(fast, slow)`: the row reports `<fast>_vs[<slow>]`, the speed-up (slow's wall time
-  over fast's) and fast's forward passes, tokens/s and KV bytes relative to slow's.
-- **row**: one case in the JSON: its parameters, every method's `Measurement`, the pairs' ratios
-  and what the case's `report` adds. A benchmark declared with one case and no `rows_key`
-  keeps its row at the top level.
-- **layout**: how to tabulate and draw the result (`results`), stored in the JSON with it, so
-  that the files can be redrawn from the JSON alone.
-
-Nothing here prints; `progress` gets a short message as each measurement ends.
-"""
+"""The one benchmark harness: a benchmark declared as data (cases, methods, pairs, targets) and
+`run`, which measures it in interleaved rounds and returns its JSON-ready result. Its terms and
+rules: docs/benchmarks.md, "How the benchmarks measure". Nothing here prints."""
 
 from __future__ import annotations
 
@@ -33,6 +10,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ..errors import InvalidArgument, is_int
+from ..models.reading import quiet_transformers
 from .common import (
     ForwardCounter,
     Measurement,
@@ -41,15 +19,13 @@ from .common import (
     check_identical,
     combine_sequential,
     measure_together,
-    quiet_transformers,
     torch_threads,
 )
-from .results import environment, finished
+from .results import environment, new_result
 
 Runner = Callable[[ForwardCounter], RunOutput]
 OUTSIDE_TORCH = "outside torch"
-"""`Method.model` of a method that no torch model runs (llama.cpp): its counter hooks nothing and
-its run reports its own forward passes and times."""
+"""`Method.model` of a method no torch model runs (llama.cpp): it reports its own forwards and times."""
 NOTES = (
     "Answers are compared token for token with the reference's, up to and including the first eos.",
     ("wall_s is the median of runs_s (a method run item by item: their sum); prefill_s/decode_s are the "
@@ -60,7 +36,6 @@ NOTES = (
 """What every result's numbers mean, stored in its config."""
 
 
-# ---------------------------------------------------------------------- the declaration
 @dataclass(frozen=True)
 class Part:
     """One item of a method run item by item; `key` names it across cases (measured once)."""
@@ -71,15 +46,14 @@ class Part:
 
 @dataclass(frozen=True)
 class Method:
-    """One way to do a case's work: `run`, or `parts` one after another. `skip` says why it cannot
-    run here (it is then left out and the reason kept in the row)."""
+    """One way to do a case's work: `run`, or `parts` one after another; `skip`: why it cannot run here."""
 
     name: str
     label: str
     run: Runner | None = None
     parts: tuple[Part, ...] = ()
     short: str = ""  # for plots and column headers; default: the label
-    solo: bool = False
+    solo: bool = False  # a costly method: rounds of its own
     skip: str | None = None
     model: object = None  # whose forwards its counter sees (default: the benchmark's; OUTSIDE_TORCH: none)
 
@@ -114,8 +88,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Case:
-    """One workload or sweep point. `report(measurements)` returns the case's own figures for its
-    row (answer texts, score differences) and raises where a check beyond identical answers fails."""
+    """One workload or sweep point; `report(measurements)` adds the case's own figures to its row."""
 
     params: dict
     methods: tuple[Method, ...]
@@ -127,8 +100,7 @@ class Case:
 
 @dataclass(frozen=True)
 class Plot:
-    """`sweep`: speed-ups and each figure against the case parameter `x` (log2 axis); `bars`: one
-    panel per figure, a group of bars (one per method) per case."""
+    """`sweep`: figures against the case parameter `x`; `bars`: a group of bars per case."""
 
     kind: str = "bars"
     figures: tuple[str, ...] = ("wall_s", "forward_passes", "peak_kv_bytes")
@@ -138,9 +110,8 @@ class Plot:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """A benchmark as data. `columns` are the figures in its tables; `rows_key` names the list of
-    case rows in the JSON ("sweep", "workloads"), or is None for a benchmark of exactly one case,
-    whose row then stands at the top level."""
+    """A benchmark as data: `columns` are its tables' figures, `rows_key` names its rows in the JSON
+    (None: one case, its row at the top level)."""
 
     name: str
     title: str
@@ -157,17 +128,12 @@ class Benchmark:
     summary: Callable[[dict], dict] | None = None  # figures over every row, added to the result
 
 
-# ---------------------------------------------------------------------- running it
 def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | None = None) -> dict:
-    """Warm up, measure every case, check identical answers, and return the JSON-ready result.
-
-    threads: torch intra-op threads for the run (restored afterwards); None keeps the setting.
-    Raises `AnswersDiffer` where a method's answers differ from the reference's (or its own on a
-    repeat run).
-    """
+    """Warm up, measure every case, check identical answers, return the JSON-ready result (threads:
+    torch's for the run, None: as they are). Raises `AnswersDiffer` where answers differ."""
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    with torch_threads(threads), quiet_transformers():
+    with torch_threads(threads), quiet_transformers(loading=False):
         meta = environment(bench.model)
         if bench.warmup:
             say("warming up")
@@ -176,18 +142,12 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
         done_parts: dict = {}
         rows = [_measure_case(bench, case, done_parts, say) for case in bench.cases]
     methods = {m.name: m for case in bench.cases for m in case.methods}
-    result = {
-        "benchmark": bench.name,
-        "title": bench.title,
-        "metadata": finished(meta, started),
-        "config": {**bench.config, "reference": bench.reference, "repeats": bench.repeats,
-                   "budgets_s": [case.budget_s for case in bench.cases],
-                   "notes": [*bench.config.get("notes", ()), *NOTES]},
-        "labels": {name: m.label for name, m in methods.items()},
-        "layout": {"rows": bench.rows_key, "params": list(bench.cases[0].params), "columns": list(bench.columns),
-                   "pairs": [list(p) for p in bench.pairs], "plot": asdict(bench.plot),
-                   "short": {name: m.short or m.label for name, m in methods.items()}},
-    }
+    config = {**bench.config, "reference": bench.reference, "repeats": bench.repeats,
+              "budgets_s": [case.budget_s for case in bench.cases], "notes": [*bench.config.get("notes", ()), *NOTES]}
+    result = new_result(bench.name, bench.title, meta, started, config, {name: m.label for name, m in methods.items()},
+                        layout={"rows": bench.rows_key, "params": list(bench.cases[0].params),
+                                "columns": list(bench.columns), "pairs": [list(p) for p in bench.pairs],
+                                "plot": asdict(bench.plot), "short": {n: m.short or m.label for n, m in methods.items()}})
     if bench.rows_key is None:
         (row,) = rows
         result.update(row)
@@ -204,8 +164,7 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
 
 
 def runs(declare: Callable[..., Benchmark]) -> Callable[..., dict]:
-    """`run(declare(decoder, **settings))`: the function that measures a declared benchmark and
-    returns its JSON-ready result (settings: `declare`'s; threads and progress: `run`'s)."""
+    """`run(declare(decoder, **settings))`: a declared benchmark's measuring function."""
     @functools.wraps(declare)
     def measure(decoder, *, threads: int | None = None, progress: Progress | None = None, **settings) -> dict:
         return run(declare(decoder, **settings), threads=threads, progress=progress)

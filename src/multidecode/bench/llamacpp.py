@@ -1,15 +1,6 @@
-"""llama.cpp as a measured baseline, through llama-cpp-python's low-level batch API.
-
-On a CPU, the tool a user would pick instead of us is llama.cpp; the benchmarks time it on the
-same GGUF file. Terms (llama.cpp's): a **sequence** is one prompt and its continuation; the
-context's KV cache is **unified**, so one cached token may belong to several sequences. Prompts
-that share a prefix decode it once as sequence 0 and copy it to the others
-(`llama_memory_seq_cp`, no recomputation), then each sequence's own tokens, then one token per
-live sequence a step, greedy, every step a single `llama_decode` over all of them.
-
-Optional: `pip install 'multidecode[peers]'` builds llama-cpp-python from source (about five
-minutes); `missing()` says why it cannot run here, and benchmarks skip it then.
-"""
+"""llama.cpp as a measured baseline on the same GGUF file, through llama-cpp-python's low-level
+batch API: shared prefixes decoded once and copied between sequences, greedy (docs/benchmarks.md,
+"How the benchmarks measure"). Optional: `missing()` says why it cannot run here."""
 
 from __future__ import annotations
 
@@ -68,11 +59,9 @@ class LlamaCpp:
         lib.llama_free(self.ctx)
         lib.llama_model_free(self.model)
 
-    # ------------------------------------------------------------------ one decode call
     def _decode(self, entries: Sequence[tuple[int, int, Sequence[int], bool]], phase: str) -> list[np.ndarray]:
-        """Decode (token, position, sequences, wants logits) entries, BATCH at a time; the logits
-        rows asked for, in order ([vocab] float32 each). Each `llama_decode` call is told to
-        `self.record(phase, seconds, (1, tokens))` where a run set it."""
+        """Decode (token, position, sequences, wants logits) entries, BATCH at a time: the logits rows
+        asked for ([vocab] float32 each); each call is told to `self.record` where a run set it."""
         rows = []
         for start in range(0, len(entries), BATCH):
             part = entries[start : start + BATCH]
@@ -93,10 +82,9 @@ class LlamaCpp:
                     rows.append(np.ctypeslib.as_array(pointer, shape=(self.vocab,)).copy())
         return rows
 
-    # ------------------------------------------------------------------ greedy decoding
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: Sequence[int]) -> dict:
-        """Greedy continuations of `prompts` (their common prefix decoded once), and the run's
-        times: {"answers", "prefill_s", "decode_s", "steps", "decode_calls"}."""
+        """Greedy continuations of `prompts` (their common prefix decoded once) and the run's times:
+        {"answers", "prefill_s", "decode_s", "steps"}."""
         if len(prompts) > self.sequences:
             raise ValueError(f"{len(prompts)} prompts, but the context holds {self.sequences} sequences")
         self.lib.llama_memory_clear(self.memory, True)

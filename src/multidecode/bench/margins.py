@@ -1,13 +1,5 @@
-"""Benchmark: writing in the margins, MultiDecode against transformers.
-
-A long document is cut into chunks (`strategies.margins.split_document`) and a margin is written
-for each of the first `chunks` chunks from the same whole-prompt ids
-(`strategies.margins.margin_prompts`), greedy, in one process: (a) `hf_sequential`, one
-`generate` per chunk; (b) `hf_batched`, one left-padded batch of the chunk prompts; (d)
-`multidecode`, the margins stage of `strategies.margins.start` (one forest), drained. All three
-must give identical margin ids, else `AnswersDiffer`. Only the margins are measured: the
-relevance pass and the final answer are the same small extra work for every method.
-"""
+"""Benchmark: writing in the margins of a long document's chunks, (a) one by one, (b) one padded
+batch, (d) one forest (docs/benchmarks.md, `bench margins`)."""
 
 from __future__ import annotations
 
@@ -15,7 +7,7 @@ from .. import data
 from ..errors import InvalidArgument, is_int
 from ..prompts import common_prefix_length
 from ..strategies.margins import margin_prompts, split_document, start
-from .common import ForwardCounter, RunOutput, Setup, hf_batched, hf_sequential
+from .common import ForwardCounter, RunOutput, Setup, engine_output, hf_batched, hf_sequential
 from .harness import Benchmark, Case, Method, Plot, Target, runs
 
 SEQUENTIAL, BATCHED, MULTIDECODE = "hf_sequential", "hf_batched", "multidecode"
@@ -30,8 +22,7 @@ SAMPLE_QUESTION = "Why did the backup pump at the Hillcrest booster station fail
 
 
 def sample_document() -> str:
-    """The long sample document shipped with the package (minutes of a water board meeting,
-    about 3,500 tokens with SmolLM2's tokenizer)."""
+    """The long sample document: minutes of a water board meeting (about 3,500 tokens)."""
     return data.text("water_board_meeting.txt")
 
 
@@ -50,24 +41,14 @@ def multidecode_margins(decoder, chunk_texts, question, counter: ForwardCounter,
         raise AssertionError("the margins run built other prompts than the baselines got")
     for _ in run_.events:
         pass
-    stats = run_.margin_run.engine.stats
-    answers = [list(b.output.token_ids) for b in run_.margin_run.branches]
-    return RunOutput(answers, stats.peak_cache_bytes, forward_passes=stats.forward_passes,
-                     extra={"peak_slots": stats.peak_slots, "tokens_fed": stats.tokens_fed,
-                            "compactions": stats.compactions})
+    return engine_output([list(b.output.token_ids) for b in run_.margin_run.branches], run_.margin_run.engine.stats)
 
 
 def margins_benchmark(decoder, *, document: str | None = None, question: str | None = None, chunks: int = 8,
                       chunk_tokens: int = 300, max_new_tokens: int = 48, repeats: int = 3, budget_s: float = 120.0,
                       warmup: bool = True) -> Benchmark:
-    """(a), (b), (d) writing the margins of `chunks` chunks side by side, as data.
-
-    document, question: default to the sample water board minutes and a question about them.
-    chunks, chunk_tokens: the first `chunks` chunks of the document cut at about `chunk_tokens`
-        tokens (the document must give that many).
-    max_new_tokens: the longest margin.
-    Raises `AnswersDiffer` if any method's margins differ from (a)'s.
-    """
+    """(a), (b), (d) writing margins side by side, as data: the first `chunks` chunks of about
+    `chunk_tokens` tokens of `document` (default: the water board minutes, with a question on them)."""
     setup = Setup.of(decoder)
     every, question = _chunks(setup.tokenizer, document, question, chunks, chunk_tokens)
     used = every[:chunks]
@@ -107,7 +88,6 @@ def margins_benchmark(decoder, *, document: str | None = None, question: str | N
 
 
 run_margins_benchmark = runs(margins_benchmark)
-"""Measure (a), (b), (d) writing the margins side by side; the settings are `margins_benchmark`'s."""
 
 
 def _chunks(tokenizer, document: str | None, question: str | None, chunks: int, chunk_tokens: int):

@@ -1,40 +1,6 @@
-"""Benchmark: what a decode step reads and what it costs, at each precision, against llama.cpp
-on the same GGUF file, on the CPU (where llama.cpp is the alternative a user has).
-
-A decode step on a CPU is bound by reading the weights: its floor is the bytes of weights it
-reads over the machine's memory bandwidth. The benchmark loads one GGUF file at several
-precisions (`models.precision`: "auto" keeps the file's 4-/8-bit codes, packed; "bfloat16" and
-"float32" widen them) and, where llama-cpp-python is installed, in llama.cpp (`bench.llamacpp`).
-
-**Cases.** One stream, greedy: the three shipped workloads of `bench speculate` (summary, code
-edit, story) and a long-context case (`context_tokens` of the sample call, `context_new_tokens`
-new tokens). Each runs MultiDecode without speculation at every precision, MultiDecode at `auto`
-with the model's own attention (`exact=False`: what batch invariance costs), MultiDecode at
-`auto` speculating (`auto`, a fresh suffix store per timed run, so a run never drafts from an
-earlier run's output) and llama.cpp. Then 8 questions about the sample call: the forest at every
-precision, the forest speculating at `auto`, transformers `generate` one question at a time at
-`auto` (same weights, same kernels) and llama.cpp's shared-prefix run (the document decoded once,
-its cache cells shared by the 8 sequences).
-
-**Figures per step** (`steps` in each row): `weights_bytes`, the bytes of weights a step reads
-(the model's resident tensors, each storage once, less an input embedding the LM head does not
-share: a lookup reads a few of its rows); `ms_per_step`, the mean time of a decode forward (for
-llama.cpp, of a `llama_decode` call); `gb_per_s`, the two divided; `floor_ms`, the bytes over the
-measured bandwidth (`bandwidth`: the best of several sums over a 512 MB float32 tensor, on the
-run's threads), and `vs_floor`, ms_per_step / floor_ms. `per_token`: the time of each generated
-token after the first (wall time less prefill, over new tokens less one), and its ratio to
-llama.cpp's.
-
-**Ratios.** Other arithmetic writes other tokens (llama.cpp's answers may end sooner or later
-than ours), so comparisons with llama.cpp are held on tokens per second (`tokens_per_s_ratio` of
-a pair) and per-token times; comparisons at one precision, where the tokens are the same, on
-wall time (`speedup`).
-
-**Exactness.** Methods at one precision must give the same tokens (MultiDecode plain,
-speculating and transformers' `generate` at `auto`; else `AnswersDiffer`). Other precisions and
-llama.cpp run other arithmetic: their agreement with `auto` is reported (`agreement`: identical
-answers, and the first token where each differs), not asserted.
-"""
+"""Benchmark: one GGUF file at each precision and in llama.cpp, on the CPU: what a decode step reads
+and costs against the memory floor of its weights, per token against llama.cpp, and 8 questions
+(docs/benchmarks.md, `bench precision`, and "How the benchmarks measure" for its figures)."""
 
 from __future__ import annotations
 
@@ -65,7 +31,7 @@ from .common import (
     fresh,
     hf_sequential,
     multidecode_forest,
-    sample_excerpt,
+    opening_lines,
     torch_threads,
 )
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Part, Plot, Target, run
@@ -96,10 +62,9 @@ def labels(chosen: Sequence[str]) -> dict[str, tuple[str, str]]:
 
 
 @dataclass
-class Loaded:
-    """The GGUF file loaded for the benchmark: a `MultiDecoder` per precision (plus `auto` with
-    the model's own attention), llama.cpp's engine (None: `llama_missing` says why), and what
-    each load cost."""
+class FileAtPrecisions:
+    """The GGUF file loaded at each precision (a `MultiDecoder` each, and `auto` with the model's own
+    attention) and in llama.cpp (None: `llama_missing` says why), with what each load cost."""
 
     path: Path
     decoders: dict[str, object]
@@ -110,7 +75,7 @@ class Loaded:
 
     @classmethod
     def of(cls, path: str | os.PathLike, chosen: Sequence[str], *, threads: int, with_llama: bool = True,
-           progress: Progress | None = None) -> Loaded:
+           progress: Progress | None = None) -> FileAtPrecisions:
         from ..api import load
 
         say, loads, decoders = progress or (lambda message: None), {}, {}
@@ -129,8 +94,7 @@ class Loaded:
         return cls(path, decoders, sdpa, llama, missing, loads)
 
     def model_of(self, name: str):
-        """The torch model that MultiDecode's method `name` runs (SDPA: auto with sdpa; the
-        speculating method: auto's)."""
+        """The torch model MultiDecode's method `name` runs (speculating: auto's)."""
         if name == SDPA:
             return self.sdpa.model
         precision = name.removeprefix(ours(""))
@@ -155,8 +119,7 @@ def resident_bytes() -> int:
 
 
 def measure_bandwidth(*, repeats: int = 5, size: int = BANDWIDTH_BYTES) -> float:
-    """Bytes per second this machine reads, on torch's current threads: the best of `repeats`
-    sums over a `size`-byte float32 tensor."""
+    """Bytes per second this machine reads, on torch's threads: the best of `repeats` sums over `size` bytes."""
     values = torch.ones(size // 4, dtype=torch.float32)  # [size / 4]
     values.sum()
     best = float("inf")
@@ -168,8 +131,8 @@ def measure_bandwidth(*, repeats: int = 5, size: int = BANDWIDTH_BYTES) -> float
 
 
 def step_bytes(model) -> int:
-    """The bytes of weights a decode step reads: every resident tensor once, less an input
-    embedding that the LM head does not share (a lookup reads only its rows)."""
+    """The bytes of weights a decode step reads: every resident tensor once, less an input embedding
+    the LM head does not share (a lookup reads only its rows)."""
     total = packed_bytes(model)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     shared = head is not None and {id(t) for t in embedding.parameters()} & {id(t) for t in head.parameters()}
@@ -183,11 +146,8 @@ PROFILE_STEPS = 16
 
 
 def profile_step(decoder, prompt: Sequence[int], *, steps: int = PROFILE_STEPS, top: int = 8) -> dict:
-    """Where a one-stream decode step's time goes (`torch.profiler`): the wall time per step (a
-    run of `steps` + 1 tokens less a run of 1, over `steps`), the time inside torch operators per
-    step (their self times summed over the profiled run, over its forwards), the operator calls
-    per step, and the `top` operators by time. Wall time less operator time is Python and dispatch:
-    the modules' code, the engine, sampling."""
+    """Where a one-stream decode step's time goes: wall time per step (a run of `steps` + 1 tokens
+    less a run of 1), time inside torch operators and their calls per forward, the `top` operators."""
     from torch.profiler import ProfilerActivity, profile
 
     def run(new: int):
@@ -213,22 +173,15 @@ def profile_step(decoder, prompt: Sequence[int], *, steps: int = PROFILE_STEPS, 
                          "us_per_call": e.self_cpu_time_total / max(1, e.count)} for e in ranked]}
 
 
-def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, max_new_tokens: int | None = None,
-                        context_tokens: int = 1400, context_new_tokens: int = 64, questions: int = 8,
+def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None = None,
+                        max_new_tokens: int | None = None, context_tokens: int = 1400, context_new_tokens: int = 64, questions: int = 8,
                         question_tokens: int = 32, document: str | None = None, document_tokens: int | None = None,
                         transformers: bool = True, profile: bool = True, repeats: int = 3, budget_s: float = 60.0,
                         bandwidth: float | None = None, warmup: bool = True) -> Benchmark:
-    """The precision benchmark as data, over `loaded` (see `Loaded.of`).
-
-    names: the speculate workloads (None: all three; []: none); max_new_tokens overrides theirs.
-    context_tokens, context_new_tokens: the long-context case (0 tokens: left out).
-    questions, question_tokens: the questions case (0: left out): that many of the sample call's
-        questions (cycled) about `document` (default: the sample call; with `document_tokens`,
-        its opening lines up to about that many tokens).
-    transformers: also run transformers' `generate` one question at a time (the costly one).
-    profile: add `profile` to the result: `profile_step` of auto, exact and sdpa.
-    bandwidth: bytes/s for the floor (default: measured now, on torch's current threads).
-    """
+    """The precision benchmark as data, over `loaded`: the speculate workloads `names` (None: all;
+    []: none), the long-context case (`context_tokens` 0: none), `questions` about `document`
+    (default: the sample call, or its opening `document_tokens`; 0: none), `profile`d steps, and
+    `bandwidth` for the floor (default: measured now)."""
     chosen = list(loaded.decoders)
     if AUTO not in chosen:
         raise InvalidArgument("the precision benchmark needs the auto precision", "add auto to --precisions")
@@ -243,7 +196,7 @@ def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, m
                                           0.0), context_new_tokens, budget_s, prompt=prompt))
     if questions > 0:
         if document is None:
-            document = data.sample_document() if document_tokens is None else sample_excerpt(
+            document = data.sample_document() if document_tokens is None else opening_lines(
                 document_tokens, lambda text: len(setup.tokenizer(text, add_special_tokens=False)["input_ids"]))
         cases.append(plan.ask(questions, question_tokens, budget_s, document, transformers=transformers))
     if not cases:
@@ -277,15 +230,15 @@ def precision_benchmark(loaded: Loaded, *, names: Sequence[str] | None = None, m
 def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Sequence[str] = DEFAULT_PRECISIONS,
                             threads: int | None = None, with_llama: bool = True, progress: Progress | None = None,
                             **settings) -> dict:
-    """Load the GGUF file at `path` at each precision (and in llama.cpp), measure every case side
-    by side, and return the JSON-ready result; the settings are `precision_benchmark`'s."""
+    """Load the GGUF file at `path` at each precision (and in llama.cpp) and measure
+    `precision_benchmark(**settings)` on it."""
     chosen = check_precisions(precisions_to_run)
     if not str(path).endswith(".gguf") or not Path(path).is_file():
         raise InvalidArgument(f"the precision benchmark needs a .gguf file, got {path}",
                               "leave --model out for the embedded model's GGUF, or name a .gguf file")
     threads = threads or torch.get_num_threads()
     with torch_threads(threads):
-        loaded = Loaded.of(path, chosen, threads=threads, with_llama=with_llama, progress=progress)
+        loaded = FileAtPrecisions.of(path, chosen, threads=threads, with_llama=with_llama, progress=progress)
         try:
             return run(precision_benchmark(loaded, **settings), threads=threads, progress=progress)
         finally:
@@ -293,8 +246,7 @@ def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Seque
 
 
 def check_precisions(names: Sequence[str]) -> list[str]:
-    """The precisions named, each once, canonical ("fp32" -> "float32"), auto first; unknown ones
-    and those the CPU cannot run refused."""
+    """The precisions named, each once, canonical, auto first; those the CPU cannot run refused."""
     chosen = []
     for name in names:
         canonical = precisions.parse(name)
@@ -304,10 +256,9 @@ def check_precisions(names: Sequence[str]) -> list[str]:
     return sorted(chosen, key=lambda p: p != AUTO)
 
 
-# ---------------------------------------------------------------------- the cases
 @dataclass(frozen=True)
 class _Plan:
-    loaded: Loaded
+    loaded: FileAtPrecisions
     setup: Setup
     labels: dict[str, tuple[str, str]]
     bandwidth: float
@@ -368,10 +319,9 @@ class _Plan:
         short = self.stream(Workload("warmup", "", "Hello.", None, 4, 0.0), 4, 0.0)
         return tuple(m for m in short.methods if m.skip is None)
 
-    # ------------------------------------------------------------------ figures
     def figures(self, got: dict[str, Measurement]) -> dict:
-        """Same-precision agreement (asserted), agreement with auto (reported), per-step and per-token figures."""
-        _check_same_precision(got)
+        """Same-precision agreement (asserted), agreement with auto (reported), per step and per token."""
+        check_same_precision(got)
         reference = got[ours(AUTO)].answers
         agreement = {name: _agreement(reference, m.answers) for name, m in got.items() if name != ours(AUTO)}
         steps = {name: self.step(name, m) for name, m in got.items() if name != HF}
@@ -388,7 +338,6 @@ class _Plan:
         return {"weights_bytes": weights, "ms_per_step": ms, "gb_per_s": weights / ms / 1e6 if ms else None,
                 "floor_ms": floor, "vs_floor": ms / floor if floor else None}
 
-
     def resident(self) -> dict:
         """Resident weights at auto against the file's tensor bytes (and llama.cpp's)."""
         memory = self.loaded.decoders[AUTO].memory()
@@ -400,10 +349,9 @@ class _Plan:
         return out
 
 
-def _check_same_precision(got: dict[str, Measurement]) -> None:
-    """MultiDecode at auto (plain, with sdpa, speculating) and transformers at auto must give the
-    same tokens: one precision, one set of weights. sdpa is exact to the token on tested prompts,
-    not by construction, so a difference there is reported, not raised."""
+def check_same_precision(got: dict[str, Measurement]) -> None:
+    """MultiDecode at auto, speculating, and transformers at auto must give the same tokens (sdpa's are
+    exact on tested prompts, not by construction: reported, not raised)."""
     reference = got[ours(AUTO)].answers
     for name in (SPECULATING, HF):
         if name in got and got[name].answers != reference:
@@ -443,10 +391,8 @@ def _ask_targets() -> tuple[Target, ...]:
             Target("resident weights at auto / the file's tensor bytes", ("resident", "ratio"), "<=", 1.25, unit=""))
 
 
-# ---------------------------------------------------------------------- the result's tables
 def _tables(result: dict) -> list[TextTable]:
-    """The harness's tables, then per case and method what a step reads and costs, then the
-    profiled steps (before the targets)."""
+    """The layout's tables, then what a step reads and costs and the profiled steps, before the targets."""
     short = result["layout"]["short"]
     steps = [{"case": row["case"], "method": name, **step, **{f"token_{k}": v for k, v in
                                                                row["per_token"].get(name, {}).items()}}
@@ -474,5 +420,5 @@ def _tables(result: dict) -> list[TextTable]:
 VIEWS["precision"] = View(_tables, LAYOUT.chart)
 
 
-__all__ = ["DEFAULT_PRECISIONS", "Loaded", "check_precisions", "measure_bandwidth", "precision_benchmark",
+__all__ = ["DEFAULT_PRECISIONS", "FileAtPrecisions", "check_precisions", "measure_bandwidth", "precision_benchmark",
            "profile_step", "run_precision_benchmark", "step_bytes"]

@@ -1,16 +1,7 @@
-"""The one results layer of the benchmarks: what ran (`environment`), and a result written as
-`<stem>.json`, `<stem>.md` (its tables) and `<stem>.png` (its plot), each drawn from the JSON alone.
-
-Terms:
-- **result**: the JSON-ready dict a benchmark returns: `benchmark` (its name), `title`,
-  `metadata` (`environment()` plus the run's load and time), `config`, `labels` and its figures.
-- **layout**: how a harness result is tabulated and drawn, stored in it (`harness.Benchmark`):
-  its rows (one per case), columns (figures by name, `FIGURES`), pairs and plot kind.
-- **view**: how a result is read: `tables(result)` (`TextTable`s, drawn as markdown here and with
-  rich by the CLI) and `chart(result)` (a `Chart`: panels of lines or bars). A result is read by
-  the view registered under its benchmark's name in `VIEWS` (serve, unrelated), else by its layout.
-- **findings**: what a result says beyond its tables: which answers matched, what did not run.
-"""
+"""The one results layer of the benchmarks: what ran (`environment`), a result's views (tables and
+chart, by its layout or by a view registered in `VIEWS`), and its files `<stem>.json`, `<stem>.md`
+and `<stem>.png`, each drawn from the JSON alone. Terms: docs/benchmarks.md, "How the benchmarks
+measure"."""
 
 from __future__ import annotations
 
@@ -28,11 +19,9 @@ import torch
 TITLE_SIZE, NOTE_SIZE = 9, 7
 
 
-# ---------------------------------------------------------------------- what ran
 def environment(model=None, *, launched: dict | None = None) -> dict:
-    """What ran, to store beside the numbers: the model loaded here (`model`: its name, type,
-    size, dtype, device and attention) or as a server was launched (`launched`: its model, dtype,
-    device and threads), then versions, torch threads, the machine, its load and the date."""
+    """What ran: the model loaded here (`model`) or in a server (`launched`: its model, dtype,
+    device and threads), versions, threads, the machine, its load and the date."""
     import transformers
 
     from ..version import __version__
@@ -51,9 +40,11 @@ def environment(model=None, *, launched: dict | None = None) -> dict:
             "load_average_at_start": load_average(), "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
 
 
-def finished(meta: dict, started: float) -> dict:
-    """`environment()` as taken at the start, with the load at the end and the run's seconds since `started`."""
-    return {**meta, "load_average_at_end": load_average(), "elapsed_s": round(time.perf_counter() - started, 2)}
+def new_result(name: str, title: str, meta: dict, started: float, config: dict, labels: dict, **figures) -> dict:
+    """A result as every benchmark's JSON opens, then its figures: `meta` is `environment()` as taken
+    at the start, finished with the load at the end and the seconds since `started`."""
+    metadata = {**meta, "load_average_at_end": load_average(), "elapsed_s": round(time.perf_counter() - started, 2)}
+    return {"benchmark": name, "title": title, "metadata": metadata, "config": config, "labels": labels, **figures}
 
 
 def model_name(model) -> str:
@@ -75,7 +66,6 @@ def machine_label(result: dict) -> str:
             f"threads={meta.get('threads', '?')})")
 
 
-# ---------------------------------------------------------------------- views
 @dataclass(frozen=True)
 class TextTable:
     """A table as text cells; its first `lead` columns name the row (left-aligned)."""
@@ -98,8 +88,7 @@ class Line:
 
 @dataclass(frozen=True)
 class Panel:
-    """One plot: lines (or, with `groups`, one bar per line in each group), reference lines
-    `hlines` as (y, style) and a log-scaled y where `log_y`."""
+    """One plot: lines (with `groups`: a bar per line in each group), reference lines `hlines` (y, style)."""
 
     title: str
     lines: list[Line]
@@ -111,8 +100,7 @@ class Panel:
 
 @dataclass(frozen=True)
 class Chart:
-    """A result's figure: panels side by side; lines run against `x` (log2 axis). legend: one per
-    panel ("each"), on the first only ("first"), or one below them all ("figure")."""
+    """Panels side by side, lines against `x` (log2); legend: per panel ("each"), "first" or below ("figure")."""
 
     panels: list[Panel]
     x: list = field(default_factory=list)
@@ -128,7 +116,7 @@ class View:
 
 
 VIEWS: dict[str, View] = {}
-"""Benchmarks read by a view of their own, by name (their modules register them)."""
+"""Benchmarks read by a view of their own, by name (their modules register them); the rest by `LAYOUT`."""
 
 
 def view_of(result: dict) -> View:
@@ -150,16 +138,14 @@ def grid(title: str, records: list[dict], columns: list[tuple[str, Callable[[dic
 
 
 def targets_table(result: dict) -> list[TextTable]:
-    """The result's targets: each with what it wants, what was measured (in its unit) and whether it was met."""
+    """The result's targets: what each wants, what was measured and whether it was met."""
     return [TextTable("Targets", ["target", "wanted", "measured", "met"],
                       [[t["name"], t["target"], f"{t['measured']:g}" + "x" * t["target"].endswith("x"),
                         "yes" if t["met"] else "**no**"] for t in result["targets"]])] if result.get("targets") else []
 
 
-# ---------------------------------------------------------------------- the files
 def findings(result: dict) -> list[str]:
-    """What the result says beyond its tables: whose answers (or logits) every method matched,
-    and which methods did not run, with why."""
+    """What the result says beyond its tables: whose answers every method matched, what did not run."""
     lines = []
     if result.get("answers_identical"):
         lines.append(f"Every method gave the same tokens as {result['labels'][result['config']['reference']]}.")
@@ -246,8 +232,7 @@ def _bars(ax, panel: Panel, chart: Chart) -> None:
 
 
 def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None) -> list[Path]:
-    """Write `<stem>.json`, `<stem>.png` and `<stem>.md` in `out_dir` (created); returns the paths.
-    stem defaults to `bench_<benchmark name>`."""
+    """Write `<stem>.json`, `.png` and `.md` (stem: `bench_<benchmark>`) in `out_dir`; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = stem or f"bench_{result['benchmark']}"
@@ -258,7 +243,6 @@ def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None)
     return paths
 
 
-# ---------------------------------------------------------------------- a harness result, by its layout
 FIGURES = {
     # name in a method's JSON (or its `extra`): (column header, format, scale)
     "wall_s": ("wall", "{:.2f} s", 1.0),
@@ -329,9 +313,8 @@ def layout_tables(result: dict) -> list[TextTable]:
 
 
 def layout_chart(result: dict) -> Chart:
-    """`sweep`: the speed-up of every pair, then each figure per method (log scale), against the
-    case parameter `x`; `bars`: a panel per figure, a group of bars (one per method) per case,
-    the wall-time bars marked with their speed-ups."""
+    """`sweep`: every pair's speed-up, then each figure per method (log y), against `x`; `bars`: a
+    panel per figure, a bar per method in a group per case, wall times marked with their speed-ups."""
     layout, rows = result["layout"], rows_of(result)
     spec, short = layout["plot"], layout["short"]
     names = list(dict.fromkeys(n for row in rows for n in row["methods"]))

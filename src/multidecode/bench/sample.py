@@ -1,15 +1,5 @@
-"""Benchmark: n sampled completions of one prompt, MultiDecode against `num_return_sequences`.
-
-transformers' `generate(num_return_sequences=n)` copies the prompt n times before prefill: n
-prefills and n copies of the prompt's cache. MultiDecode prefills the prompt once and samples n
-branches over one cache. Both sides draw exactly `max_new_tokens` tokens per completion (eos
-does not end a completion early), with the same sampling settings, so they do the same work;
-sampled outputs are not compared token for token (the generators differ), but each side's runs
-are seeded and must repeat identically.
-
-KV memory: an exact method must keep every completion's own keys, so MultiDecode's cache holds
-P + n*T tokens against transformers' n*(P + T); their ratio is the floor reported as `kv_floor`.
-"""
+"""Benchmark: n sampled completions of one prompt, one prefill and n branches against transformers'
+`num_return_sequences` (docs/benchmarks.md, `bench sample`)."""
 
 from __future__ import annotations
 
@@ -74,4 +64,3 @@ def sample_benchmark(decoder, *, n: int = 8, ns: Sequence[int] = (1, 2, 4, 8, 16
 
 
 run_sample_benchmark = runs(sample_benchmark)
-"""Time n completions both ways, side by side; the settings are `sample_benchmark`'s."""

@@ -1,60 +1,32 @@
-"""Benchmark: the OpenAI-compatible server under load (`multidecode bench serve`).
-
-A seeded load generator on `openai.AsyncOpenAI` (max_retries=0) sends streamed, greedy
-`/v1/completions` requests to servers this benchmark starts, each in a subprocess (the client's
-Python never shares a GIL with an engine) on a free loopback port:
-- `forest`: `multidecode serve`: concurrent requests decode as one forest, prefixes found cached;
-- `one_at_a_time`: the same server with `--max-running 1` (it keeps the prefix cache: only the
-  batching differs);
-- `transformers`: `transformers serve` on the same model folder (float32, CPU, offline), where it
-  starts here (else skipped, its error kept). It is slow, so it runs the grid's corners only
-  (lowest and highest concurrency and share), on the first `transformers_requests` requests.
-
-A **cell** is one point of the grid (concurrency x shared share) and its load, the same for every
-server: `requests` prompts of about `prompt_tokens` tokens cut from the shipped texts. A share s
-of each prompt is a head common to the cell's requests; the rest starts at a word offset no other
-prompt of the run starts at, so cells never hit each other's cache. Requests arrive as a seeded
-Poisson process at `rate` per second, at most `concurrency` in flight, each asking for exactly
-`max_tokens` tokens at temperature 0. Each cell starts a fresh pair of multidecode servers and
-measures them one after the other, the forest first in every other cell. With `gather_s` > 0 an
-idle multidecode server waits (up to that long) for the cell's `concurrency` requests before its
-first step, so that requests sent at once decode together from it even where a loaded machine
-delays some on their way in (`Limits.gather`). The figures (TTFT, ITL,
-TPOT, e2e, throughput, the server's counters) are defined in `NOTES`, stored with every result;
-docs/benchmarks.md reads a full run.
-
-**Targets**: output tokens/s at concurrency 16 with 90% shared at least 5x one at a time's;
-p50 TTFT at concurrency 16 at most 2x the solo (concurrency 1) p50 TTFT of the same share.
-"""
+"""Benchmark: the OpenAI-compatible server under load. A seeded Poisson load of streamed greedy
+completions (`openai.AsyncOpenAI`) against `multidecode serve` as one forest and one request at a
+time, and `transformers serve`, each in a subprocess (`serving.launch.ServerProcess`), cell by cell
+of a grid (concurrency x shared share) (docs/benchmarks.md, `bench serve`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import math
-import os
 import random
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
 
 from .. import data
-from ..errors import InvalidArgument, MultiDecodeError, check_positive
+from ..errors import InvalidArgument, check_positive
 from ..prompts import common_prefix_length
 from ..runtime import Limits
+from ..serving.launch import ServerFailed, ServerProcess
 from .common import Progress, spread
 from .harness import Target
-from .results import VIEWS, Chart, Line, Panel, View, environment, finished, fmt, grid, targets_table
+from .results import VIEWS, Chart, Line, Panel, View, environment, fmt, grid, new_result, targets_table
 
 FOREST, ONE, HF = "forest", "one_at_a_time", "transformers"
 LABELS = {
@@ -64,7 +36,7 @@ LABELS = {
 }
 SHORT = {FOREST: "forest", ONE: "one at a time", HF: "transformers serve"}
 TEXTS = ("water_board_meeting.txt", "support_call.txt")
-"""The text the prompts are cut from (the package's data folder), read as one stream of words."""
+"""The texts the prompts are cut from, read as one stream of words."""
 SERVED_NAME = "bench-model"
 THROUGHPUT_TARGET, TTFT_TARGET = 5.0, 2.0
 PERCENTILES = (50, 95, 99)
@@ -72,9 +44,8 @@ METRICS = ("prompt_tokens", "prompt_tokens_cached", "generation_tokens", "steps"
            "branch_steps", "busy_seconds", "requests_admitted", "requests_rejected", "requests_cancelled")
 """The server's counters read from /metrics (as multidecode_<name>_total), and its gauge cache_slots."""
 GRID = {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9), "max_tokens": 32, "prompt_tokens": 300}
-"""The full grid's load (about 17 minutes on the project's CPU machine)."""
+"""The full grid's load (about 17 minutes on the project's CPU machine); --quick runs `QUICK`."""
 QUICK = {"requests": 6, "concurrency": (1, 4), "shared": (0.0, 0.9), "max_tokens": 8, "prompt_tokens": 120}
-"""What --quick runs: a small grid, short prompts and answers (a minute or two on a quiet machine)."""
 NOTES = [
     ("TTFT: first streamed token - send; e2e: end of the stream - send (a request is sent once one of the "
      "`concurrency` client slots is free); ITL: gaps between streamed tokens, all requests of a cell pooled; "
@@ -89,11 +60,6 @@ NOTES = [
 ]
 
 
-class ServerFailed(MultiDecodeError):
-    """A server the benchmark started did not come up, or died while measured."""
-
-
-# ---------------------------------------------------------------------- the load
 @dataclass(frozen=True)
 class Cell:
     """One point of the grid: its load, the same for every server."""
@@ -112,8 +78,8 @@ class Cell:
 
 
 class WordStream:
-    """The shipped texts as one circular stream of words, each with its token count (with the
-    space before it), so that prompts of about N tokens can be cut from any offset."""
+    """The shipped texts as one circular stream of words with their token counts (the space before
+    included), to cut prompts of about N tokens from any offset."""
 
     def __init__(self, tokenizer, texts: Sequence[str] = TEXTS) -> None:
         self.words = [w for name in texts for w in data.text(name).split()]
@@ -132,8 +98,8 @@ class WordStream:
 
 def build_cells(tokenizer, *, requests: int, concurrency: Sequence[int], shared: Sequence[float], rate: float,
                 prompt_tokens: int, seed: int) -> list[Cell]:
-    """The grid's loads, from `seed` alone: every prompt of the run starts at its own word offset
-    (a cell's shared head counts as one start), so prompts share only what their cell shares."""
+    """The grid's loads, from `seed` alone: every prompt of the run starts at its own word offset (a
+    cell's shared head counts as one), so prompts share only what their cell shares."""
     stream = WordStream(tokenizer)
     grid = [(c, s) for c in concurrency for s in shared]
     starts_needed = sum(requests + (s > 0) for _, s in grid)
@@ -158,9 +124,8 @@ def build_cells(tokenizer, *, requests: int, concurrency: Sequence[int], shared:
     return cells
 
 
-# ---------------------------------------------------------------------- one cell's requests
 @dataclass
-class Outcome:
+class StreamedRequest:
     """One request as the client saw it (times from `time.perf_counter`)."""
 
     index: int
@@ -178,7 +143,7 @@ class Outcome:
         return self.completion_tokens if self.completion_tokens is not None else len(self.token_times)
 
 
-async def _request(client, model: str, prompt: str, outcome: Outcome, max_tokens: int) -> None:
+async def _request(client, model: str, prompt: str, outcome: StreamedRequest, max_tokens: int) -> None:
     import httpx
     import openai
 
@@ -201,18 +166,18 @@ async def _request(client, model: str, prompt: str, outcome: Outcome, max_tokens
     outcome.end = time.perf_counter()
 
 
-def drive(url: str, model: str, cell: Cell, max_tokens: int, timeout_s: float) -> tuple[list[Outcome], float]:
-    """Send the cell's requests at their arrival times, at most `cell.concurrency` in flight; their
-    outcomes, and when the arrival times count from."""
+def drive(url: str, model: str, cell: Cell, max_tokens: int, timeout_s: float) -> tuple[list[StreamedRequest], float]:
+    """Send the cell's requests at their arrival times, at most `cell.concurrency` in flight: what
+    each streamed, and when the arrival times count from."""
     openai = _openai()
 
-    async def send_all() -> tuple[list[Outcome], float]:
+    async def send_all() -> tuple[list[StreamedRequest], float]:
         slots = asyncio.Semaphore(cell.concurrency)
-        outcomes = [Outcome(i, a) for i, a in enumerate(cell.arrivals)]
+        outcomes = [StreamedRequest(i, a) for i, a in enumerate(cell.arrivals)]
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout_s) as client:
             start = time.perf_counter()
 
-            async def send(outcome: Outcome) -> None:
+            async def send(outcome: StreamedRequest) -> None:
                 await asyncio.sleep(max(0.0, start + outcome.arrival - time.perf_counter()))
                 async with slots:
                     await _request(client, model, cell.prompts[outcome.index], outcome, max_tokens)
@@ -240,9 +205,9 @@ def percentiles(values: Sequence[float]) -> dict | None:
     return {**{f"p{q}": cuts[q - 1] for q in PERCENTILES}, "mean": statistics.fmean(values), "n": len(values)}
 
 
-def summarize(outcomes: Sequence[Outcome], start: float) -> dict:
-    """The cell's latency percentiles and throughput from its requests' outcomes (`start`: when
-    the cell's arrival times count from); client_wait_s is how long requests waited for a slot."""
+def cell_figures(outcomes: Sequence[StreamedRequest], start: float) -> dict:
+    """A cell's latency percentiles and throughput from its requests (`start`: when their arrival
+    times count from); client_wait_s: how long requests waited for a slot."""
     done = [o for o in outcomes if o.error is None and o.token_times]
     errors = [o.error or "no token streamed" for o in outcomes if o not in done]
     span = (max(o.end for o in done) - min(o.sent for o in outcomes)) if done else 0.0
@@ -262,7 +227,6 @@ def summarize(outcomes: Sequence[Outcome], start: float) -> dict:
     }
 
 
-# ---------------------------------------------------------------------- the servers
 def read_metrics(url: str) -> dict[str, float]:
     """The multidecode counters (and the cache_slots gauge) of `url`/metrics, by short name."""
     import httpx  # installed with openai, which bench serve needs
@@ -291,64 +255,10 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
             "busy_seconds": d["busy_seconds"]}
 
 
-class Server:
-    """A server in a subprocess on a free loopback port, its output in a temporary log file (a
-    context manager: started on entry, stopped on exit). `command` says "{port}" where the port goes."""
-
-    def __init__(self, name: str, command: list[str], *, model: str, env: dict | None = None) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.name, self.model, self.url = name, model, f"http://127.0.0.1:{port}"
-        self.command = [part.replace("{port}", str(port)) for part in command]
-        self.env = {**os.environ, **(env or {})}
-
-    def __enter__(self) -> Self:
-        handle, log = tempfile.mkstemp(prefix=f"multidecode-bench-{self.name}-", suffix=".log")
-        self.log = Path(log)
-        with open(handle, "wb") as out:  # the child keeps its own copy of the descriptor
-            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        self.started = time.monotonic()
-        return self
-
-    def wait_ready(self, ready_s: float = 300.0) -> float:
-        """Until /health answers 200; returns the seconds it took. Raises `ServerFailed`."""
-        import httpx
-
-        while True:
-            self.alive("exited")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return time.monotonic() - self.started
-            if time.monotonic() - self.started > ready_s:
-                raise ServerFailed(f"the {self.name} server was not ready after {ready_s:.0f} s: {self.log_tail()}")
-            time.sleep(0.25)
-
-    def alive(self, died: str = "died") -> None:
-        if self.process.poll() is not None:
-            raise ServerFailed(f"the {self.name} server {died} with code {self.process.returncode}: {self.log_tail()}")
-
-    def log_tail(self, lines: int = 12) -> str:
-        text = self.log.read_text("utf-8", "replace").strip().splitlines()
-        return " | ".join(text[-lines:]) or "(no output)"
-
-    def __exit__(self, *exc) -> None:
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            if self.process.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(wait)
-        self.log.unlink(missing_ok=True)
-
-
 def multidecode_server(name: str, model: str | None, launched: dict, *, max_running: int | None = None,
                        max_live_tokens: int, prefix_cache_tokens: int, gather: int = 1,
-                       gather_s: float = 0.0) -> Server:
-    """`multidecode serve` in a subprocess as `launched` says (dtype, device, threads), with the
-    admission limits given (max_running 1: one request at a time; gather, gather_s: see `Limits`)."""
+                       gather_s: float = 0.0) -> ServerProcess:
+    """`multidecode serve` as `launched` says (dtype, device, threads), with the admission limits given."""
     command = [sys.executable, "-m", "multidecode", "serve", "--port", "{port}", "--served-model-name", SERVED_NAME,
                "--max-live-tokens", str(max_live_tokens), "--prefix-cache-tokens", str(prefix_cache_tokens),
                "--log-level", "warning", "--drain-timeout", "10", "--dtype", launched["dtype"],
@@ -357,12 +267,11 @@ def multidecode_server(name: str, model: str | None, launched: dict, *, max_runn
         command += ["--gather", str(gather), "--gather-s", str(gather_s)]
     for option, value in (("--model", model), ("--max-running", max_running)):
         command += [option, str(value)] if value is not None else []
-    return Server(name, command, model=SERVED_NAME)
+    return ServerProcess(name, command, model=SERVED_NAME)
 
 
-def transformers_server(model: str | None, *, continuous_batching: bool = False) -> Server:
-    """`transformers serve` on the model's folder offline (on the CPU, float32); `ServerFailed` says
-    why where it cannot be started."""
+def transformers_server(model: str | None, *, continuous_batching: bool = False) -> ServerProcess:
+    """`transformers serve` on the model's folder offline (CPU, float32); `ServerFailed` where it cannot start."""
     folder, kwargs = model_folder(model)
     exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
     if kwargs or exe is None:
@@ -370,14 +279,14 @@ def transformers_server(model: str | None, *, continuous_batching: bool = False)
                            else "the `transformers` command is not installed next to this Python")
     command = [exe, "serve", folder, "--host", "127.0.0.1", "--port", "{port}", "--device", "cpu",
                "--dtype", "float32", "--log-level", "warning"] + ["--continuous-batching"] * continuous_batching
-    return Server(HF, command, model=folder, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
+    return ServerProcess(HF, command, model=folder, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
 
 
 def model_folder(model: str | None) -> tuple[str, dict]:
     """The local folder (and loading kwargs) of `model`, the embedded model's float32 copy by default."""
     from ..models import converted, loading
 
-    return (str(converted.embedded_copy()), {}) if model is None else loading._locate(model)
+    return (str(converted.embedded_copy()), {}) if model is None else loading.locate(model)
 
 
 def load_tokenizer(model: str | None):
@@ -387,10 +296,9 @@ def load_tokenizer(model: str | None):
     return AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
-# ---------------------------------------------------------------------- running it
-def warm_up(server: Server, max_tokens: int, gather: int = 1) -> None:
-    """Two short requests, one after the other, then two at once, before anything is timed (to a
-    server that gathers `gather` > 1 requests: that many at once, twice, so that it never waits)."""
+def warm_up(server: ServerProcess, max_tokens: int, gather: int = 1) -> None:
+    """Two short requests one after the other, then two at once, before anything is timed (a server
+    that gathers `gather` > 1 requests: that many at once, twice, so that it never waits)."""
     prompts = ("Warm-up: the quick brown fox", "Warm-up, again: a lazy dog")
     if gather > 1:
         prompts = tuple(prompts[i % 2] + f" ({i})" for i in range(gather))
@@ -402,13 +310,13 @@ def warm_up(server: Server, max_tokens: int, gather: int = 1) -> None:
             raise ServerFailed(f"the {server.name} server failed a warm-up request: {failed[0]}; {server.log_tail()}")
 
 
-def measure_cell(server: Server, cell: Cell, *, max_tokens: int, timeout_s: float, metrics: bool) -> dict:
-    """Run one cell's load against `server`; its row (figures, the server's counters, the texts)."""
+def load_cell(server: ServerProcess, cell: Cell, *, max_tokens: int, timeout_s: float, metrics: bool) -> dict:
+    """One cell's load against `server`: its row (figures, the server's counters, the texts)."""
     server.alive()
     before = read_metrics(server.url) if metrics else None
     outcomes, start = drive(server.url, server.model, cell, max_tokens, timeout_s)
     row = {"server": server.name, "concurrency": cell.concurrency, "shared": cell.shared,
-           "requests": len(cell.prompts), **summarize(outcomes, start)}
+           "requests": len(cell.prompts), **cell_figures(outcomes, start)}
     if metrics:
         after = read_metrics(server.url)
         m = row["server_metrics"] = metrics_delta(before, after)
@@ -425,15 +333,10 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
                         max_live_tokens: int = Limits.max_live_tokens,
                         prefix_cache_tokens: int = Limits.prefix_cache_tokens, gather_s: float = 0.0,
                         timeout_s: float = 600.0, progress: Progress | None = None) -> dict:
-    """Run every cell of the grid against fresh servers and return the JSON-ready result.
-
-    model: a local folder or .gguf file (None: the embedded model). threads: torch threads in the
-    multidecode servers (None: torch's default). transformers: also run `transformers serve` (with
-    --continuous-batching if transformers_cb) on the grid's corners, where it starts here. gather_s:
-    how long an idle multidecode server waits for a cell's `concurrency` requests before its first
-    step (0: it starts on the first; see the module notes).
-    Raises `ServerFailed` where a multidecode server does not start or dies.
-    """
+    """Every cell of the grid against fresh servers: the JSON-ready result. model: a local folder or
+    .gguf file (None: the embedded model); threads: the multidecode servers' torch threads;
+    transformers: also `transformers serve` on the grid's corners. Raises `ServerFailed` where a
+    multidecode server does not start or dies."""
     _check(requests=requests, concurrency=concurrency, shared=shared, rate=rate, max_tokens=max_tokens,
            prompt_tokens=prompt_tokens, gather_s=gather_s)
     _openai()
@@ -451,28 +354,23 @@ def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurr
             corners = [c.first(transformers_requests) for c in cells if c.concurrency in (min(concurrency),
                        max(concurrency)) and c.shared in (min(shared), max(shared))]
             rows += _transformers_rows(model, corners, max_tokens, timeout_s, skipped, say, transformers_cb)
-    result = {
-        "benchmark": "serve",
-        "title": "the OpenAI-compatible server under load",
-        "metadata": finished(meta, started),
-        "config": {"requests": requests, "transformers_requests": transformers_requests if transformers else None,
-                   "transformers_continuous_batching": transformers_cb if transformers else None,
-                   "server_threads": threads, "concurrency": list(concurrency), "shared": list(shared),
-                   "rate_per_s": rate if math.isfinite(rate) else "inf", "max_tokens": max_tokens,
-                   "prompt_tokens": prompt_tokens, "seed": seed, "temperature": 0, "endpoint": "/v1/completions",
-                   "stream": True, "max_live_tokens": max_live_tokens, "prefix_cache_tokens": prefix_cache_tokens,
-                   "gather_s": gather_s,
-                   "client": "openai.AsyncOpenAI (max_retries=0), in the benchmark's process; servers in subprocesses",
-                   "notes": NOTES},
-        "labels": {**LABELS, HF: LABELS[HF] + (" --continuous-batching" if transformers_cb else "")},
-        "short": SHORT, "load": [_load_summary(c) for c in cells], "cells": _compared(rows), "skipped": skipped,
-    }
+    config = {"requests": requests, "transformers_requests": transformers_requests if transformers else None,
+              "transformers_continuous_batching": transformers_cb if transformers else None,
+              "server_threads": threads, "concurrency": list(concurrency), "shared": list(shared),
+              "rate_per_s": rate if math.isfinite(rate) else "inf", "max_tokens": max_tokens,
+              "prompt_tokens": prompt_tokens, "seed": seed, "temperature": 0, "endpoint": "/v1/completions",
+              "stream": True, "max_live_tokens": max_live_tokens, "prefix_cache_tokens": prefix_cache_tokens,
+              "gather_s": gather_s, "notes": NOTES,
+              "client": "openai.AsyncOpenAI (max_retries=0), in the benchmark's process; servers in subprocesses"}
+    labels = {**LABELS, HF: LABELS[HF] + (" --continuous-batching" if transformers_cb else "")}
+    result = new_result("serve", "the OpenAI-compatible server under load", meta, started, config, labels,
+                        short=SHORT, load=[_load_summary(c) for c in cells], cells=_compared(rows), skipped=skipped)
     return {**result, "targets": targets(result)}
 
 
 def _launched(model: str | None, threads: int | None) -> dict:
-    """How the multidecode servers are started: the model's name, float32 (texts are compared
-    between servers), the device the loader picks by default, and the torch threads."""
+    """How the multidecode servers start: float32 (their texts are compared), the loader's default
+    device, the torch threads."""
     import torch
 
     from ..models.loading import resolve_device
@@ -483,8 +381,8 @@ def _launched(model: str | None, threads: int | None) -> dict:
 
 def _multidecode_rows(model, cells: list[Cell], launched: dict, max_tokens: int, timeout_s: float, say: Progress,
                       gather_s: float, **limits) -> tuple[list[dict], list[float]]:
-    """Every cell against a fresh pair of multidecode servers (forest and one at a time), the
-    forest first in every other cell; the rows, and the seconds each server took to be ready."""
+    """Every cell against a fresh pair of multidecode servers, the forest first in every other cell:
+    the rows, and the seconds each server took to be ready."""
     rows, ready = [], []
     for cell in cells:
         gather = cell.concurrency if gather_s > 0 else 1
@@ -499,7 +397,7 @@ def _multidecode_rows(model, cells: list[Cell], launched: dict, max_tokens: int,
                 warm_up(server, max_tokens, gather)
             order = [FOREST, ONE] if len(rows) % 4 == 0 else [ONE, FOREST]  # alternate: no server always first
             for name in order:
-                row = measure_cell(servers[name], cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=True)
+                row = load_cell(servers[name], cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=True)
                 rows.append({**row, "measured": "first" if name == order[0] else "second"})
                 say(_line(rows[-1]))
     return rows, ready
@@ -516,7 +414,7 @@ def _transformers_rows(model, cells: list[Cell], max_tokens: int, timeout_s: flo
             server.wait_ready()
             warm_up(server, max_tokens)
             for cell in cells:
-                rows.append(measure_cell(server, cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=False))
+                rows.append(load_cell(server, cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=False))
                 say(_line(rows[-1]))
         return rows
     except ServerFailed as error:
@@ -542,9 +440,9 @@ def _line(row: dict) -> str:
 
 
 def _compared(rows: list[dict]) -> list[dict]:
-    """The rows with their ratios to one at a time in the same cell (throughput, p50 TTFT) and to
-    their own server's solo (concurrency 1) p50 TTFT at the same share; the forest's rows say
-    whether their texts equal one at a time's; every row keeps two texts as a sample."""
+    """The rows with their ratios to one at a time in the same cell and to their own solo
+    (concurrency 1) p50 TTFT; the forest's say whether their texts equal one at a time's; two
+    texts kept as a sample."""
     by = {(r["server"], r["concurrency"], r["shared"]): r for r in rows}
     for r in rows:
         one, solo = by.get((ONE, r["concurrency"], r["shared"])), by.get((r["server"], 1, r["shared"]))
@@ -562,8 +460,7 @@ def _compared(rows: list[dict]) -> list[dict]:
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's two targets, for every share measured at concurrency 16 (or the grid's largest);
-    `binding` where the target is set for that cell."""
+    """The two targets for every share at the grid's top concurrency; `binding` where set for that cell."""
     rows = [r for r in result["cells"] if r["server"] == FOREST]
     top = max((r["concurrency"] for r in rows), default=0)
     out = []
@@ -583,8 +480,8 @@ def targets(result: dict) -> list[dict]:
 
 @contextlib.contextmanager
 def _terminate_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt in the block, so that the servers the benchmark started
-    (each in its own session) are stopped on the way out. Only the main thread takes signals."""
+    """SIGTERM raises KeyboardInterrupt in the block (main thread only), so that the servers started
+    (each in its own session) are stopped on the way out."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
@@ -612,7 +509,6 @@ def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens, ga
         raise InvalidArgument(f"gather_s must be 0 or more, got {gather_s}", "e.g. 0 (off) or 30")
 
 
-# ---------------------------------------------------------------------- how the result is read
 def tables(result: dict) -> list:
     """Throughput and the server's counters, latencies, the targets: a row per cell and server."""
     order = list(LABELS)
@@ -649,8 +545,8 @@ def tables(result: dict) -> list:
 
 
 def chart(result: dict) -> Chart:
-    """Output tokens/s, its ratio over one at a time, and p50 TTFT against concurrency: a colour
-    per shared share, a line style per server; the targets as reference lines."""
+    """Output tokens/s, its ratio over one at a time, and p50 TTFT against concurrency: a colour per
+    share, a line style per server, the targets as reference lines."""
     rows, cfg = result["cells"], result["config"]
     shares = sorted({r["shared"] for r in rows})
     colors = dict(zip(shares, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
@@ -688,4 +584,4 @@ def chart(result: dict) -> Chart:
               f"{cfg['max_tokens']} new tokens, Poisson {cfg['rate_per_s']}/s")
 
 
-VIEW = VIEWS["serve"] = View(tables, chart)
+VIEWS["serve"] = View(tables, chart)

@@ -1,26 +1,6 @@
-"""Benchmark: speculative decoding of one sequence, greedy, on three shipped workloads.
-
-Each workload (`data/speculate_workloads.jsonl`: a summary of the support call, type hints for a
-Python function, an open-ended story) gives its prompt (`{document}` marks where the document
-goes), its `max_new_tokens` and the speed-up over plain greedy that `auto` is held to.
-
-Every method (`LABELS`) decodes the same prompt ids greedily and must equal `hf_greedy` (plain
-`generate`) token for token. transformers' are `generate` with prompt lookup of 3 or 10 tokens,
-or with our self-draft as `assistant_model`. Ours: `MultiDecoder.generate` without speculation
-(what the engine alone does), with lookup, `auto`, lookahead (at the seed README's N=5, W=G=7 and
-at the settings `Lookahead.from_cost` fits to this machine), suffix, and the self-draft as a
-draft model (layers chosen by `self_draft.choose_skip`, at least a quarter skipped). A **first
-pass** (`auto`, `suffix`) drafts from a fresh suffix store each run; a **second pass** (`_2nd`)
-from a store that has seen one greedy pass over every chosen workload.
-
-**Tokens per forward**: new tokens / forward passes (1.0 for plain decoding); **acceptance**:
-accepted draft tokens / drafted ones. transformers reports no draft counts, so they are read from
-the forward hooks: a verify forward feeds the uncached tokens plus the candidates and yields one
-token of the target's own beyond the accepted ones, so with F forwards over a P-token prompt
-    drafted = tokens fed - P - (F - 1),    accepted = new tokens - F.
-E.g. P = 10 and forwards feeding 10+3, 1+3 and 1+0 tokens for 6 new tokens: drafted
-18 - 10 - 2 = 6, accepted 6 - 3 = 3, acceptance 0.5.
-"""
+"""Benchmark: speculative decoding of one sequence, greedy, on the shipped workloads: transformers'
+prompt lookup and assisted generation against every proposer of ours (docs/benchmarks.md,
+`bench speculate`, and "How the benchmarks measure" for the draft counts)."""
 
 from __future__ import annotations
 
@@ -73,14 +53,11 @@ LABELS = {
 }
 """Method -> (label, short label)."""
 LOOKAHEAD_FLOOR = 0.95
-"""lade measured 0.51-0.95x against plain greedy on these workloads on this CPU, without saying
-which workload got which: lookahead is held to the top of that range on every workload."""
+"""lade's best against plain greedy on these workloads here (0.51-0.95x), held on every workload."""
 TARGETS = {OURS_SUFFIX_2ND: 2.0}
 LEARNED_TARGETS = {"story": 1.5, "summary": 1.5}
-"""Where the model has learned heads (issue 18): each head over plain greedy on open-ended text,
-and auto with them no worse than auto without them anywhere (`NO_WORSE`)."""
+"""Each learned head over plain greedy on open-ended text; auto with the heads >= `NO_WORSE` of auto without."""
 NO_WORSE = 0.97
-"""Speed-ups over plain greedy held on every workload (the code edit adds lookahead >= 1.3x)."""
 HEADS_ONLY = (OURS_MEDUSA, OURS_EAGLE, OURS_AUTO_TOKENS)
 """Methods measured only where the model has learned heads."""
 FLOOR = 0.97
@@ -127,7 +104,7 @@ def draft_counts(counter: ForwardCounter, prompt_tokens: int, new_tokens: int) -
 def hf_generate(model, prompt: Sequence[int], counter: ForwardCounter, *, lookup: int = 0, assistant=None,
                 **settings) -> RunOutput:
     """transformers' `generate` on one prompt, with prompt lookup of `lookup` tokens (0: none) or
-    `assistant` drafting (counts: the target's forwards only)."""
+    `assistant` drafting (the target's forwards counted)."""
     lookup = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     out = hf_sequential(model, [prompt], counter, assistant=assistant, **lookup, **settings)
     out.extra.update(draft_counts(counter, len(prompt), len(out.answers[0])))
@@ -153,12 +130,8 @@ def multidecode_generate(decoder, prompt: Sequence[int], counter: ForwardCounter
 
 def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats: int = 3, budget_s: float = 90.0,
                         warmup: bool = True, max_new_tokens: int | None = None) -> Benchmark:
-    """The speculation benchmark as data.
-
-    names: the workloads to run (default: all three, in file order).
-    budget_s: each workload's time budget for its rounds of all methods.
-    max_new_tokens: overrides every workload's own (for quick runs).
-    """
+    """The speculation benchmark as data: the workloads `names` (default: all, in file order), each
+    with `budget_s` for its rounds; max_new_tokens overrides the workloads' own."""
     chosen, setup = choose(names), Setup.of(decoder)
     draft, fitted, skip = _drafts(decoder)  # draft None: the model has no self-draft (skip says why)
     heads = decoder.learned_heads()  # the learned heads trained for the model, if any
@@ -206,16 +179,12 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
 
 
 run_speculate_benchmark = runs(speculate_benchmark)
-"""Measure every method on every chosen workload; the settings are `speculate_benchmark`'s.
-Raises `AnswersDiffer` where a method's tokens differ from plain greedy `generate`."""
 
 
 def _drafts(decoder) -> tuple[SpeculationSettings | None, Lookahead, object]:
-    """The self-draft's settings (its layers chosen on `data.self_draft_sample()`, skipping at
-    least a quarter of them: a benchmark of a draft that is the target itself would say nothing,
-    and on small models no skip set is expected to pay), the lookahead settings the cost curve
-    picks, and the layer choice. A model that cannot be self-drafted (a GGUF file whose layers
-    keep different formats cannot be renumbered) has no draft methods: None, and why."""
+    """The self-draft's settings (at least a quarter of the layers skipped: a draft that is the
+    target itself would say nothing), the lookahead the cost curve fits, and the layer choice; a
+    model that cannot be self-drafted (a GGUF of mixed layer formats) has none: None, and why."""
     model, tokenizer = decoder.model, decoder.tokenizer
     fitted = Lookahead.from_cost(cost_curve(model))
     try:
@@ -235,10 +204,9 @@ def _self_draft_config(skip) -> dict:
 
 def _our_speculations(decoder, chosen: list[Workload], max_new_tokens: int | None, draft: SpeculationSettings,
                       fitted: Lookahead, heads) -> dict:
-    """MultiDecode's methods -> `speculate=` (a function: a fresh store per run). The second-pass
-    methods draft from a store that has seen one greedy pass over every chosen workload. Where
-    the model has Medusa `heads`, auto drafts with them too (as the library's auto does), and the
-    heads alone and auto without them are measured beside it."""
+    """MultiDecode's methods -> `speculate=` (a function: a fresh store per run); the second passes
+    draft from a store that saw one greedy pass over every chosen workload; with learned `heads`,
+    auto drafts with them too, and the heads alone and auto without them run beside it."""
     seen = SuffixStore()
     for w in chosen:
         decoder.generate(prompt_ids(decoder.tokenizer, w.text()), max_new_tokens=max_new_tokens or w.max_new_tokens,
@@ -262,9 +230,8 @@ def _our_speculations(decoder, chosen: list[Workload], max_new_tokens: int | Non
 
 
 def _targets(w: Workload, kinds: Sequence[str] = ()) -> tuple[Target, ...]:
-    """auto over plain greedy at the workload's own target and never below `FLOOR`; lookahead at
-    least lade's best (1.3x on the code edit); the second passes; with learned heads (their
-    `kinds`), each one's targets (`LEARNED_TARGETS`) and auto with them no worse than without."""
+    """auto at the workload's target and never below `FLOOR`, lookahead at least lade's best (1.3x on
+    the code edit), the second passes, and with learned heads (`kinds`) theirs."""
     def over_greedy(name: str, what: str, value: float) -> Target:
         return Target(f"{w.name}: {what}", (f"{name}_vs", GREEDY, "speedup"), ">=", value)
 

@@ -1,22 +1,6 @@
-"""Benchmark: what attention over unrelated requests costs when they decode as one forest.
-
-The server decodes every running request in one forest row, a 4D mask letting each new token
-see only its own request's slots. One decode step of R unrelated requests of P prompt tokens
-each (random ids, seeded) is measured four ways (**variants**), on one model in one process:
-- `forest_unrelated`: one `Engine`, R roots of P tokens (each prefilled apart); the step feeds R
-  tokens, one under each root, in one forward under a [R, R*P + R] mask (the server's step);
-- `forest_shared`: one `Engine`, one prompt of P tokens, the R new tokens all under it ([R, P + R]);
-- `separate`: R engines, one per request; the step is R plain one-token forwards over P slots;
-- `batch_rows`: transformers' batching: input ids [R, 1] over a `DynamicCache` of R rows of P slots.
-
-Each step's new slots are taken back after it (included in its time), so every step sees the
-same context. A **round** runs every variant once, in a seeded random order; `warmup` rounds
-are not timed, then `steps` rounds are, and each **cell** (R, P) reports the median ms per step.
-Every step (warm-up included) is first checked against **reference** logits, plain one-token
-forwards (one per request; per new token for the shared prompt): `LogitsDiffer` past `atol`.
-**Attention work** (`scores_per_head`): queries x keys one step scores per layer and query head.
-docs/serving.md reads a full run.
-"""
+"""Benchmark: one decode step of R unrelated requests of P prompt tokens, as the server's one forest
+row and three other ways, every step's logits checked against plain forwards (docs/serving.md,
+"Attention over unrelated requests"; docs/benchmarks.md, "How the benchmarks measure")."""
 
 from __future__ import annotations
 
@@ -30,9 +14,10 @@ import torch
 
 from ..engine import Engine
 from ..errors import InvalidArgument, check_positive
+from ..models.reading import quiet_transformers
 from ..models.vetting import cache_argument
-from .common import AnswersDiffer, Progress, quiet_transformers, torch_threads
-from .results import VIEWS, Chart, Line, Panel, TextTable, View, environment, finished, grid
+from .common import AnswersDiffer, Progress, torch_threads
+from .results import VIEWS, Chart, Line, Panel, TextTable, View, environment, grid, new_result
 
 FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS = "forest_unrelated", "forest_shared", "separate", "batch_rows"
 VARIANTS = (FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS)
@@ -81,7 +66,6 @@ def check_close(variant: str, got: torch.Tensor, want: torch.Tensor, atol: float
     return diff
 
 
-# ---------------------------------------------------------------------- one cell: R requests of P tokens
 class Step:
     """R requests of P prompt tokens, prefilled for each variant; `run(variant)` is one decode step
     (R new tokens, one per request) whose new slots are taken back, returning logits [R, vocab]."""
@@ -136,8 +120,8 @@ class Step:
         return out.logits[:, -1].float()
 
     def references(self) -> dict[str, torch.Tensor]:
-        """What each variant must give: plain one-token forwards, one per request (per new token
-        under the first prompt for the shared forest)."""
+        """What each variant must give: plain one-token forwards, one per request (per new token under
+        the first prompt for the shared forest)."""
         own = self.separate()
         shared = torch.cat([_one(self.engines[0], self.engines_last[0], t) for t in self.tokens])
         return {FOREST_UNRELATED: own, FOREST_SHARED: shared, SEPARATE: own, BATCH_ROWS: own}
@@ -191,14 +175,9 @@ def measure_cell(model, requests: int, prompt_tokens: int, *, steps: int, warmup
 def run_unrelated(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens: Sequence[int] = (300, 1000),
                   steps: int = 7, warmup: int = 2, seed: int = 0, atol: float = ATOL, threads: int | None = None,
                   progress: Progress | None = None) -> dict:
-    """Measure one decode step of R unrelated requests of P prompt tokens, four ways, for every R
-    in `requests` and P in `prompt_tokens`; returns the JSON-ready result (one cell per (P, R)).
-
-    model: a loaded causal LM (float32 for the logits check). steps: timed rounds per cell (the
-    median is reported), after `warmup` untimed ones. threads: torch threads for the run (None:
-    left alone). Raises `LogitsDiffer` where a variant's logits differ from its reference's by
-    more than `atol`, `PromptTooLong` where P + 1 positions do not fit the model.
-    """
+    """One decode step four ways for every R in `requests` and P in `prompt_tokens` (a float32 model
+    for the logits check): `steps` timed rounds per cell after `warmup` untimed ones; the
+    JSON-ready result. Raises `LogitsDiffer` where logits differ from the reference's past `atol`."""
     for name, values in (("requests", requests), ("prompt_tokens", prompt_tokens)):
         if not values:
             raise InvalidArgument(f"{name} needs at least one value", "for example 1,4,16")
@@ -211,7 +190,7 @@ def run_unrelated(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens:
     started = time.perf_counter()
     generator, order = torch.Generator().manual_seed(seed), random.Random(seed)
     cells = []
-    with torch_threads(threads), quiet_transformers():
+    with torch_threads(threads), quiet_transformers(loading=False):
         meta = environment(model)
         for p in prompt_tokens:
             for r in requests:
@@ -220,21 +199,13 @@ def run_unrelated(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens:
                 cells.append(cell)
                 say(f"R={r} P={p}: " + ", ".join(f"{SHORT[v]} {cell['variants'][v]['ms_per_step']:.1f} ms"
                                                 for v in VARIANTS) + f" (prefill {cell['prepare_s']:.1f} s)")
-    return {
-        "benchmark": "unrelated",
-        "title": "Attention over unrelated requests: one decode step",
-        "metadata": finished(meta, started),
-        "config": {"requests": list(requests), "prompt_tokens": list(prompt_tokens), "steps": steps, "warmup": warmup,
-                   "seed": seed, "atol": atol, "notes": NOTES},
-        "labels": dict(LABELS),
-        "short": dict(SHORT),
-        "cells": cells,
-        "logits_identical": True,  # measure_cell raised otherwise
-        "max_abs_diff": max(c["variants"][v]["max_abs_diff"] for c in cells for v in VARIANTS),
-    }
+    config = {"requests": list(requests), "prompt_tokens": list(prompt_tokens), "steps": steps, "warmup": warmup,
+              "seed": seed, "atol": atol, "notes": NOTES}
+    return new_result("unrelated", "Attention over unrelated requests: one decode step", meta, started, config,
+                      dict(LABELS), short=dict(SHORT), cells=cells, logits_identical=True,  # measure_cell raised otherwise
+                      max_abs_diff=max(c["variants"][v]["max_abs_diff"] for c in cells for v in VARIANTS))
 
 
-# ---------------------------------------------------------------------- how the result is read
 def tables(result: dict) -> list[TextTable]:
     """Milliseconds per step, their ratios, and attention scores: a row per (R, P)."""
     cells = sorted(result["cells"], key=lambda c: (c["prompt_tokens"], c["requests"]))
@@ -271,4 +242,4 @@ def chart(result: dict) -> Chart:
                  legend="first")
 
 
-VIEW = VIEWS["unrelated"] = View(tables, chart)
+VIEWS["unrelated"] = View(tables, chart)

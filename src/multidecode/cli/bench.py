@@ -409,7 +409,7 @@ def bench_precision(model_name, precisions, workloads, max_new_tokens, context_t
 @report_errors
 def bench_random_gguf(path, shape, quant, seed):
     """Write a GGUF file of a real model's shape with random weights (for timing: nothing is downloaded)."""
-    from ..bench.random_gguf import SHAPES, write_random_gguf
+    from ..models.random_gguf import SHAPES, write_random_gguf
 
     if shape not in SHAPES:
         raise InvalidArgument(f"unknown shape {shape!r}", f"use one of {', '.join(SHAPES)}")

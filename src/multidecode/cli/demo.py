@@ -19,8 +19,9 @@ from .decoding import show_stream
 def demo(max_new_tokens, no_compare, model_name, precision, device):
     """Answer 8 questions about a sample support call in one MultiDecode pass, then one by one
     with transformers' generate, and compare the times and the answers."""
-    from ..bench.common import ForwardCounter, hf_sequential, pad_id_of, quiet_transformers, trim_at_eos
+    from ..bench.common import ForwardCounter, hf_sequential, pad_id_of, trim_at_eos
     from ..data import sample_document, sample_questions
+    from ..models.reading import quiet_transformers
 
     decoder = load_decoder(model_name, precision, device)
     document, questions = sample_document(), sample_questions()
@@ -42,7 +43,7 @@ def demo(max_new_tokens, no_compare, model_name, precision, device):
     start = time.perf_counter()
     columns = [TextColumn("one by one (transformers generate)"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn()]
-    with quiet_transformers(), Progress(*columns, console=stderr, transient=True) as bar:
+    with quiet_transformers(loading=False), Progress(*columns, console=stderr, transient=True) as bar:
         task = bar.add_task("", total=len(prompts))
         for prompt in prompts:
             with ForwardCounter(decoder.model) as counter:

@@ -18,6 +18,9 @@ from pathlib import Path
 
 SAMPLE_DOCUMENT = "support_call.txt"
 SAMPLE_QUESTIONS = "support_call_questions.txt"
+EXCERPT_CHARS = 1200
+"""The sample excerpt's length by default (`multidecode explain`'s document): about 300 tokens with
+the embedded model's tokenizer."""
 
 
 def folder() -> Path:
@@ -45,7 +48,7 @@ def sample_questions(name: str = SAMPLE_QUESTIONS) -> list[str]:
     return lines(name)
 
 
-def sample_excerpt(max_chars: int) -> str:
+def sample_excerpt(max_chars: int = EXCERPT_CHARS) -> str:
     """The beginning of the sample document: whole paragraphs, at most `max_chars` characters."""
     kept: list[str] = []
     for paragraph in sample_document().split("\n\n"):

@@ -16,6 +16,7 @@ import torch
 from .. import data
 from ..branches import BranchGroup, BranchRun, DecodeStats, start_prompts
 from ..cost import CostCurve
+from ..data import sample_excerpt
 from ..errors import InvalidArgument, InvalidInput, is_int
 from ..forest import ROOT
 from ..sampling import per_branch_sampling
@@ -34,11 +35,6 @@ DEFAULT_QUESTIONS = 3
 DEFAULT_BUDGET = 4
 """Draft nodes per branch per step by default: enough for a tree, few enough to read."""
 
-EXCERPT_CHARS = 1200
-"""The default document: whole paragraphs of the sample transcript up to this many characters
-(about 300 tokens with the embedded model's tokenizer)."""
-
-
 @dataclass
 class Explanation:
     """A step of a real run, drawn: `figure` (a matplotlib Figure), `summary` (JSON-ready),
@@ -49,11 +45,6 @@ class Explanation:
     stats: DecodeStats
     summary: dict
     figure: Figure = field(repr=False)
-
-
-def sample_excerpt(max_chars: int = EXCERPT_CHARS) -> str:
-    """The beginning of the shipped sample transcript: whole paragraphs, at most `max_chars`."""
-    return data.sample_excerpt(max_chars)
 
 
 def sample_questions(count: int = DEFAULT_QUESTIONS) -> list[str]:

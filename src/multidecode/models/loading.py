@@ -104,7 +104,7 @@ def resolve_precision(model: str | os.PathLike | None = None, precision_name=Non
         from .gguf import TensorDirectory
 
         return precision.resolve(name, torch_device, gguf_types=TensorDirectory.load(_described(model)).types())
-    folder, kwargs = _locate(str(model))
+    folder, kwargs = locate(str(model))
     return precision.resolve(name, torch_device, folder_dtype=_folder_dtype(folder, kwargs))
 
 
@@ -144,7 +144,7 @@ def _load_gguf(model, chosen: precision.Precision, keep_widths: bool) -> Loaded:
 def _load_folder(model: str, chosen: precision.Precision) -> Loaded:
     """A Hugging Face folder or hub id at its own dtype (auto) or the one asked for, its linear
     weights packed for int8 / int4."""
-    folder, kwargs = _locate(model)
+    folder, kwargs = locate(model)
     loaded = _float_folder(folder, kwargs, chosen, model)
     if chosen.bits is not None:
         loaded.formats = pack_model(loaded.model, chosen.bits, chosen.dtype)
@@ -182,7 +182,9 @@ def _gguf_file(name: str) -> Path:
     return path
 
 
-def _locate(name: str) -> tuple[str, dict]:
+def locate(name: str) -> tuple[str, dict]:
+    """What `from_pretrained` reads for `name`: a model folder (a .gguf file's converted copy) or a
+    hub id, and the keyword arguments it needs; `ModelNotFound` where there is nothing to read."""
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -2,37 +2,47 @@
 
 `from_pretrained` asks for sdpa attention and falls back to eager where a model has no sdpa
 kernel; `loading_errors` turns what transformers raises for something it cannot read into
-`ModelNotFound`; `quiet_transformers` silences its progress bars and logs (the library prints
-nothing). Both `loading` and the GGUF conversion of `converted` read models through here.
+`ModelNotFound`; `quiet_transformers` silences its progress bars, logs and warnings (the library
+prints nothing). Both `loading` and the GGUF conversion of `converted` read models through here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 from ..errors import ModelNotFound, MultiDecodeError, UnsupportedModel
 
 
 @contextlib.contextmanager
-def quiet_transformers():
-    """Silence transformers' progress bars and info logs while loading: the library prints nothing."""
+def quiet_transformers(*, loading: bool = True):
+    """transformers says nothing inside the block (the library prints nothing): its logs below
+    errors are off and, while `loading`, its progress bars and all of stderr (GGUF de-quantization
+    draws its own tqdm bar there). Running a model (`loading=False`: benchmarks, the demo), its
+    Python warnings (generation flags, padding hints) are off instead, and stderr is left to the
+    caller's own progress."""
     from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
     level, hub_level = hf_logging.get_verbosity(), hub_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
+    if loading:
+        hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     hub_logging.set_verbosity_error()
     try:
-        # GGUF de-quantization draws its own tqdm bar on stderr.
-        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
-            yield
+        if loading:
+            with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+                yield
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield
     finally:
         hf_logging.set_verbosity(level)
         hub_logging.set_verbosity(hub_level)
-        if bars:
+        if loading and bars:
             hf_logging.enable_progress_bar()
 
 

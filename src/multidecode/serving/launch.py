@@ -5,15 +5,25 @@ the address first, so that a port out of range, in use or not this machine's is 
 before anything loads; then the model loads in the background while /health answers 503, and
 uvicorn serves until a signal. The first SIGTERM (or Ctrl-C) drains: new requests get 503 while
 running ones have up to `drain_timeout` seconds to finish; a second signal exits at once.
+
+`ServerProcess` starts a server command (this one, or `transformers serve`) in a subprocess on a
+free loopback port and waits until it answers: the serve benchmark and the tests drive it so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Self
 
 import uvicorn
 
@@ -106,4 +116,68 @@ def _exit_if_load_fails(state: ServeState, server: uvicorn.Server) -> None:
         server.should_exit = True
 
 
-__all__ = ["DrainingServer", "bind", "run"]
+class ServerFailed(MultiDecodeError):
+    """A server started in a subprocess did not come up, or died."""
+
+
+def free_port() -> int:
+    """A loopback port that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServerProcess:
+    """A server in a subprocess (its own session) on a free loopback port, its output in a
+    temporary log file; a context manager: started on entry, stopped on exit (SIGTERM, then
+    SIGKILL). `command` says "{port}" where the port goes; `model` is the name clients ask for."""
+
+    def __init__(self, name: str, command: list[str], *, model: str = "", env: dict | None = None) -> None:
+        port = free_port()
+        self.name, self.model, self.url = name, model, f"http://127.0.0.1:{port}"
+        self.command = [part.replace("{port}", str(port)) for part in command]
+        self.env = {**os.environ, **(env or {})}
+
+    def __enter__(self) -> Self:
+        handle, log = tempfile.mkstemp(prefix=f"multidecode-{self.name}-", suffix=".log")
+        self.log = Path(log)
+        with open(handle, "wb") as out:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        self.started = time.monotonic()
+        return self
+
+    def wait_ready(self, ready_s: float = 300.0) -> float:
+        """Until /health answers 200; returns the seconds it took. Raises `ServerFailed`."""
+        import httpx  # installed with openai, which drives these servers
+
+        while True:
+            self.alive("exited")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return time.monotonic() - self.started
+            if time.monotonic() - self.started > ready_s:
+                raise ServerFailed(f"the {self.name} server was not ready after {ready_s:.0f} s: {self.log_tail()}")
+            time.sleep(0.1)
+
+    def alive(self, died: str = "died") -> None:
+        """Raise `ServerFailed` (with the log's last lines) where the process has ended."""
+        if self.process.poll() is not None:
+            raise ServerFailed(f"the {self.name} server {died} with code {self.process.returncode}: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 12) -> str:
+        text = self.log.read_text("utf-8", "replace").strip().splitlines()
+        return " | ".join(text[-lines:]) or "(no output)"
+
+    def __exit__(self, *exc) -> None:
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            if self.process.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(wait)
+        self.log.unlink(missing_ok=True)
+
+
+__all__ = ["DrainingServer", "ServerFailed", "ServerProcess", "bind", "free_port", "run"]

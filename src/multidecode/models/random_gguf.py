@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-
-from .common import Progress
 
 STD = 0.02
 """The standard deviation of every random matrix weight (Llama's initializer range)."""
@@ -134,7 +133,7 @@ def add_byte_level_tokenizer(writer, tokens: list[str], *, pre: str = "smollm") 
 
 # ---------------------------------------------------------------------- the file
 def write_random_gguf(path: str | os.PathLike, *, shape: str = "llama-3.2-1b", quant: str = "Q4_0", seed: int = 0,
-                      progress: Progress | None = None) -> dict:
+                      progress: Callable[[str], None] | None = None) -> dict:
     """Write a Llama of the shape `shape` (a key of `SHAPES`) with random weights to `path`.
 
     Matrices are normal with std `STD`, stored as `quant` (a GGUF type gguf-py can quantize to:
