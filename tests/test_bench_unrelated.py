@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from local_models import tiny_model_folder
 from tiny_models import tiny_model
 
-from multidecode.bench.results import markdown, write_results
+from multidecode.bench.results import markdown, tables, write_results
 from multidecode.bench.unrelated import (
     BATCH_ROWS,
     FOREST_SHARED,
@@ -23,7 +23,6 @@ from multidecode.bench.unrelated import (
     LogitsDiffer,
     check_close,
     run_unrelated,
-    tables,
 )
 from multidecode.cli.bench import bench_unrelated
 
@@ -37,21 +36,22 @@ def test_every_variant_gives_the_same_logits_and_the_report_has_its_shape(attn, 
                            warmup=1, threads=1, progress=said.append)
     assert result["benchmark"] == "unrelated" and result["logits_identical"]
     assert 0 <= result["max_abs_diff"] <= 1e-4 and result["config"]["atol"] == 1e-4
-    assert len(said) == 4 and said[-1].startswith("R=3 P=17:")
+    assert len(said) == 4 * 4 and all(m.startswith("requests=3, prompt_tokens=17 ") for m in said[-4:])
     cells = result["cells"]
     assert [(c["prompt_tokens"], c["requests"]) for c in cells] == [(5, 1), (5, 3), (17, 1), (17, 3)]
     for cell in cells:
         r, p = cell["requests"], cell["prompt_tokens"]
-        assert list(cell["variants"]) == list(VARIANTS)
-        for figures in cell["variants"].values():
-            assert len(figures["runs_ms"]) == 2 and figures["min_ms"] <= figures["ms_per_step"] <= figures["max_ms"]
-            assert 0 <= figures["max_abs_diff"] <= 1e-4
-        keys = {v: f["keys_per_query"] for v, f in cell["variants"].items()}
+        assert list(cell["methods"]) == list(VARIANTS)
+        for variant, figures in cell["methods"].items():
+            assert len(figures["runs_s"]) == 2 and min(figures["runs_s"]) <= figures["wall_s"] <= max(figures["runs_s"])
+            assert 0 <= cell["max_abs_diff"][variant] <= 1e-4
+        keys = {v: f["extra"]["keys_per_query"] for v, f in cell["methods"].items()}
         assert keys == {FOREST_UNRELATED: r * p + r, FOREST_SHARED: p + r, SEPARATE: p + 1, BATCH_ROWS: p + 1}
-        assert cell["variants"][FOREST_UNRELATED]["scores_per_head"] == r * (r * p + r)
-        ms = {v: f["ms_per_step"] for v, f in cell["variants"].items()}
-        assert cell["ratios"]["unrelated_over_batch_rows"] == pytest.approx(ms[FOREST_UNRELATED] / ms[BATCH_ROWS])
-        assert cell["ratios"]["separate_over_unrelated"] == pytest.approx(ms[SEPARATE] / ms[FOREST_UNRELATED])
+        assert cell["methods"][FOREST_UNRELATED]["extra"]["scores_per_head"] == r * (r * p + r)
+        ms = {v: f["wall_s"] for v, f in cell["methods"].items()}
+        # unrelated / batch rows is batch rows' speed-up over the unrelated forest; separate / unrelated the reverse
+        assert cell["batch_rows_vs"][FOREST_UNRELATED]["speedup"] == pytest.approx(ms[FOREST_UNRELATED] / ms[BATCH_ROWS])
+        assert cell["forest_unrelated_vs"][SEPARATE]["speedup"] == pytest.approx(ms[SEPARATE] / ms[FOREST_UNRELATED])
     times, ratios, scores = tables(result)
     assert times.header[:6] == ["R", "P", "forest, unrelated", "forest, shared prompt", "separate", "batch rows"]
     assert len(times.rows) == len(ratios.rows) == len(scores.rows) == 4

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -100,11 +101,6 @@ def trim_at_eos(ids: Iterable[int], eos_ids: Iterable[int]) -> list[int]:
     return out
 
 
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    """The first index where two token lists differ (the shorter one's length if one starts the other)."""
-    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def check_identical(answers: dict[str, Sequence[Sequence[int]]], *, reference: str | None = None) -> None:
     """Raise `AnswersDiffer` unless every method's answers equal the reference method's."""
     if not answers:
@@ -117,19 +113,24 @@ def check_identical(answers: dict[str, Sequence[Sequence[int]]], *, reference: s
             raise AnswersDiffer(f"{method} gave {len(got)} answers, {reference} gave {len(expected)}")
         for i, (a, b) in enumerate(zip(expected, got)):
             if a != b:
-                at = first_difference(a, b)
+                at = common_prefix_length([a, b])
                 raise AnswersDiffer(f"answer {i} differs between {reference} and {method} at token {at}: "
                                     f"{a[at:at + 5]} vs {b[at:at + 5]}")
 
 
 @dataclass
 class RunOutput:
-    """One run of a method: its answers (trimmed), the KV bytes it held at most, its own counts."""
+    """One run of a method: its answers (trimmed), the KV bytes it held at most, its own counts.
+    A method that times only part of its run (a server's load from first send to last end, a step
+    without its checks) gives its `seconds`; one whose answers are not token ids (a server's
+    texts, logits) gives its `new_tokens`."""
 
     answers: list[list[int]]
     kv_bytes: int
     forward_passes: int | None = None  # the method's own count, where it keeps one
     extra: dict = field(default_factory=dict)
+    seconds: float | None = None
+    new_tokens: int | None = None
 
 
 @dataclass
@@ -181,8 +182,9 @@ def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter
             raise AnswersDiffer(f"{method} gave different answers on a repeat run")
     order = sorted(range(len(runs)), key=lambda i: runs[i][0])
     wall, out, counter = runs[order[(len(order) - 1) // 2]]
+    new_tokens = out.new_tokens if out.new_tokens is not None else sum(len(a) for a in out.answers)
     return Measurement(
-        method=method, wall_s=wall, new_tokens=sum(len(a) for a in out.answers), peak_kv_bytes=out.kv_bytes,
+        method=method, wall_s=wall, new_tokens=new_tokens, peak_kv_bytes=out.kv_bytes,
         forward_passes=out.forward_passes if out.forward_passes is not None else counter.forward_passes,
         prefill_s=counter.seconds(PREFILL), decode_s=counter.seconds(DECODE), runs_s=[r[0] for r in runs],
         hooked_forward_passes=counter.forward_passes, answers=out.answers, extra=dict(out.extra),
@@ -190,17 +192,18 @@ def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter
 
 
 def measure_together(runs: dict[str, Callable[[ForwardCounter], RunOutput]], model, *, repeats: int = 3,
-                     budget_s: float = 8.0) -> dict[str, Measurement]:
+                     budget_s: float | None = 8.0, order: random.Random | None = None) -> dict[str, Measurement]:
     """Measure methods in interleaved rounds: a new round starts while fewer than `repeats` ran
-    and all took under `budget_s`. model: whose forwards are counted, or {method: model} (None: none)."""
+    and all took under `budget_s` (None: no limit); `order` shuffles each round (None: as given).
+    model: whose forwards are counted, or {method: model} (None: none)."""
     done: dict[str, list] = {name: [] for name in runs}
     spent, rounds = 0.0, 0
-    while rounds == 0 or (rounds < repeats and spent < budget_s):
-        for name, run in runs.items():
+    while rounds == 0 or (rounds < repeats and (budget_s is None or spent < budget_s)):
+        for name in order.sample(list(runs), len(runs)) if order else runs:
             with ForwardCounter(model[name] if isinstance(model, dict) else model) as counter:
                 start = time.perf_counter()
-                out = run(counter)
-                wall = time.perf_counter() - start
+                out = runs[name](counter)
+                wall = time.perf_counter() - start if out.seconds is None else out.seconds
             done[name].append((wall, out, counter))
             spent += wall
         rounds += 1

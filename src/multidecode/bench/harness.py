@@ -4,9 +4,12 @@ rules: docs/benchmarks.md, "How the benchmarks measure". Nothing here prints."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import random
 import time
 from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 
 from ..errors import InvalidArgument, is_int
@@ -21,19 +24,16 @@ from .common import (
     measure_together,
     torch_threads,
 )
-from .results import environment, new_result
+from .results import Table, environment, lookup, new_result
 
 Runner = Callable[[ForwardCounter], RunOutput]
 OUTSIDE_TORCH = "outside torch"
-"""`Method.model` of a method no torch model runs (llama.cpp): it reports its own forwards and times."""
-NOTES = (
-    "Answers are compared token for token with the reference's, up to and including the first eos.",
-    ("wall_s is the median of runs_s (a method run item by item: their sum); prefill_s/decode_s are the "
-     "time inside model forward calls, other_s the rest (python, masks, sampling, cache copies)."),
-    ("peak_kv_bytes: for transformers, the cache tensors held at the end of generate (the largest cache "
-     "held); for MultiDecode, the engine's peak allocated (preallocated) cache buffer."),
-)
-"""What every result's numbers mean, stored in its config."""
+"""`Method.model` of a method no torch model runs (llama.cpp, a server): it reports its own forwards and times."""
+
+
+class Unavailable(Exception):
+    """Raised by a case's `context` where its methods cannot run after all (a server that does not
+    start): they are skipped, saying why, and the run goes on."""
 
 
 @dataclass(frozen=True)
@@ -73,29 +73,31 @@ class Target:
     op: str
     value: float
     unit: str = "x"
+    binding: bool = True  # False: reported for comparison, set for another case
 
     def check(self, row: dict) -> dict | None:
         """The target as reported, or None where the row lacks the figure (a skipped method)."""
-        got = row
-        for key in self.path:
-            got = got.get(key) if isinstance(got, dict) else None
+        got = lookup(row, self.path)
         if got is None:
             return None
         met = {">=": got >= self.value, ">": got > self.value, "<=": got <= self.value}[self.op]
         return {"name": self.name, "target": f"{self.op} {self.value:g}{self.unit}", "measured": round(got, 4),
-                "met": bool(met), "path": list(self.path), "value": self.value}
+                "met": bool(met), "path": list(self.path), "value": self.value, **({} if self.binding else
+                                                                                   {"binding": False})}
 
 
 @dataclass(frozen=True)
 class Case:
-    """One workload or sweep point; `report(measurements)` adds the case's own figures to its row."""
+    """One workload or sweep point; `report(measurements)` adds the case's own figures to its row;
+    `context()` is entered around its measurement and report (servers started, a cache prefilled)."""
 
     params: dict
     methods: tuple[Method, ...]
-    budget_s: float = 30.0
+    budget_s: float | None = 30.0  # None: exactly `repeats` rounds
     main: bool = False
     targets: tuple[Target, ...] = ()
     report: Callable[[dict[str, Measurement]], dict] | None = None
+    context: Callable[[], AbstractContextManager] | None = None
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,9 @@ class Plot:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """A benchmark as data: `columns` are its tables' figures, `rows_key` names its rows in the JSON
-    (None: one case, its row at the top level)."""
+    """A benchmark as data: `columns` are its tables' figures (none: only its `tables`), `rows_key`
+    names its rows in the JSON (None: one case, its row at the top level); `machine` says what ran
+    where no model is loaded here (servers); `shuffle` seeds a random order of each round."""
 
     name: str
     title: str
@@ -125,7 +128,10 @@ class Benchmark:
     columns: tuple[str, ...] = ("wall_s", "forward_passes", "tokens_per_s", "peak_kv_bytes")
     plot: Plot = Plot()
     rows_key: str | None = "sweep"
-    summary: Callable[[dict], dict] | None = None  # figures over every row, added to the result
+    summary: Callable[[dict], dict] | None = None  # figures over every row (it may add to rows), before targets
+    tables: tuple[Table, ...] = ()
+    machine: dict | None = None
+    shuffle: int | None = None
 
 
 def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | None = None) -> dict:
@@ -134,20 +140,22 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
     say = progress or (lambda message: None)
     started = time.perf_counter()
     with torch_threads(threads), quiet_transformers(loading=False):
-        meta = environment(bench.model)
+        meta = environment(bench.model, launched=bench.machine)
         if bench.warmup:
             say("warming up")
             measure_together({m.name: m.run for m in bench.warmup}, {m.name: _model(bench, m) for m in bench.warmup},
                              repeats=1)
         done_parts: dict = {}
-        rows = [_measure_case(bench, case, done_parts, say) for case in bench.cases]
+        order = None if bench.shuffle is None else random.Random(bench.shuffle)
+        rows = [_measure_case(bench, case, done_parts, order, say) for case in bench.cases]
     methods = {m.name: m for case in bench.cases for m in case.methods}
     config = {**bench.config, "reference": bench.reference, "repeats": bench.repeats,
-              "budgets_s": [case.budget_s for case in bench.cases], "notes": [*bench.config.get("notes", ()), *NOTES]}
+              "budgets_s": [case.budget_s for case in bench.cases]}
     result = new_result(bench.name, bench.title, meta, started, config, {name: m.label for name, m in methods.items()},
                         layout={"rows": bench.rows_key, "params": list(bench.cases[0].params),
                                 "columns": list(bench.columns), "pairs": [list(p) for p in bench.pairs],
-                                "plot": asdict(bench.plot), "short": {n: m.short or m.label for n, m in methods.items()}})
+                                "plot": asdict(bench.plot), "short": {n: m.short or m.label for n, m in methods.items()},
+                                **({"tables": [asdict(t) for t in bench.tables]} if bench.tables else {})})
     if bench.rows_key is None:
         (row,) = rows
         result.update(row)
@@ -156,11 +164,12 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
         main = [row for case, row in zip(bench.cases, rows) if case.main]
         if main:
             result["main"] = main[0]
+    result |= bench.summary(result) if bench.summary else {}
     result["targets"] = [t for case, row in zip(bench.cases, rows) for target in case.targets
                          if (t := target.check(row)) is not None]
     if bench.reference is not None:
         result["answers_identical"] = True
-    return {**result, **(bench.summary(result) if bench.summary else {})}
+    return result
 
 
 def runs(declare: Callable[..., Benchmark]) -> Callable[..., dict]:
@@ -171,36 +180,60 @@ def runs(declare: Callable[..., Benchmark]) -> Callable[..., dict]:
     return measure
 
 
-def _measure_case(bench: Benchmark, case: Case, done_parts: dict, say: Progress) -> dict:
+def _measure_case(bench: Benchmark, case: Case, done_parts: dict, order, say: Progress) -> dict:
+    """The case's row: its methods measured (inside its context) and compared, and its report."""
+    skipped = {m.name: m.skip for m in case.methods if m.skip is not None}
     live = [m for m in case.methods if m.skip is None]
+    try:
+        with case.context() if case.context else contextlib.nullcontext():
+            got = _measurements(bench, case, live, done_parts, order, say)
+            _say(case, got, say)
+            row = {**case.params, **_compared(bench, got)}
+            row.update(case.report(got) if case.report else {})
+    except Unavailable as why:
+        row = {**case.params, "methods": {}}
+        skipped |= {m.name: str(why) for m in live}
+    return row | ({"skipped": skipped} if skipped else {})
+
+
+def _measurements(bench: Benchmark, case: Case, live: list[Method], done_parts: dict, order, say: Progress) -> dict:
+    """Every live method of the case measured: parts once each, solo methods in rounds of their
+    own, the rest in interleaved rounds."""
     got: dict[str, Measurement] = {}
     for m in live:
         if m.parts:
             got[m.name] = combine_sequential(m.name, [_part(bench, m, p, done_parts, say) for p in m.parts])
         elif m.solo:
             got |= measure_together({m.name: m.run}, _model(bench, m), repeats=bench.repeats,
-                                    budget_s=case.budget_s / 2)
+                                    budget_s=case.budget_s and case.budget_s / 2)
     together = {m.name: m.run for m in live if not m.parts and not m.solo}
     if together:
         models = {m.name: _model(bench, m) for m in live if m.name in together}
-        got |= measure_together(together, models, repeats=bench.repeats, budget_s=case.budget_s)
-    got = {m.name: got[m.name] for m in live}
+        got |= measure_together(together, models, repeats=bench.repeats, budget_s=case.budget_s, order=order)
+    return {m.name: got[m.name] for m in live}
+
+
+def _say(case: Case, got: dict[str, Measurement], say: Progress) -> None:
     where = ", ".join(f"{k}={v}" for k, v in case.params.items())
-    for m in live:
-        median = f" (median of {len(got[m.name].runs_s)})" if not m.parts and len(got[m.name].runs_s) > 1 else ""
-        say(f"{where} {m.short or m.label}: {got[m.name].wall_s:.2f} s{median}, {got[m.name].forward_passes} forwards")
+    for m in case.methods:
+        if m.name in got:
+            runs_s = got[m.name].runs_s
+            median = f" (median of {len(runs_s)})" if not m.parts and len(runs_s) > 1 else ""
+            say(f"{where} {m.short or m.label}: {got[m.name].wall_s:.2f} s{median}, "
+                f"{got[m.name].forward_passes} forwards")
+
+
+def _compared(bench: Benchmark, got: dict[str, Measurement]) -> dict:
+    """The case's measurements, checked against the reference's answers, and the pairs' ratios."""
     if bench.reference in got:
         check_identical({name: m.answers for name, m in got.items()}, reference=bench.reference)
-    row = {**case.params, "methods": {name: m.as_dict() for name, m in got.items()},
-           "answer_tokens": [len(a) for a in got[bench.reference if bench.reference in got else live[0].name].answers]}
+    row: dict = {"methods": {name: m.as_dict() for name, m in got.items()}}
+    answers = got[bench.reference if bench.reference in got else next(iter(got))].answers if got else []
+    if answers:
+        row["answer_tokens"] = [len(a) for a in answers]
     for fast, slow in bench.pairs:
         if fast in got and slow in got:
             row.setdefault(f"{fast}_vs", {})[slow] = ratios(got[fast], got[slow])
-    skipped = {m.name: m.skip for m in case.methods if m.skip is not None}
-    if skipped:
-        row["skipped"] = skipped
-    if case.report is not None:
-        row.update(case.report(got))
     return row
 
 

@@ -17,6 +17,7 @@ from ..errors import InvalidArgument
 from ..memory import proc_kilobytes
 from ..models import precision as precisions
 from ..models.packed import packed_bytes
+from ..prompts import common_prefix_length
 from ..strategies.complete import prompt_ids
 from . import llamacpp
 from .common import (
@@ -27,7 +28,6 @@ from .common import (
     Setup,
     auto_over,
     excerpt_prompt,
-    first_difference,
     fresh,
     hf_sequential,
     multidecode_forest,
@@ -363,7 +363,7 @@ def _agreement(reference: list[list[int]], answers: list[list[int]]) -> dict:
     """How many answers equal the reference's, and where each that differs first differs."""
     if len(answers) != len(reference):
         raise AnswersDiffer(f"{len(answers)} answers where {len(reference)} were asked for")
-    first = [first_difference(a, b) for a, b in zip(reference, answers) if a != b]
+    first = [common_prefix_length([a, b]) for a, b in zip(reference, answers) if a != b]
     return {"identical": len(reference) - len(first), "of": len(reference), "first_difference_at": first}
 
 

@@ -6,11 +6,13 @@ measure"."""
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections import ChainMap
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +112,30 @@ class Chart:
 
 
 @dataclass(frozen=True)
+class Column:
+    """A table column: the figure at `path` (keys joined by dots, "{name}": the method's name) of
+    each record, times `scale`, written with `form` ("yes/no": a check, "**no**" where it failed)."""
+
+    header: str
+    path: str
+    form: str = "{}"
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table declared as data and stored in a result's layout: a row per case (`rows` "cases") or
+    per method of every case ("methods", sorted by the case parameters `sort`, then the methods'
+    order; a method's record is its figures, then its case's); its first `lead` columns name the row."""
+
+    title: str
+    columns: tuple[Column, ...]
+    rows: str = "cases"
+    lead: int = 1
+    sort: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class View:
     tables: Callable[[dict], list[TextTable]]
     chart: Callable[[dict], Chart]
@@ -135,6 +161,33 @@ def grid(title: str, records: list[dict], columns: list[tuple[str, Callable[[dic
          lead: int = 1) -> TextTable:
     """A table of a row per record: `columns` are (header, record -> text)."""
     return TextTable(title, [h for h, _ in columns], [[cell(r) for _, cell in columns] for r in records], lead)
+
+
+def lookup(record, path: Sequence[str]):
+    """The value at `path` (a key per level) in nested dicts, None where a level lacks it."""
+    for key in path:
+        record = record.get(key) if isinstance(record, Mapping) else None
+    return record
+
+
+def column_table(result: dict, table: dict) -> TextTable:
+    """A `Table` stored in the result's layout, drawn from its rows."""
+    short, rows = result["layout"]["short"], rows_of(result)
+    records = rows
+    if table["rows"] == "methods":
+        records = [ChainMap({"name": name, "label": short[name]}, figures, row)
+                   for row in rows for name, figures in row["methods"].items()]
+    order = list(short)
+    records = sorted(records, key=lambda r: (*(r[p] for p in table["sort"]), order.index(r.get("name", order[0]))))
+
+    def cell(column: dict, record: Mapping) -> str:
+        value = lookup(record, column["path"].format(name=record.get("name")).split("."))
+        if column["form"] == "yes/no":
+            return {True: "yes", False: "**no**"}.get(value, "")
+        return fmt(value if value is None or column["scale"] == 1 else value * column["scale"], column["form"])
+
+    return grid(table["title"], records, [(c["header"], functools.partial(cell, c)) for c in table["columns"]],
+                lead=table["lead"])
 
 
 def targets_table(result: dict) -> list[TextTable]:
@@ -281,7 +334,15 @@ def speedup(row: dict, fast: str, slow: str) -> float | None:
 
 
 def layout_tables(result: dict) -> list[TextTable]:
-    """The main case (or every case) with a row per method; a summary row per sweep point; the targets."""
+    """The main case (or every case) with a row per method and a summary row per sweep point (where
+    the layout names figure columns), the declared tables, then the targets."""
+    layout = result["layout"]
+    tables = figure_tables(result) if layout["columns"] else []
+    return tables + [column_table(result, table) for table in layout.get("tables", ())] + targets_table(result)
+
+
+def figure_tables(result: dict) -> list[TextTable]:
+    """The main case (or every case) with a row per method; a summary row per sweep point."""
     layout, rows = result["layout"], rows_of(result)
     short, params = layout["short"], layout["params"]
     slows = list(dict.fromkeys(slow for _, slow in layout["pairs"]))
@@ -309,7 +370,7 @@ def layout_tables(result: dict) -> list[TextTable]:
             [[str(row[p]) for p in params]
              + [fmt(row["methods"][n]["wall_s"], "{:.2f} s") if n in row["methods"] else "" for n in names]
              + [fmt(speedup(row, f, s), "{:.2f}x") for f, s in pairs] for row in rows]))
-    return out + targets_table(result)
+    return out
 
 
 def layout_chart(result: dict) -> Chart:

@@ -4,9 +4,8 @@ row and three other ways, every step's logits checked against plain forwards (do
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import random
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -14,42 +13,28 @@ import torch
 
 from ..engine import Engine
 from ..errors import InvalidArgument, check_positive
-from ..models.reading import quiet_transformers
 from ..models.vetting import cache_argument
-from .common import AnswersDiffer, Progress, torch_threads
-from .results import VIEWS, Chart, Line, Panel, TextTable, View, environment, grid, new_result
+from .common import AnswersDiffer, RunOutput
+from .harness import Benchmark, Case, Method, runs
+from .results import LAYOUT, VIEWS, Chart, Column, Line, Panel, Table, View, rows_of
 
 FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS = "forest_unrelated", "forest_shared", "separate", "batch_rows"
 VARIANTS = (FOREST_UNRELATED, FOREST_SHARED, SEPARATE, BATCH_ROWS)
 LABELS = {
-    FOREST_UNRELATED: "one forest, R unrelated prompts (one row, mask over R*P slots)",
-    FOREST_SHARED: "one forest, one prompt shared by all R (mask over P slots)",
-    SEPARATE: "R separate forwards (an engine per request)",
-    BATCH_ROWS: "R batch rows (transformers DynamicCache, batch R)",
+    FOREST_UNRELATED: ("one forest, R unrelated prompts (one row, mask over R*P slots)", "forest, unrelated"),
+    FOREST_SHARED: ("one forest, one prompt shared by all R (mask over P slots)", "forest, shared prompt"),
+    SEPARATE: ("R separate forwards (an engine per request)", "separate"),
+    BATCH_ROWS: ("R batch rows (transformers DynamicCache, batch R)", "batch rows"),
 }
-SHORT = {FOREST_UNRELATED: "forest, unrelated", FOREST_SHARED: "forest, shared prompt", SEPARATE: "separate",
-         BATCH_ROWS: "batch rows"}
+"""Variant -> (label, short label)."""
 STYLES = {FOREST_UNRELATED: ("o", "-", "tab:red"), FOREST_SHARED: ("s", "-", "tab:green"),
           SEPARATE: ("^", "--", "tab:grey"), BATCH_ROWS: ("D", "-", "tab:blue")}
 """Variant -> (marker, line style, colour) in the plot."""
-RATIOS = {
-    "unrelated_over_batch_rows": (FOREST_UNRELATED, BATCH_ROWS, "unrelated / batch rows"),
-    "separate_over_unrelated": (SEPARATE, FOREST_UNRELATED, "separate / unrelated"),
-    "unrelated_over_shared": (FOREST_UNRELATED, FOREST_SHARED, "unrelated / shared prompt"),
-}
-"""Ratio -> (variant, over variant, column header): the ratios of medians each cell reports."""
+RATIOS = {(BATCH_ROWS, FOREST_UNRELATED): "unrelated / batch rows", (FOREST_UNRELATED, SEPARATE): "separate / unrelated",
+          (FOREST_SHARED, FOREST_UNRELATED): "unrelated / shared prompt"}
+"""(fast, slow) -> column header: the pairs each cell reports, slow's median over fast's."""
 ATOL = 1e-4
 """Largest absolute logit difference allowed between a variant and its reference."""
-NOTES = [
-    ("ms_per_step is the median of the timed steps (min_ms, max_ms their range); a step includes taking its new "
-     "slots back (Engine.drop, DynamicCache.crop), so every step sees the same context."),
-    ("Prompts are random token ids (seeded); each request's prompt is its own, except forest_shared, where all R "
-     "new tokens hang under the first request's prompt."),
-    ("scores_per_head: queries x keys one step scores per layer and query head; the unrelated forest scores "
-     "R x (R*P + R), batch rows and separate forwards R x (P + 1)."),
-    ("max_abs_diff: the largest |logit - reference| over every step of the variant (warm-up included); the "
-     "reference is one plain forward per request (per new token for forest_shared)."),
-]
 
 
 class LogitsDiffer(AnswersDiffer):
@@ -134,50 +119,65 @@ def _one(engine: Engine, last: int, token: int) -> torch.Tensor:
     return result.logits
 
 
-def measure_cell(model, requests: int, prompt_tokens: int, *, steps: int, warmup: int, atol: float,
-                 generator: torch.Generator, order: random.Random) -> dict:
-    """One cell: prefill, check every variant's logits on every step, time the `steps` rounds."""
-    started = time.perf_counter()
-    vocab = model.get_input_embeddings().num_embeddings
-    prompts = [torch.randint(0, vocab, (prompt_tokens,), generator=generator).tolist() for _ in range(requests)]
-    tokens = torch.randint(0, vocab, (requests,), generator=generator).tolist()
-    step = Step(model, prompts, tokens)
-    want = step.references()
-    prepare_s = time.perf_counter() - started
-    sync = torch.cuda.synchronize if step.device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    diffs = dict.fromkeys(VARIANTS, 0.0)
-    for round_ in range(warmup + steps):
-        for variant in order.sample(VARIANTS, len(VARIANTS)):
-            sync()
-            start = time.perf_counter()
-            logits = step.run(variant)
-            sync()
-            elapsed = time.perf_counter() - start
-            diffs[variant] = max(diffs[variant], check_close(variant, logits, want[variant], atol))
-            if round_ >= warmup:
-                times[variant].append(1000 * elapsed)
-    slots = step.forest.forest.num_slots
-    if slots != requests * prompt_tokens:
-        raise AssertionError(f"the unrelated forest holds {slots} slots after its steps, not {requests * prompt_tokens}")
-    variants = {v: {"ms_per_step": statistics.median(times[v]), "min_ms": min(times[v]), "max_ms": max(times[v]),
-                    "runs_ms": [round(t, 3) for t in times[v]], "keys_per_query": step.keys_per_query[v],
-                    "scores_per_head": requests * step.keys_per_query[v], "max_abs_diff": diffs[v]}
-                for v in VARIANTS}
-    ms = {v: variants[v]["ms_per_step"] for v in VARIANTS}
-    del step, want
-    gc.collect()
-    return {"requests": requests, "prompt_tokens": prompt_tokens, "prepare_s": round(prepare_s, 2),
-            "variants": variants,
-            "ratios": {name: ms[top] / ms[bottom] for name, (top, bottom, _) in RATIOS.items()}}
+class Cell:
+    """One (R, P) point: its `Step`, prefilled when the case starts (`prefilled`), whose variants'
+    decode steps are timed and then checked against the references (`timed`)."""
+
+    def __init__(self, model, requests: int, prompt_tokens: int, *, generator: torch.Generator, warmup: int,
+                 atol: float) -> None:
+        self.model, self.requests, self.prompt_tokens = model, requests, prompt_tokens
+        self.generator, self.warmup, self.atol = generator, warmup, atol
+
+    @contextlib.contextmanager
+    def prefilled(self):
+        """Random prompts prefilled every way, their references, then `warmup` untimed (checked) rounds."""
+        started = time.perf_counter()
+        vocab = self.model.get_input_embeddings().num_embeddings
+        prompts = [torch.randint(0, vocab, (self.prompt_tokens,), generator=self.generator).tolist()
+                   for _ in range(self.requests)]
+        self.step = Step(self.model, prompts, torch.randint(0, vocab, (self.requests,), generator=self.generator).tolist())
+        self.want, self.diffs = self.step.references(), dict.fromkeys(VARIANTS, 0.0)
+        self.prepare_s = time.perf_counter() - started
+        for _ in range(self.warmup):
+            for variant in VARIANTS:
+                self.timed(variant)
+        try:
+            yield
+        finally:
+            del self.step, self.want
+            gc.collect()
+
+    def timed(self, variant: str) -> RunOutput:
+        """One decode step of `variant`, timed alone; its logits checked after."""
+        sync = torch.cuda.synchronize if self.step.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        logits = self.step.run(variant)
+        sync()
+        seconds = time.perf_counter() - start
+        self.diffs[variant] = max(self.diffs[variant], check_close(variant, logits, self.want[variant], self.atol))
+        keys = self.step.keys_per_query[variant]
+        return RunOutput([], 0, seconds=seconds, new_tokens=self.requests,
+                         extra={"keys_per_query": keys, "scores_per_head": self.requests * keys})
+
+    def report(self, got: dict) -> dict:
+        """The prefill's seconds and each variant's largest logit difference over every step; the
+        unrelated forest must hold its prompts' slots alone after its steps."""
+        slots = self.step.forest.forest.num_slots
+        if slots != self.requests * self.prompt_tokens:
+            raise AssertionError(f"the unrelated forest holds {slots} slots after its steps, "
+                                 f"not {self.requests * self.prompt_tokens}")
+        scores = {v: got[v].extra["scores_per_head"] for v in VARIANTS}
+        return {"prepare_s": round(self.prepare_s, 2), "max_abs_diff": dict(self.diffs),
+                "largest_abs_diff": max(self.diffs.values()),
+                "scores_over_batch_rows": scores[FOREST_UNRELATED] / scores[BATCH_ROWS]}
 
 
-def run_unrelated(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens: Sequence[int] = (300, 1000),
-                  steps: int = 7, warmup: int = 2, seed: int = 0, atol: float = ATOL, threads: int | None = None,
-                  progress: Progress | None = None) -> dict:
+def unrelated_benchmark(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens: Sequence[int] = (300, 1000),
+                        steps: int = 7, warmup: int = 2, seed: int = 0, atol: float = ATOL) -> Benchmark:
     """One decode step four ways for every R in `requests` and P in `prompt_tokens` (a float32 model
-    for the logits check): `steps` timed rounds per cell after `warmup` untimed ones; the
-    JSON-ready result. Raises `LogitsDiffer` where logits differ from the reference's past `atol`."""
+    for the logits check), as data: `steps` timed rounds per cell, in a seeded random order, after
+    `warmup` untimed ones. Its run raises `LogitsDiffer` where logits differ from the reference's past `atol`."""
     for name, values in (("requests", requests), ("prompt_tokens", prompt_tokens)):
         if not values:
             raise InvalidArgument(f"{name} needs at least one value", "for example 1,4,16")
@@ -186,60 +186,54 @@ def run_unrelated(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens:
     check_positive("steps", steps)
     if warmup < 0:
         raise InvalidArgument(f"warmup must be 0 or more, got {warmup}", "use 0 or more")
-    say = progress or (lambda message: None)
-    started = time.perf_counter()
-    generator, order = torch.Generator().manual_seed(seed), random.Random(seed)
-    cells = []
-    with torch_threads(threads), quiet_transformers(loading=False):
-        meta = environment(model)
-        for p in prompt_tokens:
-            for r in requests:
-                cell = measure_cell(model, r, p, steps=steps, warmup=warmup, atol=atol, generator=generator,
-                                    order=order)
-                cells.append(cell)
-                say(f"R={r} P={p}: " + ", ".join(f"{SHORT[v]} {cell['variants'][v]['ms_per_step']:.1f} ms"
-                                                for v in VARIANTS) + f" (prefill {cell['prepare_s']:.1f} s)")
-    config = {"requests": list(requests), "prompt_tokens": list(prompt_tokens), "steps": steps, "warmup": warmup,
-              "seed": seed, "atol": atol, "notes": NOTES}
-    return new_result("unrelated", "Attention over unrelated requests: one decode step", meta, started, config,
-                      dict(LABELS), short=dict(SHORT), cells=cells, logits_identical=True,  # measure_cell raised otherwise
-                      max_abs_diff=max(c["variants"][v]["max_abs_diff"] for c in cells for v in VARIANTS))
+    generator = torch.Generator().manual_seed(seed)
+
+    def case(r: int, p: int) -> Case:
+        cell = Cell(model, r, p, generator=generator, warmup=warmup, atol=atol)
+        methods = tuple(Method.named(LABELS, v, run=lambda counter, v=v: cell.timed(v)) for v in VARIANTS)
+        return Case({"requests": r, "prompt_tokens": p}, methods, budget_s=None, context=cell.prefilled,
+                    report=cell.report)
+
+    lead = (Column("R", "requests"), Column("P", "prompt_tokens"))
+
+    def each(path: str, form: str, scale: float = 1.0) -> tuple[Column, ...]:
+        return tuple(Column(LABELS[v][1], f"methods.{v}.{path}", form, scale) for v in VARIANTS)
+
+    return Benchmark(
+        name="unrelated", title="Attention over unrelated requests: one decode step", model=model,
+        cases=tuple(case(r, p) for p in prompt_tokens for r in requests), reference=None, pairs=tuple(RATIOS),
+        config={"requests": list(requests), "prompt_tokens": list(prompt_tokens), "steps": steps, "warmup": warmup,
+                "seed": seed, "atol": atol},
+        repeats=steps, columns=(), rows_key="cells", shuffle=seed, tables=(
+            Table(f"Milliseconds per decode step (median of {steps})", lead + each("wall_s", "{:.1f}", 1000)
+                  + (Column("largest logit diff", "largest_abs_diff", "{:.1e}"),), lead=2),
+            Table("Ratios of the medians", lead + tuple(Column(header, f"{fast}_vs.{slow}.speedup", "{:.2f}x")
+                                                        for (fast, slow), header in RATIOS.items())
+                  + (Column("attention scores, unrelated / batch rows", "scores_over_batch_rows", "{:.1f}x"),), lead=2),
+            Table("Attention scores per step, per layer and query head (queries x keys)", lead
+                  + each("extra.scores_per_head", "{:,}"), lead=2)),
+        summary=lambda result: {"logits_identical": True,  # a check raised otherwise
+                                "max_abs_diff": max(row["largest_abs_diff"] for row in result["cells"])},
+    )
 
 
-def tables(result: dict) -> list[TextTable]:
-    """Milliseconds per step, their ratios, and attention scores: a row per (R, P)."""
-    cells = sorted(result["cells"], key=lambda c: (c["prompt_tokens"], c["requests"]))
-    short, steps = result["short"], result["config"]["steps"]
-    lead = [("R", lambda c: str(c["requests"])), ("P", lambda c: str(c["prompt_tokens"]))]
-
-    def each(figure: str, form: str) -> list:
-        return [(short[v], lambda c, v=v: form.format(c["variants"][v][figure])) for v in VARIANTS]
-
-    ratios = [(header, lambda c, k=k: f"{c['ratios'][k]:.2f}x") for k, (_, _, header) in RATIOS.items()]
-    scores = ("attention scores, unrelated / batch rows", lambda c: "{:.1f}x".format(
-        c["variants"][FOREST_UNRELATED]["scores_per_head"] / c["variants"][BATCH_ROWS]["scores_per_head"]))
-    largest = ("largest logit diff", lambda c: f"{max(c['variants'][v]['max_abs_diff'] for v in VARIANTS):.1e}")
-    return [grid(f"Milliseconds per decode step (median of {steps})", cells, lead + each("ms_per_step", "{:.1f}")
-                 + [largest], lead=2),
-            grid("Ratios of the medians", cells, lead + ratios + [scores], lead=2),
-            grid("Attention scores per step, per layer and query head (queries x keys)", cells,
-                 lead + each("scores_per_head", "{:,}"), lead=2)]
+run_unrelated = runs(unrelated_benchmark)
 
 
 def chart(result: dict) -> Chart:
     """Milliseconds per step against R (log-log), a line per variant, one panel per P."""
-    lengths = sorted({c["prompt_tokens"] for c in result["cells"]})
+    rows, short = rows_of(result), result["layout"]["short"]
     panels = []
-    for p in lengths:
-        cells = sorted((c for c in result["cells"] if c["prompt_tokens"] == p), key=lambda c: c["requests"])
-        lines = [Line(result["short"][v], [(c["requests"], c["variants"][v]["ms_per_step"]) for c in cells],
+    for p in sorted({row["prompt_tokens"] for row in rows}):
+        cells = sorted((row for row in rows if row["prompt_tokens"] == p), key=lambda row: row["requests"])
+        ms = {v: [1000 * row["methods"][v]["wall_s"] for row in cells] for v in STYLES}
+        lines = [Line(short[v], [(row["requests"], y) for row, y in zip(cells, ms[v])],
                       {"marker": marker, "ls": style, "color": color},
-                      [None] * (len(cells) - 1) + [f"{cells[-1]['variants'][v]['ms_per_step']:.0f}"])
+                      [None] * (len(cells) - 1) + [f"{ms[v][-1]:.0f}"])
                  for v, (marker, style, color) in STYLES.items()]
         panels.append(Panel(f"P = {p} prompt tokens per request", lines, log_y=True,
                             ylabel="ms per decode step (median, log)" if not panels else ""))
-    return Chart(panels, sorted({c["requests"] for c in result["cells"]}), "R (requests decoding together)",
-                 legend="first")
+    return Chart(panels, sorted({row["requests"] for row in rows}), "R (requests decoding together)", legend="first")
 
 
-VIEWS["unrelated"] = View(tables, chart)
+VIEWS["unrelated"] = View(LAYOUT.tables, chart)
