@@ -85,8 +85,12 @@ def test_bench_serve_command_measures_both_servers(tmp_path):
     assert result.exit_code == 0, (result.output, result.exception)
     assert sorted(p.name for p in out.iterdir()) == ["bench_serve.json", "bench_serve.md", "bench_serve.png"]
     stored = json.loads((out / "bench_serve.json").read_text())
-    assert stored["benchmark"] == "serve" and stored["skipped"] == {} and stored["config"]["gather_s"] == 30
-    rows = {(r["server"], r["concurrency"], r["shared"]): r for r in stored["cells"]}
+    assert stored["benchmark"] == "serve" and stored["config"]["gather_s"] == 30
+    assert not any("skipped" in cell for cell in stored["cells"])
+    # a row per cell, a method per server: what its client saw in `extra`, its comparisons in the cell's row
+    rows = {(server, cell["concurrency"], cell["shared"]): {**m["extra"], **{k: v[server] for k, v in cell.items()
+                                                                         if isinstance(v, dict) and server in v}}
+            for cell in stored["cells"] for server, m in cell["methods"].items()}
     assert sorted(rows) == sorted((s, c, f) for s in (FOREST, ONE) for c in (1, 4) for f in (0.0, 0.9))
     for (server, concurrency, shared), row in rows.items():
         assert row["completed"] == row["requests"] == 4 and row["errors"] == 0

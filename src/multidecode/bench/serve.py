@@ -1,12 +1,14 @@
 """Benchmark: the OpenAI-compatible server under load. A seeded Poisson load of streamed greedy
 completions (`openai.AsyncOpenAI`) against `multidecode serve` as one forest and one request at a
-time, and `transformers serve`, each in a subprocess (`serving.launch.ServerProcess`), cell by cell
-of a grid (concurrency x shared share) (docs/benchmarks.md, `bench serve`)."""
+time, and `transformers serve`, each in a subprocess (`serving.launch.ServerProcess`), on the
+harness: a case is a cell of the grid (concurrency x shared share) with its load, its methods the
+servers (docs/benchmarks.md, `bench serve`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import random
 import shutil
@@ -24,17 +26,17 @@ from ..errors import InvalidArgument, check_positive
 from ..prompts import common_prefix_length
 from ..runtime import Limits
 from ..serving.launch import ServerFailed, ServerProcess
-from .common import Progress, spread
-from .harness import Target
-from .results import VIEWS, Chart, Line, Panel, View, environment, fmt, grid, new_result, targets_table
+from .common import Progress, RunOutput, spread
+from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Plot, Target, Unavailable, run
+from .results import LAYOUT, VIEWS, Chart, Column, Line, Panel, Table, View
 
 FOREST, ONE, HF = "forest", "one_at_a_time", "transformers"
 LABELS = {
-    FOREST: "multidecode serve (one forest)",
-    ONE: "multidecode serve, one request at a time (max_running=1)",
-    HF: "transformers serve",
+    FOREST: ("multidecode serve (one forest)", "forest"),
+    ONE: ("multidecode serve, one request at a time (max_running=1)", "one at a time"),
+    HF: ("transformers serve", "transformers serve"),
 }
-SHORT = {FOREST: "forest", ONE: "one at a time", HF: "transformers serve"}
+"""Server -> (label, short label)."""
 TEXTS = ("water_board_meeting.txt", "support_call.txt")
 """The texts the prompts are cut from, read as one stream of words."""
 SERVED_NAME = "bench-model"
@@ -46,18 +48,6 @@ METRICS = ("prompt_tokens", "prompt_tokens_cached", "generation_tokens", "steps"
 GRID = {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9), "max_tokens": 32, "prompt_tokens": 300}
 """The full grid's load (about 17 minutes on the project's CPU machine); --quick runs `QUICK`."""
 QUICK = {"requests": 6, "concurrency": (1, 4), "shared": (0.0, 0.9), "max_tokens": 8, "prompt_tokens": 120}
-NOTES = [
-    ("TTFT: first streamed token - send; e2e: end of the stream - send (a request is sent once one of the "
-     "`concurrency` client slots is free); ITL: gaps between streamed tokens, all requests of a cell pooled; "
-     "TPOT: (e2e - TTFT) / (tokens - 1); each at p50/p95/p99 (linear interpolation)."),
-    "requests/s and tokens/s: finished requests (their tokens) over first send to last end.",
-    ("cache_hit_rate: prompt tokens found cached / received (server counters diffed around the cell); "
-     "computed_share = 1 - cache_hit_rate; branches_per_forward: live branches summed over steps / forwards; "
-     "rows_per_forward: tokens fed / forwards; busy_share: the engine's busy seconds / the cell's span."),
-    "identical_to_one_at_a_time: the forest's texts equal one at a time's, request by request (greedy, float32).",
-    "one_at_a_time is the same server with Limits(max_running=1): the prefix cache still works, only batching differs.",
-    "Timings on a 2-core machine shared with other work are noisy: compare ratios measured in one run.",
-]
 
 
 @dataclass(frozen=True)
@@ -252,7 +242,7 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
             "computed_share": over(d["prompt_tokens"] - d["prompt_tokens_cached"], d["prompt_tokens"]),
             "branches_per_forward": over(d["branch_steps"], d["forward_passes"]),
             "rows_per_forward": over(d["rows"], d["forward_passes"]),
-            "busy_seconds": d["busy_seconds"]}
+            "busy_seconds": d["busy_seconds"], "ms_per_step": over(1000 * d["busy_seconds"], d["steps"])}
 
 
 def multidecode_server(name: str, model: str | None, launched: dict, *, max_running: int | None = None,
@@ -310,62 +300,195 @@ def warm_up(server: ServerProcess, max_tokens: int, gather: int = 1) -> None:
             raise ServerFailed(f"the {server.name} server failed a warm-up request: {failed[0]}; {server.log_tail()}")
 
 
-def load_cell(server: ServerProcess, cell: Cell, *, max_tokens: int, timeout_s: float, metrics: bool) -> dict:
-    """One cell's load against `server`: its row (figures, the server's counters, the texts)."""
+def load_run(server: ServerProcess, cell: Cell, *, max_tokens: int, timeout_s: float, texts: dict) -> RunOutput:
+    """One cell's load against `server`, as a run: the client's figures (and a multidecode server's
+    counters), its span from first send to last end, its forwards and output tokens; every
+    request's text (None where it failed) kept in `texts[server.name]`."""
     server.alive()
-    before = read_metrics(server.url) if metrics else None
+    counted = server.name != HF  # transformers serve has no counters
+    before = read_metrics(server.url) if counted else None
     outcomes, start = drive(server.url, server.model, cell, max_tokens, timeout_s)
-    row = {"server": server.name, "concurrency": cell.concurrency, "shared": cell.shared,
-           "requests": len(cell.prompts), **cell_figures(outcomes, start)}
-    if metrics:
+    figures = {"requests": len(cell.prompts), **cell_figures(outcomes, start)}
+    forwards = None
+    if counted:
         after = read_metrics(server.url)
-        m = row["server_metrics"] = metrics_delta(before, after)
+        m = figures["server_metrics"] = metrics_delta(before, after)
         m["cache_slots_at_end"] = int(after.get("cache_slots", 0))
-        m["busy_share"] = m["busy_seconds"] / row["span_s"] if row["span_s"] else None
-    row["texts"] = [o.text if o.error is None else None for o in outcomes]
-    return row
+        m["busy_share"] = m["busy_seconds"] / figures["span_s"] if figures["span_s"] else None
+        forwards = m["counters"]["forward_passes"]
+    texts[server.name] = [o.text if o.error is None else None for o in outcomes]
+    return RunOutput([], 0, forward_passes=forwards, extra={**figures, "texts": texts[server.name][:2]},
+                     seconds=figures["span_s"] or None, new_tokens=figures["output_tokens"])
 
 
-def run_serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency: Sequence[int] = (1, 4, 16),
-                        shared: Sequence[float] = (0.0, 0.5, 0.9), rate: float = 8.0, max_tokens: int = 32,
-                        prompt_tokens: int = 300, seed: int = 0, threads: int | None = None,
-                        transformers: bool = True, transformers_requests: int = 8, transformers_cb: bool = False,
-                        max_live_tokens: int = Limits.max_live_tokens,
-                        prefix_cache_tokens: int = Limits.prefix_cache_tokens, gather_s: float = 0.0,
-                        timeout_s: float = 600.0, progress: Progress | None = None) -> dict:
-    """Every cell of the grid against fresh servers: the JSON-ready result. model: a local folder or
-    .gguf file (None: the embedded model); threads: the multidecode servers' torch threads;
-    transformers: also `transformers serve` on the grid's corners. Raises `ServerFailed` where a
-    multidecode server does not start or dies."""
+@dataclass
+class Servers:
+    """The servers the cases run against, started as they need them: a fresh multidecode pair per
+    cell, transformers serve once for the grid's corners (kept in `kept` to the end of the run)."""
+
+    model: str | None
+    launched: dict  # how the multidecode servers start
+    limits: dict  # their admission limits
+    max_tokens: int
+    timeout_s: float
+    gather_s: float
+    transformers_cb: bool
+    kept: contextlib.ExitStack
+    running: dict = field(default_factory=dict)  # server name -> the process the current case drives
+    texts: dict = field(default_factory=dict)  # server name -> its texts in the current case
+    ready_s: list = field(default_factory=list)  # seconds each multidecode server took to be ready
+    transformers_failed: str | None = None
+
+    @contextlib.contextmanager
+    def pair(self, cell: Cell):
+        """A forest and a one-at-a-time server for `cell`, loading at once, each warmed up."""
+        gather = cell.concurrency if self.gather_s > 0 else 1
+        limits = {**self.limits, "gather": gather, "gather_s": self.gather_s}
+        servers = {FOREST: multidecode_server(FOREST, self.model, self.launched, **limits),
+                   ONE: multidecode_server(ONE, self.model, self.launched, max_running=1, **limits)}
+        with contextlib.ExitStack() as stack:
+            for server in servers.values():
+                stack.enter_context(server)
+            for server in servers.values():
+                self.ready_s.append(server.wait_ready())
+                warm_up(server, self.max_tokens, gather)
+            self.running = servers
+            yield
+
+    @contextlib.contextmanager
+    def transformers(self):
+        """transformers serve, started for the first corner and kept; `Unavailable` where it fails."""
+        if self.transformers_failed is None and HF not in self.running:
+            try:
+                server = transformers_server(self.model, continuous_batching=self.transformers_cb)
+                with contextlib.ExitStack() as starting:
+                    starting.enter_context(server)
+                    server.wait_ready()
+                    warm_up(server, self.max_tokens)
+                    self.kept.enter_context(starting.pop_all())
+                self.running = {HF: server}
+            except ServerFailed as error:
+                self.transformers_failed = str(error)[:600]
+        if self.transformers_failed is not None:
+            raise Unavailable(self.transformers_failed)
+        yield
+
+    def run(self, name: str, cell: Cell) -> RunOutput:
+        return load_run(self.running[name], cell, max_tokens=self.max_tokens, timeout_s=self.timeout_s,
+                        texts=self.texts)
+
+    def compared(self, cell: Cell, order: Sequence[str], got: dict) -> dict:
+        """A multidecode cell's load, which server went first, and whether the forest's texts equal
+        one at a time's, request by request."""
+        pairs = [(a, b) for a, b in zip(self.texts[FOREST], self.texts[ONE]) if a is not None and b is not None]
+        return {"load": _load_summary(cell), "measured_first": order[0],
+                "identical_to_one_at_a_time": {FOREST: all(a == b for a, b in pairs)},
+                "differing_texts": {FOREST: sum(a != b for a, b in pairs)}}
+
+
+def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency: Sequence[int] = (1, 4, 16),
+                    shared: Sequence[float] = (0.0, 0.5, 0.9), rate: float = 8.0, max_tokens: int = 32,
+                    prompt_tokens: int = 300, seed: int = 0, threads: int | None = None, transformers: bool = True,
+                    transformers_requests: int = 8, transformers_cb: bool = False,
+                    max_live_tokens: int = Limits.max_live_tokens,
+                    prefix_cache_tokens: int = Limits.prefix_cache_tokens, gather_s: float = 0.0,
+                    timeout_s: float = 600.0, kept: contextlib.ExitStack) -> Benchmark:
+    """Every cell of the grid against fresh servers, as data. model: a local folder or .gguf file
+    (None: the embedded model); threads: the multidecode servers' torch threads; transformers: also
+    `transformers serve` on the grid's corners (cases after the others, on the first
+    `transformers_requests` of their load), kept running in `kept`."""
     _check(requests=requests, concurrency=concurrency, shared=shared, rate=rate, max_tokens=max_tokens,
            prompt_tokens=prompt_tokens, gather_s=gather_s)
     _openai()
-    say, started = progress or (lambda message: None), time.perf_counter()
-    meta = environment(launched=_launched(model, threads))
-    say("building the load")
+    launched = _launched(model, threads)
     cells = build_cells(load_tokenizer(model), requests=requests, concurrency=concurrency, shared=shared,
                         rate=rate, prompt_tokens=prompt_tokens, seed=seed)
-    skipped: dict[str, str] = {}
-    with _terminate_as_interrupt():
-        rows, ready = _multidecode_rows(model, cells, meta, max_tokens, timeout_s, say, gather_s,
-                                        max_live_tokens=max_live_tokens, prefix_cache_tokens=prefix_cache_tokens)
-        meta["multidecode_ready_s"] = {"min": round(min(ready), 1), "max": round(max(ready), 1)}
-        if transformers:
-            corners = [c.first(transformers_requests) for c in cells if c.concurrency in (min(concurrency),
-                       max(concurrency)) and c.shared in (min(shared), max(shared))]
-            rows += _transformers_rows(model, corners, max_tokens, timeout_s, skipped, say, transformers_cb)
-    config = {"requests": requests, "transformers_requests": transformers_requests if transformers else None,
-              "transformers_continuous_batching": transformers_cb if transformers else None,
-              "server_threads": threads, "concurrency": list(concurrency), "shared": list(shared),
-              "rate_per_s": rate if math.isfinite(rate) else "inf", "max_tokens": max_tokens,
-              "prompt_tokens": prompt_tokens, "seed": seed, "temperature": 0, "endpoint": "/v1/completions",
-              "stream": True, "max_live_tokens": max_live_tokens, "prefix_cache_tokens": prefix_cache_tokens,
-              "gather_s": gather_s, "notes": NOTES,
-              "client": "openai.AsyncOpenAI (max_retries=0), in the benchmark's process; servers in subprocesses"}
-    labels = {**LABELS, HF: LABELS[HF] + (" --continuous-batching" if transformers_cb else "")}
-    result = new_result("serve", "the OpenAI-compatible server under load", meta, started, config, labels,
-                        short=SHORT, load=[_load_summary(c) for c in cells], cells=_compared(rows), skipped=skipped)
-    return {**result, "targets": targets(result)}
+    servers = Servers(model, launched, {"max_live_tokens": max_live_tokens, "prefix_cache_tokens": prefix_cache_tokens},
+                      max_tokens, timeout_s, gather_s, transformers_cb, kept)
+    hf_label, hf_short = LABELS[HF]
+    labels = {**LABELS, HF: (hf_label + " --continuous-batching" * transformers_cb, hf_short
+                             + (f" ({transformers_requests} requests)" if transformers_requests != requests else ""))}
+
+    def case(cell: Cell, order: Sequence[str], context) -> Case:
+        methods = tuple(Method.named(labels, name, run=lambda counter, name=name: servers.run(name, cell),
+                                     model=OUTSIDE_TORCH) for name in order)
+        multidecode = HF not in order
+        return Case({"concurrency": cell.concurrency, "shared": cell.shared}, methods, budget_s=None, context=context,
+                    targets=_targets(cell) if multidecode and cell.concurrency == max(concurrency) else (),
+                    report=functools.partial(servers.compared, cell, order) if multidecode else None)
+
+    cases = [case(cell, (FOREST, ONE) if i % 2 == 0 else (ONE, FOREST), functools.partial(servers.pair, cell))
+             for i, cell in enumerate(cells)]  # alternate: no server always first
+    corners = [c for c in cells if c.concurrency in (min(concurrency), max(concurrency))
+               and c.shared in (min(shared), max(shared))] if transformers else []
+    cases += [case(c.first(transformers_requests), (HF,), servers.transformers) for c in corners]
+    what = (f"{requests} requests a cell, ~{prompt_tokens}-token prompts, {max_tokens} tokens each, Poisson arrivals "
+            f"at {rate if math.isfinite(rate) else 'inf'}/s")
+    return Benchmark(
+        name="serve", title="the OpenAI-compatible server under load", model=None, machine=launched,
+        cases=tuple(cases), reference=None, repeats=1, columns=(), rows_key="cells", plot=Plot("sweep", (), "concurrency"),
+        config={"requests": requests, "transformers_requests": transformers_requests if transformers else None,
+                "transformers_continuous_batching": transformers_cb if transformers else None,
+                "server_threads": threads, "concurrency": list(concurrency), "shared": list(shared),
+                "rate_per_s": rate if math.isfinite(rate) else "inf", "max_tokens": max_tokens,
+                "prompt_tokens": prompt_tokens, "seed": seed, "temperature": 0, "endpoint": "/v1/completions",
+                "stream": True, "max_live_tokens": max_live_tokens, "prefix_cache_tokens": prefix_cache_tokens,
+                "gather_s": gather_s,
+                "client": "openai.AsyncOpenAI (max_retries=0), in the benchmark's process; servers in subprocesses"},
+        tables=_tables(what), summary=functools.partial(_compare_cells, servers),
+    )
+
+
+def run_serve_benchmark(*, progress: Progress | None = None, **settings) -> dict:
+    """`serve_benchmark(**settings)` measured: the JSON-ready result. Raises `ServerFailed` where a
+    multidecode server does not start or dies; every server started is stopped on the way out."""
+    with contextlib.ExitStack() as kept, _terminate_as_interrupt():
+        (progress or (lambda message: None))("building the load")
+        return run(serve_benchmark(**settings, kept=kept), progress=progress)
+
+
+def _targets(cell: Cell) -> tuple[Target, ...]:
+    """At the grid's top concurrency, each share: the forest's throughput over one at a time (set
+    for 16 in flight and 90% shared) and, above concurrency 1, its p50 TTFT over solo (set for 16)."""
+    where = f"at concurrency {cell.concurrency}, {cell.shared:.0%} shared"
+    main = abs(cell.shared - 0.9) < 1e-9 and cell.concurrency == 16
+    throughput = Target(f"output tokens/s {where}, over one at a time" + ("" if main else
+                        " (the target is set for 90% shared)"), ("throughput_vs_one_at_a_time", FOREST), ">=",
+                        THROUGHPUT_TARGET, binding=main)
+    ttft = Target(f"p50 TTFT {where}, over solo (concurrency 1)", ("ttft_p50_vs_solo", FOREST), "<=", TTFT_TARGET,
+                  binding=cell.concurrency == 16)
+    return (throughput, ttft) if cell.concurrency > 1 else (throughput,)
+
+
+def served(result: dict) -> dict[tuple, tuple[dict, dict]]:
+    """(server, concurrency, shared) -> (what the server's run saw, its case's row), over every row."""
+    return {(name, row["concurrency"], row["shared"]): (m["extra"], row)
+            for row in result["cells"] for name, m in row["methods"].items()}
+
+
+def _compare_cells(servers: Servers, result: dict) -> dict:
+    """Each server's output tokens/s and p50 TTFT over one at a time in its cell, and its p50 TTFT
+    over its own solo (concurrency 1, the same share), added to the rows; the servers' start times."""
+    found = served(result)
+
+    def over(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    def p50(figures: dict | None) -> float | None:
+        return figures["ttft_s"]["p50"] if figures and figures["ttft_s"] else None
+
+    for (name, concurrency, share), (figures, row) in found.items():
+        one = found.get((ONE, concurrency, share), (None,))[0]
+        solo = found.get((name, 1, share), (None,))[0]
+        ratios = {"ttft_p50_vs_solo": over(p50(figures), p50(solo))}
+        if name != ONE and one is not None:
+            ratios |= {"throughput_vs_one_at_a_time": over(figures["output_tokens_per_s"], one["output_tokens_per_s"]),
+                       "ttft_p50_vs_one_at_a_time": over(p50(figures), p50(one))}
+        for key, value in ratios.items():
+            if value is not None:
+                row.setdefault(key, {})[name] = value
+    ready = servers.ready_s
+    return {"multidecode_ready_s": {"min": round(min(ready), 1), "max": round(max(ready), 1)}} if ready else {}
 
 
 def _launched(model: str | None, threads: int | None) -> dict:
@@ -379,103 +502,10 @@ def _launched(model: str | None, threads: int | None) -> dict:
             "device": str(resolve_device(None)), "threads": threads or torch.get_num_threads()}
 
 
-def _multidecode_rows(model, cells: list[Cell], launched: dict, max_tokens: int, timeout_s: float, say: Progress,
-                      gather_s: float, **limits) -> tuple[list[dict], list[float]]:
-    """Every cell against a fresh pair of multidecode servers, the forest first in every other cell:
-    the rows, and the seconds each server took to be ready."""
-    rows, ready = [], []
-    for cell in cells:
-        gather = cell.concurrency if gather_s > 0 else 1
-        cell_limits = {**limits, "gather": gather, "gather_s": gather_s}
-        servers = {FOREST: multidecode_server(FOREST, model, launched, **cell_limits),
-                   ONE: multidecode_server(ONE, model, launched, max_running=1, **cell_limits)}
-        with contextlib.ExitStack() as stack:
-            for server in servers.values():  # both start loading at once
-                stack.enter_context(server)
-            for server in servers.values():
-                ready.append(server.wait_ready())
-                warm_up(server, max_tokens, gather)
-            order = [FOREST, ONE] if len(rows) % 4 == 0 else [ONE, FOREST]  # alternate: no server always first
-            for name in order:
-                row = load_cell(servers[name], cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=True)
-                rows.append({**row, "measured": "first" if name == order[0] else "second"})
-                say(_line(rows[-1]))
-    return rows, ready
-
-
-def _transformers_rows(model, cells: list[Cell], max_tokens: int, timeout_s: float, skipped: dict, say: Progress,
-                       continuous_batching: bool) -> list[dict]:
-    """The cells against one `transformers serve`; none, with the reason in `skipped`, where it fails."""
-    try:
-        server = transformers_server(model, continuous_batching=continuous_batching)
-        say("starting transformers serve" + " --continuous-batching" * continuous_batching)
-        rows = []
-        with server:
-            server.wait_ready()
-            warm_up(server, max_tokens)
-            for cell in cells:
-                rows.append(load_cell(server, cell, max_tokens=max_tokens, timeout_s=timeout_s, metrics=False))
-                say(_line(rows[-1]))
-        return rows
-    except ServerFailed as error:
-        skipped[HF] = str(error)[:600]
-        say(f"transformers serve skipped: {skipped[HF][:200]}")
-        return []
-
-
 def _load_summary(cell: Cell) -> dict:
     return {"concurrency": cell.concurrency, "shared": cell.shared, "shared_tokens": cell.shared_tokens,
             "prompt_tokens": spread(cell.prompt_tokens),
             "arrivals_span_s": round(cell.arrivals[-1], 3), "first_prompt": cell.prompts[0][:200] + "..."}
-
-
-def _line(row: dict) -> str:
-    ttft = row["ttft_s"]["p50"] if row["ttft_s"] else float("nan")
-    m = row.get("server_metrics")
-    counters = (f", hit {fmt(m['cache_hit_rate'], '{:.0%}')}, {fmt(m['branches_per_forward'], '{:.1f}')} "
-                "branches/forward") if m else ""
-    return (f"c={row['concurrency']} shared={row['shared']:.0%} {SHORT[row['server']]}: "
-            f"{row['output_tokens_per_s'] or 0.0:.1f} tok/s, p50 TTFT {1000 * ttft:.0f} ms{counters}"
-            + (f", {row['errors']} errors" if row["errors"] else ""))
-
-
-def _compared(rows: list[dict]) -> list[dict]:
-    """The rows with their ratios to one at a time in the same cell and to their own solo
-    (concurrency 1) p50 TTFT; the forest's say whether their texts equal one at a time's; two
-    texts kept as a sample."""
-    by = {(r["server"], r["concurrency"], r["shared"]): r for r in rows}
-    for r in rows:
-        one, solo = by.get((ONE, r["concurrency"], r["shared"])), by.get((r["server"], 1, r["shared"]))
-        if one is not None and one["output_tokens_per_s"] and r["output_tokens_per_s"]:
-            r["throughput_vs_one_at_a_time"] = r["output_tokens_per_s"] / one["output_tokens_per_s"]
-        if one is not None and one["ttft_s"] and r["ttft_s"]:
-            r["ttft_p50_vs_one_at_a_time"] = r["ttft_s"]["p50"] / one["ttft_s"]["p50"]
-        if solo is not None and solo["ttft_s"] and r["ttft_s"]:
-            r["ttft_p50_vs_solo"] = r["ttft_s"]["p50"] / solo["ttft_s"]["p50"]
-        if r["server"] == FOREST and one is not None:
-            pairs = [(a, b) for a, b in zip(r["texts"], one["texts"]) if a is not None and b is not None]
-            r["identical_to_one_at_a_time"] = all(a == b for a, b in pairs)
-            r["differing_texts"] = sum(a != b for a, b in pairs)
-    return [{**r, "texts": r["texts"][:2]} for r in rows]
-
-
-def targets(result: dict) -> list[dict]:
-    """The two targets for every share at the grid's top concurrency; `binding` where set for that cell."""
-    rows = [r for r in result["cells"] if r["server"] == FOREST]
-    top = max((r["concurrency"] for r in rows), default=0)
-    out = []
-    for r in sorted((r for r in rows if r["concurrency"] == top), key=lambda r: r["shared"]):
-        where = f"at concurrency {top}, {r['shared']:.0%} shared"
-        main = abs(r["shared"] - 0.9) < 1e-9 and top == 16
-        throughput = Target(f"output tokens/s {where}, over one at a time"
-                            + ("" if main else " (the target is set for 90% shared)"),
-                            ("throughput_vs_one_at_a_time",), ">=", THROUGHPUT_TARGET)
-        ttft = Target(f"p50 TTFT {where}, over solo (concurrency 1)", ("ttft_p50_vs_solo",), "<=", TTFT_TARGET)
-        checks = [(throughput, main)]
-        if top > 1:
-            checks.append((ttft, top == 16))
-        out += [{**t, "binding": binding} for target, binding in checks if (t := target.check(r)) is not None]
-    return out
 
 
 @contextlib.contextmanager
@@ -509,79 +539,62 @@ def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens, ga
         raise InvalidArgument(f"gather_s must be 0 or more, got {gather_s}", "e.g. 0 (off) or 30")
 
 
-def tables(result: dict) -> list:
-    """Throughput and the server's counters, latencies, the targets: a row per cell and server."""
-    order = list(LABELS)
-    rows = sorted(result["cells"], key=lambda r: (r["shared"], r["concurrency"], order.index(r["server"])))
-    cfg = result["config"]
-
-    def metric(name: str, form: str):
-        return lambda r: fmt((r.get("server_metrics") or {}).get(name), form)
-
-    def ms_per_step(r: dict) -> str:
-        m = r.get("server_metrics") or {}
-        steps = (m.get("counters") or {}).get("steps")
-        return fmt(1000 * m["busy_seconds"] / steps if steps else None, "{:.0f}")
-
-    lead = [("shared", lambda r: f"{r['shared']:.0%}"), ("concurrency", lambda r: str(r["concurrency"])),
-            ("server", lambda r: result["short"][r["server"]]
-             + (f" ({r['requests']} requests)" if r["requests"] != cfg["requests"] else ""))]
-    speed = lead + [
-        ("requests/s", lambda r: fmt(r["requests_per_s"], "{:.2f}")),
-        ("output tok/s", lambda r: fmt(r["output_tokens_per_s"], "{:.1f}")),
-        ("over one at a time", lambda r: fmt(r.get("throughput_vs_one_at_a_time") if r["server"] != ONE else None,
-                                             "{:.2f}x")),
-        ("cache hit", metric("cache_hit_rate", "{:.0%}")), ("branches/forward", metric("branches_per_forward", "{:.2f}")),
-        ("ms/step", ms_per_step),
-        ("same text", lambda r: {True: "yes", False: "**no**"}.get(r.get("identical_to_one_at_a_time"), "")),
-        ("errors", lambda r: str(r["errors"]) if r["errors"] else "")]
-    latency = lead + [(f"{name} p{q}", lambda r, k=key, q=q: "" if not r[k] else f"{1000 * r[k][f'p{q}']:.0f}")
-                      for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("TPOT", "tpot_s"), ("e2e", "e2e_s"))
-                      for q in PERCENTILES] + [("p50 TTFT over solo", lambda r: fmt(r.get("ttft_p50_vs_solo"), "{:.2f}x"))]
-    what = (f"{cfg['requests']} requests a cell, ~{cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} tokens "
-            f"each, Poisson arrivals at {cfg['rate_per_s']}/s")
-    return [grid(f"Throughput ({what})", rows, speed, lead=3), grid("Latency (ms)", rows, latency, lead=3),
-            *targets_table(result)]
+def _tables(what: str) -> tuple[Table, ...]:
+    """Throughput with the server's counters, and latencies: a row per cell and server."""
+    lead = (Column("shared", "shared", "{:.0%}"), Column("concurrency", "concurrency"), Column("server", "label"))
+    throughput = (
+        Column("requests/s", "extra.requests_per_s", "{:.2f}"), Column("output tok/s", "extra.output_tokens_per_s", "{:.1f}"),
+        Column("over one at a time", "throughput_vs_one_at_a_time.{name}", "{:.2f}x"),
+        Column("cache hit", "extra.server_metrics.cache_hit_rate", "{:.0%}"),
+        Column("branches/forward", "extra.server_metrics.branches_per_forward", "{:.2f}"),
+        Column("ms/step", "extra.server_metrics.ms_per_step", "{:.0f}"),
+        Column("same text", "identical_to_one_at_a_time.{name}", "yes/no"), Column("errors", "extra.errors"))
+    latency = tuple(Column(f"{name} p{q}", f"extra.{key}.p{q}", "{:.0f}", 1000)
+                    for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("TPOT", "tpot_s"), ("e2e", "e2e_s"))
+                    for q in PERCENTILES) + (Column("p50 TTFT over solo", "ttft_p50_vs_solo.{name}", "{:.2f}x"),)
+    return tuple(Table(title, lead + columns, rows="methods", lead=3, sort=("shared", "concurrency"))
+                 for title, columns in ((f"Throughput ({what})", throughput), ("Latency (ms)", latency)))
 
 
 def chart(result: dict) -> Chart:
     """Output tokens/s, its ratio over one at a time, and p50 TTFT against concurrency: a colour per
     share, a line style per server, the targets as reference lines."""
-    rows, cfg = result["cells"], result["config"]
-    shares = sorted({r["shared"] for r in rows})
+    found, cfg, short = served(result), result["config"], result["layout"]["short"]
+    shares = sorted({share for _, _, share in found})
     colors = dict(zip(shares, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
     styles = {FOREST: ("o", "-"), ONE: ("s", "--"), HF: ("^", ":")}
 
-    def lines(value, servers=tuple(LABELS), notes: str | None = None) -> list[Line]:
+    def lines(value, servers=tuple(styles), notes: str | None = None) -> list[Line]:
         out = []
         for server in servers:
-            counts = sorted({r["requests"] for r in rows if r["server"] == server})
             for share in shares:
-                points = [(r["concurrency"], v) for r in sorted(rows, key=lambda r: r["concurrency"])
-                          if r["server"] == server and r["shared"] == share and (v := value(r)) is not None]
-                label = f"{result['short'][server]}, {share:.0%} shared" + (
-                    f" ({', '.join(map(str, counts))} requests)" if counts != [cfg["requests"]] else "")
+                points = [(c, v) for (name, c, s), (figures, row) in sorted(found.items(), key=lambda f: f[0][1])
+                          if name == server and s == share and (v := value(name, figures, row)) is not None]
                 style = {"marker": styles[server][0], "ls": styles[server][1], "color": colors[share]}
                 if points:
-                    out.append(Line(label, points, style, [notes.format(v) for _, v in points] if notes else None))
+                    out.append(Line(f"{short[server]}, {share:.0%} shared", points, style,
+                                    [notes.format(v) for _, v in points] if notes else None))
         return out
 
-    solo = {r["shared"]: r["ttft_s"]["p50"] for r in rows if r["server"] == FOREST and r["concurrency"] == 1
-            and r["ttft_s"]}
-    ttft_targets = [(TTFT_TARGET * 1000 * p50, {"color": colors[share], "ls": "-.", "alpha": 0.7,
-                                                "label": f"{TTFT_TARGET:g}x solo TTFT, {share:.0%} shared (target)"})
-                    for share, p50 in solo.items()]
+    def ttft(name, figures, row) -> float | None:
+        return 1000 * figures["ttft_s"]["p50"] if figures["ttft_s"] else None
+
+    solo = {s: ms for (name, c, s), (figures, row) in found.items() if name == FOREST and c == 1
+            and (ms := ttft(name, figures, row)) is not None}
+    ttft_targets = [(TTFT_TARGET * ms, {"color": colors[share], "ls": "-.", "alpha": 0.7,
+                                        "label": f"{TTFT_TARGET:g}x solo TTFT, {share:.0%} shared (target)"})
+                    for share, ms in solo.items()]
     return Chart([
-        Panel("output tokens/s", lines(lambda r: r["output_tokens_per_s"])),
-        Panel("output tokens/s over one at a time", lines(lambda r: r.get("throughput_vs_one_at_a_time"),
-                                                          (FOREST, HF), "{:.1f}x"),
+        Panel("output tokens/s", lines(lambda name, figures, row: figures["output_tokens_per_s"])),
+        Panel("output tokens/s over one at a time",
+              lines(lambda name, figures, row: row.get("throughput_vs_one_at_a_time", {}).get(name), (FOREST, HF),
+                    "{:.1f}x"),
               [(1.0, {"color": "grey", "ls": "--"}), (THROUGHPUT_TARGET, {
                   "color": "tab:red", "ls": ":", "label": f"target {THROUGHPUT_TARGET:g}x (c=16, 90% shared)"})]),
-        Panel("p50 TTFT (ms, log)", lines(lambda r: 1000 * r["ttft_s"]["p50"] if r["ttft_s"] else None),
-              ttft_targets, log_y=True),
-    ], sorted({r["concurrency"] for r in rows}), "concurrency (requests in flight)", legend="figure",
+        Panel("p50 TTFT (ms, log)", lines(ttft), ttft_targets, log_y=True),
+    ], sorted({c for _, c, _ in found}), "concurrency (requests in flight)", legend="figure",
         title=f"{result['title']}: {cfg['requests']} requests a cell, ~{cfg['prompt_tokens']}-token prompts, "
               f"{cfg['max_tokens']} new tokens, Poisson {cfg['rate_per_s']}/s")
 
 
-VIEWS["serve"] = View(tables, chart)
+VIEWS["serve"] = View(LAYOUT.tables, chart)
