@@ -134,7 +134,7 @@ class _Plan:
             "document_tokens": len(tokenizer(document, add_special_tokens=False)["input_ids"]) if tokenizer else None,
             "prompt_tokens": [len(p) for p in main_prompts], "shared_prefix_tokens": common_prefix_length(main_prompts),
             "questions": list(questions), "sweep_questions": list(self.pool), "eos_ids": list(self.setup.eos_ids),
-            "pad_id": self.setup.pad_id, "notes": ["The cost of (a) for K questions is the sum of its per-question runs."],
+            "pad_id": self.setup.pad_id,
         }
 
 

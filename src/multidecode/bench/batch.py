@@ -8,6 +8,7 @@ import functools
 import json
 import tempfile
 import time
+from operator import itemgetter
 from pathlib import Path
 
 from .. import data
@@ -36,40 +37,22 @@ CUSTOMERS = ["Daniel Okafor", "Aiko Tanaka", "Lena Fischer", "Rosa Delgado", "Om
              "Piotr Nowak", "Sofia Rossi", "Kwame Boateng", "Mei Lin", "Lucas Moreau"]
 AGENTS = ["Priya Raman", "Marco Silva", "Tom Becker", "Hannah Cole"]
 ROUTERS = ["G7", "G5", "G9"]
-PROBLEMS = [
-    # (complaint, since when, cause, what is sent or None, what else the agent did)
-    ("My internet keeps dropping every twenty minutes", "since Saturday",
-     "The line test shows the optical signal falling, so the fiber connector is dirty or bent.",
-     "a new patch cable today", ""),
-    ("The Wi-Fi keeps disappearing whenever the microwave runs", "since Monday morning",
-     "Your router only uses the 2.4 GHz band, which the microwave disturbs.",
-     "a G7 router that also uses 5 GHz", ""),
-    ("My connection has been very slow", "for three days",
-     "Your router firmware is out of date and has a known speed bug.",
-     None, "I have updated it remotely; please restart the router tonight."),
-    ("Nothing has worked at all", "since the storm last night",
-     "The storm damaged the line outside your house.",
-     "a mobile hotspot so you can work until then", ""),
-    ("Video calls keep freezing every evening", "since last week",
-     "Your area's network node is overloaded at peak hours.",
-     None, "I have moved your line to a new node."),
-    ("The router keeps restarting by itself several times a day", "since Tuesday",
-     "The power adapter of your router is failing.",
-     "a new power adapter today", ""),
-]
 VISITS = ["A technician will visit on Thursday between 8 and 12.", "No technician visit is needed.",
           "A technician will visit tomorrow, Friday, at 2 pm.", "A technician will visit on Monday between 1 and 5.",
           "No technician visit is needed."]
 CREDITS = [15, 10, 0, 25, 20]
+"""What the similar calls are made of, with `data/similar_call_problems.jsonl` (each problem's complaint,
+since when, cause, what is sent (or null) and what else the agent did), taken by index."""
 
 
 def similar_documents(n: int) -> list[dict]:
     """n support calls in the style of `data/example_batch.jsonl`, as input lines
     ({"id", "document"}); the same n always gives the same calls."""
-    rows = []
+    problems, rows = [json.loads(line) for line in data.lines("similar_call_problems.jsonl")], []
     for i in range(n):
         customer, agent = CUSTOMERS[i % len(CUSTOMERS)], AGENTS[(i * 3 + i // 4) % len(AGENTS)]
-        complaint, since, cause, sent, done = PROBLEMS[(i * 5) % len(PROBLEMS)]
+        complaint, since, cause, sent, done = itemgetter("complaint", "since", "cause", "sent", "done")(
+            problems[(i * 5) % len(problems)])
         router, visit, credit = ROUTERS[(i // 2) % len(ROUTERS)], VISITS[i % len(VISITS)], CREDITS[(i * 2) % 5]
         ticket = 48213 + 17 * i
         first, agent_first = customer.split()[0], agent.split()[0]
@@ -147,11 +130,7 @@ def similar_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 48,
         cases=(Case({"documents": documents}, methods(rows, max_new_tokens), budget_s=budget_s, targets=targets,
                     report=report),),
         config={"documents": documents, "questions": asked, "max_new_tokens": max_new_tokens,
-                "decoding": "greedy", "notes": [
-                    ("Each run is the whole job into a new output file; suffix and auto start from an empty "
-                     "store each run, so only that run's earlier documents help."),
-                    "drafted/accepted/acceptance are summed over the job's documents from their decode stats.",
-                ]},
+                "decoding": "greedy"},
         warmup=methods(similar_documents(2), 2) if warmup else (), repeats=repeats,
         columns=("wall_s", "forward_passes", "tokens_per_forward", "acceptance", "tokens_per_s"),
         plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")),
@@ -172,29 +151,18 @@ MERGED_LABELS = {
 """Method -> (label, short label) of the merged-forests workload."""
 MERGED_TARGETS = ((MERGED, ONE, 1.3), (MERGED, GENERATE, 6.0))
 """(fast, slow, speed-up) the merged job is held to."""
-LOG_QUESTIONS = [
-    "How many calls are in this log?",
-    "Which customers called?",
-    "Which routers are mentioned?",
-    "Is a technician visit planned, and when?",
-    "What credits were given?",
-    "Which agents took the calls?",
-    "What was the most common problem?",
-    "Summarize the log in one sentence.",
-]
-"""Questions about a day's log of support calls; line i asks 4 to 8 of them."""
 
 
 def call_logs(n: int) -> list[dict]:
     """n input lines, each a day's log of 3 to 12 support calls (about 300 to 1,500 tokens) with
     its own 4 to 8 questions; the same n always gives the same lines."""
-    calls = similar_documents(64)
+    calls, asking = similar_documents(64), data.lines("call_log_questions.txt")  # line i asks 4 to 8 of them
     rows = []
     for i in range(n):
         count = 3 + (i * 7) % 10
         first = (i * 7) % len(calls)
         document = "\n\n".join(calls[(first + j) % len(calls)]["document"] for j in range(count))
-        asked = [LOG_QUESTIONS[(i + j) % len(LOG_QUESTIONS)] for j in range(4 + (i * 3) % 5)]
+        asked = [asking[(i + j) % len(asking)] for j in range(4 + (i * 3) % 5)]
         rows.append({"id": f"log-{i + 1}", "document": f"Support line log, day {i + 1}.\n\n{document}",
                      "questions": asked})
     return rows
@@ -233,11 +201,7 @@ def merged_benchmark(decoder, *, documents: int = 24, max_new_tokens: int = 48, 
                     report=lambda got: {"document_tokens": token_counts(setup.tokenizer, rows),
                                         "questions": sum(len(r["questions"]) for r in rows)}),),
         config={"workload": "merged", "documents": documents, "max_new_tokens": max_new_tokens,
-                "forest_tokens": forest_tokens, "decoding": "greedy", "notes": [
-                    ("Each job run writes a new output file; merged runs keep up to forest_tokens cache tokens "
-                     "(prompts + questions x max_new_tokens) in flight; one at a time is forest_tokens=0."),
-                    "Forwards of merged runs are counted at the model (the lines share them).",
-                    "The generate loop runs model.generate once per question, the whole prompt each time."]},
+                "forest_tokens": forest_tokens, "decoding": "greedy"},
         warmup=jobs(call_logs(2), 2) if warmup else (), repeats=repeats,
         columns=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes", "tokens_per_forward"),
         plot=Plot("bars", figures=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes")),

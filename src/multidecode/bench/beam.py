@@ -90,10 +90,7 @@ def beam_benchmark(decoder, *, prompt: str | Sequence[int] | None = None, prompt
                 "max_new_tokens": max_new_tokens, "num_beams": num_beams, "length_penalty": length_penalty,
                 "early_stopping": early_stopping, "num_return_sequences": "num_beams (every hypothesis is compared)",
                 "eos_ids": setup.eos_ids, "pad_id": setup.pad_id,
-                "score_tolerance": {"atol": SCORE_ATOL, "rtol": SCORE_RTOL},
-                "notes": [("Scores are compared to float32 rounding: log-probs over a forest cache sum in another "
-                          "order (differences ~1e-6). extra.peak_used_kv_bytes is the part of MultiDecode's "
-                          "preallocated cache it filled.")]},
+                "score_tolerance": {"atol": SCORE_ATOL, "rtol": SCORE_RTOL}},
         warmup=_methods(setup, ids[:32], **{**settings, "num_beams": 2, "max_new_tokens": 2}) if warmup else (),
         columns=("wall_s", "forward_passes", "peak_kv_bytes", "prefill_s", "decode_ms_per_step"),
         plot=Plot("sweep", figures=("peak_kv_bytes",), x="num_beams", xlabel="beams B"),

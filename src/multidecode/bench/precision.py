@@ -214,12 +214,7 @@ def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None
         pairs=tuple((name, LLAMA) for name in plan.labels if name != LLAMA) + ((SPECULATING, HF),),
         config={"gguf": str(loaded.path), "file_bytes": loaded.path.stat().st_size, "file_tensor_bytes": file_bytes,
                 "precisions": chosen, "bandwidth_bytes_per_s": bandwidth, "loads": loaded.loads,
-                "llama_cpp": loaded.llama_missing or "measured", "eos_ids": setup.eos_ids, "notes": [
-                    "Greedy throughout; methods at one precision must agree token for token, the rest is reported.",
-                    ("steps: weights read per decode step, ms per decode forward, GB/s, and the memory floor "
-                     "(weights / measured bandwidth)."),
-                    "per_token: (wall - prefill) / (new tokens - 1), and its ratio to llama.cpp's.",
-                ]},
+                "llama_cpp": loaded.llama_missing or "measured", "eos_ids": setup.eos_ids},
         warmup=plan.warmup() if warmup else (), repeats=repeats,
         columns=("wall_s", "forward_passes", "tokens_per_s", "decode_ms_per_step", "prefill_s"),
         plot=Plot("bars", figures=("wall_s", "tokens_per_s", "decode_ms_per_step")), rows_key="cases",

@@ -166,11 +166,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
         + (((OURS_AUTO, OURS_AUTO_TOKENS),) if heads else ()),
         config={"workloads": [w.name for w in chosen], "decoding": "greedy", "eos_ids": setup.eos_ids,
                 "pad_id": setup.pad_id, "auto_floor": FLOOR, **_self_draft_config(skip), "lookahead_fit": repr(fitted),
-                "learned_heads": {learned_kind(h): getattr(h, "config", {}).get("training", {}) for h in heads},
-                "notes": [
-                    "tokens_per_forward = new tokens / forward passes (prefill included).",
-                    "HF drafted/accepted are read from the forward calls' input shapes (see the module docstring).",
-                ]},
+                "learned_heads": {learned_kind(h): getattr(h, "config", {}).get("training", {}) for h in heads}},
         warmup=methods(shortest, 4) if warmup else (), repeats=repeats,
         columns=("wall_s", "forward_passes", "tokens_per_forward", "acceptance", "tokens_per_s"),
         plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")),

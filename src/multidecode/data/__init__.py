@@ -7,6 +7,8 @@
 - `shipping_quote.py.txt`, `speculate_workloads.jsonl`: the speculation benchmark's workloads;
 - `self_draft_sample.txt`: prose and code to choose a self-draft's skipped layers on;
 - `example_batch.jsonl`: a batch job's input, as `docs/batch.md` describes it;
+- `similar_call_problems.jsonl`, `call_log_questions.txt`: what `bench batch` builds its support
+  calls and day logs from, and asks about the logs;
 - `drafters/<model shape>/<kind>/`: learned draft heads shipped for the embedded model;
 - `distill_prompts.jsonl`: the prompts `multidecode train-drafter` distills on by default.
 """
