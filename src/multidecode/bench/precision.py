@@ -35,7 +35,7 @@ from .common import (
     torch_threads,
 )
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Part, Plot, Target, run
-from .results import LAYOUT, VIEWS, TextTable, View, fmt, grid
+from .results import Column, Table
 from .speculate import Workload, choose, multidecode_generate
 
 AUTO = "auto"
@@ -165,12 +165,17 @@ def profile_step(decoder, prompt: Sequence[int], *, steps: int = PROFILE_STEPS, 
     events = profiled.key_averages()
     forwards = steps + 1
     ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    top_ops = [{"op": e.key, "calls_per_step": e.count / forwards, "ms_per_step": e.self_cpu_time_total / 1000 / forwards,
+                "us_per_call": e.self_cpu_time_total / max(1, e.count)} for e in ranked]
     return {"wall_ms_per_step": 1000 * (longer - shorter) / steps,
             "op_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1000 / forwards,
             "op_calls_per_step": sum(e.count for e in events) / forwards,
-            "top_ops": [{"op": e.key, "calls_per_step": e.count / forwards,
-                         "ms_per_step": e.self_cpu_time_total / 1000 / forwards,
-                         "us_per_call": e.self_cpu_time_total / max(1, e.count)} for e in ranked]}
+            "top_ops": top_ops, "top": top_operators(top_ops)}
+
+
+def top_operators(top_ops: list[dict], n: int = 4) -> str:
+    """The `n` costliest operators and their ms per step, as text: "mm 1.23, addmm 0.45"."""
+    return ", ".join(f"{o['op'].removeprefix('aten::')} {o['ms_per_step']:.2f}" for o in top_ops[:n])
 
 
 def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None = None,
@@ -218,7 +223,7 @@ def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None
         warmup=plan.warmup() if warmup else (), repeats=repeats,
         columns=("wall_s", "forward_passes", "tokens_per_s", "decode_ms_per_step", "prefill_s"),
         plot=Plot("bars", figures=("wall_s", "tokens_per_s", "decode_ms_per_step")), rows_key="cases",
-        summary=profiles if profile else None,
+        summary=profiles if profile else None, tables=(STEPS, PROFILED) if profile else (STEPS,),
     )
 
 
@@ -386,33 +391,17 @@ def _ask_targets() -> tuple[Target, ...]:
             Target("resident weights at auto / the file's tensor bytes", ("resident", "ratio"), "<=", 1.25, unit=""))
 
 
-def _tables(result: dict) -> list[TextTable]:
-    """The layout's tables, then what a step reads and costs and the profiled steps, before the targets."""
-    short = result["layout"]["short"]
-    steps = [{"case": row["case"], "method": name, **step, **{f"token_{k}": v for k, v in
-                                                               row["per_token"].get(name, {}).items()}}
-             for row in result["cases"] for name, step in row["steps"].items()]
-    step_table = grid("What a decode step reads and costs", steps, [
-        ("case", lambda r: r["case"]), ("method", lambda r: short.get(r["method"], r["method"])),
-        ("weights read", lambda r: f"{r['weights_bytes'] / 1e6:.0f} MB"),
-        ("ms per step", lambda r: fmt(r["ms_per_step"], "{:.1f}")), ("GB/s", lambda r: fmt(r["gb_per_s"], "{:.1f}")),
-        ("floor ms", lambda r: fmt(r["floor_ms"], "{:.1f}")), ("x floor", lambda r: fmt(r["vs_floor"], "{:.1f}x")),
-        ("ms per token", lambda r: fmt(r.get("token_ms"), "{:.1f}")),
-        ("x llama.cpp", lambda r: fmt(r.get("token_vs_llama_cpp"), "{:.2f}x"))], lead=2)
-    profiled = [{"method": name, **p} for name, p in result.get("profile", {}).items()]
-    profile_table = grid("One decode step profiled (one stream, short prompt)", profiled, [
-        ("method", lambda r: short.get(r["method"], r["method"])),
-        ("wall ms per step", lambda r: f"{r['wall_ms_per_step']:.1f}"),
-        ("in torch operators, ms", lambda r: f"{r['op_ms_per_step']:.1f}"),
-        ("operator calls", lambda r: f"{r['op_calls_per_step']:.0f}"),
-        ("top operators (ms per step)", lambda r: ", ".join(f"{o['op'].removeprefix('aten::')} {o['ms_per_step']:.2f}"
-                                                            for o in r["top_ops"][:4]))])
-    tables = LAYOUT.tables(result)
-    at = next((i for i, t in enumerate(tables) if t.title == "Targets"), len(tables))
-    return [*tables[:at], step_table, *([profile_table] if profiled else []), *tables[at:]]
-
-
-VIEWS["precision"] = View(_tables, LAYOUT.chart)
+STEPS = Table("What a decode step reads and costs", (
+    Column("case", "case"), Column("method", "label"), Column("weights read", "weights_bytes", "{:.0f} MB", 1e-6),
+    Column("ms per step", "ms_per_step", "{:.1f}"), Column("GB/s", "gb_per_s", "{:.1f}"),
+    Column("floor ms", "floor_ms", "{:.1f}"), Column("x floor", "vs_floor", "{:.1f}x"),
+    Column("ms per token", "per_token.{name}.ms", "{:.1f}"),
+    Column("x llama.cpp", "per_token.{name}.vs_llama_cpp", "{:.2f}x")), rows="steps", lead=2)
+PROFILED = Table("One decode step profiled (one stream, short prompt)", (
+    Column("method", "label"), Column("wall ms per step", "wall_ms_per_step", "{:.1f}"),
+    Column("in torch operators, ms", "op_ms_per_step", "{:.1f}"), Column("operator calls", "op_calls_per_step", "{:.0f}"),
+    Column("top operators (ms per step)", "top")), rows="profile")
+"""A row per case and method of what its decode step reads and costs; a row per profiled step."""
 
 
 __all__ = ["DEFAULT_PRECISIONS", "FileAtPrecisions", "check_precisions", "measure_bandwidth", "precision_benchmark",

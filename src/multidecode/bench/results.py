@@ -125,8 +125,9 @@ class Column:
 @dataclass(frozen=True)
 class Table:
     """A table declared as data and stored in a result's layout: a row per case (`rows` "cases") or
-    per method of every case ("methods", sorted by the case parameters `sort`, then the methods'
-    order; a method's record is its figures, then its case's); its first `lead` columns name the row."""
+    per method of a dict by method ("methods", "steps") in every case (or in the result); a
+    method's record is its figures, then its case's (`sort`: by case parameters, then the methods'
+    order; default: as stored); its first `lead` columns name the row."""
 
     title: str
     columns: tuple[Column, ...]
@@ -170,15 +171,16 @@ def lookup(record, path: Sequence[str]):
     return record
 
 
-def column_table(result: dict, table: dict) -> TextTable:
-    """A `Table` stored in the result's layout, drawn from its rows."""
-    short, rows = result["layout"]["short"], rows_of(result)
+def column_table(result: dict, table: dict) -> list[TextTable]:
+    """A `Table` stored in the result's layout, drawn from its rows (none where it has no records)."""
+    short, rows, key = result["layout"]["short"], rows_of(result), table["rows"]
     records = rows
-    if table["rows"] == "methods":
-        records = [ChainMap({"name": name, "label": short[name]}, figures, row)
-                   for row in rows for name, figures in row["methods"].items()]
-    order = list(short)
-    records = sorted(records, key=lambda r: (*(r[p] for p in table["sort"]), order.index(r.get("name", order[0]))))
+    if key != "cases":  # a record per method of a dict by method in every row, or in the result
+        records = [ChainMap({"name": name, "label": short.get(name, name)}, figures, row)
+                   for row in [row for row in rows if key in row] or [result] for name, figures in row[key].items()]
+    if table["sort"]:
+        order = list(short)
+        records = sorted(records, key=lambda r: (*(r[p] for p in table["sort"]), order.index(r["name"])))
 
     def cell(column: dict, record: Mapping) -> str:
         value = lookup(record, column["path"].format(name=record.get("name")).split("."))
@@ -186,8 +188,8 @@ def column_table(result: dict, table: dict) -> TextTable:
             return {True: "yes", False: "**no**"}.get(value, "")
         return fmt(value if value is None or column["scale"] == 1 else value * column["scale"], column["form"])
 
-    return grid(table["title"], records, [(c["header"], functools.partial(cell, c)) for c in table["columns"]],
-                lead=table["lead"])
+    columns = [(c["header"], functools.partial(cell, c)) for c in table["columns"]]
+    return [grid(table["title"], records, columns, lead=table["lead"])] if records else []
 
 
 def targets_table(result: dict) -> list[TextTable]:
@@ -338,7 +340,7 @@ def layout_tables(result: dict) -> list[TextTable]:
     the layout names figure columns), the declared tables, then the targets."""
     layout = result["layout"]
     tables = figure_tables(result) if layout["columns"] else []
-    return tables + [column_table(result, table) for table in layout.get("tables", ())] + targets_table(result)
+    return tables + [t for table in layout.get("tables", ()) for t in column_table(result, table)] + targets_table(result)
 
 
 def figure_tables(result: dict) -> list[TextTable]:
