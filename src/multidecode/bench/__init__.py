@@ -1,5 +1,5 @@
 """Benchmarks of MultiDecode against the alternatives, measured side by side (docs/benchmarks.md).
-Importing the package registers every benchmark's view (`results.VIEWS`)."""
+Importing the package registers the charts of those that draw their own (`results.CHARTS`)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from .common import (
     measure_together,
     torch_threads,
 )
-from .results import Table, environment, lookup, new_result
+from .results import Table, environment, load_average, lookup
 
 Runner = Callable[[ForwardCounter], RunOutput]
 OUTSIDE_TORCH = "outside torch"
@@ -151,11 +151,13 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
     methods = {m.name: m for case in bench.cases for m in case.methods}
     config = {**bench.config, "reference": bench.reference, "repeats": bench.repeats,
               "budgets_s": [case.budget_s for case in bench.cases]}
-    result = new_result(bench.name, bench.title, meta, started, config, {name: m.label for name, m in methods.items()},
-                        layout={"rows": bench.rows_key, "params": list(bench.cases[0].params),
-                                "columns": list(bench.columns), "pairs": [list(p) for p in bench.pairs],
-                                "plot": asdict(bench.plot), "short": {n: m.short or m.label for n, m in methods.items()},
-                                **({"tables": [asdict(t) for t in bench.tables]} if bench.tables else {})})
+    meta |= {"load_average_at_end": load_average(), "elapsed_s": round(time.perf_counter() - started, 2)}
+    layout = {"rows": bench.rows_key, "params": list(bench.cases[0].params), "columns": list(bench.columns),
+              "pairs": [list(p) for p in bench.pairs], "plot": asdict(bench.plot),
+              "short": {n: m.short or m.label for n, m in methods.items()},
+              **({"tables": [asdict(t) for t in bench.tables]} if bench.tables else {})}
+    result = {"benchmark": bench.name, "title": bench.title, "metadata": meta, "config": config,
+              "labels": {name: m.label for name, m in methods.items()}, "layout": layout}
     if bench.rows_key is None:
         (row,) = rows
         result.update(row)

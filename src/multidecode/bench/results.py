@@ -1,16 +1,14 @@
 """The one results layer of the benchmarks: what ran (`environment`), a result's views (tables and
-chart, by its layout or by a view registered in `VIEWS`), and its files `<stem>.json`, `<stem>.md`
+chart, by its layout or, for a chart of its own, registered in `CHARTS`), and its files `<stem>.json`, `<stem>.md`
 and `<stem>.png`, each drawn from the JSON alone. Terms: docs/benchmarks.md, "How the benchmarks
 measure"."""
 
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import json
 import os
 import platform
-import time
 from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,13 +38,6 @@ def environment(model=None, *, launched: dict | None = None) -> dict:
             "python": platform.python_version(), "platform": platform.platform(),
             "threads": facts.get("threads") or torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "load_average_at_start": load_average(), "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
-
-
-def new_result(name: str, title: str, meta: dict, started: float, config: dict, labels: dict, **figures) -> dict:
-    """A result as every benchmark's JSON opens, then its figures: `meta` is `environment()` as taken
-    at the start, finished with the load at the end and the seconds since `started`."""
-    metadata = {**meta, "load_average_at_end": load_average(), "elapsed_s": round(time.perf_counter() - started, 2)}
-    return {"benchmark": name, "title": title, "metadata": metadata, "config": config, "labels": labels, **figures}
 
 
 def model_name(model) -> str:
@@ -136,32 +127,13 @@ class Table:
     sort: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class View:
-    tables: Callable[[dict], list[TextTable]]
-    chart: Callable[[dict], Chart]
-
-
-VIEWS: dict[str, View] = {}
-"""Benchmarks read by a view of their own, by name (their modules register them); the rest by `LAYOUT`."""
-
-
-def view_of(result: dict) -> View:
-    return VIEWS.get(result["benchmark"], LAYOUT)
-
-
-def tables(result: dict) -> list[TextTable]:
-    return view_of(result).tables(result)
+CHARTS: dict[str, Callable[[dict], Chart]] = {}
+"""Benchmarks that draw a chart of their own, by name (their modules register it); the rest draw
+their layout's (`layout_chart`). Every result's tables are its layout's (`tables`)."""
 
 
 def fmt(value: float | None, form: str) -> str:
     return "" if value is None else form.format(value)
-
-
-def grid(title: str, records: list[dict], columns: list[tuple[str, Callable[[dict], str]]], *,
-         lead: int = 1) -> TextTable:
-    """A table of a row per record: `columns` are (header, record -> text)."""
-    return TextTable(title, [h for h, _ in columns], [[cell(r) for _, cell in columns] for r in records], lead)
 
 
 def lookup(record, path: Sequence[str]):
@@ -188,8 +160,8 @@ def column_table(result: dict, table: dict) -> list[TextTable]:
             return {True: "yes", False: "**no**"}.get(value, "")
         return fmt(value if value is None or column["scale"] == 1 else value * column["scale"], column["form"])
 
-    columns = [(c["header"], functools.partial(cell, c)) for c in table["columns"]]
-    return [grid(table["title"], records, columns, lead=table["lead"])] if records else []
+    cells = [[cell(column, record) for column in table["columns"]] for record in records]
+    return [TextTable(table["title"], [c["header"] for c in table["columns"]], cells, table["lead"])] if records else []
 
 
 def targets_table(result: dict) -> list[TextTable]:
@@ -230,7 +202,7 @@ def plot(result: dict, path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    chart, path = view_of(result).chart(result), Path(path)
+    chart, path = CHARTS.get(result["benchmark"], layout_chart)(result), Path(path)
     below = chart.legend == "figure"
     fig = Figure(figsize=(max(8.0, 4.6 * len(chart.panels)), 4.6 + below), dpi=120)
     FigureCanvasAgg(fig)
@@ -335,9 +307,10 @@ def speedup(row: dict, fast: str, slow: str) -> float | None:
     return row.get(f"{fast}_vs", {}).get(slow, {}).get("speedup")
 
 
-def layout_tables(result: dict) -> list[TextTable]:
-    """The main case (or every case) with a row per method and a summary row per sweep point (where
-    the layout names figure columns), the declared tables, then the targets."""
+def tables(result: dict) -> list[TextTable]:
+    """The result's tables, by its layout: the main case (or every case) with a row per method and a
+    summary row per sweep point (where the layout names figure columns), its declared tables, then
+    the targets."""
     layout = result["layout"]
     tables = figure_tables(result) if layout["columns"] else []
     return tables + [t for table in layout.get("tables", ()) for t in column_table(result, table)] + targets_table(result)
@@ -406,7 +379,3 @@ def _bar_line(layout: dict, rows: list[dict], method: str, name: str) -> Line:
         f"\n{s:.2f}x" for f, slow in layout["pairs"] if f == method and (s := speedup(row, f, slow)) is not None)
         if name == "wall_s" else "") for row, v in zip(rows, values)]
     return Line(layout["short"][method], [(i, v or 0) for i, v in enumerate(values)], notes=notes)
-
-
-LAYOUT = View(layout_tables, layout_chart)
-"""How every harness result is read: by the layout stored in it."""

@@ -28,7 +28,7 @@ from ..runtime import Limits
 from ..serving.launch import ServerFailed, ServerProcess
 from .common import Progress, RunOutput, spread
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Plot, Target, Unavailable, run
-from .results import LAYOUT, VIEWS, Chart, Column, Line, Panel, Table, View
+from .results import CHARTS, Chart, Column, Line, Panel, Table
 
 FOREST, ONE, HF = "forest", "one_at_a_time", "transformers"
 LABELS = {
@@ -597,4 +597,4 @@ def chart(result: dict) -> Chart:
               f"{cfg['max_tokens']} new tokens, Poisson {cfg['rate_per_s']}/s")
 
 
-VIEWS["serve"] = View(LAYOUT.tables, chart)
+CHARTS["serve"] = chart
