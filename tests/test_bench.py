@@ -167,6 +167,16 @@ def test_write_results(result, tmp_path):
     md = paths[2].read_text()
     assert md == markdown(stored)
     assert "| method | wall |" in md and "(d) MultiDecode forest" in md and "| k |" in md and "Targets" in md
+    # `bench redraw` draws the markdown and the plot again from the JSON alone
+    from click.testing import CliRunner
+
+    from multidecode.cli import main
+
+    paths[1].unlink()
+    paths[2].unlink()
+    redrawn = CliRunner().invoke(main, ["bench", "redraw", str(paths[0])])
+    assert redrawn.exit_code == 0, redrawn.output
+    assert paths[2].read_text() == md and paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sample_benchmark_structure_and_files(decoder, tmp_path):

@@ -81,9 +81,9 @@ class Target:
         if got is None:
             return None
         met = {">=": got >= self.value, ">": got > self.value, "<=": got <= self.value}[self.op]
-        return {"name": self.name, "target": f"{self.op} {self.value:g}{self.unit}", "measured": round(got, 4),
-                "met": bool(met), "path": list(self.path), "value": self.value, **({} if self.binding else
-                                                                                   {"binding": False})}
+        reported = {"name": self.name, "target": f"{self.op} {self.value:g}{self.unit}", "measured": round(got, 4),
+                    "met": bool(met), "path": list(self.path), "value": self.value}
+        return reported if self.binding else {**reported, "binding": False}
 
 
 @dataclass(frozen=True)

@@ -262,12 +262,19 @@ def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None)
     """Write `<stem>.json`, `.png` and `.md` (stem: `bench_<benchmark>`) in `out_dir`; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = stem or f"bench_{result['benchmark']}"
-    paths = [out / f"{stem}.json", out / f"{stem}.png", out / f"{stem}.md"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    plot(result, paths[1])
-    paths[2].write_text(markdown(result), encoding="utf-8")
-    return paths
+    path = out / f"{stem or 'bench_' + result['benchmark']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return [path, *redraw(path)]
+
+
+def redraw(path: str | Path) -> list[Path]:
+    """Draw the `.png` and `.md` beside a result's `<stem>.json` from the JSON alone; returns their paths."""
+    path = Path(path)
+    result = json.loads(path.read_text(encoding="utf-8"))
+    drawn = [path.with_name(path.stem + ".png"), path.with_name(path.stem + ".md")]
+    plot(result, drawn[0])
+    drawn[1].write_text(markdown(result), encoding="utf-8")
+    return drawn
 
 
 FIGURES = {

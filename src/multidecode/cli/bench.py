@@ -401,6 +401,19 @@ def bench_precision(model_name, precisions, workloads, max_new_tokens, context_t
         transformers=transformers, repeats=repeats, budget_s=budget), output, stem)
 
 
+@bench.command("redraw")
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False), metavar="FILE.json...")
+@report_errors
+def bench_redraw(results):
+    """Draw each result's markdown table and PNG plot again, beside its JSON and from it alone (after a
+    change to how results are drawn: docs/results stays in step with the code)."""
+    from ..bench.results import redraw
+
+    for path in results:
+        for written in redraw(path):
+            stdout.print(f"wrote {escape(str(written))}")
+
+
 @bench.command("random-gguf")
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--shape", default="llama-3.2-1b", show_default=True, help="The model's dimensions: llama-3.2-1b or tiny.")
