@@ -58,8 +58,6 @@ TARGETS = {OURS_SUFFIX_2ND: 2.0}
 LEARNED_TARGETS = {"story": 1.5, "summary": 1.5}
 """Each learned head over plain greedy on open-ended text; auto with the heads >= `NO_WORSE` of auto without."""
 NO_WORSE = 0.97
-HEADS_ONLY = (OURS_MEDUSA, OURS_EAGLE, OURS_AUTO_TOKENS)
-"""Methods measured only where the model has learned heads."""
 FLOOR = 0.97
 """`auto` must never be slower than this fraction of plain greedy, on any workload."""
 
