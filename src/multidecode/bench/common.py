@@ -122,8 +122,8 @@ def check_identical(answers: dict[str, Sequence[Sequence[int]]], *, reference: s
 class RunOutput:
     """One run of a method: its answers (trimmed), the KV bytes it held at most, its own counts.
     A method that times only part of its run (a server's load from first send to last end, a step
-    without its checks) gives its `seconds`; one whose answers are not token ids (a server's
-    texts, logits) gives its `new_tokens`."""
+    without its checks) gives its `seconds`; one that keeps no answers (a server's texts are
+    compared in its case's report, a step's logits in the run) gives its `new_tokens`."""
 
     answers: list[list[int]]
     kv_bytes: int

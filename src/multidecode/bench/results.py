@@ -1,7 +1,7 @@
-"""The one results layer of the benchmarks: what ran (`environment`), a result's views (tables and
-chart, by its layout or, for a chart of its own, registered in `CHARTS`), and its files `<stem>.json`, `<stem>.md`
-and `<stem>.png`, each drawn from the JSON alone. Terms: docs/benchmarks.md, "How the benchmarks
-measure"."""
+"""The one results layer of the benchmarks: what ran (`environment`), a result's tables (by its
+layout) and chart (by its layout, or its own registered in `CHARTS`), and its files `<stem>.json`,
+`<stem>.md` and `<stem>.png`, each drawn from the JSON alone. Terms: docs/benchmarks.md, "How the
+benchmarks measure"."""
 
 from __future__ import annotations
 
@@ -319,8 +319,8 @@ def tables(result: dict) -> list[TextTable]:
     summary row per sweep point (where the layout names figure columns), its declared tables, then
     the targets."""
     layout = result["layout"]
-    tables = figure_tables(result) if layout["columns"] else []
-    return tables + [t for table in layout.get("tables", ()) for t in column_table(result, table)] + targets_table(result)
+    declared = [drawn for table in layout.get("tables", ()) for drawn in column_table(result, table)]
+    return (figure_tables(result) if layout["columns"] else []) + declared + targets_table(result)
 
 
 def figure_tables(result: dict) -> list[TextTable]:
