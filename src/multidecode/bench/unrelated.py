@@ -119,7 +119,7 @@ def _one(engine: Engine, last: int, token: int) -> torch.Tensor:
     return result.logits
 
 
-class Cell:
+class CellSteps:
     """One (R, P) point: its `Step`, prefilled when the case starts (`prefilled`), whose variants'
     decode steps are timed and then checked against the references (`timed`)."""
 
@@ -189,7 +189,7 @@ def unrelated_benchmark(model, *, requests: Sequence[int] = (1, 4, 16), prompt_t
     generator = torch.Generator().manual_seed(seed)
 
     def case(r: int, p: int) -> Case:
-        cell = Cell(model, r, p, generator=generator, warmup=warmup, atol=atol)
+        cell = CellSteps(model, r, p, generator=generator, warmup=warmup, atol=atol)
         methods = tuple(Method.named(LABELS, v, run=lambda counter, v=v: cell.timed(v)) for v in VARIANTS)
         return Case({"requests": r, "prompt_tokens": p}, methods, budget_s=None, context=cell.prefilled,
                     report=cell.report)
