@@ -40,7 +40,7 @@ import torch
 
 from .cache import SlotCache
 from .errors import PromptTooLong, UnsupportedModel
-from .exact import ExactPlan, is_exact, plan_attention, probe_row_multiple
+from .exact import ExactPlan, is_exact, plan_attention
 from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
 from .masks import build_attention_mask
 from .memory import Footprint, Need
@@ -125,7 +125,6 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.cache_argument = cache_argument(model)  # "cache" or "past_key_values", by transformers version
         self.exact = is_exact(model)  # batch-invariant forwards (see `exact`)
-        self.row_multiple = self._row_multiple() if self.exact else 1
         self.footprint = Footprint.of(model)  # bytes per slot, per logits row, per forward row
         self._embeds: dict[int, torch.Tensor] | None = None  # node -> input vector, during a feed given `embeds`
 
@@ -313,7 +312,7 @@ class Engine:
         )):
             return plan + [("apart", a, b) for a, b in spans]
         # a wide forest runs in pieces whose scratch fits (rows see the pieces before theirs)
-        step = self.footprint.rows_per_forward(forest.num_slots, self.row_multiple, kept_share)
+        step = self.footprint.rows_per_forward(forest.num_slots, kept_share)
         return plan + [("forest", a, min(a + step, len(nodes))) for a in range(start, len(nodes), step)]
 
     def prefers_apart(self, lengths: Sequence[int], parents: int | Sequence[int] = ROOT) -> bool:
@@ -340,35 +339,12 @@ class Engine:
         return together > 2 * apart
 
     # ------------------------------------------------------------------ batch-invariant forwards
-    def _row_multiple(self) -> int:
-        """Every forward's rows are padded to a multiple of this, so that its products are
-        row-count invariant (see `exact`)."""
-        multiple = probe_row_multiple(self.dtype, self.device)
-        if multiple == 0:
-            raise UnsupportedModel(f"{str(self.dtype).removeprefix('torch.')} matrix products on this machine depend on "
-                                   "their row count at every multiple tried, so a forest cannot be batch-invariant here",
-                                   "load the model in another precision, or with the model's own attention "
-                                   "(exact to the token, not the bit)")
-        return multiple
-
     def _exact_inputs(self, visible: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
-                      parent_rows: list[int]) -> tuple[object, ExactPlan, int]:
-        """The mask, the exact-attention plan and the padding rows of one forward: a forward's
-        rows are padded to a multiple of `row_multiple` with extra rows (token 0 at position 0,
-        seeing only itself, unseen by the others), whose keys are taken back after it."""
-        pad = -visible.shape[0] % self.row_multiple
-        if pad:
-            rows, keys = visible.shape
-            visible = torch.cat([torch.cat([visible, torch.zeros(rows, pad, dtype=torch.bool)], 1),
-                                 torch.cat([torch.zeros(pad, keys, dtype=torch.bool), torch.eye(pad, dtype=torch.bool)],
-                                           1)])
-            query_positions = torch.cat([query_positions, torch.zeros(pad, dtype=torch.long)])
-            key_positions = torch.cat([key_positions, torch.zeros(pad, dtype=torch.long)])
-            parent_rows = [*parent_rows, *[-1] * pad]
+                      parent_rows: list[int]) -> tuple[object, ExactPlan]:
+        """The mask and the exact-attention plan of one forward (see `exact`)."""
         mask = build_attention_mask(visible, query_positions, key_positions, self.layout, self.dtype, self.device)
-        plan = plan_attention(visible, key_positions, query_positions, torch.tensor(parent_rows, dtype=torch.long),
-                              row_multiple=self.row_multiple)
-        return mask, plan, pad
+        plan = plan_attention(visible, key_positions, query_positions, torch.tensor(parent_rows, dtype=torch.long))
+        return mask, plan
 
     def _parent_rows(self, nodes: Sequence[int]) -> list[int]:
         """Each node's parent as an index into `nodes`, -1 where the parent is not among them."""
@@ -382,7 +358,7 @@ class Engine:
         at `keep` (indices into nodes) as [len(keep), vocab] float32, and the hidden states of
         `layers` there (see `_forward`)."""
         forest = self.forest
-        mask, plan, pad = None, None, 0
+        mask, plan = None, None
         start = 0
         if plain and not self.exact:
             forest.attention_rows(nodes[-1:])  # keep visibility rows in step for later forest feeds
@@ -394,21 +370,19 @@ class Engine:
             if first >= WINDOW_MIN_SKIP:
                 start = first  # leading slots nobody here sees: not shown to the model at all
             if self.exact:
-                mask, plan, pad = self._exact_inputs(rows[:, start:], positions,
-                                                     forest.slot_positions()[start : rows.shape[1]],
-                                                     self._parent_rows(nodes))
+                mask, plan = self._exact_inputs(rows[:, start:], positions,
+                                                forest.slot_positions()[start : rows.shape[1]],
+                                                self._parent_rows(nodes))
             else:
                 mask = build_attention_mask(rows[:, start:], positions, forest.slot_positions()[start:], self.layout,
                                             self.dtype, self.device)
         slots = self.cache.num_slots
         if start:
             with self.cache.window(start):
-                out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan, pad)
+                out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan)
             self.stats.slots_skipped += start
         else:
-            out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan, pad)
-        if pad:
-            self.cache.truncate(slots + len(nodes))
+            out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan)
         self._count(len(nodes))
         return out
 
@@ -431,14 +405,14 @@ class Engine:
                 index = path.to(layer.keys.device)
                 scratch.update(layer.keys.index_select(2, index), layer.values.index_select(2, index), i)
         positions = forest.positions_of(chain)
-        mask, plan, pad = None, None, 0
+        mask, plan = None, None
         if self.exact:  # the chain sees its parent's whole path, and itself causally
             visible = torch.cat([torch.ones(len(chain), width, dtype=torch.bool),
                                  torch.ones(len(chain), len(chain), dtype=torch.bool).tril()], 1)
             path_positions = forest.slot_positions()[path] if width else torch.empty(0, dtype=torch.long)
-            mask, plan, pad = self._exact_inputs(visible, positions, torch.cat([path_positions, positions]),
-                                                 self._parent_rows(chain))
-        out = self._forward(chain, positions, scratch, keep, layers, keep_states, mask, plan, pad)
+            mask, plan = self._exact_inputs(visible, positions, torch.cat([path_positions, positions]),
+                                            self._parent_rows(chain))
+        out = self._forward(chain, positions, scratch, keep, layers, keep_states, mask, plan)
         end = width + len(chain)
         with torch.inference_mode():
             for i, layer in enumerate(scratch.layers):
@@ -448,24 +422,17 @@ class Engine:
         return out
 
     def _forward(self, nodes: list[int], positions: torch.Tensor, cache, keep: list[int], layers: list[int],
-                 keep_states: list[int], mask, plan: ExactPlan | None = None,
-                 pad: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model's forward over `nodes` (and `pad` padding rows, see `_exact_inputs`):
+                 keep_states: list[int], mask, plan: ExactPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward over `nodes`:
         [len(keep), vocab] float32 logits at `keep`, and [len(keep_states), len(layers), hidden]
         hidden states at `keep_states` (in the model's dtype) when `layers` are asked for (else None)."""
-        wanted = keep or [len(nodes) - 1]
-        # an exact forward's LM head gets a multiple of row_multiple rows too (repeats, dropped after)
-        index = torch.tensor(wanted + wanted[:1] * (-len(wanted) % self.row_multiple), dtype=torch.long,
-                             device=self.device)
-        tokens = [self.forest.tokens[n] for n in nodes] + [0] * pad
-        if pad:
-            positions = torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)])
+        index = torch.tensor(keep or [len(nodes) - 1], dtype=torch.long, device=self.device)
+        tokens = [self.forest.tokens[n] for n in nodes]
         extra = {"forest_plan": plan} if plan is not None else {}
         if layers:  # only these are kept (transformers 5.24 on; before it, a list is a true flag: all)
             extra["output_hidden_states"] = list(layers)
-        if self._embeds is not None:  # [1, q, hidden]: the given input vectors (padding rows zero)
-            rows = [self._embeds[n] for n in nodes]
-            extra["inputs_embeds"] = torch.stack(rows + [torch.zeros_like(rows[0])] * pad)[None]
+        if self._embeds is not None:  # [1, q, hidden]: the given input vectors
+            extra["inputs_embeds"] = torch.stack([self._embeds[n] for n in nodes])[None]
         else:
             extra["input_ids"] = torch.tensor([tokens], dtype=torch.long, device=self.device)
         with torch.inference_mode():

@@ -4,32 +4,30 @@ A forest feeds many nodes in one forward. For its output to be *exact by constru
 kernel must compute a node's result from that node's inputs alone, in an order that does not
 depend on the other rows of the forward or on where the node's keys sit in the cache:
 
-- **row-count invariance**: a matrix product's row i must not change with the number of rows M
-  or with the row's place among them. Measured on the project's CPU (torch 2.13): bfloat16,
-  float16 and the packed int4 kernel are invariant for every M; float32 (MKL) computes rows in
-  tiles of four, and the rows of a last, partial tile (and every row of M < 4) take other
-  instructions. Padded to a multiple of four rows, every float32 row takes the same path. So a
-  forward's rows are padded to a multiple of `row_multiple` (`probe_row_multiple` measures it
-  where the code runs: 1 where every count agrees), and so are the products inside the
-  attention below.
+- **products**: every linear layer and the LM head run on `kernels` (`kernels.linear`,
+  `kernels.qlinear`), whose outputs are each reduced in one fixed order by one thread: a row's
+  result does not depend on the number of rows, the other rows or the thread count, by the
+  kernel's definition rather than by a measurement of someone else's kernel.
 - **canonical attention**: a query's softmax and its weighted sum of values reduce over the keys
   it sees. A vectorised reduction groups terms by their index, so the same keys at other slots
   (a branch's keys are scattered through a shared cache) or beside masked ones would round
   differently. `exact_attention` therefore reduces over *positions*, never slots: the keys a query
   sees are cut into **position blocks** of `BLOCK` positions (block b holds positions
-  b*BLOCK .. b*BLOCK + BLOCK - 1, one ancestor per position). Each block is gathered into its own
-  [BLOCK, D] tensor in position order, so its key/value inputs are the same wherever the node was
-  fed; a block gives a partial softmax (its max, its sum of exponentials, its weighted values);
-  and the partials are merged over blocks in position order (a scan, whose trailing blocks of a
-  shorter path add exact zeros). Masked keys contribute exact zeros inside their block.
+  b*BLOCK .. b*BLOCK + BLOCK - 1, one ancestor per position). A block gives a partial softmax (its
+  max, its sum of exponentials, its weighted values, each summed in position order over the keys
+  the row sees), and the partials are merged in position order; keys a row does not see are
+  skipped, not added as zeros. The kernel is `kernels.attention` (its definition is in
+  `kernels/csrc/kernels_impl.h`): one pass, no dense mask, no copy of K and V per query head.
 - **sharing**: queries that read the same keys in a block (every branch reads the shared
   prefix's blocks; a prompt's tokens read their chain's blocks) read one gathered copy: a block
   is identified by its position block and its **representative**, the deepest node whose
-  ancestors it holds (`plan_attention`). Rows of one block are one matrix product.
+  ancestors it holds (`plan_attention`); a **unit** is such a block and the rows that read it.
+  Sharing changes which keys are loaded together, never a row's arithmetic.
 
 Norms reduce per row, rotary embeddings and activations are elementwise, and embeddings are
-lookups: they are invariant as they are. `tests/test_exact.py` checks the whole claim by feeding
-random forests and comparing every node's logits, bit for bit, with its path fed alone.
+lookups: they are invariant as they are (see `kernels`). `tests/test_exact.py` checks the whole
+claim by feeding random forests and comparing every node's logits, bit for bit, with its path
+fed alone, at one thread and at two.
 
 The kernel is registered as the attention implementation `"multidecode_exact"` through
 transformers' public `AttentionInterface`; the engine passes each forward's `ExactPlan` as the
@@ -40,17 +38,23 @@ slots are its positions.
 
 from __future__ import annotations
 
-import functools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
+
+from . import kernels
+from .errors import UnsupportedModel
 
 NAME = "multidecode_exact"
+PROBE = "multidecode_exact_probe"
+"""The attention name of the one forward `use_exact_kernels` counts attention calls in."""
 BLOCK = 64
 """Positions per block: every block is reduced as a [BLOCK]-long run, whatever the path's length."""
 MAX_GROUP_ROWS = 64
-"""At most this many query rows read one gathered block in one product (a long prompt's blocks
-are read by hundreds of rows: they are cut into groups, which row-count invariance allows)."""
+"""At most this many query rows share one unit (a long prompt's blocks are read by hundreds of
+rows: they are cut into groups; a row's arithmetic does not depend on the others in its unit)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,6 @@ class ExactPlan:
     rows: [U, M] long: the query rows that read each gathered block; -1 pads.
     blocks: [U] long: the position block of each gathered block.
     num_rows: R, the query rows; num_blocks: the position blocks any row reads.
-    row_multiple: the row counts the products of this dtype are invariant at (multiples of it).
     """
 
     slots: torch.Tensor
@@ -70,7 +73,6 @@ class ExactPlan:
     blocks: torch.Tensor
     num_rows: int
     num_blocks: int
-    row_multiple: int = 1
     prepared: dict = field(default_factory=dict, compare=False, repr=False)
 
     def layout(self, device) -> _Layout:
@@ -83,48 +85,46 @@ class ExactPlan:
 
 @dataclass
 class _Layout:
-    """A plan's indices, as every layer of a forward uses them.
+    """A plan's indices as `kernels.attention` takes them (int32), made once per forward.
 
-    slots: [U, BLOCK] (missing keys read slot 0: masked, and finite); rows: [U, M'] with M' the
-    rows padded to a multiple of float32's row multiple (padding reads row 0);
-    real: [U, M'] bool, the rows that are not padding; pairs: [P] the flat (u * M' + m) index of
-    each real (row, block) partial, ordered by row then block; pair_rows: [P] their rows.
+    unit_slots: [U, BLOCK]; unit_rows: [U, W]; row_pairs: [R + 1] and pair_index: [P], each
+    row's (unit, place) partials as u * W + w, in position order (`row_pairs[r]` to
+    `row_pairs[r + 1]`); bits: per mask, [U, W] int64, bit j set where the row sees the unit's
+    position j (the layers of one type share theirs).
     """
 
-    slots: torch.Tensor
-    rows: torch.Tensor
-    real: torch.Tensor
-    pairs: torch.Tensor
-    pair_rows: torch.Tensor
-    biases: dict = field(default_factory=dict)
+    unit_slots: torch.Tensor
+    unit_rows: torch.Tensor
+    row_pairs: torch.Tensor
+    pair_index: torch.Tensor
+    bits: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, plan: ExactPlan, device) -> _Layout:
         width = plan.rows.shape[1]
-        multiple = row_multiple(torch.float32, device)  # the products below are float32 whatever the model's dtype
-        padded = -(-width // multiple) * multiple
-        rows = torch.cat([plan.rows, torch.full((len(plan.rows), padded - width), -1, dtype=torch.long)], 1)
-        real = rows >= 0
-        flat = torch.arange(rows.numel()).reshape(rows.shape)[real]
-        pair_rows = rows[real]
-        order = torch.argsort(pair_rows * plan.num_blocks + plan.blocks[:, None].expand_as(rows)[real], stable=True)
-        return cls(plan.slots.clamp(min=0).to(device), rows.clamp(min=0).to(device), real.to(device),
-                   flat[order].to(device), pair_rows[order].to(device))
+        real = plan.rows >= 0
+        pair_rows = plan.rows[real]  # [P]
+        flat = torch.arange(plan.rows.numel()).reshape(plan.rows.shape)[real]
+        order = torch.argsort(pair_rows * plan.num_blocks + plan.blocks[:, None].expand(-1, width)[real], stable=True)
+        counts = torch.bincount(pair_rows, minlength=plan.num_rows)
+        row_pairs = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+        return cls(plan.slots.to(device, torch.int32), plan.rows.to(device, torch.int32),
+                   row_pairs.to(device, torch.int32), flat[order].to(device, torch.int32))
 
-    def bias(self, plan: ExactPlan, mask, keys: int, device) -> torch.Tensor:
-        """[U, M', BLOCK] float32: 0 where each gathered row may see each key of its block, -inf
-        where not (cached per mask: the layers of one type share theirs)."""
+    def visible_bits(self, plan: ExactPlan, mask, keys: int, device) -> torch.Tensor:
+        """[U, W] int64: which of each unit's positions each of its rows may see under `mask`."""
         key = id(mask)
-        if key not in self.biases:
+        if key not in self.bits:
             allowed = _allowed(mask, plan.num_rows, keys, device)  # [R, S]
-            seen = allowed[self.rows[:, :, None], self.slots[:, None, :]]
-            seen &= (plan.slots >= 0).to(device)[:, None, :] & self.real[:, :, None]
-            self.biases[key] = torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))
-        return self.biases[key]
+            rows, slots = plan.rows.to(device), plan.slots.to(device)
+            seen = allowed[rows.clamp(min=0)[:, :, None], slots.clamp(min=0)[:, None, :]]  # [U, W, BLOCK]
+            seen &= (slots >= 0)[:, None, :] & (rows >= 0)[:, :, None]
+            self.bits[key] = (seen.long() << torch.arange(BLOCK, device=device)).sum(-1)
+        return self.bits[key]
 
 
 def plan_attention(visible: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor,
-                   parent_rows: torch.Tensor, *, row_multiple: int = 1) -> ExactPlan:
+                   parent_rows: torch.Tensor, **_unused) -> ExactPlan:
     """The plan of one forward.
 
     visible: [R, S] bool, True where query row r may see key slot s (itself and its ancestors;
@@ -159,7 +159,7 @@ def plan_attention(visible: torch.Tensor, key_positions: torch.Tensor, query_pos
     offsets = blocks[:, None] * BLOCK + torch.arange(BLOCK)  # [U, BLOCK] positions
     slots = ancestors[source[first][:, None], offsets]
     slots, rows, blocks = _groups(slots, blocks, inverse, pair_row, len(unique))
-    return ExactPlan(slots, rows, blocks, rows_count, num_blocks, row_multiple)
+    return ExactPlan(slots, rows, blocks, rows_count, num_blocks)
 
 
 def _chain_ends(parent_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -195,13 +195,13 @@ def _groups(slots: torch.Tensor, blocks: torch.Tensor, inverse: torch.Tensor, pa
     return slots[owner], table, blocks[owner]
 
 
-def chain_plan(query_count: int, key_count: int, *, row_multiple: int = 1) -> ExactPlan:
+def chain_plan(query_count: int, key_count: int) -> ExactPlan:
     """The plan of one plain sequence whose cache slots are its positions: the last `query_count`
     of `key_count` tokens are fed (transformers' own decoding loop calls the kernel so)."""
     positions = torch.arange(key_count - query_count, key_count)
     visible = torch.arange(key_count)[None, :] <= positions[:, None]
     parents = torch.arange(-1, query_count - 1)
-    return plan_attention(visible, torch.arange(key_count), positions, parents, row_multiple=row_multiple)
+    return plan_attention(visible, torch.arange(key_count), positions, parents)
 
 
 # ---------------------------------------------------------------------- the kernel
@@ -226,12 +226,12 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     for b in range(query.shape[0]):
         mask = None if attention_mask is None else attention_mask[b:b + 1]
         where = None if positions is None else positions[min(b, positions.shape[0] - 1)]
-        plan = _sequence_plan(mask, where, query.shape[2], key.shape[2], query.device, query.dtype)
+        plan = _sequence_plan(mask, where, query.shape[2], key.shape[2])
         outs.append(_attend(query[b:b + 1], key[b:b + 1], value[b:b + 1], mask, plan, scaling, kwargs.get("softcap")))
     return torch.cat(outs), None
 
 
-def _sequence_plan(mask, query_positions, rows_count: int, keys: int, device, dtype) -> ExactPlan:
+def _sequence_plan(mask, query_positions, rows_count: int, keys: int) -> ExactPlan:
     """The plan of one plain sequence: keys are its tokens in order (the last `rows_count` the
     queries). A key no query may see (padding, on the left or inside the sequence after a cached
     prefix) is no one's ancestor and takes no position: the others count their positions past it,
@@ -247,38 +247,16 @@ def _sequence_plan(mask, query_positions, rows_count: int, keys: int, device, dt
         key_positions = (seen.long().cumsum(0) - 1 + (query_positions[-1] - (int(seen.sum()) - 1))).clamp(min=0)
     visible = (key_positions[None, :] <= query_positions[:, None]) & seen[None, :]
     parents = torch.arange(-1, rows_count - 1)
-    return plan_attention(visible, key_positions, query_positions, parents, row_multiple=row_multiple(dtype, device))
+    return plan_attention(visible, key_positions, query_positions, parents)
 
 
 def _attend(query, key, value, attention_mask, plan: ExactPlan, scaling, softcap) -> torch.Tensor:
     """One sequence or forest (batch 1): [1, R, H, D]."""
-    heads, rows_count, dim = query.shape[1:]
-    kv_heads, keys = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
     layout = plan.layout(query.device)
-    bias = layout.bias(plan, attention_mask, keys, query.device)  # [U, M', BLOCK]: 0 or -inf
-    scale = dim ** -0.5 if scaling is None else scaling
-    queries = query[0].float()
-    if softcap is None:
-        queries = queries * scale  # scaling the queries scales every score, at a fraction of the cost
-    # [H_kv, G, U, M', D] queries against [H_kv, 1, U, BLOCK, D] keys: one product per (head, block)
-    queries = queries.reshape(kv_heads, groups, rows_count, dim)[:, :, layout.rows]
-    block_keys = key[0][:, layout.slots].float()[:, None]
-    block_values = value[0][:, layout.slots].float()[:, None]
-    scores = _product(queries, block_keys.transpose(-1, -2))  # [H_kv, G, U, M', BLOCK]
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores * scale / softcap)
-    scores += bias
-    high = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)  # a row that sees nothing: finite
-    weights = scores.sub_(high).exp_()  # masked keys: exp(-inf) = 0
-    summed = torch.cat([_product(weights, block_values), weights.sum(-1, keepdim=True)], -1)  # [.., D + 1]
-    out = _merge(layout, high[..., 0].reshape(heads, -1), summed.reshape(heads, -1, dim + 1), rows_count)
-    return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
-
-
-def _product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """The kernel's matrix products: float32, rows padded to the row multiple by the layout."""
-    return torch.matmul(left, right)
+    bits = layout.visible_bits(plan, attention_mask, key.shape[2], query.device)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return kernels.attention(query, key, value, layout.unit_slots, layout.unit_rows, bits, layout.row_pairs,
+                             layout.pair_index, scale, softcap or 0.0)
 
 
 def _allowed(mask, rows_count: int, keys: int, device) -> torch.Tensor:
@@ -290,64 +268,130 @@ def _allowed(mask, rows_count: int, keys: int, device) -> torch.Tensor:
     return mask[0, 0] > torch.finfo(mask.dtype).min / 2
 
 
-def _merge(layout: _Layout, high: torch.Tensor, summed: torch.Tensor, rows_count: int) -> torch.Tensor:
-    """Each row's output from its (row, block) partials, added in position order (`layout.pairs`
-    lists each row's blocks in order, and `index_add_` adds in list order).
+# ---------------------------------------------------------------------- a model on the exact kernels
+class ExactLinear(nn.Module):
+    """A linear layer computed by `kernels.linear` (each output reduced in one fixed order), over
+    the parameters of the `nn.Linear` it stands for (shared, not copied; GPT-2's `Conv1D`, whose
+    weight is [in, out], gets its weight transposed once)."""
 
-    high: [H, U*M'] each partial's highest score; summed: [H, U*M', D + 1] its weighted values
-    and, last, the sum of its weights."""
-    heads, dim = high.shape[0], summed.shape[-1]
-    high, summed = high[:, layout.pairs], summed[:, layout.pairs]  # [H, P], [H, P, D + 1]
-    rows = layout.pair_rows
-    top = high.new_full((heads, rows_count), float("-inf")).scatter_reduce(
-        1, rows[None].expand(heads, -1), high, "amax")  # [H, R]: the highest of a row's blocks
-    summed *= torch.exp(high - top[:, rows])[..., None]
-    total = summed.new_zeros(heads, rows_count, dim).index_add_(1, rows, summed)
-    return total[..., :-1] / total[..., -1:].clamp(min=torch.finfo(torch.float32).tiny)  # a row that sees nothing: 0
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
 
+    @classmethod
+    def of(cls, layer: nn.Module) -> ExactLinear | None:
+        """The exact stand-in of a linear layer, or None for any other module."""
+        if isinstance(layer, nn.Linear):
+            weight = layer.weight if layer.weight.is_contiguous() else nn.Parameter(layer.weight.detach().contiguous(),
+                                                                                      requires_grad=False)
+            return cls(weight, layer.bias)
+        if type(layer).__name__ == "Conv1D" and getattr(layer, "weight", None) is not None:
+            return cls(nn.Parameter(layer.weight.detach().T.contiguous(), requires_grad=False), layer.bias)
+        return None
 
-# ---------------------------------------------------------------------- rows and registration
-MULTIPLES = (1, 2, 4, 8, 16)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
 
-
-@functools.cache
-def _probe(dtype: torch.dtype, device: str) -> int:
-    """The smallest row multiple at which products of `dtype` are row-count invariant here."""
-    generator = torch.Generator().manual_seed(0)
-    cases = []
-    for inner, outer in ((64, 64), (64, 257), (576, 1536)):
-        right = torch.randn(outer, inner, generator=generator).to(device=device, dtype=dtype)
-        row = torch.randn(1, inner, generator=generator).to(device=device, dtype=dtype)
-        cases.append((right, row, torch.randn(160, inner, generator=generator).to(device=device, dtype=dtype)))
-    for multiple in MULTIPLES:
-        if all(_invariant(right, row, filler, multiple) for right, row, filler in cases):
-            return multiple
-    return 0
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _invariant(right, row, filler, multiple: int) -> bool:
-    """Whether `row`'s product is the same at every place of every multiple of `multiple` rows (up to 160)."""
-    reference = None
-    for count in range(multiple, 161, multiple):
-        for place in sorted({0, count // 2, count - 1}):
-            rows = filler[:count].clone()
-            rows[place] = row[0]
-            got = (rows @ right.T)[place]
-            reference = got if reference is None else reference
-            if not torch.equal(got, reference):
-                return False
-    return True
+@dataclass
+class Swapped:
+    """What `use_exact_kernels` changed in a model, to put back (`restore`)."""
+
+    layers: list[tuple[nn.Module, str, nn.Module]]
+    attention: str
+
+    def restore(self, model) -> None:
+        for parent, name, layer in self.layers:
+            setattr(parent, name, layer)
+        model.set_attn_implementation(self.attention)
 
 
-def probe_row_multiple(dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
-    """The row multiple at which matrix products of `dtype` are row-count invariant here (1: any
-    count; 0: none up to 16, so forwards in this dtype are not batch-invariant here)."""
-    return _probe(dtype, str(device))
+def use_exact_kernels(model) -> Swapped:
+    """Put `model` on the exact kernels: every linear layer becomes an `ExactLinear` (sharing its
+    parameters; packed layers compute on `kernels` already) and attention becomes
+    `exact_attention`. Refuses (`UnsupportedModel`, nothing changed) a model that would still
+    compute somewhere on torch's own products: weights of other shapes (a mixture of experts'
+    stacked experts, say), or attention layers that do not go through transformers' attention
+    interface. Returns what changed (`Swapped.restore` puts it back)."""
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    for _, parent in list(model.named_modules()):
+        for name, layer in list(parent.named_children()):
+            exact = ExactLinear.of(layer)
+            if exact is not None:
+                setattr(parent, name, exact)
+                swapped.append((parent, name, layer))
+    change = Swapped(swapped, getattr(model.config, "_attn_implementation", None) or "eager")
+    try:
+        if swapped and next(model.parameters()).device.type == "cpu" and not kernels.native():
+            raise UnsupportedModel(f"exact float products need multidecode's compiled kernels: {kernels.status().reason}",
+                                   "install a C++ compiler (g++) and run `python -m multidecode.kernels`, or load the "
+                                   "model at precision int8 or int4, or with exact=False")
+        _check_every_product_is_exact(model)
+        register()
+        model.set_attn_implementation(NAME)
+    except BaseException:
+        change.restore(model)
+        raise
+    return change
 
 
-def row_multiple(dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
-    """`probe_row_multiple`, at least 1 (a kernel that is not invariant is used as it is)."""
-    return max(1, probe_row_multiple(dtype, device))
+@contextmanager
+def exact_kernels(model):
+    """`model` on the exact kernels for the length of a `with` block, as it was afterwards (a model
+    already on them stays as it is)."""
+    if is_exact(model):
+        yield model
+        return
+    change = use_exact_kernels(model)
+    try:
+        yield model
+    finally:
+        change.restore(model)
+
+
+def _check_every_product_is_exact(model) -> None:
+    """Refuse a model with matrices that no exact kernel multiplies, or attention layers that
+    bypass the attention interface (counted in one probe forward of two tokens)."""
+    covered = {id(m.weight) for m in model.modules() if isinstance(m, (ExactLinear, nn.Embedding))}
+    stray = [name for name, p in model.named_parameters() if p.dim() >= 2 and id(p) not in covered]
+    if stray:
+        raise UnsupportedModel(f"{', '.join(stray[:3])} {'is' if len(stray) == 1 else 'are'} multiplied by torch's own "
+                               "kernels (not a linear layer), whose reduction order multidecode does not fix",
+                               "load the model with exact=False (exact to the token, not the bit)")
+    calls = _attention_calls(model)
+    layers = getattr(model.config.get_text_config(), "num_hidden_layers", calls)
+    if calls < layers:
+        raise UnsupportedModel(f"{layers - calls} of the model's {layers} attention layers do not go through "
+                               "transformers' attention interface, so they cannot take the exact kernel",
+                               "load the model with exact=False (exact to the token, not the bit)")
+
+
+def _attention_calls(model) -> int:
+    """How many attention calls one forward of `model` makes through the attention interface."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    calls = []
+
+    def counting(module, query, key, value, attention_mask, **kwargs):
+        calls.append(module)
+        return exact_attention(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(PROBE, counting)
+    AttentionMaskInterface.register(PROBE, eager_mask)
+    before = getattr(model.config, "_attn_implementation", None) or "eager"
+    model.set_attn_implementation(PROBE)
+    try:
+        device = next(model.parameters()).device
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=False)
+    finally:
+        model.set_attn_implementation(before)
+    return len(calls)
 
 
 def register() -> None:
@@ -359,15 +403,12 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, eager_mask)
 
 
-def use_exact_attention(model) -> None:
-    """Switch `model` to the batch-invariant attention (its weights and modules are untouched)."""
-    register()
-    model.set_attn_implementation(NAME)
-
-
 def is_exact(model) -> bool:
-    return getattr(model.config, "_attn_implementation", None) == NAME
+    """Whether `model` runs on the exact kernels (its attention, and no linear layer left on torch's)."""
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        return False
+    return not any(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
 
 
-__all__ = ["BLOCK", "NAME", "ExactPlan", "chain_plan", "exact_attention", "is_exact", "plan_attention",
-           "probe_row_multiple", "register", "row_multiple", "use_exact_attention"]
+__all__ = ["BLOCK", "NAME", "ExactLinear", "ExactPlan", "Swapped", "chain_plan", "exact_attention", "exact_kernels",
+           "is_exact", "plan_attention", "register", "use_exact_kernels"]

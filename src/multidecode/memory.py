@@ -86,13 +86,11 @@ class Footprint:
             per_kept_row=vocab * (size + 4),  # logits in the model's dtype and in float32
         )
 
-    def rows_per_forward(self, slots: int, multiple: int = 1, kept_share: float = 1.0) -> int:
-        """The most rows a forward over `slots` slots may take for its scratch to stay under
-        `FORWARD_BYTES` (at least `multiple`, and a multiple of it), when `kept_share` of its rows
-        return logits."""
+    def rows_per_forward(self, slots: int, kept_share: float = 1.0) -> int:
+        """The most rows (at least one) a forward over `slots` slots may take for its scratch to
+        stay under `FORWARD_BYTES`, when `kept_share` of its rows return logits."""
         row = slots * self.per_row_slot + self.per_row + kept_share * self.per_kept_row
-        rows = int(FORWARD_BYTES // row)
-        return max(multiple, rows - rows % multiple)
+        return max(1, int(FORWARD_BYTES // row))
 
     def group_bytes(self, *, slots_before: int, prompt_slots: int, branches: int, branch_slots: int,
                     rows_per_branch: int = 1, cache_slots: int | None = None) -> Need:

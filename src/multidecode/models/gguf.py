@@ -1,7 +1,7 @@
 """A GGUF file's weights as the file keeps them: its 4- and 8-bit codes packed, never widened.
 
 A GGUF tensor is stored in blocks of 32 weights (or super-blocks of 256 in the K formats). The
-4-bit formats are read as their codes with one scale and one offset per group of 32 (see
+4-bit formats are read as their codes with one step and one low per group of 32 (see
 `packed`): Q4_0 (`w = d * (q - 8)`), Q4_1 (`w = d * q + m`), Q4_K (`w = d * sc * q - dmin * mn`,
 with six-bit sub-block scales); Q8_0 (`w = d * q`, q signed 8-bit) is read as 8-bit codes. Any
 other format (Q5, Q6_K, F16, F32, ...) is de-quantized to the model's compute dtype: the nearest
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModel
-from .packed import GROUP, Codes, PackedEmbedding, check_layout, linear_of, quantize
+from .packed import GROUP, Codes, PackedEmbedding, linear_of, quantize
 
 PACKED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
 """GGUF tensor types kept as codes, and their bits."""
@@ -112,11 +112,11 @@ def codes_of(raw: np.ndarray, kind: str) -> Codes:
         return Codes(_tensor(codes.reshape(rows, -1)), _tensor(scale), torch.zeros(scale.shape), 8)
     packed = blocks[..., 4 if kind == "Q4_1" else 2:]  # [N, K / 32, 16]: element j and j + 16 share byte j
     codes = np.concatenate([packed & 0x0F, packed >> 4], -1)  # [N, K / 32, 32]
-    if kind == "Q4_0":
-        offset = np.zeros_like(scale)
-    else:  # Q4_1: w = d * q + m = (q - 8) * d + (m + 8 d)
-        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * scale
-    return Codes(_tensor(codes.reshape(rows, -1)), _tensor(scale), _tensor(offset), 4)
+    if kind == "Q4_0":  # w = d * (q - 8) = d * q - 8 d
+        low = -8 * scale
+    else:  # Q4_1: w = d * q + m
+        low = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return Codes(_tensor(codes.reshape(rows, -1)), _tensor(scale), _tensor(low), 4)
 
 
 def _q4_k(raw: np.ndarray) -> Codes:
@@ -132,9 +132,8 @@ def _q4_k(raw: np.ndarray) -> Codes:
     quads = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     codes = (quads & 0x0F).reshape(-1, 8, 32)  # [B, 8 sub-blocks, 32]
     scale = d * sc.astype(np.float32)  # [B, 8]
-    offset = -dmin * mn.astype(np.float32) + 8 * scale
-    return Codes(_tensor(codes.reshape(rows, -1)), _tensor(scale.reshape(rows, -1)), _tensor(offset.reshape(rows, -1)),
-                 4)
+    low = -dmin * mn.astype(np.float32)
+    return Codes(_tensor(codes.reshape(rows, -1)), _tensor(scale.reshape(rows, -1)), _tensor(low.reshape(rows, -1)), 4)
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -154,9 +153,6 @@ def load_packed(path: str | Path, folder: str | Path, *, bits: int | None, dtype
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    if not check_layout():
-        raise UnsupportedModel("this torch's int4 packing has a layout multidecode does not read back",
-                               "load the model in bfloat16 or float32 (--precision bfloat16)")
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
@@ -218,7 +214,7 @@ def _module(model: nn.Module, name: str) -> nn.Module:
 
 
 def _linear_like(module: nn.Module, name: str) -> bool:
-    """A linear layer's weight, or the input embedding's (read back out of its packed planes)."""
+    """A linear layer's weight, or the input embedding's (read back out of its packed codes)."""
     if not name.endswith(".weight"):
         return False
     return isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.shape[-1] % GROUP == 0
@@ -226,7 +222,7 @@ def _linear_like(module: nn.Module, name: str) -> bool:
 
 def _place_linear(model: nn.Module, name: str, codes: Codes, dtype: torch.dtype) -> None:
     """Put the packed codes where the file's tensor goes: a linear layer becomes a `PackedLinear`,
-    the input embedding a `PackedEmbedding` (with a packed LM head of its own planes)."""
+    the input embedding a `PackedEmbedding` (with a packed LM head of its own codes)."""
     path = name.rsplit(".", 1)[0]
     parent_name, _, child = path.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -255,7 +251,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _tie(model: nn.Module, config) -> None:
-    """A model whose LM head is its embedding reads the embedding's planes in both places."""
+    """A model whose LM head is its embedding reads the embedding's codes in both places."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
     if isinstance(embed, PackedEmbedding) and tied:

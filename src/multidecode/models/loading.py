@@ -17,7 +17,7 @@ import torch
 
 from ..attention import use_forest_sdpa
 from ..errors import InvalidArgument, ModelNotFound
-from ..exact import use_exact_attention
+from ..exact import use_exact_kernels
 from . import precision
 from .converted import embedded_copy, embedded_gguf, gguf_copy
 from .packed import pack_model
@@ -83,7 +83,7 @@ def load_model(model: str | os.PathLike | None = None, *, precision_name=None, d
     lm.eval()
     check_supported(lm)
     if exact:
-        use_exact_attention(lm)
+        use_exact_kernels(lm)
     else:
         use_forest_sdpa(lm)
     return loaded

@@ -164,7 +164,7 @@ def output_rows(model, ids: torch.Tensor) -> torch.Tensor:
     head = model.get_output_embeddings()
     with torch.no_grad():  # not inference mode: training reads these rows under autograd
         if isinstance(head, PackedLinear):
-            return head.rows(ids.to(head.packed0.device)).float().clone()
+            return head.rows(ids.to(head.codes.device)).float().clone()
         return head.weight[ids.to(head.weight.device)].float().clone()
 
 

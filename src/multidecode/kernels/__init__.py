@@ -1,0 +1,161 @@
+"""The forward's kernels, owned here: every output reduced in one fixed order, whatever shares it.
+
+A forest is exact when each node's logits are a function of that node's path alone. That holds
+*by construction* when every kernel on the forward's path computes an output from its own row's
+inputs, in an order that neither the number of rows, nor the other rows, nor the thread count can
+change. torch's matrix products (MKL, oneDNN) choose tiles and reduction splits by shape and
+threads, so they are not used on the forward's path; these kernels are:
+
+- `linear`: float32 / bfloat16 weights (a model's `nn.Linear` layers, the LM head);
+- `qlinear`: 4- and 8-bit weight codes in groups of 32 (GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0, and
+  `int4` / `int8`) times activations quantized per row to int8 (llama.cpp's Q8_0 rule): integer
+  dot products summed in int32 (exact in any order), the groups' scaled sums added in group order;
+- `attention`: each query row over the keys it sees, reduced by position blocks in position
+  order (see `exact`), never reading another row's keys.
+
+Their definitions are in `csrc/kernels_impl.h`. Each is written once over 16 "lanes" and compiled
+for every instruction set (portable C, AVX2, AVX-512, AVX-512 VNNI); a lane does what one scalar
+IEEE operation does, so every set gives the same bits, and the tests check each set against the
+portable one. The set used is the best this CPU has, or lower where torch is told to stay lower
+(`ATEN_CPU_CAPABILITY=avx2`, torch's own switch, read once).
+
+Everything else on the forward's path is torch's own and per row: norms reduce one row's hidden
+vector (torch reduces each output in one thread below 32,768 elements, and never splits a
+reduction shared by several outputs), rotary embeddings, activations and residuals are
+elementwise, embeddings are lookups.
+
+Without a compiler the kernels run on `portable`: the same definitions in torch, each output
+still a function of its own row (integer products as exact float32 sums, groups added one after
+the other), slower, and float-weight `linear` refused there (no torch kernel fixes its order).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+
+from . import portable
+from .build import Built, load
+
+PORTABLE, AVX2, AVX512, AVX512_VNNI = 0, 1, 2, 3
+LEVELS = {PORTABLE: "portable C", AVX2: "AVX2", AVX512: "AVX-512", AVX512_VNNI: "AVX-512 VNNI"}
+CAPABILITY_CAPS = {"default": PORTABLE, "avx2": AVX2, "avx512": AVX512_VNNI}
+"""`ATEN_CPU_CAPABILITY` (torch's instruction-set switch) -> the highest set used under it."""
+
+
+class KernelsUnavailable(RuntimeError):
+    """The compiled kernels are not there, for a computation that has no portable form."""
+
+
+_loaded: Built | None = None
+
+
+def status(*, build: bool = True, progress: Callable[[str], None] | None = None) -> Built:
+    """Whether the compiled kernels are loaded (building them first where `build`), or why not.
+    progress: told what is happening when a build starts (the CLI shows it)."""
+    global _loaded
+    if _loaded is None or (_loaded.library is None and build and not _loaded.reason.startswith("compiling")):
+        outcome = load(build=build, progress=progress)
+        if outcome.library is not None:
+            _register_fakes()
+        if outcome.library is not None or build:
+            _loaded = outcome
+        return outcome
+    return _loaded
+
+
+def native() -> bool:
+    """Whether the compiled kernels run here (built or loaded on first call)."""
+    return status().library is not None
+
+
+@functools.cache
+def level() -> int:
+    """The instruction set the kernels use: the best this CPU has, capped by ATEN_CPU_CAPABILITY."""
+    best = int(torch.ops.multidecode.best_isa()) if native() else PORTABLE
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    for name, highest in CAPABILITY_CAPS.items():
+        if cap.startswith(name):
+            return min(best, highest)
+    return best
+
+
+def describe() -> str:
+    """What runs the forward's products here, in words."""
+    built = status(build=False)
+    if built.library is None:
+        return f"portable torch kernels ({built.reason})"
+    return f"compiled kernels, {LEVELS[level()]}"
+
+
+# ---------------------------------------------------------------------------------- the operators
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           isa: int | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype (see the module notes).
+    Raises `KernelsUnavailable` without the compiled kernels: float products have no portable
+    form with a fixed order."""
+    if x.device.type != "cpu" or not native():
+        if x.device.type == "cpu":
+            raise KernelsUnavailable(f"exact float products need the compiled kernels: {status().reason}")
+        return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    return torch.ops.multidecode.linear(x, weight, bias, level() if isa is None else isa)
+
+
+def qlinear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int, bits: int,
+            bias: torch.Tensor | None = None, *, isa: int | None = None) -> torch.Tensor:
+    """x [..., K] times packed weight codes (see `portable.pack`) -> [..., out_features] in x's dtype."""
+    if native():
+        return torch.ops.multidecode.qlinear(x, codes, scales, out_features, bits, bias,
+                                             level() if isa is None else isa)
+    return portable.qlinear(x, codes, scales, out_features, bits, bias)
+
+
+def attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale: float,
+              softcap: float = 0.0, *, isa: int | None = None) -> torch.Tensor:
+    """Exact attention of one forest's rows (see `exact` for the plan's tensors): query
+    [1, H, R, D], key and value [1, H_kv, S, D] -> [1, R, H, D] in query's dtype."""
+    if query.device.type == "cpu" and native():
+        return torch.ops.multidecode.attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs,
+                                               pair_index, float(scale), float(softcap),
+                                               level() if isa is None else isa)
+    return portable.attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale,
+                              softcap)
+
+
+def quantize_rows(x: torch.Tensor, *, isa: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows quantized as `qlinear` quantizes them: (codes [M, K] int8, steps [M, K/32], sums [M, K/32])."""
+    if native():
+        return torch.ops.multidecode.quantize_rows(x, level() if isa is None else isa)
+    return portable.quantize_rows(x)
+
+
+def _register_fakes() -> None:
+    """Shapes of the operators' outputs, for `torch.compile` and meta tensors."""
+    if not hasattr(torch.ops.multidecode, "qlinear"):
+        return
+
+    @torch.library.register_fake("multidecode::linear")
+    def _(x, weight, bias, isa):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("multidecode::qlinear")
+    def _(x, codes, scales, out_features, bits, bias, isa):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("multidecode::attention")
+    def _(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale, softcap, isa):
+        return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
+
+    @torch.library.register_fake("multidecode::quantize_rows")
+    def _(x, isa):
+        rows = x.reshape(-1, x.shape[-1])
+        groups = (rows.shape[0], rows.shape[1] // 32)
+        return rows.new_empty(rows.shape, dtype=torch.int8), rows.new_empty(groups, dtype=torch.float32), \
+            rows.new_empty(groups, dtype=torch.float32)
+
+
+__all__ = ["AVX2", "AVX512", "AVX512_VNNI", "LEVELS", "PORTABLE", "KernelsUnavailable", "attention", "describe",
+           "level", "linear", "native", "qlinear", "quantize_rows", "status"]

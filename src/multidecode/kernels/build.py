@@ -1,0 +1,115 @@
+"""Building the compiled kernels once, into the user cache, and loading them.
+
+The kernels are C++ (`csrc/`): one translation unit per instruction set (portable C, AVX2,
+AVX-512, AVX-512 VNNI), each under its own `#pragma GCC target`, chosen at run time by what the
+CPU has; `ops.cpp` registers them as the torch operators `torch.ops.multidecode.*`. They are
+built with torch's own extension builder (`torch.utils.cpp_extension.load`: the compiler flags
+and the ABI of the installed torch) into `<user cache>/kernels/<key>/`, the key a hash of the
+sources, the flags and the torch version: a changed source or another torch builds afresh, and a
+built library is loaded straight from its file (milliseconds). `make setup` builds it
+(`python -m multidecode.kernels`), so no command waits for a compiler.
+
+Where there is no compiler (or the build fails), `load` returns None and says why, and the
+package runs on the portable torch path (`kernels.portable`).
+
+`-ffp-contract=off` keeps the compiler from fusing a multiply and an add into one fma where the
+source has two operations: each kernel's arithmetic is exactly what its source says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..user_cache import cache_dir
+
+NAME = "multidecode_kernels"
+SOURCES = ("ops.cpp", "kernels_portable.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp", "kernels_avx512vnni.cpp")
+HEADERS = ("kernels.h", "kernels_impl.h", "lanes.h")
+CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp", "-Wno-maybe-uninitialized")
+LDFLAGS = ("-fopenmp",)
+DONE = "built"
+"""The file a finished build leaves beside its library (a folder without it is rebuilt)."""
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+
+
+@dataclass(frozen=True)
+class Built:
+    """The outcome of `load`: the library's path, or why there is none."""
+
+    library: Path | None
+    reason: str = ""
+
+
+def key() -> str:
+    """The hash naming a build: sources, headers, flags and the torch it is built against."""
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update(name.encode())
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    return digest.hexdigest()[:16]
+
+
+def folder() -> Path:
+    return cache_dir() / "kernels" / key()
+
+
+def library_path() -> Path:
+    return folder() / f"{NAME}.so"
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's builder would use, if it is on this machine."""
+    import os
+
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def load(*, build: bool = True, progress: Callable[[str], None] | None = None) -> Built:
+    """Load the compiled kernels into this process (building them first where `build` and they
+    are not built yet). Returns where the library is, or, with `library` None, why there is none.
+    progress: told what is happening before a build starts (a build takes a minute)."""
+    if hasattr(torch.ops.multidecode, "qlinear"):
+        return Built(library_path())
+    path = library_path()
+    if (path.parent / DONE).exists() and path.exists():
+        torch.ops.load_library(str(path))
+        return Built(path)
+    if not build:
+        return Built(None, "the kernels are not built yet (python -m multidecode.kernels builds them)")
+    if compiler() is None:
+        return Built(None, "no C++ compiler was found (install g++ and run `python -m multidecode.kernels`)")
+    return _build(path, progress)
+
+
+def _build(path: Path, progress: Callable[[str], None] | None) -> Built:
+    """Compile under a lock (test workers and parallel commands build once), then load."""
+    from filelock import FileLock
+    from torch.utils.cpp_extension import load as build_extension
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / "build.lock")):
+        if not (path.parent / DONE).exists():
+            if progress is not None:
+                progress("Compiling multidecode's kernels for this CPU (once, about a minute)")
+            try:
+                build_extension(name=NAME, sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                                extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                                build_directory=str(path.parent), is_python_module=False, verbose=False)
+            except (RuntimeError, OSError, ImportError) as err:  # a compiler that fails: the portable path
+                return Built(None, f"compiling the kernels failed ({str(err).strip().splitlines()[-1][:200]})")
+            (path.parent / DONE).write_text(key(), encoding="utf-8")
+            return Built(path)
+    torch.ops.load_library(str(path))
+    return Built(path)
+
+
+__all__ = ["Built", "folder", "key", "library_path", "load"]

@@ -1,0 +1,181 @@
+"""The packed weights' layout, and the kernels' definitions in torch: the portable path.
+
+**Layout** (`pack`, `rows_of`): a weight of N outputs by K inputs, K in groups of 32, is cut
+into panels of 16 outputs. Per panel and group, 64-byte chunks hold 4 bytes per output (lane):
+for 4-bit codes (0..15), chunk c's byte 4l + b holds the codes of inputs 32g + 8c + b (low half)
+and 32g + 8c + 4 + b (high half), 4 chunks; for 8-bit codes (-127..127, signed bytes), chunk c's
+byte 4l + b is input 32g + 4c + b, 8 chunks. Steps (and, for 4 bits, lows) are float16, per panel
+and group: 16 steps then 16 lows. A weight is `step * code + low` (8 bits: `step * code`). This is
+the order the compiled kernel's integer dot products read (4 bytes per lane per instruction).
+
+**Portable kernels**: where no compiler built the compiled ones, the same definitions run here
+(`qlinear`, `quantize_rows`, `attention`), each output computed from its own row: integer dot
+products as float32 products of integers (exact: every partial sum is an integer below 2^24, so
+any order gives it), groups and blocks combined by elementwise operations one after the other.
+They are slower, and need not equal the compiled kernels' bits (a fused multiply-add rounds once
+where torch's elementwise operations round twice): each path is exact within itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = 32
+LANES = 16
+BLOCK = 64
+ROWS_AT_ONCE = 64
+"""Rows the portable products take at once (their float32 partials are [groups, rows, N])."""
+UNITS_AT_ONCE = 8
+"""Attention units the portable kernel takes at once (its scores are [H, units, rows, 64, D])."""
+
+
+# ---------------------------------------------------------------------------------- the layout
+def pack(codes: torch.Tensor, step: torch.Tensor, low: torch.Tensor | None, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [N, K] (0..15 for 4 bits, -127..127 for 8) with step and low [N, K/32] (float16 or
+    float) -> (codes in panels, uint8 [bytes]; steps and lows in panels, float16)."""
+    rows, inner = codes.shape
+    groups, panels = inner // GROUP, -(-rows // LANES)
+    pad = panels * LANES - rows
+    codes = torch.cat([codes.to(torch.int16), codes.new_zeros(pad, inner, dtype=torch.int16)])
+    halves = [step] + ([] if bits == 8 else [low])
+    halves = [torch.cat([h.to(torch.float16), h.new_zeros(pad, groups, dtype=torch.float16)]) for h in halves]
+    if bits == 4:  # [P, L, G, C, H, B] -> [P, G, C, L, B, H], two codes per byte
+        blocks = codes.reshape(panels, LANES, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        packed = (blocks[..., 0] | (blocks[..., 1] << 4)).to(torch.uint8)
+    else:  # [P, L, G, C, B] -> [P, G, C, L, B]
+        packed = codes.reshape(panels, LANES, groups, 8, 4).permute(0, 2, 3, 1, 4).to(torch.int8).view(torch.uint8)
+    scales = torch.stack([h.reshape(panels, LANES, groups).permute(0, 2, 1) for h in halves], 2)  # [P, G, 1|2, L]
+    return packed.contiguous().reshape(-1), scales.contiguous().reshape(-1)
+
+
+def rows_of(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, inner: int, bits: int) -> torch.Tensor:
+    """[len(ids), inner] float32: the weights of output rows `ids`, read back out of the layout."""
+    groups = inner // GROUP
+    panel, lane = ids // LANES, ids % LANES
+    if bits == 4:
+        chunks = packed.reshape(-1, groups, 4, LANES, 4)[panel, :, :, lane].to(torch.int16)  # [n, G, C, B]
+        codes = torch.stack([chunks & 15, chunks >> 4], 3)  # [n, G, C, H, B]
+    else:
+        codes = packed.view(torch.int8).reshape(-1, groups, 8, LANES, 4)[panel, :, :, lane]  # [n, G, C, B]
+    halves = scales.reshape(-1, groups, 2 if bits == 4 else 1, LANES)[panel, :, :, lane].float()  # [n, G, 1|2]
+    weights = codes.reshape(len(ids), groups, GROUP).float() * halves[..., 0:1]
+    if bits == 4:
+        weights = weights + halves[..., 1:2]
+    return weights.reshape(len(ids), inner)
+
+
+def unpacked(packed: torch.Tensor, scales: torch.Tensor, out_features: int, inner: int,
+             bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes [G, 32, N'] float32, steps [G, N'] float32, lows [G, N'] or None), N' the panels' outputs."""
+    groups = inner // GROUP
+    panels = -(-out_features // LANES)
+    if bits == 4:
+        chunks = packed.reshape(panels, groups, 4, LANES, 4).to(torch.int16)
+        codes = torch.stack([chunks & 15, chunks >> 4], 3).permute(1, 2, 3, 5, 0, 4)  # [P, G, C, H, L, B] -> [G, C, H, B, P, L]
+    else:
+        codes = packed.view(torch.int8).reshape(panels, groups, 8, LANES, 4).permute(1, 2, 4, 0, 3)  # [G, C, B, P, L]
+    codes = codes.reshape(groups, GROUP, panels * LANES).float()
+    halves = scales.reshape(panels, groups, 2 if bits == 4 else 1, LANES).permute(1, 2, 0, 3).float()
+    halves = halves.reshape(groups, halves.shape[1], panels * LANES)
+    return codes, halves[:, 0], halves[:, 1] if bits == 4 else None
+
+
+# ---------------------------------------------------------------------------------- kernels
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows as int8 codes in groups of 32 (llama.cpp's Q8_0 rule): (codes [M, K] int8, step
+    [M, K/32] float32, sum of codes [M, K/32] float32)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    groups = rows.reshape(rows.shape[0], -1, GROUP)  # [M, G, 32]
+    step = groups.abs().amax(-1) / 127  # [M, G]
+    inverse = torch.where(step != 0, 1 / step, torch.zeros_like(step))
+    codes = torch.round(groups * inverse[..., None]).clamp_(-127, 127)
+    return codes.reshape(rows.shape).to(torch.int8), step, codes.sum(-1)
+
+
+def qlinear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, bits: int,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`kernels.qlinear` in torch (see the module notes)."""
+    inner = x.shape[-1]
+    codes, steps, lows = unpacked(packed, scales, out_features, inner, bits)  # [G, 32, N'], [G, N']
+    xcodes, xstep, xsum = quantize_rows(x)
+    rows = xcodes.shape[0]
+    out = torch.empty(rows, out_features)
+    for start in range(0, rows, ROWS_AT_ONCE):
+        part = slice(start, start + ROWS_AT_ONCE)
+        groups = xcodes[part].float().reshape(-1, inner // GROUP, GROUP).transpose(0, 1)  # [G, m, 32]
+        totals = torch.bmm(groups, codes)  # [G, m, N']: integers, exact
+        acc = torch.zeros(totals.shape[1:])
+        for g in range(totals.shape[0]):
+            t = steps[g] * totals[g]
+            if lows is not None:
+                t = t + lows[g] * xsum[part, g, None]
+            acc = acc + t * xstep[part, g, None]
+        out[part] = acc[:, :out_features]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale: float,
+              softcap: float = 0.0) -> torch.Tensor:
+    """`kernels.attention` in torch: each (unit, row)'s partial over its block, then each row's
+    partials merged in position order (see `exact`)."""
+    heads, rows, dim = query.shape[1:]
+    group = heads // key.shape[1]
+    parts = [_partials(query[0].float(), key[0], value[0], group, unit_slots[u:u + UNITS_AT_ONCE],
+                       unit_rows[u:u + UNITS_AT_ONCE], unit_bits[u:u + UNITS_AT_ONCE], scale, softcap)
+             for u in range(0, len(unit_rows), UNITS_AT_ONCE)]
+    outs, high, totals = (torch.cat(p, 1) for p in zip(*parts))  # [H, U * W, D], [H, U * W], [H, U * W]
+    return _merge(outs, high, totals, row_pairs.long(), pair_index.long(), rows, query.dtype)
+
+
+def _partials(q, key, value, group: int, unit_slots, unit_rows, unit_bits, scale: float, softcap: float):
+    """Each (unit, row)'s partial over its block: weighted values [H, U * W, D], max [H, U * W]
+    and sum of weights [H, U * W] (0: the row sees nothing there)."""
+    heads = q.shape[0]
+    slots = unit_slots.long().clamp(min=0)
+    table = unit_rows.long()
+    bits = (unit_bits[..., None] >> torch.arange(BLOCK, device=unit_bits.device)) & 1  # [U, W, 64]
+    seen = (bits == 1) & (unit_slots[:, None, :] >= 0) & (table[..., None] >= 0)
+    keys = key[:, slots].float().repeat_interleave(group, 0)  # [H, U, 64, D]
+    values = value[:, slots].float().repeat_interleave(group, 0)
+    queries = q[:, table.clamp(min=0)]  # [H, U, W, D]
+    if softcap <= 0:
+        queries = queries * scale
+    scores = (queries[:, :, :, None, :] * keys[:, :, None, :, :]).sum(-1)  # [H, U, W, 64]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores * scale / softcap)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    high = scores.amax(-1)  # [H, U, W]
+    weights = torch.exp(scores - high.clamp(min=torch.finfo(torch.float32).min)[..., None]).masked_fill(~seen, 0)
+    outs = (weights[..., None, :] * values.transpose(-1, -2)[:, :, None]).sum(-1)  # [H, U, W, D]
+    return outs.reshape(heads, -1, outs.shape[-1]), high.reshape(heads, -1), weights.sum(-1).reshape(heads, -1)
+
+
+def _merge(outs, high, totals, row_pairs, pair_index, rows: int, dtype) -> torch.Tensor:
+    """Each row's partials, in position order: the first as it is, then each merged in."""
+    heads, dim = outs.shape[0], outs.shape[-1]
+    o = outs.new_zeros(heads, rows, dim)
+    top = high.new_full((heads, rows), float("-inf"))
+    total = totals.new_zeros(heads, rows)
+    counts = row_pairs[1:] - row_pairs[:-1]
+    for step in range(int(counts.max()) if rows else 0):
+        live = (counts > step).nonzero().flatten()
+        index = pair_index[row_pairs[live] + step]
+        part_o, part_high, part_total = outs[:, index], high[:, index], totals[:, index]
+        real = part_total > 0  # [H, n]: the row sees something in this block
+        first = real & (total[:, live] == 0)
+        merged = torch.maximum(top[:, live], part_high)
+        keep = torch.exp(top[:, live] - merged).nan_to_num(0.0)
+        add = torch.exp(part_high - merged)
+        new_total = torch.where(first, part_total, total[:, live] * keep + part_total * add)
+        new_o = torch.where(first[..., None], part_o, o[:, live] * keep[..., None] + part_o * add[..., None])
+        new_top = torch.where(first, part_high, merged)
+        o[:, live] = torch.where(real[..., None], new_o, o[:, live])
+        total[:, live] = torch.where(real, new_total, total[:, live])
+        top[:, live] = torch.where(real, new_top, top[:, live])
+    out = torch.where(total[..., None] > 0, o / total.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0)
+    return out.transpose(0, 1).unsqueeze(0).to(dtype)
+
+
+__all__ = ["attention", "pack", "qlinear", "quantize_rows", "rows_of", "unpacked"]
