@@ -5,20 +5,23 @@ decoding, but the same *logits*, bitwise, as the same engine feeding the node's 
 as one chain. Random forests (a prompt, branches, draft trees, rejected drafts taken back,
 compaction) are fed on tiny random models of every oracle architecture at every CPU precision
 (float32, bfloat16, and int8 / int4 packed weights with bfloat16 activations), with the model
-loaded eager or sdpa and switched to exact attention (`multidecode.exact`).
-Mutants that make a kernel depend on the number of rows must fail the same check.
+loaded eager or sdpa and put on the exact kernels (`multidecode.exact`), at one thread and at
+all of the machine's. Mutants that make a kernel's order depend on the number of rows, or on the
+threads that share it, must fail the same check.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
 from tiny_models import MAIN_ARCHITECTURES, reference_generate, tiny_model
 
-from multidecode import exact
+from multidecode import exact, kernels
 from multidecode.api import decode
 from multidecode.engine import Engine
 from multidecode.exact import BLOCK, plan_attention
@@ -37,7 +40,7 @@ def exact_model(arch: str, attn: str, precision: str):
         model.to(torch.bfloat16)
     else:
         model.to(kind)
-    exact.use_exact_attention(model)
+    exact.use_exact_kernels(model)
     return model
 
 
@@ -85,14 +88,31 @@ def differing(model, *, seed: int, apart: bool | None = None) -> tuple[list[int]
     return bad, len(logits)
 
 
+@contextmanager
+def threads(count: int):
+    """torch's intra-op threads set to `count` for a block (test workers run at one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+THREADS = sorted({1, os.cpu_count() or 1})
+"""One thread (a test worker, a Ray worker, a container limit) and all of this machine's."""
+
+
 @pytest.mark.parametrize("arch", MAIN_ARCHITECTURES)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_every_node_of_a_random_forest_equals_its_path_alone_bit_for_bit(arch, attn, precision):
+@pytest.mark.parametrize("count", THREADS)
+def test_every_node_of_a_random_forest_equals_its_path_alone_bit_for_bit(arch, attn, precision, count):
     model = exact_model(arch, attn, precision)
-    for seed in range(3):
-        bad, fed = differing(model, seed=seed)
-        assert fed and not bad, f"seed {seed}: {len(bad)} of {fed} nodes differ from their paths alone"
+    with threads(count):
+        for seed in range(3):
+            bad, fed = differing(model, seed=seed)
+            assert fed and not bad, f"seed {seed}: {len(bad)} of {fed} nodes differ from their paths alone"
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
@@ -121,21 +141,64 @@ def test_greedy_decoding_equals_transformers_generate_through_the_same_kernels()
         assert ids == reference_generate(model, prefix + branch, max_new_tokens=20, eos_token_id=None)[:len(ids)]
 
 
-def test_a_row_count_dependent_kernel_fails_the_check(monkeypatch):
-    """float32 products without their row padding (MKL computes the rows of a partial tile
-    otherwise): the forest no longer equals its paths alone."""
-    monkeypatch.setattr("multidecode.engine.probe_row_multiple", lambda dtype, device: 1)
-    monkeypatch.setattr("multidecode.exact.row_multiple", lambda dtype, device="cpu": 1)
+def split_k_linear(real, parts):
+    """A float product that reduces each output in `parts(rows)` pieces of K (split-K, as a tuned
+    GEMM does when rows are few), added after: an order that depends on the call, not the row."""
+
+    def linear(x, weight, bias=None, **options):
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        pieces = max(1, parts(rows))
+        cuts = [x.shape[-1] * i // pieces for i in range(pieces + 1)]
+        out = None
+        for a, b in zip(cuts, cuts[1:]):
+            part = real(x[..., a:b].contiguous(), weight[:, a:b].contiguous(), None, **options)
+            out = part if out is None else out + part
+        return out if bias is None else out + bias.to(out.dtype)
+
+    return linear
+
+
+MUTANTS = {
+    "split-K when rows are many": lambda real: split_k_linear(real, lambda rows: 1 if rows == 1 else 2),
+    "split-K over the threads": lambda real: split_k_linear(real, lambda rows: min(rows, torch.get_num_threads())),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_a_linear_kernel_whose_order_depends_on_the_call_fails_the_check(monkeypatch, mutant):
+    """A product reduced in pieces that depend on its row count, or on how many threads share it:
+    the forest (many rows) no longer equals its paths alone (one row a step), at two threads."""
+    monkeypatch.setattr(kernels, "linear", MUTANTS[mutant](kernels.linear))
     model = exact_model("llama", "sdpa", "float32")
+    with threads(2):
+        assert any(differing(model, seed=seed)[0] for seed in range(3))
+
+
+def test_a_packed_product_that_depends_on_its_row_count_fails_the_check(monkeypatch):
+    """Packed products that move (by about a bfloat16 step) when a forward has more than one row."""
+    real = kernels.qlinear
+
+    def qlinear(x, codes, scales, out_features, bits, bias=None, **options):
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        out = real(x, codes, scales, out_features, bits, bias, **options)
+        return out if rows == 1 else (out.float() * (1 + 2 ** -7)).to(out.dtype)
+
+    monkeypatch.setattr(kernels, "qlinear", qlinear)
+    model = exact_model("qwen2", "sdpa", "int4")
     assert any(differing(model, seed=seed)[0] for seed in range(3))
 
 
-def test_a_product_that_depends_on_its_row_count_fails_the_check(monkeypatch):
-    """A kernel whose every output moves with the number of rows in its product (one ulp-scale
-    nudge per row): the forest's products have other row counts than the paths' alone."""
-    real = exact._product
-    monkeypatch.setattr(exact, "_product", lambda left, right: real(left, right) * (1 + 1e-6 * left.shape[-2]))
-    model = exact_model("qwen2", "sdpa", "bfloat16")
+def test_an_attention_kernel_that_depends_on_its_row_count_fails_the_check(monkeypatch):
+    """An attention kernel whose every output moves with the number of query rows it is given
+    (one nudge per row): the forest's forwards have other row counts than the paths' alone."""
+    real = kernels.attention
+
+    def attention(query, *args, **options):
+        out = real(query, *args, **options)
+        return (out.float() * (1 + 1e-6 * query.shape[2])).to(out.dtype)
+
+    monkeypatch.setattr(kernels, "attention", attention)
+    model = exact_model("qwen2", "sdpa", "float32")
     assert any(differing(model, seed=seed)[0] for seed in range(3))
 
 

@@ -33,7 +33,7 @@ def exact_decoder():
     import copy
 
     model = copy.deepcopy(tiny_model("llama"))
-    exact.use_exact_attention(model)
+    exact.use_exact_kernels(model)
     return multidecode.MultiDecoder(model, None)
 
 

@@ -5,8 +5,10 @@ into panels of 16 outputs. Per panel and group, 64-byte chunks hold 4 bytes per 
 for 4-bit codes (0..15), chunk c's byte 4l + b holds the codes of inputs 32g + 8c + b (low half)
 and 32g + 8c + 4 + b (high half), 4 chunks; for 8-bit codes (-127..127, signed bytes), chunk c's
 byte 4l + b is input 32g + 4c + b, 8 chunks. Steps (and, for 4 bits, lows) are float16, per panel
-and group: 16 steps then 16 lows. A weight is `step * code + low` (8 bits: `step * code`). This is
-the order the compiled kernel's integer dot products read (4 bytes per lane per instruction).
+and group: 16 steps then 16 lows, held as int16 (their float16 bits: a model's `.to(dtype)`
+converts floating-point buffers, and must leave these as they are). A weight is
+`step * code + low` (8 bits: `step * code`). This is the order the compiled kernel's integer dot
+products read (4 bytes per lane per instruction).
 
 **Portable kernels**: where no compiler built the compiled ones, the same definitions run here
 (`qlinear`, `quantize_rows`, `attention`), each output computed from its own row: integer dot
@@ -45,7 +47,7 @@ def pack(codes: torch.Tensor, step: torch.Tensor, low: torch.Tensor | None, bits
     else:  # [P, L, G, C, B] -> [P, G, C, L, B]
         packed = codes.reshape(panels, LANES, groups, 8, 4).permute(0, 2, 3, 1, 4).to(torch.int8).view(torch.uint8)
     scales = torch.stack([h.reshape(panels, LANES, groups).permute(0, 2, 1) for h in halves], 2)  # [P, G, 1|2, L]
-    return packed.contiguous().reshape(-1), scales.contiguous().reshape(-1)
+    return packed.contiguous().reshape(-1), scales.contiguous().reshape(-1).view(torch.int16)
 
 
 def rows_of(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, inner: int, bits: int) -> torch.Tensor:
@@ -57,7 +59,7 @@ def rows_of(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, inner
         codes = torch.stack([chunks & 15, chunks >> 4], 3)  # [n, G, C, H, B]
     else:
         codes = packed.view(torch.int8).reshape(-1, groups, 8, LANES, 4)[panel, :, :, lane]  # [n, G, C, B]
-    halves = scales.reshape(-1, groups, 2 if bits == 4 else 1, LANES)[panel, :, :, lane].float()  # [n, G, 1|2]
+    halves = scales.view(torch.float16).reshape(-1, groups, 2 if bits == 4 else 1, LANES)[panel, :, :, lane].float()
     weights = codes.reshape(len(ids), groups, GROUP).float() * halves[..., 0:1]
     if bits == 4:
         weights = weights + halves[..., 1:2]
@@ -75,7 +77,7 @@ def unpacked(packed: torch.Tensor, scales: torch.Tensor, out_features: int, inne
     else:
         codes = packed.view(torch.int8).reshape(panels, groups, 8, LANES, 4).permute(1, 2, 4, 0, 3)  # [G, C, B, P, L]
     codes = codes.reshape(groups, GROUP, panels * LANES).float()
-    halves = scales.reshape(panels, groups, 2 if bits == 4 else 1, LANES).permute(1, 2, 0, 3).float()
+    halves = scales.view(torch.float16).reshape(panels, groups, 2 if bits == 4 else 1, LANES).permute(1, 2, 0, 3).float()
     halves = halves.reshape(groups, halves.shape[1], panels * LANES)
     return codes, halves[:, 0], halves[:, 1] if bits == 4 else None
 

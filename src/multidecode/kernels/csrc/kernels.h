@@ -31,7 +31,7 @@ struct QuantizedRows {
 struct QLinearArgs {
   QuantizedRows rows;
   const uint8_t* codes;     // [N / 16 panels, K / 32 groups, 4 or 8 chunks of 64 bytes]
-  const uint16_t* scales;   // float16 [panels, groups, 16 steps (+ 16 lows for 4 bits)]
+  const uint16_t* scales;   // float16 bits [panels, groups, 16 steps (+ 16 lows for 4 bits)]
   const float* bias;        // [N] or null
   void* y;                  // [M, N] F32 or BF16
   int64_t M, N, K;
@@ -51,8 +51,8 @@ struct QuantizeArgs {
 // Attention over position blocks (see attention in kernels_impl.h).
 struct AttentionArgs {
   const void* q;  // [H, R, D] with strides (q_head, q_row, 1)
-  const void* k;  // [H_kv, S, D] with strides (kv_head, kv_slot, 1), and v alike
-  const void* v;
+  const void* k;  // [H_kv, S, D] with strides (k_head, k_slot, 1)
+  const void* v;  // [H_kv, S, D] with strides (v_head, v_slot, 1)
   const int32_t* unit_slots;  // [U, 64]: the key slot at each position of each unit's block, -1: none
   const int32_t* unit_rows;   // [U, W]: the query rows that read each unit, -1: none
   const uint64_t* unit_bits;  // [U, W]: bit j set where that row sees the unit's position j
@@ -61,7 +61,7 @@ struct AttentionArgs {
   float* partials;            // [U * W, H, D + 2] scratch: each partial's weighted values, max, sum
   void* out;                  // [R, H, D] contiguous, in q's type
   int64_t H, H_kv, R, D, U, W;
-  int64_t q_head, q_row, kv_head, kv_slot;
+  int64_t q_head, q_row, k_head, k_slot, v_head, v_slot;
   float scale, softcap;  // softcap <= 0: none
   DataType type;         // of q, k, v and out
 };

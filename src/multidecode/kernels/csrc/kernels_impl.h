@@ -245,7 +245,7 @@ inline void gather_keys(const AttentionArgs& a, const int32_t* slots, int64_t kv
       for (int64_t d = 0; d < a.D; ++d) keys[d * BLOCK + j] = 0.0f;
       continue;
     }
-    const float* k = as_float(a.k, a.type, kv * a.kv_head + slots[j] * a.kv_slot, row, a.D);
+    const float* k = as_float(a.k, a.type, kv * a.k_head + slots[j] * a.k_slot, row, a.D);
     for (int64_t d = 0; d < a.D; ++d) keys[d * BLOCK + j] = k[d];
   }
 }
@@ -285,7 +285,7 @@ inline void block_partial(const AttentionArgs& a, const float* scores, uint64_t 
     if (!((bits >> j) & 1u)) continue;
     total = total + weights[j];
     F e = f_set1(weights[j]);
-    const float* v = as_float(a.v, a.type, kv * a.kv_head + slots[j] * a.kv_slot, row, a.D);
+    const float* v = as_float(a.v, a.type, kv * a.v_head + slots[j] * a.v_slot, row, a.D);
     for (int64_t c = 0; c < chunks; ++c) {
       int rest = (int)(a.D - c * LANES);
       F vc = rest >= LANES ? f_load(v + c * LANES) : f_load_n(v + c * LANES, rest);

@@ -125,7 +125,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
                   codes.numel() == panels * groups * (bits == 4 ? 256 : 512),
               "multidecode.qlinear: codes do not hold ", out_features, " x ", inner, " ", bits, "-bit weights");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kShort &&
                   scales.numel() == panels * groups * (bits == 4 ? 32 : 16),
               "multidecode.qlinear: scales do not match the codes");
   const Kernels& k = kernels_for(isa);
@@ -133,7 +133,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   at::Tensor b = float_bias(bias, out_features);
   at::Tensor y = at::empty({qcodes.size(0), out_features}, x.options());
   QLinearArgs a{{qcodes.data_ptr<int8_t>(), qscale.data_ptr<float>(), qsum.data_ptr<float>()},
-                codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
                 b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr(), qcodes.size(0), out_features, inner,
                 (int32_t)bits, data_type(x, "x")};
   over_tiles(a.M, panels, row_block(a.M), 4, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
@@ -150,11 +150,12 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
               "multidecode.attention: query [1, H, R, D] and key/value [1, H_kv, S, D]");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
               "multidecode.attention: query, key and value must share a dtype");
-  TORCH_CHECK(key.strides() == value.strides() && key.sizes() == value.sizes(), "multidecode.attention: key and value must share a layout");
+  TORCH_CHECK(key.sizes() == value.sizes(), "multidecode.attention: key and value must have one shape");
   const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3), kv_heads = key.size(1);
   TORCH_CHECK(dim <= 512 && key.size(3) == dim, "multidecode.attention: head dim up to 512, the same for q and k");
   TORCH_CHECK(heads % kv_heads == 0, "multidecode.attention: query heads must be a multiple of key heads");
-  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1, "multidecode.attention: head dim must be contiguous");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
+              "multidecode.attention: head dim must be contiguous");
   for (const at::Tensor* t : {&unit_slots, &unit_rows, &row_pairs, &pair_index})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "multidecode.attention: plan indices must be int32");
   TORCH_CHECK(unit_bits.scalar_type() == at::kLong && unit_bits.is_contiguous() && unit_bits.sizes() == unit_rows.sizes(),
@@ -168,7 +169,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
                   unit_rows.data_ptr<int32_t>(), reinterpret_cast<const uint64_t*>(unit_bits.data_ptr<int64_t>()),
                   row_pairs.data_ptr<int32_t>(), pair_index.data_ptr<int32_t>(), partials.data_ptr<float>(),
                   out.data_ptr(), heads, kv_heads, rows, dim, units, width, query.stride(1), query.stride(2),
-                  key.stride(1), key.stride(2), (float)scale, (float)softcap, data_type(query, "query")};
+                  key.stride(1), key.stride(2), value.stride(1), value.stride(2), (float)scale, (float)softcap, data_type(query, "query")};
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) { k.attention_units(a, begin, end); });
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) { k.attention_merge(a, begin, end); });
   return out;
