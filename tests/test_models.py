@@ -35,11 +35,13 @@ def test_load_a_local_folder_at_each_cpu_precision(model_dir, precision, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_forests_run_and_stay_close(dtype):
-    """bf16/fp16 are supported but not bit-exact (see docs/design.md): the forest runs, and most
-    greedy tokens still agree with generate in the same dtype."""
+    """bf16 forests run on the exact kernels, fp16 ones (no exact kernels: exact=False) on the
+    model's own: the forest runs, and most greedy tokens still agree with the model's own
+    generate in the same dtype."""
     model = tiny_model("llama", "sdpa", dtype)
     prefix, branches = list(range(10, 30)), [[40, 41], [50], [60, 61, 62]]
-    outs = multidecode.decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[])
+    outs = multidecode.decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[],
+                              exact=dtype == torch.bfloat16)
     agree = total = 0
     for branch, out in zip(branches, outs):
         ref = reference_generate(model, prefix + branch, max_new_tokens=8, eos_token_id=[])
@@ -47,6 +49,12 @@ def test_half_precision_forests_run_and_stay_close(dtype):
         agree += sum(a == b for a, b in zip(out, ref))
         total += len(ref)
     assert agree >= total // 2
+
+
+def test_float16_is_refused_the_exact_kernels_with_its_remedy():
+    with pytest.raises(multidecode.UnsupportedModel, match="float16") as refused:
+        multidecode.decode(tiny_model("llama", "sdpa", torch.float16), [10, 11], [[12]], max_new_tokens=2)
+    assert "exact=False" in refused.value.hint
 
 
 def test_a_hub_id_is_served_from_the_local_hub_cache(model_dir, tmp_path):

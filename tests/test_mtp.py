@@ -77,8 +77,10 @@ def test_the_mtp_layer_on_a_forest_computes_what_transformers_mtp_module_does(ar
 
 
 def _drafting_decoder(tmp_path):
+    """Tiny Mellum (a mixture of experts: its stacked expert weights run on torch's own kernels, so
+    it loads with exact=False, exact to the token in float32) and its MTP layer."""
     folder = tiny_mtp_folder(tmp_path / "mellum")
-    return folder, multidecode.load(str(folder), precision="float32")
+    return folder, multidecode.load(str(folder), precision="float32", exact=False)
 
 
 def test_speculate_mtp_reads_the_layer_from_the_checkpoint_and_stays_exact(tmp_path):
@@ -111,13 +113,30 @@ def test_a_model_without_mtp_layers_or_their_weights_is_refused_clearly(tmp_path
     weights = folder / "model.safetensors"
     save_file({k: v for k, v in load_file(weights).items() if not k.startswith("mtp.")}, weights,
               metadata={"format": "pt"})
-    stripped = multidecode.load(str(folder), precision="float32")
+    stripped = multidecode.load(str(folder), precision="float32", exact=False)
     with pytest.raises(InvalidArgument, match="MTP layers of .* could not be read"):
         stripped.speculation("mtp")
     with pytest.raises(InvalidArgument, match="model's own checkpoint"):
         SpeculationSettings.parse("mtp", head=str(folder))
     # a server drafting with an EAGLE head from a folder hands no folder to a request's "mtp"
     assert SpeculationSettings.parse("eagle", head=str(folder)).with_mode("mtp") == SpeculationSettings("mtp")
+
+
+def test_a_mixture_of_experts_is_refused_the_exact_kernels_and_said_so(tmp_path):
+    """Its stacked expert weights are multiplied by torch's own kernels: `load` refuses it with the
+    exact kernels, naming them; the command line says so once and runs on the model's own."""
+    from click.testing import CliRunner
+
+    from multidecode.cli import main
+    from multidecode.errors import NotBitExact
+
+    folder = tiny_mtp_folder(tmp_path / "mellum")
+    with pytest.raises(NotBitExact, match="experts") as refused:
+        multidecode.load(str(folder), precision="float32")
+    assert "exact=False" in refused.value.hint
+    result = CliRunner().invoke(main, ["generate", "--model", str(folder), "-p", "Here is", "--max-new-tokens", "3",
+                                       "--precision", "float32"])
+    assert result.exit_code == 0 and "exact to the token, not the bit" in result.stderr
 
 
 def test_the_cli_drafts_with_the_checkpoints_mtp_layer(tmp_path):

@@ -23,7 +23,7 @@ from multidecode.cli import main
 from multidecode.errors import InvalidArgument
 from multidecode.models import precision
 from multidecode.models.gguf import TensorDirectory, codes_of
-from multidecode.models.packed import PackedEmbedding, PackedLinear, check_layout, linear_of, quantize
+from multidecode.models.packed import PackedEmbedding, PackedLinear, linear_of, quantize
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -85,17 +85,13 @@ def test_codes_of_each_gguf_type_give_the_weights_gguf_reads(kind):
     torch.testing.assert_close(codes.dequantize(), expected, rtol=1e-6, atol=1e-7)
 
 
-def test_the_packed_layout_reads_back_on_this_torch():
-    assert check_layout()
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_packed_linear_computes_with_its_codes_weights_and_any_row_count_alike(bits):
     torch.manual_seed(0)
-    weight = torch.randn(96, 128) * 0.05  # 96 rows: the kernel's blocks of 64 rows, padded
+    weight = torch.randn(90, 128) * 0.05  # 90 rows: the kernel's panels of 16 outputs, the last padded
     codes = quantize(weight, bits)
     assert (codes.dequantize() - weight).abs().max() < (0.05 if bits == 4 else 0.004)
-    layer = linear_of(codes, bias=torch.randn(96).to(torch.bfloat16))
+    layer = linear_of(codes, bias=torch.randn(90).to(torch.bfloat16))
     assert isinstance(layer, PackedLinear)
     x = torch.randn(9, 128).to(torch.bfloat16)
     expected = x.float() @ codes.dequantize().T + layer.bias.float()

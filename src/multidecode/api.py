@@ -22,7 +22,7 @@ from .branches import BranchRun, TokenEvent, start, start_prompts
 from .cost import CostCurve
 from .engine import Engine
 from .errors import InvalidArgument, UnsupportedModel
-from .exact import is_exact
+from .exact import Swapped, is_exact, use_exact_kernels
 from .memory import Footprint, activation_dtype, available_bytes
 from .models.loading import Loaded, load_model
 from .models.packed import packed_bytes
@@ -282,10 +282,33 @@ def start_forest(model, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[i
 
 
 def stream_decode(
-    model, prefix_ids: Sequence[int], branch_ids: Sequence[Sequence[int]], **settings
+    model, prefix_ids: Sequence[int], branch_ids: Sequence[Sequence[int]], *, exact: bool = True, **settings
 ) -> Iterator[TokenEvent]:
-    """Yield events while decoding every branch `prefix_ids + branch_ids[i]` in one forest."""
-    return start_forest(model, prefix_ids, branch_ids, **settings).events
+    """Yield events while decoding every branch `prefix_ids + branch_ids[i]` in one forest.
+
+    exact: run on the exact kernels (`exact.exact_kernels`): the model's linear layers and
+    attention are swapped for them while the events come, and put back when the stream ends or
+    is closed; a model that cannot run on them is refused (`NotBitExact`) before any token.
+    False: the model's own kernels, exact to the token in float32, not the bit. An `engine=`
+    given in the settings runs on the kernels the model had when it was built."""
+    check_supported(model)  # refused as it is, before anything is swapped
+    given_engine = settings.get("engine") is not None  # an engine built earlier keeps the kernels it found
+    change = use_exact_kernels(model) if exact and not given_engine and not is_exact(model) else None
+    try:
+        run = start_forest(model, prefix_ids, branch_ids, **settings)
+    except BaseException:
+        if change is not None:
+            change.restore(model)
+        raise
+    return run.events if change is None else _restoring(run.events, change, model)
+
+
+def _restoring(events: Iterator[TokenEvent], change: Swapped, model) -> Iterator[TokenEvent]:
+    """`events`, then the model put back as it was (also when the caller stops early)."""
+    try:
+        yield from events
+    finally:
+        change.restore(model)
 
 
 def decode(
@@ -302,6 +325,7 @@ def decode(
     seed: int | None = None,
     speculate=None,
     cost: CostCurve | None = None,
+    exact: bool = True,
 ) -> list[list[int]]:
     """Generate from `prefix_ids + branch_ids[i]` for every i at once; returns each branch's new ids.
 
@@ -312,13 +336,16 @@ def decode(
     from its own generator seeded `seed + i`, so it does not depend on the other branches.
     speculate: None, "lookup", "auto", a `Proposer` or a `Speculation` (see `speculation`); it
     never changes the output. cost: the cost curve for "auto" (default: measured once, kept on disk).
+    exact: on the exact kernels while it runs (see `stream_decode`; the model is put back after):
+    each branch then gets the bits it gets alone, at every precision, and speculation is exact in
+    every dtype. Compare with `generate` through the same kernels: `with exact_kernels(model):`.
     """
     sampling = per_branch_sampling(
         len(branch_ids), dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     )
     out: list[list[int]] = [[] for _ in branch_ids]
     for event in stream_decode(model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                               eos_token_id=eos_token_id, speculate=speculate, cost=cost):
+                               eos_token_id=eos_token_id, speculate=speculate, cost=cost, exact=exact):
         out[event.branch].append(event.token_id)
     return out
 

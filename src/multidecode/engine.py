@@ -39,7 +39,7 @@ from typing import Generic, TypeVar
 import torch
 
 from .cache import SlotCache
-from .errors import PromptTooLong, UnsupportedModel
+from .errors import PromptTooLong
 from .exact import ExactPlan, is_exact, plan_attention
 from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
 from .masks import build_attention_mask
@@ -376,7 +376,6 @@ class Engine:
             else:
                 mask = build_attention_mask(rows[:, start:], positions, forest.slot_positions()[start:], self.layout,
                                             self.dtype, self.device)
-        slots = self.cache.num_slots
         if start:
             with self.cache.window(start):
                 out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan)

@@ -47,6 +47,13 @@ class UnsupportedModel(MultiDecodeError):
     """The model cannot be decoded exactly as a forest (architecture or attention kind)."""
 
 
+class NotBitExact(UnsupportedModel):
+    """The model runs as a forest, but some of its products cannot run on the exact kernels (a
+    mixture of experts' stacked weights, attention outside transformers' interface, float weights
+    without a compiler): with the model's own kernels (`exact=False`) its output is exact to the
+    token, not the bit."""
+
+
 class NotEnoughMemory(MultiDecodeError, MemoryError):
     """A request needs more memory than the machine (or the budget the user set) has."""
 

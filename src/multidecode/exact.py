@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 from . import kernels
-from .errors import UnsupportedModel
+from .errors import NotBitExact
+from .models.vetting import check_supported
 
 NAME = "multidecode_exact"
 PROBE = "multidecode_exact_probe"
@@ -316,7 +317,13 @@ def use_exact_kernels(model) -> Swapped:
     `exact_attention`. Refuses (`UnsupportedModel`, nothing changed) a model that would still
     compute somewhere on torch's own products: weights of other shapes (a mixture of experts'
     stacked experts, say), or attention layers that do not go through transformers' attention
-    interface. Returns what changed (`Swapped.restore` puts it back)."""
+    interface (`NotBitExact`). Returns what changed (`Swapped.restore` puts it back)."""
+    check_supported(model)
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise NotBitExact(f"the exact kernels compute in float32 and bfloat16, and this model is in "
+                          f"{str(dtype).removeprefix('torch.')}",
+                          "load it in bfloat16 or float32, or with exact=False")
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for _, parent in list(model.named_modules()):
         for name, layer in list(parent.named_children()):
@@ -327,7 +334,7 @@ def use_exact_kernels(model) -> Swapped:
     change = Swapped(swapped, getattr(model.config, "_attn_implementation", None) or "eager")
     try:
         if swapped and next(model.parameters()).device.type == "cpu" and not kernels.native():
-            raise UnsupportedModel(f"exact float products need multidecode's compiled kernels: {kernels.status().reason}",
+            raise NotBitExact(f"exact float products need multidecode's compiled kernels: {kernels.status().reason}",
                                    "install a C++ compiler (g++) and run `python -m multidecode.kernels`, or load the "
                                    "model at precision int8 or int4, or with exact=False")
         _check_every_product_is_exact(model)
@@ -359,13 +366,13 @@ def _check_every_product_is_exact(model) -> None:
     covered = {id(m.weight) for m in model.modules() if isinstance(m, (ExactLinear, nn.Embedding))}
     stray = [name for name, p in model.named_parameters() if p.dim() >= 2 and id(p) not in covered]
     if stray:
-        raise UnsupportedModel(f"{', '.join(stray[:3])} {'is' if len(stray) == 1 else 'are'} multiplied by torch's own "
+        raise NotBitExact(f"{', '.join(stray[:3])} {'is' if len(stray) == 1 else 'are'} multiplied by torch's own "
                                "kernels (not a linear layer), whose reduction order multidecode does not fix",
                                "load the model with exact=False (exact to the token, not the bit)")
     calls = _attention_calls(model)
     layers = getattr(model.config.get_text_config(), "num_hidden_layers", calls)
     if calls < layers:
-        raise UnsupportedModel(f"{layers - calls} of the model's {layers} attention layers do not go through "
+        raise NotBitExact(f"{layers - calls} of the model's {layers} attention layers do not go through "
                                "transformers' attention interface, so they cannot take the exact kernel",
                                "load the model with exact=False (exact to the token, not the bit)")
 

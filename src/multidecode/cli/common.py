@@ -250,11 +250,17 @@ def load_decoder(model_name: str | None, precision: str | None, device: str | No
     """Load a MultiDecoder, with a status line on stderr (saying so when a GGUF file is first read).
     exact: see `load` (False: the model's own attention, for work that needs no batch invariance)."""
     from ..api import load
+    from ..errors import NotBitExact
 
     message = _first_read(model_name, precision) or f"Loading {escape(model_name or 'the embedded model')}..."
     start = time.perf_counter()
     with stderr.status(message):
-        decoder = load(model_name, precision=precision, device=device, exact=exact)
+        try:
+            decoder = load(model_name, precision=precision, device=device, exact=exact)
+        except NotBitExact as err:  # said once, then the model's own kernels: exact to the token
+            stderr.print(f"[yellow]note:[/yellow] {escape(err.message)}; running on the model's own kernels "
+                         "(output exact to the token, not the bit)")
+            decoder = load(model_name, precision=precision, device=device, exact=False)
     label = escape(_model_label(decoder, model_name))
     stderr.print(f"[dim]Loaded {label} in {time.perf_counter() - start:.1f} s[/dim]")
     return decoder

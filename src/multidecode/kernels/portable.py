@@ -122,7 +122,7 @@ def attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pa
               softcap: float = 0.0) -> torch.Tensor:
     """`kernels.attention` in torch: each (unit, row)'s partial over its block, then each row's
     partials merged in position order (see `exact`)."""
-    heads, rows, dim = query.shape[1:]
+    heads, rows = query.shape[1:3]
     group = heads // key.shape[1]
     parts = [_partials(query[0].float(), key[0], value[0], group, unit_slots[u:u + UNITS_AT_ONCE],
                        unit_rows[u:u + UNITS_AT_ONCE], unit_bits[u:u + UNITS_AT_ONCE], scale, softcap)

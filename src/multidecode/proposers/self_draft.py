@@ -52,7 +52,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument, UnsupportedModel, is_int
-from ..models.packed import packed_bytes
+from ..exact import ExactLinear
+from ..models.packed import PackedEmbedding, PackedLinear, packed_bytes
 from ..models.vetting import text_config
 
 MAX_DRAFT_LENGTH = 8
@@ -127,12 +128,13 @@ def self_draft(model, skip_layers: Sequence[int]):
                 f"cannot build a {type(model).__name__} with {len(keep)} layers on the meta device: {err}",
                 "self-drafting needs a model class that can be built from a config",
             ) from err
+    renamed = _renamer(name, keep)
+    _share_kernel_modules(model, draft, renamed)
     draft.train(model.training)
     draft_layers = draft.get_submodule(name)
     for new, old in enumerate(keep):
         _check_same_layer(layers[old], draft_layers[new], old, new)
 
-    renamed = _renamer(name, keep)
     # assign=True hands the draft the target's Parameter objects and sets their requires_grad to the
     # draft's own flags: match them first, so that the target's flags are left as they were.
     for key, param in draft.named_parameters(remove_duplicate=False):
@@ -251,6 +253,20 @@ def _renamer(name: str, keep: list[int]):
     return renamed
 
 
+def _share_kernel_modules(model, draft, renamed) -> None:
+    """Put the target's own kernel layers (exact and packed linear layers and embeddings, which
+    hold no index of their own) in the draft, where a draft built from the config has plain ones:
+    the draft computes with the same kernels and shares their tensors as they are."""
+    for path, _ in list(draft.named_modules()):
+        try:
+            module = model.get_submodule(renamed(path)) if path else None
+        except AttributeError:
+            continue
+        if isinstance(module, (ExactLinear, PackedLinear, PackedEmbedding)):
+            parent, _, child = path.rpartition(".")
+            setattr(draft.get_submodule(parent) if parent else draft, child, module)
+
+
 def _share_remaining_tensors(model, draft, renamed) -> None:
     """Share what the state dict leaves out (non-persistent buffers such as rotary frequencies)."""
     for key, buffer in draft.named_buffers(remove_duplicate=False):
@@ -271,7 +287,9 @@ def _share_remaining_tensors(model, draft, renamed) -> None:
 
 def _tied(model) -> bool:
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    return out is not None and inp is not None and out.weight is inp.weight
+    if isinstance(inp, PackedEmbedding):
+        return inp.head[0] is out
+    return out is not None and inp is not None and getattr(out, "weight", None) is getattr(inp, "weight", None)
 
 
 # ---------------------------------------------------------------------- choosing the layers

@@ -149,8 +149,10 @@ class BeamWork(Work):
         log_probs = torch.log_softmax(result.logits.to("cpu", torch.float32), dim=-1)  # [1 or B, V]
         vocab = log_probs.shape[-1]
         log_probs = log_probs.expand(B, vocab) if log_probs.shape[0] == 1 else log_probs  # [B, V]
-        # The K best (beam, token) pairs over all beams: scores [B] + log_probs [B, V], flattened.
-        top_scores, top_index = torch.topk((log_probs + self.scores[:, None]).reshape(-1), k=K)  # [K], [K]
+        # The K best (beam, token) pairs over all beams: scores [B] + log_probs [B, V], flattened to
+        # one row, as transformers selects them (the same call, so equal scores tie alike).
+        top_scores, top_index = torch.topk((log_probs + self.scores[:, None]).reshape(1, -1), k=K)
+        top_scores, top_index = top_scores[0], top_index[0]  # [K], [K]
         sources = (top_index // vocab).tolist()
         tokens = (top_index % vocab).tolist()
         at_max = self.cur_len + 1 >= self.max_length
@@ -164,7 +166,9 @@ class BeamWork(Work):
         if at_max:
             self.done = True
             return Settled()
-        keep = [j for j in range(K) if not hits[j]][:B]
+        # the B best that did not end, chosen as transformers chooses them (ended ones pushed down by 1e9)
+        running = top_scores + torch.tensor(hits, dtype=torch.float32) * -1.0e9  # [K]
+        keep = torch.topk(running[None], k=B)[1][0].tolist()
         self.scores = top_scores[keep]
         self.parents = [self.leaves[sources[j]] for j in keep]
         self.next_tokens = [tokens[j] for j in keep]

@@ -1,0 +1,188 @@
+"""The kernels one by one: each instruction set gives the portable C kernels' bits, a row's output
+does not depend on the other rows or on the threads, and the results are what the products mean.
+
+The kernels are defined lane by lane (`kernels/csrc/kernels_impl.h`), so AVX2, AVX-512 and
+AVX-512 VNNI must give exactly the bits of the portable C code: a CPU of another class runs one of
+these same paths, and this machine tests each one it can run. The torch path (`kernels.portable`,
+for machines without a compiler) follows the same definitions and is checked against them to
+rounding, and for its own invariance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multidecode import kernels
+from multidecode.exact import plan_attention
+from multidecode.kernels import portable
+
+pytestmark = pytest.mark.skipif(not kernels.native(), reason=f"no compiled kernels here: {kernels.status().reason}")
+
+LEVELS = list(range(kernels.level() + 1))
+"""The instruction sets this machine runs (under ATEN_CPU_CAPABILITY, the ones it allows)."""
+
+
+def same_at_every_level(run) -> torch.Tensor:
+    """run(isa) at each level this machine has; all must equal the portable C kernels' bits."""
+    reference = run(kernels.PORTABLE)
+    for isa in LEVELS[1:]:
+        got = run(isa)
+        assert torch.equal(got, reference), f"{kernels.LEVELS[isa]} differs from the portable kernels"
+    return reference
+
+
+@pytest.fixture
+def generator():
+    return torch.Generator().manual_seed(0)
+
+
+# ---------------------------------------------------------------------------------- linear
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, inner, outputs", [(1, 64, 40), (5, 100, 33), (9, 17, 8), (70, 160, 96)])
+def test_linear_is_the_same_at_every_level_and_right(generator, x_dtype, w_dtype, rows, inner, outputs):
+    x = torch.randn(rows, inner, generator=generator).to(x_dtype)
+    weight = torch.randn(outputs, inner, generator=generator).to(w_dtype)
+    bias = torch.randn(outputs, generator=generator)
+    out = same_at_every_level(lambda isa: kernels.linear(x, weight, bias, isa=isa))
+    assert out.dtype == x_dtype and out.shape == (rows, outputs)
+    expected = x.double() @ weight.double().T + bias.double()
+    tolerance = 1e-5 if x_dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance * inner ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_row_is_the_same_alone_anywhere_and_at_any_thread_count(generator, dtype):
+    x = torch.randn(37, 576, generator=generator).to(dtype)
+    weight = torch.randn(200, 576, generator=generator).to(dtype)
+    together = kernels.linear(x, weight)
+    for row in (0, 5, 36):
+        assert torch.equal(kernels.linear(x[row:row + 1], weight)[0], together[row])
+    shuffled = torch.randperm(37, generator=generator)
+    assert torch.equal(kernels.linear(x[shuffled], weight), together[shuffled])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.linear(x, weight), together)
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------- packed
+def random_codes(generator, outputs: int, inner: int, bits: int):
+    groups = inner // 32
+    if bits == 4:
+        codes = torch.randint(0, 16, (outputs, inner), generator=generator)
+        step = torch.rand(outputs, groups, generator=generator) * 0.01
+        low = -torch.rand(outputs, groups, generator=generator) * 0.08
+    else:
+        codes = torch.randint(-127, 128, (outputs, inner), generator=generator)
+        step, low = torch.rand(outputs, groups, generator=generator) * 0.002, None
+    packed, scales = portable.pack(codes, step, low, bits)
+    weights = codes.float() * step.half().float().repeat_interleave(32, 1)
+    if low is not None:
+        weights = weights + low.half().float().repeat_interleave(32, 1)
+    return packed, scales, weights
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, inner, outputs", [(1, 64, 40), (6, 128, 33), (70, 576, 96)])
+def test_packed_products_are_the_same_at_every_level_and_right(generator, bits, dtype, rows, inner, outputs):
+    packed, scales, weights = random_codes(generator, outputs, inner, bits)
+    x = torch.randn(rows, inner, generator=generator).to(dtype)
+    bias = torch.randn(outputs, generator=generator)
+    out = same_at_every_level(lambda isa: kernels.qlinear(x, packed, scales, outputs, bits, bias, isa=isa))
+    assert out.dtype == dtype and out.shape == (rows, outputs)
+    expected = x.double() @ weights.double().T + bias.double()
+    error = (out.double() - expected).norm() / expected.norm()
+    assert error < 0.01  # int8 activations, as llama.cpp's Q8_0
+    assert torch.equal(kernels.qlinear(x[-1:], packed, scales, outputs, bits, bias)[0], out[-1])
+    torch.testing.assert_close(portable.qlinear(x, packed, scales, outputs, bits, bias).double(), out.double(),
+                               rtol=0.01, atol=0.01)
+
+
+def test_rows_are_quantized_alike_at_every_level_and_by_the_torch_path(generator):
+    x = torch.randn(9, 96, generator=generator) * torch.tensor([0.01, 1.0, 100.0]).repeat_interleave(32)
+    x[3] = 0  # a row of zeros: step 0, codes 0
+    codes, step, sums = (same_at_every_level(lambda isa, i=i: kernels.quantize_rows(x, isa=isa)[i]) for i in range(3))
+    expected = portable.quantize_rows(x)
+    assert torch.equal(codes, expected[0]) and torch.equal(step, expected[1]) and torch.equal(sums, expected[2])
+    assert codes.abs().max() == 127 and not codes[3].any()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_layout_reads_back_the_weights_it_packed(generator, bits):
+    packed, scales, weights = random_codes(generator, 45, 96, bits)
+    ids = torch.tensor([0, 15, 16, 31, 44])
+    assert torch.equal(portable.rows_of(packed, scales, ids, 96, bits), weights[ids])
+
+
+# ---------------------------------------------------------------------------------- attention
+def random_forest_plan(generator, rows: int, cached: int):
+    """A forest of `cached` cached slots and `rows` new nodes: a chain, then nodes under random
+    earlier ones. Returns (visible [R, S], key positions [S], query positions [R], parent rows [R])."""
+    total = cached + rows
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) if i > 40 else i - 1 for i in range(1, total)]
+    positions, visible = [0] * total, torch.zeros(total, total, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        positions[node] = 0 if parent < 0 else positions[parent] + 1
+        at = node
+        while at >= 0:
+            visible[node, at] = True
+            at = parents[at]
+    parent_rows = torch.tensor([p - cached if p >= cached else -1 for p in parents[cached:]])
+    return visible[cached:], torch.tensor(positions), torch.tensor(positions[cached:]), parent_rows
+
+
+def attend_all_levels(generator, *, heads=4, kv_heads=2, dim=64, rows=20, cached=150, dtype=torch.float32,
+                      softcap=0.0, window=None):
+    ancestors, key_positions, query_positions, parent_rows = random_forest_plan(generator, rows, cached)
+    plan = plan_attention(ancestors, key_positions, query_positions, parent_rows)  # windows are the mask's
+    visible = ancestors.clone()
+    if window is not None:
+        visible &= (query_positions[:, None] - key_positions[None, :]) < window
+    layout = plan.layout("cpu")
+    bits = layout.visible_bits(plan, visible[None, None], visible.shape[1], "cpu")
+    query = torch.randn(1, rows, heads, dim, generator=generator).transpose(1, 2).to(dtype)  # strided, as models make it
+    key = torch.randn(1, kv_heads, cached + rows, dim, generator=generator).to(dtype)
+    value = torch.randn(1, kv_heads, cached + rows, dim, generator=generator).to(dtype)
+    args = (query, key, value, layout.unit_slots, layout.unit_rows, bits, layout.row_pairs, layout.pair_index, 0.3,
+            softcap)
+    out = same_at_every_level(lambda isa: kernels.attention(*args, isa=isa))
+    return out, args, visible
+
+
+def reference_attention(query, key, value, visible, scale, softcap):
+    """Plain softmax attention in float64 over each row's visible keys: [1, R, H, D]."""
+    group = query.shape[1] // key.shape[1]
+    k = key[0].double().repeat_interleave(group, 0)
+    v = value[0].double().repeat_interleave(group, 0)
+    scores = query[0].double() @ k.transpose(-1, -2) * scale  # [H, R, S]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (weights @ v).transpose(0, 1)[None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_is_the_same_at_every_level_and_right(generator, dtype, softcap, window):
+    out, args, visible = attend_all_levels(generator, dtype=dtype, softcap=softcap, window=window)
+    expected = reference_attention(*args[:3], visible, 0.3, softcap)
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(portable.attention(*args).double(), out.double(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(3, 1, 64), (4, 4, 16), (2, 1, 80), (8, 2, 128)])
+def test_attention_takes_any_grouping_and_head_size(generator, heads, kv_heads, dim):
+    out, args, visible = attend_all_levels(generator, heads=heads, kv_heads=kv_heads, dim=dim)
+    torch.testing.assert_close(out.double(), reference_attention(*args[:3], visible, 0.3, 0.0), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_that_sees_nothing_gets_zeros(generator):
+    out, _, _ = attend_all_levels(generator, window=0)  # a window of 0: nothing is visible
+    assert torch.equal(out, torch.zeros_like(out))
