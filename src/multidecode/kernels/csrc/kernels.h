@@ -70,7 +70,7 @@ struct AttentionArgs {
   void linear_##isa(const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1); \
   void quantize_##isa(const QuantizeArgs& a, int64_t m0, int64_t m1);                     \
   void qlinear_##isa(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1); \
-  void attention_units_##isa(const AttentionArgs& a, int64_t u0, int64_t u1);             \
+  void attention_units_##isa(const AttentionArgs& a, int64_t first, int64_t step);        \
   void attention_merge_##isa(const AttentionArgs& a, int64_t r0, int64_t r1);
 
 MD_DECLARE(portable)

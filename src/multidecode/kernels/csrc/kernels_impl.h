@@ -22,8 +22,9 @@
 // attention (one query row r and head h, over the keys it sees): the keys are cut into position
 //   blocks of 64 (block b: positions 64b .. 64b + 63). Within a block, in increasing position:
 //   s_j = fma chain over d of q[d] * k_j[d] (q times the scale first, unless softcapped:
-//   then s_j = cap * tanh(s_j * scale / cap)), m_b = max s_j, e_j = exp(s_j - m_b),
-//   l_b = sum of e_j in position order, o_b = fma chain over j of e_j * v_j. Blocks are merged in
+//   then s_j = cap * tanh(s_j * scale / cap)), m_b = max s_j, e_j = exp(s_j - m_b) (0 for a key
+//   the row does not see), l_b = f_sum_tree of the 16 lanes (lane l: e_l + e_(l+16) + e_(l+32) +
+//   e_(l+48), in that order), o_b = fma chain over the seen j, in position order, of e_j * v_j. Blocks are merged in
 //   increasing b: the first block's (m, l, o) as they are, then m' = max(m, m_b),
 //   a = exp(m - m'), c = exp(m_b - m'), l = fma(l, a, l_b * c), o = fma(o, a, o_b * c). The
 //   output is o / l (0 for a row that sees nothing). A row sees the same keys at the same
@@ -231,101 +232,196 @@ inline void qlinear_impl(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p
 }
 
 // ------------------------------------------------------------------------------------ attention
-inline const float* as_float(const void* base, DataType type, int64_t offset, float* buffer, int64_t n) {
-  if (type == F32) return static_cast<const float*>(base) + offset;
+// A unit (one position block and the rows that read it) is worked per kv head: its keys are
+// gathered once, transposed to [D, 64], and its values once to [64, D], both in float32; then
+// the query heads of the group are scored together (more independent chains for the same loads)
+// and their weighted values summed together (each value row loaded once for all of them). Neither
+// grouping changes a lane's arithmetic: each (row, head) is still the chain of the definition.
+
+inline void load_row(const void* base, DataType type, int64_t offset, int64_t n, float* out) {
+  if (type == F32) {
+    memcpy(out, static_cast<const float*>(base) + offset, sizeof(float) * n);
+    return;
+  }
   const uint16_t* half = static_cast<const uint16_t*>(base) + offset;
-  for (int64_t i = 0; i < n; ++i) buffer[i] = bf16_to_f32(half[i]);
-  return buffer;
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) f_store(out + i, f_load_bf16(half + i));
+  for (; i < n; ++i) out[i] = bf16_to_f32(half[i]);
 }
 
-// [D, 64] keys of one unit's block for one kv head, transposed (missing positions: 0).
-inline void gather_keys(const AttentionArgs& a, const int32_t* slots, int64_t kv, float* keys, float* row) {
+// keys [D, 64] (transposed) and values [64, D] of one unit's block for one kv head (missing: 0);
+// `rows` is [64, D] scratch for the keys as read.
+inline void gather_block(const AttentionArgs& a, const int32_t* slots, int64_t kv, float* keys, float* values,
+                         float* rows) {
   for (int j = 0; j < BLOCK; ++j) {
     if (slots[j] < 0) {
-      for (int64_t d = 0; d < a.D; ++d) keys[d * BLOCK + j] = 0.0f;
+      memset(rows + j * a.D, 0, sizeof(float) * a.D);
+      memset(values + j * a.D, 0, sizeof(float) * a.D);
       continue;
     }
-    const float* k = as_float(a.k, a.type, kv * a.k_head + slots[j] * a.k_slot, row, a.D);
-    for (int64_t d = 0; d < a.D; ++d) keys[d * BLOCK + j] = k[d];
+    load_row(a.k, a.type, kv * a.k_head + slots[j] * a.k_slot, a.D, rows + j * a.D);
+    load_row(a.v, a.type, kv * a.v_head + slots[j] * a.v_slot, a.D, values + j * a.D);
   }
+  const int64_t whole = a.D / LANES * LANES;
+  for (int j = 0; j < BLOCK; j += LANES)
+    for (int64_t d = 0; d < whole; d += LANES) transpose16(rows + j * a.D + d, a.D, keys + d * BLOCK + j, BLOCK);
+  for (int64_t d = whole; d < a.D; ++d)
+    for (int j = 0; j < BLOCK; ++j) keys[d * BLOCK + j] = rows[j * a.D + d];
 }
 
-// The scores of one query (already scaled unless softcapped) against a unit's 64 keys.
-inline void block_scores(const AttentionArgs& a, const float* query, const float* keys, float* scores) {
-  F s[BLOCK / LANES];
-  for (int t = 0; t < BLOCK / LANES; ++t) s[t] = f_zero();
+// Scores of HC query heads (already scaled unless softcapped) against the block's 64 keys.
+template <int HC>
+inline void block_scores(const AttentionArgs& a, const float* queries, const float* keys, float* scores) {
+  constexpr int T = BLOCK / LANES;
+  F s[HC][T];
+  for (int h = 0; h < HC; ++h)
+    for (int t = 0; t < T; ++t) s[h][t] = f_zero();
   for (int64_t d = 0; d < a.D; ++d) {
-    F qd = f_set1(query[d]);
-    for (int t = 0; t < BLOCK / LANES; ++t) s[t] = f_fma(qd, f_load(keys + d * BLOCK + t * LANES), s[t]);
-  }
-  for (int t = 0; t < BLOCK / LANES; ++t) {
-    if (a.softcap > 0.0f) {  // cap * tanh(s * scale / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
-      F x = f_div(f_mul(s[t], f_set1(a.scale)), f_set1(a.softcap));
-      F e = f_exp(f_add(x, x));
-      s[t] = f_mul(f_set1(a.softcap), f_sub(f_set1(1.0f), f_div(f_set1(2.0f), f_add(e, f_set1(1.0f)))));
+    F k[T];
+    for (int t = 0; t < T; ++t) k[t] = f_load(keys + d * BLOCK + t * LANES);
+    for (int h = 0; h < HC; ++h) {
+      F qd = f_set1(queries[h * MAX_HEAD_DIM + d]);
+      for (int t = 0; t < T; ++t) s[h][t] = f_fma(qd, k[t], s[h][t]);
     }
-    f_store(scores + t * LANES, s[t]);
   }
+  for (int h = 0; h < HC; ++h)
+    for (int t = 0; t < T; ++t) {
+      if (a.softcap > 0.0f) {  // cap * tanh(s * scale / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+        F x = f_div(f_mul(s[h][t], f_set1(a.scale)), f_set1(a.softcap));
+        F e = f_exp(f_add(x, x));
+        s[h][t] = f_mul(f_set1(a.softcap), f_sub(f_set1(1.0f), f_div(f_set1(2.0f), f_add(e, f_set1(1.0f)))));
+      }
+      f_store(scores + h * BLOCK + t * LANES, s[h][t]);
+    }
 }
 
-// One (row, head)'s partial over a unit: weighted values o[0..D), then max, then sum.
-inline void block_partial(const AttentionArgs& a, const float* scores, uint64_t bits, int64_t kv,
-                          const int32_t* slots, float* partial, float* row) {
-  float high = -__builtin_inff();
-  for (int j = 0; j < BLOCK; ++j)
-    if ((bits >> j) & 1u) high = scores[j] > high ? scores[j] : high;
-  float weights[BLOCK];
-  for (int t = 0; t < BLOCK / LANES; ++t)
-    f_store(weights + t * LANES, f_exp(f_sub(f_load(scores + t * LANES), f_set1(high))));
-  const int64_t chunks = (a.D + LANES - 1) / LANES;
-  F o[MAX_HEAD_DIM / LANES];
-  for (int64_t c = 0; c < chunks; ++c) o[c] = f_zero();
-  float total = 0.0f;
+// Each head's weights exp(s - max) over the keys it sees, their max and their sum. The sum is the
+// 16-lane fixed tree of `f_sum_tree` over chunks added in position order, unseen keys as +0: the
+// weights are never negative, so a +0 changes no partial sum (as if the key were skipped).
+template <int HC>
+inline void block_weights(const float* scores, uint64_t bits, float* weights, float* high, float* total) {
+  constexpr int T = BLOCK / LANES;
+  float seen[BLOCK], hidden[BLOCK];  // 1 / 0, and 0 / -inf, by whether the row sees each key
   for (int j = 0; j < BLOCK; ++j) {
-    if (!((bits >> j) & 1u)) continue;
-    total = total + weights[j];
-    F e = f_set1(weights[j]);
-    const float* v = as_float(a.v, a.type, kv * a.v_head + slots[j] * a.v_slot, row, a.D);
-    for (int64_t c = 0; c < chunks; ++c) {
-      int rest = (int)(a.D - c * LANES);
-      F vc = rest >= LANES ? f_load(v + c * LANES) : f_load_n(v + c * LANES, rest);
-      o[c] = f_fma(e, vc, o[c]);
+    seen[j] = ((bits >> j) & 1u) ? 1.0f : 0.0f;
+    hidden[j] = ((bits >> j) & 1u) ? 0.0f : -__builtin_inff();
+  }
+  for (int h = 0; h < HC; ++h) {
+    F most = f_set1(-__builtin_inff());
+    for (int t = 0; t < T; ++t)
+      most = f_max(most, f_add(f_load(scores + h * BLOCK + t * LANES), f_load(hidden + t * LANES)));
+    float top = f_max_lanes(most);
+    F sum = f_zero();
+    for (int t = 0; t < T; ++t) {
+      F w = f_mul(f_exp(f_sub(f_load(scores + h * BLOCK + t * LANES), f_set1(top))), f_load(seen + t * LANES));
+      f_store(weights + h * BLOCK + t * LANES, w);
+      sum = f_add(sum, w);
     }
+    high[h] = top;
+    total[h] = f_sum_tree(sum);
   }
-  for (int64_t c = 0; c < chunks; ++c) {
-    int rest = (int)(a.D - c * LANES);
-    if (rest >= LANES) f_store(partial + c * LANES, o[c]);
-    else f_store_n(partial + c * LANES, o[c], rest);
-  }
-  partial[a.D] = high;
-  partial[a.D + 1] = total;
 }
 
-inline void attention_units_impl(const AttentionArgs& a, int64_t u0, int64_t u1) {
+// o[h] = fma chain over the keys seen, in position order, of weight[h][j] * value[j]: DC chunks of
+// 16 dims (DC = 0: the head dim read at run time).
+template <int HC, int DC>
+inline void block_values(const AttentionArgs& a, const float* weights, uint64_t bits, const float* values,
+                         float* out, int64_t stride) {
+  const int64_t chunks = DC ? DC : (a.D + LANES - 1) / LANES;
+  constexpr int HOLD = DC ? DC : MAX_HEAD_DIM / LANES;
+  F o[HC][HOLD];
+  for (int h = 0; h < HC; ++h)
+    for (int64_t c = 0; c < chunks; ++c) o[h][c] = f_zero();
+  for (uint64_t rest = bits; rest; rest &= rest - 1) {
+    int j = __builtin_ctzll(rest);
+    const float* v = values + j * a.D;
+    for (int64_t c = 0; c < chunks; ++c) {
+      int left = DC ? LANES : (int)(a.D - c * LANES);
+      F vc = left >= LANES ? f_load(v + c * LANES) : f_load_n(v + c * LANES, left);
+      for (int h = 0; h < HC; ++h) o[h][c] = f_fma(f_set1(weights[h * BLOCK + j]), vc, o[h][c]);
+    }
+  }
+  for (int h = 0; h < HC; ++h)
+    for (int64_t c = 0; c < chunks; ++c) {
+      int left = DC ? LANES : (int)(a.D - c * LANES);
+      if (left >= LANES) f_store(out + h * stride + c * LANES, o[h][c]);
+      else f_store_n(out + h * stride + c * LANES, o[h][c], left);
+    }
+}
+
+// HC heads h0.. of one row over one unit: their partials (weighted values, max, sum) written.
+template <int HC, int DC>
+inline void row_partials(const AttentionArgs& a, int32_t row, uint64_t bits, int64_t h0, const float* keys,
+                         const float* values, float* partials) {
+  const int64_t width = a.D + 2;
+  float queries[HC * MAX_HEAD_DIM], q[MAX_HEAD_DIM], scores[HC * BLOCK], weights[HC * BLOCK], high[HC], total[HC];
+  for (int h = 0; h < HC; ++h) {
+    load_row(a.q, a.type, (h0 + h) * a.q_head + row * a.q_row, a.D, q);
+    for (int64_t d = 0; d < a.D; ++d) queries[h * MAX_HEAD_DIM + d] = a.softcap > 0.0f ? q[d] : q[d] * a.scale;
+  }
+  block_scores<HC>(a, queries, keys, scores);
+  block_weights<HC>(scores, bits, weights, high, total);
+  block_values<HC, DC>(a, weights, bits, values, partials + h0 * width, width);
+  for (int h = 0; h < HC; ++h) {
+    partials[(h0 + h) * width + a.D] = high[h];
+    partials[(h0 + h) * width + a.D + 1] = total[h];
+  }
+}
+
+// The heads of one kv group in chunks of up to MOST (as many as the group has, so none is left alone).
+template <int MOST, int DC>
+inline void group_partials(const AttentionArgs& a, int32_t row, uint64_t bits, int64_t kv, const float* keys,
+                           const float* values, float* partials) {
+  const int64_t group = a.H / a.H_kv, end = (kv + 1) * group;
+  for (int64_t h = kv * group; h < end;) {
+    int64_t left = end - h;
+    if (MOST >= 4 && left >= 4) {
+      row_partials<(MOST >= 4 ? 4 : 1), DC>(a, row, bits, h, keys, values, partials);
+      h += 4;
+    } else if (MOST >= 3 && left == 3) {
+      row_partials<(MOST >= 3 ? 3 : 1), DC>(a, row, bits, h, keys, values, partials);
+      h += 3;
+    } else if (MOST >= 2 && left >= 2) {
+      row_partials<(MOST >= 2 ? 2 : 1), DC>(a, row, bits, h, keys, values, partials);
+      h += 2;
+    } else {
+      row_partials<1, DC>(a, row, bits, h, keys, values, partials);
+      h += 1;
+    }
+  }
+}
+
+inline void unit_row(const AttentionArgs& a, int32_t row, uint64_t bits, int64_t kv, const float* keys,
+                     const float* values, float* partials) {
+  if (a.D == 64) group_partials<4, 4>(a, row, bits, kv, keys, values, partials);
+  else if (a.D == 128) group_partials<2, 8>(a, row, bits, kv, keys, values, partials);
+  else group_partials<1, 0>(a, row, bits, kv, keys, values, partials);
+}
+
+// Units u0 .. u1 of the flat (unit, kv head) task list, every `step`-th (the caller's threads take
+// interleaved tasks, so heavy and light units spread evenly).
+inline void attention_units_impl(const AttentionArgs& a, int64_t first, int64_t step) {
   const int64_t group = a.H / a.H_kv, width = a.D + 2;
   float* keys = static_cast<float*>(__builtin_alloca(sizeof(float) * a.D * BLOCK));
-  float query[MAX_HEAD_DIM], row[MAX_HEAD_DIM], scores[BLOCK];
-  for (int64_t u = u0; u < u1; ++u) {
+  float* values = static_cast<float*>(__builtin_alloca(sizeof(float) * a.D * BLOCK));
+  float* rows = static_cast<float*>(__builtin_alloca(sizeof(float) * a.D * BLOCK));
+  for (int64_t task = first; task < a.U * a.H_kv; task += step) {
+    const int64_t u = task / a.H_kv, kv = task % a.H_kv;
     const int32_t* slots = a.unit_slots + u * BLOCK;
-    for (int64_t kv = 0; kv < a.H_kv; ++kv) {
-      gather_keys(a, slots, kv, keys, row);
-      for (int64_t w = 0; w < a.W; ++w) {
-        int32_t r = a.unit_rows[u * a.W + w];
-        if (r < 0) continue;
-        uint64_t bits = a.unit_bits[u * a.W + w];
+    gather_block(a, slots, kv, keys, values, rows);
+    for (int64_t w = 0; w < a.W; ++w) {
+      int32_t r = a.unit_rows[u * a.W + w];
+      if (r < 0) continue;
+      uint64_t bits = a.unit_bits[u * a.W + w];
+      float* partials = a.partials + (u * a.W + w) * a.H * width;
+      if (bits == 0) {  // the row sees nothing here: an empty partial, skipped by the merge
         for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-          float* partial = a.partials + ((u * a.W + w) * a.H + h) * width;
-          if (bits == 0) {
-            partial[a.D] = -__builtin_inff();
-            partial[a.D + 1] = 0.0f;
-            continue;
-          }
-          const float* q = as_float(a.q, a.type, h * a.q_head + r * a.q_row, row, a.D);
-          for (int64_t d = 0; d < a.D; ++d) query[d] = a.softcap > 0.0f ? q[d] : q[d] * a.scale;
-          block_scores(a, query, keys, scores);
-          block_partial(a, scores, bits, kv, slots, partial, row);
+          partials[h * width + a.D] = -__builtin_inff();
+          partials[h * width + a.D + 1] = 0.0f;
         }
+        continue;
       }
+      unit_row(a, r, bits, kv, keys, values, partials);
     }
   }
 }
@@ -386,8 +482,8 @@ void MD_CONCAT(quantize, MD_ISA)(const QuantizeArgs& a, int64_t m0, int64_t m1) 
 void MD_CONCAT(qlinear, MD_ISA)(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   qlinear_impl(a, m0, m1, p0, p1);
 }
-void MD_CONCAT(attention_units, MD_ISA)(const AttentionArgs& a, int64_t u0, int64_t u1) {
-  attention_units_impl(a, u0, u1);
+void MD_CONCAT(attention_units, MD_ISA)(const AttentionArgs& a, int64_t first, int64_t step) {
+  attention_units_impl(a, first, step);
 }
 void MD_CONCAT(attention_merge, MD_ISA)(const AttentionArgs& a, int64_t r0, int64_t r1) {
   attention_merge_impl(a, r0, r1);

@@ -106,6 +106,7 @@ inline F f_add(F a, F b) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] 
 inline F f_sub(F a, F b) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] - b.x[l]; return o; }
 inline F f_mul(F a, F b) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] * b.x[l]; return o; }
 inline F f_div(F a, F b) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] / b.x[l]; return o; }
+inline F f_max(F a, F b) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] > b.x[l] ? a.x[l] : b.x[l]; return o; }
 inline void f_store(float* p, F a) { for (int l = 0; l < LANES; ++l) p[l] = a.x[l]; }
 inline void f_store_n(float* p, F a, int n) { for (int l = 0; l < n; ++l) p[l] = a.x[l]; }
 inline F f_exp(F a) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = exp_scalar(a.x[l]); return o; }
@@ -114,6 +115,12 @@ inline float f_sum_tree(F a) {
   for (int width = 8; width >= 1; width /= 2)
     for (int l = 0; l < width; ++l) a.x[l] = a.x[l] + a.x[l + width];
   return a.x[0];
+}
+
+// dst[c * dst_stride + r] = src[r * src_stride + c] for a 16 x 16 tile (moves only: no rounding).
+inline void transpose16(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  for (int r = 0; r < LANES; ++r)
+    for (int c = 0; c < LANES; ++c) dst[c * dst_stride + r] = src[r * src_stride + c];
 }
 
 inline I i_zero() { I a; for (int l = 0; l < LANES; ++l) a.x[l] = 0; return a; }
@@ -166,6 +173,7 @@ inline F f_add(F a, F b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi
 inline F f_sub(F a, F b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline F f_mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline F f_div(F a, F b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline F f_max(F a, F b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline void f_store(float* p, F a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
 inline void f_store_n(float* p, F a, int n) {
   _mm256_maskstore_ps(p, mask8(n), a.lo);
@@ -195,6 +203,31 @@ inline float f_sum_tree(F a) {
   __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
   return _mm_cvtss_f32(s1);
+}
+
+inline void transpose8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      r[i + j] = _mm256_shuffle_ps(t[i + j], t[i + 2 + j], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + 2 + j] = _mm256_shuffle_ps(t[i + j], t[i + 2 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  // r[0..7] now hold rows 0, 1, 2, 3 of each 4x4 quarter: join the 128-bit halves
+  const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(r[order[i]], r[order[i + 4]], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(r[order[i]], r[order[i + 4]], 0x31));
+  }
+}
+
+inline void transpose16(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 16; j += 8) transpose8(src + i * src_stride + j, src_stride, dst + j * dst_stride + i, dst_stride);
 }
 
 inline I i_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
@@ -247,6 +280,7 @@ inline F f_add(F a, F b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline F f_sub(F a, F b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline F f_mul(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline F f_div(F a, F b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline F f_max(F a, F b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline void f_store(float* p, F a) { _mm512_storeu_ps(p, a.v); }
 inline void f_store_n(float* p, F a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), a.v); }
 inline F f_exp(F a) {
@@ -277,6 +311,30 @@ inline float f_sum_tree(F a) {
   return _mm_cvtss_f32(s1);
 }
 
+inline void transpose16(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      r[i + j] = _mm512_shuffle_ps(t[i + j], t[i + 2 + j], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + 2 + j] = _mm512_shuffle_ps(t[i + j], t[i + 2 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  // r[4g + m], 128-bit lane k: rows 4g .. 4g + 3 of column 4k + (0, 2, 1, 3)[m]; gather the lanes
+  const int column[4] = {0, 2, 1, 3};
+  for (int m = 0; m < 4; ++m) {
+    __m512 x0 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x44), y0 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xee);
+    __m512 x1 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x44), y1 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xee);
+    _mm512_storeu_ps(dst + (0 + column[m]) * dst_stride, _mm512_shuffle_f32x4(x0, x1, 0x88));
+    _mm512_storeu_ps(dst + (4 + column[m]) * dst_stride, _mm512_shuffle_f32x4(x0, x1, 0xdd));
+    _mm512_storeu_ps(dst + (8 + column[m]) * dst_stride, _mm512_shuffle_f32x4(y0, y1, 0x88));
+    _mm512_storeu_ps(dst + (12 + column[m]) * dst_stride, _mm512_shuffle_f32x4(y0, y1, 0xdd));
+  }
+}
+
 inline I i_zero() { return {_mm512_setzero_si512()}; }
 inline B b_load(const uint8_t* p) { return {_mm512_loadu_si512((const void*)p)}; }
 inline B b_low_nibbles(B b) { return {_mm512_and_si512(b.v, _mm512_set1_epi8(0x0f))}; }
@@ -305,6 +363,15 @@ inline F f_load_any(const float* p) { return f_load(p); }
 inline F f_load_any(const uint16_t* p) { return f_load_bf16(p); }
 inline F f_load_any_n(const float* p, int n) { return f_load_n(p, n); }
 inline F f_load_any_n(const uint16_t* p, int n) { return f_load_bf16_n(p, n); }
+
+// The largest lane (max is exact and order-free: any reduction order gives it).
+inline float f_max_lanes(F a) {
+  float tmp[LANES];
+  f_store(tmp, a);
+  float top = tmp[0];
+  for (int l = 1; l < LANES; ++l) top = tmp[l] > top ? tmp[l] : top;
+  return top;
+}
 
 inline float f_lane(F a, int l) {
   float tmp[LANES];

@@ -170,7 +170,11 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
                   row_pairs.data_ptr<int32_t>(), pair_index.data_ptr<int32_t>(), partials.data_ptr<float>(),
                   out.data_ptr(), heads, kv_heads, rows, dim, units, width, query.stride(1), query.stride(2),
                   key.stride(1), key.stride(2), value.stride(1), value.stride(2), (float)scale, (float)softcap, data_type(query, "query")};
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) { k.attention_units(a, begin, end); });
+  // (unit, kv head) tasks, thread t taking tasks t, t + T, t + 2T, ...
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units * kv_heads));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) k.attention_units(a, t, threads);
+  });
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) { k.attention_merge(a, begin, end); });
   return out;
 }
