@@ -12,6 +12,7 @@
 //
 // quantize (a row to int8, llama.cpp's Q8_0 rule): per group of 32, d = max|x| / 127,
 //   code = round-to-nearest-even(x * (1 / d)) clamped to +-127 (0 where d is 0), sum = sum of codes.
+//   (Each a lane operation, or exact: max and integer sums do not depend on their order.)
 //
 // qlinear (4- or 8-bit weight codes c with a float16 step s and, for 4 bits, a float16 low L per
 //   group of 32: w = s * c + L): for each group g in increasing order,
@@ -114,35 +115,33 @@ inline void linear_impl(const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0,
 }
 
 // ------------------------------------------------------------------------------------ quantize
-inline float load_scalar(const void* x, DataType type, int64_t index) {
-  return type == F32 ? static_cast<const float*>(x)[index] : bf16_to_f32(static_cast<const uint16_t*>(x)[index]);
-}
-
-inline void quantize_impl(const QuantizeArgs& a, int64_t m0, int64_t m1) {
+template <class XT>
+inline void quantize_typed(const QuantizeArgs& a, int64_t m0, int64_t m1) {
   const int64_t groups = a.K / GROUP;
-  float values[GROUP];
+  float rounded[GROUP];
   for (int64_t m = m0; m < m1; ++m) {
+    const XT* x = static_cast<const XT*>(a.x) + m * a.x_stride;
     for (int64_t g = 0; g < groups; ++g) {
-      float high = 0.0f;
-      for (int i = 0; i < GROUP; ++i) {
-        values[i] = load_scalar(a.x, a.x_type, m * a.x_stride + g * GROUP + i);
-        float magnitude = values[i] < 0 ? -values[i] : values[i];
-        high = magnitude > high ? magnitude : high;
-      }
-      float d = high / 127.0f;
-      float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+      F low = f_load_any(x + g * GROUP), high = f_load_any(x + g * GROUP + LANES);
+      float d = f_max_lanes(f_max(f_abs(low), f_abs(high))) / 127.0f;
+      F inverse = f_set1(d != 0.0f ? 1.0f / d : 0.0f), top = f_set1(127.0f), bottom = f_set1(-127.0f);
+      f_store(rounded, f_min(f_max(f_round_even(f_mul(low, inverse)), bottom), top));
+      f_store(rounded + LANES, f_min(f_max(f_round_even(f_mul(high, inverse)), bottom), top));
       int32_t total = 0;
       int8_t* codes = a.codes + m * a.K + g * GROUP;
       for (int i = 0; i < GROUP; ++i) {
-        float rounded = __builtin_nearbyintf(values[i] * inverse);
-        rounded = rounded > 127.0f ? 127.0f : rounded < -127.0f ? -127.0f : rounded;
-        codes[i] = (int8_t)rounded;
+        codes[i] = (int8_t)rounded[i];
         total += codes[i];
       }
       a.scale[m * groups + g] = d;
       a.sum[m * groups + g] = (float)total;
     }
   }
+}
+
+inline void quantize_impl(const QuantizeArgs& a, int64_t m0, int64_t m1) {
+  if (a.x_type == F32) quantize_typed<float>(a, m0, m1);
+  else quantize_typed<uint16_t>(a, m0, m1);
 }
 
 // ------------------------------------------------------------------------------------ qlinear
@@ -201,28 +200,39 @@ inline void qlinear_tile(const QLinearArgs& a, int64_t m, int64_t p) {
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NP; ++j) {
-      float out[LANES];
-      f_store(out, acc[r][j]);
-      for (int l = 0; l < LANES; ++l) {
-        int64_t n = (p + j) * LANES + l;
-        if (n >= a.N) break;
-        float value = a.bias ? out[l] + a.bias[n] : out[l];
-        store_out(a.y, a.y_type, (m + r) * a.N + n, value);
+      const int64_t n = (p + j) * LANES, index = (m + r) * a.N + n;
+      F value = a.bias && n + LANES <= a.N ? f_add(acc[r][j], f_load(a.bias + n)) : acc[r][j];
+      if (n + LANES <= a.N && a.y_type == F32) {
+        f_store(static_cast<float*>(a.y) + index, value);
+      } else if (n + LANES <= a.N) {
+        f_store_bf16(static_cast<uint16_t*>(a.y) + index, value);
+      } else {  // the last panel's outputs past N are padding
+        float out[LANES];
+        f_store(out, acc[r][j]);
+        for (int l = 0; n + l < a.N; ++l) store_out(a.y, a.y_type, index + l, a.bias ? out[l] + a.bias[n + l] : out[l]);
       }
     }
 }
 
 template <int MR, int BITS>
 inline void qlinear_rows(const QLinearArgs& a, int64_t m, int64_t p0, int64_t p1) {
+  constexpr int NP = MR == 1 ? 4 : 2;  // one row: more panels at once, for more independent chains
   int64_t p = p0;
-  for (; p + 2 <= p1; p += 2) qlinear_tile<MR, 2, BITS>(a, m, p);
+  for (; p + NP <= p1; p += NP) qlinear_tile<MR, NP, BITS>(a, m, p);
   for (; p < p1; ++p) qlinear_tile<MR, 1, BITS>(a, m, p);
 }
+
+#if MD_LANES >= 3
+constexpr int QLINEAR_ROWS = 6;  // 32 registers: 6 x 2 integer and 6 x 2 float accumulators
+#else
+constexpr int QLINEAR_ROWS = 4;
+#endif
 
 template <int BITS>
 inline void qlinear_bits(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) qlinear_rows<4, BITS>(a, m, p0, p1);
+  for (; m + QLINEAR_ROWS <= m1; m += QLINEAR_ROWS) qlinear_rows<QLINEAR_ROWS, BITS>(a, m, p0, p1);
+  for (; m + 2 <= m1; m += 2) qlinear_rows<2, BITS>(a, m, p0, p1);
   for (; m < m1; ++m) qlinear_rows<1, BITS>(a, m, p0, p1);
 }
 
@@ -233,7 +243,7 @@ inline void qlinear_impl(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p
 
 // ------------------------------------------------------------------------------------ attention
 // A unit (one position block and the rows that read it) is worked per kv head: its keys are
-// gathered once, transposed to [D, 64], and its values once to [64, D], both in float32; then
+// gathered once, transposed to [D, 64] in float32 (its values are read in place); then
 // the query heads of the group are scored together (more independent chains for the same loads)
 // and their weighted values summed together (each value row loaded once for all of them). Neither
 // grouping changes a lane's arithmetic: each (row, head) is still the chain of the definition.
@@ -249,18 +259,15 @@ inline void load_row(const void* base, DataType type, int64_t offset, int64_t n,
   for (; i < n; ++i) out[i] = bf16_to_f32(half[i]);
 }
 
-// keys [D, 64] (transposed) and values [64, D] of one unit's block for one kv head (missing: 0);
-// `rows` is [64, D] scratch for the keys as read.
-inline void gather_block(const AttentionArgs& a, const int32_t* slots, int64_t kv, float* keys, float* values,
-                         float* rows) {
+// keys [D, 64] (transposed) of one unit's block for one kv head (missing: 0); `rows` is [64, D]
+// scratch for the keys as read. (Values are read where they lie, in the cache's dtype.)
+inline void gather_keys(const AttentionArgs& a, const int32_t* slots, int64_t kv, float* keys, float* rows) {
   for (int j = 0; j < BLOCK; ++j) {
     if (slots[j] < 0) {
       memset(rows + j * a.D, 0, sizeof(float) * a.D);
-      memset(values + j * a.D, 0, sizeof(float) * a.D);
       continue;
     }
     load_row(a.k, a.type, kv * a.k_head + slots[j] * a.k_slot, a.D, rows + j * a.D);
-    load_row(a.v, a.type, kv * a.v_head + slots[j] * a.v_slot, a.D, values + j * a.D);
   }
   const int64_t whole = a.D / LANES * LANES;
   for (int j = 0; j < BLOCK; j += LANES)
@@ -323,10 +330,10 @@ inline void block_weights(const float* scores, uint64_t bits, float* weights, fl
 }
 
 // o[h] = fma chain over the keys seen, in position order, of weight[h][j] * value[j]: DC chunks of
-// 16 dims (DC = 0: the head dim read at run time).
-template <int HC, int DC>
-inline void block_values(const AttentionArgs& a, const float* weights, uint64_t bits, const float* values,
-                         float* out, int64_t stride) {
+// 16 dims (DC = 0: the head dim read at run time). Values are widened from the cache's dtype as read.
+template <class VT, int HC, int DC>
+inline void block_values(const AttentionArgs& a, const float* weights, uint64_t bits, const VT* values,
+                         const int32_t* slots, float* out, int64_t stride) {
   const int64_t chunks = DC ? DC : (a.D + LANES - 1) / LANES;
   constexpr int HOLD = DC ? DC : MAX_HEAD_DIM / LANES;
   F o[HC][HOLD];
@@ -334,10 +341,10 @@ inline void block_values(const AttentionArgs& a, const float* weights, uint64_t 
     for (int64_t c = 0; c < chunks; ++c) o[h][c] = f_zero();
   for (uint64_t rest = bits; rest; rest &= rest - 1) {
     int j = __builtin_ctzll(rest);
-    const float* v = values + j * a.D;
+    const VT* v = values + slots[j] * a.v_slot;
     for (int64_t c = 0; c < chunks; ++c) {
       int left = DC ? LANES : (int)(a.D - c * LANES);
-      F vc = left >= LANES ? f_load(v + c * LANES) : f_load_n(v + c * LANES, left);
+      F vc = left >= LANES ? f_load_any(v + c * LANES) : f_load_any_n(v + c * LANES, left);
       for (int h = 0; h < HC; ++h) o[h][c] = f_fma(f_set1(weights[h * BLOCK + j]), vc, o[h][c]);
     }
   }
@@ -352,7 +359,7 @@ inline void block_values(const AttentionArgs& a, const float* weights, uint64_t 
 // HC heads h0.. of one row over one unit: their partials (weighted values, max, sum) written.
 template <int HC, int DC>
 inline void row_partials(const AttentionArgs& a, int32_t row, uint64_t bits, int64_t h0, const float* keys,
-                         const float* values, float* partials) {
+                         const int32_t* slots, float* partials) {
   const int64_t width = a.D + 2;
   float queries[HC * MAX_HEAD_DIM], q[MAX_HEAD_DIM], scores[HC * BLOCK], weights[HC * BLOCK], high[HC], total[HC];
   for (int h = 0; h < HC; ++h) {
@@ -361,7 +368,13 @@ inline void row_partials(const AttentionArgs& a, int32_t row, uint64_t bits, int
   }
   block_scores<HC>(a, queries, keys, scores);
   block_weights<HC>(scores, bits, weights, high, total);
-  block_values<HC, DC>(a, weights, bits, values, partials + h0 * width, width);
+  const int64_t kv = h0 / (a.H / a.H_kv);
+  if (a.type == F32)
+    block_values<float, HC, DC>(a, weights, bits, static_cast<const float*>(a.v) + kv * a.v_head, slots,
+                                partials + h0 * width, width);
+  else
+    block_values<uint16_t, HC, DC>(a, weights, bits, static_cast<const uint16_t*>(a.v) + kv * a.v_head, slots,
+                                   partials + h0 * width, width);
   for (int h = 0; h < HC; ++h) {
     partials[(h0 + h) * width + a.D] = high[h];
     partials[(h0 + h) * width + a.D + 1] = total[h];
@@ -371,31 +384,48 @@ inline void row_partials(const AttentionArgs& a, int32_t row, uint64_t bits, int
 // The heads of one kv group in chunks of up to MOST (as many as the group has, so none is left alone).
 template <int MOST, int DC>
 inline void group_partials(const AttentionArgs& a, int32_t row, uint64_t bits, int64_t kv, const float* keys,
-                           const float* values, float* partials) {
+                           const int32_t* slots, float* partials) {
   const int64_t group = a.H / a.H_kv, end = (kv + 1) * group;
   for (int64_t h = kv * group; h < end;) {
     int64_t left = end - h;
     if (MOST >= 4 && left >= 4) {
-      row_partials<(MOST >= 4 ? 4 : 1), DC>(a, row, bits, h, keys, values, partials);
+      row_partials<(MOST >= 4 ? 4 : 1), DC>(a, row, bits, h, keys, slots, partials);
       h += 4;
     } else if (MOST >= 3 && left == 3) {
-      row_partials<(MOST >= 3 ? 3 : 1), DC>(a, row, bits, h, keys, values, partials);
+      row_partials<(MOST >= 3 ? 3 : 1), DC>(a, row, bits, h, keys, slots, partials);
       h += 3;
     } else if (MOST >= 2 && left >= 2) {
-      row_partials<(MOST >= 2 ? 2 : 1), DC>(a, row, bits, h, keys, values, partials);
+      row_partials<(MOST >= 2 ? 2 : 1), DC>(a, row, bits, h, keys, slots, partials);
       h += 2;
     } else {
-      row_partials<1, DC>(a, row, bits, h, keys, values, partials);
+      row_partials<1, DC>(a, row, bits, h, keys, slots, partials);
       h += 1;
     }
   }
 }
 
 inline void unit_row(const AttentionArgs& a, int32_t row, uint64_t bits, int64_t kv, const float* keys,
-                     const float* values, float* partials) {
-  if (a.D == 64) group_partials<4, 4>(a, row, bits, kv, keys, values, partials);
-  else if (a.D == 128) group_partials<2, 8>(a, row, bits, kv, keys, values, partials);
-  else group_partials<1, 0>(a, row, bits, kv, keys, values, partials);
+                     const int32_t* slots, float* partials) {
+  if (a.D == 64) group_partials<4, 4>(a, row, bits, kv, keys, slots, partials);
+  else if (a.D == 128) group_partials<2, 8>(a, row, bits, kv, keys, slots, partials);
+  else group_partials<1, 0>(a, row, bits, kv, keys, slots, partials);
+}
+
+// Ask the memory for a task's keys and values ahead of their use (the cache is read once a step,
+// long after it was last touched: without this the reads wait on memory one row at a time).
+inline void prefetch_block(const AttentionArgs& a, int64_t task) {
+  const int64_t u = task / a.H_kv, kv = task % a.H_kv;
+  const int32_t* slots = a.unit_slots + u * BLOCK;
+  const int64_t size = a.type == F32 ? 4 : 2, row_bytes = a.D * size;
+  for (int j = 0; j < BLOCK; ++j) {
+    if (slots[j] < 0) continue;
+    const char* k = static_cast<const char*>(a.k) + (kv * a.k_head + slots[j] * a.k_slot) * size;
+    const char* v = static_cast<const char*>(a.v) + (kv * a.v_head + slots[j] * a.v_slot) * size;
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      __builtin_prefetch(k + b);
+      __builtin_prefetch(v + b);
+    }
+  }
 }
 
 // Units u0 .. u1 of the flat (unit, kv head) task list, every `step`-th (the caller's threads take
@@ -403,12 +433,12 @@ inline void unit_row(const AttentionArgs& a, int32_t row, uint64_t bits, int64_t
 inline void attention_units_impl(const AttentionArgs& a, int64_t first, int64_t step) {
   const int64_t group = a.H / a.H_kv, width = a.D + 2;
   float* keys = static_cast<float*>(__builtin_alloca(sizeof(float) * a.D * BLOCK));
-  float* values = static_cast<float*>(__builtin_alloca(sizeof(float) * a.D * BLOCK));
   float* rows = static_cast<float*>(__builtin_alloca(sizeof(float) * a.D * BLOCK));
   for (int64_t task = first; task < a.U * a.H_kv; task += step) {
     const int64_t u = task / a.H_kv, kv = task % a.H_kv;
     const int32_t* slots = a.unit_slots + u * BLOCK;
-    gather_block(a, slots, kv, keys, values, rows);
+    if (task + step < a.U * a.H_kv) prefetch_block(a, task + step);
+    gather_keys(a, slots, kv, keys, rows);
     for (int64_t w = 0; w < a.W; ++w) {
       int32_t r = a.unit_rows[u * a.W + w];
       if (r < 0) continue;
@@ -421,7 +451,7 @@ inline void attention_units_impl(const AttentionArgs& a, int64_t first, int64_t 
         }
         continue;
       }
-      unit_row(a, r, bits, kv, keys, values, partials);
+      unit_row(a, r, bits, kv, keys, slots, partials);
     }
   }
 }

@@ -107,6 +107,10 @@ inline F f_sub(F a, F b) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] 
 inline F f_mul(F a, F b) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] * b.x[l]; return o; }
 inline F f_div(F a, F b) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] / b.x[l]; return o; }
 inline F f_max(F a, F b) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] > b.x[l] ? a.x[l] : b.x[l]; return o; }
+inline F f_min(F a, F b) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] < b.x[l] ? a.x[l] : b.x[l]; return o; }
+inline F f_abs(F a) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = a.x[l] < 0 ? -a.x[l] : a.x[l]; return o; }
+inline F f_round_even(F a) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = __builtin_nearbyintf(a.x[l]); return o; }
+inline void f_store_bf16(uint16_t* p, F a) { for (int l = 0; l < LANES; ++l) p[l] = f32_to_bf16(a.x[l]); }
 inline void f_store(float* p, F a) { for (int l = 0; l < LANES; ++l) p[l] = a.x[l]; }
 inline void f_store_n(float* p, F a, int n) { for (int l = 0; l < n; ++l) p[l] = a.x[l]; }
 inline F f_exp(F a) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = exp_scalar(a.x[l]); return o; }
@@ -174,6 +178,28 @@ inline F f_sub(F a, F b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi
 inline F f_mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline F f_div(F a, F b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline F f_max(F a, F b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline F f_min(F a, F b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline F f_abs(F a) {
+  __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  return {_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m)};
+}
+inline F f_round_even(F a) {
+  return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline __m128i bf16x8_of(__m256 x) {  // round to nearest even, NaN quieted: as f32_to_bf16
+  __m256i bits = _mm256_castps_si256(x);
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                             _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1))));
+  __m256i nan = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+  __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  __m256i out = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, nan, is_nan), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
+}
+inline void f_store_bf16(uint16_t* p, F a) {
+  _mm_storeu_si128((__m128i*)p, bf16x8_of(a.lo));
+  _mm_storeu_si128((__m128i*)(p + 8), bf16x8_of(a.hi));
+}
 inline void f_store(float* p, F a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
 inline void f_store_n(float* p, F a, int n) {
   _mm256_maskstore_ps(p, mask8(n), a.lo);
@@ -281,6 +307,17 @@ inline F f_sub(F a, F b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline F f_mul(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline F f_div(F a, F b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline F f_max(F a, F b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline F f_min(F a, F b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline F f_abs(F a) { return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(0x7fffffff)))}; }
+inline F f_round_even(F a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline void f_store_bf16(uint16_t* p, F a) {  // round to nearest even, NaN quieted: as f32_to_bf16
+  __m512i bits = _mm512_castps_si512(a.v);
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                             _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1))));
+  __mmask16 is_nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  __m512i out = _mm512_srli_epi32(_mm512_mask_or_epi32(rounded, is_nan, bits, _mm512_set1_epi32(0x400000)), 16);
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(out));
+}
 inline void f_store(float* p, F a) { _mm512_storeu_ps(p, a.v); }
 inline void f_store_n(float* p, F a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), a.v); }
 inline F f_exp(F a) {

@@ -85,7 +85,11 @@ void over_tiles(int64_t rows, int64_t columns, int64_t row_block, int64_t column
   });
 }
 
-int64_t row_block(int64_t rows) { return rows <= 64 ? rows : 64; }
+int64_t row_block(int64_t rows) { return rows <= 96 ? rows : 96; }
+
+// Multiply-adds below which a product runs on the calling thread alone (measured: waking the other
+// threads costs about as much as a 576 x 576 product of one row).
+constexpr int64_t SERIAL_WORK = 1 << 19;
 
 // ------------------------------------------------------------------------------------ operators
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t isa) {
@@ -114,7 +118,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   at::Tensor sum = at::empty({m, groups}, x.options().dtype(at::kFloat));
   QuantizeArgs a{rows.data_ptr(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), m,
                  rows.size(1), rows.stride(0), data_type(x, "x")};
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) { k.quantize(a, begin, end); });
+  if (m * rows.size(1) < SERIAL_WORK / 64) {
+    k.quantize(a, 0, m);
+  } else {
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) { k.quantize(a, begin, end); });
+  }
   return {codes, scale, sum};
 }
 
@@ -136,9 +144,13 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                 codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
                 b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr(), qcodes.size(0), out_features, inner,
                 (int32_t)bits, data_type(x, "x")};
-  over_tiles(a.M, panels, row_block(a.M), 4, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-    k.qlinear(a, m0, m1, p0, p1);
-  });
+  if (a.M * out_features * inner < SERIAL_WORK) {  // a thread's wake-up costs more than it saves
+    k.qlinear(a, 0, a.M, 0, panels);
+  } else {
+    over_tiles(a.M, panels, row_block(a.M), 4, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+      k.qlinear(a, m0, m1, p0, p1);
+    });
+  }
   return y.view(out_shape(x, out_features));
 }
 
