@@ -120,11 +120,13 @@ def test_the_layout_reads_back_the_weights_it_packed(generator, bits):
 
 
 # ---------------------------------------------------------------------------------- attention
-def random_forest_plan(generator, rows: int, cached: int):
-    """A forest of `cached` cached slots and `rows` new nodes: a chain, then nodes under random
-    earlier ones. Returns (visible [R, S], key positions [S], query positions [R], parent rows [R])."""
+def random_forest_plan(generator, rows: int, cached: int, chain: int = 40):
+    """A forest of `cached` cached slots and `rows` new nodes: a chain of `chain` nodes, then nodes
+    under random earlier ones. Returns (visible [R, S], key positions [S], query positions [R],
+    parent rows [R])."""
     total = cached + rows
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) if i > 40 else i - 1 for i in range(1, total)]
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) if i > chain else i - 1
+                      for i in range(1, total)]
     positions, visible = [0] * total, torch.zeros(total, total, dtype=torch.bool)
     for node, parent in enumerate(parents):
         positions[node] = 0 if parent < 0 else positions[parent] + 1
@@ -137,8 +139,8 @@ def random_forest_plan(generator, rows: int, cached: int):
 
 
 def attend_all_levels(generator, *, heads=4, kv_heads=2, dim=64, rows=20, cached=150, dtype=torch.float32,
-                      softcap=0.0, window=None):
-    ancestors, key_positions, query_positions, parent_rows = random_forest_plan(generator, rows, cached)
+                      softcap=0.0, window=None, chain=40):
+    ancestors, key_positions, query_positions, parent_rows = random_forest_plan(generator, rows, cached, chain)
     plan = plan_attention(ancestors, key_positions, query_positions, parent_rows)  # windows are the mask's
     visible = ancestors.clone()
     if window is not None:
@@ -186,3 +188,14 @@ def test_attention_takes_any_grouping_and_head_size(generator, heads, kv_heads, 
 def test_a_row_that_sees_nothing_gets_zeros(generator):
     out, _, _ = attend_all_levels(generator, window=0)  # a window of 0: nothing is visible
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_merged_in_groups_give_the_bits_of_merged_partials(generator, dtype):
+    """Long prompts' rows are worked in groups and merged as they go (no partials kept): the same
+    partials merged in the same order, so the same bits, at every level."""
+    for rows, cached, chain in ((300, 0, 10**6), (150, 40, 40), (20, 150, 40)):  # a prompt, forests
+        out, args, _ = attend_all_levels(generator, rows=rows, cached=cached, dtype=dtype, chain=chain)
+        for isa in LEVELS:
+            grouped = kernels.attention(*args, merge=kernels.MERGE_GROUPS, isa=isa)
+            assert torch.equal(grouped, out), f"{kernels.LEVELS[isa]}, {rows} rows"

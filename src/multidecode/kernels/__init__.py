@@ -113,13 +113,19 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_feat
     return portable.qlinear(x, codes, scales, out_features, bits, bias)
 
 
+MERGE_AUTO, MERGE_PARTIALS, MERGE_GROUPS = -1, 0, 1
+"""How `attention` merges a row's blocks (the same bits either way): keeping every (row, block)
+partial and merging them after, or working rows that read the same blocks together and merging
+as they go (no partials kept: a long prompt's); auto picks by the partials' size."""
+
+
 def attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale: float,
-              softcap: float = 0.0, *, isa: int | None = None) -> torch.Tensor:
+              softcap: float = 0.0, *, merge: int = MERGE_AUTO, isa: int | None = None) -> torch.Tensor:
     """Exact attention of one forest's rows (see `exact` for the plan's tensors): query
     [1, H, R, D], key and value [1, H_kv, S, D] -> [1, R, H, D] in query's dtype."""
     if query.device.type == "cpu" and native():
         return torch.ops.multidecode.attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs,
-                                               pair_index, float(scale), float(softcap),
+                                               pair_index, float(scale), float(softcap), merge,
                                                level() if isa is None else isa)
     return portable.attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale,
                               softcap)
@@ -146,7 +152,7 @@ def _register_fakes() -> None:
         return x.new_empty((*x.shape[:-1], out_features))
 
     @torch.library.register_fake("multidecode::attention")
-    def _(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale, softcap, isa):
+    def _(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale, softcap, merge, isa):
         return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
     @torch.library.register_fake("multidecode::quantize_rows")

@@ -66,12 +66,23 @@ struct AttentionArgs {
   DataType type;         // of q, k, v and out
 };
 
+// Rows that read the same units in the same order (see attention_groups in kernels_impl.h).
+#define MD_MAX_GROUP_ROWS 64
+struct RowGroups {
+  const int32_t* rows;        // the groups' rows, group after group (at most 64 per group)
+  const int32_t* row_start;   // [count + 1]
+  const int32_t* units;       // each group's units, in position order
+  const int32_t* unit_start;  // [count + 1]
+  int64_t count;
+};
+
 #define MD_DECLARE(isa)                                                                  \
   void linear_##isa(const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1); \
   void quantize_##isa(const QuantizeArgs& a, int64_t m0, int64_t m1);                     \
   void qlinear_##isa(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1); \
   void attention_units_##isa(const AttentionArgs& a, int64_t first, int64_t step);        \
-  void attention_merge_##isa(const AttentionArgs& a, int64_t r0, int64_t r1);
+  void attention_merge_##isa(const AttentionArgs& a, int64_t r0, int64_t r1);             \
+  void attention_groups_##isa(const AttentionArgs& a, const RowGroups& g, int64_t first, int64_t step, float* scratch);
 
 MD_DECLARE(portable)
 MD_DECLARE(avx2)

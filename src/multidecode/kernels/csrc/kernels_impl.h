@@ -41,6 +41,7 @@ using namespace multidecode;
 constexpr int GROUP = 32;
 constexpr int BLOCK = 64;
 constexpr int MAX_HEAD_DIM = 512;
+constexpr int MAX_GROUP = MD_MAX_GROUP_ROWS;
 
 #if MD_LANES == 2
 constexpr int LINEAR_ROWS = 2;  // AVX2 has 16 registers: tiles of 2 x 4
@@ -456,46 +457,87 @@ inline void attention_units_impl(const AttentionArgs& a, int64_t first, int64_t 
   }
 }
 
+// A row's running merge of its blocks for one head: state = [o (D), high, total]; total 0: nothing yet.
+inline void merge_into(float* state, const float* partial, int64_t dim) {
+  const int64_t chunks = (dim + LANES - 1) / LANES;
+  float block_high = partial[dim], block_total = partial[dim + 1];
+  if (block_total == 0.0f) return;  // the row sees nothing in this block
+  if (state[dim + 1] == 0.0f) {  // the first block: as it is
+    for (int64_t i = 0; i < dim + 2; ++i) state[i] = partial[i];
+    return;
+  }
+  float high = state[dim], top = block_high > high ? block_high : high;
+  float keep = exp_scalar(high - top), add = exp_scalar(block_high - top);
+  state[dim + 1] = fmaf_exact(state[dim + 1], keep, block_total * add);
+  for (int64_t c = 0; c < chunks; ++c) {
+    int rest = (int)(dim - c * LANES);
+    F part = rest >= LANES ? f_load(partial + c * LANES) : f_load_n(partial + c * LANES, rest);
+    F o = rest >= LANES ? f_load(state + c * LANES) : f_load_n(state + c * LANES, rest);
+    o = f_fma(o, f_set1(keep), f_mul(part, f_set1(add)));
+    if (rest >= LANES) f_store(state + c * LANES, o);
+    else f_store_n(state + c * LANES, o, rest);
+  }
+  state[dim] = top;
+}
+
+// The output of a merged state: o / total (0 for a row that saw nothing), stored as out[0 .. D).
+inline void finish(const AttentionArgs& a, const float* state, int64_t index) {
+  const int64_t chunks = (a.D + LANES - 1) / LANES;
+  float out[MAX_HEAD_DIM];
+  for (int64_t c = 0; c < chunks; ++c) {
+    int rest = (int)(a.D - c * LANES);
+    F o = rest >= LANES ? f_load(state + c * LANES) : f_load_n(state + c * LANES, rest);
+    F value = state[a.D + 1] != 0.0f ? f_div(o, f_set1(state[a.D + 1])) : f_zero();
+    if (rest >= LANES) f_store(out + c * LANES, value);
+    else f_store_n(out + c * LANES, value, rest);
+  }
+  for (int64_t d = 0; d < a.D; ++d) store_out(a.out, a.type, index + d, out[d]);
+}
+
 inline void attention_merge_impl(const AttentionArgs& a, int64_t r0, int64_t r1) {
-  const int64_t width = a.D + 2, chunks = (a.D + LANES - 1) / LANES;
-  for (int64_t r = r0; r < r1; ++r) {
+  const int64_t width = a.D + 2;
+  float state[MAX_HEAD_DIM + 2];
+  for (int64_t r = r0; r < r1; ++r)
     for (int64_t h = 0; h < a.H; ++h) {
-      F o[MAX_HEAD_DIM / LANES];
-      float high = 0.0f, total = 0.0f;
-      bool seen = false;
-      for (int32_t i = a.row_pairs[r]; i < a.row_pairs[r + 1]; ++i) {
-        const float* partial = a.partials + ((int64_t)a.pair_index[i] * a.H + h) * width;
-        float block_high = partial[a.D], block_total = partial[a.D + 1];
-        if (block_total == 0.0f) continue;  // the row sees nothing in this block
-        if (!seen) {
-          for (int64_t c = 0; c < chunks; ++c) {
-            int rest = (int)(a.D - c * LANES);
-            o[c] = rest >= LANES ? f_load(partial + c * LANES) : f_load_n(partial + c * LANES, rest);
-          }
-          high = block_high;
-          total = block_total;
-          seen = true;
-          continue;
-        }
-        float top = block_high > high ? block_high : high;
-        float keep = exp_scalar(high - top), add = exp_scalar(block_high - top);
-        total = fmaf_exact(total, keep, block_total * add);
-        for (int64_t c = 0; c < chunks; ++c) {
-          int rest = (int)(a.D - c * LANES);
-          F part = rest >= LANES ? f_load(partial + c * LANES) : f_load_n(partial + c * LANES, rest);
-          o[c] = f_fma(o[c], f_set1(keep), f_mul(part, f_set1(add)));
-        }
-        high = top;
-      }
-      float out[MAX_HEAD_DIM];
-      for (int64_t c = 0; c < chunks; ++c) {
-        F value = seen ? f_div(o[c], f_set1(total)) : f_zero();
-        int rest = (int)(a.D - c * LANES);
-        if (rest >= LANES) f_store(out + c * LANES, value);
-        else f_store_n(out + c * LANES, value, rest);
-      }
-      for (int64_t d = 0; d < a.D; ++d) store_out(a.out, a.type, (r * a.H + h) * a.D + d, out[d]);
+      state[a.D + 1] = 0.0f;
+      for (int32_t i = a.row_pairs[r]; i < a.row_pairs[r + 1]; ++i)
+        merge_into(state, a.partials + ((int64_t)a.pair_index[i] * a.H + h) * width, a.D);
+      finish(a, state, (r * a.H + h) * a.D);
     }
+}
+
+// Rows that read the same units in the same order (a long prompt's rows, 64 at a time), worked
+// together per kv head: each unit's keys gathered once for them, each row's blocks merged as they
+// come. The same partials, merged in the same order as `attention_merge_impl` merges them, so the
+// same bits; but no partial is kept for the whole forward (a long prompt would need gigabytes).
+// scratch: the calling thread's [64 rows x group heads + all heads] x (D + 2) floats.
+inline void attention_groups_impl(const AttentionArgs& a, const RowGroups& g, int64_t first, int64_t step,
+                                  float* scratch) {
+  const int64_t group = a.H / a.H_kv, width = a.D + 2;
+  float* keys = static_cast<float*>(__builtin_alloca(sizeof(float) * a.D * BLOCK));
+  float* rows = static_cast<float*>(__builtin_alloca(sizeof(float) * a.D * BLOCK));
+  float* partials = scratch + MAX_GROUP * group * width;  // [H, D + 2], the kv group's heads written
+  for (int64_t task = first; task < g.count * a.H_kv; task += step) {
+    const int64_t gi = task / a.H_kv, kv = task % a.H_kv;
+    const int32_t* members = g.rows + g.row_start[gi];
+    const int64_t n = g.row_start[gi + 1] - g.row_start[gi];
+    for (int64_t i = 0; i < n * group; ++i) scratch[i * width + a.D + 1] = 0.0f;
+    for (int32_t t = 0; t < g.unit_start[gi + 1] - g.unit_start[gi]; ++t) {
+      const int64_t u = g.units[g.unit_start[gi] + t];
+      const int32_t* slots = a.unit_slots + u * BLOCK;
+      gather_keys(a, slots, kv, keys, rows);
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t r = members[i];
+        const uint64_t bits = a.unit_bits[a.pair_index[a.row_pairs[r] + t]];
+        if (bits == 0) continue;  // an empty partial: the merge skips it
+        unit_row(a, r, bits, kv, keys, slots, partials);
+        for (int64_t h = 0; h < group; ++h)
+          merge_into(scratch + (i * group + h) * width, partials + (kv * group + h) * width, a.D);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < group; ++h)
+        finish(a, scratch + (i * group + h) * width, (members[i] * a.H + kv * group + h) * a.D);
   }
 }
 
@@ -517,5 +559,9 @@ void MD_CONCAT(attention_units, MD_ISA)(const AttentionArgs& a, int64_t first, i
 }
 void MD_CONCAT(attention_merge, MD_ISA)(const AttentionArgs& a, int64_t r0, int64_t r1) {
   attention_merge_impl(a, r0, r1);
+}
+void MD_CONCAT(attention_groups, MD_ISA)(const AttentionArgs& a, const RowGroups& g, int64_t first, int64_t step,
+                                         float* scratch) {
+  attention_groups_impl(a, g, first, step, scratch);
 }
 }  // namespace multidecode

@@ -5,6 +5,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <map>
+#include <vector>
+
 #include "kernels.h"
 
 namespace multidecode {
@@ -18,9 +21,11 @@ struct Kernels {
   void (*qlinear)(const QLinearArgs&, int64_t, int64_t, int64_t, int64_t);
   void (*attention_units)(const AttentionArgs&, int64_t, int64_t);
   void (*attention_merge)(const AttentionArgs&, int64_t, int64_t);
+  void (*attention_groups)(const AttentionArgs&, const RowGroups&, int64_t, int64_t, float*);
 };
 
-#define MD_KERNELS(isa) Kernels{linear_##isa, quantize_##isa, qlinear_##isa, attention_units_##isa, attention_merge_##isa}
+#define MD_KERNELS(isa) \
+  Kernels{linear_##isa, quantize_##isa, qlinear_##isa, attention_units_##isa, attention_merge_##isa, attention_groups_##isa}
 
 int64_t supported_isa() {
 #if defined(__x86_64__)
@@ -154,10 +159,46 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return y.view(out_shape(x, out_features));
 }
 
+// Rows grouped by the units they read, in order (rows of one group: at most MD_MAX_GROUP_ROWS).
+struct Groups {
+  std::vector<int32_t> rows, row_start{0}, units, unit_start{0};
+};
+
+Groups row_groups(const int32_t* row_pairs, const int32_t* pair_index, int64_t rows, int64_t width) {
+  std::map<std::vector<int32_t>, std::vector<int32_t>> by_units;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int32_t> units;
+    for (int32_t i = row_pairs[r]; i < row_pairs[r + 1]; ++i) units.push_back(pair_index[i] / (int32_t)width);
+    by_units[units].push_back((int32_t)r);
+  }
+  Groups g;
+  for (auto& [units, members] : by_units)
+    for (size_t start = 0; start < members.size(); start += MD_MAX_GROUP_ROWS) {
+      size_t end = std::min(members.size(), start + MD_MAX_GROUP_ROWS);
+      g.rows.insert(g.rows.end(), members.begin() + start, members.begin() + end);
+      g.row_start.push_back((int32_t)g.rows.size());
+      g.units.insert(g.units.end(), units.begin(), units.end());
+      g.unit_start.push_back((int32_t)g.units.size());
+    }
+  return g;
+}
+
+// Work split over threads by interleaved tasks: thread t runs tasks t, t + T, t + 2T, ...
+template <class Run>
+void interleaved(int64_t tasks, const Run& run) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) run(t, threads);
+  });
+}
+
+constexpr int64_t PARTIAL_BYTES = 8 << 20;
+// Above this many bytes of partials, rows are worked in groups and merged as they go.
+
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const at::Tensor& unit_slots, const at::Tensor& unit_rows, const at::Tensor& unit_bits,
                      const at::Tensor& row_pairs, const at::Tensor& pair_index, double scale, double softcap,
-                     int64_t isa) {
+                     int64_t merge, int64_t isa) {
   TORCH_CHECK(query.dim() == 4 && query.size(0) == 1 && key.dim() == 4 && key.size(0) == 1,
               "multidecode.attention: query [1, H, R, D] and key/value [1, H_kv, S, D]");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
@@ -172,22 +213,32 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "multidecode.attention: plan indices must be int32");
   TORCH_CHECK(unit_bits.scalar_type() == at::kLong && unit_bits.is_contiguous() && unit_bits.sizes() == unit_rows.sizes(),
               "multidecode.attention: unit_bits must be int64 [U, W] like unit_rows");
-  TORCH_CHECK(unit_slots.size(1) == 64 && row_pairs.numel() == rows + 1, "multidecode.attention: the plan does not fit");
+  TORCH_CHECK(unit_slots.size(1) == 64 && row_pairs.numel() == rows + 1 && unit_rows.size(1) <= MD_MAX_GROUP_ROWS,
+              "multidecode.attention: the plan does not fit");
   const Kernels& k = kernels_for(isa);
-  const int64_t units = unit_rows.size(0), width = unit_rows.size(1);
-  at::Tensor partials = at::empty({units * width, heads, dim + 2}, query.options().dtype(at::kFloat));
+  const int64_t units = unit_rows.size(0), width = unit_rows.size(1), group = heads / kv_heads;
+  const bool grouped = merge == 1 || (merge < 0 && units * width * heads * (dim + 2) * 4 > PARTIAL_BYTES);
   at::Tensor out = at::empty({1, rows, heads, dim}, query.options());
+  at::Tensor partials = at::empty({grouped ? 0 : units * width, heads, dim + 2}, query.options().dtype(at::kFloat));
   AttentionArgs a{query.data_ptr(), key.data_ptr(), value.data_ptr(), unit_slots.data_ptr<int32_t>(),
                   unit_rows.data_ptr<int32_t>(), reinterpret_cast<const uint64_t*>(unit_bits.data_ptr<int64_t>()),
                   row_pairs.data_ptr<int32_t>(), pair_index.data_ptr<int32_t>(), partials.data_ptr<float>(),
                   out.data_ptr(), heads, kv_heads, rows, dim, units, width, query.stride(1), query.stride(2),
-                  key.stride(1), key.stride(2), value.stride(1), value.stride(2), (float)scale, (float)softcap, data_type(query, "query")};
-  // (unit, kv head) tasks, thread t taking tasks t, t + T, t + 2T, ...
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units * kv_heads));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) k.attention_units(a, t, threads);
+                  key.stride(1), key.stride(2), value.stride(1), value.stride(2), (float)scale, (float)softcap,
+                  data_type(query, "query")};
+  if (!grouped) {
+    interleaved(units * kv_heads, [&](int64_t t, int64_t step) { k.attention_units(a, t, step); });
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) { k.attention_merge(a, begin, end); });
+    return out;
+  }
+  Groups g = row_groups(a.row_pairs, a.pair_index, rows, width);
+  RowGroups view{g.rows.data(), g.row_start.data(), g.units.data(), g.unit_start.data(),
+                 (int64_t)g.row_start.size() - 1};
+  const int64_t per_thread = (MD_MAX_GROUP_ROWS * group + heads) * (dim + 2);
+  at::Tensor scratch = at::empty({at::get_num_threads(), per_thread}, query.options().dtype(at::kFloat));
+  interleaved(view.count * kv_heads, [&](int64_t t, int64_t step) {
+    k.attention_groups(a, view, t, step, scratch.data_ptr<float>() + t * per_thread);
   });
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) { k.attention_merge(a, begin, end); });
   return out;
 }
 
@@ -201,7 +252,7 @@ TORCH_LIBRARY(multidecode, m) {
   m.def("quantize_rows(Tensor x, int isa) -> (Tensor, Tensor, Tensor)");
   m.def("qlinear(Tensor x, Tensor codes, Tensor scales, int out_features, int bits, Tensor? bias, int isa) -> Tensor");
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor unit_slots, Tensor unit_rows, Tensor unit_bits, "
-        "Tensor row_pairs, Tensor pair_index, float scale, float softcap, int isa) -> Tensor");
+        "Tensor row_pairs, Tensor pair_index, float scale, float softcap, int merge, int isa) -> Tensor");
   m.def("best_isa() -> int", &multidecode::best_isa);
 }
 
