@@ -151,6 +151,9 @@ inline void quantize_impl(const QuantizeArgs& a, int64_t m0, int64_t m1) {
 // 32g + 8c + b in its low half and of 32g + 8c + 4 + b in its high half (4 chunks). 8 bits: chunk
 // c's byte 4l + b is the signed code of input 32g + 4c + b (8 chunks). Steps and lows: float16
 // [panel, group, 16 steps, then 16 lows (4 bits)].
+constexpr int PREFETCH_GROUPS = 4;
+// How many groups ahead a tile asks for its codes (a one-row product streams them from memory once).
+
 template <int MR, int NP, int BITS>
 inline void qlinear_tile(const QLinearArgs& a, int64_t m, int64_t p) {
   constexpr int CHUNKS = BITS == 4 ? 4 : 8;
@@ -166,7 +169,11 @@ inline void qlinear_tile(const QLinearArgs& a, int64_t m, int64_t p) {
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NP; ++j) dots[r][j] = i_zero();
     const uint8_t* codes[NP];
-    for (int j = 0; j < NP; ++j) codes[j] = a.codes + ((p + j) * groups + g) * CHUNKS * 64;
+    for (int j = 0; j < NP; ++j) {
+      codes[j] = a.codes + ((p + j) * groups + g) * CHUNKS * 64;
+      for (int c = 0; c < CHUNKS; ++c) __builtin_prefetch(codes[j] + (PREFETCH_GROUPS * CHUNKS + c) * 64);
+      __builtin_prefetch(a.scales + ((p + j) * groups + g + PREFETCH_GROUPS) * HALVES);
+    }
     for (int c = 0; c < CHUNKS; ++c) {
       if (BITS == 4) {
         B low_x[MR], high_x[MR];
