@@ -25,6 +25,7 @@ from tiny_models import MAIN_ARCHITECTURES, reference_generate, tiny_model
 from multidecode import exact, kernels
 from multidecode.api import decode
 from multidecode.engine import Engine
+from multidecode.errors import NotBitExact
 from multidecode.exact import BLOCK, plan_attention
 from multidecode.models.packed import pack_model
 from multidecode.scheduler import Feed
@@ -273,3 +274,36 @@ def test_each_row_reads_each_of_its_position_blocks_once_and_chains_share_theirs
     chain_blocks = {tuple(plan.slots[e].tolist()) for e, rows in enumerate(plan.rows.tolist())
                     if any(0 <= r < 150 for r in rows)}
     assert len(chain_blocks) <= 3 + 2  # the chain's 3, and the branches' own blocks are not the chain's rows
+
+
+def test_decode_puts_a_users_model_on_the_exact_kernels_and_back():
+    """`decode` on a model the user holds runs on the exact kernels (each branch gets the bits of
+    its path alone) and leaves the model as it found it: its own linear layers and attention."""
+    model = copy.deepcopy(tiny_model("qwen2", "sdpa")).to(torch.bfloat16)
+    layers = [type(m) for m in model.modules()]
+    prefix, branches = [1, 17, 29, 44, 5] * 3, [[7, 8], [9], [11, 12, 13]]
+    together = decode(model, prefix, branches, max_new_tokens=12, eos_token_id=[])
+    assert [type(m) for m in model.modules()] == layers and not exact.is_exact(model)
+    assert model.config._attn_implementation == "sdpa"
+    for branch, ids in zip(branches, together):
+        assert decode(model, prefix + branch, [[]], max_new_tokens=12, eos_token_id=[])[0] == ids
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_the_portable_kernels_are_exact_too(monkeypatch, precision):
+    """Where no compiler built the kernels, packed models run on the same definitions in torch:
+    every node still equals its path alone."""
+    monkeypatch.setattr(kernels, "native", lambda: False)
+    model = exact_model("llama", "sdpa", precision)
+    for seed in range(2):
+        bad, fed = differing(model, seed=seed)
+        assert fed and not bad, f"seed {seed}: {len(bad)} of {fed} nodes differ from their paths alone"
+
+
+def test_float_weights_without_the_compiled_kernels_are_refused(monkeypatch):
+    monkeypatch.setattr(kernels, "native", lambda: False)
+    model = copy.deepcopy(tiny_model("llama", "sdpa"))
+    with pytest.raises(NotBitExact, match="compiled kernels") as refused:
+        exact.use_exact_kernels(model)
+    assert "exact=False" in refused.value.hint
+    assert not exact.is_exact(model) and isinstance(model.lm_head, torch.nn.Linear)  # nothing changed

@@ -199,3 +199,16 @@ def test_rows_merged_in_groups_give_the_bits_of_merged_partials(generator, dtype
         for isa in LEVELS:
             grouped = kernels.attention(*args, merge=kernels.MERGE_GROUPS, isa=isa)
             assert torch.equal(grouped, out), f"{kernels.LEVELS[isa]}, {rows} rows"
+
+
+def test_a_build_folder_without_its_finished_mark_is_not_trusted(tmp_path, monkeypatch):
+    """A build that stopped half-way (no `built` mark beside the library) is built again, never
+    loaded; the mark is written last."""
+    from multidecode.kernels import build
+
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path))
+    build.folder().mkdir(parents=True)
+    build.library_path().write_bytes(b"half a library")
+    assert not build.built()
+    (build.folder() / build.DONE).write_text(build.key())
+    assert build.built()

@@ -8,28 +8,39 @@ These are facts about the source, not the behaviour, kept true by a test so that
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "multidecode"
 
-LAYERS = [
-    ("base", {"version", "errors", "user_cache", "data"}),
-    ("models and data structures", {"kernels", "models", "attention", "exact", "masks", "forest", "cache", "memory"}),
-    ("the engine", {"engine", "cost", "scheduler", "sampling", "stopping", "prompts", "verify"}),
-    ("decoding", {"branches", "proposers", "speculation"}),
-    ("strategies and the runtime", {"strategies", "runtime"}),
-    ("the entry points", {"api", ""}),
-    ("drivers", {"batch", "serving", "explain", "training"}),
-    ("benchmarks", {"bench"}),
-    ("the command line", {"cli"}),
-    ("python -m multidecode", {"__main__"}),
-]
-"""Bottom to top. A module imports from its own layer or below; "" is the package root."""
+DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
-PERIPHERY = {"drivers", "benchmarks", "the command line", "python -m multidecode"}
-"""Layers whose groups never import each other sideways (batch from serving, say)."""
+
+def design_layers() -> tuple[list[tuple[str, set[str]]], set[str]]:
+    """The layer table of docs/design.md's "Layout" (bottom to top): [(layer, its module groups)],
+    and the layers below its "periphery" rule. A group is a module or package name as the table
+    writes it ("engine.py" -> "engine", "models/" -> "models"; the package's "__init__.py" -> "")."""
+    text = DESIGN.read_text(encoding="utf-8").split("## Layout", 1)[1]
+    table = text.split("```", 2)[1].strip().splitlines()[2:]  # after the header and its rule
+    layers, periphery, below_rule = [], set(), False
+    for line in table:
+        if line.startswith("----"):
+            below_rule = True
+            continue
+        name, modules = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        groups = {token.strip("(),").removesuffix(".py").removesuffix("/")
+                  for token in modules.split() if token.strip("(),").endswith((".py", "/"))}
+        layers.append((name, {"" if g == "__init__" else g for g in groups}))
+        if below_rule:
+            periphery.add(name)
+    return layers, periphery
+
+
+LAYERS, PERIPHERY = design_layers()
+"""Bottom to top. A module imports from its own layer or below; "" is the package root. Layers
+below the table's periphery rule never import each other's groups sideways."""
 
 LONG_FUNCTIONS: dict[str, str] = {}
 """Functions allowed over `MAX_FUNCTION_LINES`, by "module:function", with the reason."""
@@ -85,7 +96,7 @@ def layer(name: str) -> int:
     for index, (_, groups) in enumerate(LAYERS):
         if group(name) in groups:
             return index
-    raise AssertionError(f"{name} is in no layer: add its group to LAYERS (and to docs/design.md)")
+    raise AssertionError(f"{name} is in no layer: add its group to the layer table of docs/design.md")
 
 
 GRAPH = {name: imports_of(name) for name in MODULES}

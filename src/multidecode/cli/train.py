@@ -11,6 +11,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ..training import TRAINABLE
 from .common import load_decoder, model_options, report_errors, stderr
 
 PHASES = {"write": "the model writes answers", "read": "the model reads them back", "train": "the heads learn"}
@@ -19,7 +20,7 @@ UNITS = {"write": "prompts", "read": "sequences", "train": "steps"}
 
 @click.command("train-drafter")
 @model_options
-@click.option("--kind", type=click.Choice(["medusa", "eagle"]), default="medusa", show_default=True,
+@click.option("--kind", type=click.Choice(TRAINABLE), default="medusa", show_default=True,
               help="What to train: Medusa heads, or an EAGLE-style decoder layer, on the model's last hidden state.")
 @click.option("--prompts", "prompts", default=None, metavar="FILE.jsonl",
               help='Prompts to distill on, one {"prompt": ...} or {"document": ..., "question": ...} per line '

@@ -66,6 +66,13 @@ def library_path() -> Path:
     return folder() / f"{NAME}.so"
 
 
+def built() -> bool:
+    """Whether this build's library is there and finished: a build that stopped half-way leaves
+    no mark beside it, and is built again rather than loaded."""
+    path = library_path()
+    return path.exists() and (path.parent / DONE).exists()
+
+
 def compiler() -> str | None:
     """The C++ compiler torch's builder would use, if it is on this machine."""
     import os
@@ -80,7 +87,7 @@ def load(*, build: bool = True, progress: Callable[[str], None] | None = None) -
     if hasattr(torch.ops.multidecode, "qlinear"):
         return Built(library_path())
     path = library_path()
-    if (path.parent / DONE).exists() and path.exists():
+    if built():
         torch.ops.load_library(str(path))
         return Built(path)
     if not build:
@@ -112,4 +119,4 @@ def _build(path: Path, progress: Callable[[str], None] | None) -> Built:
     return Built(path)
 
 
-__all__ = ["Built", "folder", "key", "library_path", "load"]
+__all__ = ["Built", "built", "folder", "key", "library_path", "load"]

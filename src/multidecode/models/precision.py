@@ -4,8 +4,9 @@ A user picks one of `PRECISIONS` (`load(precision=...)`, `--precision`):
 
 - `float32`, `bfloat16`, `float16`: weights and activations in that dtype (float16 on CUDA only:
   on this project's CPUs it has no fast kernels);
-- `int8`, `int4`: weight-only codes (`packed`: groups of 32 weights with a scale and an offset),
-  activations in bfloat16; CPU only (the packed kernels here are torch's CPU kernels);
+- `int8`, `int4`: weight-only codes (`packed`: groups of 32 weights with a step and a low),
+  multiplied by int8 activations (`kernels.qlinear`), the rest of the network in bfloat16; CPU
+  only (the packed kernels are CPU kernels);
 - `auto` (the default): what the model's file holds. A GGUF file keeps its quantization: its 4-bit
   formats (Q4_0, Q4_1, Q4_K) as 4-bit codes, Q8_0 as 8-bit codes, any other tensor type at the
   nearest precision kept (the model's report says which, tensor by tensor). A Hugging Face folder
@@ -70,7 +71,7 @@ def check(name: str, device: torch.device) -> None:
         raise InvalidArgument("float16 has no fast kernels on a CPU here",
                               "use --precision bfloat16 (or int4/int8) on a CPU; float16 is for CUDA")
     if name in BITS and device.type != "cpu":
-        raise InvalidArgument(f"{name} weights use torch's packed CPU kernels, and this model runs on {device}",
+        raise InvalidArgument(f"{name} weights use multidecode's packed CPU kernels, and this model runs on {device}",
                               "use --precision bfloat16 on CUDA, or --device cpu for packed weights")
 
 

@@ -7,6 +7,6 @@
 - `margins`: writing in the margins (arXiv 2408.14906): a note per chunk of a long context, all
   chunks in one pass, then an answer from the relevant notes.
 
-Each module adds nodes, reads logits and decides which leaves live on through `decoding` and the
-`Engine`; none calls the model itself, and none copies another.
+Each module adds nodes, reads logits and decides which leaves live on through `branches` and the
+`Scheduler`; none calls the model itself, and none copies another.
 """

@@ -42,10 +42,11 @@ from ..proposers.drafting import vocabulary_size
 from ..proposers.eagle import EagleHead, head_config
 from ..proposers.heads import fingerprint, head_dir
 from ..proposers.medusa import MedusaHeads
+from . import TRAINABLE
 from .features import TOP, Features, load_features
 from .trainees import EagleTrainee, MedusaTrainee
 
-KINDS = ("medusa", "eagle")
+KINDS = TRAINABLE
 
 
 RECIPE = 2

@@ -113,7 +113,18 @@ inline F f_round_even(F a) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = __bui
 inline void f_store_bf16(uint16_t* p, F a) { for (int l = 0; l < LANES; ++l) p[l] = f32_to_bf16(a.x[l]); }
 inline void f_store(float* p, F a) { for (int l = 0; l < LANES; ++l) p[l] = a.x[l]; }
 inline void f_store_n(float* p, F a, int n) { for (int l = 0; l < n; ++l) p[l] = a.x[l]; }
-inline F f_exp(F a) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = exp_scalar(a.x[l]); return o; }
+inline F f_pow2(F n) {
+  F o;
+  for (int l = 0; l < LANES; ++l) {
+    int32_t e = ((int32_t)n.x[l] + 127) << 23;
+    memcpy(&o.x[l], &e, 4);
+  }
+  return o;
+}
+inline F f_zero_below(F value, F x, float low) {  // 0 where x < low (or NaN)
+  for (int l = 0; l < LANES; ++l) value.x[l] = x.x[l] >= low ? value.x[l] : 0.0f;
+  return value;
+}
 inline F f_from_i(I a) { F o; for (int l = 0; l < LANES; ++l) o.x[l] = (float)a.x[l]; return o; }
 inline float f_sum_tree(F a) {
   for (int width = 8; width >= 1; width /= 2)
@@ -205,23 +216,14 @@ inline void f_store_n(float* p, F a, int n) {
   _mm256_maskstore_ps(p, mask8(n), a.lo);
   _mm256_maskstore_ps(p + 8, mask8(n - 8), a.hi);
 }
-inline __m256 exp8(__m256 x) {
-  __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LOW), _CMP_GE_OQ);  // false below, and for NaN
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LOW)), _mm256_set1_ps(EXP_HIGH));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-  __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(P0), r, _mm256_set1_ps(P1));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P2));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P3));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P4));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(P5));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
-  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), live);
+inline __m256 pow2_8(__m256 n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
-inline F f_exp(F a) { return {exp8(a.lo), exp8(a.hi)}; }
+inline F f_pow2(F n) { return {pow2_8(n.lo), pow2_8(n.hi)}; }
+inline F f_zero_below(F value, F x, float low) {  // 0 where x < low (or NaN)
+  return {_mm256_and_ps(value.lo, _mm256_cmp_ps(x.lo, _mm256_set1_ps(low), _CMP_GE_OQ)),
+          _mm256_and_ps(value.hi, _mm256_cmp_ps(x.hi, _mm256_set1_ps(low), _CMP_GE_OQ))};
+}
 inline F f_from_i(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline float f_sum_tree(F a) {
   __m256 s8 = _mm256_add_ps(a.lo, a.hi);
@@ -320,22 +322,11 @@ inline void f_store_bf16(uint16_t* p, F a) {  // round to nearest even, NaN quie
 }
 inline void f_store(float* p, F a) { _mm512_storeu_ps(p, a.v); }
 inline void f_store_n(float* p, F a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), a.v); }
-inline F f_exp(F a) {
-  __m512 x = a.v;
-  __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LOW), _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LOW)), _mm512_set1_ps(EXP_HIGH));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(P0), r, _mm512_set1_ps(P1));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P2));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P3));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P4));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P5));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
-  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return {_mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(e))};
+inline F f_pow2(F n) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
+}
+inline F f_zero_below(F value, F x, float low) {  // 0 where x < low (or NaN)
+  return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(low), _CMP_GE_OQ), value.v)};
 }
 inline F f_from_i(I a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline float f_sum_tree(F a) {
@@ -396,6 +387,22 @@ inline I i_dot_ss(I acc, B c, B s) {  // |c| * (s negated where c < 0)
 #endif
 
 // ---------------------------------------------------------------------------------- shared by every set
+// exp of each lane: `exp_scalar`'s steps, lane by lane.
+inline F f_exp(F x) {
+  F clamped = f_min(f_max(x, f_set1(EXP_LOW)), f_set1(EXP_HIGH));
+  F n = f_round_even(f_mul(clamped, f_set1(LOG2E)));
+  F r = f_fma(n, f_set1(-LN2_HI), clamped);
+  r = f_fma(n, f_set1(-LN2_LO), r);
+  F y = f_fma(f_set1(P0), r, f_set1(P1));
+  y = f_fma(y, r, f_set1(P2));
+  y = f_fma(y, r, f_set1(P3));
+  y = f_fma(y, r, f_set1(P4));
+  y = f_fma(y, r, f_set1(P5));
+  y = f_fma(y, f_mul(r, r), r);
+  y = f_add(y, f_set1(1.0f));
+  return f_zero_below(f_mul(y, f_pow2(n)), x, EXP_LOW);
+}
+
 inline F f_load_any(const float* p) { return f_load(p); }
 inline F f_load_any(const uint16_t* p) { return f_load_bf16(p); }
 inline F f_load_any_n(const float* p, int n) { return f_load_n(p, n); }
