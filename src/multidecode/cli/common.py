@@ -252,6 +252,13 @@ def load_decoder(model_name: str | None, precision: str | None, device: str | No
     from ..api import load
     from ..errors import NotBitExact
 
+    from .. import kernels
+
+    if exact and not kernels.build.built():  # setup builds them; a bare install does it here, once
+        with stderr.status("Compiling multidecode's kernels for this CPU (once, about a minute)..."):
+            built = kernels.status()
+        if built.library is None:
+            stderr.print(f"[yellow]note:[/yellow] {escape(built.reason)}; packed models run on the portable kernels")
     message = _first_read(model_name, precision) or f"Loading {escape(model_name or 'the embedded model')}..."
     start = time.perf_counter()
     with stderr.status(message):
