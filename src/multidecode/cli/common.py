@@ -249,10 +249,9 @@ def read_lines(path: str, what: str = "questions") -> list[str]:
 def load_decoder(model_name: str | None, precision: str | None, device: str | None, *, exact: bool = True):
     """Load a MultiDecoder, with a status line on stderr (saying so when a GGUF file is first read).
     exact: see `load` (False: the model's own attention, for work that needs no batch invariance)."""
+    from .. import kernels
     from ..api import load
     from ..errors import NotBitExact
-
-    from .. import kernels
 
     if exact and not kernels.build.built():  # setup builds them; a bare install does it here, once
         with stderr.status("Compiling multidecode's kernels for this CPU (once, about a minute)..."):
