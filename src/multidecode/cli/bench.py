@@ -401,6 +401,26 @@ def bench_precision(model_name, precisions, workloads, max_new_tokens, context_t
         transformers=transformers, repeats=repeats, budget_s=budget), output, stem)
 
 
+@bench.command("startup")
+@click.option("--model", "model_name", default=None, metavar="FILE.gguf",
+              help="A GGUF file (default: the embedded SmolLM2-135M-Instruct's).")
+@click.option("--threads", type=int, default=2, show_default=True, help="Threads of every process.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Processes per start and method (median).")
+@click.option("--llama/--no-llama", "with_llama", default=True, show_default=True,
+              help="Measure llama.cpp on the same file (needs pip install 'multidecode[peers]').")
+@output_options
+@report_errors
+def bench_startup(model_name, threads, repeats, with_llama, output, stem):
+    """The wait before the first token, cold (an empty user cache) and warm: import, load, first token and
+    the whole `multidecode generate` command, against llama.cpp on the same file; each run its own process."""
+    from ..bench.startup import run_startup_benchmark
+
+    check_run(output, threads)
+    check_counts(repeats=repeats)
+    run_and_report("startup", lambda progress: run_startup_benchmark(
+        model_name, threads=threads, repeats=repeats, with_llama=with_llama, progress=progress), output, stem)
+
+
 @bench.command("redraw")
 @click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False), metavar="FILE.json...")
 @report_errors
