@@ -293,7 +293,7 @@ def _first_read(model_name: str | None, precision: str | None) -> str | None:
         return None
     if floats:
         return f"Converting {name} to a float32 cache (once, about 20 s for the embedded model; `multidecode cache list` shows it)..."
-    return f"Reading {name} (once: its config and tokenizer are kept in the user cache)..."
+    return f"Reading {name} (once: its config, tokenizer and packed weights are kept in the user cache)..."
 
 
 def _model_label(decoder, model_name) -> str:
