@@ -16,6 +16,7 @@ import torch
 from gguf_files import write_tiny_gguf
 
 from multidecode.models import converted, gguf, loading, packed, packed_cache
+from multidecode.models.tensor_directory import TensorDirectory
 
 IDS = torch.tensor([[3, 17, 42, 101, 7, 250]])
 
@@ -171,3 +172,35 @@ def test_a_cache_that_cannot_be_written_costs_speed_not_the_model(cache, tmp_pat
     conversions.clear()
     load(path)
     assert conversions and len(packed_files()) == 1  # written by the next load that can
+
+
+# ---------------------------------------------------------------------- the tensor directory
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "F16", "F32", "Q4_K"])
+def test_the_directory_read_from_the_header_is_gguf_pys(tmp_path, kind):
+    shape = {"hidden": 256, "ffn": 256} if kind == "Q4_K" else {}
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", matrix_type=kind, **shape)
+    assert TensorDirectory.read(path) == TensorDirectory.read_with_gguf(path)
+
+
+def test_the_directory_honours_the_files_alignment(tmp_path):
+    import gguf as gguf_py
+    import numpy as np
+
+    path = tmp_path / "aligned.gguf"
+    writer = gguf_py.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(256)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "def"])
+    writer.add_tensor("odd", np.arange(7, dtype=np.float32))
+    writer.add_tensor("after", np.ones((3, 5), dtype=np.float16))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    directory = TensorDirectory.read(path)
+    assert directory == TensorDirectory.read_with_gguf(path)
+    assert all(t["offset"] % 256 == 0 for t in directory.tensors)
+
+
+@pytest.mark.embedded
+def test_the_embedded_models_directory_read_from_the_header_is_gguf_pys():
+    path = converted.embedded_gguf()
+    assert TensorDirectory.read(path) == TensorDirectory.read_with_gguf(path)
