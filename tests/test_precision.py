@@ -22,8 +22,9 @@ import multidecode
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument
 from multidecode.models import precision
-from multidecode.models.gguf import TensorDirectory, codes_of
+from multidecode.models.gguf import codes_of
 from multidecode.models.packed import PackedEmbedding, PackedLinear, linear_of, quantize
+from multidecode.models.tensor_directory import TensorDirectory
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -15,66 +15,55 @@ Entry points:
   `SuffixProposer`, `Lookahead`, `DraftModel`, `self_draft`); see `speculation`.
 """
 
+import importlib
+import importlib.util
 import logging
 
-from .api import MultiDecoder, decode, load
-from .branches import TokenEvent
-from .errors import (
-    CacheUnwritable,
-    InvalidArgument,
-    InvalidInput,
-    ModelNotFound,
-    MultiDecodeError,
-    PromptTooLong,
-    UnsupportedModel,
-)
-from .proposers import BranchContext, DraftTree, Proposer
-from .proposers.draft import DraftModel
-from .proposers.lookahead import Lookahead
-from .proposers.lookup import PromptLookup
-from .proposers.self_draft import self_draft
-from .proposers.suffix import SuffixProposer
-from .sampling import SamplingParams
-from .scheduler import CompactionPolicy
-from .speculation import Speculation, SpeculationSettings
-from .strategies.ask import Answer
-from .strategies.beam import Beam
-from .strategies.complete import Completion
-from .strategies.vote import Trace, Vote, extract_answer
 from .version import __version__
 
-__all__ = [
-    "Answer",
-    "Beam",
-    "BranchContext",
-    "CacheUnwritable",
-    "CompactionPolicy",
-    "Completion",
-    "DraftModel",
-    "DraftTree",
-    "InvalidArgument",
-    "InvalidInput",
-    "Lookahead",
-    "ModelNotFound",
-    "MultiDecodeError",
-    "MultiDecoder",
-    "PromptLookup",
-    "PromptTooLong",
-    "Proposer",
-    "SamplingParams",
-    "Speculation",
-    "SpeculationSettings",
-    "SuffixProposer",
-    "TokenEvent",
-    "Trace",
-    "UnsupportedModel",
-    "Vote",
-    "__version__",
-    "decode",
-    "extract_answer",
-    "load",
-    "self_draft",
-]
+_EXPORTS = {
+    "MultiDecoder": "api", "decode": "api", "load": "api",
+    "TokenEvent": "branches",
+    "CacheUnwritable": "errors", "InvalidArgument": "errors", "InvalidInput": "errors",
+    "ModelNotFound": "errors", "MultiDecodeError": "errors", "PromptTooLong": "errors",
+    "UnsupportedModel": "errors",
+    "BranchContext": "proposers", "DraftTree": "proposers", "Proposer": "proposers",
+    "DraftModel": "proposers.draft",
+    "Lookahead": "proposers.lookahead",
+    "PromptLookup": "proposers.lookup",
+    "self_draft": "proposers.self_draft",
+    "SuffixProposer": "proposers.suffix",
+    "SamplingParams": "sampling",
+    "CompactionPolicy": "scheduler",
+    "Speculation": "speculation", "SpeculationSettings": "speculation",
+    "Answer": "strategies.ask",
+    "Beam": "strategies.beam",
+    "Completion": "strategies.complete",
+    "Trace": "strategies.vote", "Vote": "strategies.vote", "extract_answer": "strategies.vote",
+}
+"""The names the package exports -> the module that defines each. They are imported on first
+use (PEP 562): `import multidecode` alone costs milliseconds, not the seconds torch and
+transformers take, which only what needs a model pays."""
+
+__all__ = ["__version__"]
+__all__ += list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """An exported name, imported from its module on first use (and kept); or a submodule, as
+    `multidecode.<submodule>` was reachable when the package imported everything eagerly."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 # A library logs, never prints: without this, Python writes its warnings to stderr by itself.
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -1,21 +1,40 @@
-"""The `multidecode` command: one sub-command per use case, each a thin module in this package."""
+"""The `multidecode` command: one sub-command per use case, each a thin module in this package.
+
+A sub-command's module is imported when that sub-command runs (or `--help` lists them all):
+`multidecode generate` loads no server, benchmark, batch or training stack.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 import click
 
 from ..version import __version__
-from .batch import batch
-from .bench import bench
-from .cache import cache
-from .decoding import ask, beam, complete, generate, margins, vote
-from .demo import demo
-from .explain import explain
-from .serve import serve
-from .train import train_drafter
+
+COMMANDS = {
+    "ask": "decoding", "generate": "decoding", "complete": "decoding", "beam": "decoding",
+    "margins": "decoding", "vote": "decoding", "batch": "batch", "demo": "demo", "bench": "bench",
+    "explain": "explain", "serve": "serve", "cache": "cache", "train-drafter": "train",
+}
+"""Each sub-command -> the module of this package that defines it (as the command's name with
+"_" for "-")."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class LazyCommands(click.Group):
+    """A group whose sub-commands are imported from their modules (`COMMANDS`) when asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        module = COMMANDS.get(name)
+        if module is None:
+            return None
+        return getattr(importlib.import_module(f".{module}", __name__), name.replace("-", "_"))
+
+
+@click.group(cls=LazyCommands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="multidecode")
 def main() -> None:
     """Generate many things at once from one causal language model, exactly.
@@ -23,7 +42,3 @@ def main() -> None:
     MultiDecode puts many token sequences in one shared KV cache, each token at the position of
     its depth and seeing only its ancestors, so one forward pass advances them all.
     """
-
-
-for command in (ask, generate, complete, beam, margins, vote, batch, demo, bench, explain, serve, cache, train_drafter):
-    main.add_command(command)

@@ -274,7 +274,8 @@ def load_decoder(model_name: str | None, precision: str | None, device: str | No
 
 def _first_read(model_name: str | None, precision: str | None) -> str | None:
     """The status line of a GGUF model's first load, which writes a copy to the user cache: its
-    config and tokenizer (packed precisions, seconds) or all its weights in float32 (float ones)."""
+    config, tokenizer and packed weights (packed precisions, seconds) or all its weights in float32
+    (float ones)."""
     from ..models.converted import embedded_copy, gguf_copy
 
     if model_name is not None and not model_name.lower().endswith(".gguf"):
@@ -293,7 +294,7 @@ def _first_read(model_name: str | None, precision: str | None) -> str | None:
         return None
     if floats:
         return f"Converting {name} to a float32 cache (once, about 20 s for the embedded model; `multidecode cache list` shows it)..."
-    return f"Reading {name} (once: its config and tokenizer are kept in the user cache)..."
+    return f"Reading {name} (once: its config, tokenizer and packed weights are kept in the user cache)..."
 
 
 def _model_label(decoder, model_name) -> str:

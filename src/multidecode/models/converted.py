@@ -49,7 +49,8 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_COPY = "SmolLM2-135M-Instruct-float32"
 DESCRIBED = "-described"
 """The suffix of a copy that holds a GGUF file's config and tokenizer only: a packed precision
-reads the weights from the file itself, which keeps them as it stores them."""
+reads the weights from the file itself, which keeps them as it stores them (and keeps them,
+packed, beside the config: `packed_cache`)."""
 _COMPLETE = "multidecode-complete"
 MANIFEST = "multidecode-manifest.json"
 HEADER_BYTES = 1 << 20
@@ -140,14 +141,11 @@ def _converted(name: str, source, *, convert: bool, write=None) -> Path | None:
     if not convert:
         return None
     gguf = source()
-    with _unwritable(gguf, target.parent):
-        lock = _lock_path(name)
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive(lock):
-            if not (target / _COMPLETE).is_file():  # another process may have finished meanwhile
-                for partial in target.parent.glob(f"{_PARTIAL}{name}-*"):  # left by a killed conversion
-                    shutil.rmtree(partial, ignore_errors=True)
-                (write or _convert_gguf)(gguf, target)
+    with _unwritable(gguf, target.parent), locked_copy(name):
+        if not (target / _COMPLETE).is_file():  # another process may have finished meanwhile
+            for partial in target.parent.glob(f"{_PARTIAL}{name}-*"):  # left by a killed conversion
+                shutil.rmtree(partial, ignore_errors=True)
+            (write or _convert_gguf)(gguf, target)
     return target
 
 
@@ -178,7 +176,7 @@ def _describe_gguf(gguf: Path, target: Path) -> None:
     `target`, atomically."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from .gguf import TensorDirectory
+    from .tensor_directory import TensorDirectory
 
     with quiet_transformers(), loading_errors(gguf):
         identity = gguf_identity(gguf)
@@ -228,6 +226,24 @@ def _write_manifest(path: Path, gguf: Path, identity: GGUFIdentity, name: str, *
 
 def _lock_path(name: str) -> Path:
     return cache_dir() / _LOCKS / f"{name}.lock"
+
+
+@contextlib.contextmanager
+def locked_copy(name: str, *, or_unlocked: bool = False):
+    """Hold the lock of the cache copy `name`, waiting for it: what writes into a copy (converting
+    it, adding a model's packed weights to it) holds it, and `clear_cache` removes no copy another
+    process holds. or_unlocked: where no lock can be made (a read-only cache), go on without one
+    (for work that survives its writes failing) instead of raising the OSError."""
+    lock = _lock_path(name)
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        lock.touch()
+    except OSError:
+        if not or_unlocked:
+            raise
+        lock = None
+    with _exclusive(lock) if lock is not None else contextlib.nullcontext():
+        yield
 
 
 @contextlib.contextmanager

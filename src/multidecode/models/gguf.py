@@ -12,7 +12,9 @@ linear layers replaced by `PackedLinear`s (module replacement, as transformers' 
 its other tensors filled from the file, and what no file holds (rotary frequencies) initialized
 by the model class's own initializer. The config and the tokenizer come from the cache of
 converted models (`converted.gguf_copy(described=True)`: parsed once, seconds saved on every
-later load); the weights come from the file, memory-mapped, on every load.
+later load). The weights are read out of the memory-mapped file once (`read_weights`: codes
+taken apart and put in the kernels' layout) and kept beside the config (`packed_cache`); every
+later load memory-maps what was kept, and converts nothing.
 
 Tensor names and the row permutations some architectures' GGUF files apply (Llama's q and k
 projections) are transformers' own (`modeling_gguf_pytorch_utils`); a permutation of rows moves
@@ -21,9 +23,7 @@ whole blocks, so it applies to the raw blocks as it does to de-quantized rows.
 
 from __future__ import annotations
 
-import json
-from collections import Counter
-from dataclasses import dataclass
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,12 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModel
-from .packed import GROUP, Codes, PackedEmbedding, linear_of, quantize
+from ..kernels import portable
+from . import packed as packing
+from .converted import locked_copy
+from .packed import GROUP, Codes, PackedEmbedding, PackedLinear, quantize
+from .packed_cache import PackedFile, PackedWeights
+from .tensor_directory import TensorDirectory
 
 PACKED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
 """GGUF tensor types kept as codes, and their bits."""
@@ -41,62 +46,6 @@ RECODED = {"Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 8, "Q8_1": 8, "Q8_K": 8, "Q2
 their precision (float types stay float, at the activations' dtype)."""
 ROW_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor")
 """transformers' GGUF tensor processors that at most permute a linear weight's rows."""
-
-
-DIRECTORY = "gguf-tensors.json"
-
-
-@dataclass(frozen=True)
-class TensorDirectory:
-    """Where each tensor of a GGUF file lies: its name, type, dims (ggml order), byte offset and
-    size, and the file's architecture. Parsing a file's metadata takes seconds (its vocabulary is
-    thousands of fields): the directory is kept beside the config, and tensors are then read
-    straight out of the memory-mapped file."""
-
-    architecture: str
-    tensors: list[dict]
-
-    @classmethod
-    def read(cls, path: str | Path) -> TensorDirectory:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-        return cls(architecture, [{"name": t.name, "type": t.tensor_type.name, "dims": [int(d) for d in t.shape],
-                                   "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors])
-
-    @classmethod
-    def load(cls, folder: str | Path) -> TensorDirectory:
-        data = json.loads((Path(folder) / DIRECTORY).read_text(encoding="utf-8"))
-        return cls(data["architecture"], data["tensors"])
-
-    def save_pretrained(self, folder: str | Path) -> None:
-        payload = {"architecture": self.architecture, "tensors": self.tensors}
-        (Path(folder) / DIRECTORY).write_text(json.dumps(payload), encoding="utf-8")
-
-    def tensor_bytes(self) -> int:
-        """The bytes of the file's tensors (its size without the header and metadata)."""
-        return sum(t["bytes"] for t in self.tensors)
-
-    def types(self) -> Counter:
-        """How many of the file's matrices (2-d tensors) are of each GGUF type."""
-        return Counter(t["type"] for t in self.tensors if len(t["dims"]) == 2)
-
-    def arrays(self, path: str | Path):
-        """(name, type, raw array) of each tensor, memory-mapped: quantized types as
-        [rows, bytes per row] uint8, float types as their numpy dtype."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import quant_shape_to_byte_shape
-
-        floats = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
-        data = np.memmap(path, dtype=np.uint8, mode="r")
-        for t in self.tensors:
-            raw = data[t["offset"]: t["offset"] + t["bytes"]]
-            shape = tuple(reversed(t["dims"]))
-            if t["type"] in floats:
-                yield t["name"], t["type"], raw.view(floats[t["type"]]).reshape(shape)
-            else:
-                yield t["name"], t["type"], raw.reshape(quant_shape_to_byte_shape(shape, GGMLQuantizationType[t["type"]]))
 
 
 def codes_of(raw: np.ndarray, kind: str) -> Codes:
@@ -147,21 +96,51 @@ def load_packed(path: str | Path, folder: str | Path, *, bits: int | None, dtype
 
     bits: the codes' width, None to keep each tensor's own (a tensor of another width than asked
     is de-quantized and re-coded). dtype: the compute dtype of activations and unpacked tensors.
-    Returns the model and what each tensor ended as (by the file's tensor name).
+    The packed weights are read from the file once and kept in `folder` (`packed_cache`), then
+    memory-mapped from there. Returns the model and what each tensor ended as (by the file's
+    tensor name).
     """
-    from gguf import GGMLQuantizationType, dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     model.generation_config = GenerationConfig.from_pretrained(folder)
+    weights = _kept_weights(Path(path), Path(folder), model, bits=bits, dtype=dtype)
+    _fill(model, weights, dtype)
+    _tie(model, config)
+    _initialize_leftovers(model)
+    model.eval()
+    return model, dict(weights.report)
+
+
+def _kept_weights(path: Path, folder: Path, model: nn.Module, *, bits: int | None, dtype: torch.dtype) -> PackedWeights:
+    """The packed weights kept in the cache for this file, bits and dtype, else read from the file
+    (under the copy's lock, so two first loads read it once) and kept there."""
+    kept = PackedFile.of(path, folder, bits=bits, dtype=dtype, makers=(portable, packing, sys.modules[__name__]))
+    weights = kept.read()
+    if weights is not None:
+        return weights
+    with locked_copy(folder.name, or_unlocked=True):
+        weights = kept.read()  # another process may have written it meanwhile
+        if weights is None:
+            weights = read_weights(path, folder, model, bits=bits, dtype=dtype)
+            kept.write(weights)
+    return weights
+
+
+def read_weights(path: Path, folder: Path, model: nn.Module, *, bits: int | None, dtype: torch.dtype) -> PackedWeights:
+    """The packed weights of the GGUF file `path` for `model` (built from its config on the meta
+    device, not changed here), read out of the memory-mapped file (see the module notes)."""
+    from gguf import GGMLQuantizationType, dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
     directory = TensorDirectory.load(folder)
-    processor = TENSOR_PROCESSORS.get(directory.architecture, TensorProcessor)(config=config.get_text_config().to_dict())
-    names = _names(model, directory.architecture, config.get_text_config().num_hidden_layers)
+    text_config = model.config.get_text_config()
+    processor = TENSOR_PROCESSORS.get(directory.architecture, TensorProcessor)(config=text_config.to_dict())
+    names = _names(model, directory.architecture, text_config.num_hidden_layers)
     row_only = type(processor).__name__ in ROW_PROCESSORS
-    report: dict[str, str] = {}
+    weights = PackedWeights({}, {}, {})
     for file_name, kind, raw in directory.arrays(path):
         name = names.get(file_name)
         if name is None:
@@ -169,26 +148,31 @@ def load_packed(path: str | Path, folder: str | Path, *, bits: int | None, dtype
         linear = raw.ndim == 2 and _linear_like(_module(model, name), name)
         if row_only and linear and kind in PACKED_TYPES:
             codes = codes_of(processor.process(weights=raw, name=file_name).weights, kind)
-            report[file_name] = f"{kind} kept as {codes.bits}-bit codes"
+            weights.report[file_name] = f"{kind} kept as {codes.bits}-bit codes"
             if bits is not None and bits != codes.bits:
                 codes = quantize(codes.dequantize(), bits)
-                report[file_name] = f"{kind} re-coded as {bits}-bit codes (asked for)"
-            _place_linear(model, name, codes, dtype)
+                weights.report[file_name] = f"{kind} re-coded as {bits}-bit codes (asked for)"
+            _add_codes(weights, name, codes)
             continue
-        weights = dequantize(raw, GGMLQuantizationType[kind])
-        weights = torch.from_numpy(np.array(processor.process(weights=weights, name=file_name).weights, copy=True))
+        values = dequantize(raw, GGMLQuantizationType[kind])
+        values = torch.from_numpy(np.array(processor.process(weights=values, name=file_name).weights, copy=True))
         width = bits or PACKED_TYPES.get(kind) or RECODED.get(kind)
         if linear and width is not None:  # codes no packed kernel reads as they are: re-coded
-            _place_linear(model, name, quantize(weights, width), dtype)
+            _add_codes(weights, name, quantize(values, width))
             why = "a transform of its rows" if kind in PACKED_TYPES else f"{kind} has no packed kernel"
-            report[file_name] = f"{kind} re-coded as {width}-bit codes ({why})"
+            weights.report[file_name] = f"{kind} re-coded as {width}-bit codes ({why})"
         else:
-            _set_tensor(model, name, weights.to(dtype))
-            report[file_name] = f"{kind} as {str(dtype).removeprefix('torch.')}"
-    _tie(model, config)
-    _initialize_leftovers(model)
-    model.eval()
-    return model, report
+            weights.tensors[name] = values.to(dtype).reshape(_current(model, name).shape)
+            weights.report[file_name] = f"{kind} as {str(dtype).removeprefix('torch.')}"
+    return weights
+
+
+def _add_codes(weights: PackedWeights, name: str, codes: Codes) -> None:
+    """Add a linear weight's codes (`name`: the weight's parameter name) in the kernels' layout."""
+    module = name.rsplit(".", 1)[0]
+    rows, inner = codes.shape
+    weights.packed[module] = (codes.bits, rows, inner)
+    weights.tensors[f"{module}.codes"], weights.tensors[f"{module}.scales"] = codes.packed()
 
 
 def _names(model: nn.Module, architecture: str, layers: int) -> dict[str, str]:
@@ -220,34 +204,46 @@ def _linear_like(module: nn.Module, name: str) -> bool:
     return isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.shape[-1] % GROUP == 0
 
 
-def _place_linear(model: nn.Module, name: str, codes: Codes, dtype: torch.dtype) -> None:
-    """Put the packed codes where the file's tensor goes: a linear layer becomes a `PackedLinear`,
-    the input embedding a `PackedEmbedding` (with a packed LM head of its own codes)."""
-    path = name.rsplit(".", 1)[0]
+def _fill(model: nn.Module, weights: PackedWeights, dtype: torch.dtype) -> None:
+    """Put `weights` into `model`: each packed module in place of its layer (a linear layer
+    becomes a `PackedLinear`, the input embedding a `PackedEmbedding` with a packed LM head of
+    its own codes), every other tensor where it belongs."""
+    tensors = dict(weights.tensors)
+    for module, (bits, rows, inner) in weights.packed.items():
+        codes, scales = tensors.pop(f"{module}.codes"), tensors.pop(f"{module}.scales")
+        bias = tensors.pop(f"{module}.bias", None)
+        _place(model, module, PackedLinear(codes, scales, inner, rows, bias=bias, bits=bits, dtype=dtype))
+    for name, value in tensors.items():
+        _set_tensor(model, name, value)
+
+
+def _place(model: nn.Module, path: str, linear: PackedLinear) -> None:
     parent_name, _, child = path.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     module = getattr(parent, child)
     if isinstance(module, nn.Embedding):
-        head = linear_of(codes, dtype=dtype)
-        setattr(parent, child, PackedEmbedding(head, padding_idx=module.padding_idx,
-                                               embed_scale=_materialized(getattr(module, "embed_scale", None))))
-        return
-    bias = module.bias
-    setattr(parent, child, linear_of(codes, bias=None if bias is None or bias.is_meta else bias, dtype=dtype))
+        embed_scale = _materialized(getattr(module, "embed_scale", None))
+        linear = PackedEmbedding(linear, padding_idx=module.padding_idx, embed_scale=embed_scale)
+    setattr(parent, child, linear)
 
 
 def _materialized(value):
     return None if value is None or getattr(value, "is_meta", False) else value
 
 
+def _current(model: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer `name` of `model` as it stands (on the meta device: its shape)."""
+    module_name, _, attribute = name.rpartition(".")
+    return getattr(model.get_submodule(module_name) if module_name else model, attribute)
+
+
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, attribute = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
-    current = getattr(module, attribute)
-    if isinstance(current, nn.Parameter):
-        module._parameters[attribute] = nn.Parameter(value.reshape(current.shape), requires_grad=False)
+    if isinstance(getattr(module, attribute), nn.Parameter):
+        module._parameters[attribute] = nn.Parameter(value, requires_grad=False)
     else:
-        module._buffers[attribute] = value.reshape(current.shape)
+        module._buffers[attribute] = value
 
 
 def _tie(model: nn.Module, config) -> None:
@@ -276,4 +272,4 @@ def _initialize_leftovers(model: nn.Module) -> None:
                                "load it in float32 or bfloat16 (--precision bfloat16), which transformers converts")
 
 
-__all__ = ["PACKED_TYPES", "TensorDirectory", "codes_of", "load_packed"]
+__all__ = ["PACKED_TYPES", "codes_of", "load_packed", "read_weights"]

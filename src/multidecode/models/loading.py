@@ -101,7 +101,7 @@ def resolve_precision(model: str | os.PathLike | None = None, precision_name=Non
     if name != "auto":
         return precision.resolve(name, torch_device)
     if _is_gguf(model):
-        from .gguf import TensorDirectory
+        from .tensor_directory import TensorDirectory
 
         return precision.resolve(name, torch_device, gguf_types=TensorDirectory.load(_described(model)).types())
     folder, kwargs = locate(str(model))
@@ -122,7 +122,8 @@ def _load_gguf(model, chosen: precision.Precision, keep_widths: bool) -> Loaded:
     file (keep_widths: each tensor at its own width), or at a float one through its float32 copy."""
     from transformers import AutoTokenizer
 
-    from .gguf import TensorDirectory, load_packed
+    from .gguf import load_packed
+    from .tensor_directory import TensorDirectory
 
     path = embedded_gguf() if model is None else _gguf_file(str(model))
     source = "embedded" if model is None else str(path)

@@ -1,0 +1,206 @@
+"""The packed weights of a GGUF model kept in the user cache (`models.packed_cache`).
+
+The first packed load of a GGUF file writes its codes in the kernels' layout beside its described
+copy; later loads memory-map them and convert nothing. A file written for another GGUF file, bits
+or layout, or a damaged one, is rebuilt, and every way gives the same model, bit for bit. Every test
+writes its own tiny GGUF (`gguf_files`) and cache folder (the `cache` fixture).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from gguf_files import write_tiny_gguf
+
+from multidecode.models import converted, gguf, loading, packed, packed_cache
+from multidecode.models.tensor_directory import TensorDirectory
+
+IDS = torch.tensor([[3, 17, 42, 101, 7, 250]])
+
+
+@pytest.fixture
+def conversions(monkeypatch):
+    """Count the calls that turn a file's blocks into packed codes (gguf.codes_of, portable.pack)."""
+    calls = []
+
+    def counted(name, real):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(gguf, "codes_of", counted("codes_of", gguf.codes_of))
+    monkeypatch.setattr(packed, "pack", counted("pack", packed.pack))
+    return calls
+
+
+def load(model, precision=None):
+    """(the loaded model, its logits on IDS)."""
+    loaded = loading.load_model(None if model is None else str(model), precision_name=precision, device="cpu")
+    with torch.no_grad():
+        return loaded, loaded.model(IDS).logits
+
+
+def packed_files(folder=None):
+    folders = [folder] if folder else [p for p in converted.cache_dir().iterdir() if p.name.endswith("-described")]
+    return sorted(p.name for f in folders for p in f.glob("packed-*"))
+
+
+def fresh(tmp_path, model, precision=None):
+    """The logits of a load in a cache of its own (nothing kept: read from the file)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MULTIDECODE_CACHE", str(tmp_path / f"fresh-cache-{precision}"))
+        return load(model, precision)[1]
+
+
+def described_of(path):
+    return converted.gguf_copy(path, described=True, convert=False)
+
+
+# ---------------------------------------------------------------------- written once, mapped after
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K"])
+def test_the_second_load_maps_the_kept_weights_and_equals_the_first_bit_for_bit(cache, tmp_path, conversions, kind):
+    shape = {"hidden": 256, "ffn": 256} if kind == "Q4_K" else {}  # Q4_K: rows of 256-weight super-blocks
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", matrix_type=kind, **shape)
+    first, first_logits = load(path)
+    assert conversions and len(packed_files()) == 1
+    conversions.clear()
+    second, second_logits = load(path)
+    assert conversions == []  # nothing converted: the codes come from the kept file
+    assert torch.equal(first_logits, second_logits)
+    assert second.formats == first.formats and second.file_tensor_bytes == first.file_tensor_bytes
+    mine, theirs = first.model.state_dict(), second.model.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert packed.packed_bytes(first.model) == packed.packed_bytes(second.model)
+
+
+def test_each_precision_keeps_its_own_file(cache, tmp_path, conversions):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", matrix_type="Q4_0")
+    own, int8 = load(path)[1], load(path, "int8")[1]
+    assert len(packed_files()) == 2 and not torch.equal(own, int8)
+    conversions.clear()
+    assert torch.equal(load(path)[1], own) and torch.equal(load(path, "int8")[1], int8)
+    assert conversions == []
+    assert torch.equal(int8, fresh(tmp_path, path, "int8"))
+
+
+# ---------------------------------------------------------------------- never trusted when stale
+def test_a_changed_gguf_file_is_packed_again_even_where_its_described_copy_stays(cache, tmp_path, monkeypatch,
+                                                                                   conversions):
+    """The embedded model's described copy has a fixed name (a reinstall keeps it): the packed
+    file's key, not the folder, tells a changed file."""
+    path = write_tiny_gguf(tmp_path / "embedded.gguf", seed=0)
+    monkeypatch.setattr(converted, "embedded_gguf", lambda: path)
+    monkeypatch.setattr(loading, "embedded_gguf", lambda: path)
+    old = load(None)[1]
+    before = packed_files()
+    write_tiny_gguf(path, seed=1)  # same shapes and vocabulary, other weights
+    conversions.clear()
+    new = load(None)[1]
+    assert conversions and not torch.equal(old, new)
+    after = packed_files()
+    assert len(after) == 1 and after != before  # the stale file is gone
+    assert torch.equal(new, fresh(tmp_path, path))
+
+
+def test_a_changed_layout_is_packed_again(cache, tmp_path, monkeypatch, conversions):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    expected = load(path)[1]
+    monkeypatch.setattr(packed_cache, "FORMAT", packed_cache.FORMAT + 1)
+    conversions.clear()
+    assert torch.equal(load(path)[1], expected) and conversions
+    assert len(packed_files()) == 1
+
+
+# ---------------------------------------------------------------------- never trusted when damaged
+def _truncate(file):
+    os.truncate(file, file.stat().st_size // 2)
+
+
+def _garbage(file):
+    file.write_bytes(os.urandom(file.stat().st_size))
+
+
+def _one_byte_short(file):
+    os.truncate(file, file.stat().st_size - 1)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garbage, _one_byte_short])
+def test_a_damaged_file_is_rebuilt_and_gives_the_same_logits(cache, tmp_path, conversions, caplog, damage):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", matrix_type="Q4_1")
+    expected = load(path)[1]
+    (kept,) = described_of(path).glob("packed-*")
+    damage(kept)
+    conversions.clear()
+    with caplog.at_level(logging.WARNING, logger="multidecode.models"):
+        got = load(path)[1]
+    assert conversions and "rebuilding" in caplog.text
+    assert torch.equal(got, expected)
+    conversions.clear()
+    assert torch.equal(load(path)[1], expected) and conversions == []  # whole again
+
+
+def test_a_file_written_for_another_key_is_not_read(cache, tmp_path, conversions):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    expected = load(path)[1]
+    (kept,) = described_of(path).glob("packed-*")
+    other = write_tiny_gguf(tmp_path / "other.gguf", seed=3)
+    load(other)
+    (foreign,) = described_of(other).glob("packed-*")
+    os.replace(foreign, kept)  # another model's weights under this one's name
+    conversions.clear()
+    assert torch.equal(load(path)[1], expected) and conversions
+
+
+def test_a_cache_that_cannot_be_written_costs_speed_not_the_model(cache, tmp_path, conversions, caplog):
+    import safetensors.torch
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING, logger="multidecode.models"):
+        patch.setattr(safetensors.torch, "save_file", full)
+        got = load(path)[1]
+    assert "cannot keep the packed weights" in caplog.text
+    assert packed_files() == [] and not list(described_of(path).glob(".packed-*"))  # no temporary left
+    assert torch.equal(got, fresh(tmp_path, path))
+    conversions.clear()
+    load(path)
+    assert conversions and len(packed_files()) == 1  # written by the next load that can
+
+
+# ---------------------------------------------------------------------- the tensor directory
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "F16", "F32", "Q4_K"])
+def test_the_directory_read_from_the_header_is_gguf_pys(tmp_path, kind):
+    shape = {"hidden": 256, "ffn": 256} if kind == "Q4_K" else {}
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", matrix_type=kind, **shape)
+    assert TensorDirectory.read(path) == TensorDirectory.read_with_gguf(path)
+
+
+def test_the_directory_honours_the_files_alignment(tmp_path):
+    import gguf as gguf_py
+    import numpy as np
+
+    path = tmp_path / "aligned.gguf"
+    writer = gguf_py.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(256)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "def"])
+    writer.add_tensor("odd", np.arange(7, dtype=np.float32))
+    writer.add_tensor("after", np.ones((3, 5), dtype=np.float16))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    directory = TensorDirectory.read(path)
+    assert directory == TensorDirectory.read_with_gguf(path)
+    assert all(t["offset"] % 256 == 0 for t in directory.tensors)
+
+
+@pytest.mark.embedded
+def test_the_embedded_models_directory_read_from_the_header_is_gguf_pys():
+    path = converted.embedded_gguf()
+    assert TensorDirectory.read(path) == TensorDirectory.read_with_gguf(path)
