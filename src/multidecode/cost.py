@@ -197,7 +197,7 @@ DERIVED_WEIGHT = 0.01
 when the table is made non-decreasing."""
 
 REFRESH_EVERY = 8
-"""New timings before the fitted table is fitted again (a fit takes about a millisecond)."""
+"""New timings before the table is fitted again (a fit takes well under a millisecond)."""
 
 SAVE_EVERY = 64
 """New timings kept in memory before they are merged into the curve's file."""
@@ -206,15 +206,16 @@ PROBE_BUDGET_S = 1.0
 """Wall time one probe may take: the most a command waits for the curve (see `probe_cost`)."""
 
 PROBE_CONTEXT = 32
-"""Cached tokens under the probe's forwards: few, since on a CPU their prefill costs as much as the
-forwards timed over them (126 tokens, 18 rows' worth); how the cost grows with them is learned
-from the forwards decoding runs."""
+"""Cached tokens under the probe's forwards: few, since on a CPU their prefill costs as much as
+many of the forwards timed over them (126 tokens cost 18 forwards of one here); how the cost grows
+with the cache is learned from the forwards decoding runs."""
 
 PROBE_ORDER = (1, 8, 2, 4, 16, 3, 32, 64, 6, 12, 24, 48)
 """The sizes the probe times, the most telling first (a probe cut short by its budget still has
 the curve's shape); each is timed `PROBE_REPEATS` times in all, over as many runs as it takes."""
 
 PROBE_REPEATS = 3
+"""Probe timings of each size in all (their median counts): as many as `measure_cost` takes."""
 
 PREFILL_GUESS = 16.0
 """The probe's prefill of `PROBE_CONTEXT` tokens, in warm-up forwards of one token: if that would
