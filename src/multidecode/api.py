@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 from .branches import BranchRun, TokenEvent, start, start_prompts
-from .cost import CostCurve
+from .cost import CostCurve, LearnedCurve
 from .engine import Engine
 from .errors import InvalidArgument, UnsupportedModel
 from .exact import Swapped, is_exact, use_exact_kernels
@@ -55,14 +55,15 @@ class MultiDecoder:
 
     model: any transformers causal LM loaded with eager or sdpa attention.
     compaction: when to drop finished branches from the cache (default: a quarter of it dead).
-    cost: the forward cost curve that speculate="auto" uses (default: measured on first use and
-        kept on disk, see `cost.cost_curve`).
+    cost: the forward cost curve that speculate="auto" uses (default: learned from this model's
+        forwards on this machine, from a probe of at most a second on first use, and kept on
+        disk: see `cost.cost_curve`; a given `CostCurve` is used as it is).
     draft: the draft model of speculate="draft": a causal LM with the target's tokenizer, or a
         self-draft of the target (`self_draft.self_draft(model, skip_layers)`).
     """
 
     def __init__(self, model, tokenizer, *, compaction: CompactionPolicy | None = None,
-                 cost: CostCurve | None = None, draft=None, loaded: Loaded | None = None) -> None:
+                 cost: CostCurve | LearnedCurve | None = None, draft=None, loaded: Loaded | None = None) -> None:
         check_supported(model)
         self.model = model
         self.tokenizer = tokenizer
@@ -156,7 +157,8 @@ class MultiDecoder:
         A text prompt goes through the chat template when the tokenizer has one (chat=False for
         raw text); a list of ids is used as given. speculate: "auto" (the default) drafts with
         prompt lookup and the suffix store only where the measured cost of a forward on this
-        hardware says it pays (the first use measures it once, about 10 s, and keeps it on disk);
+        hardware says it pays (learned from the forwards that run anyway, after a probe of at most a
+        second on first use, and kept on disk);
         "lookup", "suffix", "lookahead" and "draft" always draft (see `speculation`); None never does.
         Greedy output equals `model.generate(do_sample=False)`; `.stats` says how many forwards
         it took and how many draft tokens were accepted.
@@ -275,7 +277,7 @@ def memory_report(model, loaded: Loaded | None = None) -> dict:
 # ---------------------------------------------------------------------- token level, any model
 def start_forest(model, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[int]], *,
                  compaction: CompactionPolicy | None = None, engine: Engine | None = None,
-                 apart: bool | None = None, cost: CostCurve | None = None, **settings) -> BranchRun:
+                 apart: bool | None = None, cost: CostCurve | LearnedCurve | None = None, **settings) -> BranchRun:
     """`start` on a new scheduler for `model` (see `new_scheduler`)."""
     scheduler = new_scheduler(model, engine=engine, compaction=compaction, apart=apart, cost=cost)
     return start(scheduler, prefix_ids, suffixes, **settings)
@@ -324,7 +326,7 @@ def decode(
     top_p: float | None = None,
     seed: int | None = None,
     speculate=None,
-    cost: CostCurve | None = None,
+    cost: CostCurve | LearnedCurve | None = None,
     exact: bool = True,
 ) -> list[list[int]]:
     """Generate from `prefix_ids + branch_ids[i]` for every i at once; returns each branch's new ids.
@@ -335,7 +337,7 @@ def decode(
     from the model's generation config, only its eos ids. With sampling and a seed, branch i draws
     from its own generator seeded `seed + i`, so it does not depend on the other branches.
     speculate: None, "lookup", "auto", a `Proposer` or a `Speculation` (see `speculation`); it
-    never changes the output. cost: the cost curve for "auto" (default: measured once, kept on disk).
+    never changes the output. cost: the cost curve for "auto" (default: learned, kept on disk).
     exact: on the exact kernels while it runs (see `stream_decode`; the model is put back after):
     each branch then gets the bits it gets alone, at every precision, and speculation is exact in
     every dtype. Compare with `generate` through the same kernels: `with exact_kernels(model):`.

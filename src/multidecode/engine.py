@@ -28,10 +28,17 @@ slots; the feed's cache order is then not its call order, which only the engine 
 Taking nodes back: `drop(nodes)` removes rejected draft nodes from the forest and their slots from
 the cache (the accepted slots after the first rejected one move down, then the cache is cropped);
 `compact(live, owner=...)` frees the slots of one owner's finished work.
+
+Timing: once `time_forwards(model, recorder)` is called (the cost model does, see `cost`), every
+engine over that model tells `recorder` the rows, the cached slots and the wall time of each plain
+or forest forward it runs (an engine's first forward, its warm-up, left out), so that the cost of a
+forward is learned from the forwards decoding runs anyway. No recorder: nothing is timed.
 """
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Generic, TypeVar
@@ -62,6 +69,21 @@ WINDOW_MIN_SKIP = 64
 """A forest forward leaves out the leading slots none of its nodes can see (a server's finished
 requests, say) once there are this many: they would cost attention work for masked-out scores
 only. Fewer are not worth a second set of cache views."""
+
+
+ForwardRecorder = Callable[[int, int, float], None]
+"""Told of one forward: its rows (new tokens), the slots cached before it, its wall seconds."""
+
+_recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ForwardRecorder
+
+
+def time_forwards(model, recorder: ForwardRecorder | None) -> ForwardRecorder | None:
+    """From now on every engine over `model` tells `recorder` what each of its forwards cost (None:
+    no engine times them). Returns the recorder this replaces (None if none)."""
+    previous = _recorders.pop(model, None)
+    if recorder is not None:
+        _recorders[model] = recorder
+    return previous
 
 
 @dataclass
@@ -127,6 +149,7 @@ class Engine:
         self.exact = is_exact(model)  # batch-invariant forwards (see `exact`)
         self.footprint = Footprint.of(model)  # bytes per slot, per logits row, per forward row
         self._embeds: dict[int, torch.Tensor] | None = None  # node -> input vector, during a feed given `embeds`
+        self._forwards_timed = 0  # see `_report_time`
 
     # ------------------------------------------------------------------ feeding
     def feed(
@@ -185,18 +208,32 @@ class Engine:
         float32, at `wanted`), and -> its hidden states ([layers, hidden], at `wanted_states`)."""
         rows: dict[int, torch.Tensor] = {}
         hidden: dict[int, torch.Tensor] = {}
+        recorder = _recorders.get(self.model)
         for kind, start, end in self._plan(placed, runs, kept=len(wanted)):
             keep = [i - start for i in wanted if start <= i < end]
             keep_states = [i - start for i in wanted_states if start <= i < end] if layers else []
-            if kind == "apart":
+            cached, started = self.cache.num_slots, time.perf_counter()
+            if kind == "apart":  # not timed: its cost is its own path's, not the cache's
                 out, states = self._run_apart(placed, start, end, keep, layers, keep_states)
             else:
                 out, states = self._run(placed[start:end], positions[start:end], keep, layers, keep_states,
                                         plain=kind == "plain")
+                if recorder is not None:
+                    self._report_time(recorder, end - start, cached, started)
             rows.update({start + i: row for i, row in zip(keep, out)})
             if states is not None:
                 hidden.update({start + i: row for i, row in zip(keep_states, states)})
         return rows, hidden
+
+    def _report_time(self, recorder: ForwardRecorder, rows: int, cached: int, started: float) -> None:
+        """Tell `recorder` what one forward cost, once the device is done with it. An engine's first
+        forward is left out: it warms up (allocations, first-call work) and says little of the rest."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        self._forwards_timed += 1
+        if self._forwards_timed > 1:
+            recorder(rows, cached, seconds)
 
     def _undo(self, nodes: list[int], slots: int) -> None:
         """Take back a feed that did not finish: its nodes leave the forest, and the cache goes back

@@ -5,11 +5,13 @@ prompt lookup and assisted generation against every proposer of ours (docs/bench
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import data
-from ..cost import cost_curve
+from ..cost import CostCurve, LearnedCurve, cost_curve, measure_cost, quick_curve
+from ..engine import time_forwards
 from ..errors import InvalidArgument, MultiDecodeError
 from ..proposers.draft import DraftModel
 from ..proposers.lookahead import Lookahead
@@ -28,6 +30,10 @@ OURS_SUFFIX, OURS_DRAFT = "multidecode_suffix", "multidecode_draft"
 OURS_SUFFIX_2ND, OURS_AUTO_2ND = "multidecode_suffix_2nd", "multidecode_auto_2nd"
 OURS_MEDUSA, OURS_EAGLE, OURS_AUTO_TOKENS = "multidecode_medusa", "multidecode_eagle", "multidecode_auto_tokens"
 OURS_MTP = "multidecode_mtp"
+OURS_AUTO_MEASURED, OURS_AUTO_QUICK = "multidecode_auto_measured", "multidecode_auto_quick"
+COST_METHODS = (OURS_AUTO_MEASURED, OURS_AUTO_QUICK)
+"""auto on other cost curves, beside auto on its own (`compare_cost`): on a full measurement
+(`measure_cost`, what auto waited for before it learned), and from a fresh probe learning as it runs."""
 LEARNED_METHODS = {"medusa": OURS_MEDUSA, "eagle": OURS_EAGLE, "mtp": OURS_MTP}
 """A learned head's kind -> its method, measured where the model has such a head."""
 HF_METHODS = {GREEDY: 0, LOOKUP_3: 3, LOOKUP_10: 10}
@@ -50,6 +56,8 @@ LABELS = {
     OURS_EAGLE: ("MultiDecode speculate='eagle' (head from train-drafter)", "MD eagle"),
     OURS_MTP: ("MultiDecode speculate='mtp' (the checkpoint's MTP layer)", "MD mtp"),
     OURS_AUTO_TOKENS: ("MultiDecode auto without the learned heads, first pass", "MD auto tokens"),
+    OURS_AUTO_MEASURED: ("MultiDecode auto on a full measurement of the cost curve", "MD auto measured"),
+    OURS_AUTO_QUICK: ("MultiDecode auto from a fresh probe of the cost curve, learning as it runs", "MD auto quick"),
 }
 """Method -> (label, short label)."""
 LOOKAHEAD_FLOOR = 0.95
@@ -127,15 +135,19 @@ def multidecode_generate(decoder, prompt: Sequence[int], counter: ForwardCounter
 
 
 def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats: int = 3, budget_s: float = 90.0,
-                        warmup: bool = True, max_new_tokens: int | None = None) -> Benchmark:
+                        warmup: bool = True, max_new_tokens: int | None = None,
+                        compare_cost: bool = False) -> Benchmark:
     """The speculation benchmark as data: the workloads `names` (default: all, in file order), each
-    with `budget_s` for its rounds; max_new_tokens overrides the workloads' own."""
+    with `budget_s` for its rounds; max_new_tokens overrides the workloads' own. compare_cost:
+    auto on other cost curves too (`COST_METHODS`), with auto on its learned curve held to
+    `NO_WORSE` of auto on a full measurement."""
     chosen, setup = choose(names), Setup.of(decoder)
     draft, fitted, skip = _drafts(decoder)  # draft None: the model has no self-draft (skip says why)
     heads = decoder.learned_heads()  # the learned heads trained for the model, if any
     ours = _our_speculations(decoder, chosen, max_new_tokens, draft, fitted, heads)
+    curves, cost_config = _cost_curves(decoder) if compare_cost else ({}, {})
     assisted = (ASSISTED,) if draft is not None else ()
-    measured = {*HF_METHODS, *assisted, *ours}
+    measured = {*HF_METHODS, *assisted, *ours, *curves}
 
     def methods(prompt: list[int], new: int) -> tuple[Method, ...]:
         def hf(**how) -> Runner:
@@ -145,14 +157,18 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
             return lambda c: multidecode_generate(decoder, prompt, c, speculate=speculate, max_new_tokens=new,
                                                   eos_ids=setup.eos_ids)
 
+        def on(curve_for) -> Runner:
+            return lambda c: on_curve(decoder, curve_for, c, lambda: md(ours[OURS_AUTO])(c))
+
         return (*(Method.named(LABELS, name, run=hf(lookup=n)) for name, n in HF_METHODS.items()),
                 *(Method.named(LABELS, name, run=hf(assistant=decoder.draft_for(draft))) for name in assisted),
-                *(Method.named(LABELS, name, run=md(speculate)) for name, speculate in ours.items()))
+                *(Method.named(LABELS, name, run=md(speculate)) for name, speculate in ours.items()),
+                *(Method.named(LABELS, name, run=on(curve_for)) for name, curve_for in curves.items()))
 
     def case(w: Workload) -> Case:
         prompt, new = prompt_ids(setup.tokenizer, w.text()), max_new_tokens or w.max_new_tokens
         return Case({"workload": w.name}, methods(prompt, new), budget_s=budget_s,
-                    targets=_targets(w, [learned_kind(h) for h in heads]),
+                    targets=_targets(w, [learned_kind(h) for h in heads], compare_cost=compare_cost),
                     report=lambda got: {"label": w.label, "prompt_tokens": len(prompt), "max_new_tokens": new,
                                         "output": setup.text(got[GREEDY].answers[0])})
 
@@ -161,10 +177,12 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
         name="speculate", title="speculative decoding of one sequence, greedy", model=setup.model,
         cases=tuple(case(w) for w in chosen), reference=GREEDY,
         pairs=tuple((name, GREEDY) for name in LABELS if name != GREEDY and name in measured)
-        + (((OURS_AUTO, OURS_AUTO_TOKENS),) if heads else ()),
+        + (((OURS_AUTO, OURS_AUTO_TOKENS),) if heads else ())
+        + tuple((name, OURS_AUTO_MEASURED) for name in (OURS_AUTO, OURS_AUTO_QUICK) if curves),
         config={"workloads": [w.name for w in chosen], "decoding": "greedy", "eos_ids": setup.eos_ids,
                 "pad_id": setup.pad_id, "auto_floor": FLOOR, **_self_draft_config(skip), "lookahead_fit": repr(fitted),
-                "learned_heads": {learned_kind(h): getattr(h, "config", {}).get("training", {}) for h in heads}},
+                "learned_heads": {learned_kind(h): getattr(h, "config", {}).get("training", {}) for h in heads},
+                **cost_config},
         warmup=methods(shortest, 4) if warmup else (), repeats=repeats,
         columns=("wall_s", "forward_passes", "tokens_per_forward", "acceptance", "tokens_per_s"),
         plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")),
@@ -173,6 +191,44 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
 
 
 run_speculate_benchmark = runs(speculate_benchmark)
+
+
+def on_curve(decoder, curve_for: Callable[[], CostCurve | LearnedCurve], counter: ForwardCounter,
+             run: Callable[[], RunOutput]) -> RunOutput:
+    """`run()` with the decoder's cost curve the one `curve_for()` makes, put back after. The
+    making is not timed (its seconds in extra as `curve_s`) and its forwards (a probe's) are not
+    counted; a learned curve learns from the run's forwards, as a first run's curve does."""
+    calls, started = len(counter.calls), time.perf_counter()
+    curve = curve_for()
+    made_s = time.perf_counter() - started
+    del counter.calls[calls:]
+    learns = isinstance(curve, LearnedCurve)
+    before, previous = decoder.cost, time_forwards(decoder.model, curve.record) if learns else None
+    decoder.cost = curve
+    try:
+        started = time.perf_counter()
+        out = run()
+        out.seconds = time.perf_counter() - started
+    finally:
+        decoder.cost = before
+        if learns:
+            time_forwards(decoder.model, previous)
+    out.extra["curve_s"] = round(made_s, 3)
+    return out
+
+
+def _cost_curves(decoder) -> tuple[dict[str, Callable[[], CostCurve | LearnedCurve]], dict]:
+    """`COST_METHODS` -> what makes each one's curve for a run, and what the results say of them:
+    the full measurement is made once, here (its seconds in the config); the quick curve is
+    made afresh for every run (the model's class prior and one probe, in memory only). The full
+    measurement's forwards do not teach the curve that auto learns: the two stay apart."""
+    started, previous = time.perf_counter(), time_forwards(decoder.model, None)
+    try:
+        full = measure_cost(decoder.model)
+    finally:
+        time_forwards(decoder.model, previous)
+    config = {"full_measurement_s": round(time.perf_counter() - started, 2)}
+    return {OURS_AUTO_MEASURED: lambda: full, OURS_AUTO_QUICK: lambda: quick_curve(decoder.model)}, config
 
 
 def _drafts(decoder) -> tuple[SpeculationSettings | None, Lookahead, object]:
@@ -223,9 +279,10 @@ def _our_speculations(decoder, chosen: list[Workload], max_new_tokens: int | Non
     }
 
 
-def _targets(w: Workload, kinds: Sequence[str] = ()) -> tuple[Target, ...]:
+def _targets(w: Workload, kinds: Sequence[str] = (), *, compare_cost: bool = False) -> tuple[Target, ...]:
     """auto at the workload's target and never below `FLOOR`, lookahead at least lade's best (1.3x on
-    the code edit), the second passes, and with learned heads (`kinds`) theirs."""
+    the code edit), the second passes, with learned heads (`kinds`) theirs, and with compare_cost
+    auto on its learned curve and from a fresh probe at least `NO_WORSE` of auto on a full measurement."""
     def over_greedy(name: str, what: str, value: float) -> Target:
         return Target(f"{w.name}: {what}", (f"{name}_vs", GREEDY, "speedup"), ">=", value)
 
@@ -243,4 +300,7 @@ def _targets(w: Workload, kinds: Sequence[str] = ()) -> tuple[Target, ...]:
     if kinds:
         targets.append(Target(f"{w.name}: auto with the heads no worse than without",
                               (f"{OURS_AUTO}_vs", OURS_AUTO_TOKENS, "speedup"), ">=", NO_WORSE))
+    for name in (OURS_AUTO, OURS_AUTO_QUICK) if compare_cost else ():
+        targets.append(Target(f"{w.name}: {LABELS[name][1]} no worse than on a full measurement",
+                              (f"{name}_vs", OURS_AUTO_MEASURED, "speedup"), ">=", NO_WORSE))
     return tuple(targets)

@@ -202,9 +202,11 @@ def bench_margins(**settings):
     max_new_tokens(None, "Override every workload's own (quick runs)."),
     click.option("--budget", type=float, default=90.0, show_default=True, metavar="SECONDS",
                  help="Time budget for each workload's rounds of all methods."),
+    click.option("--compare-cost", is_flag=True,
+                 help="Also run auto on a full measurement of the cost curve and from a fresh probe of it."),
     counts=("max_new_tokens",),
 )
-def bench_speculate(workloads, max_new_tokens, budget):
+def bench_speculate(workloads, max_new_tokens, budget, compare_cost):
     """Speculative decoding of one sequence, greedy: plain generate, transformers' prompt lookup at 3 and
     10 tokens, and MultiDecode's lookup and auto modes. Asserts identical tokens; writes JSON, a plot and markdown."""
     from ..bench import run_speculate_benchmark
@@ -213,7 +215,8 @@ def bench_speculate(workloads, max_new_tokens, budget):
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     choose(names)
     check_budget(budget, 90)
-    return functools.partial(run_speculate_benchmark, names=names, max_new_tokens=max_new_tokens, budget_s=budget)
+    return functools.partial(run_speculate_benchmark, names=names, max_new_tokens=max_new_tokens, budget_s=budget,
+                             compare_cost=compare_cost)
 
 
 @bench_command(

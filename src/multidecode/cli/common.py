@@ -129,10 +129,11 @@ def speculation_from(options: SpeculateOptions | str | None, draft_budget: int |
 def prepare_speculation(decoder, settings: SpeculationSettings) -> SpeculationSettings:
     """Make what `settings` need before the run, each slow step with a status line: the layers of
     a self-draft chosen ("auto"), their draft model loaded or the self-draft built (kept by the
-    decoder), and the forward cost curve that "auto" needs measured (once per model and
-    machine, about 10 s for the embedded model on a CPU) if it never was, so the run itself is
-    not silently slow. Returns the settings to run with (chosen layers in place of "auto")."""
-    from ..cost import cost_curve
+    decoder), and the probe of the forward cost curve that "auto" starts from, where one is due
+    (at most `cost.PROBE_BUDGET_S` seconds, until a few runs have completed it; every run refines
+    the curve from its own forwards), so the run itself is not silently slow. Returns the
+    settings to run with (chosen layers in place of "auto")."""
+    from ..cost import cost_curve, probe_due
     from ..speculation import choose_draft_layers
 
     start = time.perf_counter()
@@ -146,11 +147,11 @@ def prepare_speculation(decoder, settings: SpeculationSettings) -> SpeculationSe
         label = (f"the draft model {named}" if named
                  else f"a self-draft skipping layers {','.join(map(str, settings.skip_layers)) or 'none'}")
         stderr.print(f"[dim]Drafting with {label} (ready in {time.perf_counter() - start:.1f} s)[/dim]")
-    elif settings.mode == "auto" and decoder.cost is None and cost_curve(decoder.model, measure=False) is None:
-        with stderr.status("Measuring what a forward costs on this machine, for --speculate auto (once)..."):
+    elif settings.mode == "auto" and decoder.cost is None and probe_due(decoder.model):
+        with stderr.status("Measuring what a forward costs on this machine, for --speculate auto (under 2 s)..."):
             decoder.cost = cost_curve(decoder.model)
         stderr.print(f"[dim]Measuring what a forward costs on this machine took {time.perf_counter() - start:.1f} s; "
-                     "kept for the next runs[/dim]")
+                     "kept, and refined by every run[/dim]")
     return settings
 
 
