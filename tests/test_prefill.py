@@ -16,10 +16,12 @@ import time
 
 import pytest
 import torch
+from click.testing import CliRunner
 from tiny_models import NO_EOS, tiny_model
 
 from multidecode import exact
 from multidecode.branches import admit
+from multidecode.cli import main
 from multidecode.runtime import ForestRuntime, Job, Limits
 from multidecode.runtime.pacing import MIN_PIECE, PacedStep, PrefillPacer
 from multidecode.sampling import SamplingParams
@@ -221,3 +223,10 @@ def test_the_prefix_cache_offers_a_prompt_only_as_far_as_it_is_fed(model):
     assert third.cached_tokens == len(prompt) - 1  # it waited for the second's pieces, then hit them all
     assert second.sink.events == third.sink.events
     assert forest.index.match(prompt)[0] == len(prompt)
+
+
+def test_serve_refuses_prefill_settings_that_cannot_pace():
+    for args, message in ((["--prefill-chunk", "-1"], "--prefill-chunk must be at least 0"),
+                          (["--prefill-stretch", "0.5"], "--prefill-stretch must be over 1")):
+        result = CliRunner().invoke(main, ["serve", *args])
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
