@@ -23,7 +23,7 @@ from multidecode import exact
 from multidecode.branches import admit
 from multidecode.cli import main
 from multidecode.runtime import ForestRuntime, Job, Limits
-from multidecode.runtime.pacing import MIN_PIECE, PacedStep, PrefillPacer
+from multidecode.runtime.pacing import MIN_PIECE, PACE_EVERY, PacedStep, PrefillPacer
 from multidecode.sampling import SamplingParams
 from multidecode.scheduler import new_scheduler
 
@@ -100,12 +100,17 @@ def test_the_pacer_budget_follows_what_steps_cost():
     assert pacer.budget(3) == 512  # nothing measured yet
     for _ in range(10):
         pacer.record(PacedStep(3, 0, 512, seconds=0.1))
-    for _ in range(10):
+    for i in range(PACE_EVERY):
+        assert pacer.budget(3) > 0
         pacer.record(PacedStep(3, 40, 40, seconds=0.1 + 40 * 0.001))
+    assert pacer.budget(3) == 0  # streams alone for a step: their pace measured again as the cache grows
+    pacer.record(PacedStep(3, 0, 0, seconds=0.1))
     assert pacer.pace_s == pytest.approx(0.1) and pacer.token_s == pytest.approx(0.001)
     assert pacer.budget(3) == 50  # (1.5 - 1) x 0.1 s / 1 ms a token
+    assert pacer.budget(3, prefilling=6) == 200  # six wait for a first token, three for a next: (1 + 6/3 - 1) x 100
     for _ in range(30):
         pacer.record(PacedStep(3, 40, 40, seconds=0.1 + 40 * 0.1))
+        pacer.record(PacedStep(3, 0, 0, seconds=0.1))
     assert pacer.budget(3) == MIN_PIECE  # costly tokens: the fewest, never none
     assert PrefillPacer(64, 0).budget(2) == 64 and PrefillPacer(0, 1.5).budget(2) is None
     cheap = PrefillPacer(256, 2.0)

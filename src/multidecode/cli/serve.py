@@ -44,7 +44,8 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
                    "pieces between their tokens (0: every prompt whole, the others waiting for it).")
 @click.option("--prefill-stretch", default=DEFAULTS["prefill_stretch"], show_default=True, type=float,
               help="Fit each piece to this machine: a step that reads prompt tokens may take about this many times "
-                   "one that does not, by the step times measured (0: always --prefill-chunk tokens).")
+                   "one that does not (more while more requests wait for a first token than stream), by the step "
+                   "times measured (0: always --prefill-chunk tokens).")
 @click.option("--threads", default=None, type=int, hidden=True, help="torch threads (the serve benchmark's).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=float,
               help="On SIGTERM, seconds to let running requests finish (new ones get 503) before exiting.")

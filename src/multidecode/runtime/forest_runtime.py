@@ -285,7 +285,7 @@ class ForestRuntime:
         prefilling = [job for job in self._running.values() if not job.beams and not job.work.started]
         new_beams = [job for job in self._running.values() if job.beams and not job.steps]
         streams = len(self._running) - len(prefilling) - len(new_beams)
-        budget = self.pacer.budget(streams)
+        budget = self.pacer.budget(streams, len(prefilling))
         fed = sum(len(job.prompts[0]) for job in new_beams)
         left = None if budget is None else max(budget - fed, 0)
         for job in prefilling:

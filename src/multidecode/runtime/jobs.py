@@ -169,7 +169,8 @@ class Limits:
     fed in pieces between their steps, so that they keep their pace (0: every prompt whole in
     one step, the others waiting for it). prefill_stretch: the budget adapts to what steps cost
     here, so that a step carrying prompt tokens takes about this many times one that carries
-    none (0: always `prefill_chunk`). See `pacing`.
+    none, more where more jobs wait for their first token than for their next (0: always
+    `prefill_chunk`). See `pacing`.
     """
 
     max_live_tokens: int = 32768
