@@ -211,6 +211,8 @@ class ForestRuntime:
 
     def _admit(self, jobs: list[Job]) -> list[Job]:
         """Admit jobs to the scheduler; returns those deferred to the next round."""
+        if not jobs:
+            return []
         fresh = PrefixIndex()  # prefixes still being fed or admitted this round, not yet all cached
         for job in self._running.values():
             if not job.beams and not job.work.started:
