@@ -66,6 +66,20 @@ def test_merged_lines_equal_each_line_asked_alone(arch):
     assert counters.steps < sum(o.answers[0].stats["steps"] for o in outcomes)
 
 
+def test_documents_read_in_pieces_give_the_same_answers():
+    """--prefill-chunk: a document is fed a few tokens a step while other lines decode; the
+    answers are those of documents fed whole."""
+    decoder, items = decoder_for("llama"), lines(6)
+    settings = BatchSettings(max_new_tokens=6)
+    with ForestAnswerer(decoder, settings, prefill_chunk=4) as answerer:
+        pieces = answers_of(answer_merged(answerer, items))
+        steps = list(answerer.runtime.pacer.recent)
+    with ForestAnswerer(decoder, settings) as answerer:
+        whole = answers_of(answer_merged(answerer, items))
+    assert pieces == whole
+    assert any(s.streams and 0 < s.prompt_tokens <= 4 for s in steps)  # a document read in pieces beside a line
+
+
 def test_seeded_sampling_is_the_same_merged_or_alone():
     decoder, items = decoder_for("llama"), lines(5)
     sampling = {"do_sample": True, "temperature": 1.3, "top_k": 50, "seed": 11}

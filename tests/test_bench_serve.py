@@ -10,7 +10,18 @@ import pytest
 from click.testing import CliRunner
 from local_models import tiny_model_folder, tiny_tokenizer
 
-from multidecode.bench.serve import FOREST, ONE, StreamedRequest, build_cells, cell_figures, metrics_delta, percentiles
+from multidecode.bench.serve import (
+    FOREST,
+    ONE,
+    PIECES,
+    WHOLE,
+    StreamedRequest,
+    arrival_figures,
+    build_cells,
+    cell_figures,
+    metrics_delta,
+    percentiles,
+)
 from multidecode.cli import main
 
 
@@ -122,11 +133,48 @@ def test_bench_serve_command_measures_both_servers(tmp_path):
     assert "one at a time" in result.output and "wrote" in result.output
 
 
+def test_arrival_figures_a_worked_example():
+    """Two streams at a 0.1 s pace; the long prompt is sent at 1.0 s and gives its first token at
+    1.6 s: the gaps that overlap that window are its figures, the earlier ones the pace."""
+    times = [0.1 * i for i in range(11)] + [1.5, 1.6, 1.7]
+    streams = [StreamedRequest(i, 0.0, token_times=[t + 0.01 * i for t in times]) for i in range(2)]
+    arrival = StreamedRequest(2, 0.9, sent=1.0, token_times=[1.6, 1.65], end=1.7)
+    got = arrival_figures([*streams, arrival])
+    assert got["pace_s"] == pytest.approx(0.1) and got["arrival_ttft_s"] == pytest.approx(0.6)
+    assert got["longest_gap_s"] == pytest.approx(0.5) and got["itl_while_read_s"]["n"] == 5  # 2 + 3 gaps
+    assert got["itl_p99_over_pace"] == pytest.approx(got["itl_while_read_s"]["p99"] / 0.1)
+
+
+@pytest.mark.slow
+def test_bench_serve_arrival_case_reads_a_long_prompt_in_pieces_and_whole(tmp_path):
+    model = tiny_model_folder(tmp_path / "model", max_positions=512)
+    out = tmp_path / "out"
+    args = ["bench", "serve", "--model", str(model), "--requests", "1", "--concurrency", "1", "--shared", "0",
+            "--max-tokens", "4", "--prompt-tokens", "40", "--arrival-tokens", "200", "--no-transformers",
+            "--output", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    stored = json.loads((out / "bench_serve.json").read_text())
+    assert stored["config"]["arrival_tokens"] == 200 and stored["config"]["arrival"]["streams"] == 8
+    (row,) = [cell for cell in stored["cells"] if "arrival" in cell]
+    assert sorted(row["methods"]) == sorted((PIECES, WHOLE)) and row["concurrency"] == 9
+    assert row["identical_to_whole"][PIECES] is True  # read in pieces or whole, the same texts
+    assert 190 <= row["load"]["arrival_prompt_tokens"] <= 220
+    for name in (PIECES, WHOLE):
+        extra = row["methods"][name]["extra"]
+        assert extra["requests"] == extra["completed"] == 9 and extra["errors"] == 0
+        assert row["arrival"][name]["arrival_ttft_s"] > 0
+    (target,) = [t for t in stored["targets"] if "prompt is read" in t["name"]]
+    assert target["path"] == ["arrival", PIECES, "itl_p99_over_pace"]
+    assert "A long prompt arriving among 8 streams" in (out / "bench_serve.md").read_text()
+
+
 def test_bench_serve_refuses_bad_settings_before_starting_anything(tmp_path):
     for extra, message in ((["--shared", "0,1.5"], "--shared needs fractions"),
                            (["--concurrency", "0"], "--concurrency needs positive integers"),
                            (["--requests", "0"], "--requests must be 1 or more"),
                            (["--rate", "0"], "--rate must be positive"),
-                           (["--gather-s", "-1"], "--gather-s must be 0 or more")):
+                           (["--gather-s", "-1"], "--gather-s must be 0 or more"),
+                           (["--arrival-tokens", "-1"], "--arrival-tokens must be 0 or more")):
         result = CliRunner().invoke(main, ["bench", "serve", "--output", str(tmp_path), *extra])
         assert result.exit_code == 2 and message in result.output, (extra, result.output)

@@ -9,6 +9,12 @@ branch so gains one token per step without speculation, and one plus the accepte
 Finished branches are no longer fed; once enough of the cache belongs only to finished branches,
 the scheduler compacts it.
 
+A driver that paces prefill (the runtime, so that streams already decoding keep their pace)
+gives a group a budget of prompt tokens per step (`BranchGroup.pace_prompt`): a prompt over it
+is fed in pieces of its shared prefix, each a chain under the last piece's last node, which is
+how a cached prefix is continued; the logits come with the last piece, exactly as if the prompt
+had been fed whole.
+
 This is the branch half of a step (the scheduler is the other): `admit` checks inputs and adds a
 `BranchGroup` to a scheduler, `start` also feeds its prompts, and a `BranchRun` yields its
 `TokenEvent`s as the scheduler steps. The entry points that build a scheduler for a model
@@ -199,7 +205,7 @@ class BranchGroup(Work):
     node and `cached` its tokens (a server's prefix cache); every prompt is then
     `cached + prefix_ids + suffixes[i]`. prompt_owner: who keeps the prompt nodes (None: this
     work). logprobs: how many top log-probabilities each `TokenEvent` carries (None: no
-    log-probabilities at all).
+    log-probabilities at all). A driver may feed the prompts in pieces (`pace_prompt`).
     """
 
     def __init__(self, prefix_ids: list[int], suffixes: list[list[int]], *, rule: StopRule,
@@ -223,21 +229,70 @@ class BranchGroup(Work):
         self.stats = DecodeStats(speculate=None if speculation is None else speculation.name)
         self.done = False
         self._started = False
+        self.prompt_piece: list[int] = []  # the prompt nodes the last step fed as a piece of the prefix
+        self._piece: int | None = None  # prefix tokens the next step feeds as a piece (None: the whole rest)
+        self._feeding_piece = False  # whether this step's feed is such a piece
+        self._piece_states: list[torch.Tensor] = []  # what the pieces fed give a drafter that reads the prompt
         self._feed = Feed()  # this step's feed, and what its nodes are:
         self._heads: dict[int, int] = {}  # branch -> feed index of the node whose logits pick its next token
         self._draft_nodes: dict[int, tuple[int, int]] = {}  # feed index -> (branch, candidate of its draft)
         self._side_nodes: dict[int, tuple[int, int]] = {}  # feed index -> (branch, side node of its draft)
         self._drafts: dict[int, DraftTree] = {}  # branch -> its draft this step
 
+    # ------------------------------------------------------------------ pacing the prompt
+    @property
+    def started(self) -> bool:
+        """Whether its prompts are all fed: from here on every step gives each live branch a token."""
+        return self._started
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to feed (0 once started)."""
+        return 0 if self._started else len(self.prefix_ids) + sum(map(len, self.suffixes))
+
+    def pace_prompt(self, budget: int | None) -> int:
+        """Let the next step feed at most `budget` prompt tokens (None: all that is left, the
+        default); returns how many it will feed.
+
+        A prompt over the budget is fed in pieces of its shared prefix. The last piece (at least
+        the prefix's last token, and every suffix: they carry the logits) is never split, so it
+        goes whole once no more of the prefix can be cut off, over a budget that is not 0.
+        """
+        left = self.prompt_left
+        splittable = len(self.prefix_ids) - 1
+        if budget is None or left <= budget or (budget > 0 and splittable < 1):
+            self._piece = None
+            return left
+        self._piece = min(budget, max(splittable, 0))
+        return self._piece
+
     # ------------------------------------------------------------------ planning
     def plan(self) -> Feed:
         self._heads, self._draft_nodes, self._side_nodes, self._drafts = {}, {}, {}, {}
+        self.prompt_piece = []
+        piece, self._piece = self._piece, None  # a budget holds for one step
+        self._feeding_piece = not self._started and piece is not None
+        if self._feeding_piece:
+            self._feed = self._piece_feed(piece)
+            return self._feed
         self._feed = self._decode_feed() if self._started else self._prompt_feed()
         if self.speculation is not None:  # a learned drafter reads the target's hidden states
             self._feed.hidden_layers = tuple(self.speculation.proposer.layers)
             # one that reads the whole prompt gets the states of every prompt node fed
             self._feed.hidden_everywhere = not self._started and self.speculation.proposer.reads_prompt
         return self._feed
+
+    def _piece_feed(self, tokens: int) -> Feed:
+        """The next `tokens` of the shared prefix as one chain under the last piece (no logits),
+        with their hidden states for a drafter that reads the whole prompt."""
+        feed = Feed()
+        at = self.under
+        for token in self.prefix_ids[:tokens]:
+            at = Feed.ref(feed.add(token, at, logits=False, owner=self.prompt_owner))
+        spec = self.speculation
+        if spec is not None and spec.proposer.reads_prompt and tokens:
+            feed.hidden_layers, feed.hidden_everywhere = tuple(spec.proposer.layers), True
+        return feed
 
     def _prompt_feed(self) -> Feed:
         feed, ends = prompt_feed(self.prefix_ids, self.suffixes, under=self.under, owner=self.prompt_owner)
@@ -249,6 +304,7 @@ class BranchGroup(Work):
         return feed
 
     def _decode_feed(self) -> Feed:
+        self._piece_states = []  # the prompt's pieces went to the drafter with its last part
         feed = Feed()
         for b in self.branches:
             if not b.output.finished:
@@ -307,6 +363,8 @@ class BranchGroup(Work):
 
     # ------------------------------------------------------------------ settling
     def settle(self, fed: Sequence[int], result: FeedResult[list[int]]) -> Settled:
+        if self._feeding_piece:
+            return self._settle_piece(result)
         logits = result.logits  # [rows, vocab]
         node_of = dict(zip(fed, result.nodes))  # feed index -> node id
         if not self._started:
@@ -365,6 +423,16 @@ class BranchGroup(Work):
         self.done = all(b.output.finished for b in self.branches)
         return Settled(rejected, dead=sum(b.output.finished for b in self.branches) > finished_before)
 
+    def _settle_piece(self, result: FeedResult[list[int]]) -> Settled:
+        """A piece of the prefix is in the cache: the rest of the prompt hangs under its last node."""
+        self.prompt_piece = list(result.nodes)
+        self.under = result.nodes[-1]
+        self.prefix_ids = self.prefix_ids[len(result.nodes):]
+        if result.hidden is not None:  # [piece nodes, layers, hidden]
+            self._piece_states.append(result.hidden)
+        self.stats.forward_passes = self.forward_passes
+        return Settled()
+
     def _keep_features(self, branch: int, path: list[int], hidden: torch.Tensor, fed: Sequence[int]) -> None:
         """Give the branch's proposer the target's states along the path its step settled (`path`:
         logits rows), after those of the prompt nodes fed before it where the step fed them all.
@@ -374,8 +442,11 @@ class BranchGroup(Work):
             place = {i: k for k, i in enumerate(fed)}  # feed index -> place in fed
             logits_places = [k for k, i in enumerate(fed) if self._feed.logits[i]]  # logits row -> place in fed
             path = self._prompt_rows(branch, place) + [logits_places[row] for row in path]
+        features = hidden[path]  # [path nodes, layers, hidden]
+        if self._feed.hidden_everywhere and self._piece_states:  # the prompt's earlier pieces come first
+            features = torch.cat([*self._piece_states, features])
         context = self.branches[branch].context
-        context.features, context.feature_layers = hidden[path], self._feed.hidden_layers  # [path nodes, layers, hidden]
+        context.features, context.feature_layers = features, self._feed.hidden_layers
 
     def _prompt_rows(self, branch: int, position: dict[int, int]) -> list[int]:
         """The rows (positions in this step's fed nodes) of the prompt nodes fed before branch's
@@ -398,6 +469,8 @@ class BranchGroup(Work):
         return not branch.output.finished
 
     def live(self) -> list[int]:
+        if not self._started:  # its prompt, as far as it is fed
+            return [self.under] if self.under != ROOT else []
         return [b.leaf for b in self.branches if not b.output.finished]
 
 

@@ -11,7 +11,7 @@ from typing import Self
 
 from ..errors import InvalidInput, MultiDecodeError
 from .lines import InputLine, check_input_file, input_lines, parse_line, scan_input
-from .merged import FOREST_BRANCHES, FOREST_TOKENS, ForestAnswerer, LineOutcome, answer_merged
+from .merged import FOREST_BRANCHES, FOREST_TOKENS, PREFILL_CHUNK, ForestAnswerer, LineOutcome, answer_merged
 from .output import OutputFile
 from .settings import BatchSettings, model_identity
 
@@ -135,16 +135,16 @@ class BatchJob:
         self.close()
 
     def run(self, decoder, *, speculate=None, forest_tokens: int = FOREST_TOKENS,
-            forest_branches: int = FOREST_BRANCHES) -> Iterator[LineResult]:
+            forest_branches: int = FOREST_BRANCHES, prefill_chunk: int = PREFILL_CHUNK) -> Iterator[LineResult]:
         """Answer every pending line, several documents per forest (`merged`: up to `forest_tokens`
         reserved and `forest_branches` questions in flight; forest_tokens=0 runs one line at a
-        time), and yield each `LineResult` once its record is on disk, in the order lines finish. Ends at the end of the input, or after `stop()` once
+        time; prefill_chunk: `ForestAnswerer`'s), and yield each `LineResult` once its record is on disk, in the order lines finish. Ends at the end of the input, or after `stop()` once
         the lines in flight finish; any exception (KeyboardInterrupt too) leaves every written
         record valid. speculate: `MultiDecoder.ask`'s, for every line; it never changes the answers.
         """
         self._check_open()
         with ForestAnswerer(decoder, self.settings, speculate=speculate, forest_tokens=forest_tokens,
-                            forest_branches=forest_branches) as answerer:
+                            forest_branches=forest_branches, prefill_chunk=prefill_chunk) as answerer:
             outcomes = answer_merged(answerer, self.pending_items(), stopping=lambda: self._stop)
             yield from self.record(outcomes)
 

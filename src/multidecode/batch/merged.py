@@ -42,6 +42,10 @@ rows, and a stopped job waits for every line in flight."""
 CACHE_TOKENS = 512
 """Prompt tokens the merged forest keeps for later lines (the shared opening of the chat
 template); documents differ, so a larger cache would only add attention to every step."""
+PREFILL_CHUNK = 0
+"""By default a line's document is fed whole, the lines decoding waiting for it: nobody watches a
+batch line's tokens arrive, and reading a document in pieces (`Limits.prefill_chunk`) only adds
+steps. A positive value paces it as a server does."""
 
 
 @dataclass(frozen=True)
@@ -71,16 +75,18 @@ class ForestAnswerer:
     decoder: a `MultiDecoder`; settings: the job's `BatchSettings`; speculate: as for
     `MultiDecoder.ask` (bound per line, so "draft" gets a fresh proposer each time).
     forest_tokens, forest_branches: the forest budget (forest_tokens=0 runs one line at a time);
-    cache_tokens: the prompt tokens kept cached for later lines.
+    cache_tokens: the prompt tokens kept cached for later lines; prefill_chunk: the most document
+    tokens a step feeds while other lines decode (0: whole, see `PREFILL_CHUNK`).
     """
 
     def __init__(self, decoder, settings, *, speculate=None, forest_tokens: int = FOREST_TOKENS,
-                 forest_branches: int = FOREST_BRANCHES, cache_tokens: int = CACHE_TOKENS) -> None:
+                 forest_branches: int = FOREST_BRANCHES, cache_tokens: int = CACHE_TOKENS,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.decoder = decoder
         self.settings = settings
         self.speculate = speculate
         limits = Limits(max_live_tokens=forest_tokens, max_branches=forest_branches, prefix_cache_tokens=cache_tokens,
-                        oversized_runs_alone=True)
+                        oversized_runs_alone=True, prefill_chunk=prefill_chunk)
         self.runtime = ForestRuntime(decoder.model, decoder.tokenizer, limits=limits, compaction=decoder.compaction,
                                      cost=decoder.cost).start()
 
@@ -184,5 +190,6 @@ def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *,
             yield future.result()
 
 
-__all__ = ["CACHE_TOKENS", "FOREST_BRANCHES", "FOREST_TOKENS", "ForestAnswerer", "LineOutcome", "Ticket",
+__all__ = ["CACHE_TOKENS", "FOREST_BRANCHES", "FOREST_TOKENS", "PREFILL_CHUNK", "ForestAnswerer", "LineOutcome",
+           "Ticket",
            "answer_merged"]

@@ -2,7 +2,9 @@
 completions (`openai.AsyncOpenAI`) against `multidecode serve` as one forest and one request at a
 time, and `transformers serve`, each in a subprocess (`serving.launch.ServerProcess`), on the
 harness: a case is a cell of the grid (concurrency x shared share) with its load, its methods the
-servers (docs/benchmarks.md, `bench serve`)."""
+servers (docs/benchmarks.md, `bench serve`). One more case, the **arrival**: streams decoding when a
+long prompt arrives, against a server that reads it in pieces and one that reads it whole
+(`--prefill-chunk 0`): how far it stretches the streams' inter-token gaps, and its own TTFT."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,23 +33,32 @@ from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Plot, Target, Unava
 from .results import CHARTS, Chart, Column, Line, Panel, Table
 
 FOREST, ONE, HF = "forest", "one_at_a_time", "transformers"
+PIECES, WHOLE = "prompt_in_pieces", "prompt_whole"
 LABELS = {
     FOREST: ("multidecode serve (one forest)", "forest"),
     ONE: ("multidecode serve, one request at a time (max_running=1)", "one at a time"),
     HF: ("transformers serve", "transformers serve"),
+    PIECES: ("multidecode serve, a long prompt read in pieces (its default --prefill-chunk)", "arrival in pieces"),
+    WHOLE: ("multidecode serve, a long prompt read whole (--prefill-chunk 0)", "arrival whole"),
 }
 """Server -> (label, short label)."""
 TEXTS = ("water_board_meeting.txt", "support_call.txt")
 """The texts the prompts are cut from, read as one stream of words."""
 SERVED_NAME = "bench-model"
-THROUGHPUT_TARGET, TTFT_TARGET = 5.0, 2.0
+THROUGHPUT_TARGET, TTFT_TARGET, GAP_TARGET = 5.0, 2.0, 2.0
 PERCENTILES = (50, 95, 99)
 METRICS = ("prompt_tokens", "prompt_tokens_cached", "generation_tokens", "steps", "forward_passes", "rows",
            "branch_steps", "busy_seconds", "requests_admitted", "requests_rejected", "requests_cancelled")
 """The server's counters read from /metrics (as multidecode_<name>_total), and its gauge cache_slots."""
-GRID = {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9), "max_tokens": 32, "prompt_tokens": 300}
-"""The full grid's load (about 17 minutes on the project's CPU machine); --quick runs `QUICK`."""
-QUICK = {"requests": 6, "concurrency": (1, 4), "shared": (0.0, 0.9), "max_tokens": 8, "prompt_tokens": 120}
+GRID = {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9), "max_tokens": 32, "prompt_tokens": 300,
+        "arrival_tokens": 4000}
+"""The full grid's load (about 17 minutes on the project's CPU machine), then the arrival of an
+`arrival_tokens`-token prompt (0: no arrival case); --quick runs `QUICK`."""
+QUICK = {"requests": 6, "concurrency": (1, 4), "shared": (0.0, 0.9), "max_tokens": 8, "prompt_tokens": 120,
+         "arrival_tokens": 0}
+ARRIVAL = {"streams": 8, "stream_tokens": 128, "after_tokens": 16, "max_tokens": 8}
+"""The arrival case: `streams` greedy streams of `stream_tokens` tokens (prompts of the grid's
+length); once each has `after_tokens`, the long prompt arrives and asks for `max_tokens`."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,24 @@ def build_cells(tokenizer, *, requests: int, concurrency: Sequence[int], shared:
     return cells
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """The arrival case's load: the streams' prompts and the long prompt, as texts."""
+
+    streams: tuple[str, ...]
+    prompt: str
+    prompt_tokens: int  # the long prompt's ids, as the server tokenizes it
+
+
+def build_arrival(tokenizer, *, prompt_tokens: int, arrival_tokens: int, seed: int) -> Arrival:
+    """The arrival case's prompts, from `seed` alone, each from its own word offset."""
+    stream = WordStream(tokenizer)
+    starts = random.Random(f"{seed}:arrival").sample(range(len(stream.words)), ARRIVAL["streams"] + 1)
+    texts = [" ".join(stream.take(start, prompt_tokens)) for start in starts[:-1]]
+    prompt = " ".join(stream.take(starts[-1], arrival_tokens))
+    return Arrival(tuple(texts), prompt, len(tokenizer(prompt, add_special_tokens=True)["input_ids"]))
+
+
 @dataclass
 class StreamedRequest:
     """One request as the client saw it (times from `time.perf_counter`)."""
@@ -176,6 +205,43 @@ def drive(url: str, model: str, cell: Cell, max_tokens: int, timeout_s: float) -
         return outcomes, start
 
     return asyncio.run(send_all())
+
+
+def drive_arrival(url: str, model: str, load: Arrival, timeout_s: float) -> tuple[list[StreamedRequest], float]:
+    """Start the streams; once each has `ARRIVAL["after_tokens"]` tokens (or ended), send the long
+    prompt. Every request as the client saw it, the long one last, and when the case started."""
+    openai = _openai()
+
+    async def send_all() -> tuple[list[StreamedRequest], float]:
+        streams = [StreamedRequest(i, 0.0) for i in range(len(load.streams))]
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout_s) as client:
+            start = time.perf_counter()
+            running = [asyncio.create_task(_request(client, model, text, outcome, ARRIVAL["stream_tokens"]))
+                       for text, outcome in zip(load.streams, streams)]
+            while not all(len(o.token_times) >= ARRIVAL["after_tokens"] or o.end for o in streams):
+                await asyncio.sleep(0.005)
+            arrival = StreamedRequest(len(streams), time.perf_counter() - start)
+            await _request(client, model, load.prompt, arrival, ARRIVAL["max_tokens"])
+            await asyncio.gather(*running)
+        return [*streams, arrival], start
+
+    return asyncio.run(send_all())
+
+
+def arrival_figures(outcomes: Sequence[StreamedRequest]) -> dict:
+    """What the long prompt (the last outcome) did to the streams (the others): their pace (median
+    gap) before it was sent, their gaps while it was read (from its send to its first token: p99,
+    the longest, p99 over the pace), and its own TTFT."""
+    *streams, arrival = outcomes
+    read_until = arrival.token_times[0] if arrival.token_times else arrival.end
+    gaps = [(a, b) for o in streams for a, b in zip(o.token_times, o.token_times[1:])]
+    pace = [b - a for a, b in gaps if b < arrival.sent]
+    during = [b - a for a, b in gaps if a < read_until and b > arrival.sent]
+    pace_s = statistics.median(pace) if pace else None
+    while_read = percentiles(during)
+    return {"pace_s": pace_s, "itl_while_read_s": while_read, "longest_gap_s": max(during, default=None),
+            "itl_p99_over_pace": while_read["p99"] / pace_s if while_read and pace_s else None,
+            "arrival_ttft_s": read_until - arrival.sent if arrival.token_times else None}
 
 
 def _openai():
@@ -247,15 +313,16 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
 
 def multidecode_server(name: str, model: str | None, launched: dict, *, max_running: int | None = None,
                        max_live_tokens: int, prefix_cache_tokens: int, gather: int = 1,
-                       gather_s: float = 0.0) -> ServerProcess:
-    """`multidecode serve` as `launched` says (dtype, device, threads), with the admission limits given."""
+                       gather_s: float = 0.0, prefill_chunk: int | None = None) -> ServerProcess:
+    """`multidecode serve` as `launched` says (dtype, device, threads), with the admission limits
+    given (prefill_chunk None: the server's default)."""
     command = [sys.executable, "-m", "multidecode", "serve", "--port", "{port}", "--served-model-name", SERVED_NAME,
                "--max-live-tokens", str(max_live_tokens), "--prefix-cache-tokens", str(prefix_cache_tokens),
                "--log-level", "warning", "--drain-timeout", "10", "--dtype", launched["dtype"],
                "--device", launched["device"], "--threads", str(launched["threads"])]
     if gather > 1 and gather_s > 0:
         command += ["--gather", str(gather), "--gather-s", str(gather_s)]
-    for option, value in (("--model", model), ("--max-running", max_running)):
+    for option, value in (("--model", model), ("--max-running", max_running), ("--prefill-chunk", prefill_chunk)):
         command += [option, str(value)] if value is not None else []
     return ServerProcess(name, command, model=SERVED_NAME)
 
@@ -300,15 +367,17 @@ def warm_up(server: ServerProcess, max_tokens: int, gather: int = 1) -> None:
             raise ServerFailed(f"the {server.name} server failed a warm-up request: {failed[0]}; {server.log_tail()}")
 
 
-def load_run(server: ServerProcess, cell: Cell, *, max_tokens: int, timeout_s: float, texts: dict) -> RunOutput:
-    """One cell's load against `server`, as a run: the client's figures (and a multidecode server's
-    counters), its span from first send to last end, its forwards and output tokens; every
-    request's text (None where it failed) kept in `texts[server.name]`."""
+def load_run(server: ServerProcess, send: Callable[[str, str], tuple[list[StreamedRequest], float]], *,
+             texts: dict, more: Callable[[list[StreamedRequest]], dict] | None = None) -> RunOutput:
+    """One load against `server`, as a run: `send(url, model)` drives it; the client's figures (and
+    a multidecode server's counters, and what `more` adds), its span from first send to last end,
+    its forwards and output tokens; every request's text (None where it failed) kept in
+    `texts[server.name]`."""
     server.alive()
     counted = server.name != HF  # transformers serve has no counters
     before = read_metrics(server.url) if counted else None
-    outcomes, start = drive(server.url, server.model, cell, max_tokens, timeout_s)
-    figures = {"requests": len(cell.prompts), **cell_figures(outcomes, start)}
+    outcomes, start = send(server.url, server.model)
+    figures = {"requests": len(outcomes), **cell_figures(outcomes, start), **(more(outcomes) if more else {})}
     forwards = None
     if counted:
         after = read_metrics(server.url)
@@ -356,6 +425,21 @@ class Servers:
             yield
 
     @contextlib.contextmanager
+    def arrival_pair(self):
+        """For the arrival case: a server that reads a long prompt in pieces (its default) and one
+        that reads it whole, each warmed up."""
+        servers = {PIECES: multidecode_server(PIECES, self.model, self.launched, **self.limits),
+                   WHOLE: multidecode_server(WHOLE, self.model, self.launched, **self.limits, prefill_chunk=0)}
+        with contextlib.ExitStack() as stack:
+            for server in servers.values():
+                stack.enter_context(server)
+            for server in servers.values():
+                self.ready_s.append(server.wait_ready())
+                warm_up(server, self.max_tokens)
+            self.running = servers
+            yield
+
+    @contextlib.contextmanager
     def transformers(self):
         """transformers serve, started for the first corner and kept; `Unavailable` where it fails."""
         if self.transformers_failed is None and HF not in self.running:
@@ -374,8 +458,12 @@ class Servers:
         yield
 
     def run(self, name: str, cell: Cell) -> RunOutput:
-        return load_run(self.running[name], cell, max_tokens=self.max_tokens, timeout_s=self.timeout_s,
+        return load_run(self.running[name], lambda url, model: drive(url, model, cell, self.max_tokens, self.timeout_s),
                         texts=self.texts)
+
+    def run_arrival(self, name: str, load: Arrival) -> RunOutput:
+        return load_run(self.running[name], lambda url, model: drive_arrival(url, model, load, self.timeout_s),
+                        texts=self.texts, more=lambda outcomes: {"arrival": arrival_figures(outcomes)})
 
     def compared(self, cell: Cell, order: Sequence[str], got: dict) -> dict:
         """A multidecode cell's load, which server went first, and whether the forest's texts equal
@@ -385,6 +473,16 @@ class Servers:
                 "identical_to_one_at_a_time": {FOREST: all(a == b for a, b in pairs)},
                 "differing_texts": {FOREST: sum(a != b for a, b in pairs)}}
 
+    def compared_arrival(self, load: Arrival, got: dict) -> dict:
+        """The arrival case's load, what the long prompt did by server, and whether the texts of
+        the prompt read in pieces equal those of it read whole, request by request."""
+        pairs = [(a, b) for a, b in zip(self.texts[PIECES], self.texts[WHOLE]) if a is not None and b is not None]
+        return {"load": {"streams": len(load.streams), "stream_tokens": ARRIVAL["stream_tokens"],
+                         "arrival_prompt_tokens": load.prompt_tokens, "first_prompt": load.prompt[:200] + "..."},
+                "arrival": {name: got[name].extra["arrival"] for name in (PIECES, WHOLE) if name in got},
+                "identical_to_whole": {PIECES: all(a == b for a, b in pairs)},
+                "differing_texts": {PIECES: sum(a != b for a, b in pairs)}}
+
 
 def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency: Sequence[int] = (1, 4, 16),
                     shared: Sequence[float] = (0.0, 0.5, 0.9), rate: float = 8.0, max_tokens: int = 32,
@@ -392,16 +490,18 @@ def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency
                     transformers_requests: int = 8, transformers_cb: bool = False,
                     max_live_tokens: int = Limits.max_live_tokens,
                     prefix_cache_tokens: int = Limits.prefix_cache_tokens, gather_s: float = 0.0,
-                    timeout_s: float = 600.0, kept: contextlib.ExitStack) -> Benchmark:
+                    arrival_tokens: int = 0, timeout_s: float = 600.0, kept: contextlib.ExitStack) -> Benchmark:
     """Every cell of the grid against fresh servers, as data. model: a local folder or .gguf file
     (None: the embedded model); threads: the multidecode servers' torch threads; transformers: also
     `transformers serve` on the grid's corners (cases after the others, on the first
-    `transformers_requests` of their load), kept running in `kept`."""
+    `transformers_requests` of their load), kept running in `kept`; arrival_tokens: the long
+    prompt of the arrival case, after the grid (0: none)."""
     _check(requests=requests, concurrency=concurrency, shared=shared, rate=rate, max_tokens=max_tokens,
-           prompt_tokens=prompt_tokens, gather_s=gather_s)
+           prompt_tokens=prompt_tokens, gather_s=gather_s, arrival_tokens=arrival_tokens)
     _openai()
     launched = _launched(model, threads)
-    cells = build_cells(load_tokenizer(model), requests=requests, concurrency=concurrency, shared=shared,
+    tokenizer = load_tokenizer(model)
+    cells = build_cells(tokenizer, requests=requests, concurrency=concurrency, shared=shared,
                         rate=rate, prompt_tokens=prompt_tokens, seed=seed)
     servers = Servers(model, launched, {"max_live_tokens": max_live_tokens, "prefix_cache_tokens": prefix_cache_tokens},
                       max_tokens, timeout_s, gather_s, transformers_cb, kept)
@@ -422,6 +522,9 @@ def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency
     corners = [c for c in cells if c.concurrency in (min(concurrency), max(concurrency))
                and c.shared in (min(shared), max(shared))] if transformers else []
     cases += [case(c.first(transformers_requests), (HF,), servers.transformers) for c in corners]
+    if arrival_tokens:
+        load = build_arrival(tokenizer, prompt_tokens=prompt_tokens, arrival_tokens=arrival_tokens, seed=seed)
+        cases.append(_arrival_case(servers, labels, load))
     what = (f"{requests} requests a cell, ~{prompt_tokens}-token prompts, {max_tokens} tokens each, Poisson arrivals "
             f"at {rate if math.isfinite(rate) else 'inf'}/s")
     return Benchmark(
@@ -433,9 +536,9 @@ def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency
                 "rate_per_s": rate if math.isfinite(rate) else "inf", "max_tokens": max_tokens,
                 "prompt_tokens": prompt_tokens, "seed": seed, "temperature": 0, "endpoint": "/v1/completions",
                 "stream": True, "max_live_tokens": max_live_tokens, "prefix_cache_tokens": prefix_cache_tokens,
-                "gather_s": gather_s,
+                "gather_s": gather_s, "arrival_tokens": arrival_tokens, "arrival": ARRIVAL if arrival_tokens else None,
                 "client": "openai.AsyncOpenAI (max_retries=0), in the benchmark's process; servers in subprocesses"},
-        tables=_tables(what), summary=functools.partial(_compare_cells, servers),
+        tables=_tables(what, arrival=bool(arrival_tokens)), summary=functools.partial(_compare_cells, servers),
     )
 
 
@@ -445,6 +548,20 @@ def run_serve_benchmark(*, progress: Progress | None = None, **settings) -> dict
     with contextlib.ExitStack() as kept, _terminate_as_interrupt():
         (progress or (lambda message: None))("building the load")
         return run(serve_benchmark(**settings, kept=kept), progress=progress)
+
+
+def _arrival_case(servers: Servers, labels: dict, load: Arrival) -> Case:
+    """The arrival case: the streams and the long prompt, against a server that reads it in pieces
+    and one that reads it whole; the target: the streams' gaps while it is read stay within
+    `GAP_TARGET` times their pace."""
+    methods = tuple(Method.named(labels, name, run=lambda counter, name=name: servers.run_arrival(name, load),
+                                 model=OUTSIDE_TORCH) for name in (PIECES, WHOLE))
+    target = Target(f"the {len(load.streams)} streams' inter-token p99 while a {load.prompt_tokens:,}-token prompt "
+                    "is read, over their median gap before it", ("arrival", PIECES, "itl_p99_over_pace"), "<=",
+                    GAP_TARGET)
+    return Case({"concurrency": len(load.streams) + 1, "shared": 0.0}, methods, budget_s=None,
+                context=servers.arrival_pair, targets=(target,),
+                report=functools.partial(servers.compared_arrival, load))
 
 
 def _targets(cell: Cell) -> tuple[Target, ...]:
@@ -524,7 +641,7 @@ def _terminate_as_interrupt():
             signal.signal(signal.SIGTERM, before)
 
 
-def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens, gather_s=0.0) -> None:
+def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens, gather_s=0.0, arrival_tokens=0) -> None:
     for name, value in (("requests", requests), ("max_tokens", max_tokens), ("prompt_tokens", prompt_tokens)):
         check_positive(name, value)
     if prompt_tokens < 4:
@@ -537,10 +654,13 @@ def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens, ga
         raise InvalidArgument(f"the arrival rate must be positive, got {rate}", "e.g. 8 (requests per second) or inf")
     if not gather_s >= 0:
         raise InvalidArgument(f"gather_s must be 0 or more, got {gather_s}", "e.g. 0 (off) or 30")
+    if arrival_tokens < 0:
+        raise InvalidArgument(f"arrival_tokens must be 0 or more, got {arrival_tokens}", "e.g. 4000, or 0 (no arrival)")
 
 
-def _tables(what: str) -> tuple[Table, ...]:
-    """Throughput with the server's counters, and latencies: a row per cell and server."""
+def _tables(what: str, *, arrival: bool = False) -> tuple[Table, ...]:
+    """Throughput with the server's counters, and latencies: a row per cell and server; with the
+    arrival case, what the long prompt did to the streams, by server."""
     lead = (Column("shared", "shared", "{:.0%}"), Column("concurrency", "concurrency"), Column("server", "label"))
     throughput = (
         Column("requests/s", "extra.requests_per_s", "{:.2f}"), Column("output tok/s", "extra.output_tokens_per_s", "{:.1f}"),
@@ -552,8 +672,15 @@ def _tables(what: str) -> tuple[Table, ...]:
     latency = tuple(Column(f"{name} p{q}", f"extra.{key}.p{q}", "{:.0f}", 1000)
                     for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("TPOT", "tpot_s"), ("e2e", "e2e_s"))
                     for q in PERCENTILES) + (Column("p50 TTFT over solo", "ttft_p50_vs_solo.{name}", "{:.2f}x"),)
-    return tuple(Table(title, lead + columns, rows="methods", lead=3, sort=("shared", "concurrency"))
+    grid = tuple(Table(title, lead + columns, rows="methods", lead=3, sort=("shared", "concurrency"))
                  for title, columns in ((f"Throughput ({what})", throughput), ("Latency (ms)", latency)))
+    gaps = (Column("server", "label"), Column("streams' median gap before it", "pace_s", "{:.0f}", 1000),
+            Column("gap p99 while it is read", "itl_while_read_s.p99", "{:.0f}", 1000),
+            Column("over the median before", "itl_p99_over_pace", "{:.2f}x"),
+            Column("longest gap", "longest_gap_s", "{:.0f}", 1000), Column("its TTFT", "arrival_ttft_s", "{:.0f}", 1000),
+            Column("same text", "identical_to_whole.{name}", "yes/no"))
+    stretched = Table(f"A long prompt arriving among {ARRIVAL['streams']} streams (ms)", gaps, rows="arrival")
+    return grid + (stretched,) * arrival
 
 
 def chart(result: dict) -> Chart:
@@ -592,7 +719,7 @@ def chart(result: dict) -> Chart:
               [(1.0, {"color": "grey", "ls": "--"}), (THROUGHPUT_TARGET, {
                   "color": "tab:red", "ls": ":", "label": f"target {THROUGHPUT_TARGET:g}x (c=16, 90% shared)"})]),
         Panel("p50 TTFT (ms, log)", lines(ttft), ttft_targets, log_y=True),
-    ], sorted({c for _, c, _ in found}), "concurrency (requests in flight)", legend="figure",
+    ], sorted({c for name, c, _ in found if name in styles}), "concurrency (requests in flight)", legend="figure",
         title=f"{result['title']}: {cfg['requests']} requests a cell, ~{cfg['prompt_tokens']}-token prompts, "
               f"{cfg['max_tokens']} new tokens, Poisson {cfg['rate_per_s']}/s")
 

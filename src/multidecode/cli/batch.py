@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..batch import BatchJob, BatchSettings, BatchSummary, LineResult, model_identity, open_batch, total_stats
-from ..batch.merged import FOREST_BRANCHES, FOREST_TOKENS
+from ..batch.merged import FOREST_BRANCHES, FOREST_TOKENS, PREFILL_CHUNK
 from ..errors import InvalidInput
 from ..models.loading import resolve_precision
 from .common import (
@@ -226,6 +226,8 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
               help="Merge documents into one forest while they reserve at most N cache tokens (0: one at a time).")
 @click.option("--forest-branches", type=click.IntRange(min=1), default=FOREST_BRANCHES, show_default=True,
               metavar="N", help="...and hold at most N questions in flight.")
+@click.option("--prefill-chunk", type=click.IntRange(min=0), default=PREFILL_CHUNK, show_default=True, metavar="N",
+              help="Feed a document at most N tokens a step while other documents decode (0: whole).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
               help="Run on Ray workers: --ray alone starts a local Ray; --ray auto joins this node's cluster; "
                    "--ray HOST:PORT joins a head node (pip install 'multidecode[ray]').")
@@ -235,7 +237,7 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @report_errors
 def batch(input_path, output, questions_file, question, max_new_tokens, stop, retry_failed, forest_tokens,
-          forest_branches, ray_address, workers, model_name, precision, device, as_json, speculate, draft_budget,
+          forest_branches, prefill_chunk, ray_address, workers, model_name, precision, device, as_json, speculate, draft_budget,
           show_stats, **sampling):
     """Answer questions about every document of a JSON Lines file, resumably.
 
@@ -283,7 +285,8 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
             if ray_address is None:
                 decoder = load_decoder(model_name, precision, device)
                 results = job.run(decoder, speculate=prepare_speculation(decoder, speculation),
-                                  forest_tokens=forest_tokens, forest_branches=forest_branches)
+                                  forest_tokens=forest_tokens, forest_branches=forest_branches,
+                                  prefill_chunk=prefill_chunk)
             else:
                 results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, precision, device,
                                             speculation))

@@ -285,14 +285,17 @@ def parse_shares(text: str) -> tuple[float, ...]:
               help="An idle multidecode server waits up to this long for the cell's `concurrency` requests before "
                    "its first step, so that requests sent at once (--rate inf) decode together even where a loaded "
                    "machine delays some on their way in (0: it starts on the first).")
+@click.option("--arrival-tokens", type=int, default=None,
+              help="After the grid, 8 streams decode while a prompt of this many tokens arrives, read in pieces "
+                   "and whole: the streams' gaps and its TTFT (0: no arrival)  [default: 4000; 0 with --quick]")
 @click.option("--quick", is_flag=True,
               help="A small grid for a smoke test: concurrency 1,4, shared 0,0.9, 6 requests of 8 tokens, "
-                   "120-token prompts, no transformers serve (each option given still wins).")
+                   "120-token prompts, no transformers serve, no arrival (each option given still wins).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (the tables go to stderr).")
 @output_options
 @report_errors
-def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, prompt_tokens, quick, as_json,
-                with_transformers, transformers_cb, output, stem, **settings):
+def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, prompt_tokens, arrival_tokens, quick,
+                as_json, with_transformers, transformers_cb, output, stem, **settings):
     """The OpenAI-compatible server under load: a seeded Poisson load of streamed greedy completions
     (openai.AsyncOpenAI) against `multidecode serve` as one forest and one request at a time, and
     transformers serve, each in a subprocess on a free loopback port. Reports TTFT, ITL, TPOT and
@@ -300,7 +303,7 @@ def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, pro
     per cell (concurrency x shared-prefix share); writes JSON, a plot and markdown."""
     from ..bench.serve import GRID, QUICK, run_serve_benchmark
 
-    given = {"requests": requests, "max_tokens": max_tokens, "prompt_tokens": prompt_tokens,
+    given = {"requests": requests, "max_tokens": max_tokens, "prompt_tokens": prompt_tokens, "arrival_tokens": arrival_tokens,
              "concurrency": None if concurrency is None else parse_counts(concurrency, "--concurrency"),
              "shared": None if shared is None else parse_shares(shared)}
     load = {**(QUICK if quick else GRID), **{k: v for k, v in given.items() if v is not None}}
@@ -310,6 +313,9 @@ def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, pro
         raise InvalidArgument(f"--rate must be positive, got {rate}", "for example --rate 8, or --rate inf")
     if not settings["gather_s"] >= 0:
         raise InvalidArgument(f"--gather-s must be 0 or more, got {settings['gather_s']}", "for example --gather-s 30")
+    if load["arrival_tokens"] < 0:
+        raise InvalidArgument(f"--arrival-tokens must be 0 or more, got {load['arrival_tokens']}",
+                              "for example --arrival-tokens 4000, or 0 for no arrival")
     check_run(output, settings["threads"])
     transformers = (not quick) if with_transformers is None else with_transformers
     run_and_report("serve", lambda progress: run_serve_benchmark(

@@ -39,6 +39,13 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
                    "first step (the serve benchmark's --gather-s).")
 @click.option("--gather-s", default=DEFAULTS["gather_s"], type=float, hidden=True,
               help="The most seconds an idle engine waits for --gather requests.")
+@click.option("--prefill-chunk", default=DEFAULTS["prefill_chunk"], show_default=True, type=int,
+              help="The most prompt tokens a step feeds while other requests decode: a longer prompt is read in "
+                   "pieces between their tokens (0: every prompt whole, the others waiting for it).")
+@click.option("--prefill-stretch", default=DEFAULTS["prefill_stretch"], show_default=True, type=float,
+              help="Fit each piece to this machine: a step that reads prompt tokens may take about this many times "
+                   "one that does not (more while more requests wait for a first token than stream), by the step "
+                   "times measured (0: always --prefill-chunk tokens).")
 @click.option("--threads", default=None, type=int, hidden=True, help="torch threads (the serve benchmark's).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=float,
               help="On SIGTERM, seconds to let running requests finish (new ones get 503) before exiting.")
@@ -46,8 +53,8 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
               type=click.Choice(["debug", "info", "warning", "error"]), help="debug logs every step.")
 @report_errors
 def serve(model_name, precision, device, host, port, api_key, served_model_name, speculate, draft_budget,
-          max_live_tokens, max_branches, prefix_cache_tokens, max_running, gather, gather_s, threads, drain_timeout,
-          log_level):
+          max_live_tokens, max_branches, prefix_cache_tokens, max_running, gather, gather_s, prefill_chunk,
+          prefill_stretch, threads, drain_timeout, log_level):
     """Serve the model over HTTP with OpenAI's API; concurrent requests decode as one forest.
 
     Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and / (a live
@@ -59,7 +66,8 @@ def serve(model_name, precision, device, host, port, api_key, served_model_name,
     from ..serving.launch import run
 
     limits = Limits(max_live_tokens=max_live_tokens, max_branches=max_branches,
-                    prefix_cache_tokens=prefix_cache_tokens, max_running=max_running, gather=gather, gather_s=gather_s)
+                    prefix_cache_tokens=prefix_cache_tokens, max_running=max_running, gather=gather, gather_s=gather_s,
+                    prefill_chunk=prefill_chunk, prefill_stretch=prefill_stretch)
     check_limits(limits, threads)
     settings = speculation_from(speculate, draft_budget)
     if threads is not None:
@@ -84,9 +92,13 @@ def check_limits(limits: Limits, threads: int | None) -> None:
                                  ("--max-branches", limits.max_branches, 1),
                                  ("--prefix-cache-tokens", limits.prefix_cache_tokens, 0),
                                  ("--max-running", limits.max_running, 1), ("--gather", limits.gather, 1),
-                                 ("--gather-s", limits.gather_s, 0), ("--threads", threads, 1)):
+                                 ("--gather-s", limits.gather_s, 0), ("--prefill-chunk", limits.prefill_chunk, 0),
+                                 ("--prefill-stretch", limits.prefill_stretch, 0), ("--threads", threads, 1)):
         if value is not None and value < least:
             raise InvalidArgument(f"{option} must be at least {least}, got {value}", f"pass a larger {option}")
+    if 0 < limits.prefill_stretch <= 1:
+        raise InvalidArgument(f"--prefill-stretch must be over 1 (or 0: no adapting), got {limits.prefill_stretch}",
+                              "for example --prefill-stretch 1.5")
 
 
 __all__ = ["serve"]

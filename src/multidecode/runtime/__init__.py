@@ -8,8 +8,11 @@ Both `multidecode serve` (HTTP requests) and the batch job (documents) drive it:
 - `admission`: `Admission`, the one rule by which the server's requests and the batch job's
   lines start (tokens, branches and bytes held together, within the limits);
 - `radix`: the `PrefixIndex`, which prompt prefixes are cached in the forest and at which node;
+- `pacing`: the `PrefillPacer`, how many prompt tokens a step may feed beside the streams
+  decoding, from the step times measured (a long prompt is read in pieces);
 - `forest_runtime`: `ForestRuntime`, the engine thread: one scheduler, jobs admitted between
-  steps (continuous batching), prefix hits, jobs refused or waiting for room, cancellation, draining.
+  steps (continuous batching), prefix hits, prompts paced, jobs refused or waiting for room,
+  cancellation, draining.
 """
 
 from .admission import Admission

@@ -11,9 +11,14 @@ This is the continuous-batching runtime that `multidecode serve` and the batch j
    job shares at least `defer_tokens` uncached prefix tokens with a job admitted in the same
    round, it waits one step and then hits the cache. An idle engine may first wait for more jobs
    (`Limits.gather`), so that jobs sent together start together;
-3. run one `Scheduler.step` (every running job's branches in one forward), hand each job its
+3. **pace prefill**: jobs decoding are streams; a prompt is fed beside them in pieces within a
+   per-step token budget that adapts to what steps cost here (`pacing.PrefillPacer`), the jobs
+   still prefilling served first admitted first. Each piece is indexed as soon as it is fed, so
+   the cache offers a prompt only as far as it is fed, and a waiting job that shares more than
+   that with a prompt still being fed waits for it as it would for one admitted in its round;
+4. run one `Scheduler.step` (every running job's branches in one forward), hand each job its
    tokens, index the prompts just fed, retire finished jobs;
-4. keep the prefix cache within its budget: prompt nodes belong to the cache owner, not to a
+5. keep the prefix cache within its budget: prompt nodes belong to the cache owner, not to a
    job, so they outlive it; least recently used prefixes are forgotten, and the cache owner's
    slots that no indexed prefix and no running job needs are compacted away.
 
@@ -31,6 +36,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
 from ..branches import BranchRun, admit
 from ..errors import MultiDecodeError
@@ -43,6 +49,7 @@ from ..stopping import eos_ids_of
 from ..strategies.beam import BeamWork, check_settings
 from .admission import Admission
 from .jobs import Counters, Job, Limits, Overloaded, Reservation, TooLarge, Usage
+from .pacing import PacedStep, PrefillPacer
 from .radix import PrefixIndex
 
 log = logging.getLogger("multidecode.runtime")
@@ -72,6 +79,7 @@ class ForestRuntime:
         self.scheduler: Scheduler = new_scheduler(model, compaction=compaction, cost=cost, observer=self._observe)
         self.engine = self.scheduler.engine
         self.index = PrefixIndex()
+        self.pacer = PrefillPacer(self.limits.prefill_chunk, self.limits.prefill_stretch)
         self.eos = eos_ids_of(model, None)
         self.counters = Counters()
         self.draining = False
@@ -203,14 +211,20 @@ class ForestRuntime:
 
     def _admit(self, jobs: list[Job]) -> list[Job]:
         """Admit jobs to the scheduler; returns those deferred to the next round."""
-        fresh = PrefixIndex()  # prefixes admitted this round, not yet cached
+        if not jobs:
+            return []
+        fresh = PrefixIndex()  # prefixes still being fed or admitted this round, not yet all cached
+        for job in self._running.values():
+            if not job.beams and not job.work.started:
+                prefix = cacheable_prefix(share_prefix(job.prompts))
+                fresh.insert(prefix, list(range(len(prefix))))
         deferred = []
         for job in jobs:
             if self.limits.max_running is not None and len(self._running) >= self.limits.max_running:
                 deferred.append(job)
                 continue
             shared = share_prefix(job.prompts)
-            prefix = shared.prefix_ids[: min(len(shared.prefix_ids), min(map(len, job.prompts)) - 1)]
+            prefix = cacheable_prefix(shared)
             matched, node = self.index.match(prefix) if not job.beams else (0, None)
             if fresh.match(prefix)[0] - matched >= self.limits.defer_tokens:
                 deferred.append(job)
@@ -247,38 +261,70 @@ class ForestRuntime:
         if not self._running:
             self._settle_cache()
             return
+        paced = self._pace_prompts()
         started = time.perf_counter()
         before, steps = self.engine.stats.forward_passes, self.scheduler.steps
         self.scheduler.step()
+        seconds = time.perf_counter() - started
+        self.pacer.record(replace(paced, seconds=seconds))
         forwards = self.engine.stats.forward_passes - before
         record = self.scheduler.history[-1] if self.scheduler.steps > steps else None
         branches = sum(_live_branches(job) for job in self._running.values())
-        self.counters.count_step(forwards, record.rows if record else 0, branches, time.perf_counter() - started)
-        log.debug("step %d: %d requests, %d branches, %d rows in %d forward(s), %.1f ms, %d slots",
-                  self.counters.steps, len(self._running), branches, record.rows if record else 0, forwards,
-                  1000 * (time.perf_counter() - started), self.engine.forest.num_slots)
+        self.counters.count_step(forwards, record.rows if record else 0, branches, seconds)
+        log.debug("step %d: %d requests, %d branches, %d rows (%d prompt tokens, budget %s) in %d forward(s), "
+                  "%.1f ms, %d slots", self.counters.steps, len(self._running), branches, record.rows if record else 0,
+                  paced.prompt_tokens, paced.budget, forwards, 1000 * seconds, self.engine.forest.num_slots)
         finished = False
         for job in list(self._running.values()):
-            work = job.work
-            job.steps += 1
-            if job.steps == 1 and not job.beams:
-                forest = self.engine.forest
-                for end in work.prompt_ends:
-                    self.index.insert(forest.path_tokens(end), forest.path(end))
-            if not job.beams:
-                while work.events:
-                    event = work.events.popleft()
-                    self.counters.generated += 1
-                    self._send(job, ("token", event))
-            if work.done:
-                finished = True
-                if job.beams:
-                    beams = work.beams(self.engine, self.tokenizer, job.beams)
-                    self.counters.generated += sum(len(b.token_ids) for b in beams)
-                    self._send(job, ("beams", beams))
-                self._finish(job, ("done", self._usage(job)))
+            finished |= self._after_step(job)
         if finished:
             self._settle_cache()
+
+    def _pace_prompts(self) -> PacedStep:
+        """Share this step's prompt token budget (`pacing`) among the jobs still prefilling, first
+        admitted first; what the step will feed of prompts, beside how many streams. A beam
+        search's prompt is fed whole in its first step, within the budget or not."""
+        prefilling = [job for job in self._running.values() if not job.beams and not job.work.started]
+        new_beams = [job for job in self._running.values() if job.beams and not job.steps]
+        streams = len(self._running) - len(prefilling) - len(new_beams)
+        budget = self.pacer.budget(streams, len(prefilling))
+        fed = sum(len(job.prompts[0]) for job in new_beams)
+        left = None if budget is None else max(budget - fed, 0)
+        for job in prefilling:
+            taken = job.work.pace_prompt(left)
+            fed += taken
+            left = None if left is None else max(left - taken, 0)
+        return PacedStep(streams, fed, budget)
+
+    def _after_step(self, job: Job) -> bool:
+        """Hand a job what its step gave (tokens, beams, its end); True when it finished."""
+        work = job.work
+        job.steps += 1
+        if not job.beams:
+            self._index_prompt(job)
+            while work.events:
+                event = work.events.popleft()
+                self.counters.generated += 1
+                self._send(job, ("token", event))
+        if not work.done:
+            return False
+        if job.beams:
+            beams = work.beams(self.engine, self.tokenizer, job.beams)
+            self.counters.generated += sum(len(b.token_ids) for b in beams)
+            self._send(job, ("beams", beams))
+        self._finish(job, ("done", self._usage(job)))
+        return True
+
+    def _index_prompt(self, job: Job) -> None:
+        """Index what a job's step fed of its prompt: a piece (the prompt as far as it is fed), or
+        its last part (every prompt, whole)."""
+        work, forest = job.work, self.engine.forest
+        if work.prompt_piece:
+            self.index.insert(forest.path_tokens(work.under), forest.path(work.under))
+        elif work.started and not job.prefilled:
+            job.prefilled = True
+            for end in work.prompt_ends:
+                self.index.insert(forest.path_tokens(end), forest.path(end))
 
     def _usage(self, job: Job) -> Usage:
         work = job.work
@@ -348,16 +394,20 @@ class ForestRuntime:
             return
         forest = trace.forest
         rejected = set(trace.rejected)
+        fed = set(trace.nodes)
         for job in traced:
             work = job.work
             mine = {n for n in trace.nodes if forest.owners[n] == work.owner}
-            if job.steps == 0:
-                prompt = {n for end in work.prompt_ends for n in forest.path(end)}
-                mine |= prompt & set(trace.nodes)
+            if not job.prefilled:  # the prompt nodes it fed belong to the cache: those on its prompts' paths
+                ends = work.prompt_ends if work.started else [work.under] if work.prompt_piece else []
+                mine |= {n for end in ends for n in forest.path(end)} & fed
+            if not mine:
+                continue  # its prompt waited for others' pieces
             nodes = [[n, forest.parents[n], self._token_text(forest.tokens[n]), _kind(n, forest, rejected, work)]
                      for n in trace.nodes if n in mine]
-            self._send(job, ("trace", {"step": trace.step, "cached_tokens": job.cached_tokens,
-                                "heads": [b.leaf for b in work.branches], "nodes": nodes}))
+            heads = [b.leaf for b in work.branches] if work.started else []
+            self._send(job, ("trace", {"step": trace.step, "cached_tokens": job.cached_tokens, "heads": heads,
+                                       "nodes": nodes}))
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
@@ -374,9 +424,18 @@ def _kind(node: int, forest, rejected: set[int], work) -> str:
 
 
 def _live_branches(job: Job) -> int:
+    """The branches that got a token this step (none while a prompt is fed in pieces)."""
     if job.beams:
         return job.beams
+    if not job.work.started:
+        return 0
     return sum(not b.output.finished for b in job.work.branches)
+
+
+def cacheable_prefix(shared) -> list[int]:
+    """What the prefix cache may hold of a job's prompts (`prompts.SharedPrompts`): their shared
+    prefix, short of the last token of the shortest (which is fed again for its logits)."""
+    return shared.prefix_ids[: min(len(shared.prefix_ids), min(map(len, shared.prompt_ids)) - 1)]
 
 
 __all__ = ["CACHE_OWNER", "ForestRuntime"]

@@ -127,6 +127,7 @@ class Job:
     finished: bool = False
     work: object = None  # the scheduler work, once admitted
     steps: int = 0
+    prefilled: bool = False  # its prompts all fed and indexed (a long one takes several steps)
     reservation: Reservation = NOTHING  # what it holds, from its submission to its end
 
     @property
@@ -164,6 +165,12 @@ class Limits:
     until `gather` jobs wait, at most `gather_s` seconds, before it admits them: jobs sent
     together then decode together from their first step, however their requests were delayed on
     the way in (the serve benchmark's `--gather-s`; 1 or 0 s: no waiting).
+    prefill_chunk: the most prompt tokens a step feeds while other jobs decode: a longer prompt is
+    fed in pieces between their steps, so that they keep their pace (0: every prompt whole in
+    one step, the others waiting for it). prefill_stretch: the budget adapts to what steps cost
+    here, so that a step carrying prompt tokens takes about this many times one that carries
+    none, more where more jobs wait for their first token than for their next (0: always
+    `prefill_chunk`). See `pacing`.
     """
 
     max_live_tokens: int = 32768
@@ -175,6 +182,8 @@ class Limits:
     oversized_runs_alone: bool = False
     gather: int = 1
     gather_s: float = 0.0
+    prefill_chunk: int = 512
+    prefill_stretch: float = 1.5
 
 
 @dataclass
