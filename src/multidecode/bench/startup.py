@@ -30,6 +30,7 @@ PROBES = {
 import json, resource, sys, time
 start = time.perf_counter()
 import multidecode
+import torch, transformers.modeling_utils  # what every load needs: `import multidecode` alone defers them
 imported = time.perf_counter()
 md = multidecode.load(sys.argv[1] or None)
 loaded = time.perf_counter()
@@ -45,7 +46,9 @@ loaded = time.perf_counter()
 out = llm(sys.argv[2], max_tokens=1)
 """,
 }
-"""What each method does in its process: import, load, one token; the timing lines follow."""
+"""What each method does in its process: import, load, one token; the timing lines follow. MultiDecode's
+import counts torch and transformers' modeling too: the package imports them on first use, so its
+own import is instant and a load would otherwise carry them."""
 REPORT = """
 first = time.perf_counter()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -122,7 +125,7 @@ def startup_benchmark(path: str | None, *, threads: int = 2, repeats: int = 3, w
                 Method(LLAMA, "llama.cpp (llama-cpp-python), same GGUF", short="llama.cpp", model=OUTSIDE_TORCH,
                        skip=skip, run=lambda counter: _probe(LLAMA, gguf, threads, environment)))
 
-    targets = (Target("import multidecode, warm", ("methods", MD, "extra", "import_s"), "<=", 1.0, unit=" s"),
+    targets = (Target("import (multidecode, torch, transformers), warm", ("methods", MD, "extra", "import_s"), "<=", 1.0, unit=" s"),
                Target("load() of the model, warm", ("methods", MD, "extra", "load_s"), "<=", 0.5, unit=" s"),
                Target("the whole command, warm", ("methods", MD_COMMAND, "extra", "process_s"), "<=", 2.0, unit=" s"))
     columns = (Column("start", "start"), Column("method", "label"),
