@@ -39,9 +39,9 @@ MIN_PIECE = 8
 PACE_WEIGHT = 0.2
 """The weight of the latest decoding step in the pace's moving average."""
 COST_DECAY = 0.8
+"""How much the prompt token cost keeps of what it measured before, per step that fed prompt tokens."""
 PACE_EVERY = 8
 """After this many steps that read prompt tokens beside streams, one that reads none measures the pace again."""
-"""How much the prompt token cost keeps of what it measured before, per step that fed prompt tokens."""
 RECENT = 4096
 """How many of the latest steps `PrefillPacer.recent` keeps."""
 
