@@ -326,3 +326,14 @@ def test_clearing_an_empty_cache_says_so(cache):
     cache.mkdir()
     result = cli("clear")
     assert result.exit_code == 0 and "Nothing to clear" in result.output
+
+
+def test_the_status_line_of_a_first_read_says_what_and_about_how_long(cache, tiny_gguf):
+    from multidecode.cli.common import _first_read, first_read_seconds
+
+    line = _first_read(str(tiny_gguf), None)  # packed: the description and the packed weights
+    assert line.startswith("Reading ") and f"about {first_read_seconds(tiny_gguf.stat().st_size):.0f} s" in line
+    assert "Converting" in _first_read(str(tiny_gguf), "float32")
+    assert first_read_seconds(2 * 10**9) > first_read_seconds(10**8) > 0  # a bigger file, a longer wait
+    loading.load_model_and_tokenizer(str(tiny_gguf), device="cpu")
+    assert _first_read(str(tiny_gguf), None) is None  # read once: no line, nothing to wait for

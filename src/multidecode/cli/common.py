@@ -277,7 +277,7 @@ def _first_read(model_name: str | None, precision: str | None) -> str | None:
     """The status line of a GGUF model's first load, which writes a copy to the user cache: its
     config, tokenizer and packed weights (packed precisions, seconds) or all its weights in float32
     (float ones)."""
-    from ..models.converted import embedded_copy, gguf_copy
+    from ..models.converted import embedded_copy, embedded_gguf, gguf_copy
 
     if model_name is not None and not model_name.lower().endswith(".gguf"):
         return None
@@ -295,7 +295,20 @@ def _first_read(model_name: str | None, precision: str | None) -> str | None:
         return None
     if floats:
         return f"Converting {name} to a float32 cache (once, about 20 s for the embedded model; `multidecode cache list` shows it)..."
-    return f"Reading {name} (once: its config, tokenizer and packed weights are kept in the user cache)..."
+    size = (embedded_gguf() if model_name is None else Path(model_name).expanduser()).stat().st_size
+    return (f"Reading {name} (once, about {first_read_seconds(size):.0f} s: its config, tokenizer and packed "
+            "weights are kept in the user cache)...")
+
+
+FIRST_READ_S, FIRST_READ_MB_PER_S = 4.0, 25.0
+"""A GGUF file's first read, measured on the project's 2-core CPU (docs/benchmarks.md, `bench startup`
+cold): a fixed part (transformers parses its metadata twice, for the config and the tokenizer) and
+its packed weights laid out at about this rate."""
+
+
+def first_read_seconds(size: int) -> float:
+    """About how long the first read of a GGUF file of `size` bytes takes (the status line's estimate)."""
+    return FIRST_READ_S + size / 1e6 / FIRST_READ_MB_PER_S
 
 
 def _model_label(decoder, model_name) -> str:
