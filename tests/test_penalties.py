@@ -1,8 +1,7 @@
 """Presence, frequency and repetition penalties and logit bias: per branch, exact in a forest.
 
-The oracle is a plain sequential loop that forwards the whole sequence, applies the definitions
-by hand (repetition penalty over prompt and output, as transformers; presence and frequency over
-the generated tokens only, as OpenAI; then the bias) and takes the arg-max. A forest of branches
+The oracle is `penalty_reference.reference`, a plain sequential loop that applies the definitions
+by hand and takes the arg-max. A forest of branches
 with different settings, with and without speculation (prompt lookup, and a drafter that knows
 the answer so that whole drafts are accepted under the penalties), gives its tokens exactly.
 """
@@ -10,10 +9,10 @@ the answer so that whole drafts are accepted under the penalties), gives its tok
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import pytest
 import torch
+from penalty_reference import reference
 from speculation_cases import outputs, run
 from tiny_models import NO_EOS, VOCAB, tiny_model
 
@@ -46,28 +45,9 @@ def model():
     return tiny_model("llama")
 
 
-def reference(model, prompt: list[int], params: SamplingParams, steps: int = STEPS) -> list[int]:
-    """Sequential greedy decoding with the definitions applied by hand, one token at a time."""
-    ids, out = list(prompt), []
-    for _ in range(steps):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1].float()  # [vocab]
-        if params.repetition_penalty:
-            for t in set(ids):
-                logits[t] = logits[t] * params.repetition_penalty if logits[t] < 0 else logits[t] / params.repetition_penalty
-        for t, count in Counter(out).items():  # generated tokens only
-            logits[t] -= (params.presence_penalty or 0.0) * (count > 0) + (params.frequency_penalty or 0.0) * count
-        for t, bias in params.logit_bias or ():
-            logits[t] += bias
-        token = int(logits.argmax())
-        out.append(token)
-        ids.append(token)
-    return out
-
-
 @pytest.fixture(scope="module")
 def expected(model):
-    return [reference(model, PREFIX + b, p) for b, p in zip(BRANCHES, SETTINGS)]
+    return [reference(model, PREFIX + b, p, STEPS) for b, p in zip(BRANCHES, SETTINGS)]
 
 
 class Oracle(Proposer):
@@ -92,7 +72,7 @@ class Oracle(Proposer):
 # ---------------------------------------------------------------------- exactness
 def test_penalties_change_greedy_output(model, expected):
     """The cases mean something: every setting moves its branch off plain greedy decoding."""
-    plain = [reference(model, PREFIX + b, SamplingParams()) for b in BRANCHES]
+    plain = [reference(model, PREFIX + b, SamplingParams(), STEPS) for b in BRANCHES]
     assert all(e != p for e, p in zip(expected, plain))
 
 
@@ -150,7 +130,7 @@ def test_complete_and_ask_keywords(model, expected):
     both = decoder.complete(PREFIX + BRANCHES[0], n=2, max_new_tokens=STEPS, do_sample=False, eos_token_id=NO_EOS,
                             presence_penalty=[1.5, None])
     assert both[0].token_ids == expected[0]
-    assert both[1].token_ids == reference(model, PREFIX, SamplingParams())
+    assert both[1].token_ids == reference(model, PREFIX, SamplingParams(), STEPS)
 
 
 # ---------------------------------------------------------------------- the processors
