@@ -8,16 +8,19 @@ the answer so that whole drafts are accepted under the penalties), gives its tok
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from click.testing import CliRunner
 from penalty_reference import reference
 from speculation_cases import outputs, run
 from tiny_models import NO_EOS, VOCAB, tiny_model
 
 import multidecode
 from multidecode.api import decode
+from multidecode.cli import main
 from multidecode.errors import InvalidArgument, InvalidInput
 from multidecode.proposers import BranchContext, DraftTree, Proposer
 from multidecode.sampling import (
@@ -187,3 +190,46 @@ def test_a_bias_outside_the_vocabulary_is_refused(model):
         decode(model, PREFIX, [[]], max_new_tokens=2, logit_bias={VOCAB: 1.0})
     with pytest.raises(InvalidInput):
         per_branch_sampling(2, dict(logit_bias=[{1: 1}]))
+
+
+# ---------------------------------------------------------------------- the CLI
+def test_cli_options_reach_every_branch(model_dir):
+    """--presence-penalty, --frequency-penalty and --logit-bias on the text model: the same
+    tokens as the library with the same settings; a forced token fills the completion."""
+    decoder = multidecode.load(str(model_dir), device="cpu")
+    token = decoder.tokenizer(" cable", add_special_tokens=False)["input_ids"][-1]
+    base = ["--model", str(model_dir), "-p", "Tell me about cables.", "--max-new-tokens", "8"]
+    flags = ["--presence-penalty", "1.5", "--frequency-penalty", "0.5", "--logit-bias", f"{token}=3",
+             "--logit-bias", "5=-100"]
+    result = CliRunner().invoke(main, ["generate", *base, *flags, "--speculate", "lookup", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = decoder.generate("Tell me about cables.", max_new_tokens=8, speculate=None, presence_penalty=1.5,
+                                frequency_penalty=0.5, logit_bias={token: 3, 5: -100})
+    assert row["token_ids"] == expected.token_ids
+    assert expected.token_ids != decoder.generate("Tell me about cables.", max_new_tokens=8, speculate=None).token_ids
+    forced = CliRunner().invoke(main, ["complete", *base, "--n", "2", "--greedy", "--logit-bias", f"{token}=100",
+                                       "--json"])
+    assert forced.exit_code == 0, forced.output
+    assert [r["token_ids"] for r in json.loads(forced.stdout)] == [[token] * 8] * 2
+    echoed = CliRunner().invoke(main, ["generate", *base, "--echo", "--json"])
+    assert json.loads(echoed.stdout.strip().splitlines()[-1])["text"].startswith("Tell me about cables.")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--presence-penalty", "3"], "presence_penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "-2.5"], "frequency_penalty must be in [-2, 2]"),
+    (["--logit-bias", "5"], "is not TOKEN=BIAS"),
+    (["--logit-bias", "x=1"], "is not TOKEN=BIAS"),
+    (["--logit-bias", "5=101"], "[-100, 100]"),
+])
+def test_cli_bad_values_exit_2_before_loading(model_dir, extra, message):
+    for command in (["generate", "-p", "hi"], ["ask", "--document", "-", "-q", "Why?"], ["complete", "-p", "hi"]):
+        result = CliRunner().invoke(main, [*command, "--model", str(model_dir), *extra], input="A document.")
+        assert result.exit_code == 2, (command, result.output)
+        assert message in result.output and "Traceback" not in result.output
+
+
+def test_cli_a_bias_outside_the_vocabulary_exits_2(model_dir):
+    result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "-p", "hi", "--logit-bias", "99999=1"])
+    assert result.exit_code == 2 and "vocabulary" in result.output, result.output
