@@ -20,6 +20,7 @@ from tiny_models import NO_EOS, VOCAB, tiny_model
 
 import multidecode
 from multidecode.api import decode
+from multidecode.batch import run_batch
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument, InvalidInput
 from multidecode.proposers import BranchContext, DraftTree, Proposer
@@ -233,3 +234,35 @@ def test_cli_bad_values_exit_2_before_loading(model_dir, extra, message):
 def test_cli_a_bias_outside_the_vocabulary_exits_2(model_dir):
     result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "-p", "hi", "--logit-bias", "99999=1"])
     assert result.exit_code == 2 and "vocabulary" in result.output, result.output
+
+
+# ---------------------------------------------------------------------- batch lines
+def test_a_batch_line_carries_its_own_sampling_over_the_jobs(model_dir, tmp_path):
+    decoder = multidecode.load(str(model_dir), device="cpu")
+    token = decoder.tokenizer(" cable", add_special_tokens=False)["input_ids"][-1]
+    doc = "The router drops the line every evening."
+    rows = [{"id": "job", "document": doc, "questions": ["why?", "when?"]},
+            {"id": "forced", "document": doc, "questions": ["why?"], "sampling": {"logit_bias": {str(token): 100}}},
+            {"id": "each", "document": doc, "questions": ["why?", "when?"],
+             "sampling": {"presence_penalty": [None, 2.0], "logit_bias": [None, {"5": -100}]}},
+            {"id": "bad", "document": doc, "questions": ["why?"], "sampling": {"presence_penalty": 3}},
+            {"id": "bad key", "document": doc, "questions": ["why?"], "sampling": {"logit_bias": {"x": 1}}},
+            {"id": "not an object", "document": doc, "questions": ["why?"], "sampling": [1]}]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    run_batch(decoder, source, out, max_new_tokens=6, frequency_penalty=0.5)
+    got = {r["id"]: r for r in map(json.loads, out.read_text(encoding="utf-8").splitlines())}
+
+    def answers(key):
+        return [a["answer"] for a in got[key]["answers"]]
+
+    assert answers("job") == [a.text for a in decoder.ask(doc, ["why?", "when?"], max_new_tokens=6,
+                                                            frequency_penalty=0.5)]
+    assert answers("forced") == [decoder.tokenizer.decode([token] * 6)]
+    each = decoder.ask(doc, ["why?", "when?"], max_new_tokens=6, frequency_penalty=0.5,
+                       presence_penalty=[None, 2.0], logit_bias=[None, {5: -100}])
+    assert answers("each") == [a.text for a in each]
+    for key, words in [("bad", "presence_penalty must be in [-2, 2]"), ("bad key", "token ids"),
+                       ("not an object", '"sampling" must be an object')]:
+        assert got[key]["answers"] == [] and words in got[key]["error"]["message"], got[key]
