@@ -142,7 +142,9 @@ BAD_COMPLETIONS = {
     "stop": (dict(stop=[""]), "stop"),
     "many branches": (dict(n=100000), "n"),
     "many prompts": (dict(prompt=["fox"] * 100, n=3), "n"),
-    "unsupported": (dict(echo=True), "echo"),
+    "unsupported": (dict(suffix="!"), "suffix"),
+    "echo with logprobs": (dict(echo=True, logprobs=2), "echo"),
+    "logit_bias": (dict(logit_bias={"99999": 5}), "logit_bias"),
 }
 
 
@@ -511,10 +513,13 @@ COMMON = {  # field: (values taken, values refused)
     "use_beam_search": (st.booleans(), st.sampled_from(["x", 5, []])),
     "speculate": (st.sampled_from([None, "lookup", "suffix", "lookahead", "auto", "none", "off"]),
                   st.one_of(st.sampled_from(["bogus", ""]), st.integers())),
-    "frequency_penalty": (st.just(0), st.one_of(NOT_FINITE, st.floats(0.1, 2))),
-    "presence_penalty": (st.just(0.0), st.one_of(NOT_FINITE, st.floats(-2, -0.1))),
-    "logit_bias": (st.one_of(st.none(), st.just({})), st.one_of(st.just({"5": 1.0}), st.just({"5": math.nan}),
-                                                               st.integers())),
+    "frequency_penalty": (st.one_of(st.none(), st.floats(-2, 2)), st.one_of(NOT_FINITE, st.floats(2.01, 1e300),
+                                                                          st.just(-2.5), st.just("x"))),
+    "presence_penalty": (st.one_of(st.just(0.0), st.floats(-2, 2)), st.one_of(NOT_FINITE, st.floats(max_value=-2.01),
+                                                                            st.just([1]))),
+    "logit_bias": (st.one_of(st.none(), st.dictionaries(st.integers(0, 370).map(str), st.floats(-100, 100), max_size=3)),
+                   st.one_of(st.just({"5": math.nan}), st.just({"5": 100.5}), st.just({"x": 1}), st.just({"-1": 1}),
+                             st.just({"99999": 1}), st.just({" 5": 1}), st.integers())),
     "user": (TEXT, st.integers()),
     "trace": (st.booleans(), st.just("x")),
     "an_unknown_key": (GARBAGE, st.nothing()),
@@ -527,7 +532,7 @@ COMPLETION = {
                    st.one_of(st.integers(max_value=0), st.sampled_from([300, 10**12, 2**80, 2.5, "x", []]))),
     "logprobs": (st.one_of(st.none(), st.integers(0, 20)), st.one_of(st.integers(min_value=21), st.integers(max_value=-1),
                                                                      st.just("x"))),
-    "echo": (st.just(False), st.just(True)),
+    "echo": (st.booleans(), st.just("x")),
     "suffix": (st.none(), WORDS),
     "best_of": (st.sampled_from([None, 1]), st.integers(2, 5)),
 }

@@ -186,7 +186,8 @@ class MultiDecoder:
 
         Greedy by default; each answer equals greedy generation from its `.prompt_ids` alone.
         Sampling settings (`do_sample`, `temperature`, `top_k`, `top_p`, `min_p`,
-        `repetition_penalty`, `seed`) take one value or one per question. speculate: every
+        `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `seed`) take
+        one value or one per question; the penalties and the bias apply to greedy answers too. speculate: every
         question's branch carries its own draft tree ("lookup", "auto", ...).
         """
         return _ask.ask(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
@@ -324,6 +325,11 @@ def decode(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: dict[int, float] | Sequence[dict[int, float] | None] | None = None,
     seed: int | None = None,
     speculate=None,
     cost: CostCurve | LearnedCurve | None = None,
@@ -336,6 +342,9 @@ def decode(
     (`repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, ...): settings are never read
     from the model's generation config, only its eos ids. With sampling and a seed, branch i draws
     from its own generator seeded `seed + i`, so it does not depend on the other branches.
+    repetition_penalty (transformers'), presence_penalty and frequency_penalty (OpenAI's, over the
+    generated tokens) and logit_bias ({token id: bias}) apply to greedy branches too, in the order
+    of `sampling`'s module notes; each setting takes one value, or a list of one per branch.
     speculate: None, "lookup", "auto", a `Proposer` or a `Speculation` (see `speculation`); it
     never changes the output. cost: the cost curve for "auto" (default: learned, kept on disk).
     exact: on the exact kernels while it runs (see `stream_decode`; the model is put back after):
@@ -343,7 +352,9 @@ def decode(
     every dtype. Compare with `generate` through the same kernels: `with exact_kernels(model):`.
     """
     sampling = per_branch_sampling(
-        len(branch_ids), dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        len(branch_ids), dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed)
     )
     out: list[list[int]] = [[] for _ in branch_ids]
     for event in stream_decode(model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, sampling=sampling,

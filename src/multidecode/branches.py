@@ -37,7 +37,7 @@ from .memory import ENVIRONMENT, Need, budget_bytes, check_budget, most_branches
 from .prompts import share_prefix
 from .proposers import UNDER_LEAF, BranchContext, DraftTree
 from .proposers.mixture import Mixture
-from .sampling import BranchSampler, SamplingParams
+from .sampling import BranchSampler, SamplingParams, check_vocabulary
 from .scheduler import Feed, Scheduler, Settled, Work
 from .speculation import Speculation, build_speculation
 from .stopping import BranchOutput, StopRule, eos_ids_of, stop_strings_of
@@ -619,6 +619,7 @@ def admit(
         spec.proposer.check(engine.model)
     prefix_ids = token_ids(prefix_ids, engine.vocab_size, "the prefix")
     suffixes = [token_ids(s, engine.vocab_size, f"branch {i}") for i, s in enumerate(suffixes)]
+    check_vocabulary(sampling, engine.vocab_size)
     if not prefix_ids and not all(suffixes):
         raise InvalidInput("a branch has no tokens and there is no prefix to continue", "give every branch a prompt")
     check_fits(engine, [len(cached) + len(prefix_ids) + len(s) for s in suffixes], max_new_tokens)

@@ -5,14 +5,29 @@ processors run on all live branches at once with one parameter per row, and each
 only that row's generator, so a branch seeded with s gives the same tokens whatever branches run
 beside it.
 
-The processors follow the definitions (and order) of transformers' `generate`: repetition
-penalty first, then, when sampling, temperature, top-k, top-p and min-p, each keeping at least
-one token. Greedy branches take the arg-max after the repetition penalty, as `generate` does.
+The processors run in this order, each on the output of the one before:
+
+1. repetition penalty, as transformers defines it: a token anywhere in the sequence (prompt
+   included) has a negative logit multiplied by the penalty, a positive one divided;
+2. presence and frequency penalties, as OpenAI defines them (and vLLM applies them, after the
+   repetition penalty): logits[j] -= presence_penalty * (count[j] > 0) + frequency_penalty *
+   count[j], where count[j] is how often token j occurs in the tokens this branch *generated*
+   (not its prompt);
+3. logit bias: logits[j] += logit_bias[j] (OpenAI's `logit_bias`, a bias in [-100, 100] per token);
+4. when sampling, temperature, top-k, top-p and min-p, as transformers' `generate`, each keeping at
+   least one token.
+
+Steps 1 to 3 apply to greedy branches too: they take the arg-max after them, as `generate` does
+after its repetition penalty. Each step reads only the row's own history, so speculation applies
+them with the right history at every draft node (`verify.walk` chooses a branch's tokens in order,
+observing each before the next is chosen).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Real
 
@@ -20,12 +35,23 @@ import torch
 
 from .errors import InvalidArgument, InvalidInput, is_int
 
-SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "seed")
+PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
+"""Settings that change greedy branches' logits too; they never turn sampling on by themselves."""
+MAX_PENALTY = 2.0
+"""presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
+MAX_BIAS = 100.0
+"""A logit bias lies in [-MAX_BIAS, MAX_BIAS] (OpenAI's range): +100 all but forces a token, -100 bans it."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one branch picks its tokens. The defaults are greedy decoding."""
+    """How one branch picks its tokens. The defaults are greedy decoding.
+
+    logit_bias: {token id: bias}; kept as a tuple of (token id, bias) pairs sorted by id, so that
+    params stay hashable and compare by value.
+    """
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -33,12 +59,15 @@ class SamplingParams:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
     seed: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.do_sample, bool):
             raise InvalidArgument(f"do_sample must be True or False, got {self.do_sample!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
                 raise InvalidArgument(f"{name} must be a number, got {value!r}")
@@ -55,12 +84,56 @@ class SamplingParams:
             raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty is not None and not self.repetition_penalty > 0:
             raise InvalidArgument(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}",
+                                      "0 turns it off")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty or a logit bias changes this branch's logits (greedy or not)."""
+        return (self.repetition_penalty not in (None, 1.0) or bool(self.presence_penalty)
+                or bool(self.frequency_penalty) or bool(self.logit_bias))
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...] | None:
+    """A logit bias ({token id: bias}, or (token id, bias) pairs) as sorted pairs, checked; None if empty."""
+    if bias is None:
+        return None
+    if isinstance(bias, Mapping):
+        pairs = list(bias.items())
+    elif isinstance(bias, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bias):
+        pairs = [tuple(p) for p in bias]
+    else:
+        raise InvalidArgument(f"logit_bias must map token ids to biases, got {bias!r}", "e.g. {13: 5.0, 198: -100}")
+    for token, value in pairs:
+        if not is_int(token) or token < 0:
+            raise InvalidArgument(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) \
+                or not -MAX_BIAS <= value <= MAX_BIAS:
+            raise InvalidArgument(f"the logit bias of token {token} must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                                  f"got {value!r}", "+100 all but forces a token, -100 bans it")
+    if len({int(t) for t, _ in pairs}) != len(pairs):
+        raise InvalidArgument("logit_bias names a token id twice")
+    return tuple(sorted((int(t), float(v)) for t, v in pairs)) or None
+
+
+def check_vocabulary(params: Sequence[SamplingParams], vocab_size: int) -> None:
+    """Refuse a logit bias on a token id the model does not have."""
+    for i, p in enumerate(params):
+        bad = [t for t, _ in p.logit_bias or () if t >= vocab_size]
+        if bad:
+            raise InvalidArgument(f"logit_bias of branch {i} names token id {bad[0]}, outside the model's vocabulary "
+                                  f"of {vocab_size}", "tokenize with this model's tokenizer")
 
 
 def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
     """Expand sampling settings (each a value for all branches, or a list of n) into n params.
 
-    A single `seed` s gives branch i the seed s + i; a list gives each branch its own.
+    A single `seed` s gives branch i the seed s + i; a list gives each branch its own. A
+    `logit_bias` is one {token id: bias} for all branches, or a list of n (None for none).
     """
     unknown = set(sampling) - set(SAMPLING_KEYS)
     if unknown:
@@ -68,7 +141,10 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
                            f"use {', '.join(SAMPLING_KEYS)}")
     columns: dict[str, list] = {}
     for key, value in sampling.items():
-        if isinstance(value, (list, tuple)):
+        per_branch = isinstance(value, (list, tuple))
+        if key == "logit_bias" and per_branch:  # a list of maps is one per branch; (id, bias) pairs are one bias
+            per_branch = all(v is None or isinstance(v, Mapping) for v in value)
+        if per_branch:
             if len(value) != n:
                 raise InvalidInput(f"{key} has {len(value)} values for {n} branches", "give one value, or one per branch")
             columns[key] = list(value)
@@ -104,12 +180,16 @@ class BranchSampler:
                 self.generator.manual_seed(params.seed)
             else:
                 self.generator.seed()
-        # Repetition penalty looks at the whole sequence, prompt included, as transformers does.
+        # Repetition penalty looks at the whole sequence, prompt included, as transformers does;
+        # presence and frequency penalties at the generated tokens only, as OpenAI's do.
         self.seen: set[int] = set(context) if params.repetition_penalty not in (None, 1.0) else set()
+        self.counts: Counter[int] = Counter()
 
     def observe(self, token: int) -> None:
         if self.params.repetition_penalty not in (None, 1.0):
             self.seen.add(token)
+        if self.params.presence_penalty or self.params.frequency_penalty:
+            self.counts[token] += 1
 
 
 # ---------------------------------------------------------------------- processors
@@ -118,6 +198,18 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     multiplied by the penalty, positive ones divided."""
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalized, logits)
+
+
+def apply_presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                             frequency: torch.Tensor) -> torch.Tensor:
+    """logits [n, V]; counts [n, V] (each token's count among the generated ones); presence and
+    frequency [n, 1]. OpenAI's definition: logits - (presence * (count > 0) + frequency * count)."""
+    return logits - (presence * (counts > 0) + frequency * counts)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """logits [n, V]; bias [n, V] (0 where a row has none)."""
+    return logits + bias
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -167,18 +259,36 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
 
 
+def _scatter(rows: Sequence[dict[int, float] | Sequence[tuple[int, float]]], like: torch.Tensor) -> torch.Tensor:
+    """[n, V] zeros of like's dtype, with row i's (token id, value) pairs filled in."""
+    out = torch.zeros_like(like)
+    for i, pairs in enumerate(rows):
+        pairs = list(pairs.items()) if isinstance(pairs, dict) else list(pairs)
+        if pairs:
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=like.device)
+            out[i, ids] = torch.tensor([v for _, v in pairs], dtype=like.dtype, device=like.device)
+    return out
+
+
 def penalize(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
-    """The repetition penalty of every row that has one (greedy rows included). [n, V] -> [n, V]"""
+    """Steps 1 to 3 of the module notes (repetition, presence and frequency penalties, then logit
+    bias) on every row that has them, greedy rows included. [n, V] -> [n, V]"""
     params = [s.params for s in samplers]
-    if not any(p.repetition_penalty not in (None, 1.0) for p in params):
-        return logits
     n, vocab = logits.shape
-    seen = torch.zeros(n, vocab, dtype=torch.bool, device=logits.device)
-    for i, s in enumerate(samplers):
-        if s.seen:
-            ids = torch.tensor(sorted(t for t in s.seen if t < vocab), dtype=torch.long, device=logits.device)
-            seen[i, ids] = True
-    return apply_repetition_penalty(logits, seen, _column([p.repetition_penalty or 1.0 for p in params], logits))
+    if any(p.repetition_penalty not in (None, 1.0) for p in params):
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=logits.device)
+        for i, s in enumerate(samplers):
+            if s.seen:
+                ids = torch.tensor(sorted(t for t in s.seen if t < vocab), dtype=torch.long, device=logits.device)
+                seen[i, ids] = True
+        logits = apply_repetition_penalty(logits, seen, _column([p.repetition_penalty or 1.0 for p in params], logits))
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        counts = _scatter([s.counts for s in samplers], logits)  # [n, V]
+        logits = apply_presence_frequency(logits, counts, _column([p.presence_penalty or 0.0 for p in params], logits),
+                                          _column([p.frequency_penalty or 0.0 for p in params], logits))
+    if any(p.logit_bias for p in params):
+        logits = apply_logit_bias(logits, _scatter([p.logit_bias or () for p in params], logits))
+    return logits
 
 
 def warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

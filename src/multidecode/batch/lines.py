@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 from ..errors import InvalidInput, MultiDecodeError
+from ..sampling import per_branch_sampling
 from ..strategies.ask import check_document
 
 LINE_HINT = 'each line must be one JSON object, e.g. {"id": "call-1", "document": "...", "questions": ["..."]}'
@@ -30,17 +31,20 @@ class LineModel(BaseModel):
     id: Annotated[StrictStr, AfterValidator(_not_blank)] | StrictInt | None = None
     document: Annotated[StrictStr, AfterValidator(lambda text: check_document(text) or text)]
     questions: list[Annotated[StrictStr, AfterValidator(_not_blank)]] | None = None
+    sampling: dict[StrictStr, Any] | None = None
 
 
 @dataclass(frozen=True)
 class InputLine:
-    """One non-blank input line, parsed. error says why it cannot run (then it is recorded as failed)."""
+    """One non-blank input line, parsed. error says why it cannot run (then it is recorded as failed).
+    sampling: the line's own sampling settings, over the job's (logit bias keys as token ids)."""
 
     line: int
     id: str | int
     document: str | None = None
     questions: tuple[str, ...] = ()
     error: MultiDecodeError | None = None
+    sampling: dict[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def key(self) -> str:
@@ -65,6 +69,9 @@ def _explain(problem: dict, data: dict) -> MultiDecodeError:
         got = "an empty string" if isinstance(data["id"], str) else _kind(data["id"])
         return InvalidInput(f'"id" must be a string or an integer, got {got}',
                             'use a text id such as "call-17", or leave "id" out to use the line number')
+    if field == "sampling":
+        return InvalidInput(f'"sampling" must be an object, got {_kind(value)}',
+                            'e.g. "sampling": {"temperature": 0.7, "logit_bias": {"42": -100}}')
     if field == "document":
         if problem["type"] == "missing":
             return InvalidInput('the line has no "document"', 'add "document": "the text to ask about"')
@@ -108,7 +115,31 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
         return InputLine(line, ident, error=InvalidInput(
             f"the line {own} and the job has none",
             'add "questions": ["..."] to the line, or give questions for every line (--questions-file, -q)'))
-    return InputLine(line, ident, parsed.document, questions)
+    try:
+        sampling = _line_sampling(parsed.sampling or {}, len(questions))
+    except MultiDecodeError as err:
+        return InputLine(line, ident, error=InvalidInput(f'the line\'s "sampling": {err.message}', err.hint))
+    return InputLine(line, ident, parsed.document, questions, sampling=sampling)
+
+
+def _line_sampling(settings: dict, n: int) -> dict:
+    """A line's sampling settings as `per_branch_sampling` takes them (one value, or one per
+    question), checked; a logit bias's JSON keys ("42") become token ids."""
+    settings = dict(settings)
+    bias = settings.get("logit_bias")
+    if isinstance(bias, dict):
+        settings["logit_bias"] = _token_keys(bias)
+    elif isinstance(bias, list):
+        settings["logit_bias"] = [_token_keys(b) if isinstance(b, dict) else b for b in bias]
+    per_branch_sampling(n, settings)
+    return settings
+
+
+def _token_keys(bias: dict) -> dict:
+    bad = [key for key in bias if not (key.isascii() and key.isdigit())]
+    if bad:
+        raise InvalidInput(f"logit_bias keys must be token ids, got {bad[0]!r}", 'e.g. "logit_bias": {"42": -100}')
+    return {int(key): value for key, value in bias.items()}
 
 
 def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:

@@ -98,7 +98,7 @@ class ForestAnswerer:
         try:
             prompts = question_prompts(self.decoder.tokenizer, item.document, item.questions,
                                        instruction=settings.instruction)
-            sampling = per_branch_sampling(len(prompts), dict(settings.sampling))
+            sampling = per_branch_sampling(len(prompts), {**settings.sampling, **item.sampling})
         except Exception as error:  # noqa: BLE001 - recorded as the line's failure
             return LineOutcome(item, error=error)
         job = Job(prompts=prompts, max_new_tokens=settings.max_new_tokens, sampling=sampling, stop=settings.stop,

@@ -29,7 +29,7 @@ class BatchSettings:
     folder path or a hub id); they go into the fingerprint, so a job cannot be resumed with
     another model by mistake.
     sampling: keyword arguments for `MultiDecoder.ask` (temperature, top_k, top_p, min_p,
-    repetition_penalty, seed, do_sample).
+    repetition_penalty, presence_penalty, frequency_penalty, logit_bias, seed, do_sample).
     """
 
     questions: tuple[str, ...] = ()
@@ -58,13 +58,20 @@ class BatchSettings:
     def as_dict(self) -> dict:
         return {"model": self.model, "precision": self.precision, "questions": list(self.questions),
                 "max_new_tokens": self.max_new_tokens, "stop": list(self.stop),
-                "sampling": dict(sorted(self.sampling.items())), "instruction": self.instruction}
+                "sampling": {k: _as_json(v) for k, v in sorted(self.sampling.items())}, "instruction": self.instruction}
 
     @property
     def fingerprint(self) -> str:
         """12 hex digits of the SHA-256 of the settings as canonical JSON."""
         text = json.dumps(self.as_dict(), sort_keys=True, ensure_ascii=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _as_json(value):
+    """A sampling setting as JSON keeps it (a logit bias's token ids become text keys, sorted)."""
+    if isinstance(value, Mapping):
+        return {str(k): v for k, v in sorted(value.items())}
+    return value
 
 
 def model_identity(name: str | os.PathLike | None) -> str:

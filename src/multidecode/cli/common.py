@@ -40,23 +40,50 @@ def model_options(command):
 
 
 def sampling_options(command):
-    """--temperature, --top-k, --top-p, --min-p, --repetition-penalty, --seed (any of them turns sampling on)."""
+    """--temperature, --top-k, --top-p, --min-p, --seed (any of them turns sampling on), and the
+    penalties and bias, which apply to greedy decoding too: --repetition-penalty,
+    --presence-penalty, --frequency-penalty, --logit-bias TOKEN=BIAS (repeatable)."""
+    command = click.option(
+        "--logit-bias", multiple=True, metavar="TOKEN=BIAS", callback=_parse_logit_bias,
+        help="Add BIAS (-100 to 100) to token id TOKEN's logit before choosing (repeatable); +100 all but forces "
+             "the token, -100 bans it. Applies to greedy too.")(command)
     for name, kind, text in reversed([
         ("--temperature", float, "Sampling temperature (turns sampling on)."),
         ("--top-k", int, "Sample from the k most likely tokens."),
         ("--top-p", float, "Sample from the smallest set reaching this probability."),
         ("--min-p", float, "Drop tokens less likely than min-p times the top token."),
         ("--repetition-penalty", float, "Penalize tokens already in the sequence (1.0 = off); applies to greedy too."),
+        ("--presence-penalty", float, "OpenAI's: -2 to 2, off each generated token's logit; applies to greedy too."),
+        ("--frequency-penalty", float, "OpenAI's: -2 to 2, times each generated token's count; applies to greedy too."),
         ("--seed", int, "Seed; branch i uses seed + i, so every branch is reproducible."),
     ]):
         command = click.option(name, type=kind, default=None, help=text)(command)
     return command
 
 
+def _parse_logit_bias(context, parameter, values: tuple[str, ...]) -> dict[int, float] | None:
+    """--logit-bias TOKEN=BIAS, repeated, as {token id: bias}; a malformed one is a usage error."""
+    bias: dict[int, float] = {}
+    for value in values:
+        token, sep, amount = value.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            key, number = int(token.strip()), float(amount)
+        except ValueError:
+            raise click.BadParameter(f"{value!r} is not TOKEN=BIAS (a token id and a number, e.g. 42=-100)",
+                                     context, parameter) from None
+        if key in bias:
+            raise click.BadParameter(f"token {key} is given twice", context, parameter)
+        bias[key] = number
+    return bias or None
+
+
 def sampling_from(options: dict) -> dict:
     """The sampling settings the user gave, as keyword arguments for the library."""
-    keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
-    return {k: options[k] for k in keys if options.get(k) is not None}
+    from ..sampling import SAMPLING_KEYS
+
+    return {k: options[k] for k in SAMPLING_KEYS if k != "do_sample" and options.get(k) is not None}
 
 
 SPELLING = Spelling(mode="--speculate {}", current="--speculate is {}", budget="--draft-budget", lookahead="--lookahead",

@@ -21,6 +21,7 @@ from rich.text import Text
 from ..branches import TokenEvent
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_text
+from ..sampling import PENALTY_KEYS
 from ..strategies import ask as ask_strategy
 from ..strategies import complete as complete_strategy
 from ..strategies import margins as margins_strategy
@@ -145,10 +146,12 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop at this string (repeatable).")
 @decoding_options("auto")
+@click.option("--echo", is_flag=True, help="Print the prompt before the completion (with --json, the text starts "
+                                           "with it), as the completions API's echo.")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion and its stats as JSON.")
 @report_errors
 def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, precision, device, speculate, draft_budget,
-             show_stats, as_json, **sampling):
+             show_stats, echo, as_json, **sampling):
     """Generate one completion, greedy unless a sampling option is given.
 
     With --speculate, draft tokens are verified in the same forward as the next token; the output
@@ -163,10 +166,11 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, pre
                          chat=False if no_chat else None, sample=False, speculate=spec, **chosen)
     if as_json:
         done = complete_strategy.completions(run.finish())[0]
-        click.echo(json.dumps({"text": done.text, "finish_reason": done.finish_reason, "token_ids": done.token_ids,
+        click.echo(json.dumps({"text": text * echo + done.text, "finish_reason": done.finish_reason, "token_ids": done.token_ids,
                                "prompt_tokens": len(done.prompt_ids), "seed": done.seed, "stats": done.stats},
                               ensure_ascii=False))
     else:
+        sys.stdout.write(text * echo)
         for event in run.events:
             sys.stdout.write(event.text)
             sys.stdout.flush()
@@ -196,8 +200,8 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     """
     text = read_prompt(prompt, prompt_file)
     chosen = sampling_from(sampling)
-    if greedy and set(chosen) - {"repetition_penalty"}:
-        flags = ", ".join("--" + k.replace("_", "-") for k in chosen if k != "repetition_penalty")
+    if greedy and set(chosen) - set(PENALTY_KEYS):
+        flags = ", ".join("--" + k.replace("_", "-") for k in chosen if k not in PENALTY_KEYS)
         raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
     if greedy:
         chosen["do_sample"] = False

@@ -39,6 +39,7 @@ from .protocol import (
     CompletionBody,
     chat_logprobs,
     completion_logprobs,
+    echo_texts,
     error_body,
     parse,
     to_job,
@@ -251,6 +252,9 @@ class _Reply:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.choices = [Choice(i) for i in range(job.beams or len(job.prompts))]
+        self.echo = echo_texts(body, runtime.tokenizer)  # each choice's prompt with echo, else []
+        for choice, text in zip(self.choices, self.echo):
+            choice.text = text
 
     def _head(self, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
@@ -287,7 +291,7 @@ class _Reply:
                 self._take(payload)
             elif kind == "beams":
                 for choice, beam in zip(self.choices, payload):
-                    choice.text, choice.finish_reason = beam.text, beam.finish_reason
+                    choice.text, choice.finish_reason = choice.text + beam.text, beam.finish_reason  # after any echo
             elif kind == "error":
                 raise payload
             elif kind == "done":
@@ -313,6 +317,10 @@ class _Reply:
                     yield _sse({**self._head(True), "choices": [{"index": c.index, "delta": {"role": "assistant",
                                                                                          "content": ""},
                                                                 "logprobs": None, "finish_reason": None}]})
+            for c, text in zip(self.choices, self.echo):
+                if text:  # echo: the prompt comes first
+                    yield _sse({**self._head(True), "choices": [{"index": c.index, "text": text, "logprobs": None,
+                                                                "finish_reason": None}]})
             while True:
                 kind, payload = await queue.get()
                 if kind == "token":

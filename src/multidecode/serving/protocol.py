@@ -13,6 +13,13 @@ body (the openai client's `extra_body`):
   each answered as its own branch of one forest and returned as one choice per question;
 - `trace`: the stream also carries the forest nodes the request fed each step (the live page).
 
+OpenAI's sampling extras are honoured per branch: `presence_penalty` and `frequency_penalty`
+(-2 to 2, over each choice's generated tokens), `repetition_penalty` (transformers'), and
+`logit_bias` ({"token id": bias from -100 to 100}); they apply at temperature 0 too, in the order
+of `sampling`'s module notes. `echo` (completions) starts each choice's text with its prompt; with
+`logprobs` it is refused, since prompt tokens' log-probabilities are not computed (a prompt found
+in the prefix cache is never run again).
+
 Every problem a client can cause raises `BadRequest` (HTTP 400) naming the parameter.
 """
 
@@ -28,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import InvalidArgument, MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
-from ..sampling import SamplingParams
+from ..sampling import MAX_BIAS, MAX_PENALTY, SamplingParams
 from ..speculation import LEARNED, SpeculationSettings, speculation_mode
 
 MAX_LOGPROBS = 20
@@ -69,8 +76,8 @@ class _Body(BaseModel):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: float | None = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: float | None = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions
@@ -126,12 +133,9 @@ def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
 
 # ---------------------------------------------------------------------- body -> job
 def _unsupported(body: _Body) -> None:
-    checks = [("frequency_penalty", body.frequency_penalty not in (0, None)),
-              ("presence_penalty", body.presence_penalty not in (0, None)),
-              ("logit_bias", bool(body.logit_bias))]
+    checks = []
     if isinstance(body, CompletionBody):
-        checks += [("echo", body.echo), ("suffix", body.suffix is not None),
-                   ("best_of", body.best_of not in (None, 1, body.n))]
+        checks += [("suffix", body.suffix is not None), ("best_of", body.best_of not in (None, 1, body.n))]
     if isinstance(body, ChatBody):
         checks += [("tools", bool(body.tools)),
                    ("response_format", bool(body.response_format) and body.response_format.get("type") != "text")]
@@ -145,14 +149,41 @@ def _sampling(body: _Body, count: int, vocab_size: int) -> list[SamplingParams]:
     if body.top_k is not None and body.top_k not in (-1, 0) and body.top_k < 1:
         raise BadRequest(f"top_k must be -1 (off) or a positive integer, got {body.top_k}", "top_k")
     top_k = body.top_k if body.top_k and 0 < body.top_k < vocab_size else None  # the whole vocabulary: off
-    penalty = None if body.repetition_penalty == 1.0 else body.repetition_penalty
+    penalties = _penalties(body, vocab_size)
     if body.temperature < GREEDY_BELOW:
-        return [SamplingParams(repetition_penalty=penalty)] * count
+        return [SamplingParams(**penalties)] * count
     seed = secrets.randbits(31) if body.seed is None else body.seed
     return [SamplingParams(do_sample=True, temperature=body.temperature, top_k=top_k,
                            top_p=None if body.top_p == 1.0 else body.top_p,
-                           min_p=body.min_p or None, repetition_penalty=penalty, seed=seed + i)
+                           min_p=body.min_p or None, seed=seed + i, **penalties)
             for i in range(count)]
+
+
+def _penalties(body: _Body, vocab_size: int) -> dict:
+    """The penalties and logit bias a request sets (those at their neutral value left out)."""
+    out = {"repetition_penalty": None if body.repetition_penalty == 1.0 else body.repetition_penalty,
+           "presence_penalty": body.presence_penalty or None, "frequency_penalty": body.frequency_penalty or None,
+           "logit_bias": _logit_bias(body.logit_bias, vocab_size)}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}) with integer ids, checked against the vocabulary."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        token = int(key)
+        if token >= vocab_size:
+            raise BadRequest(f"logit_bias names token id {token}, outside the model's vocabulary of {vocab_size}",
+                             "logit_bias")
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            raise BadRequest(f"the logit_bias of token {token} must be from -{MAX_BIAS:g} to {MAX_BIAS:g}, got {value}",
+                             "logit_bias")
+        if token in out:
+            raise BadRequest(f"logit_bias names token id {token} twice", "logit_bias")
+        out[token] = value
+    return out or None
 
 
 def _stop(body: _Body) -> list[str]:
@@ -162,14 +193,25 @@ def _stop(body: _Body) -> list[str]:
     return stop
 
 
-def _text_prompts(tokenizer, body: CompletionBody, vocab_size: int) -> list[list[int]]:
-    prompt = body.prompt
+def _prompt_items(prompt) -> list:
+    """A completions prompt as a list of prompts, each text or token ids."""
     if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif prompt and all(is_int(t) for t in prompt):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
+        return [prompt]
+    if prompt and all(is_int(t) for t in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def echo_texts(body: _Body, tokenizer) -> list[str]:
+    """What each choice's text starts with: its prompt as text with `echo`, else nothing ([])."""
+    if not isinstance(body, CompletionBody) or not body.echo:
+        return []
+    texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in _prompt_items(body.prompt)]
+    return [text for text in texts for _ in range(body.n)]
+
+
+def _text_prompts(tokenizer, body: CompletionBody, vocab_size: int) -> list[list[int]]:
+    prompts = _prompt_items(body.prompt)
     if not prompts:
         raise BadRequest("the prompt is empty", "prompt")
     ids = []
@@ -237,6 +279,7 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
     before n copies of a prompt are made."""
     _unsupported(body)
     chat = isinstance(body, ChatBody)
+    _check_echo(body)
     _check_branches(len(body.questions) if body.questions is not None else body.n, max_branches)
     prompts = _prompts(body, tokenizer, vocab_size, chat=chat, max_branches=max_branches)
     max_tokens = _max_tokens(body, prompts, max_positions, chat=chat)
@@ -312,6 +355,16 @@ def _speculation(requested: str | None, default: SpeculationSettings | None, has
     return default.with_mode(mode)
 
 
+def _check_echo(body: _Body) -> None:
+    if not isinstance(body, CompletionBody) or not body.echo:
+        return
+    if body.logprobs is not None:
+        raise BadRequest("echo with logprobs is not supported: this server does not compute the prompt tokens' "
+                         "log-probabilities (leave logprobs out, or echo the prompt yourself)", "echo")
+    if body.questions is not None:
+        raise BadRequest("echo is not supported with questions (each question's prompt is built by the server)", "echo")
+
+
 def _beams(body: _Body, prompts: list[list[int]], logprobs: int | None) -> int:
     """The number of beams of a `use_beam_search` request (n), else 0."""
     if not body.use_beam_search:
@@ -321,6 +374,13 @@ def _beams(body: _Body, prompts: list[list[int]], logprobs: int | None) -> int:
     if body.stream or logprobs is not None:
         raise BadRequest("use_beam_search returns finished beams: stream and logprobs are not supported with it",
                          "use_beam_search")
+    used = [name for name, on in (("repetition_penalty", body.repetition_penalty != 1.0),
+                                  ("presence_penalty", bool(body.presence_penalty)),
+                                  ("frequency_penalty", bool(body.frequency_penalty)),
+                                  ("logit_bias", bool(body.logit_bias))) if on]
+    for name in used[:1]:
+        raise BadRequest(f"{name} is not supported with use_beam_search (beams are scored by the model's own "
+                         "log-probabilities)", name)
     return body.n
 
 
@@ -371,4 +431,4 @@ def chat_logprobs(entries: list) -> dict:
 
 
 __all__ = ["BadRequest", "ChatBody", "Choice", "CompletionBody", "chat_logprobs", "completion_logprobs",
-           "error_body", "parse", "to_job", "usage_dict"]
+           "echo_texts", "error_body", "parse", "to_job", "usage_dict"]
