@@ -14,15 +14,16 @@ from multidecode.bench.precision import (
     HF,
     LLAMA,
     SPECULATING,
-    check_precisions,
     check_same_precision,
     ours,
     run_precision_benchmark,
-    step_bytes,
 )
 from multidecode.bench.results import tables
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument
+from multidecode.memory import measure_bandwidth
+from multidecode.models.packed import step_bytes
+from multidecode.models.precision import parse_all
 from multidecode.models.random_gguf import write_random_gguf
 
 
@@ -113,9 +114,9 @@ def test_step_bytes_leave_out_an_untied_input_embedding():
 
 
 def test_precisions_are_checked_before_anything_loads():
-    assert check_precisions(["fp32", "auto", "float32"]) == ["auto", "float32"]
+    assert parse_all(["fp32", "auto", "float32"], torch.device("cpu")) == ["auto", "float32"]
     with pytest.raises(InvalidArgument):
-        check_precisions(["float33"])
+        parse_all(["float33"], torch.device("cpu"))
 
 
 @pytest.mark.parametrize("args, said", [
@@ -141,7 +142,5 @@ def test_random_gguf_command_writes_a_file_and_refuses_an_unknown_shape(tmp_path
 
 
 def test_measured_bandwidth_is_a_plausible_rate():
-    from multidecode.bench.precision import measure_bandwidth
-
     assert 1e8 < measure_bandwidth(repeats=2, size=16 << 20) < 1e13
     assert torch.get_num_threads() >= 1

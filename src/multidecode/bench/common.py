@@ -385,6 +385,11 @@ def auto_over(store: SuffixStore | None = None, heads=()) -> Speculation:
     return Speculation(auto_proposer(SuffixStore() if store is None else store, heads=heads), None)
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None where either side has no figure (None or 0)."""
+    return a / b if a and b else None
+
+
 def spread(values: Sequence[float]) -> dict:
     """The least, the most and the mean (to one decimal) of `values`."""
     return {"min": min(values), "max": max(values), "mean": round(sum(values) / len(values), 1)}
