@@ -79,12 +79,12 @@ def test_methods_left_out_are_said(tiny_gguf):
 
 
 def test_a_document_cut_to_about_n_tokens():
-    from multidecode.bench.common import opening_lines
+    from multidecode.data import sample_opening
 
     def words(text):
         return len(text.split())
 
-    short, longer = opening_lines(20, words), opening_lines(200, words)
+    short, longer = sample_opening(20, words), sample_opening(200, words)
     assert 20 <= words(short) < words(longer) and longer.startswith(short)
 
 

@@ -406,17 +406,6 @@ def torch_threads(threads: int | None):
         torch.set_num_threads(before)
 
 
-def opening_lines(tokens: int, length: Callable[[str], int]) -> str:
-    """The sample support call's opening lines, as many as it takes for `length(text)` (the tokens
-    of what is built from them) to reach `tokens` (the whole call if it never does)."""
-    excerpt = ""
-    for line in data.sample_document().splitlines(keepends=True):
-        excerpt += line
-        if length(excerpt.strip()) >= tokens:
-            break
-    return excerpt.strip()
-
-
 def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
     """`instruction`, a blank line, then the sample call's opening lines: about `tokens` ids in all."""
     from ..strategies.complete import prompt_ids
@@ -424,4 +413,4 @@ def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
     def prompt(excerpt: str) -> list[int]:
         return prompt_ids(tokenizer, f"{instruction}\n\n{excerpt}")
 
-    return prompt(opening_lines(tokens, lambda excerpt: len(prompt(excerpt))))
+    return prompt(data.sample_opening(tokens, lambda excerpt: len(prompt(excerpt))))

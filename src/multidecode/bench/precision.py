@@ -30,7 +30,6 @@ from .common import (
     fresh,
     hf_sequential,
     multidecode_forest,
-    opening_lines,
     torch_threads,
 )
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Part, Plot, Target, run
@@ -152,7 +151,7 @@ def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None
                                           0.0), context_new_tokens, budget_s, prompt=prompt))
     if questions > 0:
         if document is None:
-            document = data.sample_document() if document_tokens is None else opening_lines(
+            document = data.sample_document() if document_tokens is None else data.sample_opening(
                 document_tokens, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
         cases.append(plan.ask(questions, question_tokens, budget_s, document, transformers=transformers))
     if not cases:
