@@ -14,15 +14,16 @@ from multidecode.bench.precision import (
     HF,
     LLAMA,
     SPECULATING,
-    check_precisions,
     check_same_precision,
     ours,
     run_precision_benchmark,
-    step_bytes,
 )
 from multidecode.bench.results import tables
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument
+from multidecode.memory import measure_bandwidth
+from multidecode.models.packed import step_bytes
+from multidecode.models.precision import parse_all
 from multidecode.models.random_gguf import write_random_gguf
 
 
@@ -78,12 +79,12 @@ def test_methods_left_out_are_said(tiny_gguf):
 
 
 def test_a_document_cut_to_about_n_tokens():
-    from multidecode.bench.common import opening_lines
+    from multidecode.data import sample_opening
 
     def words(text):
         return len(text.split())
 
-    short, longer = opening_lines(20, words), opening_lines(200, words)
+    short, longer = sample_opening(20, words), sample_opening(200, words)
     assert 20 <= words(short) < words(longer) and longer.startswith(short)
 
 
@@ -113,9 +114,9 @@ def test_step_bytes_leave_out_an_untied_input_embedding():
 
 
 def test_precisions_are_checked_before_anything_loads():
-    assert check_precisions(["fp32", "auto", "float32"]) == ["auto", "float32"]
+    assert parse_all(["fp32", "auto", "float32"], torch.device("cpu")) == ["auto", "float32"]
     with pytest.raises(InvalidArgument):
-        check_precisions(["float33"])
+        parse_all(["float33"], torch.device("cpu"))
 
 
 @pytest.mark.parametrize("args, said", [
@@ -141,7 +142,5 @@ def test_random_gguf_command_writes_a_file_and_refuses_an_unknown_shape(tmp_path
 
 
 def test_measured_bandwidth_is_a_plausible_rate():
-    from multidecode.bench.precision import measure_bandwidth
-
     assert 1e8 < measure_bandwidth(repeats=2, size=16 << 20) < 1e13
     assert torch.get_num_threads() >= 1

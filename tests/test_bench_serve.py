@@ -15,7 +15,6 @@ from multidecode.bench.serve import (
     ONE,
     PIECES,
     WHOLE,
-    StreamedRequest,
     arrival_figures,
     build_cells,
     cell_figures,
@@ -23,6 +22,7 @@ from multidecode.bench.serve import (
     percentiles,
 )
 from multidecode.cli import main
+from multidecode.serving.client import StreamedRequest
 
 
 def test_the_load_is_seeded_and_shares_only_what_a_cell_shares():

@@ -71,3 +71,16 @@ def check_positive(name: str, value) -> None:
     """Refuse anything but a positive integer for the setting `name`."""
     if not is_int(value) or value < 1:
         raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", "use 1 or more")
+
+
+def check_counts(what: str, counts, hint: str) -> None:
+    """Refuse a list of counts with one that is not a positive integer."""
+    if any(not is_int(k) or k < 1 for k in counts):
+        raise InvalidArgument(f"every {what} must be a positive integer, got {list(counts)}", hint)
+
+
+def check_known(names, known, what: str) -> None:
+    """Refuse names outside `known` (a typo in a list of methods or workloads)."""
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise InvalidArgument(f"unknown {what}: {', '.join(unknown)}", f"use {', '.join(known)}")

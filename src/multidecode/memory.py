@@ -209,6 +209,26 @@ def proc_kilobytes(path: str, key: str) -> int | None:
     return None
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS), 0 where /proc is not there."""
+    return proc_kilobytes("/proc/self/status", "VmRSS") or 0
+
+
+def measure_bandwidth(*, repeats: int = 5, size: int = 512 << 20) -> float:
+    """Bytes per second this machine reads, on torch's threads: the best of `repeats` sums over a
+    float32 tensor of `size` bytes (the default far past any cache)."""
+    import time
+
+    values = torch.ones(size // 4, dtype=torch.float32)  # [size / 4]
+    values.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        values.sum()
+        best = min(best, time.perf_counter() - start)
+    return size / best
+
+
 def _cgroup_room() -> int | None:
     """A cgroup's limit less its usage (v2, then v1), or None without a limit."""
     for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
@@ -223,4 +243,4 @@ def _cgroup_room() -> int | None:
 
 
 __all__ = ["ENVIRONMENT", "FORWARD_BYTES", "Footprint", "Need", "NotEnoughMemory", "available_bytes", "budget_bytes", "check_budget",
-           "most_branches", "parse_bytes"]
+           "measure_bandwidth", "most_branches", "parse_bytes", "resident_bytes"]

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import data
+from ..errors import check_counts, check_known
 from ..exact import is_exact
 from ..prompts import common_prefix_length
 from ..speculation import SpeculationSettings
 from .common import Setup, hf_batched, hf_sequential, hf_shared_prefix, multidecode_forest, shared_prefix_length
-from .harness import Benchmark, Case, Method, Part, Plot, Target, declared_only, positive_counts, runs
+from .harness import Benchmark, Case, Method, Part, Plot, Target, runs
 
 SEQUENTIAL, BATCHED, SHARED, MULTIDECODE = "hf_sequential", "hf_batched", "hf_shared_prefix", "multidecode"
 ALONE, SPECULATING = "multidecode_alone", "multidecode_speculate"
@@ -48,8 +49,8 @@ def ask_benchmark(decoder, *, document: str | None = None, questions: Sequence[s
         if extra_questions is None:
             extra_questions = data.sample_questions("support_call_extra_questions.txt")
     questions = list(questions) if questions is not None else data.sample_questions()
-    declared_only(sweep_methods, METHODS, "method(s)")
-    positive_counts("K", ks, "pass ks=(1, 2, 4, 8, 16)")
+    check_known(sweep_methods, METHODS, "method(s)")
+    check_counts("K", ks, "pass ks=(1, 2, 4, 8, 16)")
     if not isinstance(speculate, SpeculationSettings):
         speculate = SpeculationSettings.parse(speculate)
     speculate.check(decoder.model.dtype, draft=decoder.draft, exact=is_exact(decoder.model))

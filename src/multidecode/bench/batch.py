@@ -8,7 +8,6 @@ import functools
 import json
 import tempfile
 import time
-from operator import itemgetter
 from pathlib import Path
 
 from .. import data
@@ -32,36 +31,38 @@ SPECULATE = {PLAIN: None, LOOKUP: SpeculationSettings.parse("lookup"), SUFFIX: s
 """Method -> `speculate=` for one run of the job (a function: a fresh store for all its documents)."""
 TARGETS = {SUFFIX: 1.0, AUTO: 1.0}
 """Speed-ups over the plain job that the methods are held to."""
-
-CUSTOMERS = ["Daniel Okafor", "Aiko Tanaka", "Lena Fischer", "Rosa Delgado", "Omar Haddad", "Grace Mensah",
-             "Piotr Nowak", "Sofia Rossi", "Kwame Boateng", "Mei Lin", "Lucas Moreau"]
-AGENTS = ["Priya Raman", "Marco Silva", "Tom Becker", "Hannah Cole"]
-ROUTERS = ["G7", "G5", "G9"]
-VISITS = ["A technician will visit on Thursday between 8 and 12.", "No technician visit is needed.",
-          "A technician will visit tomorrow, Friday, at 2 pm.", "A technician will visit on Monday between 1 and 5.",
-          "No technician visit is needed."]
-CREDITS = [15, 10, 0, 25, 20]
-"""What the similar calls are made of, with `data/similar_call_problems.jsonl` (each problem's complaint,
-since when, cause, what is sent (or null) and what else the agent did), taken by index."""
+GENERATE, ONE, MERGED, MERGED_SUFFIX = "generate_loop", "one_at_a_time", "merged", "merged_suffix"
+MERGED_LABELS = {
+    GENERATE: ("HF generate, one question at a time", "generate loop"),
+    ONE: ("batch job, one document at a time", "one at a time"),
+    MERGED: ("batch job, merged forests", "merged"),
+    MERGED_SUFFIX: ("batch job, merged forests, suffix drafts", "merged + suffix"),
+}
+"""Method -> (label, short label) of the merged-forests workload."""
+MERGED_TARGETS = ((MERGED, ONE, 1.3), (MERGED, GENERATE, 6.0))
+"""(fast, slow, speed-up) the merged job is held to."""
 
 
 def similar_documents(n: int) -> list[dict]:
-    """n support calls in the style of `data/example_batch.jsonl`, as input lines
-    ({"id", "document"}); the same n always gives the same calls."""
-    problems, rows = [json.loads(line) for line in data.lines("similar_call_problems.jsonl")], []
+    """n support calls in the style of `data/example_batch.jsonl`, as input lines ({"id",
+    "document"}), made of `data/similar_call_*` by index: the same n always gives the same calls."""
+    problems = [json.loads(line) for line in data.lines("similar_call_problems.jsonl")]
+    parts, rows = json.loads(data.text("similar_call_parts.json")), []
+
+    def pick(kind: str, i: int):
+        return parts[kind][i % len(parts[kind])]
+
     for i in range(n):
-        customer, agent = CUSTOMERS[i % len(CUSTOMERS)], AGENTS[(i * 3 + i // 4) % len(AGENTS)]
-        complaint, since, cause, sent, done = itemgetter("complaint", "since", "cause", "sent", "done")(
-            problems[(i * 5) % len(problems)])
-        router, visit, credit = ROUTERS[(i // 2) % len(ROUTERS)], VISITS[i % len(VISITS)], CREDITS[(i * 2) % 5]
-        ticket = 48213 + 17 * i
+        customer, agent, credit = pick("customers", i), pick("agents", i * 3 + i // 4), pick("credits", i * 2)
+        problem, ticket = problems[(i * 5) % len(problems)], 48213 + 17 * i
         first, agent_first = customer.split()[0], agent.split()[0]
-        reply = [cause, done, f"I am sending you {sent}." if sent else "Nothing needs to be sent.", visit,
-                 f"I have added a credit of {credit} dollars to your account." if credit else
+        reply = [problem["cause"], problem["done"],
+                 f"I am sending you {problem['sent']}." if problem["sent"] else "Nothing needs to be sent.",
+                 pick("visits", i), f"I have added a credit of {credit} dollars to your account." if credit else
                  "There is no credit for this one."]
         document = (f"Support call. Northwind Fiber. Ticket number {ticket}. Agent: {agent}. Customer: {customer}.\n"
-                    f"{first}: {complaint} {since}. My router is a Northwind Gateway {router}.\n"
-                    f"{agent_first}: {' '.join(r for r in reply if r)}\n"
+                    f"{first}: {problem['complaint']} {problem['since']}. My router is a Northwind Gateway "
+                    f"{pick('routers', i // 2)}.\n{agent_first}: {' '.join(r for r in reply if r)}\n"
                     f"{first}: Thank you, that helps.")
         rows.append({"id": f"call-{ticket}", "document": document})
     return rows
@@ -70,6 +71,19 @@ def similar_documents(n: int) -> list[dict]:
 def questions() -> list[str]:
     """The 8 shipped questions about a support call."""
     return data.sample_questions()
+
+
+def call_logs(n: int) -> list[dict]:
+    """n input lines, each a day's log of 3 to 12 support calls (about 300 to 1,500 tokens) with
+    its own 4 to 8 questions; the same n always gives the same lines."""
+    calls, asking = similar_documents(64), data.lines("call_log_questions.txt")  # line i asks 4 to 8 of them
+    rows = []
+    for i in range(n):
+        first = (i * 7) % len(calls)
+        document = "\n\n".join(calls[(first + j) % len(calls)]["document"] for j in range(3 + (i * 7) % 10))
+        rows.append({"id": f"log-{i + 1}", "document": f"Support line log, day {i + 1}.\n\n{document}",
+                     "questions": [asking[(i + j) % len(asking)] for j in range(4 + (i * 3) % 5)]})
+    return rows
 
 
 def run_job(decoder, rows: list[dict], settings: BatchSettings, speculate, counter: ForwardCounter, *,
@@ -91,17 +105,9 @@ def run_job(decoder, rows: list[dict], settings: BatchSettings, speculate, count
         wall = time.perf_counter() - started
     total = total_stats(stats)
     extra = {k: total[k] for k in ("speculate", "drafted", "accepted", "acceptance", "steps", "steps_speculating",
-                                   "mean_draft_budget")}
-    extra["documents_per_s"] = len(by_line) / wall
+                                   "mean_draft_budget")} | {"documents_per_s": len(by_line) / wall}
     answers = [a for line in sorted(by_line) for a in by_line[line]]
     return RunOutput(answers, 0, forward_passes=total["forward_passes"] if forwards_from_stats else None, extra=extra)
-
-
-def token_counts(tokenizer, rows: list[dict]) -> dict | None:
-    """The least, most and mean tokens of the lines' documents (None without a tokenizer)."""
-    if tokenizer is None:
-        return None
-    return spread([len(tokenizer(r["document"])["input_ids"]) for r in rows])
 
 
 def similar_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 48, repeats: int = 3,
@@ -119,7 +125,7 @@ def similar_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 48,
                      for name, speculate in SPECULATE.items())
 
     def report(got: dict) -> dict:
-        return {"document_tokens": token_counts(setup.tokenizer, rows), "first_document": rows[0]["document"],
+        return {"document_tokens": _token_counts(setup.tokenizer, rows), "first_document": rows[0]["document"],
                 "first_answers": [setup.text(ids) for ids in got[PLAIN].answers[: len(asked)]]}
 
     targets = tuple(Target(f"{LABELS[name][1]} over the plain job", (f"{name}_vs", PLAIN, "speedup"), ">=", value)
@@ -129,43 +135,14 @@ def similar_benchmark(decoder, *, documents: int = 16, max_new_tokens: int = 48,
         model=decoder.model, reference=PLAIN, pairs=tuple((name, PLAIN) for name in LABELS if name != PLAIN),
         cases=(Case({"documents": documents}, methods(rows, max_new_tokens), budget_s=budget_s, targets=targets,
                     report=report),),
-        config={"documents": documents, "questions": asked, "max_new_tokens": max_new_tokens,
-                "decoding": "greedy"},
+        config={"documents": documents, "questions": asked, "max_new_tokens": max_new_tokens, "decoding": "greedy"},
         warmup=methods(similar_documents(2), 2) if warmup else (), repeats=repeats,
         columns=("wall_s", "forward_passes", "tokens_per_forward", "acceptance", "tokens_per_s"),
-        plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")),
-        rows_key=None,
+        plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_forward", "acceptance")), rows_key=None,
     )
 
 
 run_batch_benchmark = runs(similar_benchmark)
-
-
-GENERATE, ONE, MERGED, MERGED_SUFFIX = "generate_loop", "one_at_a_time", "merged", "merged_suffix"
-MERGED_LABELS = {
-    GENERATE: ("HF generate, one question at a time", "generate loop"),
-    ONE: ("batch job, one document at a time", "one at a time"),
-    MERGED: ("batch job, merged forests", "merged"),
-    MERGED_SUFFIX: ("batch job, merged forests, suffix drafts", "merged + suffix"),
-}
-"""Method -> (label, short label) of the merged-forests workload."""
-MERGED_TARGETS = ((MERGED, ONE, 1.3), (MERGED, GENERATE, 6.0))
-"""(fast, slow, speed-up) the merged job is held to."""
-
-
-def call_logs(n: int) -> list[dict]:
-    """n input lines, each a day's log of 3 to 12 support calls (about 300 to 1,500 tokens) with
-    its own 4 to 8 questions; the same n always gives the same lines."""
-    calls, asking = similar_documents(64), data.lines("call_log_questions.txt")  # line i asks 4 to 8 of them
-    rows = []
-    for i in range(n):
-        count = 3 + (i * 7) % 10
-        first = (i * 7) % len(calls)
-        document = "\n\n".join(calls[(first + j) % len(calls)]["document"] for j in range(count))
-        asked = [asking[(i + j) % len(asking)] for j in range(4 + (i * 3) % 5)]
-        rows.append({"id": f"log-{i + 1}", "document": f"Support line log, day {i + 1}.\n\n{document}",
-                     "questions": asked})
-    return rows
 
 
 def merged_benchmark(decoder, *, documents: int = 24, max_new_tokens: int = 48, repeats: int = 1,
@@ -198,15 +175,19 @@ def merged_benchmark(decoder, *, documents: int = 24, max_new_tokens: int = 48, 
         pairs=((MERGED, ONE), (MERGED_SUFFIX, ONE), (ONE, GENERATE), (MERGED, GENERATE), (MERGED_SUFFIX, GENERATE)),
         cases=(Case({"documents": documents}, (Method.named(MERGED_LABELS, GENERATE, run=generate_loop),
                                                 *jobs(rows, max_new_tokens)), budget_s=budget_s, targets=targets,
-                    report=lambda got: {"document_tokens": token_counts(setup.tokenizer, rows),
+                    report=lambda got: {"document_tokens": _token_counts(setup.tokenizer, rows),
                                         "questions": sum(len(r["questions"]) for r in rows)}),),
         config={"workload": "merged", "documents": documents, "max_new_tokens": max_new_tokens,
                 "forest_tokens": forest_tokens, "decoding": "greedy"},
         warmup=jobs(call_logs(2), 2) if warmup else (), repeats=repeats,
         columns=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes", "tokens_per_forward"),
-        plot=Plot("bars", figures=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes")),
-        rows_key=None,
+        plot=Plot("bars", figures=("wall_s", "documents_per_s", "tokens_per_s", "forward_passes")), rows_key=None,
     )
 
 
 run_merged_benchmark = runs(merged_benchmark)
+
+
+def _token_counts(tokenizer, rows: list[dict]) -> dict | None:
+    """The least, most and mean tokens of the lines' documents (None without a tokenizer)."""
+    return spread([len(tokenizer(r["document"])["input_ids"]) for r in rows]) if tokenizer is not None else None

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import check_positive
+from ..errors import check_counts, check_positive
 from ..strategies.beam import check_settings, run_beam_search
 from ..strategies.complete import prompt_ids
 from .common import (
@@ -20,7 +20,7 @@ from .common import (
     excerpt_prompt,
     hf_sequential,
 )
-from .harness import Benchmark, Case, Method, Plot, Target, positive_counts, ratios, runs
+from .harness import Benchmark, Case, Method, Plot, Target, ratios, runs
 
 HF, MULTIDECODE = "hf_beam", "multidecode_beam"
 METHODS = (HF, MULTIDECODE)
@@ -67,7 +67,7 @@ def beam_benchmark(decoder, *, prompt: str | Sequence[int] | None = None, prompt
     to summarize the sample call; num_beams: the main B (always measured), beams_sweep the others."""
     check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, 1)
     check_positive("prompt_tokens", prompt_tokens)
-    positive_counts("beam count", beams_sweep, "pass beams_sweep=(2, 4, 8)")
+    check_counts("beam count", beams_sweep, "pass beams_sweep=(2, 4, 8)")
     setup = Setup.of(decoder)
     ids = prompt_ids(setup.tokenizer, prompt) if prompt is not None else excerpt_prompt(
         setup.tokenizer, prompt_tokens, INSTRUCTION)

@@ -385,6 +385,11 @@ def auto_over(store: SuffixStore | None = None, heads=()) -> Speculation:
     return Speculation(auto_proposer(SuffixStore() if store is None else store, heads=heads), None)
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None where either side has no figure (None or 0)."""
+    return a / b if a and b else None
+
+
 def spread(values: Sequence[float]) -> dict:
     """The least, the most and the mean (to one decimal) of `values`."""
     return {"min": min(values), "max": max(values), "mean": round(sum(values) / len(values), 1)}
@@ -401,17 +406,6 @@ def torch_threads(threads: int | None):
         torch.set_num_threads(before)
 
 
-def opening_lines(tokens: int, length: Callable[[str], int]) -> str:
-    """The sample support call's opening lines, as many as it takes for `length(text)` (the tokens
-    of what is built from them) to reach `tokens` (the whole call if it never does)."""
-    excerpt = ""
-    for line in data.sample_document().splitlines(keepends=True):
-        excerpt += line
-        if length(excerpt.strip()) >= tokens:
-            break
-    return excerpt.strip()
-
-
 def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
     """`instruction`, a blank line, then the sample call's opening lines: about `tokens` ids in all."""
     from ..strategies.complete import prompt_ids
@@ -419,4 +413,4 @@ def excerpt_prompt(tokenizer, tokens: int, instruction: str) -> list[int]:
     def prompt(excerpt: str) -> list[int]:
         return prompt_ids(tokenizer, f"{instruction}\n\n{excerpt}")
 
-    return prompt(opening_lines(tokens, lambda excerpt: len(prompt(excerpt))))
+    return prompt(data.sample_opening(tokens, lambda excerpt: len(prompt(excerpt))))

@@ -8,11 +8,10 @@ import contextlib
 import functools
 import random
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 
-from ..errors import InvalidArgument, is_int
 from ..models.reading import quiet_transformers
 from .common import (
     ForwardCounter,
@@ -22,6 +21,7 @@ from .common import (
     check_identical,
     combine_sequential,
     measure_together,
+    ratio,
     torch_threads,
 )
 from .results import Table, environment, load_average, lookup
@@ -257,23 +257,8 @@ def _part(bench: Benchmark, method: Method, part: Part, done: dict, say: Progres
 def ratios(fast: Measurement, slow: Measurement) -> dict:
     """fast's gain over slow: the speed-up (slow's wall time / fast's), and fast's forward passes,
     tokens/s and KV bytes relative to slow's (None where a side has none)."""
-    def over(a: float, b: float) -> float | None:
-        return a / b if a and b else None
-
     return {"speedup": slow.wall_s / fast.wall_s,
-            "forward_passes_ratio": over(fast.forward_passes, slow.forward_passes),
-            "tokens_per_s_ratio": over(fast.tokens_per_s, slow.tokens_per_s),
-            "kv_bytes_ratio": over(fast.peak_kv_bytes, slow.peak_kv_bytes)}
+            "forward_passes_ratio": ratio(fast.forward_passes, slow.forward_passes),
+            "tokens_per_s_ratio": ratio(fast.tokens_per_s, slow.tokens_per_s),
+            "kv_bytes_ratio": ratio(fast.peak_kv_bytes, slow.peak_kv_bytes)}
 
-
-def declared_only(names: Sequence[str], known: Sequence[str], what: str) -> None:
-    """Refuse names outside `known` with a clear error (a typo in a method or workload list)."""
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise InvalidArgument(f"unknown {what}: {', '.join(unknown)}", f"use {', '.join(known)}")
-
-
-def positive_counts(what: str, counts: Sequence[int], hint: str) -> None:
-    """Refuse a sweep with a count that is not a positive integer."""
-    if any(not is_int(k) or k < 1 for k in counts):
-        raise InvalidArgument(f"every {what} must be a positive integer, got {list(counts)}", hint)

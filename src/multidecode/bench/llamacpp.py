@@ -19,8 +19,10 @@ BATCH = 512
 """Tokens per `llama_decode` call while reading prompts (llama.cpp's own default)."""
 
 
-def missing() -> str | None:
-    """Why llama.cpp cannot run here (None: it can)."""
+def missing(wanted: bool = True) -> str | None:
+    """Why llama.cpp does not run here (None: it does); `wanted` False: left out by the user."""
+    if not wanted:
+        return "left out (--no-llama)"
     if importlib.util.find_spec("llama_cpp") is None:
         return f"llama-cpp-python is not installed: {INSTALL}"
     return None

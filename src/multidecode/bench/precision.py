@@ -14,15 +14,14 @@ import torch
 
 from .. import data
 from ..errors import InvalidArgument
-from ..memory import proc_kilobytes
-from ..models import precision as precisions
-from ..models.packed import packed_bytes
+from ..memory import measure_bandwidth, resident_bytes
+from ..models.packed import step_bytes
+from ..models.precision import parse_all
 from ..prompts import common_prefix_length
 from ..strategies.complete import prompt_ids
 from . import llamacpp
 from .common import (
     AnswersDiffer,
-    ForwardCounter,
     Measurement,
     Progress,
     Setup,
@@ -31,7 +30,6 @@ from .common import (
     fresh,
     hf_sequential,
     multidecode_forest,
-    opening_lines,
     torch_threads,
 )
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Part, Plot, Target, run
@@ -41,9 +39,9 @@ from .speculate import Workload, choose, multidecode_generate
 AUTO = "auto"
 DEFAULT_PRECISIONS = (AUTO, "bfloat16", "float32")
 LLAMA, SPECULATING, SDPA, HF = "llama_cpp", "multidecode_auto_speculate", "multidecode_auto_sdpa", "hf_sequential_auto"
-BANDWIDTH_BYTES = 512 << 20
-"""The size of the tensor summed to measure the memory bandwidth (far past any cache)."""
 CONTEXT_INSTRUCTION = "Continue this support call transcript."
+PROFILE_STEPS = 16
+"""Decode steps profiled for `profile_step`."""
 
 
 def ours(precision: str) -> str:
@@ -53,8 +51,7 @@ def ours(precision: str) -> str:
 
 def labels(chosen: Sequence[str]) -> dict[str, tuple[str, str]]:
     """Method -> (label, short label) for the precisions `chosen`."""
-    named = {ours(p): (f"MultiDecode at {p}", f"MD {p}") for p in chosen}
-    return {**named,
+    return {**{ours(p): (f"MultiDecode at {p}", f"MD {p}") for p in chosen},
             SDPA: ("MultiDecode at auto, the model's own attention (exact=False)", "MD auto sdpa"),
             SPECULATING: ("MultiDecode at auto, speculate='auto' (first pass)", "MD auto spec"),
             HF: ("HF generate at auto, one prompt at a time", "HF auto"),
@@ -78,71 +75,33 @@ class FileAtPrecisions:
            progress: Progress | None = None) -> FileAtPrecisions:
         from ..api import load
 
-        say, loads, decoders = progress or (lambda message: None), {}, {}
-        path = Path(path)
-        missing = llamacpp.missing() if with_llama else "left out (--no-llama)"
-        llama = None
+        say, loads, decoders, path = progress or (lambda message: None), {}, {}, Path(path)
+
+        def timed(name: str, make):  # its seconds and the process's resident memory growth kept in `loads`
+            before, start = resident_bytes(), time.perf_counter()
+            made = make()
+            loads[name] = {"load_s": round(time.perf_counter() - start, 2), "rss_growth_bytes": resident_bytes() - before}
+            return made
+
+        missing, llama = llamacpp.missing(with_llama), None
         if missing is None:
-            llama = _timed_load(loads, LLAMA, lambda: llamacpp.LlamaCpp(path, threads=threads))
+            llama = timed(LLAMA, lambda: llamacpp.LlamaCpp(path, threads=threads))
             loads[LLAMA]["weights_bytes"] = llama.weights_bytes
             say(f"llama.cpp loaded {path.name}")
         for p in chosen:
-            decoders[p] = _timed_load(loads, ours(p), lambda p=p: load(str(path), precision=p, device="cpu"))
+            decoders[p] = timed(ours(p), lambda p=p: load(str(path), precision=p, device="cpu"))
             loads[ours(p)] |= decoders[p].memory()
             say(f"loaded at {p}: {loads[ours(p)]['weights_bytes'] / 1e6:.0f} MB of weights")
-        sdpa = load(str(path), precision=AUTO, device="cpu", exact=False)
-        return cls(path, decoders, sdpa, llama, missing, loads)
+        return cls(path, decoders, load(str(path), precision=AUTO, device="cpu", exact=False), llama, missing, loads)
 
     def model_of(self, name: str):
         """The torch model MultiDecode's method `name` runs (speculating: auto's)."""
-        if name == SDPA:
-            return self.sdpa.model
         precision = name.removeprefix(ours(""))
-        return self.decoders[precision if precision in self.decoders else AUTO].model
+        return self.sdpa.model if name == SDPA else self.decoders[precision if precision in self.decoders else AUTO].model
 
     def close(self) -> None:
         if self.llama is not None:
             self.llama.close()
-
-
-def _timed_load(loads: dict, name: str, make):
-    """`make()`, with its seconds and the process's resident memory growth kept in `loads[name]`."""
-    before, start = resident_bytes(), time.perf_counter()
-    made = make()
-    loads[name] = {"load_s": round(time.perf_counter() - start, 2), "rss_growth_bytes": resident_bytes() - before}
-    return made
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (VmRSS), 0 where /proc is not there."""
-    return proc_kilobytes("/proc/self/status", "VmRSS") or 0
-
-
-def measure_bandwidth(*, repeats: int = 5, size: int = BANDWIDTH_BYTES) -> float:
-    """Bytes per second this machine reads, on torch's threads: the best of `repeats` sums over `size` bytes."""
-    values = torch.ones(size // 4, dtype=torch.float32)  # [size / 4]
-    values.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        values.sum()
-        best = min(best, time.perf_counter() - start)
-    return size / best
-
-
-def step_bytes(model) -> int:
-    """The bytes of weights a decode step reads: every resident tensor once, less an input embedding
-    the LM head does not share (a lookup reads only its rows)."""
-    total = packed_bytes(model)
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    shared = head is not None and {id(t) for t in embedding.parameters()} & {id(t) for t in head.parameters()}
-    if not shared:
-        total -= packed_bytes(embedding)
-    return total
-
-
-PROFILE_STEPS = 16
-"""Decode steps profiled for `profile_step`."""
 
 
 def profile_step(decoder, prompt: Sequence[int], *, steps: int = PROFILE_STEPS, top: int = 8) -> dict:
@@ -150,39 +109,31 @@ def profile_step(decoder, prompt: Sequence[int], *, steps: int = PROFILE_STEPS, 
     less a run of 1), time inside torch operators and their calls per forward, the `top` operators."""
     from torch.profiler import ProfilerActivity, profile
 
-    def run(new: int):
-        return decoder.generate(list(prompt), max_new_tokens=new, speculate=None, chat=False, eos_token_id=[])
+    def timed(new: int) -> float:
+        start = time.perf_counter()
+        decoder.generate(list(prompt), max_new_tokens=new, speculate=None, chat=False, eos_token_id=[])
+        return time.perf_counter() - start
 
-    run(2)
-    start = time.perf_counter()
-    run(steps + 1)
-    longer = time.perf_counter() - start
-    start = time.perf_counter()
-    run(1)
-    shorter = time.perf_counter() - start
+    timed(2)
+    longer, shorter = timed(steps + 1), timed(1)
     with profile(activities=[ProfilerActivity.CPU]) as profiled:
-        run(steps + 1)
-    events = profiled.key_averages()
-    forwards = steps + 1
-    ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+        timed(steps + 1)
+    events, forwards = profiled.key_averages(), steps + 1
     top_ops = [{"op": e.key, "calls_per_step": e.count / forwards, "ms_per_step": e.self_cpu_time_total / 1000 / forwards,
-                "us_per_call": e.self_cpu_time_total / max(1, e.count)} for e in ranked]
+                "us_per_call": e.self_cpu_time_total / max(1, e.count)}
+               for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]]
     return {"wall_ms_per_step": 1000 * (longer - shorter) / steps,
             "op_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1000 / forwards,
-            "op_calls_per_step": sum(e.count for e in events) / forwards,
-            "top_ops": top_ops, "top": top_operators(top_ops)}
-
-
-def top_operators(top_ops: list[dict], n: int = 4) -> str:
-    """The `n` costliest operators and their ms per step, as text: "mm 1.23, addmm 0.45"."""
-    return ", ".join(f"{o['op'].removeprefix('aten::')} {o['ms_per_step']:.2f}" for o in top_ops[:n])
+            "op_calls_per_step": sum(e.count for e in events) / forwards, "top_ops": top_ops,
+            "top": ", ".join(f"{o['op'].removeprefix('aten::')} {o['ms_per_step']:.2f}" for o in top_ops[:4])}
 
 
 def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None = None,
-                        max_new_tokens: int | None = None, context_tokens: int = 1400, context_new_tokens: int = 64, questions: int = 8,
-                        question_tokens: int = 32, document: str | None = None, document_tokens: int | None = None,
-                        transformers: bool = True, profile: bool = True, repeats: int = 3, budget_s: float = 60.0,
-                        bandwidth: float | None = None, warmup: bool = True) -> Benchmark:
+                        max_new_tokens: int | None = None, context_tokens: int = 1400, context_new_tokens: int = 64,
+                        questions: int = 8, question_tokens: int = 32, document: str | None = None,
+                        document_tokens: int | None = None, transformers: bool = True, profile: bool = True,
+                        repeats: int = 3, budget_s: float = 60.0, bandwidth: float | None = None,
+                        warmup: bool = True) -> Benchmark:
     """The precision benchmark as data, over `loaded`: the speculate workloads `names` (None: all;
     []: none), the long-context case (`context_tokens` 0: none), `questions` about `document`
     (default: the sample call, or its opening `document_tokens`; 0: none), `profile`d steps, and
@@ -191,23 +142,21 @@ def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None
     if AUTO not in chosen:
         raise InvalidArgument("the precision benchmark needs the auto precision", "add auto to --precisions")
     auto = loaded.decoders[AUTO]
-    setup = Setup.of(auto)
-    bandwidth = bandwidth or measure_bandwidth()
-    plan = _Plan(loaded, setup, labels(chosen), bandwidth)
+    plan = _Plan(loaded, Setup.of(auto), labels(chosen), bandwidth or measure_bandwidth())
+    tokenizer = plan.setup.tokenizer
     cases = [plan.stream(w, max_new_tokens or w.max_new_tokens, budget_s) for w in (choose(names) if names is None or names else [])]
     if context_tokens > 0:
-        prompt = excerpt_prompt(setup.tokenizer, context_tokens, CONTEXT_INSTRUCTION)
+        prompt = excerpt_prompt(tokenizer, context_tokens, CONTEXT_INSTRUCTION)
         cases.append(plan.stream(Workload("context", f"a {len(prompt)}-token context", "", None, context_new_tokens,
                                           0.0), context_new_tokens, budget_s, prompt=prompt))
     if questions > 0:
         if document is None:
-            document = data.sample_document() if document_tokens is None else opening_lines(
-                document_tokens, lambda text: len(setup.tokenizer(text, add_special_tokens=False)["input_ids"]))
+            document = data.sample_document() if document_tokens is None else data.sample_opening(
+                document_tokens, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
         cases.append(plan.ask(questions, question_tokens, budget_s, document, transformers=transformers))
     if not cases:
         raise InvalidArgument("no case left to run", "keep a workload, the context case or the questions case")
-    file_bytes = auto.memory()["file_tensor_bytes"]
-    short = prompt_ids(setup.tokenizer, "Write a short story about a lighthouse keeper.")
+    short = prompt_ids(tokenizer, "Write a short story about a lighthouse keeper.")
 
     def profiles(result: dict) -> dict:
         """The decode step of `auto`, with exact and with the model's own attention, profiled."""
@@ -217,9 +166,10 @@ def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None
         name="precision", title=f"precision and llama.cpp on {loaded.path.name}", model=auto.model,
         cases=tuple(cases), reference=None,
         pairs=tuple((name, LLAMA) for name in plan.labels if name != LLAMA) + ((SPECULATING, HF),),
-        config={"gguf": str(loaded.path), "file_bytes": loaded.path.stat().st_size, "file_tensor_bytes": file_bytes,
-                "precisions": chosen, "bandwidth_bytes_per_s": bandwidth, "loads": loaded.loads,
-                "llama_cpp": loaded.llama_missing or "measured", "eos_ids": setup.eos_ids},
+        config={"gguf": str(loaded.path), "file_bytes": loaded.path.stat().st_size,
+                "file_tensor_bytes": auto.memory()["file_tensor_bytes"], "precisions": chosen,
+                "bandwidth_bytes_per_s": plan.bandwidth, "loads": loaded.loads,
+                "llama_cpp": loaded.llama_missing or "measured", "eos_ids": plan.setup.eos_ids},
         warmup=plan.warmup() if warmup else (), repeats=repeats,
         columns=("wall_s", "forward_passes", "tokens_per_s", "decode_ms_per_step", "prefill_s"),
         plot=Plot("bars", figures=("wall_s", "tokens_per_s", "decode_ms_per_step")), rows_key="cases",
@@ -232,7 +182,7 @@ def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Seque
                             **settings) -> dict:
     """Load the GGUF file at `path` at each precision (and in llama.cpp) and measure
     `precision_benchmark(**settings)` on it."""
-    chosen = check_precisions(precisions_to_run)
+    chosen = parse_all(precisions_to_run, torch.device("cpu"))
     if not str(path).endswith(".gguf") or not Path(path).is_file():
         raise InvalidArgument(f"the precision benchmark needs a .gguf file, got {path}",
                               "leave --model out for the embedded model's GGUF, or name a .gguf file")
@@ -245,17 +195,6 @@ def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Seque
             loaded.close()
 
 
-def check_precisions(names: Sequence[str]) -> list[str]:
-    """The precisions named, each once, canonical, auto first; those the CPU cannot run refused."""
-    chosen = []
-    for name in names:
-        canonical = precisions.parse(name)
-        precisions.check(canonical, torch.device("cpu"))
-        if canonical not in chosen:
-            chosen.append(canonical)
-    return sorted(chosen, key=lambda p: p != AUTO)
-
-
 @dataclass(frozen=True)
 class _Plan:
     loaded: FileAtPrecisions
@@ -263,31 +202,28 @@ class _Plan:
     labels: dict[str, tuple[str, str]]
     bandwidth: float
 
-    def _method(self, name: str, run, model, **how) -> Method:
-        return Method.named(self.labels, name, run=run, model=model, **how)
+    def _methods(self, run, llama_prompts: Sequence[Sequence[int]], new: int) -> list[Method]:
+        """MultiDecode at every precision plain (`run(decoder, speculate)`), speculating at auto, and llama.cpp."""
+        auto = self.loaded.decoders[AUTO]
 
-    def _llama(self, prompts: Sequence[Sequence[int]], new: int) -> Method:
-        engine = self.loaded.llama
+        def llama(counter):
+            return llamacpp.llama_run(self.loaded.llama, llama_prompts, counter, max_new_tokens=new,
+                                      eos_ids=self.setup.eos_ids)
 
-        def go(counter: ForwardCounter):
-            return llamacpp.llama_run(engine, prompts, counter, max_new_tokens=new, eos_ids=self.setup.eos_ids)
-
-        return Method.named(self.labels, LLAMA, run=go, model=OUTSIDE_TORCH, skip=self.loaded.llama_missing)
+        return [*(Method.named(self.labels, ours(p), run=run(d, None), model=d.model) for p, d in self.loaded.decoders.items()),
+                Method.named(self.labels, SPECULATING, run=run(auto, auto_over), model=auto.model),
+                Method.named(self.labels, LLAMA, run=llama, model=OUTSIDE_TORCH, skip=self.loaded.llama_missing)]
 
     def stream(self, w: Workload, new: int, budget_s: float, prompt: list[int] | None = None) -> Case:
         """One prompt, one stream: every precision plain, auto with sdpa, auto speculating, llama.cpp."""
         prompt = prompt or prompt_ids(self.setup.tokenizer, w.text())
-        eos = self.setup.eos_ids
 
         def md(decoder, speculate):
             return lambda c: multidecode_generate(decoder, prompt, c, speculate=speculate, max_new_tokens=new,
-                                                  eos_ids=eos)
+                                                  eos_ids=self.setup.eos_ids)
 
-        methods = [self._method(ours(p), md(d, None), d.model) for p, d in self.loaded.decoders.items()]
-        methods += [self._method(SDPA, md(self.loaded.sdpa, None), self.loaded.sdpa.model),
-                    self._method(SPECULATING, md(self.loaded.decoders[AUTO], auto_over),
-                                 self.loaded.decoders[AUTO].model),
-                    self._llama([prompt], new)]
+        methods = self._methods(md, [prompt], new)
+        methods.insert(-2, Method.named(self.labels, SDPA, run=md(self.loaded.sdpa, None), model=self.loaded.sdpa.model))
         return Case({"case": w.name}, tuple(methods), budget_s=budget_s, targets=_stream_targets(w.name),
                     report=lambda got: {"label": w.label, "prompt_tokens": len(prompt), "max_new_tokens": new,
                                         **self.figures(got)})
@@ -295,20 +231,16 @@ class _Plan:
     def ask(self, k: int, new: int, budget_s: float, document: str, *, transformers: bool = True) -> Case:
         """k questions about the sample call: the forest at every precision, speculating at auto,
         transformers one by one at auto, llama.cpp's shared-prefix run."""
-        auto = self.loaded.decoders[AUTO]
-        pool = data.sample_questions()
-        pool = [pool[i % len(pool)] for i in range(k)]
-        prompts = auto.question_prompts(document, pool)
+        auto, pool = self.loaded.decoders[AUTO], data.sample_questions()
+        prompts = auto.question_prompts(document, [pool[i % len(pool)] for i in range(k)])
 
-        def forest(decoder, speculate=None):
+        def forest(decoder, speculate):
             return lambda c: multidecode_forest(decoder, prompts, c, max_new_tokens=new, speculate=fresh(speculate))
 
-        methods = [self._method(ours(p), forest(d), d.model) for p, d in self.loaded.decoders.items()]
-        methods.append(self._method(SPECULATING, forest(auto, auto_over), auto.model))
-        parts = tuple(Part(("hf", i), self.setup.baseline(hf_sequential, prompts[i:i + 1], new))
-                      for i in range(k))
-        skip = None if transformers else "left out (--no-transformers)"
-        methods += [Method.named(self.labels, HF, parts=parts, model=auto.model, skip=skip), self._llama(prompts, new)]
+        methods = self._methods(forest, prompts, new)
+        parts = tuple(Part(("hf", i), self.setup.baseline(hf_sequential, prompts[i:i + 1], new)) for i in range(k))
+        methods.insert(-1, Method.named(self.labels, HF, parts=parts, model=auto.model,
+                                        skip=None if transformers else "left out (--no-transformers)"))
         return Case({"case": f"{k}_questions"}, tuple(methods), budget_s=budget_s, main=True,
                     targets=_ask_targets(), report=lambda got: {
                         "label": f"{k} questions about one document", "prompt_tokens": [len(p) for p in prompts],
@@ -320,21 +252,22 @@ class _Plan:
         return tuple(m for m in short.methods if m.skip is None)
 
     def figures(self, got: dict[str, Measurement]) -> dict:
-        """Same-precision agreement (asserted), agreement with auto (reported), per step and per token."""
+        """Same-precision agreement (asserted), agreement with auto (reported), per step and per token
+        (after the first: the run's time less its prefill)."""
         check_same_precision(got)
         reference = got[ours(AUTO)].answers
-        agreement = {name: _agreement(reference, m.answers) for name, m in got.items() if name != ours(AUTO)}
-        steps = {name: self.step(name, m) for name, m in got.items() if name != HF}
-        per_token = {name: _per_token_ms(m) for name, m in got.items() if name != HF}
+        per_token = {name: 1000 * (m.wall_s - m.prefill_s) / max(1, m.new_tokens - len(m.answers))
+                     for name, m in got.items() if name != HF}
         llama = per_token.get(LLAMA)
-        return {"agreement_with_auto": agreement, "steps": steps,
+        return {"agreement_with_auto": {name: _agreement(reference, m.answers) for name, m in got.items()
+                                        if name != ours(AUTO)},
+                "steps": {name: self.step(name, m) for name, m in got.items() if name != HF},
                 "per_token": {name: {"ms": ms, "vs_llama_cpp": ms / llama if llama else None}
                               for name, ms in per_token.items()}}
 
     def step(self, name: str, m: Measurement) -> dict:
         weights = self.loaded.llama.weights_bytes if name == LLAMA else step_bytes(self.loaded.model_of(name))
-        ms = m.decode_ms_per_step
-        floor = 1000 * weights / self.bandwidth
+        ms, floor = m.decode_ms_per_step, 1000 * weights / self.bandwidth
         return {"weights_bytes": weights, "ms_per_step": ms, "gb_per_s": weights / ms / 1e6 if ms else None,
                 "floor_ms": floor, "vs_floor": ms / floor if floor else None}
 
@@ -344,9 +277,7 @@ class _Plan:
         file_bytes = memory["file_tensor_bytes"]
         out = {"auto_weights_bytes": memory["weights_bytes"], "file_tensor_bytes": file_bytes,
                "ratio": memory["weights_bytes"] / file_bytes if file_bytes else None}
-        if self.loaded.llama is not None:
-            out["llama_cpp_weights_bytes"] = self.loaded.llama.weights_bytes
-        return out
+        return out | ({"llama_cpp_weights_bytes": self.loaded.llama.weights_bytes} if self.loaded.llama else {})
 
 
 def check_same_precision(got: dict[str, Measurement]) -> None:
@@ -367,27 +298,19 @@ def _agreement(reference: list[list[int]], answers: list[list[int]]) -> dict:
     return {"identical": len(reference) - len(first), "of": len(reference), "first_difference_at": first}
 
 
-def _per_token_ms(m: Measurement) -> float:
-    """Milliseconds per generated token after the first: the run's time less its prefill."""
-    return 1000 * (m.wall_s - m.prefill_s) / max(1, m.new_tokens - len(m.answers))
-
-
 def _stream_targets(name: str) -> tuple[Target, ...]:
-    vs_llama = (Target(f"{name}: auto, per token, vs llama.cpp", ("per_token", ours(AUTO), "vs_llama_cpp"), "<=",
-                       1.0),
+    vs_llama = (Target(f"{name}: auto, per token, vs llama.cpp", ("per_token", ours(AUTO), "vs_llama_cpp"), "<=", 1.0),
                 Target(f"{name}: auto decode step vs the weights' memory floor", ("steps", ours(AUTO), "vs_floor"),
                        "<=", 1.5))
-    if name == "context":
-        return vs_llama
-    return (*vs_llama, Target(f"{name}: auto speculating over llama.cpp, tokens/s",
-                              (f"{SPECULATING}_vs", LLAMA, "tokens_per_s_ratio"), ">", 1.0))
+    return vs_llama if name == "context" else (*vs_llama, Target(
+        f"{name}: auto speculating over llama.cpp, tokens/s", (f"{SPECULATING}_vs", LLAMA, "tokens_per_s_ratio"), ">", 1.0))
 
 
 def _ask_targets() -> tuple[Target, ...]:
     return (Target("questions: auto speculating over llama.cpp shared prefix, tokens/s",
                    (f"{SPECULATING}_vs", LLAMA, "tokens_per_s_ratio"), ">=", 3.0),
-            Target("questions: auto speculating over HF generate one by one at auto", (f"{SPECULATING}_vs", HF,
-                                                                                      "speedup"), ">=", 8.0),
+            Target("questions: auto speculating over HF generate one by one at auto",
+                   (f"{SPECULATING}_vs", HF, "speedup"), ">=", 8.0),
             Target("resident weights at auto / the file's tensor bytes", ("resident", "ratio"), "<=", 1.25, unit=""))
 
 
@@ -404,5 +327,4 @@ PROFILED = Table("One decode step profiled (one stream, short prompt)", (
 """A row per case and method of what its decode step reads and costs; a row per profiled step."""
 
 
-__all__ = ["DEFAULT_PRECISIONS", "FileAtPrecisions", "check_precisions", "measure_bandwidth", "precision_benchmark",
-           "profile_step", "run_precision_benchmark", "step_bytes"]
+__all__ = ["DEFAULT_PRECISIONS", "FileAtPrecisions", "precision_benchmark", "profile_step", "run_precision_benchmark"]

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import check_counts
 from .common import Setup, excerpt_prompt, hf_sequential, multidecode_forest
-from .harness import Benchmark, Case, Method, Plot, Target, positive_counts, runs
+from .harness import Benchmark, Case, Method, Plot, Target, runs
 
 HF, MD = "hf_num_return_sequences", "multidecode"
 SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.95}
@@ -17,7 +18,7 @@ SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.95}
 def sample_benchmark(decoder, *, n: int = 8, ns: Sequence[int] = (1, 2, 4, 8, 16), max_new_tokens: int = 64,
                      prompt_tokens: int = 200, repeats: int = 3, budget_s: float = 60.0, seed: int = 0) -> Benchmark:
     """n completions both ways for every n in `ns` (and `n`, the main point), as data."""
-    positive_counts("n", [n, *ns], "pass n=8, ns=(1, 2, 4, 8, 16)")
+    check_counts("n", [n, *ns], "pass n=8, ns=(1, 2, 4, 8, 16)")
     setup = Setup.of(decoder)
     prompt = excerpt_prompt(setup.tokenizer, prompt_tokens, "Continue this support-call transcript.")
 

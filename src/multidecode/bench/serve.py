@@ -1,10 +1,8 @@
-"""Benchmark: the OpenAI-compatible server under load. A seeded Poisson load of streamed greedy
-completions (`openai.AsyncOpenAI`) against `multidecode serve` as one forest and one request at a
-time, and `transformers serve`, each in a subprocess (`serving.launch.ServerProcess`), on the
-harness: a case is a cell of the grid (concurrency x shared share) with its load, its methods the
-servers (docs/benchmarks.md, `bench serve`). One more case, the **arrival**: streams decoding when a
-long prompt arrives, against a server that reads it in pieces and one that reads it whole
-(`--prefill-chunk 0`): how far it stretches the streams' inter-token gaps, and its own TTFT."""
+"""Benchmark: the OpenAI-compatible server under load (docs/benchmarks.md, `bench serve`). A case is
+a cell of the grid (concurrency x shared share) with its seeded Poisson load of streamed greedy
+completions; its methods are the servers, each in a subprocess: `multidecode serve` as one forest
+and one request at a time, and `transformers serve` on the grid's corners. The **arrival** case:
+streams decoding when a long prompt arrives, read in pieces or whole (`--prefill-chunk 0`)."""
 
 from __future__ import annotations
 
@@ -13,11 +11,7 @@ import contextlib
 import functools
 import math
 import random
-import shutil
-import signal
 import statistics
-import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +21,9 @@ from .. import data
 from ..errors import InvalidArgument, check_positive
 from ..prompts import common_prefix_length
 from ..runtime import Limits
-from ..serving.launch import ServerFailed, ServerProcess
-from .common import Progress, RunOutput, spread
+from ..serving.client import StreamedRequest, drive, openai_module, stream_completion
+from ..serving.launch import ServerFailed, ServerProcess, stopped_on_sigterm
+from .common import Progress, RunOutput, ratio, spread
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Plot, Target, Unavailable, run
 from .results import CHARTS, Chart, Column, Line, Panel, Table
 
@@ -49,7 +44,7 @@ THROUGHPUT_TARGET, TTFT_TARGET, GAP_TARGET = 5.0, 2.0, 2.0
 PERCENTILES = (50, 95, 99)
 METRICS = ("prompt_tokens", "prompt_tokens_cached", "generation_tokens", "steps", "forward_passes", "rows",
            "branch_steps", "busy_seconds", "requests_admitted", "requests_rejected", "requests_cancelled")
-"""The server's counters read from /metrics (as multidecode_<name>_total), and its gauge cache_slots."""
+"""The server's counters diffed around a run (multidecode_<name>_total in /metrics)."""
 GRID = {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9), "max_tokens": 32, "prompt_tokens": 300,
         "arrival_tokens": 4000}
 """The full grid's load (about 17 minutes on the project's CPU machine), then the arrival of an
@@ -143,89 +138,37 @@ def build_arrival(tokenizer, *, prompt_tokens: int, arrival_tokens: int, seed: i
     return Arrival(tuple(texts), prompt, len(tokenizer(prompt, add_special_tokens=True)["input_ids"]))
 
 
-@dataclass
-class StreamedRequest:
-    """One request as the client saw it (times from `time.perf_counter`)."""
+def drive_cell(url: str, model: str, cell: Cell, max_tokens: int, timeout_s: float) -> tuple[list, float]:
+    """Send the cell's requests at their arrival times, at most `cell.concurrency` in flight."""
+    async def send_all(client, start: float) -> list[StreamedRequest]:
+        slots, outcomes = asyncio.Semaphore(cell.concurrency), [StreamedRequest(i, a) for i, a in enumerate(cell.arrivals)]
 
-    index: int
-    arrival: float
-    sent: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    end: float = 0.0
-    text: str = ""
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    error: str | None = None
+        async def send(outcome: StreamedRequest) -> None:
+            await asyncio.sleep(max(0.0, start + outcome.arrival - time.perf_counter()))
+            async with slots:
+                await stream_completion(client, model, cell.prompts[outcome.index], outcome, max_tokens)
 
-    @property
-    def tokens(self) -> int:
-        return self.completion_tokens if self.completion_tokens is not None else len(self.token_times)
+        await asyncio.gather(*map(send, outcomes))
+        return outcomes
+
+    return drive(url, timeout_s, send_all)
 
 
-async def _request(client, model: str, prompt: str, outcome: StreamedRequest, max_tokens: int) -> None:
-    import httpx
-    import openai
-
-    outcome.sent = time.perf_counter()
-    try:
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True})
-        async for chunk in stream:
-            now = time.perf_counter()
-            for choice in chunk.choices or ():
-                if choice.text:
-                    outcome.token_times.append(now)
-                    outcome.text += choice.text
-            if chunk.usage is not None:
-                outcome.completion_tokens = chunk.usage.completion_tokens
-                details = getattr(chunk.usage, "prompt_tokens_details", None)
-                outcome.cached_tokens = getattr(details, "cached_tokens", None)
-    except (openai.APIError, httpx.HTTPError, OSError) as error:  # counted against the cell; the run goes on
-        outcome.error = f"{type(error).__name__}: {error}"[:300]
-    outcome.end = time.perf_counter()
-
-
-def drive(url: str, model: str, cell: Cell, max_tokens: int, timeout_s: float) -> tuple[list[StreamedRequest], float]:
-    """Send the cell's requests at their arrival times, at most `cell.concurrency` in flight: what
-    each streamed, and when the arrival times count from."""
-    openai = _openai()
-
-    async def send_all() -> tuple[list[StreamedRequest], float]:
-        slots = asyncio.Semaphore(cell.concurrency)
-        outcomes = [StreamedRequest(i, a) for i, a in enumerate(cell.arrivals)]
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout_s) as client:
-            start = time.perf_counter()
-
-            async def send(outcome: StreamedRequest) -> None:
-                await asyncio.sleep(max(0.0, start + outcome.arrival - time.perf_counter()))
-                async with slots:
-                    await _request(client, model, cell.prompts[outcome.index], outcome, max_tokens)
-
-            await asyncio.gather(*(send(o) for o in outcomes))
-        return outcomes, start
-
-    return asyncio.run(send_all())
-
-
-def drive_arrival(url: str, model: str, load: Arrival, timeout_s: float) -> tuple[list[StreamedRequest], float]:
+def drive_arrival(url: str, model: str, load: Arrival, timeout_s: float) -> tuple[list, float]:
     """Start the streams; once each has `ARRIVAL["after_tokens"]` tokens (or ended), send the long
-    prompt. Every request as the client saw it, the long one last, and when the case started."""
-    openai = _openai()
-
-    async def send_all() -> tuple[list[StreamedRequest], float]:
+    prompt, whose request comes last."""
+    async def send_all(client, start: float) -> list[StreamedRequest]:
         streams = [StreamedRequest(i, 0.0) for i in range(len(load.streams))]
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout_s) as client:
-            start = time.perf_counter()
-            running = [asyncio.create_task(_request(client, model, text, outcome, ARRIVAL["stream_tokens"]))
-                       for text, outcome in zip(load.streams, streams)]
-            while not all(len(o.token_times) >= ARRIVAL["after_tokens"] or o.end for o in streams):
-                await asyncio.sleep(0.005)
-            arrival = StreamedRequest(len(streams), time.perf_counter() - start)
-            await _request(client, model, load.prompt, arrival, ARRIVAL["max_tokens"])
-            await asyncio.gather(*running)
-        return [*streams, arrival], start
+        running = [asyncio.create_task(stream_completion(client, model, text, outcome, ARRIVAL["stream_tokens"]))
+                   for text, outcome in zip(load.streams, streams)]
+        while not all(len(o.token_times) >= ARRIVAL["after_tokens"] or o.end for o in streams):
+            await asyncio.sleep(0.005)
+        arrival = StreamedRequest(len(streams), time.perf_counter() - start)
+        await stream_completion(client, model, load.prompt, arrival, ARRIVAL["max_tokens"])
+        await asyncio.gather(*running)
+        return [*streams, arrival]
 
-    return asyncio.run(send_all())
+    return drive(url, timeout_s, send_all)
 
 
 def arrival_figures(outcomes: Sequence[StreamedRequest]) -> dict:
@@ -242,15 +185,6 @@ def arrival_figures(outcomes: Sequence[StreamedRequest]) -> dict:
     return {"pace_s": pace_s, "itl_while_read_s": while_read, "longest_gap_s": max(during, default=None),
             "itl_p99_over_pace": while_read["p99"] / pace_s if while_read and pace_s else None,
             "arrival_ttft_s": read_until - arrival.sent if arrival.token_times else None}
-
-
-def _openai():
-    try:
-        import openai
-    except ImportError:
-        raise InvalidArgument("bench serve drives the servers with the openai client, which is not installed",
-                              "pip install openai") from None
-    return openai
 
 
 def percentiles(values: Sequence[float]) -> dict | None:
@@ -283,19 +217,6 @@ def cell_figures(outcomes: Sequence[StreamedRequest], start: float) -> dict:
     }
 
 
-def read_metrics(url: str) -> dict[str, float]:
-    """The multidecode counters (and the cache_slots gauge) of `url`/metrics, by short name."""
-    import httpx  # installed with openai, which bench serve needs
-
-    reply = httpx.get(url + "/metrics", timeout=5.0)
-    if reply.status_code != 200:
-        raise ServerFailed(f"{url}/metrics answered {reply.status_code}: {reply.text[:200]}")
-    lines = reply.text.splitlines()
-    found = (line.rsplit(" ", 1) for line in lines if line.startswith("multidecode_") and " " in line)
-    named = ((name.removeprefix("multidecode_").removesuffix("_total"), value) for name, value in found)
-    return {name: float(value) for name, value in named if name in METRICS or name == "cache_slots"}
-
-
 def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     """The counters' change over a cell, and the ratios the benchmark reports."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in METRICS}
@@ -311,46 +232,11 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
             "busy_seconds": d["busy_seconds"], "ms_per_step": over(1000 * d["busy_seconds"], d["steps"])}
 
 
-def multidecode_server(name: str, model: str | None, launched: dict, *, max_running: int | None = None,
-                       max_live_tokens: int, prefix_cache_tokens: int, gather: int = 1,
-                       gather_s: float = 0.0, prefill_chunk: int | None = None) -> ServerProcess:
-    """`multidecode serve` as `launched` says (dtype, device, threads), with the admission limits
-    given (prefill_chunk None: the server's default)."""
-    command = [sys.executable, "-m", "multidecode", "serve", "--port", "{port}", "--served-model-name", SERVED_NAME,
-               "--max-live-tokens", str(max_live_tokens), "--prefix-cache-tokens", str(prefix_cache_tokens),
-               "--log-level", "warning", "--drain-timeout", "10", "--dtype", launched["dtype"],
-               "--device", launched["device"], "--threads", str(launched["threads"])]
-    if gather > 1 and gather_s > 0:
-        command += ["--gather", str(gather), "--gather-s", str(gather_s)]
-    for option, value in (("--model", model), ("--max-running", max_running), ("--prefill-chunk", prefill_chunk)):
-        command += [option, str(value)] if value is not None else []
-    return ServerProcess(name, command, model=SERVED_NAME)
-
-
-def transformers_server(model: str | None, *, continuous_batching: bool = False) -> ServerProcess:
-    """`transformers serve` on the model's folder offline (CPU, float32); `ServerFailed` where it cannot start."""
-    folder, kwargs = model_folder(model)
-    exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
-    if kwargs or exe is None:
-        raise ServerFailed("transformers serve takes a model folder here, not a .gguf file" if kwargs
-                           else "the `transformers` command is not installed next to this Python")
-    command = [exe, "serve", folder, "--host", "127.0.0.1", "--port", "{port}", "--device", "cpu",
-               "--dtype", "float32", "--log-level", "warning"] + ["--continuous-batching"] * continuous_batching
-    return ServerProcess(HF, command, model=folder, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
-
-
 def model_folder(model: str | None) -> tuple[str, dict]:
     """The local folder (and loading kwargs) of `model`, the embedded model's float32 copy by default."""
     from ..models import converted, loading
 
     return (str(converted.embedded_copy()), {}) if model is None else loading.locate(model)
-
-
-def load_tokenizer(model: str | None):
-    from transformers import AutoTokenizer
-
-    folder, kwargs = model_folder(model)
-    return AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
 def warm_up(server: ServerProcess, max_tokens: int, gather: int = 1) -> None:
@@ -360,9 +246,8 @@ def warm_up(server: ServerProcess, max_tokens: int, gather: int = 1) -> None:
     if gather > 1:
         prompts = tuple(prompts[i % 2] + f" ({i})" for i in range(gather))
     for concurrency in (1, 2) if gather <= 1 else (gather, gather):
-        outcomes, _ = drive(server.url, server.model, Cell(concurrency, 0.0, prompts, (0.0,) * len(prompts),
-                                                           (0,) * len(prompts), 0), min(max_tokens, 4), 600.0)
-        failed = [o.error for o in outcomes if o.error]
+        cell = Cell(concurrency, 0.0, prompts, (0.0,) * len(prompts), (0,) * len(prompts), 0)
+        failed = [o.error for o in drive_cell(server.url, server.model, cell, min(max_tokens, 4), 600.0)[0] if o.error]
         if failed:
             raise ServerFailed(f"the {server.name} server failed a warm-up request: {failed[0]}; {server.log_tail()}")
 
@@ -375,12 +260,12 @@ def load_run(server: ServerProcess, send: Callable[[str, str], tuple[list[Stream
     `texts[server.name]`."""
     server.alive()
     counted = server.name != HF  # transformers serve has no counters
-    before = read_metrics(server.url) if counted else None
+    before = server.metrics() if counted else None
     outcomes, start = send(server.url, server.model)
     figures = {"requests": len(outcomes), **cell_figures(outcomes, start), **(more(outcomes) if more else {})}
     forwards = None
     if counted:
-        after = read_metrics(server.url)
+        after = server.metrics()
         m = figures["server_metrics"] = metrics_delta(before, after)
         m["cache_slots_at_end"] = int(after.get("cache_slots", 0))
         m["busy_share"] = m["busy_seconds"] / figures["span_s"] if figures["span_s"] else None
@@ -408,13 +293,15 @@ class Servers:
     ready_s: list = field(default_factory=list)  # seconds each multidecode server took to be ready
     transformers_failed: str | None = None
 
+    def multidecode(self, name: str, **options) -> ServerProcess:
+        """`multidecode serve` as `launched` says (float32: the texts are compared), with the limits."""
+        return ServerProcess.multidecode(
+            name, SERVED_NAME, model=self.model, log_level="warning", drain_timeout=10, dtype=self.launched["dtype"],
+            device=self.launched["device"], threads=self.launched["threads"], **self.limits, **options)
+
     @contextlib.contextmanager
-    def pair(self, cell: Cell):
-        """A forest and a one-at-a-time server for `cell`, loading at once, each warmed up."""
-        gather = cell.concurrency if self.gather_s > 0 else 1
-        limits = {**self.limits, "gather": gather, "gather_s": self.gather_s}
-        servers = {FOREST: multidecode_server(FOREST, self.model, self.launched, **limits),
-                   ONE: multidecode_server(ONE, self.model, self.launched, max_running=1, **limits)}
+    def started(self, servers: dict[str, ServerProcess], gather: int = 1):
+        """`servers` loading at once, each then ready and warmed up, run by the case in the block."""
         with contextlib.ExitStack() as stack:
             for server in servers.values():
                 stack.enter_context(server)
@@ -424,27 +311,26 @@ class Servers:
             self.running = servers
             yield
 
-    @contextlib.contextmanager
+    def pair(self, cell: Cell):
+        """A forest and a one-at-a-time server for `cell` (gathering its requests where `gather_s`)."""
+        gather = cell.concurrency if self.gather_s > 0 else 1
+        options = {"gather": gather, "gather_s": self.gather_s} if gather > 1 else {}
+        return self.started({FOREST: self.multidecode(FOREST, **options),
+                             ONE: self.multidecode(ONE, max_running=1, **options)}, gather)
+
     def arrival_pair(self):
-        """For the arrival case: a server that reads a long prompt in pieces (its default) and one
-        that reads it whole, each warmed up."""
-        servers = {PIECES: multidecode_server(PIECES, self.model, self.launched, **self.limits),
-                   WHOLE: multidecode_server(WHOLE, self.model, self.launched, **self.limits, prefill_chunk=0)}
-        with contextlib.ExitStack() as stack:
-            for server in servers.values():
-                stack.enter_context(server)
-            for server in servers.values():
-                self.ready_s.append(server.wait_ready())
-                warm_up(server, self.max_tokens)
-            self.running = servers
-            yield
+        """A server that reads a long prompt in pieces (its default) and one that reads it whole."""
+        return self.started({PIECES: self.multidecode(PIECES), WHOLE: self.multidecode(WHOLE, prefill_chunk=0)})
 
     @contextlib.contextmanager
     def transformers(self):
         """transformers serve, started for the first corner and kept; `Unavailable` where it fails."""
         if self.transformers_failed is None and HF not in self.running:
             try:
-                server = transformers_server(self.model, continuous_batching=self.transformers_cb)
+                folder, kwargs = model_folder(self.model)
+                if kwargs:
+                    raise ServerFailed("transformers serve takes a model folder here, not a .gguf file")
+                server = ServerProcess.transformers(HF, folder, continuous_batching=self.transformers_cb)
                 with contextlib.ExitStack() as starting:
                     starting.enter_context(server)
                     server.wait_ready()
@@ -458,30 +344,32 @@ class Servers:
         yield
 
     def run(self, name: str, cell: Cell) -> RunOutput:
-        return load_run(self.running[name], lambda url, model: drive(url, model, cell, self.max_tokens, self.timeout_s),
-                        texts=self.texts)
+        return load_run(self.running[name], lambda url, model: drive_cell(url, model, cell, self.max_tokens,
+                                                                          self.timeout_s), texts=self.texts)
 
     def run_arrival(self, name: str, load: Arrival) -> RunOutput:
         return load_run(self.running[name], lambda url, model: drive_arrival(url, model, load, self.timeout_s),
                         texts=self.texts, more=lambda outcomes: {"arrival": arrival_figures(outcomes)})
 
+    def same_texts(self, name: str, other: str, key: str) -> dict:
+        """Whether `name`'s texts equal `other`'s, request by request (failed ones left out)."""
+        pairs = [(a, b) for a, b in zip(self.texts[name], self.texts[other]) if a is not None and b is not None]
+        return {key: {name: all(a == b for a, b in pairs)}, "differing_texts": {name: sum(a != b for a, b in pairs)}}
+
     def compared(self, cell: Cell, order: Sequence[str], got: dict) -> dict:
-        """A multidecode cell's load, which server went first, and whether the forest's texts equal
-        one at a time's, request by request."""
-        pairs = [(a, b) for a, b in zip(self.texts[FOREST], self.texts[ONE]) if a is not None and b is not None]
-        return {"load": _load_summary(cell), "measured_first": order[0],
-                "identical_to_one_at_a_time": {FOREST: all(a == b for a, b in pairs)},
-                "differing_texts": {FOREST: sum(a != b for a, b in pairs)}}
+        """A multidecode cell's load, which server went first, and whether the forest's texts are one at a time's."""
+        load = {"concurrency": cell.concurrency, "shared": cell.shared, "shared_tokens": cell.shared_tokens,
+                "prompt_tokens": spread(cell.prompt_tokens), "arrivals_span_s": round(cell.arrivals[-1], 3),
+                "first_prompt": cell.prompts[0][:200] + "..."}
+        return {"load": load, "measured_first": order[0], **self.same_texts(FOREST, ONE, "identical_to_one_at_a_time")}
 
     def compared_arrival(self, load: Arrival, got: dict) -> dict:
-        """The arrival case's load, what the long prompt did by server, and whether the texts of
-        the prompt read in pieces equal those of it read whole, request by request."""
-        pairs = [(a, b) for a, b in zip(self.texts[PIECES], self.texts[WHOLE]) if a is not None and b is not None]
+        """The arrival case's load, what the long prompt did by server, and whether the texts of the
+        prompt read in pieces are those of it read whole."""
         return {"load": {"streams": len(load.streams), "stream_tokens": ARRIVAL["stream_tokens"],
                          "arrival_prompt_tokens": load.prompt_tokens, "first_prompt": load.prompt[:200] + "..."},
                 "arrival": {name: got[name].extra["arrival"] for name in (PIECES, WHOLE) if name in got},
-                "identical_to_whole": {PIECES: all(a == b for a, b in pairs)},
-                "differing_texts": {PIECES: sum(a != b for a, b in pairs)}}
+                **self.same_texts(PIECES, WHOLE, "identical_to_whole")}
 
 
 def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency: Sequence[int] = (1, 4, 16),
@@ -498,9 +386,12 @@ def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency
     prompt of the arrival case, after the grid (0: none)."""
     _check(requests=requests, concurrency=concurrency, shared=shared, rate=rate, max_tokens=max_tokens,
            prompt_tokens=prompt_tokens, gather_s=gather_s, arrival_tokens=arrival_tokens)
-    _openai()
+    openai_module()
     launched = _launched(model, threads)
-    tokenizer = load_tokenizer(model)
+    folder, kwargs = model_folder(model)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     cells = build_cells(tokenizer, requests=requests, concurrency=concurrency, shared=shared,
                         rate=rate, prompt_tokens=prompt_tokens, seed=seed)
     servers = Servers(model, launched, {"max_live_tokens": max_live_tokens, "prefix_cache_tokens": prefix_cache_tokens},
@@ -545,14 +436,13 @@ def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency
 def run_serve_benchmark(*, progress: Progress | None = None, **settings) -> dict:
     """`serve_benchmark(**settings)` measured: the JSON-ready result. Raises `ServerFailed` where a
     multidecode server does not start or dies; every server started is stopped on the way out."""
-    with contextlib.ExitStack() as kept, _terminate_as_interrupt():
+    with contextlib.ExitStack() as kept, stopped_on_sigterm():
         (progress or (lambda message: None))("building the load")
         return run(serve_benchmark(**settings, kept=kept), progress=progress)
 
 
 def _arrival_case(servers: Servers, labels: dict, load: Arrival) -> Case:
-    """The arrival case: the streams and the long prompt, against a server that reads it in pieces
-    and one that reads it whole; the target: the streams' gaps while it is read stay within
+    """The arrival case, held to the streams' gaps while the long prompt is read staying within
     `GAP_TARGET` times their pace."""
     methods = tuple(Method.named(labels, name, run=lambda counter, name=name: servers.run_arrival(name, load),
                                  model=OUTSIDE_TORCH) for name in (PIECES, WHOLE))
@@ -583,24 +473,21 @@ def served(result: dict) -> dict[tuple, tuple[dict, dict]]:
             for row in result["cells"] for name, m in row["methods"].items()}
 
 
+def _p50_ttft(figures: dict | None) -> float | None:
+    return figures["ttft_s"]["p50"] if figures and figures["ttft_s"] else None
+
+
 def _compare_cells(servers: Servers, result: dict) -> dict:
     """Each server's output tokens/s and p50 TTFT over one at a time in its cell, and its p50 TTFT
     over its own solo (concurrency 1, the same share), added to the rows; the servers' start times."""
     found = served(result)
-
-    def over(a: float | None, b: float | None) -> float | None:
-        return a / b if a and b else None
-
-    def p50(figures: dict | None) -> float | None:
-        return figures["ttft_s"]["p50"] if figures and figures["ttft_s"] else None
-
     for (name, concurrency, share), (figures, row) in found.items():
         one = found.get((ONE, concurrency, share), (None,))[0]
         solo = found.get((name, 1, share), (None,))[0]
-        ratios = {"ttft_p50_vs_solo": over(p50(figures), p50(solo))}
+        ratios = {"ttft_p50_vs_solo": ratio(_p50_ttft(figures), _p50_ttft(solo))}
         if name != ONE and one is not None:
-            ratios |= {"throughput_vs_one_at_a_time": over(figures["output_tokens_per_s"], one["output_tokens_per_s"]),
-                       "ttft_p50_vs_one_at_a_time": over(p50(figures), p50(one))}
+            ratios |= {"throughput_vs_one_at_a_time": ratio(figures["output_tokens_per_s"], one["output_tokens_per_s"]),
+                       "ttft_p50_vs_one_at_a_time": ratio(_p50_ttft(figures), _p50_ttft(one))}
         for key, value in ratios.items():
             if value is not None:
                 row.setdefault(key, {})[name] = value
@@ -617,28 +504,6 @@ def _launched(model: str | None, threads: int | None) -> dict:
 
     return {"model": Path(model or model_folder(None)[0]).name, "dtype": "float32",
             "device": str(resolve_device(None)), "threads": threads or torch.get_num_threads()}
-
-
-def _load_summary(cell: Cell) -> dict:
-    return {"concurrency": cell.concurrency, "shared": cell.shared, "shared_tokens": cell.shared_tokens,
-            "prompt_tokens": spread(cell.prompt_tokens),
-            "arrivals_span_s": round(cell.arrivals[-1], 3), "first_prompt": cell.prompts[0][:200] + "..."}
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt in the block (main thread only), so that the servers started
-    (each in its own session) are stopped on the way out."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, interrupt) if main else None
-    try:
-        yield
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, before)
 
 
 def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens, gather_s=0.0, arrival_tokens=0) -> None:

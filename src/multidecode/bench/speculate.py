@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .. import data
 from ..cost import CostCurve, LearnedCurve, cost_curve, measure_cost, quick_curve
 from ..engine import time_forwards
-from ..errors import InvalidArgument, MultiDecodeError
+from ..errors import InvalidArgument, MultiDecodeError, check_known
 from ..proposers.draft import DraftModel
 from ..proposers.lookahead import Lookahead
 from ..proposers.self_draft import choose_skip, decoder_layers
@@ -20,7 +20,7 @@ from ..proposers.suffix import SuffixStore
 from ..speculation import SpeculationSettings, learned_kind
 from ..strategies.complete import prompt_ids
 from .common import ForwardCounter, RunOutput, Setup, auto_over, fresh, hf_sequential, suffix_over, trim_at_eos
-from .harness import Benchmark, Case, Method, Plot, Runner, Target, declared_only, runs
+from .harness import Benchmark, Case, Method, Plot, Runner, Target, runs
 
 GREEDY, LOOKUP_3, LOOKUP_10 = "hf_greedy", "hf_lookup_3", "hf_lookup_10"
 ASSISTED = "hf_assisted_self"
@@ -93,7 +93,7 @@ def workloads() -> list[Workload]:
 def choose(names: Sequence[str] | None) -> list[Workload]:
     """The shipped workloads named (all for None), in file order; unknown names or none are refused."""
     shipped = workloads()
-    declared_only(names or (), [w.name for w in shipped], "workload(s)")
+    check_known(names or (), [w.name for w in shipped], "workload(s)")
     chosen = [w for w in shipped if names is None or w.name in names]
     if not chosen:
         raise InvalidArgument("no workload chosen", f"name one or more of {', '.join(w.name for w in shipped)}")
@@ -142,7 +142,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
     auto on other cost curves too (`COST_METHODS`), with auto on its learned curve held to
     `NO_WORSE` of auto on a full measurement."""
     chosen, setup = choose(names), Setup.of(decoder)
-    draft, fitted, skip = _drafts(decoder)  # draft None: the model has no self-draft (skip says why)
+    draft, fitted, draft_config = _drafts(decoder)  # draft None: the model has no self-draft
     heads = decoder.learned_heads()  # the learned heads trained for the model, if any
     ours = _our_speculations(decoder, chosen, max_new_tokens, draft, fitted, heads)
     curves, cost_config = _cost_curves(decoder) if compare_cost else ({}, {})
@@ -180,7 +180,7 @@ def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats:
         + (((OURS_AUTO, OURS_AUTO_TOKENS),) if heads else ())
         + tuple((name, OURS_AUTO_MEASURED) for name in (OURS_AUTO, OURS_AUTO_QUICK) if curves),
         config={"workloads": [w.name for w in chosen], "decoding": "greedy", "eos_ids": setup.eos_ids,
-                "pad_id": setup.pad_id, "auto_floor": FLOOR, **_self_draft_config(skip), "lookahead_fit": repr(fitted),
+                "pad_id": setup.pad_id, "auto_floor": FLOOR, **draft_config, "lookahead_fit": repr(fitted),
                 "learned_heads": {learned_kind(h): getattr(h, "config", {}).get("training", {}) for h in heads},
                 **cost_config},
         warmup=methods(shortest, 4) if warmup else (), repeats=repeats,
@@ -231,25 +231,20 @@ def _cost_curves(decoder) -> tuple[dict[str, Callable[[], CostCurve | LearnedCur
     return {OURS_AUTO_MEASURED: lambda: full, OURS_AUTO_QUICK: lambda: quick_curve(decoder.model)}, config
 
 
-def _drafts(decoder) -> tuple[SpeculationSettings | None, Lookahead, object]:
+def _drafts(decoder) -> tuple[SpeculationSettings | None, Lookahead, dict]:
     """The self-draft's settings (at least a quarter of the layers skipped: a draft that is the
-    target itself would say nothing), the lookahead the cost curve fits, and the layer choice; a
-    model that cannot be self-drafted (a GGUF of mixed layer formats) has none: None, and why."""
+    target itself would say nothing), the lookahead the cost curve fits, and what the results say
+    of the self-draft; a model that cannot be self-drafted (a GGUF of mixed layer formats) has
+    none: None, and why."""
     model, tokenizer = decoder.model, decoder.tokenizer
     fitted = Lookahead.from_cost(cost_curve(model))
     try:
         skip = choose_skip(model, [tokenizer(data.self_draft_sample())["input_ids"]],
                            min_skip=max(1, len(decoder_layers(model)[1]) // 4))
     except MultiDecodeError as err:
-        return None, fitted, f"no self-draft: {err.message}"
-    return SpeculationSettings.parse("draft", skip_layers=skip.layers), fitted, skip
-
-
-def _self_draft_config(skip) -> dict:
-    """What the results say of the self-draft: its skipped layers and agreement, or why there is none."""
-    if isinstance(skip, str):
-        return {"self_draft_skips": None, "self_draft": skip}
-    return {"self_draft_skips": skip.layers, "self_draft_agreement": round(skip.agreement, 4)}
+        return None, fitted, {"self_draft_skips": None, "self_draft": f"no self-draft: {err.message}"}
+    return (SpeculationSettings.parse("draft", skip_layers=skip.layers), fitted,
+            {"self_draft_skips": skip.layers, "self_draft_agreement": round(skip.agreement, 4)})
 
 
 def _our_speculations(decoder, chosen: list[Workload], max_new_tokens: int | None, draft: SpeculationSettings,

@@ -113,8 +113,7 @@ def startup_benchmark(path: str | None, *, threads: int = 2, repeats: int = 3, w
                     where["cache"] = None
         return each
 
-    skip = None if with_llama else "left out (--no-llama)"
-    skip = skip or llamacpp.missing()
+    skip = llamacpp.missing(with_llama)
 
     def methods(is_cold: bool) -> tuple[Method, ...]:
         wrap = cold if is_cold else (lambda run: run)

@@ -83,19 +83,13 @@ class Step:
         return getattr(self, variant)()  # each variant is the method of its name
 
     def forest_unrelated(self) -> torch.Tensor:
-        result = self.forest.feed(self.tokens, self.roots_last, logits_for=range(len(self.tokens)),
-                                  owners=list(range(len(self.tokens))))
-        self.forest.drop(result.nodes)
-        return result.logits
+        return _fed(self.forest, self.tokens, self.roots_last, owners=list(range(len(self.tokens))))
 
     def forest_shared(self) -> torch.Tensor:
-        result = self.shared.feed(self.tokens, [self.shared_last] * len(self.tokens),
-                                  logits_for=range(len(self.tokens)))
-        self.shared.drop(result.nodes)
-        return result.logits
+        return _fed(self.shared, self.tokens, [self.shared_last] * len(self.tokens))
 
     def separate(self) -> torch.Tensor:
-        return torch.cat([_one(e, last, t) for e, last, t in zip(self.engines, self.engines_last, self.tokens)])
+        return torch.cat([_fed(e, [t], [last]) for e, last, t in zip(self.engines, self.engines_last, self.tokens)])
 
     def batch_rows(self) -> torch.Tensor:
         with torch.inference_mode():
@@ -108,13 +102,13 @@ class Step:
         """What each variant must give: plain one-token forwards, one per request (per new token under
         the first prompt for the shared forest)."""
         own = self.separate()
-        shared = torch.cat([_one(self.engines[0], self.engines_last[0], t) for t in self.tokens])
+        shared = torch.cat([_fed(self.engines[0], [t], [self.engines_last[0]]) for t in self.tokens])
         return {FOREST_UNRELATED: own, FOREST_SHARED: shared, SEPARATE: own, BATCH_ROWS: own}
 
 
-def _one(engine: Engine, last: int, token: int) -> torch.Tensor:
-    """One token under `last`, taken back after: its logits [1, vocab]."""
-    result = engine.feed([token], [last], logits_for=[0])
+def _fed(engine: Engine, tokens: list[int], parents: list[int], **owners) -> torch.Tensor:
+    """`tokens` fed under `parents`, taken back after: their logits [len(tokens), vocab]."""
+    result = engine.feed(tokens, parents, logits_for=range(len(tokens)), **owners)
     engine.drop(result.nodes)
     return result.logits
 

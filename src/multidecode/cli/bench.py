@@ -386,11 +386,14 @@ def bench_precision(model_name, precisions, workloads, max_new_tokens, context_t
     """One GGUF file at each precision and in llama.cpp: one stream on the speculate workloads and a long
     context, and 8 questions about the sample call. Reports per decode step the bytes of weights read, ms, GB/s
     and the memory floor at the measured bandwidth; writes JSON, a plot and markdown."""
-    from ..bench.precision import check_precisions, run_precision_benchmark
+    import torch
+
+    from ..bench.precision import run_precision_benchmark
     from ..bench.speculate import choose
     from ..models.converted import embedded_gguf
+    from ..models.precision import parse_all
 
-    chosen = check_precisions([p.strip() for p in precisions.split(",") if p.strip()] + ["auto"])
+    chosen = parse_all([p.strip() for p in precisions.split(",") if p.strip()] + ["auto"], torch.device("cpu"))
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     if names:
         choose(names)

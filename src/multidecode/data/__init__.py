@@ -7,8 +7,9 @@
 - `shipping_quote.py.txt`, `speculate_workloads.jsonl`: the speculation benchmark's workloads;
 - `self_draft_sample.txt`: prose and code to choose a self-draft's skipped layers on;
 - `example_batch.jsonl`: a batch job's input, as `docs/batch.md` describes it;
-- `similar_call_problems.jsonl`, `call_log_questions.txt`: what `bench batch` builds its support
-  calls and day logs from, and asks about the logs;
+- `similar_call_problems.jsonl`, `similar_call_parts.json`, `call_log_questions.txt`: what
+  `bench batch` builds its support calls (problems, people, routers, visits, credits) and day logs
+  from, and asks about the logs;
 - `drafters/<model shape>/<kind>/`: learned draft heads shipped for the embedded model;
 - `distill_prompts.jsonl`: the prompts `multidecode train-drafter` distills on by default.
 """
@@ -60,9 +61,20 @@ def sample_excerpt(max_chars: int = EXCERPT_CHARS) -> str:
     return "\n\n".join(kept).strip()
 
 
+def sample_opening(tokens: int, length) -> str:
+    """The sample document's opening lines, as many as it takes for `length(text)` (the tokens of
+    what is built from them) to reach `tokens` (the whole document if it never does)."""
+    excerpt = ""
+    for line in sample_document().splitlines(keepends=True):
+        excerpt += line
+        if length(excerpt.strip()) >= tokens:
+            break
+    return excerpt.strip()
+
+
 def self_draft_sample() -> str:
     """Prose and code to choose a self-draft's skipped layers on, when the user gives no text."""
     return text("self_draft_sample.txt")
 
 
-__all__ = ["lines", "sample_document", "sample_excerpt", "sample_questions", "self_draft_sample", "text"]
+__all__ = ["lines", "sample_document", "sample_excerpt", "sample_opening", "sample_questions", "self_draft_sample", "text"]

@@ -151,6 +151,15 @@ def packed_bytes(module: nn.Module) -> int:
     return total
 
 
+def step_bytes(model: nn.Module) -> int:
+    """The bytes of weights a decode step reads: every resident tensor once, less an input embedding
+    the LM head does not share (a lookup reads only its rows)."""
+    total = packed_bytes(model)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    shared = head is not None and {id(t) for t in embedding.parameters()} & {id(t) for t in head.parameters()}
+    return total if shared else total - packed_bytes(embedding)
+
+
 # ---------------------------------------------------------------------- packing a model loaded from floats
 def pack_model(model: nn.Module, bits: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
     """Replace every linear layer (and GPT-2's Conv1D) of `model` whose weight can be packed with
@@ -205,4 +214,4 @@ def _linear_weight(module: nn.Module) -> torch.Tensor | None:
 
 
 __all__ = ["GROUP", "Codes", "PackedEmbedding", "PackedLinear", "linear_of", "pack_model", "packable", "packed_bytes",
-           "quantize"]
+           "quantize", "step_bytes"]

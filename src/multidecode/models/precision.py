@@ -75,6 +75,17 @@ def check(name: str, device: torch.device) -> None:
                               "use --precision bfloat16 on CUDA, or --device cpu for packed weights")
 
 
+def parse_all(names, device: torch.device) -> list[str]:
+    """The precisions named, each once, canonical, auto first; any `device` cannot run refused."""
+    chosen = []
+    for name in names:
+        canonical = parse(name)
+        check(canonical, device)
+        if canonical not in chosen:
+            chosen.append(canonical)
+    return sorted(chosen, key=lambda p: p != "auto")
+
+
 def resolve(name: str, device: torch.device, *, gguf_types: Counter | None = None,
             folder_dtype: torch.dtype | None = None) -> Precision:
     """The precision to load with: `name` itself, or what `auto` means for this model and device
@@ -98,4 +109,4 @@ def resolve(name: str, device: torch.device, *, gguf_types: Counter | None = Non
     return Precision("float32", "auto: the folder's float32 weights")
 
 
-__all__ = ["PRECISIONS", "Precision", "check", "parse", "resolve"]
+__all__ = ["PRECISIONS", "Precision", "check", "parse", "parse_all", "resolve"]

@@ -7,7 +7,8 @@ uvicorn serves until a signal. The first SIGTERM (or Ctrl-C) drains: new request
 running ones have up to `drain_timeout` seconds to finish; a second signal exits at once.
 
 `ServerProcess` starts a server command (this one, or `transformers serve`) in a subprocess on a
-free loopback port and waits until it answers: the serve benchmark and the tests drive it so.
+free loopback port, waits until it answers and reads its metrics: the serve benchmark and the tests
+drive it so.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -138,6 +141,26 @@ class ServerProcess:
         self.command = [part.replace("{port}", str(port)) for part in command]
         self.env = {**os.environ, **(env or {})}
 
+    @classmethod
+    def multidecode(cls, name: str, served: str, **options) -> Self:
+        """`multidecode serve` of this Python, named `served` to its clients, with `options` as its
+        command line spells them (max_running=1: --max-running 1; None: left out)."""
+        command = [sys.executable, "-m", "multidecode", "serve", "--port", "{port}", "--served-model-name", served]
+        for option, value in options.items():
+            command += [f"--{option.replace('_', '-')}", str(value)] if value is not None else []
+        return cls(name, command, model=served)
+
+    @classmethod
+    def transformers(cls, name: str, folder: str, *, continuous_batching: bool = False) -> Self:
+        """`transformers serve` on a model folder, offline, on the CPU in float32; `ServerFailed` where
+        the command is not installed."""
+        exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
+        if exe is None:
+            raise ServerFailed("the `transformers` command is not installed next to this Python")
+        command = [exe, "serve", folder, "--host", "127.0.0.1", "--port", "{port}", "--device", "cpu",
+                   "--dtype", "float32", "--log-level", "warning"] + ["--continuous-batching"] * continuous_batching
+        return cls(name, command, model=folder, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
+
     def __enter__(self) -> Self:
         handle, log = tempfile.mkstemp(prefix=f"multidecode-{self.name}-", suffix=".log")
         self.log = Path(log)
@@ -165,6 +188,16 @@ class ServerProcess:
         if self.process.poll() is not None:
             raise ServerFailed(f"the {self.name} server {died} with code {self.process.returncode}: {self.log_tail()}")
 
+    def metrics(self) -> dict[str, float]:
+        """The server's multidecode metrics from /metrics, by short name (a counter's without "_total")."""
+        import httpx
+
+        reply = httpx.get(self.url + "/metrics", timeout=5.0)
+        if reply.status_code != 200:
+            raise ServerFailed(f"{self.url}/metrics answered {reply.status_code}: {reply.text[:200]}")
+        found = (line.rsplit(" ", 1) for line in reply.text.splitlines() if line.startswith("multidecode_"))
+        return {name.removeprefix("multidecode_").removesuffix("_total"): float(value) for name, value in found}
+
     def log_tail(self, lines: int = 12) -> str:
         text = self.log.read_text("utf-8", "replace").strip().splitlines()
         return " | ".join(text[-lines:]) or "(no output)"
@@ -180,4 +213,20 @@ class ServerProcess:
         self.log.unlink(missing_ok=True)
 
 
-__all__ = ["DrainingServer", "ServerFailed", "ServerProcess", "bind", "free_port", "run"]
+@contextlib.contextmanager
+def stopped_on_sigterm():
+    """SIGTERM raises KeyboardInterrupt in the block (main thread only), so that the server
+    processes started in it (each in its own session) are stopped on the way out."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, interrupt) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
+
+
+__all__ = ["DrainingServer", "ServerFailed", "ServerProcess", "bind", "free_port", "run", "stopped_on_sigterm"]
