@@ -8,6 +8,8 @@ beside it.
 The processors follow the definitions (and order) of transformers' `generate`: repetition
 penalty first, then, when sampling, temperature, top-k, top-p and min-p, each keeping at least
 one token. Greedy branches take the arg-max after the repetition penalty, as `generate` does.
+A constrained branch's grammar mask (`constraints`) comes right after the repetition penalty, so
+greedy takes the best allowed token and sampling draws among the allowed ones only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from numbers import Real
 
 import torch
 
+from .constraints import GrammarState, mask_logits
 from .errors import InvalidArgument, InvalidInput, is_int
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
@@ -93,10 +96,12 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
 
 
 class BranchSampler:
-    """One branch's sampling state: its parameters, its generator and the tokens it has seen."""
+    """One branch's sampling state: its parameters, its generator, the tokens it has seen and,
+    for a constrained branch, where its grammar stands (`constraints.GrammarState`)."""
 
-    def __init__(self, params: SamplingParams, context: Sequence[int] = ()) -> None:
+    def __init__(self, params: SamplingParams, context: Sequence[int] = (), grammar: GrammarState | None = None) -> None:
         self.params = params
+        self.grammar = grammar
         self.generator: torch.Generator | None = None
         if params.do_sample:
             self.generator = torch.Generator()
@@ -110,6 +115,13 @@ class BranchSampler:
     def observe(self, token: int) -> None:
         if self.params.repetition_penalty not in (None, 1.0):
             self.seen.add(token)
+        if self.grammar is not None:
+            self.grammar.consume(token)
+
+    @property
+    def plain(self) -> bool:
+        """Whether it takes the arg-max of its raw logits (greedy, nothing that changes them)."""
+        return not self.params.do_sample and self.params.repetition_penalty in (None, 1.0) and self.grammar is None
 
 
 # ---------------------------------------------------------------------- processors
@@ -198,9 +210,14 @@ def warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
     return scores
 
 
+def constrain(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
+    """The repetition penalty, then each constrained row's grammar mask. [n, V] -> [n, V]"""
+    return mask_logits(penalize(logits, samplers), [s.grammar for s in samplers])
+
+
 def process_logits(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
     """Every branch's processors on its row, over the whole vocabulary. logits [n, V] float32 -> [n, V]."""
-    logits = penalize(logits, samplers)
+    logits = constrain(logits, samplers)
     rows = [i for i, s in enumerate(samplers) if s.params.do_sample]
     if not rows:
         return logits
@@ -228,7 +245,7 @@ def choose_tokens(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> li
     if logits.shape[0] > SAMPLING_ROWS:  # rows a slice at a time: the scratch stays small, no row changes
         return [token for start in range(0, logits.shape[0], SAMPLING_ROWS)
                 for token in choose_tokens(logits[start : start + SAMPLING_ROWS], samplers[start : start + SAMPLING_ROWS])]
-    scores = penalize(logits.float(), samplers)
+    scores = constrain(logits.float(), samplers)
     chosen = scores.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(samplers) if s.params.do_sample]
     short = [i for i in sampled if samplers[i].params.top_k and samplers[i].params.top_k <= CANDIDATE_LIMIT]
