@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import numpy as np
@@ -108,8 +109,6 @@ def check_output(constraint: Constraint, text: str, finish_reason: str) -> None:
     elif constraint.kind == "json_object":
         assert isinstance(json.loads(text), dict)
     elif constraint.kind == "regex":
-        import re
-
         assert re.fullmatch(constraint.text, text), text
 
 
@@ -358,3 +357,73 @@ def test_the_forbidden_draft_check_can_fail(decoder, monkeypatch):
                                        speculate=Speculation(proposer, 6), cost=FLAT).finish()
     assert run.branches[0].output.token_ids == expected
     assert forbidden_fed(decoder, constraint, proposer.fed) > 0
+
+
+# ---------------------------------------------------------------------- the command line and the batch job
+def invoke(*args):
+    from click.testing import CliRunner
+
+    from multidecode.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_cli_generate_and_complete_with_a_json_schema(decoder, model_dir, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    result = invoke("generate", "--model", model_dir, "-p", PROMPTS[0], "--no-chat", "--json-schema", schema,
+                    "--max-new-tokens", 80, "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["finish_reason"] == "stop" and out["parsed"] == json.loads(out["text"])
+    jsonschema.validate(out["parsed"], SCHEMA)
+    assert out["token_ids"] == reference(decoder, prompt_of(decoder, PROMPTS[0]), CONSTRAINTS["schema"],
+                                         max_new_tokens=80)
+    result = invoke("complete", "--model", model_dir, "-p", PROMPTS[0], "-n", 2, "--seed", 3, "--regex", REGEX,
+                    "--max-new-tokens", 20, "--json")
+    assert result.exit_code == 0, result.output
+    assert all(c["finish_reason"] == "length" or re.fullmatch(REGEX, c["text"]) for c in json.loads(result.stdout))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--regex", "(abc"], "regular expression cannot be compiled"),
+    (["--json-schema", "SCHEMA"], "JSON schema cannot be compiled"),
+    (["--json-schema", "MISSING"], "does not exist"),
+    (["--grammar", "GRAMMAR"], "grammar cannot be read"),
+    (["--regex", "a", "--grammar", "GRAMMAR"], "--regex and --grammar were both given"),
+])
+def test_cli_bad_constraints_exit_2_before_loading(tmp_path, args, needle):
+    (tmp_path / "schema.json").write_text('{"type": "nope"}')
+    (tmp_path / "grammar.gbnf").write_text("root ::= missing")
+    files = {"SCHEMA": tmp_path / "schema.json", "GRAMMAR": tmp_path / "grammar.gbnf", "MISSING": tmp_path / "x"}
+    result = invoke("generate", "--model", tmp_path / "no-model", "-p", "hi", *[files.get(a, a) for a in args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and "hint:" in result.stderr and "Traceback" not in result.output
+
+
+def test_batch_records_carry_the_parsed_object_and_a_bad_line_schema_is_its_error(decoder, model_dir, tmp_path):
+    from batch_files import by_id, records, write_lines
+
+    line_schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                   "additionalProperties": False}
+    rows = [{"id": "a", "document": "The router drops the line.", "questions": ["who?", "when?"]},
+            {"id": "b", "document": "The cable was cut.", "questions": ["ok?"], "json_schema": line_schema},
+            {"id": "c", "document": "The modem is red.", "questions": ["why?"], "json_schema": {"type": "nope"}},
+            {"id": "d", "document": "The modem is red.", "questions": ["why?"], "json_schema": "x"}]
+    source, out = write_lines(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    result = invoke("batch", source, "--output", out, "--model", model_dir, "--max-new-tokens", 80,
+                    "--json-schema", schema)
+    assert result.exit_code == 0, result.output
+    got = by_id(records(out))
+    for key, used in (("a", SCHEMA), ("b", line_schema)):
+        assert got[key]["error"] is None
+        for answer in got[key]["answers"]:
+            assert answer["finish_reason"] == "stop", answer
+            assert answer["parsed"] == json.loads(answer["answer"])
+            jsonschema.validate(answer["parsed"], used)
+    assert got["c"]["error"]["type"] == "InvalidArgument" and "Invalid type" in got["c"]["error"]["message"]
+    assert got["d"]["error"]["type"] == "InvalidInput" and '"json_schema" must be a JSON object' in got["d"]["error"]["message"]
+    expected = decoder.ask(rows[1]["document"], rows[1]["questions"], max_new_tokens=80, json_schema=line_schema)
+    assert got["b"]["answers"][0]["answer"] == expected[0].text

@@ -11,6 +11,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
+from ..constraints import Constraint
 from ..errors import InvalidInput, MultiDecodeError
 from ..strategies.ask import check_document
 
@@ -30,17 +31,20 @@ class LineModel(BaseModel):
     id: Annotated[StrictStr, AfterValidator(_not_blank)] | StrictInt | None = None
     document: Annotated[StrictStr, AfterValidator(lambda text: check_document(text) or text)]
     questions: list[Annotated[StrictStr, AfterValidator(_not_blank)]] | None = None
+    json_schema: dict | None = None
 
 
 @dataclass(frozen=True)
 class InputLine:
-    """One non-blank input line, parsed. error says why it cannot run (then it is recorded as failed)."""
+    """One non-blank input line, parsed. error says why it cannot run (then it is recorded as
+    failed); constraint: the line's own JSON schema, which its answers follow (None: the job's)."""
 
     line: int
     id: str | int
     document: str | None = None
     questions: tuple[str, ...] = ()
     error: MultiDecodeError | None = None
+    constraint: Constraint | None = None
 
     @property
     def key(self) -> str:
@@ -71,6 +75,9 @@ def _explain(problem: dict, data: dict) -> MultiDecodeError:
         if isinstance(error := problem.get("ctx", {}).get("error"), MultiDecodeError):
             return error  # check_document's: empty, or not valid Unicode
         return InvalidInput(f'"document" must be a string, got {_kind(value)}', "put the document's text in a string")
+    if field == "json_schema":
+        return InvalidInput(f'"json_schema" must be a JSON object (a JSON schema), got {_kind(value)}',
+                            'use "json_schema": {"type": "object", "properties": {...}}')
     if not where:
         if isinstance(value, str):
             return InvalidInput('"questions" must be a list of strings, got one string', 'wrap it in a list: ["..."]')
@@ -108,7 +115,11 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
         return InputLine(line, ident, error=InvalidInput(
             f"the line {own} and the job has none",
             'add "questions": ["..."] to the line, or give questions for every line (--questions-file, -q)'))
-    return InputLine(line, ident, parsed.document, questions)
+    try:
+        constraint = None if parsed.json_schema is None else Constraint.json_schema(parsed.json_schema)
+    except MultiDecodeError as error:
+        return InputLine(line, ident, error=error)
+    return InputLine(line, ident, parsed.document, questions, constraint=constraint)
 
 
 def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
