@@ -252,6 +252,15 @@ def test_sampled_completions_equal_the_seeded_constrained_loop(decoder, speculat
     assert len({tuple(c.token_ids) for c in completions}) > 1
 
 
+def test_warped_samples_stay_inside_the_grammar(decoder):
+    """top-k, top-p and min-p act on the masked scores: every draw is allowed, even where fewer
+    tokens are allowed than top-k keeps."""
+    prompt = prompt_of(decoder, PROMPTS[1])
+    for settings in (dict(top_k=3), dict(top_k=200, top_p=0.9), dict(min_p=0.2, temperature=1.5)):
+        for completion in decoder.complete(prompt, n=4, regex=REGEX, max_new_tokens=20, seed=2, **settings):
+            assert completion.finish_reason == "length" or re.fullmatch(REGEX, completion.text), completion.text
+
+
 def test_first_token_frequencies_follow_the_masked_softmax(decoder):
     """Draws of the first token, one branch per seed in one forest, against the model's softmax
     over the tokens the grammar allows (chi-square)."""
