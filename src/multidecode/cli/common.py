@@ -230,6 +230,8 @@ def print_stats(stats: dict, lead: str = "") -> None:
                  + (f" ({acceptance:.0%})" if acceptance is not None else "")
                  + f", {stats.get('mean_draft_budget', 0):.1f} per step on average,"
                  f" speculating in {stats.get('steps_speculating', 0)} of {stats.get('steps', 0)} steps")
+    if stats.get("forced"):
+        line += f"; {stats['forced']} draft tokens forced by the grammar (jump-forward)"
     stderr.print(f"[dim]{escape(line)}[/dim]")
 
 
