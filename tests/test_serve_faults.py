@@ -171,6 +171,17 @@ BAD_CHATS = {
     "questions with n": (dict(n=2, extra_body={"questions": ["why?"]}), "n"),
     "empty question": (dict(extra_body={"questions": [""]}), "questions"),
     "beam search stream": (dict(n=2, stream=True, extra_body={"use_beam_search": True}), "use_beam_search"),
+    "schema": (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+               "response_format"),
+    "unsatisfiable schema": (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "integer", "minimum": 3, "maximum": 1}}}), "response_format"),
+    "strict schema": (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "string", "format": "weird"}}}), "response_format"),
+    "format type": (dict(response_format={"type": "xml"}), "response_format"),
+    "streamed schema": (dict(stream=True, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "required": 5}}}), "response_format"),
+    "beam search format": (dict(n=2, response_format={"type": "json_object"}, extra_body={"use_beam_search": True}),
+                           "response_format"),
 }
 
 
@@ -522,6 +533,11 @@ COMMON = {  # field: (values taken, values refused)
                              st.just({"99999": 1}), st.just({" 5": 1}), st.integers())),
     "user": (TEXT, st.integers()),
     "trace": (st.booleans(), st.just("x")),
+    "response_format": (st.one_of(st.none(), st.sampled_from([{"type": "text"}, {"type": "json_object"}, {
+                            "type": "json_schema", "json_schema": {"name": "r", "schema": {
+                                "type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}}}])),
+                        st.one_of(st.integers(), st.sampled_from([{"type": "xml"}, {"type": "json_schema"}, {
+                            "type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}]))),
     "an_unknown_key": (GARBAGE, st.nothing()),
 }
 COMPLETION = {
@@ -555,8 +571,6 @@ CHAT = {
     "logprobs": (st.booleans(), st.sampled_from([3, "x", []])),
     "top_logprobs": (st.one_of(st.none(), st.integers(0, 20)), st.one_of(st.integers(min_value=21), st.just(-1))),
     "tools": (st.one_of(st.none(), st.just([])), st.one_of(st.just([{"type": "function"}]), st.integers())),
-    "response_format": (st.one_of(st.none(), st.just({"type": "text"})),
-                        st.one_of(st.just({"type": "json_object"}), st.integers())),
 }
 
 

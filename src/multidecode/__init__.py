@@ -13,6 +13,8 @@ Entry points:
 - `speculate=` on every decoding entry point: draft trees verified inside every branch
   (`Speculation`, `SpeculationSettings`, `Proposer`, `DraftTree`, `PromptLookup`,
   `SuffixProposer`, `Lookahead`, `DraftModel`, `self_draft`); see `speculation`.
+- `json_schema=`, `regex=`, `grammar=` or `constraint=` (a `Constraint`): structured output in
+  every branch; see `constraints`.
 """
 
 import importlib
@@ -24,6 +26,7 @@ from .version import __version__
 _EXPORTS = {
     "MultiDecoder": "api", "decode": "api", "load": "api",
     "TokenEvent": "branches",
+    "Constraint": "constraints",
     "CacheUnwritable": "errors", "InvalidArgument": "errors", "InvalidInput": "errors",
     "ModelNotFound": "errors", "MultiDecodeError": "errors", "PromptTooLong": "errors",
     "UnsupportedModel": "errors",

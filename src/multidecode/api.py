@@ -8,6 +8,10 @@ methods yield `TokenEvent`s as tokens are produced; the others return finished r
 `speculate=` (see `speculation`) lets every branch carry a draft tree verified in the same
 forward; it changes how fast tokens come, never which tokens.
 
+Structured output: `json_schema=` (a dict or JSON text), `regex=`, `grammar=` (Lark or GBNF) or
+one `constraint=` (a `Constraint`) holds every branch's output to it (see `constraints`); in
+`ask`, each may be a list of one per question (None for a free answer).
+
 `decode` is the model-level entry point: with `do_sample=False`, branch i's ids equal what
 `model.generate(prefix_ids + branch_ids[i], do_sample=False, ...)` returns after the prompt,
 with or without speculation.
@@ -19,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 from .branches import BranchRun, TokenEvent, start, start_prompts
+from .constraints import Constraint, constraint_of
 from .cost import CostCurve, LearnedCurve
 from .engine import Engine
 from .errors import InvalidArgument, UnsupportedModel
@@ -140,18 +145,20 @@ class MultiDecoder:
 
     # ------------------------------------------------------------------ token level
     def start(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop: Sequence[str] = (),
-              eos_token_id=None, speculate=None, **sampling) -> BranchRun:
+              eos_token_id=None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None, **sampling) -> BranchRun:
         """Start decoding whole prompts (token ids) as one forest; iterate `.events` to decode.
 
         eos_token_id: the ids that end a branch (default: the model's; [] never stops early).
         """
         return start_prompts(self.scheduler(), prompts, max_new_tokens=max_new_tokens,
                              sampling=per_branch_sampling(len(prompts), sampling), tokenizer=self.tokenizer,
-                             stop=stop, eos_token_id=eos_token_id, speculate=self.speculation(speculate))
+                             stop=stop, eos_token_id=eos_token_id, speculate=self.speculation(speculate),
+                             constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar))
 
     # ------------------------------------------------------------------ one prompt
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",
-                 chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None, **sampling) -> Completion:
+                 chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None, constraint=None, json_schema=None, regex=None, grammar=None,
+                 **sampling) -> Completion:
         """One completion of one prompt, greedy unless sampling settings say otherwise.
 
         A text prompt goes through the chat template when the tokenizer has one (chat=False for
@@ -165,15 +172,15 @@ class MultiDecoder:
         """
         return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
                                   stop=stop, chat=chat, sample=False, speculate=self.speculation(speculate),
-                                  eos_token_id=eos_token_id, **sampling)[0]
+                                  eos_token_id=eos_token_id, constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)[0]
 
     def stream_generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",
-                        chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None,
+                        chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None, constraint=None, json_schema=None, regex=None, grammar=None,
                         **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s as `generate` produces them."""
         return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
                                 stop=stop, chat=chat, sample=False, speculate=self.speculation(speculate),
-                                eos_token_id=eos_token_id, **sampling)
+                                eos_token_id=eos_token_id, constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)
 
     # ------------------------------------------------------------------ many questions, one document
     def question_prompts(self, document: str, questions: Sequence[str], *, instruction: str | None = None):
@@ -181,29 +188,33 @@ class MultiDecoder:
         return _ask.question_prompts(self.tokenizer, document, questions, instruction=instruction)
 
     def ask(self, document: str, questions: Sequence[str], *, max_new_tokens: int = 48, stop: Sequence[str] = (),
-            instruction: str | None = None, speculate=None, **sampling) -> list[Answer]:
+            instruction: str | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None, **sampling) -> list[Answer]:
         """Answer every question about `document` in one MultiDecode pass.
 
         Greedy by default; each answer equals greedy generation from its `.prompt_ids` alone.
         Sampling settings (`do_sample`, `temperature`, `top_k`, `top_p`, `min_p`,
         `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `seed`) take
         one value or one per question; the penalties and the bias apply to greedy answers too. speculate: every
-        question's branch carries its own draft tree ("lookup", "auto", ...).
+        question's branch carries its own draft tree ("lookup", "auto", ...). json_schema, regex,
+        grammar, constraint: one for every answer, or a list of one per question (None: free).
         """
         return _ask.ask(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
-                        stop=stop, instruction=instruction, speculate=self.speculation(speculate), **sampling)
+                        stop=stop, instruction=instruction, speculate=self.speculation(speculate),
+                        constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)
 
     def stream(self, document: str, questions: Sequence[str], *, max_new_tokens: int = 48,
-               stop: Sequence[str] = (), instruction: str | None = None, speculate=None,
+               stop: Sequence[str] = (), instruction: str | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
                **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s (branch = question index) as `ask` answers; inputs are checked and the
         prompts prefilled before this returns."""
         return _ask.stream(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
-                           stop=stop, instruction=instruction, speculate=self.speculation(speculate), **sampling)
+                           stop=stop, instruction=instruction, speculate=self.speculation(speculate),
+                           constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)
 
     # ------------------------------------------------------------------ parallel completions
     def complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
-                 stop: Sequence[str] = (), chat: bool | None = None, speculate=None, **sampling) -> list[Completion]:
+                 stop: Sequence[str] = (), chat: bool | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
+                 **sampling) -> list[Completion]:
         """n completions of one prompt from one prefill, sampled by default.
 
         Sampling settings take one value or a list of n. With `seed=s`, completion i uses seed
@@ -213,21 +224,24 @@ class MultiDecoder:
         speculate never changes the tokens of a seeded completion.
         """
         return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
-                                  stop=stop, chat=chat, speculate=self.speculation(speculate), **sampling)
+                                  stop=stop, chat=chat, speculate=self.speculation(speculate), constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar),
+                                  **sampling)
 
     def stream_complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
-                        stop: Sequence[str] = (), chat: bool | None = None, speculate=None,
+                        stop: Sequence[str] = (), chat: bool | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
                         **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s (branch = completion index) as `complete` generates."""
         return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
-                                stop=stop, chat=chat, speculate=self.speculation(speculate), **sampling)
+                                stop=stop, chat=chat, speculate=self.speculation(speculate), constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar),
+                                **sampling)
 
     # ------------------------------------------------------------------ self-consistency
     def vote(self, question: str, *, n: int = 8, max_new_tokens: int = 256,
-             extract: Callable[[str], str | None] = extract_answer, speculate=None, **sampling) -> Vote:
+             extract: Callable[[str], str | None] = extract_answer, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
+             **sampling) -> Vote:
         """n sampled reasoning traces in one forest, an answer extracted from each, and the majority."""
         return _vote.vote(self.scheduler(), self.tokenizer, question, n=n, max_new_tokens=max_new_tokens,
-                          extract=extract, speculate=self.speculation(speculate), **sampling)
+                          extract=extract, speculate=self.speculation(speculate), constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)
 
     # ------------------------------------------------------------------ beam search
     def beam_search(self, prompt: str | Sequence[int], *, num_beams: int, max_new_tokens: int,
@@ -334,6 +348,8 @@ def decode(
     speculate=None,
     cost: CostCurve | LearnedCurve | None = None,
     exact: bool = True,
+    tokenizer=None,
+    constraint: Constraint | Sequence[Constraint | None] | None = None,
 ) -> list[list[int]]:
     """Generate from `prefix_ids + branch_ids[i]` for every i at once; returns each branch's new ids.
 
@@ -350,6 +366,9 @@ def decode(
     exact: on the exact kernels while it runs (see `stream_decode`; the model is put back after):
     each branch then gets the bits it gets alone, at every precision, and speculation is exact in
     every dtype. Compare with `generate` through the same kernels: `with exact_kernels(model):`.
+    constraint: a `Constraint` every branch follows, or a list of one per branch, with the
+    model's `tokenizer` (a Hugging Face fast tokenizer) to compile it for; output then equals
+    the plain loop that masks each step's logits by the grammar.
     """
     sampling = per_branch_sampling(
         len(branch_ids), dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -358,7 +377,8 @@ def decode(
     )
     out: list[list[int]] = [[] for _ in branch_ids]
     for event in stream_decode(model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                               eos_token_id=eos_token_id, speculate=speculate, cost=cost, exact=exact):
+                               eos_token_id=eos_token_id, speculate=speculate, cost=cost, exact=exact,
+                               tokenizer=tokenizer, constraint=constraint):
         out[event.branch].append(event.token_id)
     return out
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .constraints import FORCED, FORCED_LIMIT, Compiled, GrammarState, allowed_nodes, compile_for_branches, per_branch
 from .cost import AcceptanceTracker
 from .engine import Engine, FeedResult
 from .errors import InvalidArgument, InvalidInput, PromptTooLong, check_positive, is_int
@@ -94,13 +95,15 @@ class DecodeStats:
     accepted: int = 0
     draft_budgets: list[int] = field(default_factory=list)
     speculate: str | None = None
+    forced: int = 0  # of the drafts fed, the tokens a grammar forced (jump-forward)
 
     @classmethod
     def total(cls, parts: Sequence[DecodeStats]) -> DecodeStats:
         """The stats of runs one after the other (the waves of one request)."""
         return cls(sum(p.steps for p in parts), sum(p.forward_passes for p in parts), sum(p.tokens for p in parts),
                    sum(p.drafted for p in parts), sum(p.accepted for p in parts),
-                   [b for p in parts for b in p.draft_budgets], parts[0].speculate if parts else None)
+                   [b for p in parts for b in p.draft_budgets], parts[0].speculate if parts else None,
+                   sum(p.forced for p in parts))
 
     @property
     def tokens_per_forward(self) -> float:
@@ -119,6 +122,7 @@ class DecodeStats:
             "tokens": self.tokens,
             "tokens_per_forward": round(self.tokens_per_forward, 4),
             "drafted": self.drafted,
+            "forced": self.forced,
             "accepted": self.accepted,
             "acceptance": None if self.acceptance is None else round(self.acceptance, 4),
             "mean_draft_budget": round(sum(budgets) / len(budgets), 3) if budgets else 0.0,
@@ -205,13 +209,15 @@ class BranchGroup(Work):
     node and `cached` its tokens (a server's prefix cache); every prompt is then
     `cached + prefix_ids + suffixes[i]`. prompt_owner: who keeps the prompt nodes (None: this
     work). logprobs: how many top log-probabilities each `TokenEvent` carries (None: no
-    log-probabilities at all). A driver may feed the prompts in pieces (`pace_prompt`).
+    log-probabilities at all). constraints: each branch's compiled constraint (None: free; see
+    `constraints`). A driver may feed the prompts in pieces (`pace_prompt`).
     """
 
     def __init__(self, prefix_ids: list[int], suffixes: list[list[int]], *, rule: StopRule,
                  sampling: Sequence[SamplingParams], tokenizer=None, speculation: Speculation | None = None,
                  vocab_size: int | None = None, under: int = ROOT, cached: Sequence[int] = (),
-                 prompt_owner: object | None = None, logprobs: int | None = None) -> None:
+                 prompt_owner: object | None = None, logprobs: int | None = None,
+                 constraints: Sequence[Compiled | None] = ()) -> None:
         self.prefix_ids, self.suffixes = prefix_ids, suffixes
         self.vocab_size = vocab_size
         self.under, self.prompt_owner, self.logprobs = under, prompt_owner, logprobs
@@ -220,8 +226,9 @@ class BranchGroup(Work):
         self.draft_nodes: set[int] = set()
         self.speculation = speculation
         self.tracker = AcceptanceTracker() if speculation is not None and speculation.auto else None
+        grammars = [c.start() if c is not None else None for c in constraints] or [None] * len(self.prompts)
         self.branches = [
-            Branch(i, BranchSampler(sampling[i], prompt), BranchOutput(rule, tokenizer),
+            Branch(i, BranchSampler(sampling[i], prompt, grammars[i]), BranchOutput(rule, tokenizer),
                    BranchContext(list(prompt), len(prompt), sampling=sampling[i]))
             for i, prompt in enumerate(self.prompts)
         ]
@@ -313,26 +320,26 @@ class BranchGroup(Work):
         return feed
 
     def _add_drafts(self, feed: Feed, *, chain_only: bool = False) -> None:
-        """Hang each live branch's draft tree for this step under its head (`self._heads`)."""
+        """Hang each live branch's draft tree for this step under its head (`self._heads`): its
+        proposer's, less what its grammar forbids, with the tokens its grammar forces first."""
         spec = self.speculation
-        if spec is None:
-            return
         # A step emits the accepted drafts and one token more: no deeper than what is left.
         room = {b: self.branches[b].output.rule.max_new_tokens - len(self.branches[b].output.token_ids) - 1
                 for b in self._heads}
         asking = [b for b in self._heads if room[b] >= 1]
-        if not asking:
+        if not asking or (spec is None and not any(self.branches[b].sampler.grammar for b in asking)):
             return
-        proposed = spec.proposer.propose_many([self.branches[b].context for b in asking], spec.size)
+        proposed = [DraftTree() for _ in asking] if spec is None else \
+            spec.proposer.propose_many([self.branches[b].context for b in asking], spec.size)
         if len(proposed) != len(asking):
             raise InvalidArgument(f"proposer {spec.proposer.name!r} returned {len(proposed)} drafts for "
                                   f"{len(asking)} branches", "return one DraftTree per context from propose_many()")
         for b, draft in zip(asking, proposed):
-            draft = checked_draft(draft, spec, self.vocab_size)
-            if self.tracker is not None and not draft.dists and len(draft) > spec.size:
-                draft = self._likeliest(b, draft.truncate(len(draft), room[b]), spec.size)
-            else:
-                draft = draft.truncate(spec.size, room[b])
+            grammar = self.branches[b].sampler.grammar
+            if spec is not None:
+                draft = self._sized(b, pruned(checked_draft(draft, spec, self.vocab_size), grammar), room[b])
+            if grammar is not None and grammar.jump_forward:
+                draft = with_forced(draft, grammar.forced(min(room[b], FORCED_LIMIT)))
             if chain_only:
                 draft = draft.first_chain()
             if self.tracker is not None:
@@ -340,6 +347,13 @@ class BranchGroup(Work):
             if len(draft) or draft.side_tokens:
                 self._drafts[b] = draft
                 self._hang(feed, b, draft)
+
+    def _sized(self, branch: int, draft: DraftTree, room: int) -> DraftTree:
+        """A proposer's draft cut to the budget, and to the `room` left before max_new_tokens."""
+        spec = self.speculation
+        if self.tracker is not None and not draft.dists and len(draft) > spec.size:
+            return self._likeliest(branch, draft.truncate(len(draft), room), spec.size)
+        return draft.truncate(spec.size, room)
 
     def _likeliest(self, branch: int, draft: DraftTree, size: int) -> DraftTree:
         """The `size` nodes with the best estimated chances (a node's is never above its
@@ -354,6 +368,8 @@ class BranchGroup(Work):
         chances = self.tracker.node_chances(branch, draft) if self.tracker is not None else [None] * len(draft)
         at: list[int] = []
         for n, (token, parent, chance) in enumerate(zip(draft.tokens, draft.parents, chances)):
+            if draft.kinds[n] == FORCED and chance is not None:
+                chance = 1.0  # the grammar allows nothing else: certain, whatever the tracker says
             at.append(feed.add(token, Feed.ref(head if parent == UNDER_LEAF else at[parent]), chance=chance))
             self._draft_nodes[at[-1]] = (branch, n)
         side: list[int] = []
@@ -403,15 +419,8 @@ class BranchGroup(Work):
             accepted.update(node_at_row[r] for r in path)
             if result.hidden is not None:  # what the next draft reads
                 self._keep_features(j, path, result.hidden, fed)
-            draft = self._drafts.get(j)
-            if draft is not None:
-                node_at = {row: n for (b, n), row in draft_row.items() if b == j}
-                side_rows = [row_of[i] for i, (b, _) in self._side_nodes.items() if b == j]
-                side_logits = logits[side_rows] if side_rows else None  # [side nodes, vocab]
-                self.speculation.proposer.observe(branch.context, draft, [node_at[r] for r in path[1:]],
-                                                  side_logits=side_logits)
-                self.stats.drafted += len(node_at)
-                self.stats.accepted += len(path) - 1
+            if j in self._drafts:
+                self._observe(j, path, {row: n for (b, n), row in draft_row.items() if b == j}, logits, row_of)
             if self.tracker is not None:
                 self.tracker.resolve(j, branch.output.token_ids, branch.output.finished)
             if branch.output.finished and self.speculation is not None:
@@ -422,6 +431,20 @@ class BranchGroup(Work):
         self.stats.draft_budgets.append(len(fed_drafts))
         self.done = all(b.output.finished for b in self.branches)
         return Settled(rejected, dead=sum(b.output.finished for b in self.branches) > finished_before)
+
+    def _observe(self, index: int, path: list[int], node_at: dict[int, int], logits: torch.Tensor,
+                 row_of: dict[int, int]) -> None:
+        """Count a branch's draft (`node_at`: logits row -> draft node, for the nodes fed) and show
+        its proposer what was accepted (`path`: logits rows, the head first)."""
+        draft = self._drafts[index]
+        if self.speculation is not None:
+            side_rows = [row_of[i] for i, (b, _) in self._side_nodes.items() if b == index]
+            side_logits = logits[side_rows] if side_rows else None  # [side nodes, vocab]
+            self.speculation.proposer.observe(self.branches[index].context, draft, [node_at[r] for r in path[1:]],
+                                              side_logits=side_logits)
+        self.stats.drafted += len(node_at)
+        self.stats.forced += sum(draft.kinds[n] == FORCED for n in node_at.values())
+        self.stats.accepted += len(path) - 1
 
     def _settle_piece(self, result: FeedResult[list[int]]) -> Settled:
         """A piece of the prefix is in the cache: the rest of the prompt hangs under its last node."""
@@ -466,6 +489,13 @@ class BranchGroup(Work):
         if self.logprobs is not None:
             logprob, top = token_logprobs(logits[row], token, self.logprobs)
         self.events.append(TokenEvent(index, token, delta, branch.output.finish_reason, logprob, top))
+        grammar = branch.sampler.grammar
+        if grammar is not None and grammar.complete and not branch.output.finished and self.logprobs is None:
+            # Its grammar is complete: its mask allows the eos token alone, which any choice takes,
+            # so it comes now instead of after one more forward.
+            eos = grammar.compiled.eos_id
+            branch.sampler.observe(eos)
+            return self._emit(index, eos, logits, row)
         return not branch.output.finished
 
     def live(self) -> list[int]:
@@ -481,6 +511,34 @@ def token_logprobs(row: torch.Tensor, token: int, top: int) -> tuple[float, tupl
     best = torch.topk(logprobs, top) if top else None
     pairs = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
     return float(logprobs[token]), pairs
+
+
+def pruned(draft: DraftTree, grammar: GrammarState | None) -> DraftTree:
+    """`draft` without the candidates `grammar` forbids (see `constraints.allowed_nodes`)."""
+    if grammar is None or not len(draft):
+        return draft
+    kept = allowed_nodes(grammar, draft.tokens, draft.parents, drawn=tuple(draft.dists))
+    return draft if len(kept) == len(draft) else draft.keep(kept)
+
+
+def with_forced(draft: DraftTree, forced: Sequence[int]) -> DraftTree:
+    """The tokens a grammar forces as a chain of certain candidates under the head (kind
+    `FORCED`), `draft` merged into it (a guess of the same tokens becomes the forced node). A
+    draft drawn from a distribution is not merged (its siblings must stay the draws): the chain
+    alone then."""
+    if not forced:
+        return draft
+    out, at = DraftTree(), UNDER_LEAF
+    for token in forced:
+        at = out.add(token, at, kind=FORCED, prior=1.0)
+    if not draft.dists:
+        new_index = {UNDER_LEAF: UNDER_LEAF}
+        for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):
+            found = out.child(new_index[parent], token)
+            new_index[i] = found if found is not None else out.add(token, new_index[parent], kind=draft.kinds[i],
+                                                                   prior=draft.priors[i])
+    out.side_tokens, out.side_parents = list(draft.side_tokens), list(draft.side_parents)
+    return out
 
 
 def checked_draft(draft, spec: Speculation, vocab_size: int | None) -> DraftTree:
@@ -600,11 +658,13 @@ def admit(
     prompt_owner: object | None = None,
     logprobs: int | None = None,
     memory_budget: int | None = None,
+    constraint=None,
 ) -> BranchRun:
     """Check the inputs and admit branches `prefix_ids + suffixes[i]` to `scheduler`; nothing is
     fed until the scheduler steps. speculate: see `speculation`; under, cached, prompt_owner,
     logprobs: see `BranchGroup`; memory_budget: the bytes the branches must fit in (None: what
-    the machine has now).
+    the machine has now); constraint: a `constraints.Constraint` for every branch, or a list of
+    one per branch (None: free), compiled for `tokenizer` here, before anything is fed.
     """
     check_positive("max_new_tokens", max_new_tokens)
     if isinstance(suffixes, torch.Tensor):
@@ -626,9 +686,11 @@ def admit(
     draft = 0 if spec is None else spec.size
     check_memory(engine, len(prefix_ids), [len(s) for s in suffixes], max_new_tokens, draft, memory_budget)
     rule = StopRule(max_new_tokens, eos_ids_of(engine.model, eos_token_id), stop_strings_of(stop))
+    compiled = compile_for_branches(per_branch(len(suffixes), constraint), tokenizer, vocab_size=engine.vocab_size,
+                                    eos_ids=rule.eos_ids)
     group = BranchGroup(prefix_ids, suffixes, rule=rule, sampling=sampling, tokenizer=tokenizer, speculation=spec,
                         vocab_size=engine.vocab_size, under=under, cached=cached, prompt_owner=prompt_owner,
-                        logprobs=logprobs)
+                        logprobs=logprobs, constraints=compiled)
     engine.reserve(engine.forest.num_slots + len(prefix_ids) + sum(map(len, suffixes))
                    + len(suffixes) * (max_new_tokens + draft))
     return BranchRun(scheduler, scheduler.admit(group))

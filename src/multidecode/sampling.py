@@ -21,6 +21,9 @@ Steps 1 to 3 apply to greedy branches too: they take the arg-max after them, as 
 after its repetition penalty. Each step reads only the row's own history, so speculation applies
 them with the right history at every draft node (`verify.walk` chooses a branch's tokens in order,
 observing each before the next is chosen).
+
+A constrained branch's grammar mask (`constraints`) comes after step 3, so greedy takes the best
+allowed token and sampling draws among the allowed ones only.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from numbers import Real
 
 import torch
 
+from .constraints import GrammarState, mask_logits
 from .errors import InvalidArgument, InvalidInput, is_int
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -169,10 +173,12 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
 
 
 class BranchSampler:
-    """One branch's sampling state: its parameters, its generator and the tokens it has seen."""
+    """One branch's sampling state: its parameters, its generator, the tokens it has seen and,
+    for a constrained branch, where its grammar stands (`constraints.GrammarState`)."""
 
-    def __init__(self, params: SamplingParams, context: Sequence[int] = ()) -> None:
+    def __init__(self, params: SamplingParams, context: Sequence[int] = (), grammar: GrammarState | None = None) -> None:
         self.params = params
+        self.grammar = grammar
         self.generator: torch.Generator | None = None
         if params.do_sample:
             self.generator = torch.Generator()
@@ -190,6 +196,13 @@ class BranchSampler:
             self.seen.add(token)
         if self.params.presence_penalty or self.params.frequency_penalty:
             self.counts[token] += 1
+        if self.grammar is not None:
+            self.grammar.consume(token)
+
+    @property
+    def plain(self) -> bool:
+        """Whether it takes the arg-max of its raw logits (greedy, no penalty or bias, no grammar)."""
+        return not self.params.do_sample and not self.params.penalized and self.grammar is None
 
 
 # ---------------------------------------------------------------------- processors
@@ -308,9 +321,14 @@ def warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
     return scores
 
 
+def constrain(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
+    """The repetition penalty, then each constrained row's grammar mask. [n, V] -> [n, V]"""
+    return mask_logits(penalize(logits, samplers), [s.grammar for s in samplers])
+
+
 def process_logits(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
     """Every branch's processors on its row, over the whole vocabulary. logits [n, V] float32 -> [n, V]."""
-    logits = penalize(logits, samplers)
+    logits = constrain(logits, samplers)
     rows = [i for i, s in enumerate(samplers) if s.params.do_sample]
     if not rows:
         return logits
@@ -338,7 +356,7 @@ def choose_tokens(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> li
     if logits.shape[0] > SAMPLING_ROWS:  # rows a slice at a time: the scratch stays small, no row changes
         return [token for start in range(0, logits.shape[0], SAMPLING_ROWS)
                 for token in choose_tokens(logits[start : start + SAMPLING_ROWS], samplers[start : start + SAMPLING_ROWS])]
-    scores = penalize(logits.float(), samplers)
+    scores = constrain(logits.float(), samplers)
     chosen = scores.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(samplers) if s.params.do_sample]
     short = [i for i in sampled if samplers[i].params.top_k and samplers[i].params.top_k <= CANDIDATE_LIMIT]

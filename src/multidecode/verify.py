@@ -82,9 +82,9 @@ def walk(
     current = list(heads)
     paths = [[h] for h in heads]
     live = list(range(len(heads)))
-    # Plain greedy branches (no penalty, no bias) choose the arg-max of a row whatever came before
-    # it: take every row's at once, one device sync per step instead of one per round.
-    plain = all(not s.params.do_sample and not s.params.penalized for s in samplers)
+    # Plain greedy branches (no penalty, no bias, no grammar) choose the arg-max of a row whatever
+    # came before it: take every row's at once, one device sync per step instead of one per round.
+    plain = all(s.plain for s in samplers)
     best = logits.argmax(dim=-1).tolist() if plain else None  # [rows]
     while live:
         if best is not None:

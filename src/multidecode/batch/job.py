@@ -195,6 +195,7 @@ class BatchJob:
         """The output record of an outcome; counts unexpected errors (one failed step that took
         several lines with it counts once)."""
         error, answers = outcome.error, outcome.answers
+        constraint = outcome.item.constraint or self.settings.constraint
         if error is None or isinstance(error, MultiDecodeError):
             self._crashes = 0
         elif error is not self._last_crash:
@@ -203,7 +204,7 @@ class BatchJob:
             "id": outcome.item.id,
             "line": outcome.item.line,
             "answers": [{"question": a.question, "answer": a.text, "finish_reason": a.finish_reason,
-                         "tokens": len(a.token_ids)} for a in answers],
+                         "tokens": len(a.token_ids), **parsed_entry(constraint, a.text)} for a in answers],
             "error": None if error is None else _error_record(error),
             "tokens": sum(len(a.token_ids) for a in answers),
             "elapsed_s": round(outcome.elapsed_s, 4),
@@ -216,6 +217,14 @@ class BatchJob:
             retried=self.retried, done=self.done, failed=self.failed, remaining=len(self.pending),
             tokens=self.tokens, elapsed_s=self.elapsed_s, earlier_failures=self.earlier_failures,
             repaired=self.repaired, failures=list(self.failures))
+
+
+def parsed_entry(constraint, text: str) -> dict:
+    """{"parsed": the answer's JSON value} under a JSON constraint (null when it was cut short by
+    max_new_tokens), nothing otherwise."""
+    if constraint is None or not constraint.is_json:
+        return {}
+    return {"parsed": constraint.parse(text)}
 
 
 def _error_record(err) -> dict:
@@ -262,7 +271,7 @@ def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.Path
               questions: Sequence[str] = (), max_new_tokens: int = 48, stop: Sequence[str] = (),
               instruction: str | None = None, retry_failed: bool = False, model: str | None = None,
               precision: str | None = None, speculate=None, forest_tokens: int = FOREST_TOKENS, forest_branches: int = FOREST_BRANCHES,
-              **sampling) -> BatchSummary:
+              constraint=None, **sampling) -> BatchSummary:
     """Run (or resume) a whole batch job silently and return its summary.
 
     model, precision: the labels that go into the settings fingerprint (defaults: the model's
@@ -271,14 +280,16 @@ def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.Path
     speculate: as for `BatchJob.run` (not a setting: it never changes the answers). "suffix" or
     "auto" draft from the answers to the job's earlier documents, which pays on similar ones.
     forest_tokens, forest_branches: the merged forest's budget (`BatchJob.run`; forest_tokens=0 runs
-    one document at a time).
+    one document at a time). constraint: a `Constraint` every answer follows (a line's own
+    "json_schema" takes its place for that line); records then carry each answer's "parsed" value.
     """
     if model is None:
         name = getattr(decoder.model.config, "name_or_path", None) or getattr(decoder.model.config, "_name_or_path", "")
         model = model_identity(name) if name else type(decoder.model).__name__
     precision = precision or decoder.memory()["precision"]
     settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
-                             sampling=sampling, instruction=instruction, model=model, precision=precision)
+                             sampling=sampling, instruction=instruction, model=model, precision=precision,
+                             constraint=constraint)
     with open_batch(input_path, output_path, settings, retry_failed=retry_failed) as job:
         for _ in job.run(decoder, speculate=speculate, forest_tokens=forest_tokens, forest_branches=forest_branches):
             pass

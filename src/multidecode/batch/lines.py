@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
+from ..constraints import Constraint
 from ..errors import InvalidInput, MultiDecodeError
 from ..sampling import per_branch_sampling
 from ..strategies.ask import check_document
@@ -32,12 +33,14 @@ class LineModel(BaseModel):
     document: Annotated[StrictStr, AfterValidator(lambda text: check_document(text) or text)]
     questions: list[Annotated[StrictStr, AfterValidator(_not_blank)]] | None = None
     sampling: dict[StrictStr, Any] | None = None
+    json_schema: dict | None = None
 
 
 @dataclass(frozen=True)
 class InputLine:
     """One non-blank input line, parsed. error says why it cannot run (then it is recorded as failed).
-    sampling: the line's own sampling settings, over the job's (logit bias keys as token ids)."""
+    sampling: the line's own sampling settings, over the job's (logit bias keys as token ids);
+    constraint: the line's own JSON schema, which its answers follow (None: the job's)."""
 
     line: int
     id: str | int
@@ -45,6 +48,7 @@ class InputLine:
     questions: tuple[str, ...] = ()
     error: MultiDecodeError | None = None
     sampling: dict[str, Any] = field(default_factory=dict, hash=False)
+    constraint: Constraint | None = None
 
     @property
     def key(self) -> str:
@@ -78,6 +82,9 @@ def _explain(problem: dict, data: dict) -> MultiDecodeError:
         if isinstance(error := problem.get("ctx", {}).get("error"), MultiDecodeError):
             return error  # check_document's: empty, or not valid Unicode
         return InvalidInput(f'"document" must be a string, got {_kind(value)}', "put the document's text in a string")
+    if field == "json_schema":
+        return InvalidInput(f'"json_schema" must be a JSON object (a JSON schema), got {_kind(value)}',
+                            'use "json_schema": {"type": "object", "properties": {...}}')
     if not where:
         if isinstance(value, str):
             return InvalidInput('"questions" must be a list of strings, got one string', 'wrap it in a list: ["..."]')
@@ -119,7 +126,11 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
         sampling = _line_sampling(parsed.sampling or {}, len(questions))
     except MultiDecodeError as err:
         return InputLine(line, ident, error=InvalidInput(f'the line\'s "sampling": {err.message}', err.hint))
-    return InputLine(line, ident, parsed.document, questions, sampling=sampling)
+    try:
+        constraint = None if parsed.json_schema is None else Constraint.json_schema(parsed.json_schema)
+    except MultiDecodeError as error:
+        return InputLine(line, ident, error=error)
+    return InputLine(line, ident, parsed.document, questions, sampling=sampling, constraint=constraint)
 
 
 def _line_sampling(settings: dict, n: int) -> dict:

@@ -102,7 +102,8 @@ class ForestAnswerer:
         except Exception as error:  # noqa: BLE001 - recorded as the line's failure
             return LineOutcome(item, error=error)
         job = Job(prompts=prompts, max_new_tokens=settings.max_new_tokens, sampling=sampling, stop=settings.stop,
-                  speculate=self.decoder.speculation(self.speculate))
+                  speculate=self.decoder.speculation(self.speculate),
+                  constraint=item.constraint or settings.constraint)
         return Ticket(item, job, prompts)
 
     def submit(self, ticket: Ticket, *, wait: bool = False) -> Future[LineOutcome] | None:

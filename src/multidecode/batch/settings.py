@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidInput, check_positive
+from ..constraints import Constraint
+from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..sampling import per_branch_sampling
 from ..strategies.ask import check_questions
 
@@ -30,6 +31,8 @@ class BatchSettings:
     another model by mistake.
     sampling: keyword arguments for `MultiDecoder.ask` (temperature, top_k, top_p, min_p,
     repetition_penalty, presence_penalty, frequency_penalty, logit_bias, seed, do_sample).
+    constraint: what every answer is held to (a `constraints.Constraint`: a JSON schema for the
+    run, say; a line's own "json_schema" takes its place for that line).
     """
 
     questions: tuple[str, ...] = ()
@@ -39,6 +42,7 @@ class BatchSettings:
     instruction: str | None = None
     model: str | None = None
     precision: str | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "questions", tuple(self.questions))
@@ -54,11 +58,14 @@ class BatchSettings:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise InvalidInput("a stop string is empty", "remove it or give the text to stop at")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidArgument(f"constraint must be a multidecode Constraint, got {type(self.constraint).__name__}")
 
     def as_dict(self) -> dict:
         return {"model": self.model, "precision": self.precision, "questions": list(self.questions),
                 "max_new_tokens": self.max_new_tokens, "stop": list(self.stop),
-                "sampling": {k: _as_json(v) for k, v in sorted(self.sampling.items())}, "instruction": self.instruction}
+                "sampling": {k: _as_json(v) for k, v in sorted(self.sampling.items())}, "instruction": self.instruction,
+                **constraint_entry(self.constraint)}
 
     @property
     def fingerprint(self) -> str:
@@ -72,6 +79,14 @@ def _as_json(value):
     if isinstance(value, Mapping):
         return {str(k): v for k, v in sorted(value.items())}
     return value
+
+
+def constraint_entry(constraint: Constraint | None) -> dict:
+    """The constraint as the settings record it (nothing without one, so that the fingerprints of
+    jobs without one stay what they were)."""
+    if constraint is None:
+        return {}
+    return {"constraint": {"kind": constraint.kind, "text": constraint.text, "strict": constraint.strict}}
 
 
 def model_identity(name: str | os.PathLike | None) -> str:

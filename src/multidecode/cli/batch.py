@@ -28,6 +28,7 @@ from ..errors import InvalidInput
 from ..models.loading import resolve_precision
 from .common import (
     check_early,
+    constraint_from,
     decoding_options,
     load_decoder,
     prepare_speculation,
@@ -238,12 +239,13 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
 @report_errors
 def batch(input_path, output, questions_file, question, max_new_tokens, stop, retry_failed, forest_tokens,
           forest_branches, prefill_chunk, ray_address, workers, model_name, precision, device, as_json, speculate, draft_budget,
-          show_stats, **sampling):
+          show_stats, constraint, **sampling):
     """Answer questions about every document of a JSON Lines file, resumably.
 
     Each input line is a JSON object: {"id": ..., "document": "...", "questions": ["...", ...]}.
     "id" is optional (default: the line number); questions given with --questions-file or -q are
-    asked of every document, before the line's own, which are then optional.
+    asked of every document, before the line's own, which are then optional. --json-schema FILE
+    (or a line's "json_schema") holds answers to a schema, each record's "parsed" their JSON.
 
     Each result is appended to OUT as one JSON line as soon as it is done. After Ctrl-C, a kill
     or a crash, the same command resumes: finished lines are never redone or duplicated. A line
@@ -272,12 +274,12 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
         from ..batch.ray import import_ray
 
         import_ray()  # says how to install Ray before anything else happens
-    questions = job_questions(question, questions_file)
+    questions, constraint = job_questions(question, questions_file), constraint_from(constraint)
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
     speculation = speculation_from(speculate, draft_budget)
     settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
                              sampling=sampling_from(sampling), model=model_identity(model_name),
-                             precision=resolve_precision(model_name, precision, device).name)
+                             precision=resolve_precision(model_name, precision, device).name, constraint=constraint)
     with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
         announce(job)
         received, totals = [], {}

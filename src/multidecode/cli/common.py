@@ -182,12 +182,57 @@ def prepare_speculation(decoder, settings: SpeculationSettings) -> SpeculationSe
     return settings
 
 
+@dataclass(frozen=True)
+class ConstraintOptions:
+    """--json-schema FILE, --regex TEXT, --grammar FILE as given (`constraint_from` reads them)."""
+
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+
+def constraint_options(command):
+    """--json-schema FILE, --regex TEXT and --grammar FILE; the command receives them as one
+    `ConstraintOptions` in `constraint`."""
+
+    @functools.wraps(command)
+    def bundled(*args, json_schema, regex, grammar, **kwargs):
+        return command(*args, constraint=ConstraintOptions(json_schema, regex, grammar), **kwargs)
+
+    bundled = click.option("--grammar", default=None, metavar="FILE",
+                           help="Hold every output to this grammar: Lark (start: ...) or llama.cpp's GBNF "
+                                "(root ::= ...).")(bundled)
+    bundled = click.option("--regex", default=None, metavar="TEXT",
+                           help="Hold every output to this regular expression (matched whole).")(bundled)
+    return click.option("--json-schema", default=None, metavar="FILE",
+                        help="Hold every output to this JSON schema (a JSON file; '-' for stdin); with --json, "
+                             "each result carries the parsed object.")(bundled)
+
+
+def constraint_from(options: ConstraintOptions | None):
+    """The `Constraint` the options name (None: none), read and compiled before any model loads."""
+    from ..constraints import Constraint
+    from ..errors import InvalidArgument
+
+    given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "regex", "grammar")
+             if getattr(options, name, None) is not None]
+    if len(given) > 1:
+        raise InvalidArgument(f"{' and '.join(given)} were both given", "constrain the output one way at a time")
+    if not given:
+        return None
+    if options.json_schema is not None:
+        return Constraint.json_schema(read_text(options.json_schema, "JSON schema"))
+    if options.grammar is not None:
+        return Constraint.grammar(read_text(options.grammar, "grammar"))
+    return Constraint.regex(options.regex)
+
+
 def decoding_options(speculate: str | None = None):
-    """What every decoding command takes: the model's options, the sampling options and the
-    speculation options (--speculate defaulting to `speculate`)."""
+    """What every decoding command takes: the model's options, the sampling options, the
+    speculation options (--speculate defaulting to `speculate`) and the constraint options."""
 
     def add(command):
-        return model_options(sampling_options(speculate_options(speculate)(command)))
+        return model_options(sampling_options(speculate_options(speculate)(constraint_options(command))))
 
     return add
 
@@ -212,6 +257,8 @@ def print_stats(stats: dict, lead: str = "") -> None:
                  + (f" ({acceptance:.0%})" if acceptance is not None else "")
                  + f", {stats.get('mean_draft_budget', 0):.1f} per step on average,"
                  f" speculating in {stats.get('steps_speculating', 0)} of {stats.get('steps', 0)} steps")
+    if stats.get("forced"):
+        line += f"; {stats['forced']} draft tokens forced by the grammar (jump-forward)"
     stderr.print(f"[dim]{escape(line)}[/dim]")
 
 

@@ -29,6 +29,7 @@ from ..strategies.ask import check_document, check_questions
 from ..strategies.complete import Waves
 from .common import (
     check_early,
+    constraint_from,
     decoding_options,
     load_decoder,
     model_options,
@@ -106,7 +107,7 @@ def gather_questions(question: Sequence[str], questions_file: str | None) -> lis
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of answers instead of streaming text.")
 @report_errors
 def ask(document, question, questions_file, max_new_tokens, stop, model_name, precision, device, as_json, speculate,
-        draft_budget, show_stats, **sampling):
+        draft_budget, show_stats, constraint, **sampling):
     """Answer many questions about one document in one pass over one shared KV cache."""
     if document == "-" and questions_file == "-":
         raise InvalidInput("--document and --questions-file cannot both read standard input",
@@ -115,16 +116,18 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
     questions = gather_questions(question, questions_file)
     check_document(text)
     check_questions(questions)
+    constraint = constraint_from(constraint)
     decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
                              sampling=sampling_from(sampling), stop=stop)
     start = time.perf_counter()
-    settings = dict(max_new_tokens=max_new_tokens, stop=stop, speculate=spec, **sampling_from(sampling))
+    settings = dict(max_new_tokens=max_new_tokens, stop=stop, speculate=spec, constraint=constraint,
+                    **sampling_from(sampling))
     run = ask_strategy.start(decoder.scheduler(), decoder.tokenizer, text, questions, **settings)
     if as_json:
         answers = ask_strategy.answers(run.finish(), questions)
         rows = [
             {"question": a.question, "answer": a.text, "finish_reason": a.finish_reason,
-             "token_ids": a.token_ids, "prompt_tokens": len(a.prompt_ids)}
+             "token_ids": a.token_ids, "prompt_tokens": len(a.prompt_ids), **parsed(constraint, a)}
             for a in answers
         ]
         click.echo(json.dumps(rows, ensure_ascii=False))
@@ -151,7 +154,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
 @click.option("--json", "as_json", is_flag=True, help="Print the completion and its stats as JSON.")
 @report_errors
 def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, precision, device, speculate, draft_budget,
-             show_stats, echo, as_json, **sampling):
+             show_stats, echo, as_json, constraint, **sampling):
     """Generate one completion, greedy unless a sampling option is given.
 
     With --speculate, draft tokens are verified in the same forward as the next token; the output
@@ -159,15 +162,18 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, pre
     """
     text = read_prompt(prompt, prompt_file)
     chosen = sampling_from(sampling)
+    constraint = constraint_from(constraint)
     decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
                              sampling=chosen, stop=stop)
     start = time.perf_counter()
     run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, text, n=1, max_new_tokens=max_new_tokens, stop=stop,
-                         chat=False if no_chat else None, sample=False, speculate=spec, **chosen)
+                         chat=False if no_chat else None, sample=False, speculate=spec, constraint=constraint,
+                         **chosen)
     if as_json:
         done = complete_strategy.completions(run.finish())[0]
         click.echo(json.dumps({"text": text * echo + done.text, "finish_reason": done.finish_reason, "token_ids": done.token_ids,
-                               "prompt_tokens": len(done.prompt_ids), "seed": done.seed, "stats": done.stats},
+                               "prompt_tokens": len(done.prompt_ids), "seed": done.seed, "stats": done.stats,
+                               **parsed(constraint, done)},
                               ensure_ascii=False))
     else:
         sys.stdout.write(text * echo)
@@ -192,7 +198,7 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, pre
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of completions.")
 @report_errors
 def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, model_name, precision, device, as_json,
-             speculate, draft_budget, show_stats, **sampling):
+             speculate, draft_budget, show_stats, constraint, **sampling):
     """n completions of one prompt from one prefill, sampled side by side.
 
     Each completion reports its seed; `--seed S` makes completion i use S + i, the same as a
@@ -205,16 +211,17 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
         raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
     if greedy:
         chosen["do_sample"] = False
+    constraint = constraint_from(constraint)
     decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
                              sampling=chosen, stop=stop)
     settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None, speculate=spec,
-                    **chosen)
+                    constraint=constraint, **chosen)
     start = time.perf_counter()
     run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, text, **settings)
     if as_json:
         done = complete_strategy.completions(run.finish())
         click.echo(json.dumps([{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "seed": c.seed,
-                                "token_ids": c.token_ids} for c in done], ensure_ascii=False))
+                                "token_ids": c.token_ids, **parsed(constraint, c)} for c in done], ensure_ascii=False))
         generated = sum(len(c.token_ids) for c in done)
     else:
         labels = [f"completion {i + 1}" + (f" (seed {params.seed})" if params.do_sample else "")
@@ -239,16 +246,17 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
 @click.option("--json", "as_json", is_flag=True, help="Print the vote as JSON.")
 @report_errors
 def vote(question, n, max_new_tokens, model_name, precision, device, show_traces, as_json, speculate, draft_budget,
-         show_stats, **sampling):
+         show_stats, constraint, **sampling):
     """Self-consistency: n sampled reasoning traces in one forest, and the majority answer."""
     from ..strategies.vote import tally, vote_prompt, vote_settings
 
     check_text(question, "the question", "write the question to reason about")
+    constraint = constraint_from(constraint)
     decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
                              sampling=vote_settings(sampling_from(sampling)))
     prompt = vote_prompt(question)
     run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
-                         speculate=spec, **vote_settings(sampling_from(sampling)))
+                         speculate=spec, constraint=constraint, **vote_settings(sampling_from(sampling)))
     columns = [TextColumn("reasoning"), BarColumn(), MofNCompleteColumn(), TextColumn("traces done"),
                TimeElapsedColumn()]
     with Progress(*columns, console=stderr, transient=True) as bar:
@@ -282,6 +290,13 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
     stdout.print(table)
     stdout.print(f"Majority answer: [bold]{escape(result.answer)}[/bold] ({result.agreement:.0%} of traces)"
                  if result.answer is not None else "No trace gave an answer.")
+
+
+def parsed(constraint, result) -> dict:
+    """{"parsed": the JSON value} of a result held to a JSON constraint (null when it was cut short)."""
+    if constraint is None or not constraint.is_json:
+        return {}
+    return {"parsed": constraint.parse(result.text)}
 
 
 def parse_early_stopping(value: str) -> bool | str:

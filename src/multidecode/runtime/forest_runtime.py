@@ -254,7 +254,8 @@ class ForestRuntime:
             sampling=job.sampling, tokenizer=self.tokenizer, stop=job.stop,
             speculate=build_speculation(job.speculate, self.engine.dtype, draft=self.draft, exact=self.engine.exact),
             under=under,
-            cached=shared.prefix_ids[:matched], prompt_owner=CACHE_OWNER, logprobs=job.logprobs)
+            cached=shared.prefix_ids[:matched], prompt_owner=CACHE_OWNER, logprobs=job.logprobs,
+            constraint=job.constraint)
         return run.group
 
     def _step(self) -> None:

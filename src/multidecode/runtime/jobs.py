@@ -110,7 +110,8 @@ class Usage:
 @dataclass(eq=False)
 class Job:
     """One request's work (see the module notes). beams > 0 runs a beam search of that many beams
-    over prompts[0] and returns them all; trace sends the forest nodes the job feeds each step."""
+    over prompts[0] and returns them all; trace sends the forest nodes the job feeds each step;
+    constraint holds every branch (or, a list, each) to a `constraints.Constraint`."""
 
     prompts: list[list[int]]
     max_new_tokens: int
@@ -120,6 +121,7 @@ class Job:
     logprobs: int | None = None
     beams: int = 0
     trace: bool = False
+    constraint: object = None
     sink: Callable[[tuple], None] = lambda item: None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cached_tokens: int = 0

@@ -20,6 +20,10 @@ of `sampling`'s module notes. `echo` (completions) starts each choice's text wit
 `logprobs` it is refused, since prompt tokens' log-probabilities are not computed (a prompt found
 in the prefix cache is never run again).
 
+`response_format` is OpenAI's: {"type": "json_object"} or {"type": "json_schema", "json_schema":
+{"name", "schema", "strict"}} holds every choice to it (`constraints`; strict false ignores the
+schema keywords the engine cannot enforce instead of refusing them); completions take it too.
+
 Every problem a client can cause raises `BadRequest` (HTTP 400) naming the parameter.
 """
 
@@ -32,6 +36,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..constraints import Constraint, compile_for_branches
 from ..errors import InvalidArgument, MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
@@ -85,6 +90,7 @@ class _Body(BaseModel):
     use_beam_search: bool = False
     questions: list[str] | None = None
     trace: bool = False
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionBody(_Body):
@@ -108,7 +114,6 @@ class ChatBody(_Body):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
-    response_format: dict[str, Any] | None = None
 
 
 def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
@@ -137,8 +142,7 @@ def _unsupported(body: _Body) -> None:
     if isinstance(body, CompletionBody):
         checks += [("suffix", body.suffix is not None), ("best_of", body.best_of not in (None, 1, body.n))]
     if isinstance(body, ChatBody):
-        checks += [("tools", bool(body.tools)),
-                   ("response_format", bool(body.response_format) and body.response_format.get("type") != "text")]
+        checks += [("tools", bool(body.tools))]
     for name, used in checks:
         if used:
             raise BadRequest(f"{name} is not supported by this server", name, "unsupported_parameter")
@@ -272,11 +276,13 @@ def _check_branches(count: int, max_branches: int | None) -> None:
 
 def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None,
            speculate_default: SpeculationSettings | None = None, has_draft: bool = False,
-           max_branches: int | None = None) -> Job:
+           max_branches: int | None = None, eos_ids=frozenset()) -> Job:
     """A checked request as a runtime job (its sink is set by the caller). speculate_default:
     the server's speculation, for requests that name no mode of their own; has_draft: whether the
     server has a draft model (for "draft"); max_branches: the server's cap on branches, checked
-    before n copies of a prompt are made."""
+    before n copies of a prompt are made; eos_ids: what ends a branch (a `response_format`
+    needs one, and is compiled for the tokenizer here, so a bad one is refused before any
+    decoding)."""
     _unsupported(body)
     chat = isinstance(body, ChatBody)
     _check_echo(body)
@@ -289,9 +295,38 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
         logprobs = body.logprobs
     beams = _beams(body, prompts, logprobs)
     prompts = prompts[:1] if beams else prompts
+    constraint = _constraint(body.response_format, tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
+    if constraint is not None and beams:
+        raise BadRequest("use_beam_search does not take a response_format", "response_format")
     return Job(prompts=prompts, max_new_tokens=max_tokens, sampling=_sampling(body, len(prompts), vocab_size),
                stop=_stop(body), speculate=_speculation(body.speculate, speculate_default, has_draft),
-               logprobs=logprobs, beams=beams, trace=body.trace)
+               logprobs=logprobs, beams=beams, trace=body.trace, constraint=constraint)
+
+
+def _constraint(response_format: dict | None, tokenizer, *, vocab_size: int, eos_ids) -> Constraint | None:
+    """OpenAI's `response_format` as a constraint (None for text), compiled for the tokenizer."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            constraint = Constraint.json_object()
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise BadRequest("response_format.json_schema must be an object with a \"schema\" object",
+                                 "response_format", "invalid_json_schema")
+            strict = spec.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise BadRequest("response_format.json_schema.strict must be true or false", "response_format")
+            constraint = Constraint.json_schema(spec.get("schema", {}), strict=bool(strict))
+        else:
+            raise BadRequest(f"response_format type {kind!r} is not supported: use text, json_object or json_schema",
+                             "response_format")
+        compile_for_branches([constraint], tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
+    except InvalidArgument as error:
+        raise BadRequest(f"response_format: {error.message}", "response_format", "invalid_json_schema") from None
+    return constraint
 
 
 def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branches: int | None) -> list[list[int]]:

@@ -161,12 +161,13 @@ class Waves:
 # ---------------------------------------------------------------------- completions
 def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
           stop: Sequence[str] = (), chat: bool | None = None, sample: bool = True, speculate=None,
-          eos_token_id=None, **sampling) -> BranchRun | Waves:
+          eos_token_id=None, constraint=None, **sampling) -> BranchRun | Waves:
     """Admit n branches of one prompt to `scheduler` and prefill it once; when the n branches
     would not fit in memory at once, they run in `Waves` of as many as fit.
 
     sample: sample by default (a random base seed when none is given); False keeps the given
-    settings as they are (greedy unless they ask for sampling), as `generate` does.
+    settings as they are (greedy unless they ask for sampling), as `generate` does. constraint:
+    a `constraints.Constraint` every completion follows (or a list of n).
     """
     check_positive("n", n)
     ids = prompt_ids(tokenizer, prompt, chat=chat)
@@ -174,7 +175,7 @@ def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: in
     engine = scheduler.engine
     spec = build_speculation(speculate, engine.dtype, exact=engine.exact)
     settings = {"max_new_tokens": max_new_tokens, "tokenizer": tokenizer, "stop": stop, "eos_token_id": eos_token_id,
-                "speculate": spec}
+                "speculate": spec, "constraint": constraint}
     budget = budget_bytes(engine.device)
     size = wave_size(engine, len(ids), n, max_new_tokens, 0 if spec is None else spec.size, budget=budget)
     if size < n:  # too many to hold at once: in waves, each completion still drawn with its own seed

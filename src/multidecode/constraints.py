@@ -1,0 +1,367 @@
+"""Structured output: each branch's tokens held to a JSON schema, a regular expression or a grammar.
+
+Terms. A **constraint** (`Constraint`) is what a user asks for: a JSON schema, any JSON object, a
+regular expression, or a grammar (Lark, or llama.cpp's GBNF). It is **compiled** once per
+(tokenizer, constraint) by llguidance (the Guidance project's Rust engine; why this one, with the
+measurements, in docs/structured.md) into a **matcher** at the grammar's start (`Compiled`). Each
+constrained branch holds its own copy of it, a `GrammarState`, which follows the branch's tokens
+(`sampling.BranchSampler.observe`) and says which tokens may come next: the branch's **mask**.
+
+Decoding. The masks of every constrained row are filled in one call (llguidance computes them in
+parallel) and applied in one `masked_fill` (`mask_logits`), after the repetition penalty and
+before temperature, top-k, top-p and min-p, so a constrained branch draws from the model's
+distribution renormalised over the tokens its grammar allows. When the grammar is complete only
+the eos token is allowed (finish reason "stop"); a branch that reaches max_new_tokens first ends
+with "length" and what it produced. The reference this equals, token for token (greedy) and in
+distribution (sampling), is the plain loop: the model on the whole sequence, mask, choose.
+
+Speculation. `prune` takes every draft node the grammar forbids (and its subtree) out of a draft
+tree before it is fed, walking the tree with `validate_tokens` (no state changes). Where the
+grammar forces the next tokens (a key name, a closing brace), `forced` gives them (llguidance's
+fast-forward tokens: SGLang's *jump-forward*); they are drafted as a chain of certain nodes under
+the branch's head (`with_forced`) and verified in the same forward as any draft, so the target
+still chooses every token through its mask and the output is unchanged (a model may pick another
+tokenization of the forced text, and then it does).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidArgument, InvalidInput
+
+KINDS = ("json_schema", "json_object", "regex", "grammar")
+FORCED = -7
+"""`DraftTree.kinds` value of a jump-forward node (a token the grammar forces)."""
+FORCED_LIMIT = 32
+"""At most this many forced tokens are drafted in one step."""
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How JSON is laid out unless a schema's own "x-guidance" says otherwise: one line, with the
+separators of Python's json.dumps (what models write most), so the separators are forced tokens
+and a small model cannot wander off into whitespace until max_new_tokens."""
+COMPILED_PER_TOKENIZER = 64
+"""Compiled constraints kept per tokenizer (least recently used dropped first)."""
+
+
+def _llguidance():
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What one branch's output must match. kind: one of `KINDS`; text: the JSON schema (as JSON
+    text), the regular expression or the grammar (Lark or GBNF); strict: for a JSON schema, refuse
+    keywords llguidance cannot enforce (False: ignore them, best effort); jump_forward: draft the
+    tokens the grammar forces (never changes the output; False to measure without it).
+
+    Build one with `json_schema`, `json_object`, `regex` or `grammar`; each is checked when made
+    (`InvalidArgument` for a schema, regex or grammar the engine cannot compile)."""
+
+    kind: str
+    text: str
+    strict: bool = True
+    jump_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidArgument(f"unknown constraint kind {self.kind!r}", f"use one of {', '.join(KINDS)}")
+        if not isinstance(self.text, str):
+            raise InvalidArgument(f"a {self.kind} constraint needs text, got {type(self.text).__name__}")
+        llg = _llguidance()
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(self.compiled_text, None)
+        if failed:
+            raise InvalidArgument(f"the {self.description} cannot be compiled: {_first_line(messages)}",
+                                  _HINTS[self.kind])
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, *, strict: bool = True, jump_forward: bool = True) -> Constraint:
+        """Output that parses as JSON and validates against `schema` (a dict or JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as error:
+                raise InvalidArgument(f"the JSON schema is not valid JSON: {error}", _HINTS["json_schema"]) from None
+        if not isinstance(schema, dict):
+            raise InvalidArgument(f"a JSON schema must be a JSON object, got {type(schema).__name__}",
+                                  _HINTS["json_schema"])
+        return cls("json_schema", json.dumps(schema), strict, jump_forward)
+
+    @classmethod
+    def json_object(cls, *, jump_forward: bool = True) -> Constraint:
+        """Output that parses as one JSON object, of any shape (OpenAI's {"type": "json_object"})."""
+        return cls("json_object", '{"type": "object"}', True, jump_forward)
+
+    @classmethod
+    def regex(cls, pattern: str, *, jump_forward: bool = True) -> Constraint:
+        """Output that matches `pattern` whole (Rust regex syntax: no look-around, no back-references)."""
+        if not isinstance(pattern, str) or not pattern:
+            raise InvalidArgument(f"a regular expression must be a non-empty string, got {pattern!r}", _HINTS["regex"])
+        return cls("regex", pattern, True, jump_forward)
+
+    @classmethod
+    def grammar(cls, text: str, *, jump_forward: bool = True) -> Constraint:
+        """Output that the grammar `text` (Lark, or llama.cpp's GBNF with `root ::= ...`) derives."""
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidArgument("the grammar is empty", _HINTS["grammar"])
+        return cls("grammar", text, True, jump_forward)
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
+
+    @property
+    def description(self) -> str:
+        return {"json_schema": "JSON schema", "json_object": "JSON object constraint",
+                "regex": "regular expression", "grammar": "grammar"}[self.kind]
+
+    @functools.cached_property
+    def compiled_text(self) -> str:
+        """The constraint as an llguidance grammar (what a matcher is built from)."""
+        llg = _llguidance()
+        if self.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(self.text)
+        if self.kind == "grammar":
+            try:
+                return llg.grammar_from("grammar", self.text)
+            except ValueError as error:
+                raise InvalidArgument(f"the grammar cannot be read: {error}", _HINTS["grammar"]) from None
+        options = {**JSON_DEFAULTS, "lenient": not self.strict}
+        return llg.LLMatcher.grammar_from_json_schema(self.text, defaults=options)
+
+    def parse(self, text: str):
+        """The JSON value of a JSON constraint's output (None when it does not parse: cut short,
+        say, or not a JSON constraint)."""
+        if not self.is_json:
+            return None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return None
+
+
+_HINTS = {
+    "json_schema": "give a JSON Schema object, e.g. {\"type\": \"object\", \"properties\": {...}}",
+    "json_object": "",
+    "regex": "use Rust regex syntax (no look-around or back-references)",
+    "grammar": "give a Lark grammar (start: ...) or a GBNF grammar (root ::= ...)",
+}
+
+
+def _first_line(messages: Sequence[str]) -> str:
+    """llguidance's message in one line: its first line and the lines that name the error."""
+    lines = [line.strip() for m in messages for line in m.splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    said = [lines[0].rstrip(":")] + [line for line in lines[1:] if line.startswith("error:")]
+    return "; ".join(said)[:300]
+
+
+def constraint_of(constraint=None, *, json_schema=None, regex: str | None = None, grammar: str | None = None):
+    """The one constraint a call names, by `constraint=` (a `Constraint`) or by one of the
+    keywords (`json_schema=` a dict or JSON text, `regex=`, `grammar=`); None when none is
+    given. Each of them may also be a list (one per branch, None for a free one): the list of
+    `Constraint | None` then comes back."""
+    given = {k: v for k, v in dict(constraint=constraint, json_schema=json_schema, regex=regex,
+                                    grammar=grammar).items() if v is not None}
+    if len(given) > 1:
+        raise InvalidArgument(f"{' and '.join(given)} were both given", "constrain a branch one way at a time")
+    if not given:
+        return None
+    (key, value), = given.items()
+    if isinstance(value, list):
+        return [None if v is None else _one(key, v) for v in value]
+    return _one(key, value)
+
+
+def _one(key: str, value) -> Constraint:
+    if isinstance(value, Constraint):
+        return value
+    if key == "constraint":
+        raise InvalidArgument(f"constraint must be a multidecode Constraint, got {type(value).__name__}",
+                              "build one with Constraint.json_schema, .json_object, .regex or .grammar")
+    return {"json_schema": Constraint.json_schema, "regex": Constraint.regex, "grammar": Constraint.grammar}[key](value)
+
+
+def per_branch(n: int, constraint) -> list[Constraint | None]:
+    """A constraint for all n branches, or a list of one per branch (`Constraint` or None)."""
+    if isinstance(constraint, (list, tuple)):
+        if len(constraint) != n:
+            raise InvalidInput(f"{len(constraint)} constraints for {n} branches", "give one, or one per branch")
+        items = list(constraint)
+    else:
+        items = [constraint] * n
+    for item in items:
+        if item is not None and not isinstance(item, Constraint):
+            raise InvalidArgument(f"a constraint must be a multidecode Constraint, got {type(item).__name__}",
+                                  "build one with Constraint.json_schema, .json_object, .regex or .grammar")
+    return items
+
+
+# ---------------------------------------------------------------------- compiling
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""tokenizer -> {(vocab, eos): (llguidance tokenizer, LRU of compiled constraints)}: building an
+llguidance tokenizer takes up to a second, compiling a schema a few milliseconds."""
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A constraint compiled for one tokenizer and vocabulary: its matcher at the start, which
+    every branch constrained by it copies (`start`)."""
+
+    constraint: Constraint
+    matcher: object  # llguidance.LLMatcher, never advanced
+    vocab_size: int
+    eos_id: int
+
+    def start(self) -> GrammarState:
+        return GrammarState(self.matcher.deep_copy(), self)
+
+
+def compile_constraint(constraint: Constraint, tokenizer, *, vocab_size: int, eos_id: int) -> Compiled:
+    """`constraint` for `tokenizer` (a Hugging Face fast tokenizer) over logits `vocab_size` wide,
+    `eos_id` the one token allowed once the grammar is complete; compiled once and kept.
+    Raises `InvalidArgument` when it cannot be compiled for this tokenizer."""
+    lltok, compiled = _tokenizer_entry(tokenizer, vocab_size, eos_id)
+    if constraint in compiled:
+        compiled.move_to_end(constraint)
+        return compiled[constraint]
+    llg = _llguidance()
+    matcher = llg.LLMatcher(lltok, constraint.compiled_text, log_level=0)
+    if matcher.is_error():
+        raise InvalidArgument(f"the {constraint.description} cannot be compiled for this tokenizer: "
+                              f"{_first_line([matcher.get_error()])}", _HINTS[constraint.kind])
+    compiled[constraint] = result = Compiled(constraint, matcher, vocab_size, eos_id)
+    while len(compiled) > COMPILED_PER_TOKENIZER:
+        compiled.popitem(last=False)
+    return result
+
+
+def _tokenizer_entry(tokenizer, vocab_size: int, eos_id: int):
+    llg = _llguidance()
+    try:
+        per = _TOKENIZERS.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referable or not hashable: built every time
+        per = {}
+    key = (vocab_size, eos_id)
+    if key not in per:
+        try:
+            lltok = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_id)
+        except ValueError as error:
+            raise InvalidArgument(f"constrained decoding needs a Hugging Face fast tokenizer ({error})",
+                                  "load the model with its tokenizer.json") from None
+        per[key] = (lltok, OrderedDict())
+    return per[key]
+
+
+def compile_for_branches(constraints: Sequence[Constraint | None], tokenizer, *, vocab_size: int,
+                         eos_ids) -> list[Compiled | None]:
+    """Each branch's constraint compiled (one compile per distinct constraint); refused before
+    any decoding when there is none to end on: a constrained branch needs an eos token."""
+    if not any(c is not None for c in constraints):
+        return [None] * len(constraints)
+    if tokenizer is None:
+        raise InvalidArgument("a constraint needs the model's tokenizer", "pass tokenizer= (a Hugging Face tokenizer)")
+    eos_id = primary_eos(tokenizer, eos_ids)
+    return [None if c is None else compile_constraint(c, tokenizer, vocab_size=vocab_size, eos_id=eos_id)
+            for c in constraints]
+
+
+def primary_eos(tokenizer, eos_ids) -> int:
+    """The eos token a complete grammar allows: the tokenizer's own when it ends a branch, else
+    the lowest of the branch's eos ids."""
+    if not eos_ids:
+        raise InvalidArgument("a constrained branch needs an end-of-sequence token to end on",
+                              "leave eos_token_id unset (the model's) or give one")
+    own = getattr(tokenizer, "eos_token_id", None)
+    return own if own in eos_ids else min(eos_ids)
+
+
+# ---------------------------------------------------------------------- one branch
+class GrammarState:
+    """One branch's matcher: where its tokens have taken the grammar."""
+
+    def __init__(self, matcher, compiled: Compiled) -> None:
+        self.matcher = matcher
+        self.compiled = compiled
+
+    @property
+    def jump_forward(self) -> bool:
+        return self.compiled.constraint.jump_forward
+
+    def consume(self, token: int) -> None:
+        """Advance past a chosen token (chosen through this branch's mask, so always allowed)."""
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} was chosen against its grammar: {self.matcher.get_error()}")
+
+    @property
+    def complete(self) -> bool:
+        """Whether the grammar is complete: only the eos token may follow."""
+        return self.matcher.is_stopped()
+
+    def accepted_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows from here (no state change)."""
+        return self.matcher.validate_tokens(list(tokens))
+
+    def forced(self, limit: int = FORCED_LIMIT) -> list[int]:
+        """The tokens the grammar forces next (possibly none), at most `limit`."""
+        if limit < 1 or self.complete:
+            return []
+        return self.matcher.compute_ff_tokens()[:limit]
+
+
+@functools.cache
+def _executor():
+    return _llguidance().LLExecutor()
+
+
+def mask_logits(scores: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+    """Forbidden tokens of every constrained row set to -inf: one mask fill for all rows, one
+    masked_fill. scores [n, V] -> [n, V] (a new tensor; unconstrained rows as they were)."""
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
+        return scores
+    n, vocab = scores.shape
+    width = states[rows[0]].compiled.vocab_size
+    bitmask = torch.full((len(rows), (width + 31) // 32), -1, dtype=torch.int32)  # [rows, words]
+    llt = _llguidance().torch
+    llt.fill_next_token_bitmask_par(_executor(), [(states[i].matcher, j) for j, i in enumerate(rows)], bitmask)
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(len(rows), -1)  # [rows, 32 * words]
+    if allowed.shape[1] < vocab:  # logits wider than the tokenizer's vocabulary: the rest forbidden
+        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), vocab - allowed.shape[1])], dim=1)
+    forbidden = torch.zeros(n, vocab, dtype=torch.bool)
+    forbidden[rows] = ~allowed[:, :vocab]
+    return scores.masked_fill(forbidden.to(scores.device), -float("inf"))
+
+
+def allowed_nodes(state: GrammarState, tokens: Sequence[int], parents: Sequence[int],
+                  drawn: Sequence[int] = ()) -> list[int]:
+    """The nodes of a draft tree the grammar allows, in order: node i guesses tokens[i] under node
+    parents[i] (-1: under the branch's head, whose token `state` has consumed), parents first.
+    A node is allowed when its whole path is; a forbidden node takes its subtree with it, and
+    under a parent in `drawn` (candidates drawn in order from a distribution) its later siblings
+    too, so what is kept under it stays a first run of the draws."""
+    paths: dict[int, list[int]] = {-1: []}
+    cut: set[int] = set()  # parents in `drawn` under which a candidate was forbidden
+    kept = []
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        if parent not in paths or parent in cut:
+            continue
+        path = paths[parent] + [token]
+        if state.accepted_prefix(path) == len(path):
+            paths[i] = path
+            kept.append(i)
+        elif parent in drawn:
+            cut.add(parent)
+    return kept

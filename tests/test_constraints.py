@@ -1,0 +1,438 @@
+"""Structured output: constraints compiled and refused, masks, pruned drafts, jump-forward, and
+constrained decoding against the plain constrained loop (the model on the whole sequence, mask,
+choose), greedy and sampled, alone and in forests, with and without speculation.
+
+The model is the offline tiny model folder (a random Llama with a byte-level BPE tokenizer) on the
+exact kernels, so a forest's logits equal the whole sequence's bit for bit and outputs can be
+compared token for token. The reference masks with llguidance's own `compute_bitmask`, not with
+`constraints.mask_logits`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from speculation_cases import FLAT
+
+import multidecode
+from multidecode import branches
+from multidecode.constraints import (
+    Constraint,
+    allowed_nodes,
+    compile_constraint,
+    constraint_of,
+    mask_logits,
+    per_branch,
+)
+from multidecode.errors import InvalidArgument, InvalidInput
+from multidecode.proposers import BranchContext, DraftTree, Proposer
+from multidecode.speculation import Speculation
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "light blue"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "maxItems": 2},
+    },
+    "required": ["name", "ok", "color", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{2,5}@(x|yz)\.com"
+LARK = 'start: "(" item ("," item)* ")"\nitem: /[0-9]{1,2}/'
+GBNF = 'root ::= "[" [a-z]+ "]"'
+CONSTRAINTS = {
+    "schema": Constraint.json_schema(SCHEMA),
+    "object": Constraint.json_object(),
+    "regex": Constraint.regex(REGEX),
+    "lark": Constraint.grammar(LARK),
+    "gbnf": Constraint.grammar(GBNF),
+}
+PROMPTS = ["hello there", "Here is a document about support calls.", "what is the answer?"]
+
+
+@pytest.fixture(scope="module")
+def decoder(model_dir):
+    return multidecode.load(str(model_dir), device="cpu", exact=True)
+
+
+def eos_of(decoder) -> int:
+    return decoder.tokenizer.eos_token_id
+
+
+def prompt_of(decoder, text: str) -> list[int]:
+    return decoder.tokenizer(text)["input_ids"]
+
+
+def reference(decoder, prompt: list[int], constraint: Constraint, *, max_new_tokens: int, seed: int | None = None,
+              temperature: float = 1.0) -> list[int]:
+    """The plain constrained loop: the model on the whole sequence, llguidance's mask, arg-max (or a
+    draw from the row's own seeded generator, as a sampled branch draws)."""
+    vocab = decoder.model.get_input_embeddings().num_embeddings
+    compiled = compile_constraint(constraint, decoder.tokenizer, vocab_size=vocab, eos_id=eos_of(decoder))
+    matcher = compiled.matcher.deep_copy()
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    ids, out = list(prompt), []
+    for _ in range(max_new_tokens):
+        with torch.inference_mode():
+            logits = decoder.model(torch.tensor([ids])).logits[0, -1].float()  # [V]
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits[:vocab].astype(bool))
+        logits = logits.masked_fill(~allowed, -float("inf"))
+        if generator is None:
+            token = int(logits.argmax())
+        else:
+            scores = logits / temperature if temperature != 1.0 else logits
+            token = int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+        out.append(token)
+        ids.append(token)
+        if token == eos_of(decoder):
+            break
+        assert matcher.consume_token(token)
+    return out
+
+
+def check_output(constraint: Constraint, text: str, finish_reason: str) -> None:
+    """A finished output matches its constraint whole (a JSON one parses and validates)."""
+    if finish_reason != "stop":
+        return
+    if constraint.kind == "json_schema":
+        jsonschema.validate(json.loads(text), json.loads(constraint.text))
+    elif constraint.kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif constraint.kind == "regex":
+        assert re.fullmatch(constraint.text, text), text
+
+
+# ---------------------------------------------------------------------- the constraint value
+@pytest.mark.parametrize("make, message", [
+    (lambda: Constraint.json_schema({"type": "nonsense"}), "JSON schema cannot be compiled: Invalid type"),
+    (lambda: Constraint.json_schema("{not json"), "not valid JSON"),
+    (lambda: Constraint.json_schema([1, 2]), "must be a JSON object"),
+    (lambda: Constraint.json_schema({"type": "integer", "minimum": 5, "maximum": 3}), "Unsatisfiable"),
+    (lambda: Constraint.json_schema({"type": "string", "format": "weird"}), "Unknown format"),
+    (lambda: Constraint.regex("(abc"), "unclosed group"),
+    (lambda: Constraint.regex(""), "non-empty"),
+    (lambda: Constraint.grammar('start: "a" b'), "unknown name"),
+    (lambda: Constraint.grammar("root ::= foo"), "not found"),
+    (lambda: Constraint("xml", "<a/>"), "unknown constraint kind"),
+])
+def test_bad_constraints_are_refused_when_made(make, message):
+    with pytest.raises(InvalidArgument, match=message) as caught:
+        make()
+    assert caught.value.hint is not None
+
+
+def test_strict_false_ignores_what_cannot_be_enforced():
+    assert Constraint.json_schema({"type": "string", "format": "weird"}, strict=False).kind == "json_schema"
+
+
+def test_one_way_to_name_a_constraint():
+    assert constraint_of() is None
+    assert constraint_of(regex="a+") == Constraint.regex("a+")
+    assert constraint_of(json_schema='{"type": "object"}') == Constraint.json_schema({"type": "object"})
+    assert constraint_of(grammar=[GBNF, None]) == [Constraint.grammar(GBNF), None]
+    with pytest.raises(InvalidArgument, match="both given"):
+        constraint_of(regex="a", json_schema={})
+    with pytest.raises(InvalidArgument, match="must be a multidecode Constraint"):
+        constraint_of(constraint="a+")
+    with pytest.raises(InvalidInput, match="2 constraints for 3 branches"):
+        per_branch(3, [None, None])
+
+
+def test_a_constraint_needs_an_eos_and_a_fast_tokenizer(decoder):
+    prompt = prompt_of(decoder, "hi")
+    with pytest.raises(InvalidArgument, match="end-of-sequence"):
+        multidecode.decode(decoder.model, prompt, [[]], max_new_tokens=4, eos_token_id=[],
+                           tokenizer=decoder.tokenizer, constraint=Constraint.regex("a+"))
+    with pytest.raises(InvalidArgument, match="needs the model's tokenizer"):
+        multidecode.decode(decoder.model, prompt, [[]], max_new_tokens=4, constraint=Constraint.regex("a+"))
+
+
+# ---------------------------------------------------------------------- masks and drafts
+def test_masks_of_many_rows_equal_each_rows_own(decoder):
+    """One vectorised fill equals llguidance's mask row by row; free rows are left alone."""
+    vocab = decoder.model.get_input_embeddings().num_embeddings
+    states = []
+    for name, text in [("schema", '{"name": "ab'), ("regex", "ab"), ("lark", "(1,"), ("object", "")]:
+        state = compile_constraint(CONSTRAINTS[name], decoder.tokenizer, vocab_size=vocab, eos_id=2).start()
+        for token in decoder.tokenizer(text, add_special_tokens=False)["input_ids"]:
+            state.consume(token)
+        states += [state, None]
+    scores = torch.randn(len(states), vocab)
+    masked = mask_logits(scores, states)
+    for row, state in enumerate(states):
+        if state is None:
+            assert torch.equal(masked[row], scores[row])
+            continue
+        bits = np.unpackbits(np.frombuffer(state.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits[:vocab].astype(bool))
+        assert torch.equal(masked[row], scores[row].masked_fill(~allowed, -float("inf")))
+
+
+def test_forbidden_draft_nodes_go_with_their_subtrees(decoder):
+    tok = decoder.tokenizer
+    vocab = decoder.model.get_input_embeddings().num_embeddings
+    state = compile_constraint(Constraint.regex("ab(c|d)e"), tok, vocab_size=vocab, eos_id=2).start()
+    a, b, c, d, e, x = (tok(ch, add_special_tokens=False)["input_ids"][0] for ch in "abcdex")
+    state.consume(a)
+    #          0  1  2  3  4  5  6
+    tokens = [b, x, c, d, e, e, c]
+    parents = [-1, -1, 0, 0, 2, 1, 3]  # node 5 under the forbidden x; node 6 a forbidden c after d
+    assert allowed_nodes(state, tokens, parents) == [0, 2, 3, 4]
+    # drawn in order under the head: x is forbidden, so b's later siblings go too (none here)
+    assert allowed_nodes(state, [x, b], [-1, -1], drawn=[-1]) == []
+    assert allowed_nodes(state, [b, x, b], [-1, 0, 0], drawn=[0]) == [0]
+
+
+def test_forced_tokens_come_first_and_a_guess_of_them_merges():
+    draft = DraftTree()
+    first = draft.add(7)
+    draft.add(8, first)
+    draft.add(9)
+    merged = branches.with_forced(draft, [7, 8, 5])
+    assert merged.tokens == [7, 8, 5, 9] and merged.parents == [-1, 0, 1, -1]
+    assert merged.kinds[:3] == [branches.FORCED] * 3
+    drawn = DraftTree(dists={-1: torch.ones(10) / 10})
+    drawn.add(3)
+    assert branches.with_forced(drawn, [7]).tokens == [7]  # draws are never mixed with forced tokens
+
+
+# ---------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+@pytest.mark.parametrize("speculate", [None, "lookup", "auto"])
+def test_greedy_equals_the_constrained_loop(decoder, name, speculate):
+    constraint = CONSTRAINTS[name]
+    prompt = prompt_of(decoder, PROMPTS[0])
+    completion = decoder.generate(prompt, constraint=constraint, max_new_tokens=60, speculate=speculate)
+    assert completion.token_ids == reference(decoder, prompt, constraint, max_new_tokens=60)
+    check_output(constraint, completion.text, completion.finish_reason)
+
+
+def test_greedy_without_jump_forward_is_the_same_in_more_forwards(decoder):
+    prompt = prompt_of(decoder, PROMPTS[1])
+    jumping = decoder.generate(prompt, json_schema=SCHEMA, max_new_tokens=80, speculate=None)
+    plain = decoder.generate(prompt, constraint=Constraint.json_schema(SCHEMA, jump_forward=False),
+                             max_new_tokens=80, speculate=None)
+    assert jumping.token_ids == plain.token_ids and jumping.finish_reason == "stop"
+    assert jumping.stats["forced"] > 0 and plain.stats["forced"] == 0
+    assert jumping.stats["forward_passes"] * 2 < plain.stats["forward_passes"]
+
+
+def test_ask_with_a_constraint_per_question_equals_each_alone(decoder):
+    questions = ["name?", "email?", "list?", "free?"]
+    constraints = [CONSTRAINTS["schema"], CONSTRAINTS["regex"], CONSTRAINTS["lark"], None]
+    answers = decoder.ask("A document about routers.", questions, constraint=constraints, max_new_tokens=50,
+                          speculate="lookup")
+    for answer, constraint in zip(answers, constraints):
+        if constraint is None:
+            assert answer.token_ids == decoder.generate(answer.prompt_ids, max_new_tokens=50, speculate=None).token_ids
+            continue
+        assert answer.token_ids == reference(decoder, answer.prompt_ids, constraint, max_new_tokens=50)
+        check_output(constraint, answer.text, answer.finish_reason)
+
+
+@pytest.mark.parametrize("speculate", [None, "lookup"])
+def test_sampled_completions_equal_the_seeded_constrained_loop(decoder, speculate):
+    prompt = prompt_of(decoder, PROMPTS[2])
+    completions = decoder.complete(prompt, n=3, json_schema=SCHEMA, max_new_tokens=70, seed=11, temperature=0.8,
+                                   speculate=speculate)
+    for i, completion in enumerate(completions):
+        assert completion.token_ids == reference(decoder, prompt, CONSTRAINTS["schema"], max_new_tokens=70,
+                                                 seed=11 + i, temperature=0.8)
+        check_output(CONSTRAINTS["schema"], completion.text, completion.finish_reason)
+    assert len({tuple(c.token_ids) for c in completions}) > 1
+
+
+def test_warped_samples_stay_inside_the_grammar(decoder):
+    """top-k, top-p and min-p act on the masked scores: every draw is allowed, even where fewer
+    tokens are allowed than top-k keeps."""
+    prompt = prompt_of(decoder, PROMPTS[1])
+    for settings in (dict(top_k=3), dict(top_k=200, top_p=0.9), dict(min_p=0.2, temperature=1.5)):
+        for completion in decoder.complete(prompt, n=4, regex=REGEX, max_new_tokens=20, seed=2, **settings):
+            assert completion.finish_reason == "length" or re.fullmatch(REGEX, completion.text), completion.text
+
+
+def test_first_token_frequencies_follow_the_masked_softmax(decoder):
+    """Draws of the first token, one branch per seed in one forest, against the model's softmax
+    over the tokens the grammar allows (chi-square)."""
+    prompt = prompt_of(decoder, PROMPTS[0])
+    constraint = Constraint.regex("[a-z]{3}")
+    outs = decoder.complete(prompt, n=3000, max_new_tokens=1, seed=5, constraint=constraint)
+    vocab = decoder.model.get_input_embeddings().num_embeddings
+    counts = np.bincount([c.token_ids[0] for c in outs], minlength=vocab)
+    state = compile_constraint(constraint, decoder.tokenizer, vocab_size=vocab, eos_id=2).start()
+    with torch.inference_mode():
+        logits = decoder.model(torch.tensor([prompt])).logits[0, -1:].float()
+    probs = mask_logits(logits, [state]).softmax(-1)[0].double().numpy()
+    assert counts[probs == 0].sum() == 0
+    assert (probs > 0).sum() > 10
+    expected = probs * counts.sum()
+    big = expected >= 5  # cells expected below 5 pooled into one
+    observed, expected = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
+
+
+def test_decode_takes_a_constraint_per_branch(decoder):
+    prefix = prompt_of(decoder, "Question:")
+    tails = [decoder.tokenizer(" one", add_special_tokens=False)["input_ids"], []]
+    constraints = [CONSTRAINTS["gbnf"], CONSTRAINTS["regex"]]
+    outs = multidecode.decode(decoder.model, prefix, tails, max_new_tokens=30, tokenizer=decoder.tokenizer,
+                              constraint=constraints, speculate="lookup")
+    for tail, out, constraint in zip(tails, outs, constraints):
+        assert out == reference(decoder, prefix + tail, constraint, max_new_tokens=30)
+
+
+def test_running_out_of_tokens_ends_with_length_and_a_valid_prefix(decoder):
+    prompt = prompt_of(decoder, PROMPTS[0])
+    completion = decoder.generate(prompt, json_schema=SCHEMA, max_new_tokens=7)
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 7
+    assert completion.token_ids == reference(decoder, prompt, CONSTRAINTS["schema"], max_new_tokens=7)
+
+
+# ---------------------------------------------------------------------- drafts the grammar forbids
+class Noisy(Proposer):
+    """Drafts the reference continuation (so drafts are accepted), with a random sibling under
+    every node (mostly tokens the grammar forbids); records every draft it is shown as fed."""
+
+    name = "noisy"
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.references, self.vocab, self.rng = references, vocab, random.Random(3)
+        self.fed: list[tuple[list[int], DraftTree]] = []  # (output before the draft, the draft fed)
+
+    def propose(self, context: BranchContext, budget: int) -> DraftTree:
+        out = context.tokens[context.prompt_length:]
+        reference = self.references[tuple(context.tokens[: context.prompt_length])]
+        draft, at = DraftTree(), -1
+        for token in reference[len(out): len(out) + 3] if reference[: len(out)] == out else []:
+            draft.add(self.rng.randrange(3, self.vocab), at)
+            at = draft.add(token, at)
+        context.scratch["noisy"] = list(out)
+        return draft
+
+    def observe(self, context, draft, accepted, side_logits=None) -> None:
+        self.fed.append((context.scratch["noisy"], draft))
+
+
+def forbidden_fed(decoder, constraint: Constraint, fed) -> int:
+    """How many fed draft nodes the grammar forbids after the output they were drafted on."""
+    vocab = decoder.model.get_input_embeddings().num_embeddings
+    bad = 0
+    for out, draft in fed:
+        state = compile_constraint(constraint, decoder.tokenizer, vocab_size=vocab, eos_id=eos_of(decoder)).start()
+        for token in out:
+            state.consume(token)
+        bad += len(draft) - len(allowed_nodes(state, draft.tokens, draft.parents))
+    return bad
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_no_forbidden_draft_is_fed_and_the_output_is_unchanged(decoder, auto):
+    """The mutant check: with `branches.pruned` returning the draft whole, this fails."""
+    constraint = CONSTRAINTS["schema"]
+    prompts = [prompt_of(decoder, p) for p in PROMPTS]
+    expected = [reference(decoder, p, constraint, max_new_tokens=60) for p in prompts]
+    vocab = decoder.model.get_input_embeddings().num_embeddings
+    proposer = Noisy({tuple(p): e for p, e in zip(prompts, expected)}, vocab)
+    spec = Speculation(proposer, None if auto else 6)
+    run = multidecode.api.start_forest(decoder.model, [], prompts, max_new_tokens=60, tokenizer=decoder.tokenizer,
+                                       sampling=[multidecode.SamplingParams()] * 3, constraint=constraint,
+                                       speculate=spec, cost=FLAT).finish()
+    assert [b.output.token_ids for b in run.branches] == expected
+    assert proposer.fed and sum(len(d) for _, d in proposer.fed) > 0
+    assert forbidden_fed(decoder, constraint, proposer.fed) == 0
+    assert run.stats.accepted > run.stats.forced  # the proposer's own drafts were accepted too
+
+
+def test_the_forbidden_draft_check_can_fail(decoder, monkeypatch):
+    """The same run with pruning switched off feeds forbidden drafts, and the check sees them
+    (while the output stays right: verification masks every node)."""
+    monkeypatch.setattr(branches, "pruned", lambda draft, grammar: draft)
+    constraint = CONSTRAINTS["schema"]
+    prompt = prompt_of(decoder, PROMPTS[0])
+    expected = reference(decoder, prompt, constraint, max_new_tokens=60)
+    proposer = Noisy({tuple(prompt): expected}, decoder.model.get_input_embeddings().num_embeddings)
+    run = multidecode.api.start_forest(decoder.model, prompt, [[]], max_new_tokens=60, tokenizer=decoder.tokenizer,
+                                       sampling=[multidecode.SamplingParams()], constraint=constraint,
+                                       speculate=Speculation(proposer, 6), cost=FLAT).finish()
+    assert run.branches[0].output.token_ids == expected
+    assert forbidden_fed(decoder, constraint, proposer.fed) > 0
+
+
+# ---------------------------------------------------------------------- the command line and the batch job
+def invoke(*args):
+    from click.testing import CliRunner
+
+    from multidecode.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_cli_generate_and_complete_with_a_json_schema(decoder, model_dir, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    result = invoke("generate", "--model", model_dir, "-p", PROMPTS[0], "--no-chat", "--json-schema", schema,
+                    "--max-new-tokens", 80, "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["finish_reason"] == "stop" and out["parsed"] == json.loads(out["text"])
+    jsonschema.validate(out["parsed"], SCHEMA)
+    assert out["token_ids"] == reference(decoder, prompt_of(decoder, PROMPTS[0]), CONSTRAINTS["schema"],
+                                         max_new_tokens=80)
+    result = invoke("complete", "--model", model_dir, "-p", PROMPTS[0], "-n", 2, "--seed", 3, "--regex", REGEX,
+                    "--max-new-tokens", 20, "--json")
+    assert result.exit_code == 0, result.output
+    assert all(c["finish_reason"] == "length" or re.fullmatch(REGEX, c["text"]) for c in json.loads(result.stdout))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--regex", "(abc"], "regular expression cannot be compiled"),
+    (["--json-schema", "SCHEMA"], "JSON schema cannot be compiled"),
+    (["--json-schema", "MISSING"], "does not exist"),
+    (["--grammar", "GRAMMAR"], "grammar cannot be read"),
+    (["--regex", "a", "--grammar", "GRAMMAR"], "--regex and --grammar were both given"),
+])
+def test_cli_bad_constraints_exit_2_before_loading(tmp_path, args, needle):
+    (tmp_path / "schema.json").write_text('{"type": "nope"}')
+    (tmp_path / "grammar.gbnf").write_text("root ::= missing")
+    files = {"SCHEMA": tmp_path / "schema.json", "GRAMMAR": tmp_path / "grammar.gbnf", "MISSING": tmp_path / "x"}
+    result = invoke("generate", "--model", tmp_path / "no-model", "-p", "hi", *[files.get(a, a) for a in args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and "hint:" in result.stderr and "Traceback" not in result.output
+
+
+def test_batch_records_carry_the_parsed_object_and_a_bad_line_schema_is_its_error(decoder, model_dir, tmp_path):
+    from batch_files import by_id, records, write_lines
+
+    line_schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                   "additionalProperties": False}
+    rows = [{"id": "a", "document": "The router drops the line.", "questions": ["who?", "when?"]},
+            {"id": "b", "document": "The cable was cut.", "questions": ["ok?"], "json_schema": line_schema},
+            {"id": "c", "document": "The modem is red.", "questions": ["why?"], "json_schema": {"type": "nope"}},
+            {"id": "d", "document": "The modem is red.", "questions": ["why?"], "json_schema": "x"}]
+    source, out = write_lines(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    result = invoke("batch", source, "--output", out, "--model", model_dir, "--max-new-tokens", 80,
+                    "--json-schema", schema)
+    assert result.exit_code == 0, result.output
+    got = by_id(records(out))
+    for key, used in (("a", SCHEMA), ("b", line_schema)):
+        assert got[key]["error"] is None
+        for answer in got[key]["answers"]:
+            assert answer["finish_reason"] == "stop", answer
+            assert answer["parsed"] == json.loads(answer["answer"])
+            jsonschema.validate(answer["parsed"], used)
+    assert got["c"]["error"]["type"] == "InvalidArgument" and "Invalid type" in got["c"]["error"]["message"]
+    assert got["d"]["error"]["type"] == "InvalidInput" and '"json_schema" must be a JSON object' in got["d"]["error"]["message"]
+    expected = decoder.ask(rows[1]["document"], rows[1]["questions"], max_new_tokens=80, json_schema=line_schema)
+    assert got["b"]["answers"][0]["answer"] == expected[0].text

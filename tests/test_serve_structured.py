@@ -1,0 +1,116 @@
+"""Structured output on the server, through the real `openai` client: `response_format` in both of
+OpenAI's forms, streamed and not, n > 1; choices parse, validate and equal the constrained loop
+(greedy); a bad format is a 400 (the fault tests refuse the rest)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from serving import MODEL, running_server, tiny_loader
+from test_constraints import reference
+
+from multidecode.constraints import Constraint
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 5}, "urgent": {"type": "boolean"},
+                   "kind": {"enum": ["call", "mail"]}},
+    "required": ["name", "urgent", "kind"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "ticket", "schema": SCHEMA, "strict": True}}
+MESSAGES = [{"role": "user", "content": "Give me the ticket as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(tiny_loader(model_dir)) as running:
+        yield running
+
+
+class Decoder:
+    """What `test_constraints.reference` reads of a decoder: the server's model and tokenizer."""
+
+    def __init__(self, running) -> None:
+        self.model, self.tokenizer = running.forest.model, running.forest.tokenizer
+
+
+def chat_prompt(running) -> list[int]:
+    tokenizer = running.forest.tokenizer
+    return tokenizer(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_choices_validate_and_equal_the_constrained_loop(server, stream):
+    client = server.client()
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                           response_format=FORMAT, stream=stream)
+    if stream:
+        chunks = [c for c in reply if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+    expected = reference(Decoder(server), chat_prompt(server), Constraint.json_schema(SCHEMA), max_new_tokens=60)
+    assert text == server.forest.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_sampled_json_objects_each_parse(server, stream):
+    client = server.client()
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=80, n=3, seed=4,
+                                           response_format={"type": "json_object"}, stream=stream)
+    texts = ["", "", ""]
+    finishes = [None] * 3
+    for choice in ([c for chunk in reply for c in chunk.choices] if stream else reply.choices):
+        texts[choice.index] += choice.delta.content or "" if stream else choice.message.content
+        finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    for text, finish in zip(texts, finishes):
+        assert text.startswith("{")
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict)
+    assert "stop" in finishes
+
+
+def test_completions_take_a_response_format_too(server):
+    reply = server.client().completions.create(model=MODEL, prompt="The ticket:", max_tokens=60, n=2, seed=1,
+                                               extra_body={"response_format": FORMAT})
+    for choice in reply.choices:
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
+def test_structured_output_beside_free_requests_in_one_forest(server):
+    """A constrained and a free request at once: each gets what it gets alone."""
+    import concurrent.futures
+
+    client = server.client()
+
+    def constrained():
+        return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                              response_format=FORMAT).choices[0].message.content
+
+    def free():
+        return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
+                                              temperature=0).choices[0].message.content
+
+    alone = constrained(), free()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = [f.result() for f in [pool.submit(constrained), pool.submit(free)]]
+    assert tuple(together) == alone
+
+
+def test_a_bad_schema_is_a_400_in_openais_shape(server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    error = caught.value.response.json()["error"]
+    assert error["param"] == "response_format" and error["code"] == "invalid_json_schema"
+    assert "Invalid type" in error["message"]
