@@ -22,6 +22,6 @@ def test_cold_and_warm_starts_report_each_wait(monkeypatch, tmp_path):
         assert all(figures[k] > 0 for k in ("import_s", "load_s", "first_token_s", "process_s", "peak_mb"))
         assert row["methods"][MD_COMMAND]["extra"]["process_s"] > 0
         assert LLAMA in row["skipped"]
-    assert {t["name"] for t in result["targets"]} == {"import multidecode, warm", "load() of the model, warm",
+    assert {t["name"] for t in result["targets"]} == {"import (multidecode, torch, transformers), warm", "load() of the model, warm",
                                                       "the whole command, warm"}
     assert any("wait before the first token" in table.title for table in tables(result))
