@@ -32,9 +32,6 @@ def server(model_dir):
         yield running
 
 
-class Decoder:
-    def __init__(self, running) -> None:
-        self.model, self.tokenizer = running.forest.model, running.forest.tokenizer
 
 
 def prompt_with_tools(running) -> list[int]:
@@ -62,7 +59,7 @@ def test_a_named_function_is_called_with_arguments_of_its_schema(server, stream)
         arguments, finish = call.function.arguments, reply.choices[0].finish_reason
     assert finish == "tool_calls"
     jsonschema.validate(json.loads(arguments), WEATHER)
-    expected = reference(Decoder(server), prompt_with_tools(server), Constraint.json_schema(WEATHER), max_new_tokens=60)
+    expected = reference(server.forest, prompt_with_tools(server), Constraint.json_schema(WEATHER), max_new_tokens=60)
     assert arguments == server.forest.tokenizer.decode(expected, skip_special_tokens=True)
 
 
