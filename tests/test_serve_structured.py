@@ -31,11 +31,6 @@ def server(model_dir):
         yield running
 
 
-class Decoder:
-    """What `test_constraints.reference` reads of a decoder: the server's model and tokenizer."""
-
-    def __init__(self, running) -> None:
-        self.model, self.tokenizer = running.forest.model, running.forest.tokenizer
 
 
 def chat_prompt(running) -> list[int]:
@@ -57,7 +52,7 @@ def test_json_schema_choices_validate_and_equal_the_constrained_loop(server, str
         text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
     assert finish == "stop"
     jsonschema.validate(json.loads(text), SCHEMA)
-    expected = reference(Decoder(server), chat_prompt(server), Constraint.json_schema(SCHEMA), max_new_tokens=60)
+    expected = reference(server.forest, chat_prompt(server), Constraint.json_schema(SCHEMA), max_new_tokens=60)
     assert text == server.forest.tokenizer.decode(expected, skip_special_tokens=True)
 
 

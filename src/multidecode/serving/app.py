@@ -44,6 +44,7 @@ from .protocol import (
     parse,
     to_job,
     token_entry,
+    tool_choice,
     usage_dict,
 )
 
@@ -256,6 +257,17 @@ class _Reply:
         self.echo = echo_texts(body, runtime.tokenizer)  # each choice's prompt with echo, else []
         for choice, text in zip(self.choices, self.echo):
             choice.text = text
+        self.tool = tool_choice(body)  # the call each choice is, or None
+
+    def _call(self, choice: Choice, arguments: str | None = None) -> dict:
+        """Choice's tool call: its id, the function and the arguments (its text, or `arguments`)."""
+        name, text = self.tool.call(choice.text) if arguments is None else (next(iter(self.tool.functions)), arguments)
+        return {"id": f"call_{self.job.id}_{choice.index}", "type": "function",
+                "function": {"name": name, "arguments": text}}
+
+    def _finish(self, reason: str | None) -> str | None:
+        """A tool call that ended as its grammar allows is finished as "tool_calls" (OpenAI's word)."""
+        return "tool_calls" if self.tool is not None and reason == "stop" else reason
 
     def _head(self, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
@@ -300,8 +312,10 @@ class _Reply:
         choices = []
         for c in self.choices:
             if self.chat:
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason})
+                message = ({"role": "assistant", "content": c.text} if self.tool is None else
+                           {"role": "assistant", "content": None, "tool_calls": [self._call(c)]})
+                choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
+                                "finish_reason": self._finish(c.finish_reason)})
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": self._logprobs(c.logprobs),
                                 "finish_reason": c.finish_reason})
@@ -309,14 +323,28 @@ class _Reply:
                              "multidecode": usage.stats})
 
     # ------------------------------------------------------------------ streamed
+    def _delta(self, choice: Choice, event) -> dict | None:
+        """A chat chunk's delta for `event` (None: nothing to send yet). A named function's
+        arguments stream as they come; a "required" call is sent whole when it ends."""
+        if self.tool is None:
+            return {"content": event.text}
+        if self.tool.named:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": event.text}}]}
+        if event.finish_reason is None:
+            return None
+        return {"tool_calls": [{"index": 0, **self._call(choice)}]}
+
     async def stream(self, queue: asyncio.Queue) -> AsyncIterator[str]:
         finished = False
         include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
         try:
             if self.chat:
                 for c in self.choices:
-                    yield _sse({**self._head(True), "choices": [{"index": c.index, "delta": {"role": "assistant",
-                                                                                         "content": ""},
+                    opening = {"role": "assistant", "content": ""}
+                    if self.tool is not None:  # a named function's call opens with its name; "required" waits
+                        opening = {"role": "assistant", "content": None,
+                                   "tool_calls": [{"index": 0, **self._call(c, "")}] if self.tool.named else []}
+                    yield _sse({**self._head(True), "choices": [{"index": c.index, "delta": opening,
                                                                 "logprobs": None, "finish_reason": None}]})
             for c, text in zip(self.choices, self.echo):
                 if text:  # echo: the prompt comes first
@@ -330,9 +358,11 @@ class _Reply:
                     if not (payload.text or payload.finish_reason or entries):
                         continue
                     if self.chat:
-                        delta = {"content": payload.text}
+                        delta = self._delta(choice, payload)
+                        if delta is None:
+                            continue
                         item = {"index": choice.index, "delta": delta, "logprobs": self._logprobs(entries),
-                                "finish_reason": payload.finish_reason}
+                                "finish_reason": self._finish(payload.finish_reason)}
                     else:
                         item = {"index": choice.index, "text": payload.text,
                                 "logprobs": self._logprobs(entries, start), "finish_reason": payload.finish_reason}

@@ -20,6 +20,11 @@ of `sampling`'s module notes. `echo` (completions) starts each choice's text wit
 `logprobs` it is refused, since prompt tokens' log-probabilities are not computed (a prompt found
 in the prefix cache is never run again).
 
+`tools` with `tool_choice` naming a function, or "required": the reply is a call of that function
+(or of one of the tools, the model choosing), its `arguments` held to the function's `parameters`
+schema by the same constraint engine (`ToolChoice`); "none" leaves the tools out. "auto" (the model
+choosing between text and a call) is refused with a 400 that says what to use instead.
+
 `response_format` is OpenAI's: {"type": "json_object"} or {"type": "json_schema", "json_schema":
 {"name", "schema", "strict"}} holds every choice to it (`constraints`; strict false ignores the
 schema keywords the engine cannot enforce instead of refusing them); completions take it too.
@@ -32,6 +37,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -104,7 +110,7 @@ class CompletionBody(_Body):
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -114,6 +120,8 @@ class ChatBody(_Body):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
@@ -141,8 +149,6 @@ def _unsupported(body: _Body) -> None:
     checks = []
     if isinstance(body, CompletionBody):
         checks += [("suffix", body.suffix is not None), ("best_of", body.best_of not in (None, 1, body.n))]
-    if isinstance(body, ChatBody):
-        checks += [("tools", bool(body.tools))]
     for name, used in checks:
         if used:
             raise BadRequest(f"{name} is not supported by this server", name, "unsupported_parameter")
@@ -247,11 +253,13 @@ def _content(message: Message) -> str:
     return "".join(parts)
 
 
-def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+def _chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The chat's prompt ids; `tools` go to the chat template (one that ignores them is told of the
+    call's schema by the constraint alone)."""
     if not has_chat_template(tokenizer):
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
     return tokenize_prompt(tokenizer, text)
 
 
@@ -295,9 +303,20 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
         logprobs = body.logprobs
     beams = _beams(body, prompts, logprobs)
     prompts = prompts[:1] if beams else prompts
-    constraint = _constraint(body.response_format, tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
+    tool = tool_choice(body)
+    if tool is not None and body.response_format and body.response_format.get("type", "text") != "text":
+        raise BadRequest("response_format and a tool call cannot both shape the reply: give one of them",
+                         "response_format")
+    if tool is not None:
+        try:
+            constraint = _compiled(tool.constraint(), tokenizer, "tools", vocab_size=vocab_size, eos_ids=eos_ids)
+        except InvalidArgument as error:  # a function's parameters that are no schema the engine takes
+            raise BadRequest(f"tools: {error.message}", "tools", "invalid_json_schema") from None
+    else:
+        constraint = _constraint(body.response_format, tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
     if constraint is not None and beams:
-        raise BadRequest("use_beam_search does not take a response_format", "response_format")
+        raise BadRequest("use_beam_search does not take a response_format or a tool call",
+                         "tool_choice" if tool is not None else "response_format")
     return Job(prompts=prompts, max_new_tokens=max_tokens, sampling=_sampling(body, len(prompts), vocab_size),
                stop=_stop(body), speculate=_speculation(body.speculate, speculate_default, has_draft),
                logprobs=logprobs, beams=beams, trace=body.trace, constraint=constraint)
@@ -323,10 +342,77 @@ def _constraint(response_format: dict | None, tokenizer, *, vocab_size: int, eos
         else:
             raise BadRequest(f"response_format type {kind!r} is not supported: use text, json_object or json_schema",
                              "response_format")
-        compile_for_branches([constraint], tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
     except InvalidArgument as error:
         raise BadRequest(f"response_format: {error.message}", "response_format", "invalid_json_schema") from None
+    return _compiled(constraint, tokenizer, "response_format", vocab_size=vocab_size, eos_ids=eos_ids)
+
+
+def _compiled(constraint: Constraint, tokenizer, param: str, *, vocab_size: int, eos_ids) -> Constraint:
+    """`constraint`, once it is known to compile for the tokenizer (a 400 naming `param` if not)."""
+    try:
+        compile_for_branches([constraint], tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
+    except InvalidArgument as error:
+        raise BadRequest(f"{param}: {error.message}", param, "invalid_json_schema") from None
     return constraint
+
+
+# ---------------------------------------------------------------------- tools
+@dataclass(frozen=True)
+class ToolChoice:
+    """The call a reply must be. functions: name -> its `parameters` schema, for every tool the
+    reply may call; named: whether `tool_choice` named one (the reply is then its arguments alone)
+    or said "required" (the reply is {"name": ..., "arguments": {...}}, the model choosing)."""
+
+    functions: dict[str, dict]
+    named: bool
+
+    def constraint(self) -> Constraint:
+        if self.named:
+            (schema,) = self.functions.values()
+            return Constraint.json_schema(schema)
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, schema in self.functions.items()]
+        return Constraint.json_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
+
+    def call(self, text: str) -> tuple[str, str]:
+        """The reply's text as (function name, arguments as JSON text)."""
+        if self.named:
+            return next(iter(self.functions)), text
+        try:
+            value = json.loads(text)
+            return value["name"], json.dumps(value["arguments"], ensure_ascii=False)
+        except (ValueError, KeyError, TypeError):  # cut short by max_tokens: what was produced
+            return "", text
+
+
+def tool_choice(body: _Body) -> ToolChoice | None:
+    """The call `body` asks for (None: a text reply), checked: `BadRequest` naming what is wrong."""
+    if not isinstance(body, ChatBody) or not body.tools or body.tool_choice == "none":
+        return None
+    functions = {}
+    for tool in body.tools:
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise BadRequest('each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}',
+                             "tools")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise BadRequest(f"tools: the parameters of {function['name']!r} must be a JSON schema object", "tools")
+        functions[function["name"]] = parameters
+    choice = body.tool_choice
+    if choice == "required":
+        return ToolChoice(functions, named=False)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in functions:
+            raise BadRequest(f"tool_choice names {name!r}, which is not among the tools ({', '.join(functions)})",
+                             "tool_choice")
+        return ToolChoice({name: functions[name]}, named=True)
+    raise BadRequest(f"tool_choice {choice if choice is not None else 'auto'!r} is not supported (the model choosing "
+                     'between text and a call): name a function, {"type": "function", "function": {"name": ...}}, '
+                     'or give "required" (a call of one of the tools) or "none" (text)', "tool_choice",
+                     "unsupported_parameter")
 
 
 def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branches: int | None) -> list[list[int]]:
@@ -348,7 +434,8 @@ def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branche
         if not body.messages:
             raise BadRequest("messages must not be empty", "messages")
         messages = [{"role": m.role, "content": _content(m)} for m in body.messages]
-        return [_chat_prompt(tokenizer, messages)] * body.n
+        tools = body.tools if tool_choice(body) is not None else None
+        return [_chat_prompt(tokenizer, messages, tools)] * body.n
     texts = _text_prompts(tokenizer, body, vocab_size)
     _check_branches(len(texts) * body.n, max_branches)
     return [p for p in texts for _ in range(body.n)]
@@ -465,5 +552,5 @@ def chat_logprobs(entries: list) -> dict:
             "refusal": None}
 
 
-__all__ = ["BadRequest", "ChatBody", "Choice", "CompletionBody", "chat_logprobs", "completion_logprobs",
-           "echo_texts", "error_body", "parse", "to_job", "usage_dict"]
+__all__ = ["BadRequest", "ChatBody", "Choice", "CompletionBody", "ToolChoice", "chat_logprobs", "completion_logprobs",
+           "echo_texts", "error_body", "parse", "to_job", "tool_choice", "usage_dict"]

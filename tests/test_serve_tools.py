@@ -1,0 +1,108 @@
+"""Tool calls on the server, through the real `openai` client: `tool_choice` naming a function
+(its arguments held to the function's `parameters`, equal to the constrained loop, streamed and
+not) or "required" (a call of one of the tools); "none" answers in text; what is not offered
+("auto") and what is malformed are 400s naming the parameter."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from serving import MODEL, running_server, tiny_loader
+from test_constraints import reference
+
+from multidecode.constraints import Constraint
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather.", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(tiny_loader(model_dir)) as running:
+        yield running
+
+
+
+
+def prompt_with_tools(running) -> list[int]:
+    tokenizer = running.forest.tokenizer
+    text = tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_function_is_called_with_arguments_of_its_schema(server, stream):
+    reply = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED,
+                                                    max_tokens=60, temperature=0, stream=stream)
+    if stream:
+        chunks = [c for c in reply if c.choices]
+        calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+        assert calls[0].function.name == "get_weather" and calls[0].id
+        arguments = "".join(call.function.arguments or "" for call in calls)
+        finish = chunks[-1].choices[0].finish_reason
+        assert all(not c.choices[0].delta.content for c in chunks)
+    else:
+        message = reply.choices[0].message
+        assert message.content is None and len(message.tool_calls) == 1
+        call = message.tool_calls[0]
+        assert call.type == "function" and call.function.name == "get_weather" and call.id
+        arguments, finish = call.function.arguments, reply.choices[0].finish_reason
+    assert finish == "tool_calls"
+    jsonschema.validate(json.loads(arguments), WEATHER)
+    expected = reference(server.forest, prompt_with_tools(server), Constraint.json_schema(WEATHER), max_new_tokens=60)
+    assert arguments == server.forest.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_one_of_the_tools(server, stream):
+    reply = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                                    max_tokens=80, n=3, seed=5, stream=stream)
+    calls = {}
+    if stream:
+        for chunk in reply:
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    calls[choice.index] = (call.function.name, call.function.arguments, choice.finish_reason)
+    else:
+        calls = {c.index: (c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments,
+                           c.finish_reason) for c in reply.choices}
+    assert sorted(calls) == [0, 1, 2]
+    for name, arguments, finish in calls.values():
+        if finish == "tool_calls":
+            jsonschema.validate(json.loads(arguments), {"get_weather": WEATHER, "get_time": TIME}[name])
+
+
+def test_tool_choice_none_answers_in_text(server):
+    reply = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                                    max_tokens=5, temperature=0)
+    plain = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0)
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize(("extra", "param", "says"), [
+    ({"tool_choice": "auto"}, "tool_choice", "name a function"),
+    ({}, "tool_choice", "name a function"),  # OpenAI's default with tools is "auto"
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
+    ({"tool_choice": "required", "tools": [{"type": "function"}]}, "tools", "each tool must be"),
+    ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format", "give one of them"),
+    ({"tool_choice": NAMED, "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                                          "parameters": {"type": "nope"}}}]},
+     "tools", "Invalid type"),
+])
+def test_what_is_not_offered_or_malformed_is_a_400(server, extra, param, says):
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                                **{"tools": TOOLS, **extra})
+    error = caught.value.response.json()["error"]
+    assert error["param"] == param and says in error["message"]
