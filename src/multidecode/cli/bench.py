@@ -467,3 +467,35 @@ def bench_random_gguf(path, shape, quant, seed):
                                     progress=lambda message: status.update(f"writing {path}... {escape(message)}"))
     stdout.print(f"wrote {written['path']}: {written['parameters'] / 1e9:.2f}B parameters, "
                  f"{written['file_bytes'] / 1e9:.2f} GB, in {written['seconds']:.0f} s")
+
+
+@bench.command("structured")
+@click.option("--documents", type=int, default=6, show_default=True,
+              help="Support calls to extract a record from (the 6 shipped ones, cycled).")
+@max_new_tokens(192, "Longest record, in tokens (a record takes 50 to about 130).")
+@click.option("--mask-tokens", type=int, default=32, show_default=True,
+              help="Tokens per branch in (a), the masks' cost on 8 branches.")
+@click.option("--llama/--no-llama", "with_llama", default=True, show_default=True,
+              help="Measure llama.cpp's json_schema on the same GGUF file (needs pip install 'multidecode[peers]').")
+@click.option("--quick", is_flag=True, help="A smoke run: 2 calls, 8 tokens per branch in (a), one round (overrides those).")
+@model_options
+@run_options
+@output_options
+@report_errors
+def bench_structured(documents, max_new_tokens, mask_tokens, with_llama, quick, model_name, precision, device, repeats,
+                     threads, output, stem):
+    """Structured output: a support-call record (a JSON schema) from short calls. (a) the masks' cost per step,
+    constrained against unconstrained on 8 branches; (b) jump-forward against none (same outputs asserted); (c)
+    llama.cpp's json_schema on the same GGUF one call at a time against MultiDecode one at a time and the calls
+    as one forest; (d) transformers + outlines (where installed); (e) the share of valid outputs."""
+    from ..bench.structured import QUICK, run_structured_benchmark
+    from ..models.converted import embedded_gguf
+
+    check_run(output, threads)
+    check_counts(repeats=repeats, documents=documents, max_new_tokens=max_new_tokens, mask_tokens=mask_tokens)
+    settings = {"documents": documents, "max_new_tokens": max_new_tokens, "mask_tokens": mask_tokens,
+                "repeats": repeats} | (QUICK if quick else {})
+    gguf = embedded_gguf() if model_name is None else model_name if model_name.endswith(".gguf") else None
+    decoder = load_decoder(model_name, precision, device)
+    run_and_report("structured", lambda progress: run_structured_benchmark(
+        decoder, gguf=gguf, with_llama=with_llama, threads=threads, progress=progress, **settings), output, stem)

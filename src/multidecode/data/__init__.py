@@ -10,6 +10,8 @@
 - `similar_call_problems.jsonl`, `similar_call_parts.json`, `call_log_questions.txt`: what
   `bench batch` builds its support calls (problems, people, routers, visits, credits) and day logs
   from, and asks about the logs;
+- `structured_calls.json`: `bench structured`'s short support calls, the instruction they are
+  read with and the record's JSON schema;
 - `drafters/<model shape>/<kind>/`: learned draft heads shipped for the embedded model;
 - `distill_prompts.jsonl`: the prompts `multidecode train-drafter` distills on by default.
 """

@@ -1,0 +1,180 @@
+"""Benchmark: structured output, extracting a support-call record (a fixed JSON schema) from short
+calls (docs/benchmarks.md, `bench structured`): (a) the masks' cost per decode step at 8 branches,
+(b) jump-forward against constrained decoding without it, (c) llama.cpp's json_schema grammar on
+the same GGUF one call at a time against MultiDecode one at a time and with the calls as one
+forest, (d) transformers with outlines one at a time, (e) the share of outputs that validate."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .. import data
+from ..constraints import Constraint
+from ..errors import check_positive
+from ..strategies.complete import prompt_ids
+from . import llamacpp
+from .common import DECODE, PREFILL, RunOutput, Setup, check_identical, multidecode_forest
+from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Part, Plot, Target, runs
+from .results import Column, Table
+
+FREE, MASKED = "unconstrained", "masked"
+PLAIN, FOREST, ONE, LLAMA, OUTLINES = "no_jump_forward", "forest", "one_at_a_time", "llama_cpp", "outlines"
+LABELS = {
+    FREE: ("(a) branches unconstrained, eos ignored", "unconstrained"),
+    MASKED: ("(a) branches held to the schema, no jump-forward", "masked"),
+    PLAIN: ("(b) the calls as one forest, schema, no jump-forward", "no jump-forward"),
+    FOREST: ("(b, c) the calls as one forest, schema with jump-forward", "forest"),
+    ONE: ("(c) MultiDecode, one call at a time, jump-forward", "MultiDecode one by one"),
+    LLAMA: ("(c) llama.cpp, json_schema grammar, one call at a time", "llama.cpp"),
+    OUTLINES: ("(d) transformers + outlines, one call at a time", "outlines"),
+}
+"""Method -> (label, short label)."""
+EXTRACTION = (PLAIN, FOREST, ONE, LLAMA, OUTLINES)
+QUICK = {"documents": 2, "mask_tokens": 8, "repeats": 1}
+"""The settings of a smoke run (`--quick`)."""
+
+
+def workload() -> dict:
+    """The shipped calls, the instruction they are read with and the record's schema."""
+    return json.loads(data.text("structured_calls.json"))
+
+
+def outlines_missing() -> str:
+    """Why (d) does not run here."""
+    if importlib.util.find_spec("outlines") is None:
+        return "outlines is not installed (pip install outlines)"
+    return "outlines is installed, but this benchmark has no runner for it yet"
+
+
+def validator(schema: dict):
+    """text -> whether it parses as JSON and validates against `schema` (parses, where jsonschema is
+    not installed), and the name of the check."""
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    check = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker()) if jsonschema else None
+
+    def valid(text: str) -> bool:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        return check is None or check.is_valid(value)
+    return valid, "jsonschema" if check else "parses as JSON (jsonschema is not installed)"
+
+
+def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 192, branches: int = 8,
+                         mask_tokens: int = 32, gguf: str | Path | None = None, with_llama: bool = True,
+                         repeats: int = 3, budget_s: float = 60.0, warmup: bool = True) -> Benchmark:
+    """The benchmark as data: `documents` of the shipped calls (cycled), each record at most
+    `max_new_tokens` (a record takes 50 to about 130 tokens); (a) on `branches` branches of
+    `mask_tokens` tokens; llama.cpp reads `gguf` (the decoder's model as a GGUF file; None: not run)."""
+    for name, value in (("documents", documents), ("max_new_tokens", max_new_tokens), ("branches", branches),
+                        ("mask_tokens", mask_tokens)):
+        check_positive(name, value)
+    shipped, setup = workload(), Setup.of(decoder)
+    schema, calls = shipped["schema"], [shipped["calls"][i % len(shipped["calls"])] for i in range(documents)]
+    prompts = [prompt_ids(setup.tokenizer, f"{shipped['instruction']}\n\n{call}") for call in calls]
+    wide = [prompts[i % len(prompts)] for i in range(branches)]
+    jumping, masked = Constraint.json_schema(schema), Constraint.json_schema(schema, jump_forward=False)
+    valid, validated_with = validator(schema)
+    llama_skip = llamacpp.missing(with_llama) or (None if gguf else "no GGUF file of this model (--model FILE.gguf)")
+    held: dict = {}
+
+    def forest(chosen, constraint, new=max_new_tokens, **how):
+        return lambda counter: multidecode_forest(decoder, chosen, counter, max_new_tokens=new, constraint=constraint,
+                                                  speculate=None, **how)
+
+    def llama_one(prompt):
+        def run(counter):
+            llm, calls = held["llm"], []
+
+            def timed(tokens, original=llm.eval):
+                start = time.perf_counter()
+                original(tokens)
+                counter.record(DECODE if calls else PREFILL, time.perf_counter() - start, (1, len(tokens)))
+                calls.append(len(tokens))
+            llm.eval = timed
+            try:
+                out = llm.create_completion(list(prompt), max_tokens=max_new_tokens, temperature=0.0,
+                                            repeat_penalty=1.0, grammar=held["grammar"])
+            finally:
+                del llm.eval
+            ids = setup.tokenizer(out["choices"][0]["text"], add_special_tokens=False)["input_ids"]
+            return RunOutput([ids], 0, forward_passes=len(calls), new_tokens=out["usage"]["completion_tokens"])
+        return run
+
+    @contextlib.contextmanager
+    def llama_loaded():
+        """llama.cpp's model and grammar, loaded (and warmed on a few tokens) before the extraction is timed."""
+        if llama_skip is None:
+            from llama_cpp import Llama, LlamaGrammar
+
+            held["llm"] = Llama(model_path=str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False)
+            held["grammar"] = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+            held["llm"].create_completion(prompts[0][:8], max_tokens=2, temperature=0.0)
+        try:
+            yield
+        finally:
+            if "llm" in held:
+                held.pop("llm").close()
+
+    def per_step(m) -> float:
+        return 1000 * (m.wall_s - m.prefill_s) / max(1, m.decode_passes)
+
+    def mask_report(got: dict) -> dict:
+        lengths = {name: sorted({len(a) for a in m.answers}) for name, m in got.items()}
+        return {"figures": {name: {"ms_per_step": per_step(m)} for name, m in got.items()},
+                "mask_cost": {"step_ratio": per_step(got[MASKED]) / per_step(got[FREE]),
+                              "same_length": lengths[FREE] == lengths[MASKED], "tokens": lengths[MASKED]}}
+
+    def extraction_report(got: dict) -> dict:
+        check_identical({name: got[name].answers for name in (PLAIN, FOREST, ONE)}, reference=PLAIN)
+        texts = {name: [setup.text(ids) for ids in m.answers] for name, m in got.items()}
+        return {"jump_forward_identical": True, "records": texts[FOREST],
+                "figures": {name: {"ms_per_step": per_step(m), "documents_per_s": len(texts[name]) / m.wall_s,
+                                   "valid_share": 100 * sum(map(valid, texts[name])) / len(texts[name])}
+                            for name, m in got.items()}}
+
+    def one_by_one(name: str, run, **how) -> Method:
+        return Method.named(LABELS, name, parts=tuple(Part(i, run(p)) for i, p in enumerate(prompts)), **how)
+
+    mask_case = Case({"case": f"masks, {branches} branches x {mask_tokens} tokens"}, (
+        Method.named(LABELS, FREE, run=forest(wide, None, mask_tokens, eos_token_id=[])),
+        Method.named(LABELS, MASKED, run=forest(wide, masked, mask_tokens))), budget_s=budget_s, report=mask_report,
+        targets=(Target("(a) masked / unconstrained, time per step", ("mask_cost", "step_ratio"), "<=", 1.10),))
+    extraction = Case({"case": f"extraction, {documents} calls"}, (
+        Method.named(LABELS, PLAIN, run=forest(prompts, masked)), Method.named(LABELS, FOREST, run=forest(prompts, jumping)),
+        one_by_one(ONE, lambda p: forest([p], jumping)),
+        one_by_one(LLAMA, llama_one, skip=llama_skip, model=OUTSIDE_TORCH),
+        Method.named(LABELS, OUTLINES, skip=outlines_missing())),
+        budget_s=budget_s, report=extraction_report, context=llama_loaded,
+        targets=(Target("(b) jump-forward over none", (f"{FOREST}_vs", PLAIN, "speedup"), ">=", 1.5),
+                 *(Target(f"(e) valid outputs, {LABELS[name][1]}", ("figures", name, "valid_share"), ">=", 100,
+                          unit="%") for name in EXTRACTION)))
+    columns = (Column("case", "case"), Column("method", "label"), Column("time per step", "ms_per_step", "{:.1f} ms"),
+               Column("documents/s", "documents_per_s", "{:.3f}"), Column("valid", "valid_share", "{:.0f}%"))
+    return Benchmark(
+        name="structured", title=f"a support-call record as JSON from {documents} calls, {max_new_tokens} tokens at most",
+        model=decoder.model, cases=(mask_case, extraction), reference=None,
+        pairs=((FOREST, PLAIN), (FOREST, ONE), (FOREST, LLAMA), (FOREST, OUTLINES), (ONE, LLAMA)),
+        config={"documents": documents, "max_new_tokens": max_new_tokens, "branches": branches,
+                "mask_tokens": mask_tokens, "decoding": "greedy", "speculate": None, "schema": schema,
+                "instruction": shipped["instruction"], "prompt_tokens": [len(p) for p in prompts],
+                "gguf": gguf and Path(gguf).name, "llama_cpp": llama_skip or "run", "validated_with": validated_with},
+        warmup=(Method.named(LABELS, FREE, run=forest(prompts[:2], None, 2)),
+                Method.named(LABELS, FOREST, run=forest(prompts[:2], jumping, 4))) if warmup else (),
+        repeats=repeats, columns=("wall_s", "forward_passes", "tokens_per_s"),
+        plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_s")), rows_key="cases",
+        tables=(Table("Per method: time per decode step (wall, less prefill), documents/s and valid outputs", columns,
+                      rows="figures", lead=2),))
+
+
+run_structured_benchmark = runs(structured_benchmark)
