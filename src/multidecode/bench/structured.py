@@ -70,7 +70,7 @@ def validator(schema: dict):
     return valid, "jsonschema" if check else "parses as JSON (jsonschema is not installed)"
 
 
-def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 192, branches: int = 8,
+def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 320, branches: int = 8,
                          mask_tokens: int = 32, gguf: str | Path | None = None, with_llama: bool = True,
                          repeats: int = 3, budget_s: float = 60.0, warmup: bool = True) -> Benchmark:
     """The benchmark as data: `documents` of the shipped calls (cycled), each record at most

@@ -374,7 +374,7 @@ def _first_read(model_name: str | None, precision: str | None) -> str | None:
             "weights are kept in the user cache)...")
 
 
-FIRST_READ_S, FIRST_READ_MB_PER_S = 4.0, 25.0
+FIRST_READ_S, FIRST_READ_MB_PER_S = 3.0, 35.0
 """A GGUF file's first read, measured on the project's 2-core CPU (docs/benchmarks.md, `bench startup`
 cold): a fixed part (transformers parses its metadata twice, for the config and the tokenizer) and
 its packed weights laid out at about this rate."""
