@@ -70,6 +70,74 @@ def validator(schema: dict):
     return valid, "jsonschema" if check else "parses as JSON (jsonschema is not installed)"
 
 
+def _per_step(m) -> float:
+    """A method's milliseconds per decode step: its wall time less its prefill, over its decode forwards."""
+    return 1000 * (m.wall_s - m.prefill_s) / max(1, m.decode_passes)
+
+
+def _mask_report(got: dict) -> dict:
+    """(a): the masked step over the free one, and whether every branch ran the same length."""
+    lengths = {name: sorted({len(a) for a in m.answers}) for name, m in got.items()}
+    return {"figures": {name: {"ms_per_step": _per_step(m)} for name, m in got.items()},
+            "mask_cost": {"step_ratio": _per_step(got[MASKED]) / _per_step(got[FREE]),
+                          "same_length": lengths[FREE] == lengths[MASKED], "tokens": lengths[MASKED]}}
+
+
+def _extraction_report(setup, valid):
+    """(b, c, e): the same records with and without jump-forward, and each method's figures."""
+    def report(got: dict) -> dict:
+        check_identical({name: got[name].answers for name in (PLAIN, FOREST, ONE)}, reference=PLAIN)
+        texts = {name: [setup.text(ids) for ids in m.answers] for name, m in got.items()}
+        return {"jump_forward_identical": True, "records": texts[FOREST],
+                "figures": {name: {"ms_per_step": _per_step(m), "documents_per_s": len(texts[name]) / m.wall_s,
+                                   "valid_share": 100 * sum(map(valid, texts[name])) / len(texts[name])}
+                            for name, m in got.items()}}
+    return report
+
+
+class _Llama:
+    """llama.cpp on `gguf` with the schema as its grammar: loaded (and warmed on `warm`) before the
+    extraction is timed (`loaded`), then one call at a time (`one`), its forwards timed through `eval`."""
+
+    def __init__(self, gguf, schema: dict, setup, max_new_tokens: int, *, skip: str | None, warm) -> None:
+        self.gguf, self.schema, self.setup, self.max_new_tokens = gguf, schema, setup, max_new_tokens
+        self.skip, self.warm, self.llm, self.grammar = skip, warm, None, None
+
+    @contextlib.contextmanager
+    def loaded(self):
+        if self.skip is None:
+            from llama_cpp import Llama, LlamaGrammar
+
+            self.llm = Llama(model_path=str(self.gguf), n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False)
+            self.grammar = LlamaGrammar.from_json_schema(json.dumps(self.schema), verbose=False)
+            self.llm.create_completion(list(self.warm), max_tokens=2, temperature=0.0)
+        try:
+            yield
+        finally:
+            if self.llm is not None:
+                self.llm.close()
+                self.llm = None
+
+    def one(self, prompt):
+        def run(counter):
+            llm, calls = self.llm, []
+
+            def timed(tokens, original=llm.eval):
+                start = time.perf_counter()
+                original(tokens)
+                counter.record(DECODE if calls else PREFILL, time.perf_counter() - start, (1, len(tokens)))
+                calls.append(len(tokens))
+            llm.eval = timed
+            try:
+                out = llm.create_completion(list(prompt), max_tokens=self.max_new_tokens, temperature=0.0,
+                                            repeat_penalty=1.0, grammar=self.grammar)
+            finally:
+                del llm.eval
+            ids = self.setup.tokenizer(out["choices"][0]["text"], add_special_tokens=False)["input_ids"]
+            return RunOutput([ids], 0, forward_passes=len(calls), new_tokens=out["usage"]["completion_tokens"])
+        return run
+
+
 def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 320, branches: int = 8,
                          mask_tokens: int = 32, gguf: str | Path | None = None, with_llama: bool = True,
                          repeats: int = 3, budget_s: float = 60.0, warmup: bool = True) -> Benchmark:
@@ -86,76 +154,25 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
     jumping, masked = Constraint.json_schema(schema), Constraint.json_schema(schema, jump_forward=False)
     valid, validated_with = validator(schema)
     llama_skip = llamacpp.missing(with_llama) or (None if gguf else "no GGUF file of this model (--model FILE.gguf)")
-    held: dict = {}
+    llama = _Llama(gguf, schema, setup, max_new_tokens, skip=llama_skip, warm=prompts[0][:8])
 
     def forest(chosen, constraint, new=max_new_tokens, **how):
         return lambda counter: multidecode_forest(decoder, chosen, counter, max_new_tokens=new, constraint=constraint,
                                                   speculate=None, **how)
-
-    def llama_one(prompt):
-        def run(counter):
-            llm, calls = held["llm"], []
-
-            def timed(tokens, original=llm.eval):
-                start = time.perf_counter()
-                original(tokens)
-                counter.record(DECODE if calls else PREFILL, time.perf_counter() - start, (1, len(tokens)))
-                calls.append(len(tokens))
-            llm.eval = timed
-            try:
-                out = llm.create_completion(list(prompt), max_tokens=max_new_tokens, temperature=0.0,
-                                            repeat_penalty=1.0, grammar=held["grammar"])
-            finally:
-                del llm.eval
-            ids = setup.tokenizer(out["choices"][0]["text"], add_special_tokens=False)["input_ids"]
-            return RunOutput([ids], 0, forward_passes=len(calls), new_tokens=out["usage"]["completion_tokens"])
-        return run
-
-    @contextlib.contextmanager
-    def llama_loaded():
-        """llama.cpp's model and grammar, loaded (and warmed on a few tokens) before the extraction is timed."""
-        if llama_skip is None:
-            from llama_cpp import Llama, LlamaGrammar
-
-            held["llm"] = Llama(model_path=str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False)
-            held["grammar"] = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
-            held["llm"].create_completion(prompts[0][:8], max_tokens=2, temperature=0.0)
-        try:
-            yield
-        finally:
-            if "llm" in held:
-                held.pop("llm").close()
-
-    def per_step(m) -> float:
-        return 1000 * (m.wall_s - m.prefill_s) / max(1, m.decode_passes)
-
-    def mask_report(got: dict) -> dict:
-        lengths = {name: sorted({len(a) for a in m.answers}) for name, m in got.items()}
-        return {"figures": {name: {"ms_per_step": per_step(m)} for name, m in got.items()},
-                "mask_cost": {"step_ratio": per_step(got[MASKED]) / per_step(got[FREE]),
-                              "same_length": lengths[FREE] == lengths[MASKED], "tokens": lengths[MASKED]}}
-
-    def extraction_report(got: dict) -> dict:
-        check_identical({name: got[name].answers for name in (PLAIN, FOREST, ONE)}, reference=PLAIN)
-        texts = {name: [setup.text(ids) for ids in m.answers] for name, m in got.items()}
-        return {"jump_forward_identical": True, "records": texts[FOREST],
-                "figures": {name: {"ms_per_step": per_step(m), "documents_per_s": len(texts[name]) / m.wall_s,
-                                   "valid_share": 100 * sum(map(valid, texts[name])) / len(texts[name])}
-                            for name, m in got.items()}}
 
     def one_by_one(name: str, run, **how) -> Method:
         return Method.named(LABELS, name, parts=tuple(Part(i, run(p)) for i, p in enumerate(prompts)), **how)
 
     mask_case = Case({"case": f"masks, {branches} branches x {mask_tokens} tokens"}, (
         Method.named(LABELS, FREE, run=forest(wide, None, mask_tokens, eos_token_id=[])),
-        Method.named(LABELS, MASKED, run=forest(wide, masked, mask_tokens))), budget_s=budget_s, report=mask_report,
+        Method.named(LABELS, MASKED, run=forest(wide, masked, mask_tokens))), budget_s=budget_s, report=_mask_report,
         targets=(Target("(a) masked / unconstrained, time per step", ("mask_cost", "step_ratio"), "<=", 1.10),))
     extraction = Case({"case": f"extraction, {documents} calls"}, (
         Method.named(LABELS, PLAIN, run=forest(prompts, masked)), Method.named(LABELS, FOREST, run=forest(prompts, jumping)),
         one_by_one(ONE, lambda p: forest([p], jumping)),
-        one_by_one(LLAMA, llama_one, skip=llama_skip, model=OUTSIDE_TORCH),
+        one_by_one(LLAMA, llama.one, skip=llama_skip, model=OUTSIDE_TORCH),
         Method.named(LABELS, OUTLINES, skip=outlines_missing())),
-        budget_s=budget_s, report=extraction_report, context=llama_loaded,
+        budget_s=budget_s, report=_extraction_report(setup, valid), context=llama.loaded,
         targets=(Target("(b) jump-forward over none", (f"{FOREST}_vs", PLAIN, "speedup"), ">=", 1.5),
                  *(Target(f"(e) valid outputs, {LABELS[name][1]}", ("figures", name, "valid_share"), ">=", 100,
                           unit="%") for name in EXTRACTION)))
