@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -71,8 +72,17 @@ def test_documents_read_in_pieces_give_the_same_answers():
     answers are those of documents fed whole."""
     decoder, items = decoder_for("llama"), lines(6)
     settings = BatchSettings(max_new_tokens=6)
+
+    def arriving(answerer):
+        """The first line, then the others once the runtime has stepped: they arrive while it
+        decodes (all at once, they could all be read whole in the first step, no stream beside)."""
+        yield items[0]
+        while not answerer.runtime.pacer.recent:
+            time.sleep(0.001)
+        yield from items[1:]
+
     with ForestAnswerer(decoder, settings, prefill_chunk=4) as answerer:
-        pieces = answers_of(answer_merged(answerer, items))
+        pieces = answers_of(answer_merged(answerer, arriving(answerer)))
         steps = list(answerer.runtime.pacer.recent)
     with ForestAnswerer(decoder, settings) as answerer:
         whole = answers_of(answer_merged(answerer, items))
