@@ -337,3 +337,19 @@ def test_the_status_line_of_a_first_read_says_what_and_about_how_long(cache, tin
     assert first_read_seconds(2 * 10**9) > first_read_seconds(10**8) > 0  # a bigger file, a longer wait
     loading.load_model_and_tokenizer(str(tiny_gguf), device="cpu")
     assert _first_read(str(tiny_gguf), None) is None  # read once: no line, nothing to wait for
+
+
+def test_the_described_tokenizer_is_kept_and_a_damaged_copy_rebuilt(cache, tiny_gguf):
+    from transformers import AutoTokenizer
+
+    described = converted.gguf_copy(tiny_gguf, described=True)
+    first = loading.described_tokenizer(described)
+    (kept,) = described.glob("tokenizer-*.pickle")
+    again = loading.described_tokenizer(described)  # from the kept pickle
+    read = AutoTokenizer.from_pretrained(described)
+    text = "hello <s> world"
+    assert again(text)["input_ids"] == first(text)["input_ids"] == read(text)["input_ids"]
+    assert again.get_vocab() == read.get_vocab() and again.eos_token_id == read.eos_token_id
+    kept.write_bytes(b"not a pickle")  # damaged: read again and kept anew, never trusted
+    assert loading.described_tokenizer(described)(text)["input_ids"] == read(text)["input_ids"]
+    assert kept.read_bytes() != b"not a pickle"
