@@ -287,13 +287,9 @@ def penalize(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.T
     """Steps 1 to 3 of the module notes (repetition, presence and frequency penalties, then logit
     bias) on every row that has them, greedy rows included. [n, V] -> [n, V]"""
     params = [s.params for s in samplers]
-    n, vocab = logits.shape
+    vocab = logits.shape[-1]
     if any(p.repetition_penalty not in (None, 1.0) for p in params):
-        seen = torch.zeros(n, vocab, dtype=torch.bool, device=logits.device)
-        for i, s in enumerate(samplers):
-            if s.seen:
-                ids = torch.tensor(sorted(t for t in s.seen if t < vocab), dtype=torch.long, device=logits.device)
-                seen[i, ids] = True
+        seen = _scatter([dict.fromkeys((t for t in s.seen if t < vocab), 1.0) for s in samplers], logits) > 0
         logits = apply_repetition_penalty(logits, seen, _column([p.repetition_penalty or 1.0 for p in params], logits))
     if any(p.presence_penalty or p.frequency_penalty for p in params):
         counts = _scatter([s.counts for s in samplers], logits)  # [n, V]
@@ -322,7 +318,7 @@ def warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
 
 
 def constrain(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
-    """The repetition penalty, then each constrained row's grammar mask. [n, V] -> [n, V]"""
+    """The penalties and the logit bias (`penalize`), then each constrained row's grammar mask. [n, V] -> [n, V]"""
     return mask_logits(penalize(logits, samplers), [s.grammar for s in samplers])
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -308,10 +308,7 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
         raise BadRequest("response_format and a tool call cannot both shape the reply: give one of them",
                          "response_format")
     if tool is not None:
-        try:
-            constraint = _compiled(tool.constraint(), tokenizer, "tools", vocab_size=vocab_size, eos_ids=eos_ids)
-        except InvalidArgument as error:  # a function's parameters that are no schema the engine takes
-            raise BadRequest(f"tools: {error.message}", "tools", "invalid_json_schema") from None
+        constraint = _compiled(tool.constraint, tokenizer, "tools", vocab_size=vocab_size, eos_ids=eos_ids)
     else:
         constraint = _constraint(body.response_format, tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
     if constraint is not None and beams:
@@ -327,29 +324,29 @@ def _constraint(response_format: dict | None, tokenizer, *, vocab_size: int, eos
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
         return None
-    try:
+
+    def made() -> Constraint:
         if kind == "json_object":
-            constraint = Constraint.json_object()
-        elif kind == "json_schema":
-            spec = response_format.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise BadRequest("response_format.json_schema must be an object with a \"schema\" object",
-                                 "response_format", "invalid_json_schema")
-            strict = spec.get("strict")
-            if strict is not None and not isinstance(strict, bool):
-                raise BadRequest("response_format.json_schema.strict must be true or false", "response_format")
-            constraint = Constraint.json_schema(spec.get("schema", {}), strict=bool(strict))
-        else:
+            return Constraint.json_object()
+        if kind != "json_schema":
             raise BadRequest(f"response_format type {kind!r} is not supported: use text, json_object or json_schema",
                              "response_format")
-    except InvalidArgument as error:
-        raise BadRequest(f"response_format: {error.message}", "response_format", "invalid_json_schema") from None
-    return _compiled(constraint, tokenizer, "response_format", vocab_size=vocab_size, eos_ids=eos_ids)
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise BadRequest("response_format.json_schema must be an object with a \"schema\" object",
+                             "response_format", "invalid_json_schema")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise BadRequest("response_format.json_schema.strict must be true or false", "response_format")
+        return Constraint.json_schema(spec.get("schema", {}), strict=bool(strict))
+    return _compiled(made, tokenizer, "response_format", vocab_size=vocab_size, eos_ids=eos_ids)
 
 
-def _compiled(constraint: Constraint, tokenizer, param: str, *, vocab_size: int, eos_ids) -> Constraint:
-    """`constraint`, once it is known to compile for the tokenizer (a 400 naming `param` if not)."""
+def _compiled(make: Callable[[], Constraint], tokenizer, param: str, *, vocab_size: int, eos_ids) -> Constraint:
+    """The constraint `make` builds, once it is known to compile for the tokenizer: a 400 naming
+    `param` (where the schema came from) when it cannot be built or compiled."""
     try:
+        constraint = make()
         compile_for_branches([constraint], tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
     except InvalidArgument as error:
         raise BadRequest(f"{param}: {error.message}", param, "invalid_json_schema") from None
