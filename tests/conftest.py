@@ -70,6 +70,15 @@ def model_dir(model_dir_of) -> Path:
     return model_dir_of(DEFAULT_POSITIONS)
 
 
+@pytest.fixture(scope="module")
+def tiny_server(model_dir):
+    """`multidecode serve` of the tiny model, one per test module (`serving.Running`)."""
+    from serving import running_server, tiny_loader
+
+    with running_server(tiny_loader(model_dir)) as running:
+        yield running
+
+
 @pytest.fixture
 def cache(monkeypatch, tmp_path) -> Path:
     """`tmp_path / "cache"`, named by MULTIDECODE_CACHE for this test. It is not created: a load

@@ -77,3 +77,10 @@ def running_server(loader, *, name: str = MODEL, api_key: str | None = None, lim
         thread.join(10)
         if state.runtime is not None:
             state.runtime.stop()
+
+
+def chat_prompt_ids(running: Running, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt ids the server builds for `messages` (and `tools`) through its chat template."""
+    tokenizer = running.forest.tokenizer
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

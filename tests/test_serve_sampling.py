@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 from penalty_reference import reference
-from serving import MODEL, running_server, tiny_loader
+from serving import MODEL
 
 from multidecode.sampling import SamplingParams
 
@@ -17,9 +17,8 @@ SETTINGS = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"40": 2
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    with running_server(tiny_loader(model_dir)) as running:
-        yield running
+def server(tiny_server):
+    return tiny_server
 
 
 def expected_text(server, prompt_ids: list[int], max_tokens: int, **settings) -> str:

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from serving import MODEL, running_server, tiny_loader
+from serving import MODEL, chat_prompt_ids
 from test_constraints import reference
 
 from multidecode.constraints import Constraint
@@ -26,17 +26,10 @@ MESSAGES = [{"role": "user", "content": "Give me the ticket as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    with running_server(tiny_loader(model_dir)) as running:
-        yield running
+def server(tiny_server):
+    return tiny_server
 
 
-
-
-def chat_prompt(running) -> list[int]:
-    tokenizer = running.forest.tokenizer
-    return tokenizer(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
-                     add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -52,7 +45,7 @@ def test_json_schema_choices_validate_and_equal_the_constrained_loop(server, str
         text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
     assert finish == "stop"
     jsonschema.validate(json.loads(text), SCHEMA)
-    expected = reference(server.forest, chat_prompt(server), Constraint.json_schema(SCHEMA), max_new_tokens=60)
+    expected = reference(server.forest, chat_prompt_ids(server, MESSAGES), Constraint.json_schema(SCHEMA), max_new_tokens=60)
     assert text == server.forest.tokenizer.decode(expected, skip_special_tokens=True)
 
 

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from serving import MODEL, running_server, tiny_loader
+from serving import MODEL, chat_prompt_ids
 from test_constraints import reference
 
 from multidecode.constraints import Constraint
@@ -27,17 +27,10 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    with running_server(tiny_loader(model_dir)) as running:
-        yield running
+def server(tiny_server):
+    return tiny_server
 
 
-
-
-def prompt_with_tools(running) -> list[int]:
-    tokenizer = running.forest.tokenizer
-    text = tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -59,7 +52,7 @@ def test_a_named_function_is_called_with_arguments_of_its_schema(server, stream)
         arguments, finish = call.function.arguments, reply.choices[0].finish_reason
     assert finish == "tool_calls"
     jsonschema.validate(json.loads(arguments), WEATHER)
-    expected = reference(server.forest, prompt_with_tools(server), Constraint.json_schema(WEATHER), max_new_tokens=60)
+    expected = reference(server.forest, chat_prompt_ids(server, MESSAGES, TOOLS), Constraint.json_schema(WEATHER), max_new_tokens=60)
     assert arguments == server.forest.tokenizer.decode(expected, skip_special_tokens=True)
 
 
