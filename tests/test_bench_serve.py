@@ -20,6 +20,7 @@ from multidecode.bench.serve import (
     cell_figures,
     metrics_delta,
     percentiles,
+    queued_ttft,
 )
 from multidecode.cli import main
 from multidecode.serving.client import StreamedRequest
@@ -62,6 +63,12 @@ def test_percentiles_and_counters():
     assert delta["branches_per_forward"] == pytest.approx(4.0) and delta["rows_per_forward"] == pytest.approx(19.0)
     assert delta["counters"]["prompt_tokens"] == 400 and delta["busy_seconds"] == 2.5
     assert metrics_delta({}, {})["cache_hit_rate"] is None
+
+
+def test_the_queueing_floor_of_ttft():
+    """Prompts that arrive together wait for each other; spaced ones do not."""
+    assert queued_ttft([0.0, 0.0, 0.0], 1.0) == [1.0, 2.0, 3.0]
+    assert queued_ttft([0.0, 5.0, 5.5], 1.0) == [1.0, 1.0, 1.5]
 
 
 def test_summarize_a_worked_example():
@@ -127,10 +134,11 @@ def test_bench_serve_command_measures_both_servers(tmp_path):
         assert rows[(FOREST, 4, shared)]["identical_to_one_at_a_time"] is True
         assert rows[(FOREST, 1, shared)]["identical_to_one_at_a_time"] is True
         assert rows[(FOREST, 4, shared)]["throughput_vs_one_at_a_time"] > 0
+        assert rows[(FOREST, 4, shared)]["ttft_p50_floor_vs_solo"] == 2.5  # four at once: the median waits 2.5 reads
     names = [t["name"] for t in stored["targets"]]
     assert len(names) == 4 and all("concurrency 4" in n for n in names)
     md = (out / "bench_serve.md").read_text()
-    assert "**Throughput" in md and "**Latency (ms)**" in md and "TTFT p50" in md and "**Targets**" in md
+    assert "**Throughput" in md and "**Latency (ms)**" in md and "TTFT p50" in md and "its floor" in md and "**Targets**" in md
     assert "one at a time" in result.output and "wrote" in result.output
 
 

@@ -103,15 +103,19 @@ def test_the_pacer_budget_follows_what_steps_cost():
     for i in range(PACE_EVERY):
         assert pacer.budget(3) > 0
         pacer.record(PacedStep(3, 40, 40, seconds=0.1 + 40 * 0.001))
-    assert pacer.budget(3) == 0  # streams alone for a step: their pace measured again as the cache grows
+    assert pacer.budget(3) == 0 and pacer.finish_budget(3) == 0  # streams alone for a step: their pace measured again as the cache grows
     pacer.record(PacedStep(3, 0, 0, seconds=0.1))
     assert pacer.pace_s == pytest.approx(0.1) and pacer.token_s == pytest.approx(0.001)
     assert pacer.budget(3) == 50  # (1.5 - 1) x 0.1 s / 1 ms a token
     assert pacer.budget(3, prefilling=6) == 200  # six wait for a first token, three for a next: (1 + 6/3 - 1) x 100
+    assert pacer.finish_budget(3) == 200  # a step that finishes prompts: (2 x 1.5 - 1) x 100
+    assert pacer.finish_budget(3, prefilling=6) == 500  # (2 x 3 - 1) x 100, the chunk's 512 above it
+    assert pacer.finish_budget(0) is None and PrefillPacer(64, 0).finish_budget(2) == 64  # as the budget, unadapted
     for _ in range(30):
         pacer.record(PacedStep(3, 40, 40, seconds=0.1 + 40 * 0.1))
         pacer.record(PacedStep(3, 0, 0, seconds=0.1))
     assert pacer.budget(3) == MIN_PIECE  # costly tokens: the fewest, never none
+    assert pacer.finish_budget(3) >= MIN_PIECE
     assert PrefillPacer(64, 0).budget(2) == 64 and PrefillPacer(0, 1.5).budget(2) is None
     cheap = PrefillPacer(256, 2.0)
     cheap.record(PacedStep(1, 0, 256, seconds=0.05))
@@ -156,24 +160,37 @@ def wait_idle(forest: ForestRuntime) -> None:
 def serve_arrival(model, limits: Limits, sampling: SamplingParams, prompt: list[int]) -> tuple[ForestRuntime, list, Recorder]:
     """Three streams decoding; once the first has 2 tokens, `prompt` arrives (6 new tokens, with
     log-probabilities). Returns the runtime, the streams' sinks and the arrival's."""
+    forest, streams, (arrival,) = serve_arrivals(model, limits, sampling, [prompt])
+    return forest, streams, arrival
+
+
+def serve_arrivals(model, limits: Limits, sampling: SamplingParams, prompts: list[list[int]],
+                   pacer: PrefillPacer | None = None) -> tuple[ForestRuntime, list, list]:
+    """Three streams decoding; once the first has 2 tokens, `prompts` arrive together, admitted in
+    their order (6 new tokens each, with log-probabilities), the runtime paced by `pacer` if given.
+    Returns the runtime, the streams' sinks and the arrivals'."""
     forest = ForestRuntime(model, None, limits=limits)
-    arrival = Recorder(forest)
-    long_job = Job(prompts=[prompt], max_new_tokens=6, sampling=[sampling], logprobs=3, sink=arrival)
+    forest.pacer = pacer or forest.pacer
+    arrivals = [Recorder(forest) for _ in prompts]
+    jobs = [Job(prompts=[prompt], max_new_tokens=6, sampling=[sampling], logprobs=3, sink=sink)
+            for prompt, sink in zip(prompts, arrivals)]
 
     def arrive(count: int) -> None:
         if count == 2:
-            forest.submit(long_job)
+            for job in jobs:
+                forest.submit(job)
 
     streams = [Recorder(forest, arrive if i == 0 else None) for i in range(3)]
     for i, sink in enumerate(streams):
         forest.submit(Job(prompts=[tokens(20 + i, 10)], max_new_tokens=24, sampling=[GREEDY], sink=sink))
     forest.start()
     try:
-        assert arrival.done.wait(60)
+        for arrival in arrivals:
+            assert arrival.done.wait(60)
         wait_idle(forest)
     finally:
         forest.stop()
-    return forest, streams, arrival
+    return forest, streams, arrivals
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -190,6 +207,41 @@ def test_a_long_arrival_is_read_in_pieces_and_every_stream_keeps_its_pace(model,
     assert read[1:] == [(3, PIECE, PIECE)] * 12 + [(3, 4, PIECE)]  # 99 of 100 tokens in pieces, then the rest
     assert [(s.streams, s.prompt_tokens) for s in whole.pacer.recent if s.prompt_tokens][1:] == [(3, 100)]
     # ... and every stream got a token in every step from its first to its last
+    for sink in streams:
+        assert sink.token_steps == list(range(sink.token_steps[0], sink.token_steps[0] + 24))
+
+
+class FixedPacer(PrefillPacer):
+    """A pacer whose budgets are given (`budget` beside streams, `finish` to finish prompts), so a
+    test counts tokens per step, not time."""
+
+    def __init__(self, budget: int, finish: int) -> None:
+        super().__init__(budget, 1.5)
+        self.fixed, self.finish = budget, finish
+
+    def budget(self, streams: int, prefilling: int = 1) -> int | None:
+        return self.fixed if streams else None
+
+    def finish_budget(self, streams: int, prefilling: int = 1) -> int | None:
+        return self.finish if streams else None
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_prompt_that_fits_the_finish_budget_goes_whole_and_a_long_one_in_pieces(model, sampling):
+    """A long prompt admitted first and a short one after it, beside three streams, with budgets of
+    4 (pieces) and 12 (finishing): the short one is read whole in the first step, the long one
+    in pieces of 4 until its rest fits 12, then whole; each gets exactly the tokens of prompts
+    read whole, and every stream a token in every step."""
+    long_prompt, short_prompt = tokens(5, 40), tokens(6, 10)
+    forest, streams, arrivals = serve_arrivals(model, Limits(), sampling, [long_prompt, short_prompt],
+                                               pacer=FixedPacer(4, 12))
+    _, whole_streams, whole_arrivals = serve_arrivals(model, Limits(prefill_chunk=0), sampling,
+                                                          [long_prompt, short_prompt])
+    assert [a.events for a in arrivals] == [a.events for a in whole_arrivals]
+    assert [s.events for s in streams] == [s.events for s in whole_streams]
+    read = [s.prompt_tokens for s in forest.pacer.recent if s.prompt_tokens and s.streams]
+    assert read == [10] + [4] * 7 + [12]  # the short prompt whole; 28 of the long one's 40 in pieces, its rest whole
+    assert arrivals[1].token_steps[0] < arrivals[0].token_steps[0]  # the short one's first token came first
     for sink in streams:
         assert sink.token_steps == list(range(sink.token_steps[0], sink.token_steps[0] + 24))
 

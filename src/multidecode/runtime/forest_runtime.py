@@ -12,8 +12,9 @@ This is the continuous-batching runtime that `multidecode serve` and the batch j
    round, it waits one step and then hits the cache. An idle engine may first wait for more jobs
    (`Limits.gather`), so that jobs sent together start together;
 3. **pace prefill**: jobs decoding are streams; a prompt is fed beside them in pieces within a
-   per-step token budget that adapts to what steps cost here (`pacing.PrefillPacer`), the jobs
-   still prefilling served first admitted first. Each piece is indexed as soon as it is fed, so
+   per-step token budget that adapts to what steps cost here (`pacing.PrefillPacer`): a prompt
+   whose rest fits the larger finish budget goes whole, the others in pieces, first admitted
+   first. Each piece is indexed as soon as it is fed, so
    the cache offers a prompt only as far as it is fed, and a waiting job that shares more than
    that with a prompt still being fed waits for it as it would for one admitted in its round;
 4. run one `Scheduler.step` (every running job's branches in one forward), hand each job its
@@ -282,19 +283,29 @@ class ForestRuntime:
             self._settle_cache()
 
     def _pace_prompts(self) -> PacedStep:
-        """Share this step's prompt token budget (`pacing`) among the jobs still prefilling, first
-        admitted first; what the step will feed of prompts, beside how many streams. A beam
-        search's prompt is fed whole in its first step, within the budget or not."""
+        """Share this step's prompt tokens (`pacing`) among the jobs still prefilling: first the
+        prompts whose rest fits the finish budget, whole, then pieces of the others from what the
+        budget has left, each first admitted first. Returns what the step will feed of prompts,
+        beside how many streams. A beam search's prompt is fed whole in its first step, within
+        the budget or not."""
         prefilling = [job for job in self._running.values() if not job.beams and not job.work.started]
         new_beams = [job for job in self._running.values() if job.beams and not job.steps]
         streams = len(self._running) - len(prefilling) - len(new_beams)
         budget = self.pacer.budget(streams, len(prefilling))
         fed = sum(len(job.prompts[0]) for job in new_beams)
-        left = None if budget is None else max(budget - fed, 0)
+        if budget is None:
+            return PacedStep(streams, fed + sum(job.work.pace_prompt(None) for job in prefilling), budget)
+        left = max(budget - fed, 0)
+        finish_left = max(self.pacer.finish_budget(streams, len(prefilling)) - fed, 0)
+        finishing = []
         for job in prefilling:
-            taken = job.work.pace_prompt(left)
+            if job.work.prompt_left <= finish_left:
+                finishing.append(job)
+                finish_left -= job.work.prompt_left
+        for job in finishing + [job for job in prefilling if job not in finishing]:
+            taken = job.work.pace_prompt(job.work.prompt_left if job in finishing else left)
             fed += taken
-            left = None if left is None else max(left - taken, 0)
+            left = max(left - taken, 0)
         return PacedStep(streams, fed, budget)
 
     def _after_step(self, job: Job) -> bool:
