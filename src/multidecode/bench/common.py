@@ -269,15 +269,19 @@ def _generate(model, counter: ForwardCounter, ids: torch.Tensor, mask: torch.Ten
 
 
 def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, assistant=None,
-                  **settings) -> RunOutput:
+                  logits_processor=None, **settings) -> RunOutput:
     """(a) `model.generate` once per prompt, the whole prompt each time (with `assistant` as its
-    `assistant_model`: assisted generation); beam search's sequence scores in `extra["scores"]`."""
+    `assistant_model`: assisted generation; with `logits_processor`, a `LogitsProcessorList`
+    reset before each prompt: a grammar's masks); beam search's sequence scores in `extra["scores"]`."""
     answers, peak, scores = [], 0, []
+    arguments = {"assistant_model": assistant, "logits_processor": logits_processor}
     for prompt in prompts:
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
+        for processor in logits_processor or ():
+            processor.reset()
         out, got, kv = _generate(model, counter, ids, torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  eos_ids=eos_ids, pad_id=pad_id, **settings,
-                                 arguments=None if assistant is None else {"assistant_model": assistant})
+                                 arguments={k: v for k, v in arguments.items() if v is not None})
         answers += got
         peak = max(peak, kv)
         if getattr(out, "sequences_scores", None) is not None:

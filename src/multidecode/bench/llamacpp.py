@@ -5,6 +5,7 @@ batch API: shared prefixes decoded once and copied between sequences, greedy (do
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,10 +62,12 @@ class LlamaCpp:
         lib.llama_free(self.ctx)
         lib.llama_model_free(self.model)
 
-    def _decode(self, entries: Sequence[tuple[int, int, Sequence[int], bool]], phase: str) -> list[np.ndarray]:
-        """Decode (token, position, sequences, wants logits) entries, BATCH at a time: the logits rows
-        asked for ([vocab] float32 each); each call is told to `self.record` where a run set it."""
-        rows = []
+    def _decode(self, entries: Sequence[tuple[int, int, Sequence[int], bool]], phase: str,
+                pick: Picker | None = None) -> list[int]:
+        """Decode (token, position, sequences, wants logits) entries, BATCH at a time: the token
+        `pick` chooses for each entry that wants logits (its one sequence's next); each call is told
+        to `self.record` where a run set it."""
+        picked = []
         for start in range(0, len(entries), BATCH):
             part = entries[start : start + BATCH]
             batch = self.batch
@@ -78,49 +81,87 @@ class LlamaCpp:
                 raise RuntimeError("llama_decode failed (the context is too small?)")
             if self.record is not None:
                 self.record(phase, time.perf_counter() - start, (1, len(part)))
-            for i, (*_, logits) in enumerate(part):
-                if logits:
-                    pointer = self.lib.llama_get_logits_ith(self.ctx, i)
-                    rows.append(np.ctypeslib.as_array(pointer, shape=(self.vocab,)).copy())
-        return rows
+            picked += [pick(sequences[0], i) for i, (_, _, sequences, logits) in enumerate(part) if logits]
+        return picked
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: Sequence[int]) -> dict:
-        """Greedy continuations of `prompts` (their common prefix decoded once) and the run's times:
-        {"answers", "prefill_s", "decode_s", "steps"}."""
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: Sequence[int],
+                 grammar: str | None = None) -> dict:
+        """Greedy continuations of `prompts` (their common prefix decoded once), each held to
+        `grammar` (GBNF) where one is given, and the run's times: {"answers", "prefill_s",
+        "decode_s", "steps"}."""
         if len(prompts) > self.sequences:
             raise ValueError(f"{len(prompts)} prompts, but the context holds {self.sequences} sequences")
         self.lib.llama_memory_clear(self.memory, True)
-        started = time.perf_counter()
-        shared = common_prefix_length(prompts)
-        if shared == min(map(len, prompts)):
-            shared -= 1  # every sequence keeps a token of its own, for its logits
-        self._decode([(t, p, [0], False) for p, t in enumerate(prompts[0][:shared])], PREFILL)
-        for sequence in range(1, len(prompts)):
-            self.lib.llama_memory_seq_cp(self.memory, 0, sequence, 0, shared)
-        own = [(t, p, [s], p == len(prompt) - 1) for s, prompt in enumerate(prompts)
-               for p, t in enumerate(prompt) if p >= shared]
-        heads = [int(row.argmax()) for row in self._decode(own, PREFILL)]
-        decoding = time.perf_counter()
-        answers: list[list[int]] = [[h] for h in heads]
-        live = [s for s, h in enumerate(heads) if h not in eos_ids and max_new_tokens > 1]
-        steps = 0
-        while live:
-            rows = self._decode([(answers[s][-1], len(prompts[s]) + len(answers[s]) - 1, [s], True) for s in live],
-                                DECODE)
-            steps += 1
-            for s, row in zip(live, rows):
-                answers[s].append(int(row.argmax()))
-            live = [s for s in live if answers[s][-1] not in eos_ids and len(answers[s]) < max_new_tokens]
-        ended = time.perf_counter()
+        pick = Picker(self, len(prompts), grammar)
+        try:
+            started = time.perf_counter()
+            shared = common_prefix_length(prompts)
+            if shared == min(map(len, prompts)):
+                shared -= 1  # every sequence keeps a token of its own, for its logits
+            self._decode([(t, p, [0], False) for p, t in enumerate(prompts[0][:shared])], PREFILL)
+            for sequence in range(1, len(prompts)):
+                self.lib.llama_memory_seq_cp(self.memory, 0, sequence, 0, shared)
+            own = [(t, p, [s], p == len(prompt) - 1) for s, prompt in enumerate(prompts)
+                   for p, t in enumerate(prompt) if p >= shared]
+            heads = self._decode(own, PREFILL, pick)
+            decoding = time.perf_counter()
+            answers: list[list[int]] = [[h] for h in heads]
+            live = [s for s, h in enumerate(heads) if h not in eos_ids and max_new_tokens > 1]
+            steps = 0
+            while live:
+                tokens = self._decode([(answers[s][-1], len(prompts[s]) + len(answers[s]) - 1, [s], True)
+                                       for s in live], DECODE, pick)
+                steps += 1
+                for s, token in zip(live, tokens):
+                    answers[s].append(token)
+                live = [s for s in live if answers[s][-1] not in eos_ids and len(answers[s]) < max_new_tokens]
+            ended = time.perf_counter()
+        finally:
+            pick.close()
         return {"answers": answers, "prefill_s": decoding - started, "decode_s": ended - decoding, "steps": steps}
 
 
+class Picker:
+    """A sequence's next token from the logits at a batch index: the argmax, or with a grammar
+    (GBNF), llama.cpp's grammar sampler and then greedy, a sampler chain per sequence (it keeps
+    where that sequence is in the grammar)."""
+
+    def __init__(self, engine: LlamaCpp, sequences: int, grammar: str | None) -> None:
+        self.engine, lib, self.chains = engine, engine.lib, []
+        if grammar is not None:
+            vocab = lib.llama_model_get_vocab(engine.model)
+            for _ in range(sequences):
+                chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root"))
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+                self.chains.append(chain)
+
+    def __call__(self, sequence: int, index: int) -> int:
+        engine = self.engine
+        if self.chains:
+            return int(engine.lib.llama_sampler_sample(self.chains[sequence], engine.ctx, index))
+        row = np.ctypeslib.as_array(engine.lib.llama_get_logits_ith(engine.ctx, index), shape=(engine.vocab,))
+        return int(row.argmax())
+
+    def close(self) -> None:
+        for chain in self.chains:
+            self.engine.lib.llama_sampler_free(chain)
+        self.chains = []
+
+
+def json_schema_grammar(schema: dict) -> str:
+    """llama.cpp's GBNF grammar of a JSON schema (llama-cpp-python's converter, as its `json_schema` uses)."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    return json_schema_to_gbnf(json.dumps(schema))
+
+
 def llama_run(engine: LlamaCpp, prompts: Sequence[Sequence[int]], counter: ForwardCounter, *, max_new_tokens: int,
-              eos_ids: Sequence[int]) -> RunOutput:
+              eos_ids: Sequence[int], grammar: str | None = None) -> RunOutput:
     """A benchmark run of llama.cpp, each `llama_decode` call recorded on `counter`."""
     engine.record = counter.record
     try:
-        out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+        out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, grammar=grammar)
     finally:
         engine.record = None
     answers = [trim_at_eos(a, eos_ids) for a in out.pop("answers")]
@@ -131,4 +172,4 @@ def _quiet(level, text, data) -> None:
     """llama.cpp's log callback: say nothing (the library never prints)."""
 
 
-__all__ = ["INSTALL", "LlamaCpp", "llama_run", "missing"]
+__all__ = ["INSTALL", "LlamaCpp", "Picker", "json_schema_grammar", "llama_run", "missing"]

@@ -1,15 +1,15 @@
 """Benchmark: structured output, extracting a support-call record (a fixed JSON schema) from short
 calls (docs/benchmarks.md, `bench structured`): (a) the masks' cost per decode step at 8 branches,
-(b) jump-forward against constrained decoding without it, (c) llama.cpp's json_schema grammar on
-the same GGUF one call at a time against MultiDecode one at a time and with the calls as one
-forest, (d) transformers with outlines one at a time, (e) the share of outputs that validate."""
+(b) jump-forward against constrained decoding without it, (c) llama.cpp with the schema's grammar
+on the same GGUF, one call at a time and the calls as parallel sequences, against MultiDecode one
+at a time and with the calls as one forest, (d) transformers' generate with outlines' masks one
+at a time, (e) the share of outputs that validate."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -19,23 +19,27 @@ from ..constraints import Constraint
 from ..errors import check_positive
 from ..strategies.complete import prompt_ids
 from . import llamacpp
-from .common import DECODE, PREFILL, RunOutput, Setup, check_identical, multidecode_forest
+from .common import Setup, check_identical, hf_sequential, multidecode_forest
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Part, Plot, Target, runs
 from .results import Column, Table
 
 FREE, MASKED = "unconstrained", "masked"
 PLAIN, FOREST, ONE, LLAMA, OUTLINES = "no_jump_forward", "forest", "one_at_a_time", "llama_cpp", "outlines"
+LLAMA_SHARED = "llama_cpp_parallel"
 LABELS = {
     FREE: ("(a) branches unconstrained, eos ignored", "unconstrained"),
     MASKED: ("(a) branches held to the schema, no jump-forward", "masked"),
     PLAIN: ("(b) the calls as one forest, schema, no jump-forward", "no jump-forward"),
     FOREST: ("(b, c) the calls as one forest, schema with jump-forward", "forest"),
     ONE: ("(c) MultiDecode, one call at a time, jump-forward", "MultiDecode one by one"),
-    LLAMA: ("(c) llama.cpp, json_schema grammar, one call at a time", "llama.cpp"),
-    OUTLINES: ("(d) transformers + outlines, one call at a time", "outlines"),
+    LLAMA: ("(c) llama.cpp, the schema's GBNF grammar, one call at a time", "llama.cpp"),
+    LLAMA_SHARED: ("(c) llama.cpp, the schema's GBNF grammar, the calls as parallel sequences, the instruction shared",
+                   "llama.cpp parallel"),
+    OUTLINES: ("(d) transformers' generate + outlines (outlines-core), same weights and kernels, one call at a time",
+               "outlines"),
 }
 """Method -> (label, short label)."""
-EXTRACTION = (PLAIN, FOREST, ONE, LLAMA, OUTLINES)
+EXTRACTION = (PLAIN, FOREST, ONE, LLAMA, LLAMA_SHARED, OUTLINES)
 QUICK = {"documents": 2, "mask_tokens": 8, "repeats": 1}
 """The settings of a smoke run (`--quick`)."""
 
@@ -45,11 +49,22 @@ def workload() -> dict:
     return json.loads(data.text("structured_calls.json"))
 
 
-def outlines_missing() -> str:
-    """Why (d) does not run here."""
+def outlines_missing() -> str | None:
+    """Why (d) does not run here (None: it does)."""
     if importlib.util.find_spec("outlines") is None:
         return "outlines is not installed (pip install outlines)"
-    return "outlines is installed, but this benchmark has no runner for it yet"
+    return None
+
+
+def outlines_masks(setup, schema: dict):
+    """outlines' JSON-schema logits processor (its default backend, outlines-core) for the decoder's
+    own model and tokenizer, as a `LogitsProcessorList` for `model.generate`."""
+    import outlines
+    from outlines.backends import get_json_schema_logits_processor
+    from transformers import LogitsProcessorList
+
+    model = outlines.from_transformers(setup.model, setup.tokenizer)
+    return LogitsProcessorList([get_json_schema_logits_processor(None, model, json.dumps(schema))])
 
 
 def validator(schema: dict):
@@ -96,46 +111,30 @@ def _extraction_report(setup, valid):
 
 
 class _Llama:
-    """llama.cpp on `gguf` with the schema as its grammar: loaded (and warmed on `warm`) before the
-    extraction is timed (`loaded`), then one call at a time (`one`), its forwards timed through `eval`."""
+    """llama.cpp on `gguf`, each sequence held to the schema's GBNF grammar: loaded (and warmed on
+    `warm`) before the extraction is timed (`loaded`), then runs over some calls (`run`): one, or
+    all as parallel sequences whose shared instruction is decoded once."""
 
     def __init__(self, gguf, schema: dict, setup, max_new_tokens: int, *, skip: str | None, warm) -> None:
         self.gguf, self.schema, self.setup, self.max_new_tokens = gguf, schema, setup, max_new_tokens
-        self.skip, self.warm, self.llm, self.grammar = skip, warm, None, None
+        self.skip, self.warm, self.engine, self.grammar = skip, warm, None, None
 
     @contextlib.contextmanager
     def loaded(self):
         if self.skip is None:
-            from llama_cpp import Llama, LlamaGrammar
-
-            self.llm = Llama(model_path=str(self.gguf), n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False)
-            self.grammar = LlamaGrammar.from_json_schema(json.dumps(self.schema), verbose=False)
-            self.llm.create_completion(list(self.warm), max_tokens=2, temperature=0.0)
+            self.engine = llamacpp.LlamaCpp(self.gguf, threads=torch.get_num_threads())
+            self.grammar = llamacpp.json_schema_grammar(self.schema)
+            self.engine.generate([self.warm], max_new_tokens=2, eos_ids=self.setup.eos_ids)
         try:
             yield
         finally:
-            if self.llm is not None:
-                self.llm.close()
-                self.llm = None
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
 
-    def one(self, prompt):
-        def run(counter):
-            llm, calls = self.llm, []
-
-            def timed(tokens, original=llm.eval):
-                start = time.perf_counter()
-                original(tokens)
-                counter.record(DECODE if calls else PREFILL, time.perf_counter() - start, (1, len(tokens)))
-                calls.append(len(tokens))
-            llm.eval = timed
-            try:
-                out = llm.create_completion(list(prompt), max_tokens=self.max_new_tokens, temperature=0.0,
-                                            repeat_penalty=1.0, grammar=self.grammar)
-            finally:
-                del llm.eval
-            ids = self.setup.tokenizer(out["choices"][0]["text"], add_special_tokens=False)["input_ids"]
-            return RunOutput([ids], 0, forward_passes=len(calls), new_tokens=out["usage"]["completion_tokens"])
-        return run
+    def run(self, prompts):
+        return lambda counter: llamacpp.llama_run(self.engine, prompts, counter, max_new_tokens=self.max_new_tokens,
+                                                  eos_ids=self.setup.eos_ids, grammar=self.grammar)
 
 
 def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 320, branches: int = 8,
@@ -156,6 +155,12 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
     llama_skip = llamacpp.missing(with_llama) or (None if gguf else "no GGUF file of this model (--model FILE.gguf)")
     llama = _Llama(gguf, schema, setup, max_new_tokens, skip=llama_skip, warm=prompts[0][:8])
 
+    outlines_skip = outlines_missing()
+    processors = outlines_masks(setup, schema) if outlines_skip is None else None
+
+    def outlined(chosen):
+        return setup.baseline(hf_sequential, chosen, max_new_tokens, logits_processor=processors)
+
     def forest(chosen, constraint, new=max_new_tokens, **how):
         return lambda counter: multidecode_forest(decoder, chosen, counter, max_new_tokens=new, constraint=constraint,
                                                   speculate=None, **how)
@@ -170,8 +175,9 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
     extraction = Case({"case": f"extraction, {documents} calls"}, (
         Method.named(LABELS, PLAIN, run=forest(prompts, masked)), Method.named(LABELS, FOREST, run=forest(prompts, jumping)),
         one_by_one(ONE, lambda p: forest([p], jumping)),
-        one_by_one(LLAMA, llama.one, skip=llama_skip, model=OUTSIDE_TORCH),
-        Method.named(LABELS, OUTLINES, skip=outlines_missing())),
+        one_by_one(LLAMA, lambda p: llama.run([p]), skip=llama_skip, model=OUTSIDE_TORCH),
+        Method.named(LABELS, LLAMA_SHARED, run=llama.run(prompts), skip=llama_skip, model=OUTSIDE_TORCH),
+        one_by_one(OUTLINES, lambda p: outlined([p]), skip=outlines_skip)),
         budget_s=budget_s, report=_extraction_report(setup, valid), context=llama.loaded,
         targets=(Target("(b) jump-forward over none", (f"{FOREST}_vs", PLAIN, "speedup"), ">=", 1.5),
                  *(Target(f"(e) valid outputs, {LABELS[name][1]}", ("figures", name, "valid_share"), ">=", 100,
@@ -181,11 +187,13 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
     return Benchmark(
         name="structured", title=f"a support-call record as JSON from {documents} calls, {max_new_tokens} tokens at most",
         model=decoder.model, cases=(mask_case, extraction), reference=None,
-        pairs=((FOREST, PLAIN), (FOREST, ONE), (FOREST, LLAMA), (FOREST, OUTLINES), (ONE, LLAMA)),
+        pairs=((FOREST, PLAIN), (FOREST, ONE), (FOREST, LLAMA), (FOREST, LLAMA_SHARED), (FOREST, OUTLINES),
+               (ONE, LLAMA)),
         config={"documents": documents, "max_new_tokens": max_new_tokens, "branches": branches,
                 "mask_tokens": mask_tokens, "decoding": "greedy", "speculate": None, "schema": schema,
                 "instruction": shipped["instruction"], "prompt_tokens": [len(p) for p in prompts],
-                "gguf": gguf and Path(gguf).name, "llama_cpp": llama_skip or "run", "validated_with": validated_with},
+                "gguf": gguf and Path(gguf).name, "llama_cpp": llama_skip or "run", "outlines": outlines_skip or "run",
+                "validated_with": validated_with},
         warmup=(Method.named(LABELS, FREE, run=forest(prompts[:2], None, 2)),
                 Method.named(LABELS, FOREST, run=forest(prompts[:2], jumping, 4))) if warmup else (),
         repeats=repeats, columns=("wall_s", "forward_passes", "tokens_per_s"),
