@@ -11,6 +11,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from multidecode.bench import llamacpp
 from multidecode.bench.structured import (
     EXTRACTION,
     FOREST,
@@ -26,7 +27,6 @@ from multidecode.bench.structured import (
     validator,
     workload,
 )
-from multidecode.bench import llamacpp
 from multidecode.cli import main
 from multidecode.constraints import Constraint
 from multidecode.models.random_gguf import write_random_gguf
