@@ -176,6 +176,12 @@ def test_masks_of_many_rows_equal_each_rows_own(decoder):
         bits = np.unpackbits(np.frombuffer(state.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         allowed = torch.from_numpy(bits[:vocab].astype(bool))
         assert torch.equal(masked[row], scores[row].masked_fill(~allowed, -float("inf")))
+    # every row constrained, the logits wider than the grammar's vocabulary: the extra columns forbidden
+    held = [s for s in states if s is not None]
+    wide = torch.randn(len(held), vocab + 7)
+    masked = mask_logits(wide, held)
+    assert torch.equal(masked[:, :vocab], mask_logits(wide[:, :vocab], held))
+    assert torch.isinf(masked[:, vocab:]).all()
 
 
 def test_forbidden_draft_nodes_go_with_their_subtrees(decoder):
