@@ -69,11 +69,15 @@ def test_bench_structured_on_the_tiny_model(tmp_path, model_dir_of):
     for name in ran:
         assert 0 <= extraction["figures"][name]["valid_share"] <= 100 and extraction["figures"][name]["documents_per_s"] > 0
     assert "speedup" in extraction[f"{FOREST}_vs"][PLAIN]
+    forest_ceiling, one_ceiling = extraction["ceiling"].values()  # no forest runs fewer steps than its longest free run
+    assert forest_ceiling["free"] <= forest_ceiling["tokens"] and forest_ceiling["ceiling"] >= 1
+    assert plain["forward_passes"] >= forest["forward_passes"] >= forest_ceiling["free"]
+    assert one_ceiling["free"] <= one_ceiling["tokens"] and one_ceiling["tokens"] >= forest_ceiling["tokens"]
     names = [t["name"] for t in stored["targets"]]
     assert names == ["(a) masked / unconstrained, time per step", "(b) jump-forward over none"] + [
         f"(e) valid outputs, {LABELS[name][1]}" for name in EXTRACTION if name in ran]
     md = (out / "bench_structured.md").read_text()
-    assert "Not run: (c) llama.cpp" in md and "left out (--no-llama)" in md and "| valid |" in md
+    assert "Not run: (c) llama.cpp" in md and "left out (--no-llama)" in md and "| valid |" in md and "Jump-forward's ceiling" in md
     # a folder is no GGUF file: llama.cpp is skipped with that reason when it is asked for
     result = CliRunner().invoke(main, [*args, "--stem", "asked"])
     assert result.exit_code == 0, (result.output, result.exception)
