@@ -404,8 +404,7 @@ def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency
         methods = tuple(Method.named(labels, name, run=lambda counter, name=name: servers.run(name, cell),
                                      model=OUTSIDE_TORCH) for name in order)
         multidecode = HF not in order
-        return Case({"concurrency": cell.concurrency, "shared": cell.shared, "arrivals_s": cell.arrivals}, methods,
-                    budget_s=None, context=context,
+        return Case({"concurrency": cell.concurrency, "shared": cell.shared}, methods, budget_s=None, context=context,
                     targets=_targets(cell) if multidecode and cell.concurrency == max(concurrency) else (),
                     report=functools.partial(servers.compared, cell, order) if multidecode else None)
 
@@ -430,7 +429,8 @@ def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency
                 "stream": True, "max_live_tokens": max_live_tokens, "prefix_cache_tokens": prefix_cache_tokens,
                 "gather_s": gather_s, "arrival_tokens": arrival_tokens, "arrival": ARRIVAL if arrival_tokens else None,
                 "client": "openai.AsyncOpenAI (max_retries=0), in the benchmark's process; servers in subprocesses"},
-        tables=_tables(what, arrival=bool(arrival_tokens)), summary=functools.partial(_compare_cells, servers),
+        tables=_tables(what, arrival=bool(arrival_tokens)),
+        summary=functools.partial(_compare_cells, servers, {(c.concurrency, c.shared): c.arrivals for c in cells}),
     )
 
 
@@ -478,9 +478,11 @@ def _p50_ttft(figures: dict | None) -> float | None:
     return figures["ttft_s"]["p50"] if figures and figures["ttft_s"] else None
 
 
-def _compare_cells(servers: Servers, result: dict) -> dict:
+def _compare_cells(servers: Servers, arrivals: dict[tuple, Sequence[float]], result: dict) -> dict:
     """Each server's output tokens/s and p50 TTFT over one at a time in its cell, and its p50 TTFT
-    over its own solo (concurrency 1, the same share), added to the rows; the servers' start times."""
+    over its own solo (concurrency 1, the same share), with the floor queueing puts under that
+    (`queued_ttft`, from the cell's arrivals by (concurrency, share)), added to the rows; the
+    servers' start times."""
     found = served(result)
     for (name, concurrency, share), (figures, row) in found.items():
         one = found.get((ONE, concurrency, share), (None,))[0]
@@ -493,7 +495,7 @@ def _compare_cells(servers: Servers, result: dict) -> dict:
             if value is not None:
                 row.setdefault(key, {})[name] = value
         if name == FOREST and concurrency > 1 and _p50_ttft(solo):
-            floor = statistics.median(queued_ttft(row["arrivals_s"], _p50_ttft(solo)))
+            floor = statistics.median(queued_ttft(arrivals[concurrency, share], _p50_ttft(solo)))
             row.setdefault("ttft_p50_floor_vs_solo", {})[name] = floor / _p50_ttft(solo)
     ready = servers.ready_s
     return {"multidecode_ready_s": {"min": round(min(ready), 1), "max": round(max(ready), 1)}} if ready else {}
