@@ -28,6 +28,8 @@ import pytest
 import torch
 from local_models import tiny_model_folder
 
+from multidecode import kernels
+
 DEFAULT_POSITIONS = 256
 
 
@@ -82,7 +84,10 @@ def tiny_server(model_dir):
 @pytest.fixture
 def cache(monkeypatch, tmp_path) -> Path:
     """`tmp_path / "cache"`, named by MULTIDECODE_CACHE for this test. It is not created: a load
-    creates it, as it would the user's, and the tests of a missing cache folder need it absent."""
+    creates it, as it would the user's, and the tests of a missing cache folder need it absent.
+    The compiled kernels are loaded first, from the real user cache (once per process): a test run
+    alone would otherwise build them into this folder, an entry its listing does not expect."""
+    kernels.status()
     folder = tmp_path / "cache"
     monkeypatch.setenv("MULTIDECODE_CACHE", str(folder))
     return folder
