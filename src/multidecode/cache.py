@@ -15,6 +15,12 @@ the mask width is always the number of slots the model is shown.
 `window(start)` shows the model only the slots from `start` on for one forward (the engine uses
 it when no new token can see the leading slots: finished requests' prompts kept in a server's
 prefix cache, say); new keys are still appended after every slot.
+
+**Writing at given slots** (`writing(q)`, for a compiled forward, see `compiled`): for one forward
+the layers write the new keys at slot indices held as a tensor (`index_copy_`, a mutation a graph
+can carry) and return their whole buffers, so the forward reads no number of the cache that changes
+from step to step. The exact attention reads keys by the plan's slot indices only, so it needs no
+view of the filled part; room is made and the length advanced outside the forward.
 """
 
 from __future__ import annotations
@@ -60,6 +66,13 @@ class SlotLayer(CacheLayerMixin):
             new_v[:, :, : self.length] = self._v[:, :, : self.length]
         self._k, self._v, self.capacity = new_k, new_v, capacity
         self._refresh_views()
+
+    def write(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Keys and values [1, heads, q, head_dim] written at `slots` ([q] long); the whole buffers back
+        (see `SlotCache.writing`: room is made, and the length advanced, outside)."""
+        self._k.index_copy_(2, slots, key_states)
+        self._v.index_copy_(2, slots, value_states)
+        return self._k, self._v
 
     def _refresh_views(self) -> None:
         self.keys = self._k[:, :, self.start : self.length]
@@ -149,8 +162,11 @@ class SlotCache(Cache):
         super().__init__(layer_class_to_replicate=SlotLayer)
         self._capacity = capacity
         self._start = 0
+        self.slots: torch.Tensor | None = None  # where a forward inside `writing` writes
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.slots is not None:
+            return self.layers[layer_idx].write(self.slots, key_states, value_states)
         while len(self.layers) <= layer_idx:
             self.layers.append(SlotLayer(self._capacity))
             self.layers[-1].start = self._start
@@ -190,6 +206,26 @@ class SlotCache(Cache):
                 layer.start = 0
                 if layer.is_initialized:
                     layer._refresh_views()
+
+    def ready_to_write(self) -> bool:
+        """Whether every layer has its buffers (a forward `writing` needs them: the first one allocates)."""
+        return bool(self.layers) and all(layer.is_initialized for layer in self.layers)
+
+    @contextmanager
+    def writing(self, q: int, device):
+        """Within the block, one forward of `q` new nodes writes them at the next `q` slots, given as a
+        tensor, and gets the whole buffers back (see the module notes); afterwards they are filled."""
+        end = self.num_slots + q
+        if end > self.capacity:
+            self.reserve(max(end, 2 * self.capacity))
+        self.slots = torch.arange(self.num_slots, end, device=device)
+        try:
+            yield self
+        finally:
+            self.slots = None
+        for layer in self.layers:
+            layer.length = end
+            layer._refresh_views()
 
     def truncate(self, slots: int) -> None:
         """Keep at most the first `slots` slots in every layer."""

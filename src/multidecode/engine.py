@@ -46,8 +46,9 @@ from typing import Generic, TypeVar
 import torch
 
 from .cache import SlotCache
+from .compiled import compiled_forward
 from .errors import PromptTooLong
-from .exact import ExactPlan, is_exact, plan_attention
+from .exact import ExactPlan, is_exact, plan_attention, plan_tensors
 from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
 from .masks import build_attention_mask
 from .memory import Footprint, Need
@@ -413,7 +414,10 @@ class Engine:
             else:
                 mask = build_attention_mask(rows[:, start:], positions, forest.slot_positions()[start:], self.layout,
                                             self.dtype, self.device)
-        if start:
+        compiled = compiled_forward(self.model) if self.exact else None
+        if compiled is not None and not layers and self._embeds is None and self.cache.ready_to_write():
+            out = self._forward_compiled(compiled, nodes, positions, keep, mask, plan, start)
+        elif start:
             with self.cache.window(start):
                 out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan)
             self.stats.slots_skipped += start
@@ -487,6 +491,24 @@ class Engine:
         # [len(keep_states), layers, hidden]: each asked layer's states at those rows
         hidden = torch.stack([out.hidden_states[layer][0].index_select(0, rows) for layer in layers], 1)
         return logits, hidden
+
+    def _forward_compiled(self, compiled, nodes: list[int], positions: torch.Tensor, keep: list[int], mask,
+                          plan: ExactPlan, start: int) -> tuple[torch.Tensor, None]:
+        """`_forward` of a plain or forest run on the model's compiled forward (see `compiled`): the
+        plan goes in as tensors (each layer's visible bits, from its type's mask), the model gets an
+        empty mask, and the cache writes the new nodes at its next slots."""
+        masks = [mask[kind] for kind in self.layout.layer_types] if isinstance(mask, dict) else [mask]
+        width = (next(iter(mask.values())) if isinstance(mask, dict) else mask).shape[-1]
+        units = plan_tensors(plan, masks if isinstance(mask, dict) else masks * len(self.layout.layer_types), width,
+                             self.device, offset=start)
+        empty = torch.empty(1, 1, 0, 0, dtype=self.dtype, device=self.device)
+        placeholder = dict.fromkeys(self.layout.kinds, empty) if self.layout.as_dict else empty
+        index = torch.tensor(keep or [len(nodes) - 1], dtype=torch.long, device=self.device)
+        tokens = torch.tensor([[self.forest.tokens[n] for n in nodes]], dtype=torch.long, device=self.device)
+        with torch.inference_mode(), self.cache.writing(len(nodes), self.device):
+            logits = compiled(tokens, positions[None].to(self.device), placeholder, self.cache, index, units,
+                              self.cache_argument)
+        return logits[0, : len(keep)].float(), None
 
     def _positions(self, nodes: Sequence[int]) -> torch.Tensor:
         """Position ids of new nodes ([len(nodes)]), refused past the model's last position."""

@@ -206,9 +206,25 @@ def chain_plan(query_count: int, key_count: int) -> ExactPlan:
 
 
 # ---------------------------------------------------------------------- the kernel
+def plan_tensors(plan: ExactPlan, masks: list, keys: int, device, offset: int = 0) -> dict:
+    """A plan as the tensors a compiled forward takes (`forest_units`, see `exact_attention`): the
+    layout's indices and each layer's visible bits (`masks`: each layer's mask, those of one type
+    the same object), the slots moved up by `offset` (the forward reads the cache's whole buffers,
+    not a window from `offset` on). Nothing in it is a Python object the graph would have to guard."""
+    layout = plan.layout(device)
+    slots = layout.unit_slots if not offset else torch.where(layout.unit_slots >= 0, layout.unit_slots + offset,
+                                                            layout.unit_slots)
+    bits = [layout.visible_bits(plan, mask, keys, device) for mask in masks]
+    return {"slots": slots, "rows": layout.unit_rows, "row_pairs": layout.row_pairs, "pair_index": layout.pair_index,
+            "bits": bits}
+
+
 def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                    forest_plan: ExactPlan | None = None, **kwargs):
+                    forest_plan: ExactPlan | None = None, forest_units: dict | None = None, **kwargs):
     """Attention reduced over position blocks (see the module notes).
+
+    forest_units: the plan as tensors (`plan_tensors`), given by a compiled forward in place of
+    `forest_plan`; the mask is then not read (each layer's visible bits are in it).
 
     query [B, H, R, D]; key/value [B, H_kv, S, D]; attention_mask [B, 1, R, S] additive float
     (blocked: far below zero) or bool (True: allowed) or None (causal). With a plan (the engine's),
@@ -218,6 +234,11 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     """
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("exact attention does not support attention sinks")
+    if forest_units is not None:
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return kernels.attention(query, key, value, forest_units["slots"], forest_units["rows"],
+                                 forest_units["bits"][module.layer_idx], forest_units["row_pairs"],
+                                 forest_units["pair_index"], scale, kwargs.get("softcap") or 0.0), None
     if forest_plan is not None:
         if query.shape[0] != 1:
             raise ValueError("a forest is one sequence of the batch: batch size must be 1 with a plan")
@@ -418,4 +439,4 @@ def is_exact(model) -> bool:
 
 
 __all__ = ["BLOCK", "NAME", "ExactLinear", "ExactPlan", "Swapped", "chain_plan", "exact_attention", "exact_kernels",
-           "is_exact", "plan_attention", "register", "use_exact_kernels"]
+           "is_exact", "plan_attention", "plan_tensors", "register", "use_exact_kernels"]

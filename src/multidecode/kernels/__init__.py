@@ -31,7 +31,6 @@ the other), slower, and float-weight `linear` refused there (no torch kernel fix
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 
@@ -72,15 +71,18 @@ def native() -> bool:
     return status().library is not None
 
 
-@functools.cache
+_level: int | None = None
+
+
 def level() -> int:
-    """The instruction set the kernels use: the best this CPU has, capped by ATEN_CPU_CAPABILITY."""
-    best = int(torch.ops.multidecode.best_isa()) if native() else PORTABLE
-    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    for name, highest in CAPABILITY_CAPS.items():
-        if cap.startswith(name):
-            return min(best, highest)
-    return best
+    """The instruction set the kernels use: the best this CPU has, capped by ATEN_CPU_CAPABILITY.
+    Read once, then a plain number (a compiled forward reads it as a constant, not as an operator)."""
+    global _level
+    if _level is None:
+        best = int(torch.ops.multidecode.best_isa()) if native() else PORTABLE
+        cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+        _level = next((min(best, highest) for name, highest in CAPABILITY_CAPS.items() if cap.startswith(name)), best)
+    return _level
 
 
 def describe() -> str:
