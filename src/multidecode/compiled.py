@@ -18,15 +18,22 @@ serve every step:
   of changing size reuse the graphs compiled so far (torch specializes sizes 0 and 1: a one-row
   step and a forest are different graphs; a handful in all, see docs/benchmarks.md).
 
-**Exactness: not yet.** Inductor fuses a chain of bfloat16 operations and would round once at its
-end where eager torch rounds after each; `emulate_precision_casts` makes the fused code round
-where eager does. On tiny random Llama models (bfloat16 and int4) the compiled engine then gives
-the eager engine's bits and every node its path's alone (139 of 139 nodes). On the embedded model
-it does not: a forest step of siblings [1235, 1234] under a 22-token prompt differs from the
-eager step in the row of token 1235 (0.56 in a logit; 1234, 4000, 4007, 4014 agree), though the
-embedding, norm, MLP, rotary, residual and head each agree with eager on random inputs, compiled
-alone. Until the op whose fused code rounds otherwise is found (or kept out of the fusion), this
-is an experiment: nothing turns it on by default, and `load` does not offer it.
+**Exactness: sums in aten's order.** Inductor fuses a chain of bfloat16 operations and would round
+once at its end where eager torch rounds after each; `emulate_precision_casts` makes the fused code
+round where eager does. A sum is another matter: inductor's CPU reduction adds a row in its own
+order (32 lanes, then a tree), aten's in another (a cascade of 4 x 16-lane accumulators), and the
+two round differently for some rows: on the embedded model the post-attention norm of layer 6
+(`pow(2).mean(-1)` of token 1235 under a 22-token prompt) gave a mean of squares one bit off
+(14.736589 against eager's 14.736588), which flipped 3 elements of the normed row and 0.56 in a
+logit. So every sum and mean of the graph is handed to aten: a pass (`eager_sums`, inductor's
+`post_grad_custom_pre_pass`) replaces `aten.sum` and `aten.mean` by `multidecode::eager_sum` and
+`multidecode::eager_mean`, operators whose kernel is aten's (inductor calls them as they are, as it
+calls the products), so a norm's reduction is eager's, bit for bit; the elementwise work around
+it stays fused. A reduction inductor makes out of another operation (a softmax's, a layer norm's
+`var_mean`) is not one of them: a model whose graph has those (GPT-2's layer norms) is not yet
+checked. The embedded model now gives eager's logits compiled (the siblings above, random forests
+of 1 to 8 rows, at 1 and 2 threads, and a row of an 8-row forest equals the node fed alone); the
+step stays an experiment, off by default, until `test_exact.py`'s checks run under compile.
 
 **When.** Compiling costs tens of seconds to minutes the first time (inductor's artifacts are kept in
 the user cache, `cache_dir()/inductor`, and a later process reuses them). Forwards that ask for
@@ -44,7 +51,71 @@ import torch
 from .user_cache import cache_dir
 
 OPTIONS = {"emulate_precision_casts": True}
-"""Inductor's settings for the step (see the module notes)."""
+"""Inductor's settings for the step (see the module notes); `options()` adds the `eager_sums` pass."""
+
+
+# ---------------------------------------------------------------------- sums in aten's order
+_SCHEMA = "(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor"
+_library = None
+
+
+def _eager_sum(x, dim, keepdim=False, dtype=None):
+    return torch.ops.aten.sum.dim_IntList(x, dim, keepdim, dtype=dtype)
+
+
+def _eager_mean(x, dim, keepdim=False, dtype=None):
+    return torch.ops.aten.mean.dim(x, dim, keepdim, dtype=dtype)
+
+
+def register_sums() -> None:
+    """Define `multidecode::eager_sum` and `eager_mean` (aten's `sum.dim_IntList` and `mean.dim`, under
+    names inductor has no lowering for: it calls them as they are). Idempotent."""
+    global _library
+    if _library is not None:
+        return
+    library = torch.library.Library("multidecode", "FRAGMENT")
+    for name, kernel in (("eager_sum", _eager_sum), ("eager_mean", _eager_mean)):
+        library.define(name + _SCHEMA)
+        library.impl(name, kernel, "CompositeExplicitAutograd")  # aten's kernel: eager's order of additions
+        torch.library.register_fake(f"multidecode::{name}", kernel, lib=library)
+    _library = library
+
+
+def eager_sums():
+    """An inductor pass (`post_grad_custom_pre_pass`: after autograd, before inductor's pattern matcher)
+    that makes every `aten.sum` and `aten.mean` of the graph `multidecode::eager_sum` / `eager_mean`,
+    so each sum is added in aten's order (see the module notes). Made on first use: inductor's
+    modules take a second to import."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    register_sums()
+
+    class EagerSums(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            aten, ops = torch.ops.aten, torch.ops.multidecode
+            replaced = {aten.sum.dim_IntList: ops.eager_sum.default, aten.sum.default: ops.eager_sum.default,
+                        aten.mean.dim: ops.eager_mean.default, aten.mean.default: ops.eager_mean.default}
+            for node in [node for old in replaced for node in graph.find_nodes(op="call_function", target=old)]:
+                target = replaced[node.target]
+                # (self, *, dtype) is over every dim: (self, None, False, *, dtype)
+                everything = node.target in (aten.sum.default, aten.mean.default)
+                args = (node.args[0], None, False) if everything else node.args
+                with graph.inserting_before(node):
+                    new = graph.call_function(target, args, dict(node.kwargs))
+                new.meta.update(node.meta)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+
+        def uuid(self) -> bytes:  # compiled artifacts are cached under the pass's source
+            return get_hash_for_files((__file__,))
+
+    return EagerSums()
+
+
+def options() -> dict:
+    """`OPTIONS` and the `eager_sums` pass: what the step is compiled with."""
+    return {**OPTIONS, "post_grad_custom_pre_pass": eager_sums()}
+
 
 OBLIVIOUS = True
 """Size-oblivious shapes: sizes of 1 are not specialized, so a one-row step and a forest share a graph."""
@@ -57,7 +128,7 @@ class CompiledForward:
 
     def __init__(self, model) -> None:
         self.model = model
-        self.compiled = torch.compile(self._forward, dynamic=True, fullgraph=True, options=OPTIONS)
+        self.compiled = torch.compile(self._forward, dynamic=True, fullgraph=True, options=options())
 
     def _forward(self, input_ids, position_ids, mask, cache, logits_to_keep, units, cache_argument: str):
         return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
@@ -100,4 +171,5 @@ def uncompile(model) -> None:
     _compiled.pop(model, None)
 
 
-__all__ = ["CompiledForward", "compile_forward", "compiled_forward", "uncompile", "use_inductor_cache"]
+__all__ = ["CompiledForward", "compile_forward", "compiled_forward", "eager_sums", "options", "register_sums",
+           "uncompile", "use_inductor_cache"]
