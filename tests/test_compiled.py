@@ -9,10 +9,20 @@ aten's, so each must give eager's bits.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+from batch_files import records, write_lines
+from click.testing import CliRunner
+from forests import THREADS, differing, exact_model, random_forest, threads
+from local_models import tiny_model_folder
 
+import multidecode
 from multidecode import compiled
+from multidecode.cli import main
+from multidecode.engine import Engine
+from multidecode.errors import InvalidArgument
 
 pytestmark = pytest.mark.slow  # each compiles a small graph (seconds)
 
@@ -68,3 +78,73 @@ def test_the_pass_replaces_them_all():
     ops = torch.ops.multidecode
     assert targets == [ops.eager_sum.default, ops.eager_sum.default, ops.eager_mean.default, ops.eager_mean.default]
     assert compiled.eager_sums().uuid() == compiled.eager_sums().uuid()  # cacheable: the same pass, the same key
+
+
+# ---------------------------------------------------------------------- the compiled engine
+@pytest.mark.parametrize("arch", ["llama", "qwen2-hybrid"])  # full attention; a sliding window beside it
+@pytest.mark.parametrize("precision", ["bfloat16", "int4"])
+def test_a_compiled_forest_gives_the_eager_forests_bits_and_each_node_its_path_alone(arch, precision):
+    """Random forests fed through the compiled forward (after each engine's first forward, which
+    allocates the cache and runs eagerly) give the eager engine's logits bit for bit, and every
+    node the logits of its path fed alone (eagerly, in a fresh engine), at 1 thread and at all."""
+    model = exact_model(arch, "sdpa", precision)
+    eager = random_forest(Engine(model), random.Random(0))
+    compiled.compile_forward(model)
+    try:
+        for count in THREADS:
+            with threads(count):
+                got = random_forest(Engine(model), random.Random(0))
+                assert got.keys() == eager.keys() and all(torch.equal(got[n], eager[n]) for n in got)
+                bad, fed = differing(model, seed=1)
+                assert fed and not bad, f"{len(bad)} of {fed} nodes differ from their paths alone"
+        assert compiled.compiled_forward(model).refused is None
+    finally:
+        compiled.uncompile(model)
+
+
+def test_a_model_whose_graph_reduces_otherwise_runs_eagerly_and_says_why():
+    """GPT-2's layer norms reduce by `var_mean`, whose order inductor would choose: its compile is
+    refused (before the graph runs: the cache is untouched) and the engine runs it eagerly, the
+    same logits."""
+    model = exact_model("gpt2", "sdpa", "bfloat16")
+    eager = random_forest(Engine(model), random.Random(0), steps=2)
+    compiled.compile_forward(model)
+    try:
+        got = random_forest(Engine(model), random.Random(0), steps=2)
+        assert all(torch.equal(got[n], eager[n]) for n in eager)
+        assert "var_mean" in compiled.compiled_forward(model).refused
+    finally:
+        compiled.uncompile(model)
+
+
+def test_load_with_compile_gives_the_same_tokens(tmp_path):
+    folder = str(tiny_model_folder(tmp_path / "model"))
+
+    def tokens(decoder) -> list[list[int]]:
+        run = decoder.start([[5, 6, 7, 8], [5, 6, 9]], max_new_tokens=6, speculate=None)
+        for _ in run.events:
+            pass
+        return [list(branch.output.token_ids) for branch in run.branches]
+
+    want = tokens(multidecode.load(folder, precision="bfloat16"))
+    decoder = multidecode.load(folder, precision="bfloat16", compile=True)
+    assert tokens(decoder) == want
+    assert compiled.compiled_forward(decoder.model).refused is None
+    with pytest.raises(InvalidArgument, match="compile=True needs exact=True"):
+        multidecode.load(folder, exact=False, compile=True)
+
+
+def test_batch_with_compile_writes_the_records_of_a_run_without(model_dir, tmp_path):
+    rows = [{"id": i, "document": text, "questions": ["why?", "when?"]}
+            for i, text in enumerate(["The router drops the line every evening.", "The cable was cut by the storm."])]
+    source = write_lines(tmp_path / "in.jsonl", rows)
+    outputs = {}
+    for flags in ([], ["--compile"]):
+        out = tmp_path / f"out{len(flags)}.jsonl"
+        result = CliRunner().invoke(main, ["batch", str(source), "-o", str(out), "--model", str(model_dir),
+                                           "--max-new-tokens", "6", *flags])
+        assert result.exit_code == 0, result.output
+        outputs[len(flags)] = {r["id"]: r["answers"] for r in records(out)}
+    assert outputs[1] == outputs[0]
+    refused = CliRunner().invoke(main, ["batch", str(source), "-o", str(tmp_path / "x.jsonl"), "--compile", "--ray"])
+    assert refused.exit_code == 2 and "--compile runs the job in this process" in refused.output

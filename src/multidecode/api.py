@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 from .branches import BranchRun, TokenEvent, start, start_prompts
+from .compiled import compile_forward
 from .constraints import Constraint, constraint_of
 from .cost import CostCurve, LearnedCurve
 from .engine import Engine
@@ -262,7 +263,7 @@ class MultiDecoder:
 
 
 def load(model: str | None = None, *, precision: str | None = None, dtype=None, device=None,
-         exact: bool = True) -> MultiDecoder:
+         exact: bool = True, compile: bool = False) -> MultiDecoder:
     """Load a model by name (nothing for the embedded SmolLM2-135M-Instruct) as a `MultiDecoder`.
 
     model: None, a local Hugging Face folder, a local .gguf file, or a hub id.
@@ -272,8 +273,18 @@ def load(model: str | None = None, *, precision: str | None = None, dtype=None, 
     exact: batch-invariant attention (default): a node's logits do not depend on what else shares
         its forward, bit for bit (`multidecode.exact`); False keeps the model's own attention
         (faster on long prompts, exact to the token).
+    compile: run the engine's forwards as one compiled graph (`multidecode.compiled`): the same bits
+        as without, a shorter step, for long jobs (a server, a batch): the first forwards wait for
+        inductor (seconds to a minute or two per graph on a CPU; its artifacts are kept in the user
+        cache for later processes). A model the compiled step cannot run exactly runs eagerly
+        (`compiled.compiled_forward(model).refused` says why). Needs exact=True.
     """
+    if compile and not exact:
+        raise InvalidArgument("compile=True needs exact=True (the compiled step runs on the exact kernels)",
+                              "drop compile=True, or keep exact=True")
     loaded = load_model(model, precision_name=precision or dtype, device=device, exact=exact)
+    if compile:
+        compile_forward(loaded.model)
     return MultiDecoder(loaded.model, loaded.tokenizer, loaded=loaded)
 
 

@@ -105,6 +105,11 @@ def eager_sums():
                 new.meta.update(node.meta)
                 node.replace_all_uses_with(new)
                 graph.erase_node(node)
+            left = sorted({name for node in graph.nodes if node.op == "call_function"
+                           and (name := _packet(node.target)) in ORDERED_REDUCTIONS})
+            if left:
+                raise CompileRefused(f"its graph reduces with {', '.join(left)}, whose order of additions inductor "
+                                     "would choose (only sums and means are kept in aten's order)")
 
         def uuid(self) -> bytes:  # compiled artifacts are cached under the pass's source
             return get_hash_for_files((__file__,))
@@ -112,10 +117,32 @@ def eager_sums():
     return EagerSums()
 
 
+ORDERED_REDUCTIONS = frozenset({"sum", "mean", "var", "var_mean", "std", "std_mean", "prod", "cumsum", "cumprod",
+                                "logsumexp", "linalg_vector_norm", "norm", "nansum", "nanmean", "_softmax",
+                                "_log_softmax", "logcumsumexp"})
+"""aten reductions whose result depends on the order of their additions (a max, a min or an
+any does not): after `eager_sums`, a graph with one left is refused (`CompileRefused`)."""
+
+
+class CompileRefused(RuntimeError):
+    """A forward that the compiled step cannot run exactly (it runs eagerly instead)."""
+
+
+def _packet(target) -> str | None:
+    """An aten operator's name without its overload (`aten.var_mean.correction` -> "var_mean")."""
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None)
+
+
 def options() -> dict:
     """`OPTIONS` and the `eager_sums` pass: what the step is compiled with."""
     return {**OPTIONS, "post_grad_custom_pre_pass": eager_sums()}
 
+
+RECOMPILE_LIMIT = 64
+"""Graphs dynamo keeps for one model class's forward code in a process: each model compiles its
+own (a one-row step and a forest: 2), and dynamo's default of 8 would refuse the fifth model of a
+process (a test session, a notebook that loads several)."""
 
 OBLIVIOUS = True
 """Size-oblivious shapes: sizes of 1 are not specialized, so a one-row step and a forest share a graph."""
@@ -124,10 +151,14 @@ _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> C
 
 
 class CompiledForward:
-    """`model`'s forward as one compiled graph over a `SlotCache` inside `writing` (see the module notes)."""
+    """`model`'s forward as one compiled graph over a `SlotCache` inside `writing` (see the module
+    notes). `refused`: why it cannot be compiled exactly (None until a compile fails): from then on
+    `__call__` raises `CompileRefused` at once, before the graph runs (nothing written to the
+    cache), and the engine runs its forwards eagerly, as exact as ever, only slower."""
 
     def __init__(self, model) -> None:
         self.model = model
+        self.refused: str | None = None
         self.compiled = torch.compile(self._forward, dynamic=True, fullgraph=True, options=options())
 
     def _forward(self, input_ids, position_ids, mask, cache, logits_to_keep, units, cache_argument: str):
@@ -139,8 +170,17 @@ class CompiledForward:
         for layer in cache.layers:  # the capacity grows by doubling: one graph for all of them
             torch._dynamo.maybe_mark_dynamic(layer._k, 2)
             torch._dynamo.maybe_mark_dynamic(layer._v, 2)
-        with torch.fx.experimental._config.patch(backed_size_oblivious=OBLIVIOUS):
-            return self.compiled(input_ids, position_ids, mask, cache, logits_to_keep, units, cache_argument)
+        if self.refused is not None:
+            raise CompileRefused(self.refused)
+        try:
+            with torch.fx.experimental._config.patch(backed_size_oblivious=OBLIVIOUS), \
+                    torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return self.compiled(input_ids, position_ids, mask, cache, logits_to_keep, units, cache_argument)
+        except Exception as error:  # refused by `eager_sums`, or a graph inductor cannot build: run eagerly
+            inner = getattr(error, "inner_exception", None) or error.__cause__ or error
+            self.refused = str(inner) if isinstance(inner, CompileRefused) else \
+                f"compiling failed ({type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''})"
+            raise CompileRefused(self.refused) from error
 
 
 def use_inductor_cache() -> None:
@@ -171,5 +211,5 @@ def uncompile(model) -> None:
     _compiled.pop(model, None)
 
 
-__all__ = ["CompiledForward", "compile_forward", "compiled_forward", "eager_sums", "options", "register_sums",
+__all__ = ["ORDERED_REDUCTIONS", "CompileRefused", "CompiledForward", "compile_forward", "compiled_forward", "eager_sums", "options", "register_sums",
            "uncompile", "use_inductor_cache"]

@@ -46,7 +46,7 @@ from typing import Generic, TypeVar
 import torch
 
 from .cache import SlotCache
-from .compiled import compiled_forward
+from .compiled import CompileRefused, compiled_forward
 from .errors import PromptTooLong
 from .exact import ExactPlan, is_exact, plan_attention, plan_tensors
 from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
@@ -415,13 +415,15 @@ class Engine:
                 mask = build_attention_mask(rows[:, start:], positions, forest.slot_positions()[start:], self.layout,
                                             self.dtype, self.device)
         compiled = compiled_forward(self.model) if self.exact else None
-        if compiled is not None and not layers and self._embeds is None and self.cache.ready_to_write():
-            out = self._forward_compiled(compiled, nodes, positions, keep, mask, plan, start)
-        elif start:
+        out = None
+        if (compiled is not None and compiled.refused is None and not layers and self._embeds is None
+                and self.cache.ready_to_write()):
+            out = self._forward_compiled(compiled, nodes, positions, keep, mask, plan, start)  # None: refused
+        if out is None and start:
             with self.cache.window(start):
                 out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan)
             self.stats.slots_skipped += start
-        else:
+        elif out is None:
             out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan)
         self._count(len(nodes))
         return out
@@ -496,7 +498,8 @@ class Engine:
                           plan: ExactPlan, start: int) -> tuple[torch.Tensor, None]:
         """`_forward` of a plain or forest run on the model's compiled forward (see `compiled`): the
         plan goes in as tensors (each layer's visible bits, from its type's mask), the model gets an
-        empty mask, and the cache writes the new nodes at its next slots."""
+        empty mask, and the cache writes the new nodes at its next slots. None where the compiled
+        forward is refused (`compiled.CompileRefused`): the caller runs the forward eagerly."""
         masks = [mask[kind] for kind in self.layout.layer_types] if isinstance(mask, dict) else [mask]
         width = (next(iter(mask.values())) if isinstance(mask, dict) else mask).shape[-1]
         units = plan_tensors(plan, masks if isinstance(mask, dict) else masks * len(self.layout.layer_types), width,
@@ -505,9 +508,12 @@ class Engine:
         placeholder = dict.fromkeys(self.layout.kinds, empty) if self.layout.as_dict else empty
         index = torch.tensor(keep or [len(nodes) - 1], dtype=torch.long, device=self.device)
         tokens = torch.tensor([[self.forest.tokens[n] for n in nodes]], dtype=torch.long, device=self.device)
-        with torch.inference_mode(), self.cache.writing(len(nodes), self.device):
-            logits = compiled(tokens, positions[None].to(self.device), placeholder, self.cache, index, units,
-                              self.cache_argument)
+        try:
+            with torch.inference_mode(), self.cache.writing(len(nodes), self.device):
+                logits = compiled(tokens, positions[None].to(self.device), placeholder, self.cache, index, units,
+                                  self.cache_argument)
+        except CompileRefused:  # raised before the graph ran: the cache is as it was
+            return None
         return logits[0, : len(keep)].float(), None
 
     def _positions(self, nodes: Sequence[int]) -> torch.Tensor:

@@ -163,6 +163,17 @@ class _Llama:
                                                   eos_ids=self.setup.eos_ids, grammar=self.grammar)
 
 
+TABLES = (
+    Table("Per method: time per decode step (wall, less prefill), documents/s and valid outputs",
+          (Column("case", "case"), Column("method", "label"), Column("time per step", "ms_per_step", "{:.1f} ms"),
+           Column("documents/s", "documents_per_s", "{:.3f}"), Column("valid", "valid_share", "{:.0f}%")),
+          rows="figures", lead=2),
+    Table("Jump-forward's ceiling on these records: a step gives a branch at most one token the grammar does not force",
+          (Column("decoding", "label"), Column("tokens", "tokens"), Column("free tokens", "free"),
+           Column("ceiling", "ceiling", "{:.2f}x")), rows="ceiling"))
+"""The result's own tables, beside the harness's."""
+
+
 def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 320, branches: int = 8,
                          mask_tokens: int = 32, gguf: str | Path | None = None, with_llama: bool = True,
                          repeats: int = 3, budget_s: float = 60.0, warmup: bool = True) -> Benchmark:
@@ -208,8 +219,6 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
         targets=(Target("(b) jump-forward over none", (f"{FOREST}_vs", PLAIN, "speedup"), ">=", 1.5),
                  *(Target(f"(e) valid outputs, {LABELS[name][1]}", ("figures", name, "valid_share"), ">=", 100,
                           unit="%") for name in EXTRACTION)))
-    columns = (Column("case", "case"), Column("method", "label"), Column("time per step", "ms_per_step", "{:.1f} ms"),
-               Column("documents/s", "documents_per_s", "{:.3f}"), Column("valid", "valid_share", "{:.0f}%"))
     return Benchmark(
         name="structured", title=f"a support-call record as JSON from {documents} calls, {max_new_tokens} tokens at most",
         model=decoder.model, cases=(mask_case, extraction), reference=None,
@@ -224,12 +233,7 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
                 Method.named(LABELS, FOREST, run=forest(prompts[:2], jumping, 4))) if warmup else (),
         repeats=repeats, columns=("wall_s", "forward_passes", "tokens_per_s"),
         plot=Plot("bars", figures=("wall_s", "forward_passes", "tokens_per_s")), rows_key="cases",
-        tables=(Table("Per method: time per decode step (wall, less prefill), documents/s and valid outputs", columns,
-                      rows="figures", lead=2),
-                Table("Jump-forward's ceiling on these records: a step gives a branch at most one token the grammar "
-                      "does not force", (Column("decoding", "label"), Column("tokens", "tokens"),
-                                         Column("free tokens", "free"), Column("ceiling", "ceiling", "{:.2f}x")),
-                      rows="ceiling")))
+        tables=TABLES)
 
 
 run_structured_benchmark = runs(structured_benchmark)

@@ -27,6 +27,7 @@ from ..batch.merged import FOREST_BRANCHES, FOREST_TOKENS, PREFILL_CHUNK
 from ..errors import InvalidInput
 from ..models.loading import resolve_precision
 from .common import (
+    COMPILE_HELP,
     check_early,
     constraint_from,
     decoding_options,
@@ -214,6 +215,31 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
 
 
 # ---------------------------------------------------------------------- the command
+def check_where(ray_address: str | None, workers: int | None, compile_step: bool) -> None:
+    """Refuse flags that do not fit where the job runs (here, or on Ray), and say how to install Ray
+    before anything else happens when the job is for it."""
+    if workers is not None and ray_address is None:
+        raise InvalidInput("--workers is for jobs on Ray", "add --ray (a local Ray) or --ray ADDRESS, or leave it out")
+    if compile_step and ray_address is not None:
+        raise InvalidInput("--compile runs the job in this process; Ray workers load their own model eagerly",
+                           "drop --compile or --ray")
+    if ray_address is not None:
+        from ..batch.ray import import_ray
+
+        import_ray()
+
+
+def say_if_not_compiled(results, model):
+    """`results` as they come; then, if the model's forward could not be compiled exactly (it ran
+    eagerly: the same records, slower), a note saying why."""
+    from ..compiled import compiled_forward
+
+    yield from results
+    compiled = compiled_forward(model)
+    if compiled is not None and compiled.refused:
+        stderr.print(f"[yellow]note:[/yellow] --compile: ran eagerly, {escape(compiled.refused)}")
+
+
 @click.command()
 @click.argument("input_path", metavar="INPUT.jsonl")
 @click.option("--output", "-o", required=True, metavar="OUT.jsonl",
@@ -234,11 +260,12 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
                    "--ray HOST:PORT joins a head node (pip install 'multidecode[ray]').")
 @click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
               help="Ray workers, each with its own model and merged forest (with --ray; default 2).")
+@click.option("--compile", "compile_step", is_flag=True, help=COMPILE_HELP + " Not with --ray.")
 @decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @report_errors
 def batch(input_path, output, questions_file, question, max_new_tokens, stop, retry_failed, forest_tokens,
-          forest_branches, prefill_chunk, ray_address, workers, model_name, precision, device, as_json, speculate, draft_budget,
+          forest_branches, prefill_chunk, ray_address, workers, compile_step, model_name, precision, device, as_json, speculate, draft_budget,
           show_stats, constraint, **sampling):
     """Answer questions about every document of a JSON Lines file, resumably.
 
@@ -268,12 +295,7 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     Example:
       multidecode batch calls.jsonl --questions-file questions.txt --output answers.jsonl
     """
-    if workers is not None and ray_address is None:
-        raise InvalidInput("--workers is for jobs on Ray", "add --ray (a local Ray) or --ray ADDRESS, or leave it out")
-    if ray_address is not None:
-        from ..batch.ray import import_ray
-
-        import_ray()  # says how to install Ray before anything else happens
+    check_where(ray_address, workers, compile_step)
     questions, constraint = job_questions(question, questions_file), constraint_from(constraint)
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
     speculation = speculation_from(speculate, draft_budget)
@@ -285,10 +307,12 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
         received, totals = [], {}
         if job.pending:
             if ray_address is None:
-                decoder = load_decoder(model_name, precision, device)
+                decoder = load_decoder(model_name, precision, device, compile=compile_step)
                 results = job.run(decoder, speculate=prepare_speculation(decoder, speculation),
                                   forest_tokens=forest_tokens, forest_branches=forest_branches,
                                   prefill_chunk=prefill_chunk)
+                if compile_step:
+                    results = say_if_not_compiled(results, decoder.model)
             else:
                 results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, precision, device,
                                             speculation))

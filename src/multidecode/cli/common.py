@@ -39,6 +39,10 @@ def model_options(command):
     return command
 
 
+COMPILE_HELP = ("Run the forward compiled (torch.compile): the same bits, a shorter step, for long jobs. The first "
+                "steps wait for the compile (about a minute a graph on a CPU; kept in the user cache for later runs).")
+
+
 def sampling_options(command):
     """--temperature, --top-k, --top-p, --min-p, --seed (any of them turns sampling on), and the
     penalties and bias, which apply to greedy decoding too: --repetition-penalty,
@@ -321,9 +325,11 @@ def read_lines(path: str, what: str = "questions") -> list[str]:
 
 
 # ---------------------------------------------------------------------- the model
-def load_decoder(model_name: str | None, precision: str | None, device: str | None, *, exact: bool = True):
+def load_decoder(model_name: str | None, precision: str | None, device: str | None, *, exact: bool = True,
+                 compile: bool = False):
     """Load a MultiDecoder, with a status line on stderr (saying so when a GGUF file is first read).
-    exact: see `load` (False: the model's own attention, for work that needs no batch invariance)."""
+    exact: see `load` (False: the model's own attention, for work that needs no batch invariance);
+    compile: see `load` (only where exact holds)."""
     from .. import kernels
     from ..api import load
     from ..errors import NotBitExact
@@ -337,7 +343,7 @@ def load_decoder(model_name: str | None, precision: str | None, device: str | No
     start = time.perf_counter()
     with stderr.status(message):
         try:
-            decoder = load(model_name, precision=precision, device=device, exact=exact)
+            decoder = load(model_name, precision=precision, device=device, exact=exact, compile=compile and exact)
         except NotBitExact as err:  # said once, then the model's own kernels: exact to the token
             stderr.print(f"[yellow]note:[/yellow] {escape(err.message)}; running on the model's own kernels "
                          "(output exact to the token, not the bit)")

@@ -10,7 +10,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 
 from ..runtime import Limits
-from .common import model_options, report_errors, speculate_options, speculation_from, stderr
+from .common import COMPILE_HELP, model_options, report_errors, speculate_options, speculation_from, stderr
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULTS = {f.name: f.default for f in fields(Limits)}
@@ -47,6 +47,7 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
                    "one that does not (more while more requests wait for a first token than stream), by the step "
                    "times measured (0: always --prefill-chunk tokens).")
 @click.option("--threads", default=None, type=int, hidden=True, help="torch threads (the serve benchmark's).")
+@click.option("--compile", "compile_step", is_flag=True, help=COMPILE_HELP)
 @click.option("--drain-timeout", default=30.0, show_default=True, type=float,
               help="On SIGTERM, seconds to let running requests finish (new ones get 503) before exiting.")
 @click.option("--log-level", default="info", show_default=True,
@@ -54,13 +55,14 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
 @report_errors
 def serve(model_name, precision, device, host, port, api_key, served_model_name, speculate, draft_budget,
           max_live_tokens, max_branches, prefix_cache_tokens, max_running, gather, gather_s, prefill_chunk,
-          prefill_stretch, threads, drain_timeout, log_level):
+          prefill_stretch, threads, compile_step, drain_timeout, log_level):
     """Serve the model over HTTP with OpenAI's API; concurrent requests decode as one forest.
 
     Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and / (a live
     page: a document and questions answered side by side, and the forest as it grows).
     Extensions in the request body: speculate, use_beam_search, questions.
     """
+    from ..compiled import compile_forward
     from ..models.loading import load_model_and_tokenizer
     from ..serving.app import ServeState
     from ..serving.launch import run
@@ -78,7 +80,13 @@ def serve(model_name, precision, device, host, port, api_key, served_model_name,
                         handlers=[RichHandler(console=stderr, show_path=False)])
     name = served_model_name or model_name or EMBEDDED_NAME
     state = ServeState(name, api_key=api_key, speculate=settings)
-    run(state, lambda: load_model_and_tokenizer(model_name, precision=precision, device=device), host=host, port=port,
+    def loader():
+        model, tokenizer = load_model_and_tokenizer(model_name, precision=precision, device=device)
+        if compile_step:
+            compile_forward(model)
+        return model, tokenizer
+
+    run(state, loader, host=host, port=port,
         limits=limits, drain_timeout=drain_timeout, log_level=log_level,
         on_listening=lambda url: stderr.print(f"Serving {escape(name)} on {url} (loading the model; /health says "
                                               "when ready)"))
