@@ -23,6 +23,7 @@ from multidecode.bench.structured import (
     ONE,
     OUTLINES,
     PLAIN,
+    SPECULATING,
     outlines_missing,
     validator,
     workload,
@@ -59,7 +60,7 @@ def test_bench_structured_on_the_tiny_model(tmp_path, model_dir_of):
     assert masks["mask_cost"]["tokens"] == [8] and masks["mask_cost"]["step_ratio"] > 0
     assert all(m["new_tokens"] == 8 * 8 for m in masks["methods"].values())  # 8 branches of 8 tokens
     outlined = outlines_missing() is None
-    ran = [PLAIN, FOREST, ONE] + [OUTLINES] * outlined
+    ran = [PLAIN, FOREST, SPECULATING, ONE] + [OUTLINES] * outlined
     assert list(extraction["methods"]) == ran
     assert extraction["skipped"] == {LLAMA: "left out (--no-llama)", LLAMA_SHARED: "left out (--no-llama)",
                                      **({} if outlined else {OUTLINES: outlines_missing()})}

@@ -25,12 +25,14 @@ from .results import Column, Table
 
 FREE, MASKED = "unconstrained", "masked"
 PLAIN, FOREST, ONE, LLAMA, OUTLINES = "no_jump_forward", "forest", "one_at_a_time", "llama_cpp", "outlines"
-LLAMA_SHARED = "llama_cpp_parallel"
+LLAMA_SHARED, SPECULATING = "llama_cpp_parallel", "forest_auto"
 LABELS = {
     FREE: ("(a) branches unconstrained, eos ignored", "unconstrained"),
     MASKED: ("(a) branches held to the schema, no jump-forward", "masked"),
     PLAIN: ("(b) the calls as one forest, schema, no jump-forward", "no jump-forward"),
     FOREST: ("(b, c) the calls as one forest, schema with jump-forward", "forest"),
+    SPECULATING: ("(b) the calls as one forest, schema with jump-forward, speculate=auto (the free text drafted too)",
+                  "forest, auto"),
     ONE: ("(c) MultiDecode, one call at a time, jump-forward", "MultiDecode one by one"),
     LLAMA: ("(c) llama.cpp, the schema's GBNF grammar, one call at a time", "llama.cpp"),
     LLAMA_SHARED: ("(c) llama.cpp, the schema's GBNF grammar, the calls as parallel sequences, the instruction shared",
@@ -39,7 +41,7 @@ LABELS = {
                "outlines"),
 }
 """Method -> (label, short label)."""
-EXTRACTION = (PLAIN, FOREST, ONE, LLAMA, LLAMA_SHARED, OUTLINES)
+EXTRACTION = (PLAIN, FOREST, SPECULATING, ONE, LLAMA, LLAMA_SHARED, OUTLINES)
 QUICK = {"documents": 2, "mask_tokens": 8, "repeats": 1}
 """The settings of a smoke run (`--quick`)."""
 
@@ -126,7 +128,7 @@ def _extraction_report(setup, valid, constraint: Constraint):
     """(b, c, e): the same records with and without jump-forward, jump-forward's ceiling on them,
     and each method's figures."""
     def report(got: dict) -> dict:
-        check_identical({name: got[name].answers for name in (PLAIN, FOREST, ONE)}, reference=PLAIN)
+        check_identical({name: got[name].answers for name in (PLAIN, FOREST, SPECULATING, ONE)}, reference=PLAIN)
         texts = {name: [setup.text(ids) for ids in m.answers] for name, m in got.items()}
         return {"jump_forward_identical": True, "records": texts[FOREST],
                 "ceiling": _ceiling(constraint, setup, got[FOREST].answers),
@@ -163,6 +165,13 @@ class _Llama:
                                                   eos_ids=self.setup.eos_ids, grammar=self.grammar)
 
 
+def _outlines_runs(setup, schema: dict, max_new_tokens: int, skip: str | None):
+    """(d): calls -> a run of transformers' `generate` on them with outlines' masks (built only
+    where outlines runs)."""
+    processors = outlines_masks(setup, schema) if skip is None else None
+    return lambda chosen: setup.baseline(hf_sequential, chosen, max_new_tokens, logits_processor=processors)
+
+
 TABLES = (
     Table("Per method: time per decode step (wall, less prefill), documents/s and valid outputs",
           (Column("case", "case"), Column("method", "label"), Column("time per step", "ms_per_step", "{:.1f} ms"),
@@ -180,8 +189,8 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
     """The benchmark as data: `documents` of the shipped calls (cycled), each record at most
     `max_new_tokens` (a record takes 50 to about 130 tokens); (a) on `branches` branches of
     `mask_tokens` tokens; llama.cpp reads `gguf` (the decoder's model as a GGUF file; None: not run)."""
-    for name, value in (("documents", documents), ("max_new_tokens", max_new_tokens), ("branches", branches),
-                        ("mask_tokens", mask_tokens)):
+    for name, value in dict(documents=documents, max_new_tokens=max_new_tokens, branches=branches,
+                            mask_tokens=mask_tokens).items():
         check_positive(name, value)
     shipped, setup = workload(), Setup.of(decoder)
     schema, calls = shipped["schema"], [shipped["calls"][i % len(shipped["calls"])] for i in range(documents)]
@@ -191,16 +200,12 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
     valid, validated_with = validator(schema)
     llama_skip = llamacpp.missing(with_llama) or (None if gguf else "no GGUF file of this model (--model FILE.gguf)")
     llama = _Llama(gguf, schema, setup, max_new_tokens, skip=llama_skip, warm=prompts[0][:8])
-
     outlines_skip = outlines_missing()
-    processors = outlines_masks(setup, schema) if outlines_skip is None else None
+    outlined = _outlines_runs(setup, schema, max_new_tokens, outlines_skip)
 
-    def outlined(chosen):
-        return setup.baseline(hf_sequential, chosen, max_new_tokens, logits_processor=processors)
-
-    def forest(chosen, constraint, new=max_new_tokens, **how):
+    def forest(chosen, constraint, new=max_new_tokens, speculate=None, **how):
         return lambda counter: multidecode_forest(decoder, chosen, counter, max_new_tokens=new, constraint=constraint,
-                                                  speculate=None, **how)
+                                                  speculate=speculate, **how)
 
     def one_by_one(name: str, run, **how) -> Method:
         return Method.named(LABELS, name, parts=tuple(Part(i, run(p)) for i, p in enumerate(prompts)), **how)
@@ -211,6 +216,7 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
         targets=(Target("(a) masked / unconstrained, time per step", ("mask_cost", "step_ratio"), "<=", 1.10),))
     extraction = Case({"case": f"extraction, {documents} calls"}, (
         Method.named(LABELS, PLAIN, run=forest(prompts, masked)), Method.named(LABELS, FOREST, run=forest(prompts, jumping)),
+        Method.named(LABELS, SPECULATING, run=forest(prompts, jumping, speculate="auto")),
         one_by_one(ONE, lambda p: forest([p], jumping)),
         one_by_one(LLAMA, lambda p: llama.run([p]), skip=llama_skip, model=OUTSIDE_TORCH),
         Method.named(LABELS, LLAMA_SHARED, run=llama.run(prompts), skip=llama_skip, model=OUTSIDE_TORCH),
@@ -222,10 +228,11 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
     return Benchmark(
         name="structured", title=f"a support-call record as JSON from {documents} calls, {max_new_tokens} tokens at most",
         model=decoder.model, cases=(mask_case, extraction), reference=None,
-        pairs=((FOREST, PLAIN), (FOREST, ONE), (FOREST, LLAMA), (FOREST, LLAMA_SHARED), (FOREST, OUTLINES),
+        pairs=((FOREST, PLAIN), (SPECULATING, PLAIN), (FOREST, ONE), (FOREST, LLAMA), (FOREST, LLAMA_SHARED), (FOREST, OUTLINES),
                (ONE, LLAMA)),
         config={"documents": documents, "max_new_tokens": max_new_tokens, "branches": branches,
-                "mask_tokens": mask_tokens, "decoding": "greedy", "speculate": None, "schema": schema,
+                "mask_tokens": mask_tokens, "decoding": "greedy", "speculate": f"none, but {SPECULATING}: auto",
+                "schema": schema,
                 "instruction": shipped["instruction"], "prompt_tokens": [len(p) for p in prompts],
                 "gguf": gguf and Path(gguf).name, "llama_cpp": llama_skip or "run", "outlines": outlines_skip or "run",
                 "validated_with": validated_with},
