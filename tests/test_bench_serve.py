@@ -69,6 +69,7 @@ def test_the_queueing_floor_of_ttft():
     """Prompts that arrive together wait for each other; spaced ones do not."""
     assert queued_ttft([0.0, 0.0, 0.0], 1.0) == [1.0, 2.0, 3.0]
     assert queued_ttft([0.0, 5.0, 5.5], 1.0) == [1.0, 1.0, 1.5]
+    assert queued_ttft([0.0, 0.5, 5.0], 1.0, first_s=3.0) == [3.0, 3.5, 1.0]  # a new head read first
 
 
 def test_summarize_a_worked_example():
@@ -134,7 +135,8 @@ def test_bench_serve_command_measures_both_servers(tmp_path):
         assert rows[(FOREST, 4, shared)]["identical_to_one_at_a_time"] is True
         assert rows[(FOREST, 1, shared)]["identical_to_one_at_a_time"] is True
         assert rows[(FOREST, 4, shared)]["throughput_vs_one_at_a_time"] > 0
-        assert rows[(FOREST, 4, shared)]["ttft_p50_floor_vs_solo"] == 2.5  # four at once: the median waits 2.5 reads
+        floor = rows[(FOREST, 4, shared)]["ttft_p50_floor_vs_solo"]  # four at once: the median waits 2.5 reads,
+        assert floor == 2.5 if shared == 0.0 else floor >= 2.5  # the first a whole prompt's where the head is new
     names = [t["name"] for t in stored["targets"]]
     assert len(names) == 4 and all("concurrency 4" in n for n in names)
     md = (out / "bench_serve.md").read_text()

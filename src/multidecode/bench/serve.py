@@ -481,7 +481,8 @@ def _p50_ttft(figures: dict | None) -> float | None:
 def _compare_cells(servers: Servers, arrivals: dict[tuple, Sequence[float]], result: dict) -> dict:
     """Each server's output tokens/s and p50 TTFT over one at a time in its cell, and its p50 TTFT
     over its own solo (concurrency 1, the same share), with the floor queueing puts under that
-    (`queued_ttft`, from the cell's arrivals by (concurrency, share)), added to the rows; the
+    (`queued_ttft`, from the cell's arrivals by (concurrency, share), its first request reading a
+    whole prompt as solo at 0% shared does, where the grid has that cell), added to the rows; the
     servers' start times."""
     found = served(result)
     for (name, concurrency, share), (figures, row) in found.items():
@@ -495,20 +496,23 @@ def _compare_cells(servers: Servers, arrivals: dict[tuple, Sequence[float]], res
             if value is not None:
                 row.setdefault(key, {})[name] = value
         if name == FOREST and concurrency > 1 and _p50_ttft(solo):
-            floor = statistics.median(queued_ttft(arrivals[concurrency, share], _p50_ttft(solo)))
+            cold = found.get((name, 1, 0.0), (None,))[0]  # a whole prompt read: the head's first read
+            floor = statistics.median(queued_ttft(arrivals[concurrency, share], _p50_ttft(solo), _p50_ttft(cold)))
             row.setdefault("ttft_p50_floor_vs_solo", {})[name] = floor / _p50_ttft(solo)
     ready = servers.ready_s
     return {"multidecode_ready_s": {"min": round(min(ready), 1), "max": round(max(ready), 1)}} if ready else {}
 
 
-def queued_ttft(arrivals: Sequence[float], read_s: float) -> list[float]:
+def queued_ttft(arrivals: Sequence[float], read_s: float, first_s: float | None = None) -> list[float]:
     """Each request's time to first token from a server that does nothing but read prompts, one
-    after another, each in `read_s` (the solo TTFT): the floor that queueing alone puts under any
-    server's TTFT at this load. Where prompts arrive faster than they can be read, it grows with
-    the queue, and no scheduling of the same work beats it at the median."""
+    after another, each in `read_s` (the solo TTFT) but the first in `first_s` (a cell's shared
+    head is new to the server: its first request reads it whole; default `read_s`): the floor that
+    queueing alone puts under any server's TTFT at this load. Where prompts arrive faster than
+    they can be read, it grows with the queue, and no scheduling of the same work beats it at the
+    median."""
     free, waits = 0.0, []
-    for at in arrivals:
-        free = max(free, at) + read_s
+    for i, at in enumerate(arrivals):
+        free = max(free, at) + (first_s if i == 0 and first_s is not None else read_s)
         waits.append(free - at)
     return waits
 
