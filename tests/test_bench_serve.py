@@ -65,7 +65,7 @@ def test_percentiles_and_counters():
     assert metrics_delta({}, {})["cache_hit_rate"] is None
 
 
-def test_the_queueing_floor_of_ttft():
+def test_the_ttft_of_prompts_read_in_turn():
     """Prompts that arrive together wait for each other; spaced ones do not."""
     assert queued_ttft([0.0, 0.0, 0.0], 1.0) == [1.0, 2.0, 3.0]
     assert queued_ttft([0.0, 5.0, 5.5], 1.0) == [1.0, 1.0, 1.5]
@@ -135,12 +135,12 @@ def test_bench_serve_command_measures_both_servers(tmp_path):
         assert rows[(FOREST, 4, shared)]["identical_to_one_at_a_time"] is True
         assert rows[(FOREST, 1, shared)]["identical_to_one_at_a_time"] is True
         assert rows[(FOREST, 4, shared)]["throughput_vs_one_at_a_time"] > 0
-        floor = rows[(FOREST, 4, shared)]["ttft_p50_floor_vs_solo"]  # four at once: the median waits 2.5 reads,
-        assert floor == 2.5 if shared == 0.0 else floor >= 2.5  # the first a whole prompt's where the head is new
+        in_turn = rows[(FOREST, 4, shared)]["ttft_p50_in_turn_vs_solo"]  # four at once: the median waits 2.5 reads,
+        assert in_turn == 2.5 if shared == 0.0 else in_turn >= 2.5  # the first a whole prompt's where the head is new
     names = [t["name"] for t in stored["targets"]]
     assert len(names) == 4 and all("concurrency 4" in n for n in names)
     md = (out / "bench_serve.md").read_text()
-    assert "**Throughput" in md and "**Latency (ms)**" in md and "TTFT p50" in md and "its floor" in md and "**Targets**" in md
+    assert "**Throughput" in md and "**Latency (ms)**" in md and "TTFT p50" in md and "read in turn" in md and "**Targets**" in md
     assert "one at a time" in result.output and "wrote" in result.output
 
 
