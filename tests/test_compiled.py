@@ -10,6 +10,7 @@ aten's, so each must give eager's bits.
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from multidecode import compiled
 from multidecode.cli import main
 from multidecode.engine import Engine
 from multidecode.errors import InvalidArgument
+from multidecode.serving.launch import ServerProcess
 
 pytestmark = pytest.mark.slow  # each compiles a small graph (seconds)
 
@@ -148,3 +150,20 @@ def test_batch_with_compile_writes_the_records_of_a_run_without(model_dir, tmp_p
     assert outputs[1] == outputs[0]
     refused = CliRunner().invoke(main, ["batch", str(source), "-o", str(tmp_path / "x.jsonl"), "--compile", "--ray"])
     assert refused.exit_code == 2 and "--compile runs the job in this process" in refused.output
+
+
+def test_serve_with_compile_answers_as_without(model_dir):
+    """`multidecode serve --compile` (a subprocess): the same completion as a server without it."""
+    import httpx
+
+    texts = []
+    for flags in ([], ["--compile"]):
+        command = [sys.executable, "-m", "multidecode", "serve", "--port", "{port}", "--served-model-name", "m",
+                   "--model", str(model_dir), "--log-level", "warning", *flags]
+        with ServerProcess("compiled" if flags else "eager", command, model="m") as server:
+            server.wait_ready(240)
+            body = {"model": "m", "prompt": "The router drops the line", "max_tokens": 8, "temperature": 0}
+            reply = httpx.post(server.url + "/v1/completions", json=body, timeout=240)
+            assert reply.status_code == 200, reply.text
+            texts.append(reply.json()["choices"][0]["text"])
+    assert texts[1] == texts[0]
