@@ -500,10 +500,9 @@ class Engine:
         plan goes in as tensors (each layer's visible bits, from its type's mask), the model gets an
         empty mask, and the cache writes the new nodes at its next slots. None where the compiled
         forward is refused (`compiled.CompileRefused`): the caller runs the forward eagerly."""
-        masks = [mask[kind] for kind in self.layout.layer_types] if isinstance(mask, dict) else [mask]
-        width = (next(iter(mask.values())) if isinstance(mask, dict) else mask).shape[-1]
-        units = plan_tensors(plan, masks if isinstance(mask, dict) else masks * len(self.layout.layer_types), width,
-                             self.device, offset=start)
+        types = self.layout.layer_types
+        masks = [mask[kind] for kind in types] if isinstance(mask, dict) else [mask] * len(types)  # one per layer
+        units = plan_tensors(plan, masks, masks[0].shape[-1], self.device, offset=start)
         empty = torch.empty(1, 1, 0, 0, dtype=self.dtype, device=self.device)
         placeholder = dict.fromkeys(self.layout.kinds, empty) if self.layout.as_dict else empty
         index = torch.tensor(keep or [len(nodes) - 1], dtype=torch.long, device=self.device)

@@ -477,7 +477,8 @@ def bench_random_gguf(path, shape, quant, seed):
 @click.option("--mask-tokens", type=int, default=32, show_default=True,
               help="Tokens per branch in (a), the masks' cost on 8 branches.")
 @click.option("--llama/--no-llama", "with_llama", default=True, show_default=True,
-              help="Measure llama.cpp's json_schema on the same GGUF file (needs pip install 'multidecode[peers]').")
+              help="Measure llama.cpp with the schema's grammar on the same GGUF file (needs pip install "
+                   "'multidecode[peers]').")
 @click.option("--quick", is_flag=True, help="A smoke run: 2 calls, 8 tokens per branch in (a), one round (overrides those).")
 @model_options
 @run_options
@@ -486,9 +487,10 @@ def bench_random_gguf(path, shape, quant, seed):
 def bench_structured(documents, max_new_tokens, mask_tokens, with_llama, quick, model_name, precision, device, repeats,
                      threads, output, stem):
     """Structured output: a support-call record (a JSON schema) from short calls. (a) the masks' cost per step,
-    constrained against unconstrained on 8 branches; (b) jump-forward against none (same outputs asserted); (c)
-    llama.cpp's json_schema on the same GGUF one call at a time against MultiDecode one at a time and the calls
-    as one forest; (d) transformers + outlines (where installed); (e) the share of valid outputs."""
+    constrained against unconstrained on 8 branches; (b) jump-forward against none, and with speculate=auto (same
+    outputs asserted); (c) llama.cpp with the schema's grammar on the same GGUF, one call at a time and the calls as
+    parallel sequences, against MultiDecode one at a time and the calls as one forest; (d) transformers' generate
+    with outlines' masks (where installed); (e) the share of valid outputs."""
     from ..bench.structured import QUICK, run_structured_benchmark
     from ..models.converted import embedded_gguf
 

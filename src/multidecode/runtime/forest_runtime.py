@@ -297,12 +297,12 @@ class ForestRuntime:
             return PacedStep(streams, fed + sum(job.work.pace_prompt(None) for job in prefilling), budget)
         left = max(budget - fed, 0)
         finish_left = max(self.pacer.finish_budget(streams, len(prefilling)) - fed, 0)
-        finishing = []
+        finishing = set()
         for job in prefilling:
             if job.work.prompt_left <= finish_left:
-                finishing.append(job)
+                finishing.add(job)
                 finish_left -= job.work.prompt_left
-        for job in finishing + [job for job in prefilling if job not in finishing]:
+        for job in sorted(prefilling, key=lambda job: job not in finishing):  # stable: each group in admission order
             taken = job.work.pace_prompt(job.work.prompt_left if job in finishing else left)
             fed += taken
             left = max(left - taken, 0)
