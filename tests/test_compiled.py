@@ -104,6 +104,38 @@ def test_a_compiled_forest_gives_the_eager_forests_bits_and_each_node_its_path_a
         compiled.uncompile(model)
 
 
+def test_two_compiled_models_of_one_process_keep_their_own_graphs():
+    """The step keeps only the guards on what a call passes (`compiled.call_guards`), so nothing
+    about the model is checked before a graph runs: each model's key must keep another model's
+    graph from running it. Two models of one shape, one with GELU where the other has SiLU (an
+    operation the graph holds, not an input it reads), compiled side by side, forests
+    interleaved: each gives its eager forest's logits. (Dynamo's guard on the backend keeps them
+    apart too today, as each model is compiled with its own; the key holds it whatever dynamo does.)"""
+    models = [exact_model("llama", "sdpa", "bfloat16") for _ in range(2)]
+    for layer in models[1].model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    eager = [random_forest(Engine(model), random.Random(2), steps=2) for model in models]
+    assert not torch.equal(*(next(iter(e.values())) for e in eager))
+    for model in models:
+        compiled.compile_forward(model)
+    try:
+        for _ in range(2):
+            for model, expected in zip(models, eager):
+                got = random_forest(Engine(model), random.Random(2), steps=2)
+                assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+                assert compiled.compiled_forward(model).refused is None
+    finally:
+        for model in models:
+            compiled.uncompile(model)
+
+
+def test_the_step_checks_what_a_call_passes_and_not_the_model():
+    entries = [type("Guard", (), {"name": name}) for name in
+               ("self.model.model.layers[0]._forward_hooks", "GG['__import_torch']", "G['kernels']",
+                "dict(type(self).__dict__)", "L['input_ids']", "input_ids", "cache.layers[0]._k", "key", "")]
+    assert compiled.call_guards(entries) == [False] * 4 + [True] * 5
+
+
 def test_a_model_whose_graph_reduces_otherwise_runs_eagerly_and_says_why():
     """GPT-2's layer norms reduce by `var_mean`, whose order inductor would choose: its compile is
     refused (before the graph runs: the cache is untouched) and the engine runs it eagerly, the
