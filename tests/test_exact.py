@@ -127,6 +127,42 @@ def test_an_attention_kernel_that_depends_on_its_row_count_fails_the_check(monke
     assert any(differing(model, seed=seed)[0] for seed in range(3))
 
 
+def test_a_norm_kernel_that_depends_on_its_row_count_fails_the_check(monkeypatch):
+    """A norm whose every output moves (by about a bfloat16 step) when a forward has more than one row."""
+    real = kernels.rms_norm
+
+    def rms_norm(x, weight, eps, offset=False, **options):
+        out = real(x, weight, eps, offset, **options)
+        return out if x.reshape(-1, x.shape[-1]).shape[0] == 1 else (out.float() * (1 + 2 ** -7)).to(out.dtype)
+
+    monkeypatch.setattr(kernels, "rms_norm", rms_norm)
+    model = exact_model("llama", "sdpa", "bfloat16")
+    assert any(isinstance(m, exact.ExactRMSNorm) for m in model.modules())
+    assert any(differing(model, seed=seed)[0] for seed in range(3))
+
+
+class DoubledRMSNorm(torch.nn.Module):
+    """An RMSNorm whose arithmetic is neither Llama's nor Gemma's (twice Llama's)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = torch.nn.Parameter(torch.ones(width)), 1e-6
+
+    def forward(self, x):
+        return 2 * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight
+
+
+@pytest.mark.parametrize("arch, offset", [("llama", False), ("gemma3", True)])
+def test_norms_the_kernel_computes_are_swapped_and_others_kept(arch, offset):
+    """Each RMSNorm is run beside the kernel's two arithmetics and swapped for the one that
+    agrees (Llama's; Gemma's `1 + weight`); a norm that computes something else keeps its code."""
+    model = exact_model(arch, "sdpa", "bfloat16")
+    norms = [m for m in model.modules() if isinstance(m, exact.ExactRMSNorm)]
+    assert norms and {norm.offset for norm in norms} == {offset}
+    assert exact.ExactRMSNorm.of(DoubledRMSNorm(64)) is None
+    assert exact.ExactRMSNorm.of(torch.nn.LayerNorm(64)) is None
+
+
 @pytest.mark.parametrize("precision", ["bfloat16", "int4"])
 def test_a_left_padded_batch_gives_each_row_the_logits_of_the_row_alone(precision):
     """transformers' batched forward (left padding, rows that see nothing) through the exact

@@ -69,6 +69,43 @@ def test_a_linear_row_is_the_same_alone_anywhere_and_at_any_thread_count(generat
         torch.set_num_threads(before)
 
 
+# ---------------------------------------------------------------------------------- rms_norm
+def reference_norm(x, weight, eps, offset):
+    """The norm in float64: x / rms(x), weighted (by 1 + weight with `offset`)."""
+    normed = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+    return normed * (1 + weight.double() if offset else weight.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("rows, width", [(1, 64), (5, 100), (9, 17), (70, 2048)])  # the last: split over threads
+def test_rms_norm_is_the_same_at_every_level_and_right(generator, dtype, offset, rows, width):
+    x = torch.randn(rows, width, generator=generator).mul(3).to(dtype)
+    weight = torch.randn(width, generator=generator).to(dtype)
+    out = same_at_every_level(lambda isa: kernels.rms_norm(x, weight, 1e-5, offset, isa=isa))
+    assert out.dtype == dtype and out.shape == x.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.double(), reference_norm(x, weight, 1e-5, offset), rtol=tolerance, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_normed_row_is_the_same_alone_anywhere_and_at_any_thread_count(generator, dtype):
+    x = torch.randn(300, 576, generator=generator).to(dtype)
+    weight = torch.randn(576, generator=generator).to(dtype)
+    together = kernels.rms_norm(x, weight, 1e-6)
+    for row in (0, 5, 299):
+        assert torch.equal(kernels.rms_norm(x[row:row + 1], weight, 1e-6)[0], together[row])
+    shuffled = torch.randperm(300, generator=generator)
+    assert torch.equal(kernels.rms_norm(x[shuffled], weight, 1e-6), together[shuffled])
+    assert torch.equal(kernels.rms_norm(x.view(3, 100, 576), weight, 1e-6).view(300, 576), together)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.rms_norm(x, weight, 1e-6), together)
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------------------- packed
 def random_codes(generator, outputs: int, inner: int, bits: int):
     groups = inner // 32

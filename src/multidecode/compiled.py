@@ -29,7 +29,8 @@ logit. So every sum and mean of the graph is handed to aten: a pass (`eager_sums
 `post_grad_custom_pre_pass`) replaces `aten.sum` and `aten.mean` by `multidecode::eager_sum` and
 `multidecode::eager_mean`, operators whose kernel is aten's (inductor calls them as they are, as it
 calls the products), so a norm's reduction is eager's, bit for bit; the elementwise work around
-it stays fused. A reduction inductor makes out of another operation (a softmax's, a layer norm's
+it stays fused. (An RMSNorm the exact kernels compute, `exact.ExactRMSNorm`, is one of their
+operators: called from the graph as it is, no sum of its own left to hand back.) A reduction inductor makes out of another operation (a softmax's, a layer norm's
 `var_mean`) is not one of them: a model whose graph has those (GPT-2's layer norms) is not yet
 checked. The embedded model now gives eager's logits compiled (the siblings above, random forests
 of 1 to 8 rows, at 1 and 2 threads, and a row of an 8-row forest equals the node fed alone); the

@@ -10,6 +10,8 @@ threads, so they are not used on the forward's path; these kernels are:
 - `qlinear`: 4- and 8-bit weight codes in groups of 32 (GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0, and
   `int4` / `int8`) times activations quantized per row to int8 (llama.cpp's Q8_0 rule): integer
   dot products summed in int32 (exact in any order), the groups' scaled sums added in group order;
+- `rms_norm`: each row's root mean square summed in one fixed order (a model's RMSNorm layers,
+  where their arithmetic is one of the two the kernel knows: checked on each layer when swapped);
 - `attention`: each query row over the keys it sees, reduced by position blocks in position
   order (see `exact`), never reading another row's keys.
 
@@ -19,8 +21,8 @@ IEEE operation does, so every set gives the same bits, and the tests check each 
 portable one. The set used is the best this CPU has, or lower where torch is told to stay lower
 (`ATEN_CPU_CAPABILITY=avx2`, torch's own switch, read once).
 
-Everything else on the forward's path is torch's own and per row: norms reduce one row's hidden
-vector (torch reduces each output in one thread below 32,768 elements, and never splits a
+Everything else on the forward's path is torch's own and per row: other norms reduce one row's
+hidden vector (torch reduces each output in one thread below 32,768 elements, and never splits a
 reduction shared by several outputs), rotary embeddings, activations and residuals are
 elementwise, embeddings are lookups.
 
@@ -115,6 +117,16 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_feat
     return portable.qlinear(x, codes, scales, out_features, bits, bias)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False, *,
+             isa: int | None = None) -> torch.Tensor:
+    """Each row of x [..., K] divided by its root mean square and weighted (see rms_norm in
+    csrc/kernels_impl.h: Llama's order, or with `offset` Gemma's `1 + weight` in float32), in x's
+    dtype. Only with the compiled kernels (a model keeps its own norms without them)."""
+    if not native():
+        raise KernelsUnavailable(f"the norm kernel needs the compiled kernels: {status().reason}")
+    return torch.ops.multidecode.rms_norm(x, weight, float(eps), bool(offset), level() if isa is None else isa)
+
+
 MERGE_AUTO, MERGE_PARTIALS, MERGE_GROUPS = -1, 0, 1
 """How `attention` merges a row's blocks (the same bits either way): keeping every (row, block)
 partial and merging them after, or working rows that read the same blocks together and merging
@@ -157,6 +169,10 @@ def _register_fakes() -> None:
     def _(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale, softcap, merge, isa):
         return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
+    @torch.library.register_fake("multidecode::rms_norm")
+    def _(x, weight, eps, offset, isa):
+        return x.new_empty(x.shape)
+
     @torch.library.register_fake("multidecode::quantize_rows")
     def _(x, isa):
         rows = x.reshape(-1, x.shape[-1])
@@ -166,4 +182,4 @@ def _register_fakes() -> None:
 
 
 __all__ = ["AVX2", "AVX512", "AVX512_VNNI", "LEVELS", "PORTABLE", "KernelsUnavailable", "attention", "describe",
-           "level", "linear", "native", "qlinear", "quantize_rows", "status"]
+           "level", "linear", "native", "qlinear", "quantize_rows", "rms_norm", "status"]

@@ -48,6 +48,17 @@ struct QuantizeArgs {
   DataType x_type;
 };
 
+// A root-mean-square norm of each row (see rms_norm in kernels_impl.h).
+struct NormArgs {
+  const void* x;       // [M, K] F32 or BF16, rows x_stride elements apart
+  const void* weight;  // [K] in x's type
+  void* y;             // [M, K] contiguous, in x's type
+  int64_t M, K, x_stride;
+  float eps;
+  int32_t offset;      // 0: y = round(round(x * r) * w); 1: y = round(x * r * (1 + w))
+  DataType type;
+};
+
 // Attention over position blocks (see attention in kernels_impl.h).
 struct AttentionArgs {
   const void* q;  // [H, R, D] with strides (q_head, q_row, 1)
@@ -79,6 +90,7 @@ struct RowGroups {
 #define MD_DECLARE(isa)                                                                  \
   void linear_##isa(const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1); \
   void quantize_##isa(const QuantizeArgs& a, int64_t m0, int64_t m1);                     \
+  void rms_norm_##isa(const NormArgs& a, int64_t m0, int64_t m1);                         \
   void qlinear_##isa(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1); \
   void attention_units_##isa(const AttentionArgs& a, int64_t first, int64_t step);        \
   void attention_merge_##isa(const AttentionArgs& a, int64_t r0, int64_t r1);             \

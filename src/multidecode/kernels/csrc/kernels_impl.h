@@ -20,6 +20,13 @@
 //   t = fma(s, I, L * sum(code(x))) for 4 bits, t = s * I for 8 bits,
 //   acc = fma(t, d(x), acc) from +0; then + bias, rounded once to the output type.
 //
+// rms_norm (a row x of K values, weight w, epsilon e): q = tree16(p), p[l] the chain
+//   p[l] = fma(x[k], x[k], p[l]) over k = l, l + 16, ... from +0 (as linear's, x times itself);
+//   r = 1 / sqrt(q / K + e) (IEEE division and square root, each rounded once); then per value
+//   y[k] = round(round(x[k] * r) * w[k]) (Llama's order: normed, rounded to x's type, weighted),
+//   or, with `offset`, y[k] = round(x[k] * r * (1 + w[k])) (Gemma's: weighted in float32), where
+//   round is to x's type (none for float32).
+//
 // attention (one query row r and head h, over the keys it sees): the keys are cut into position
 //   blocks of 64 (block b: positions 64b .. 64b + 63). Within a block, in increasing position:
 //   s_j = fma chain over d of q[d] * k_j[d] (q times the scale first, unless softcapped:
@@ -31,6 +38,8 @@
 //   output is o / l (0 for a row that sees nothing). A row sees the same keys at the same
 //   positions whatever else shares its forward, so it gets the same bits.
 #pragma once
+#include <cmath>
+
 #include "kernels.h"
 #include "lanes.h"
 
@@ -113,6 +122,40 @@ inline void linear_impl(const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0,
   else if (a.x_type == F32) linear_typed<float, uint16_t>(a, m0, m1, n0, n1);
   else if (a.w_type == F32) linear_typed<uint16_t, float>(a, m0, m1, n0, n1);
   else linear_typed<uint16_t, uint16_t>(a, m0, m1, n0, n1);
+}
+
+// ------------------------------------------------------------------------------------ rms_norm
+inline float as_float(float v) { return v; }
+inline float as_float(uint16_t v) { return bf16_to_f32(v); }
+inline float rounded(float v, DataType type) { return type == F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
+
+template <class XT>
+inline void rms_norm_typed(const NormArgs& a, int64_t m0, int64_t m1) {
+  const XT* w = static_cast<const XT*>(a.weight);
+  for (int64_t m = m0; m < m1; ++m) {
+    const XT* x = static_cast<const XT*>(a.x) + m * a.x_stride;
+    F acc = f_zero();
+    int64_t k = 0;
+    for (; k + LANES <= a.K; k += LANES) {
+      F v = f_load_any(x + k);
+      acc = f_fma(v, v, acc);
+    }
+    if (k < a.K) {  // the zero padding of the definition
+      F v = f_load_any_n(x + k, (int)(a.K - k));
+      acc = f_fma(v, v, acc);
+    }
+    const float r = 1.0f / std::sqrt(f_sum_tree(acc) / (float)a.K + a.eps);
+    for (k = 0; k < a.K; ++k) {
+      float value = a.offset ? as_float(x[k]) * r * (1.0f + as_float(w[k]))
+                             : rounded(as_float(x[k]) * r, a.type) * as_float(w[k]);
+      store_out(a.y, a.type, m * a.K + k, value);
+    }
+  }
+}
+
+inline void rms_norm_impl(const NormArgs& a, int64_t m0, int64_t m1) {
+  if (a.type == F32) rms_norm_typed<float>(a, m0, m1);
+  else rms_norm_typed<uint16_t>(a, m0, m1);
 }
 
 // ------------------------------------------------------------------------------------ quantize
@@ -558,6 +601,7 @@ void MD_CONCAT(linear, MD_ISA)(const LinearArgs& a, int64_t m0, int64_t m1, int6
   linear_impl(a, m0, m1, n0, n1);
 }
 void MD_CONCAT(quantize, MD_ISA)(const QuantizeArgs& a, int64_t m0, int64_t m1) { quantize_impl(a, m0, m1); }
+void MD_CONCAT(rms_norm, MD_ISA)(const NormArgs& a, int64_t m0, int64_t m1) { rms_norm_impl(a, m0, m1); }
 void MD_CONCAT(qlinear, MD_ISA)(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   qlinear_impl(a, m0, m1, p0, p1);
 }

@@ -18,6 +18,7 @@ enum Isa : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_VNNI = 3 };
 struct Kernels {
   void (*linear)(const LinearArgs&, int64_t, int64_t, int64_t, int64_t);
   void (*quantize)(const QuantizeArgs&, int64_t, int64_t);
+  void (*rms_norm)(const NormArgs&, int64_t, int64_t);
   void (*qlinear)(const QLinearArgs&, int64_t, int64_t, int64_t, int64_t);
   void (*attention_units)(const AttentionArgs&, int64_t, int64_t);
   void (*attention_merge)(const AttentionArgs&, int64_t, int64_t);
@@ -25,7 +26,7 @@ struct Kernels {
 };
 
 #define MD_KERNELS(isa) \
-  Kernels{linear_##isa, quantize_##isa, qlinear_##isa, attention_units_##isa, attention_merge_##isa, attention_groups_##isa}
+  Kernels{linear_##isa, quantize_##isa, rms_norm_##isa, qlinear_##isa, attention_units_##isa, attention_merge_##isa, attention_groups_##isa}
 
 int64_t supported_isa() {
 #if defined(__x86_64__)
@@ -129,6 +130,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) { k.quantize(a, begin, end); });
   }
   return {codes, scale, sum};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool offset, int64_t isa) {
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "multidecode.rms_norm: weight must be a contiguous vector of x's features, in x's dtype");
+  const Kernels& k = kernels_for(isa);
+  at::Tensor rows = as_rows(x);
+  at::Tensor y = at::empty({rows.size(0), rows.size(1)}, x.options());
+  NormArgs a{rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rows.size(0), rows.size(1), rows.stride(0), (float)eps,
+             offset ? 1 : 0, data_type(x, "x")};
+  if (a.M * a.K < SERIAL_WORK / 8) {
+    k.rms_norm(a, 0, a.M);
+  } else {
+    at::parallel_for(0, a.M, 16, [&](int64_t begin, int64_t end) { k.rms_norm(a, begin, end); });
+  }
+  return y.view(x.sizes());
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t out_features,
@@ -250,6 +268,7 @@ int64_t best_isa() { return supported_isa(); }
 TORCH_LIBRARY(multidecode, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
   m.def("quantize_rows(Tensor x, int isa) -> (Tensor, Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool offset, int isa) -> Tensor");
   m.def("qlinear(Tensor x, Tensor codes, Tensor scales, int out_features, int bits, Tensor? bias, int isa) -> Tensor");
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor unit_slots, Tensor unit_rows, Tensor unit_bits, "
         "Tensor row_pairs, Tensor pair_index, float scale, float softcap, int merge, int isa) -> Tensor");
@@ -259,6 +278,7 @@ TORCH_LIBRARY(multidecode, m) {
 TORCH_LIBRARY_IMPL(multidecode, CPU, m) {
   m.impl("linear", &multidecode::linear);
   m.impl("quantize_rows", &multidecode::quantize_rows);
+  m.impl("rms_norm", &multidecode::rms_norm);
   m.impl("qlinear", &multidecode::qlinear);
   m.impl("attention", &multidecode::attention);
 }
