@@ -67,6 +67,20 @@ at::Tensor as_rows(const at::Tensor& x) {
   return rows.stride(-1) == 1 ? rows : rows.contiguous();
 }
 
+// x's rows as a pointer, a count and a stride: a contiguous x as it is (no tensor operation: a
+// one-row step makes hundreds of these calls), any other through `as_rows`, kept alive in `keep`.
+struct Rows {
+  const void* data;
+  int64_t count, width, stride;
+};
+
+Rows rows_view(const at::Tensor& x, at::Tensor& keep) {
+  const int64_t width = x.size(-1);
+  if (x.is_contiguous()) return {x.data_ptr(), width ? x.numel() / width : 0, width, width};
+  keep = as_rows(x);
+  return {keep.data_ptr(), keep.size(0), width, keep.stride(0)};
+}
+
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
@@ -137,16 +151,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
                   weight.scalar_type() == x.scalar_type(),
               "multidecode.rms_norm: weight must be a contiguous vector of x's features, in x's dtype");
   const Kernels& k = kernels_for(isa);
-  at::Tensor rows = as_rows(x);
-  at::Tensor y = at::empty({rows.size(0), rows.size(1)}, x.options());
-  NormArgs a{rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rows.size(0), rows.size(1), rows.stride(0), (float)eps,
+  at::Tensor keep;
+  const Rows rows = rows_view(x, keep);
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  NormArgs a{rows.data, weight.data_ptr(), y.data_ptr(), rows.count, rows.width, rows.stride, (float)eps,
              offset ? 1 : 0, data_type(x, "x")};
   if (a.M * a.K < SERIAL_WORK / 8) {
     k.rms_norm(a, 0, a.M);
   } else {
     at::parallel_for(0, a.M, 16, [&](int64_t begin, int64_t end) { k.rms_norm(a, begin, end); });
   }
-  return y.view(x.sizes());
+  return y;
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t out_features,
@@ -160,12 +175,24 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                   scales.numel() == panels * groups * (bits == 4 ? 32 : 16),
               "multidecode.qlinear: scales do not match the codes");
   const Kernels& k = kernels_for(isa);
-  auto [qcodes, qscale, qsum] = quantize_rows(x, isa);
+  at::Tensor keep;
+  const Rows rows = rows_view(x, keep);
+  // The rows quantized as `quantize_rows` does, into one buffer: codes [M, K], then steps and sums [M, K / 32].
+  at::Tensor quantized = at::empty({rows.count * (inner + 8 * groups)}, x.options().dtype(at::kByte));
+  int8_t* qcodes = reinterpret_cast<int8_t*>(quantized.data_ptr<uint8_t>());
+  float* qscale = reinterpret_cast<float*>(qcodes + rows.count * inner);
+  float* qsum = qscale + rows.count * groups;
+  QuantizeArgs q{rows.data, qcodes, qscale, qsum, rows.count, inner, rows.stride, data_type(x, "x")};
+  if (rows.count * inner < SERIAL_WORK / 64) {
+    k.quantize(q, 0, rows.count);
+  } else {
+    at::parallel_for(0, rows.count, 16, [&](int64_t begin, int64_t end) { k.quantize(q, begin, end); });
+  }
   at::Tensor b = float_bias(bias, out_features);
-  at::Tensor y = at::empty({qcodes.size(0), out_features}, x.options());
-  QLinearArgs a{{qcodes.data_ptr<int8_t>(), qscale.data_ptr<float>(), qsum.data_ptr<float>()},
+  at::Tensor y = at::empty(out_shape(x, out_features), x.options());
+  QLinearArgs a{{qcodes, qscale, qsum},
                 codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
-                b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr(), qcodes.size(0), out_features, inner,
+                b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr(), rows.count, out_features, inner,
                 (int32_t)bits, data_type(x, "x")};
   if (a.M * out_features * inner < SERIAL_WORK) {  // a thread's wake-up costs more than it saves
     k.qlinear(a, 0, a.M, 0, panels);
@@ -174,7 +201,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
       k.qlinear(a, m0, m1, p0, p1);
     });
   }
-  return y.view(out_shape(x, out_features));
+  return y;
 }
 
 // Rows grouped by the units they read, in order (rows of one group: at most MD_MAX_GROUP_ROWS).
