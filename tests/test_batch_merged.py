@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from local_models import tiny_tokenizer
+from pacers import FixedPacer
 from tiny_models import ARCHITECTURES, EOS, MAIN_ARCHITECTURES
 
 from multidecode import MultiDecoder, memory
@@ -71,7 +72,7 @@ def test_documents_read_in_pieces_give_the_same_answers():
     """--prefill-chunk: a document is fed a few tokens a step while other lines decode; the
     answers are those of documents fed whole."""
     decoder, items = decoder_for("llama"), lines(6)
-    settings = BatchSettings(max_new_tokens=6)
+    settings = BatchSettings(max_new_tokens=24)  # the first line decodes long enough for the others to arrive
 
     def arriving(answerer):
         """The first line, then the others once the runtime has stepped: they arrive while it
@@ -82,6 +83,7 @@ def test_documents_read_in_pieces_give_the_same_answers():
         yield from items[1:]
 
     with ForestAnswerer(decoder, settings, prefill_chunk=4) as answerer:
+        answerer.runtime.pacer = FixedPacer(4, 4)  # pieces of 4 tokens, whatever a step costs here
         pieces = answers_of(answer_merged(answerer, arriving(answerer)))
         steps = list(answerer.runtime.pacer.recent)
     with ForestAnswerer(decoder, settings) as answerer:

@@ -235,6 +235,35 @@ def test_each_row_reads_each_of_its_position_blocks_once_and_chains_share_theirs
     assert len(chain_blocks) <= 3 + 2  # the chain's 3, and the branches' own blocks are not the chain's rows
 
 
+def test_a_one_row_plan_is_the_forest_plan_of_that_row():
+    """The one-row shortcut gives the general plan's tensors, for rows at every depth of a forest
+    (paths that cross blocks, branches under cached nodes, slots out of position order)."""
+    generator = torch.Generator().manual_seed(3)
+    parents = [-1]
+    for node in range(1, 300):
+        parents.append(node - 1 if torch.rand(1, generator=generator) < 0.97 else
+                       int(torch.randint(0, node, (1,), generator=generator)))
+    positions = [0] * 300
+    for node, parent in enumerate(parents):
+        positions[node] = 0 if parent < 0 else positions[parent] + 1
+    order = torch.randperm(300, generator=generator)  # slot -> node: the cache holds nodes in any order
+    slot_positions = torch.tensor([positions[n] for n in order.tolist()])
+    slot_of = {n: s for s, n in enumerate(order.tolist())}
+    assert max(positions) >= 2 * BLOCK
+    for node in range(0, 300, 7):
+        visible = torch.zeros(1, 300, dtype=torch.bool)
+        at = node
+        while at >= 0:
+            visible[0, slot_of[at]] = True
+            at = parents[at]
+        query = torch.tensor([positions[node]])
+        short = exact.one_row_plan(visible, slot_positions, query)
+        general = exact.forest_plan(visible, slot_positions, query, torch.tensor([-1]))
+        assert (short.num_rows, short.num_blocks) == (general.num_rows, general.num_blocks)
+        for name in ("slots", "rows", "blocks"):
+            assert torch.equal(getattr(short, name), getattr(general, name)), (node, name)
+
+
 def test_decode_puts_a_users_model_on_the_exact_kernels_and_back():
     """`decode` on a model the user holds runs on the exact kernels (each branch gets the bits of
     its path alone) and leaves the model as it found it: its own linear layers and attention."""

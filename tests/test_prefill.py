@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 from click.testing import CliRunner
+from pacers import FixedPacer
 from tiny_models import NO_EOS, tiny_model
 
 from multidecode import exact
@@ -209,21 +210,6 @@ def test_a_long_arrival_is_read_in_pieces_and_every_stream_keeps_its_pace(model,
     # ... and every stream got a token in every step from its first to its last
     for sink in streams:
         assert sink.token_steps == list(range(sink.token_steps[0], sink.token_steps[0] + 24))
-
-
-class FixedPacer(PrefillPacer):
-    """A pacer whose budgets are given (`budget` beside streams, `finish` to finish prompts), so a
-    test counts tokens per step, not time."""
-
-    def __init__(self, budget: int, finish: int) -> None:
-        super().__init__(budget, 1.5)
-        self.fixed, self.finish = budget, finish
-
-    def budget(self, streams: int, prefilling: int = 1) -> int | None:
-        return self.fixed if streams else None
-
-    def finish_budget(self, streams: int, prefilling: int = 1) -> int | None:
-        return self.finish if streams else None
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])

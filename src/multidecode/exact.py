@@ -135,6 +135,27 @@ def plan_attention(visible: torch.Tensor, key_positions: torch.Tensor, query_pos
         forward, else -1 (a query's chain of single children is read as one block).
     """
     rows_count = visible.shape[0]
+    if rows_count == 1:
+        return one_row_plan(visible, key_positions, query_positions)
+    return forest_plan(visible, key_positions, query_positions, parent_rows)
+
+
+def one_row_plan(visible: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor) -> ExactPlan:
+    """`forest_plan` of a forward of one row (a stream's decode step), in a few operations instead
+    of some forty: the row reads each of its blocks alone, so every block is its own unit, in
+    block order, its slots the row's ancestors at the block's positions."""
+    num_blocks = int(query_positions[0]) // BLOCK + 1
+    ancestors = torch.full((num_blocks * BLOCK,), -1, dtype=torch.long)
+    (slot_index,) = visible[0].nonzero(as_tuple=True)
+    ancestors[key_positions[slot_index]] = slot_index
+    return ExactPlan(ancestors.view(num_blocks, BLOCK), torch.zeros((num_blocks, 1), dtype=torch.long),
+                     torch.arange(num_blocks), 1, num_blocks)
+
+
+def forest_plan(visible: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor,
+                parent_rows: torch.Tensor) -> ExactPlan:
+    """`plan_attention` of any forward (see its arguments)."""
+    rows_count = visible.shape[0]
     num_blocks = int(query_positions.max()) // BLOCK + 1
     width = num_blocks * BLOCK
     # ancestors[r, p]: the slot of row r's ancestor at position p (-1: none, past its position)
@@ -482,5 +503,6 @@ def is_exact(model) -> bool:
     return not any(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
 
 
-__all__ = ["BLOCK", "NAME", "ExactLinear", "ExactPlan", "ExactRMSNorm", "Swapped", "chain_plan", "exact_attention", "exact_kernels",
-           "is_exact", "plan_attention", "plan_tensors", "register", "use_exact_kernels"]
+__all__ = ["BLOCK", "NAME", "ExactLinear", "ExactPlan", "ExactRMSNorm", "Swapped", "chain_plan", "exact_attention",
+           "exact_kernels", "forest_plan", "is_exact", "one_row_plan", "plan_attention", "plan_tensors", "register",
+           "use_exact_kernels"]
