@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multidecode import kernels
+from multidecode import exact, kernels
 from multidecode.exact import plan_attention
 from multidecode.kernels import portable
 
@@ -86,6 +86,18 @@ def test_rms_norm_is_the_same_at_every_level_and_right(generator, dtype, offset,
     assert out.dtype == dtype and out.shape == x.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(out.double(), reference_norm(x, weight, 1e-5, offset), rtol=tolerance, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [False, True])
+def test_the_norms_torch_form_computes_the_kernels_arithmetic(generator, dtype, offset):
+    """What a swapped norm runs on another device: the kernel's arithmetic in torch's operations,
+    equal to it but for the order of the mean's additions (a bfloat16 step at most)."""
+    x = torch.randn(9, 576, generator=generator).mul(3).to(dtype)
+    weight = torch.randn(576, generator=generator).to(dtype)
+    got, expected = exact.torch_rms_norm(x, weight, 1e-5, offset), kernels.rms_norm(x, weight, 1e-5, offset)
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -377,10 +377,21 @@ class ExactRMSNorm(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":  # a model moved to another device after its swap: torch's kernels there
+            return torch_rms_norm(x, self.weight, self.eps, self.offset)
         return kernels.rms_norm(x, self.weight, self.eps, self.offset)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}"
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """`kernels.rms_norm`'s arithmetic in torch's own operations (its mean of squares in torch's
+    order): where the kernel does not run (another device)."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return normed.to(x.dtype) * weight.to(x.dtype)
 
 
 @dataclass
@@ -505,4 +516,4 @@ def is_exact(model) -> bool:
 
 __all__ = ["BLOCK", "NAME", "ExactLinear", "ExactPlan", "ExactRMSNorm", "Swapped", "chain_plan", "exact_attention",
            "exact_kernels", "forest_plan", "is_exact", "one_row_plan", "plan_attention", "plan_tensors", "register",
-           "use_exact_kernels"]
+           "torch_rms_norm", "use_exact_kernels"]
