@@ -30,9 +30,9 @@ logit. So every sum and mean of the graph is handed to aten: a pass (`eager_sums
 `multidecode::eager_mean`, operators whose kernel is aten's (inductor calls them as they are, as it
 calls the products), so a norm's reduction is eager's, bit for bit; the elementwise work around
 it stays fused. (An RMSNorm the exact kernels compute, `exact.ExactRMSNorm`, is one of their
-operators: called from the graph as it is, no sum of its own left to hand back.) A reduction inductor makes out of another operation (a softmax's, a layer norm's
-`var_mean`) is not one of them: a model whose graph has those (GPT-2's layer norms) is not yet
-checked. The embedded model now gives eager's logits compiled (the siblings above, random forests
+operators: called from the graph as it is, no sum of its own left to hand back.) A reduction
+inductor makes out of another operation (a softmax's, a layer norm's `var_mean`) is not one of
+them: a model whose graph has those (GPT-2's layer norms) is not yet checked. The embedded model now gives eager's logits compiled (the siblings above, random forests
 of 1 to 8 rows, at 1 and 2 threads, and a row of an 8-row forest equals the node fed alone); the
 step stays an experiment, off by default, until `test_exact.py`'s checks run under compile.
 
@@ -41,9 +41,8 @@ model that is about 9,400 checks (every module's hook dictionaries and attribute
 parameter's dtype and shape, the globals the modeling code reads): 1.8 ms of a 10 ms step. The
 model and its code do not change while the engine holds it, so the step keeps only the checks on
 what a call passes (its ids, positions, plan, cache) and the interpreter's state (`call_guards`),
-and each model's graphs carry its own key (a string argument the graph compares: dynamo matches its
-value as a constant),
-so two models of one process never share a graph. What this asks of a caller: a model is not
+and each model's graphs carry its own key (a string argument the graph compares: dynamo matches
+its value as a constant), so two models of one process never share a graph. What this asks of a caller: a model is not
 changed in place after `compile_forward` (no module swapped, no hook added: call `uncompile`
 first).
 
