@@ -32,9 +32,11 @@ calls the products), so a norm's reduction is eager's, bit for bit; the elementw
 it stays fused. (An RMSNorm the exact kernels compute, `exact.ExactRMSNorm`, is one of their
 operators: called from the graph as it is, no sum of its own left to hand back.) A reduction
 inductor makes out of another operation (a softmax's, a layer norm's `var_mean`) is not one of
-them: a model whose graph has those (GPT-2's layer norms) is not yet checked. The embedded model now gives eager's logits compiled (the siblings above, random forests
-of 1 to 8 rows, at 1 and 2 threads, and a row of an 8-row forest equals the node fed alone); the
-step stays an experiment, off by default, until `test_exact.py`'s checks run under compile.
+them: a graph with one of those is refused before it runs (GPT-2's layer norms), and that model
+runs eagerly. The embedded model gives eager's logits compiled (the siblings above, random
+forests of 1 to 8 rows, at 1 and 2 threads, and a row of an 8-row forest equals the node fed
+alone); the step is offered off by default (`load(compile=True)`, `serve --compile`, `batch
+--compile`).
 
 **Guards.** Before each call dynamo checks that what the graph assumed still holds; for a whole
 model that is about 9,400 checks (every module's hook dictionaries and attributes, every
@@ -42,9 +44,9 @@ parameter's dtype and shape, the globals the modeling code reads): 1.8 ms of a 1
 model and its code do not change while the engine holds it, so the step keeps only the checks on
 what a call passes (its ids, positions, plan, cache) and the interpreter's state (`call_guards`),
 and each model's graphs carry its own key (a string argument the graph compares: dynamo matches
-its value as a constant), so two models of one process never share a graph. What this asks of a caller: a model is not
-changed in place after `compile_forward` (no module swapped, no hook added: call `uncompile`
-first).
+its value as a constant), so two models of one process never share a graph. What this asks of a
+caller: a model is not changed in place after `compile_forward` (no module swapped, no hook
+added: call `uncompile` first).
 
 **When.** Compiling costs tens of seconds to minutes the first time (inductor's artifacts are kept in
 the user cache, `cache_dir()/inductor`, and a later process reuses them). Forwards that ask for
@@ -160,8 +162,7 @@ OBLIVIOUS = True
 """Size-oblivious shapes: sizes of 1 are not specialized, so a one-row step and a forest share a graph."""
 
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> CompiledForward
-_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its graphs' key
-_numbers = itertools.count()
+_numbers = itertools.count()  # each compiled forward's key
 
 STATIC_SOURCES = ("self", "G[", "GG[", "dict(type(self")
 """Guard sources that do not change while the engine holds a model: the compiled forward itself and
@@ -183,7 +184,7 @@ class CompiledForward:
     def __init__(self, model) -> None:
         self.model = model
         self.refused: str | None = None
-        self.key = _keys.setdefault(model, f"model {next(_numbers)}")  # keeps this model's graphs its own
+        self.key = f"model {next(_numbers)}"  # keeps this model's graphs its own
         self.compiled = torch.compile(self._forward, dynamic=True, fullgraph=True,
                                       options={**options(), "guard_filter_fn": call_guards})
 

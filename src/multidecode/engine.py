@@ -37,6 +37,7 @@ forward is learned from the forwards decoding runs anyway. No recorder: nothing 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -419,12 +420,10 @@ class Engine:
         if (compiled is not None and compiled.refused is None and not layers and self._embeds is None
                 and self.cache.ready_to_write()):
             out = self._forward_compiled(compiled, nodes, positions, keep, mask, plan, start)  # None: refused
-        if out is None and start:
-            with self.cache.window(start):
+        if out is None:
+            with self.cache.window(start) if start else contextlib.nullcontext():
                 out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan)
             self.stats.slots_skipped += start
-        elif out is None:
-            out = self._forward(nodes, positions, self.cache, keep, layers, keep_states, mask, plan)
         self._count(len(nodes))
         return out
 

@@ -128,6 +128,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return y.view(out_shape(x, a.N));
 }
 
+// Rows quantized by `k` (on the calling thread where waking the others would cost more).
+void quantize(const Kernels& k, const QuantizeArgs& a) {
+  if (a.M * a.K < SERIAL_WORK / 64) {
+    k.quantize(a, 0, a.M);
+  } else {
+    at::parallel_for(0, a.M, 16, [&](int64_t begin, int64_t end) { k.quantize(a, begin, end); });
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.size(-1) % 32 == 0, "multidecode.quantize_rows: features must be whole groups of 32, got ", x.size(-1));
   const Kernels& k = kernels_for(isa);
@@ -136,13 +145,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   at::Tensor codes = at::empty({m, rows.size(1)}, x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({m, groups}, x.options().dtype(at::kFloat));
   at::Tensor sum = at::empty({m, groups}, x.options().dtype(at::kFloat));
-  QuantizeArgs a{rows.data_ptr(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(), m,
-                 rows.size(1), rows.stride(0), data_type(x, "x")};
-  if (m * rows.size(1) < SERIAL_WORK / 64) {
-    k.quantize(a, 0, m);
-  } else {
-    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) { k.quantize(a, begin, end); });
-  }
+  quantize(k, QuantizeArgs{rows.data_ptr(), codes.data_ptr<int8_t>(), scale.data_ptr<float>(), sum.data_ptr<float>(),
+                           m, rows.size(1), rows.stride(0), data_type(x, "x")});
   return {codes, scale, sum};
 }
 
@@ -182,12 +186,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   int8_t* qcodes = reinterpret_cast<int8_t*>(quantized.data_ptr<uint8_t>());
   float* qscale = reinterpret_cast<float*>(qcodes + rows.count * inner);
   float* qsum = qscale + rows.count * groups;
-  QuantizeArgs q{rows.data, qcodes, qscale, qsum, rows.count, inner, rows.stride, data_type(x, "x")};
-  if (rows.count * inner < SERIAL_WORK / 64) {
-    k.quantize(q, 0, rows.count);
-  } else {
-    at::parallel_for(0, rows.count, 16, [&](int64_t begin, int64_t end) { k.quantize(q, begin, end); });
-  }
+  quantize(k, QuantizeArgs{rows.data, qcodes, qscale, qsum, rows.count, inner, rows.stride, data_type(x, "x")});
   at::Tensor b = float_bias(bias, out_features);
   at::Tensor y = at::empty(out_shape(x, out_features), x.options());
   QLinearArgs a{{qcodes, qscale, qsum},
