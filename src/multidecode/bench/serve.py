@@ -481,9 +481,9 @@ def _p50_ttft(figures: dict | None) -> float | None:
 def _compare_cells(servers: Servers, arrivals: dict[tuple, Sequence[float]], result: dict) -> dict:
     """Each server's output tokens/s and p50 TTFT over one at a time in its cell, and its p50 TTFT
     over its own solo (concurrency 1, the same share), with what reading the prompts in turn at
-    solo speed would give (`queued_ttft`, from the cell's arrivals by (concurrency, share), its first request reading a
-    whole prompt as solo at 0% shared does, where the grid has that cell), added to the rows; the
-    servers' start times."""
+    solo speed would give (`queued_ttft`, from the cell's arrivals by (concurrency, share), its
+    first request reading a whole prompt as solo at 0% shared does, where the grid has that
+    cell), added to the rows; the servers' start times."""
     found = served(result)
     for (name, concurrency, share), (figures, row) in found.items():
         one = found.get((ONE, concurrency, share), (None,))[0]
