@@ -13,7 +13,7 @@ import click
 from ..version import __version__
 
 COMMANDS = {
-    "ask": "decoding", "generate": "decoding", "complete": "decoding", "beam": "decoding",
+    "ask": "decoding", "generate": "generate", "complete": "decoding", "beam": "decoding",
     "margins": "decoding", "vote": "decoding", "batch": "batch", "demo": "demo", "bench": "bench",
     "explain": "explain", "serve": "serve", "cache": "cache", "train-drafter": "train",
 }

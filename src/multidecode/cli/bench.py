@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import InvalidArgument
-from .common import SPELLING, load_decoder, model_options, report_errors, stderr, stdout
+from .common import load_decoder, model_options, report_errors, spelling, stderr, stdout
 
 
 def parse_counts(text: str, flag: str) -> tuple[int, ...]:
@@ -152,7 +152,7 @@ def bench_ask(speculate, **settings):
     from ..bench import run_ask_benchmark
     from ..speculation import SpeculationSettings
 
-    speculation = SpeculationSettings.parse(speculate, spelling=SPELLING)
+    speculation = SpeculationSettings.parse(speculate, spelling=spelling())
     return functools.partial(run_ask_benchmark, speculate=speculation, **settings)
 
 

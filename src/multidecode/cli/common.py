@@ -11,13 +11,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.markup import escape
 
 from ..errors import InvalidInput, MultiDecodeError
-from ..speculation import MODES_HELP, SpeculationSettings, Spelling
+
+if TYPE_CHECKING:
+    from ..speculation import SpeculationSettings, Spelling
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 stdout = Console(highlight=False, soft_wrap=True)
@@ -43,6 +46,23 @@ COMPILE_HELP = ("Run the forward compiled (torch.compile): the same bits, a shor
                 "steps wait for the compile (about a minute a graph on a CPU; kept in the user cache for later runs).")
 
 
+SAMPLING_OPTIONS = (
+    ("--temperature", float, "Sampling temperature (turns sampling on)."),
+    ("--top-k", int, "Sample from the k most likely tokens."),
+    ("--top-p", float, "Sample from the smallest set reaching this probability."),
+    ("--min-p", float, "Drop tokens less likely than min-p times the top token."),
+    ("--repetition-penalty", float, "Penalize tokens already in the sequence (1.0 = off); applies to greedy too."),
+    ("--presence-penalty", float, "OpenAI's: -2 to 2, off each generated token's logit; applies to greedy too."),
+    ("--frequency-penalty", float, "OpenAI's: -2 to 2, times each generated token's count; applies to greedy too."),
+    ("--seed", int, "Seed; branch i uses seed + i, so every branch is reproducible."),
+)
+"""The sampling options but --logit-bias: (option, type, help)."""
+SAMPLING_SWITCHES = ("temperature", "top_k", "top_p", "min_p", "seed")
+"""The settings that turn sampling on, as the library reads them (`sampling.per_branch_sampling`):
+the rest (penalties, bias) change greedy choices too. Here for a command that never imports the
+library's sampling, such as `generate --server`; a test holds the two to the same rule."""
+
+
 def sampling_options(command):
     """--temperature, --top-k, --top-p, --min-p, --seed (any of them turns sampling on), and the
     penalties and bias, which apply to greedy decoding too: --repetition-penalty,
@@ -51,16 +71,7 @@ def sampling_options(command):
         "--logit-bias", multiple=True, metavar="TOKEN=BIAS", callback=_parse_logit_bias,
         help="Add BIAS (-100 to 100) to token id TOKEN's logit before choosing (repeatable); +100 all but forces "
              "the token, -100 bans it. Applies to greedy too.")(command)
-    for name, kind, text in reversed([
-        ("--temperature", float, "Sampling temperature (turns sampling on)."),
-        ("--top-k", int, "Sample from the k most likely tokens."),
-        ("--top-p", float, "Sample from the smallest set reaching this probability."),
-        ("--min-p", float, "Drop tokens less likely than min-p times the top token."),
-        ("--repetition-penalty", float, "Penalize tokens already in the sequence (1.0 = off); applies to greedy too."),
-        ("--presence-penalty", float, "OpenAI's: -2 to 2, off each generated token's logit; applies to greedy too."),
-        ("--frequency-penalty", float, "OpenAI's: -2 to 2, times each generated token's count; applies to greedy too."),
-        ("--seed", int, "Seed; branch i uses seed + i, so every branch is reproducible."),
-    ]):
+    for name, kind, text in reversed(SAMPLING_OPTIONS):
         command = click.option(name, type=kind, default=None, help=text)(command)
     return command
 
@@ -84,15 +95,39 @@ def _parse_logit_bias(context, parameter, values: tuple[str, ...]) -> dict[int, 
 
 
 def sampling_from(options: dict) -> dict:
-    """The sampling settings the user gave, as keyword arguments for the library."""
-    from ..sampling import SAMPLING_KEYS
+    """The sampling settings the user gave (a command's keyword arguments from `sampling_options`),
+    as keyword arguments for the library."""
+    return {k: v for k, v in options.items() if v is not None}
 
-    return {k: options[k] for k in SAMPLING_KEYS if k != "do_sample" and options.get(k) is not None}
+
+@functools.cache
+def spelling() -> Spelling:
+    """How speculation's error messages name the settings here: as the options below."""
+    from ..speculation import Spelling
+
+    return Spelling(mode="--speculate {}", current="--speculate is {}", budget="--draft-budget",
+                    lookahead="--lookahead", draft_model="--draft-model", skip_layers="--draft-skip-layers",
+                    head="--draft-head")
 
 
-SPELLING = Spelling(mode="--speculate {}", current="--speculate is {}", budget="--draft-budget", lookahead="--lookahead",
-                    draft_model="--draft-model", skip_layers="--draft-skip-layers", head="--draft-head")
-"""How speculation's error messages name the settings here: as the options below."""
+class LateHelp(click.Option):
+    """An option whose help is written only when help is shown (`late_help()`): its text comes
+    from a table whose module imports torch, which a command's run may never need."""
+
+    def __init__(self, *args, late_help, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.late_help = late_help
+
+    def get_help_record(self, ctx: click.Context):
+        self.help = self.late_help()
+        return super().get_help_record(ctx)
+
+
+def _speculate_help(scope: str) -> str:
+    from ..speculation import MODES_HELP
+
+    return f"Speculative decoding inside every branch: {MODES_HELP}. Never changes the output." + (
+        " " + scope if scope else "")
 
 
 @dataclass(frozen=True)
@@ -136,9 +171,8 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
                                     "--model). Implies --speculate draft.")(command)
         command = click.option("--draft-budget", type=int, default=None, metavar="N",
                                help="Draft tokens per branch per step (for auto: the most it may propose).")(command)
-        return click.option("--speculate", default=default, metavar="MODE", show_default=bool(default),
-                            help=f"Speculative decoding inside every branch: {MODES_HELP}. Never changes the "
-                                 "output." + (" " + scope if scope else ""))(command)
+        return click.option("--speculate", default=default, metavar="MODE", show_default=bool(default), cls=LateHelp,
+                            late_help=functools.partial(_speculate_help, scope))(command)
 
     return add
 
@@ -147,13 +181,15 @@ def speculation_from(options: SpeculateOptions | str | None, draft_budget: int |
     """The options as `SpeculationSettings`, checked before the model loads (unknown mode, bad
     budget, settings that need another mode). The CLI loads models with exact attention, so
     speculation is exact at every precision."""
+    from ..speculation import SpeculationSettings
+
     if not isinstance(options, SpeculateOptions):
         options = SpeculateOptions(options)
     settings = SpeculationSettings.parse(options.mode, budget=draft_budget, lookahead=options.lookahead,
                                          draft_model=options.draft_model, skip_layers=options.draft_skip_layers,
                                          head=options.draft_head,
-                                         spelling=SPELLING)
-    settings.check(exact=True, spelling=SPELLING)
+                                         spelling=spelling())
+    settings.check(exact=True, spelling=spelling())
     return settings
 
 
@@ -229,6 +265,13 @@ def constraint_from(options: ConstraintOptions | None):
     if options.grammar is not None:
         return Constraint.grammar(read_text(options.grammar, "grammar"))
     return Constraint.regex(options.regex)
+
+
+def parsed(constraint, result) -> dict:
+    """{"parsed": the JSON value} of a result held to a JSON constraint (null when it was cut short)."""
+    if constraint is None or not constraint.is_json:
+        return {}
+    return {"parsed": constraint.parse(result.text)}
 
 
 def decoding_options(speculate: str | None = None):
@@ -325,6 +368,15 @@ def read_lines(path: str, what: str = "questions") -> list[str]:
 
 
 # ---------------------------------------------------------------------- the model
+def model_source(model_name: str | None) -> str | None:
+    """The model as a command names it, for comparing one command's with another's: a path that
+    exists as an absolute path, a hub id as it is, None for the embedded model."""
+    if model_name is None:
+        return None
+    path = Path(model_name).expanduser()
+    return str(path.resolve()) if path.exists() else model_name
+
+
 def load_decoder(model_name: str | None, precision: str | None, device: str | None, *, exact: bool = True,
                  compile: bool = False):
     """Load a MultiDecoder, with a status line on stderr (saying so when a GGUF file is first read).

@@ -1,4 +1,4 @@
-"""The decoding commands: `generate` (one completion), `ask` (many questions about one document
+"""The decoding commands but `generate` (in `generate`): `ask` (many questions about one document
 in one pass), `complete` (n completions of one prompt), `vote` (self-consistency), `beam` (beam
 search) and `margins` (writing in the margins). Each parses its options, calls its strategy in
 `multidecode.strategies` and formats what comes back: streamed text, a table, or `--json`.
@@ -7,7 +7,6 @@ search) and `margins` (writing in the margins). Each parses its options, calls i
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Iterable, Sequence
 
@@ -34,6 +33,7 @@ from .common import (
     load_decoder,
     model_options,
     open_run,
+    parsed,
     print_stats,
     prompt_options,
     read_lines,
@@ -146,50 +146,6 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
 
 @click.command()
 @prompt_options
-@click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--stop", multiple=True, metavar="TEXT", help="Stop at this string (repeatable).")
-@decoding_options("auto")
-@click.option("--echo", is_flag=True, help="Print the prompt before the completion (with --json, the text starts "
-                                           "with it), as the completions API's echo.")
-@click.option("--json", "as_json", is_flag=True, help="Print the completion and its stats as JSON.")
-@report_errors
-def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, precision, device, speculate, draft_budget,
-             show_stats, echo, as_json, constraint, **sampling):
-    """Generate one completion, greedy unless a sampling option is given.
-
-    With --speculate, draft tokens are verified in the same forward as the next token; the output
-    is the same as without (greedy: the same as transformers' generate).
-    """
-    text = read_prompt(prompt, prompt_file)
-    chosen = sampling_from(sampling)
-    constraint = constraint_from(constraint)
-    decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
-                             sampling=chosen, stop=stop)
-    start = time.perf_counter()
-    run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, text, n=1, max_new_tokens=max_new_tokens, stop=stop,
-                         chat=False if no_chat else None, sample=False, speculate=spec, constraint=constraint,
-                         **chosen)
-    if as_json:
-        done = complete_strategy.completions(run.finish())[0]
-        click.echo(json.dumps({"text": text * echo + done.text, "finish_reason": done.finish_reason, "token_ids": done.token_ids,
-                               "prompt_tokens": len(done.prompt_ids), "seed": done.seed, "stats": done.stats,
-                               **parsed(constraint, done)},
-                              ensure_ascii=False))
-    else:
-        sys.stdout.write(text * echo)
-        for event in run.events:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-    elapsed = time.perf_counter() - start
-    tokens = run.stats.tokens
-    stderr.print(f"[dim]{tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s)[/dim]")
-    if show_stats:
-        print_stats(run.stats.as_dict())
-
-
-@click.command()
-@prompt_options
 @click.option("--n", "-n", "n", type=int, default=4, show_default=True, help="Number of completions.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--greedy", is_flag=True, help="Greedy decoding (all n completions are then identical).")
@@ -290,13 +246,6 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
     stdout.print(table)
     stdout.print(f"Majority answer: [bold]{escape(result.answer)}[/bold] ({result.agreement:.0%} of traces)"
                  if result.answer is not None else "No trace gave an answer.")
-
-
-def parsed(constraint, result) -> dict:
-    """{"parsed": the JSON value} of a result held to a JSON constraint (null when it was cut short)."""
-    if constraint is None or not constraint.is_json:
-        return {}
-    return {"parsed": constraint.parse(result.text)}
 
 
 def parse_early_stopping(value: str) -> bool | str:
@@ -429,4 +378,4 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
     )
 
 
-__all__ = ["ask", "beam", "complete", "generate", "margins", "vote"]
+__all__ = ["ask", "beam", "complete", "margins", "vote"]

@@ -10,7 +10,15 @@ from rich.logging import RichHandler
 from rich.markup import escape
 
 from ..runtime import Limits
-from .common import COMPILE_HELP, model_options, report_errors, speculate_options, speculation_from, stderr
+from .common import (
+    COMPILE_HELP,
+    model_options,
+    model_source,
+    report_errors,
+    speculate_options,
+    speculation_from,
+    stderr,
+)
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULTS = {f.name: f.default for f in fields(Limits)}
@@ -79,7 +87,8 @@ def serve(model_name, precision, device, host, port, api_key, served_model_name,
     logging.basicConfig(level=log_level.upper(), format="%(message)s", datefmt="[%X]",
                         handlers=[RichHandler(console=stderr, show_path=False)])
     name = served_model_name or model_name or EMBEDDED_NAME
-    state = ServeState(name, api_key=api_key, speculate=settings)
+    state = ServeState(name, api_key=api_key, speculate=settings,
+                       source={"model": model_source(model_name), "precision": precision or "auto"})
     def loader():
         model, tokenizer = load_model_and_tokenizer(model_name, precision=precision, device=device)
         if compile_step:

@@ -1,6 +1,8 @@
 """The HTTP face of the server: OpenAI's routes on FastAPI, over one `ForestRuntime`.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (each model with
+`multidecode`: how it was loaded, its device, whether it has a chat template: what `multidecode
+generate --server` checks), `GET /health`
 (200 when ready, 503 while loading or draining), `GET /metrics` (Prometheus text) and `GET /`
 (the live page). Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 400 for anything a client sends wrong, 401 without the API key, 404 for an unknown model or
@@ -30,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
 from ..errors import MultiDecodeError
+from ..prompts import has_chat_template
 from ..runtime import ForestRuntime, Job, Limits, Overloaded, TooLarge
 from ..speculation import LEARNED, SpeculationSettings, load_draft, load_heads
 from .protocol import (
@@ -62,8 +65,9 @@ class ServeState:
     the speculation requests get unless they ask for their own (`SpeculationSettings`, or a mode)."""
 
     def __init__(self, name: str, *, api_key: str | None = None,
-                 speculate: SpeculationSettings | str | None = None) -> None:
+                 speculate: SpeculationSettings | str | None = None, source: dict | None = None) -> None:
         self.name, self.api_key = name, api_key
+        self.source = dict(source or {})  # how the model was asked for: model, precision, device
         self.speculate = (speculate if isinstance(speculate, SpeculationSettings)
                           else SpeculationSettings.parse(speculate))
         self.runtime: ForestRuntime | None = None
@@ -83,6 +87,7 @@ class ServeState:
                     draft = load_draft(self.speculate, model, tokenizer)
                 elif self.speculate.mode in LEARNED:  # the server drafts with learned heads
                     draft = load_heads(self.speculate, model)
+                self.source |= {"device": str(model.device), "chat_template": has_chat_template(tokenizer)}
                 self.runtime = ForestRuntime(model, tokenizer, limits=limits, cost=cost, draft=draft).start()
                 log.info("model %s ready", self.name)
             except BaseException as error:  # reported by /health and by every request
@@ -162,7 +167,7 @@ def _info_routes(app: FastAPI, state: ServeState) -> None:
     async def models(request: Request):
         state.authorize(request)
         return {"object": "list", "data": [{"id": state.name, "object": "model", "created": state.started,
-                                            "owned_by": "multidecode"}]}
+                                            "owned_by": "multidecode", "multidecode": state.source}]}
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -282,6 +287,7 @@ class _Reply:
         choice = self.choices[event.branch]
         entries = [token_entry(self.runtime.tokenizer, event)] if self.job.logprobs is not None else []
         choice.logprobs.extend(entries)
+        choice.token_ids.append(event.token_id)
         choice.text += event.text
         choice.finish_reason = event.finish_reason
         return choice, entries
@@ -319,6 +325,8 @@ class _Reply:
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": self._logprobs(c.logprobs),
                                 "finish_reason": c.finish_reason})
+            if self.body.return_token_ids:
+                choices[-1]["token_ids"] = c.token_ids
         return JSONResponse({**self._head(False), "choices": choices, "usage": usage_dict(usage),
                              "multidecode": usage.stats})
 
@@ -355,7 +363,7 @@ class _Reply:
                 if kind == "token":
                     start = len(self.choices[payload.branch].text)
                     choice, entries = self._take(payload)
-                    if not (payload.text or payload.finish_reason or entries):
+                    if not (payload.text or payload.finish_reason or entries or self.body.return_token_ids):
                         continue
                     if self.chat:
                         delta = self._delta(choice, payload)
@@ -366,6 +374,8 @@ class _Reply:
                     else:
                         item = {"index": choice.index, "text": payload.text,
                                 "logprobs": self._logprobs(entries, start), "finish_reason": payload.finish_reason}
+                    if self.body.return_token_ids:
+                        item["token_ids"] = [payload.token_id]
                     yield _sse({**self._head(True), "choices": [item]})
                 elif kind == "trace":
                     yield _sse({"id": self.id, "object": "multidecode.trace", **payload})

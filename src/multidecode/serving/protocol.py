@@ -11,7 +11,9 @@ body (the openai client's `extra_body`):
 - `use_beam_search`: beam search with n beams, all n returned best first;
 - `questions`: questions about the one prompt (the document; for chat, the last user message),
   each answered as its own branch of one forest and returned as one choice per question;
-- `trace`: the stream also carries the forest nodes the request fed each step (the live page).
+- `trace`: the stream also carries the forest nodes the request fed each step (the live page);
+- `return_token_ids`: each choice (each streamed chunk's choice) also carries `token_ids`, the
+  ids it generated (vLLM's name), so that a client can check them against another run.
 
 OpenAI's sampling extras are honoured per branch: `presence_penalty` and `frequency_penalty`
 (-2 to 2, over each choice's generated tokens), `repetition_penalty` (transformers'), and
@@ -96,6 +98,7 @@ class _Body(BaseModel):
     use_beam_search: bool = False
     questions: list[str] | None = None
     trace: bool = False
+    return_token_ids: bool = False
     response_format: dict[str, Any] | None = None
 
 
@@ -523,6 +526,7 @@ class Choice:
         self.text = ""
         self.finish_reason: str | None = None
         self.logprobs: list = []  # (token text, logprob, [(text, logprob), ...])
+        self.token_ids: list[int] = []
 
 
 def token_entry(tokenizer, event) -> tuple:

@@ -1,0 +1,103 @@
+"""A command's way to a running `multidecode serve`: the model it serves, and one completion,
+streamed or whole, over the standard library alone (no torch, no openai), so that a command
+routed through a resident server starts in a tenth of a second instead of loading a model.
+
+Errors a user can cause come back as `InvalidArgument` with a hint: no server at the address,
+a request the server refused (its 400 message), a server still loading (503).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..errors import InvalidArgument
+
+TIMEOUT_S = 600.0
+"""The longest a request may go without a byte from the server."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a server's /v1/models says of its model: `id`, the name requests send, and `source`,
+    how it was loaded (model, precision, device, chat_template; empty from another server)."""
+
+    url: str
+    id: str
+    source: dict = field(default_factory=dict)
+
+
+def served_model(url: str, *, api_key: str | None = None) -> ServedModel:
+    """The model the server at `url` serves (its first, where it lists several)."""
+    listing = json.load(_open(url, "/v1/models", None, api_key, timeout=10.0))
+    models = listing.get("data") or []
+    if not models:
+        raise InvalidArgument(f"the server at {url} lists no model", "start it with a model: multidecode serve")
+    return ServedModel(url, models[0]["id"], models[0].get("multidecode") or {})
+
+
+def complete(served: ServedModel, body: dict, *, chat: bool, api_key: str | None = None) -> dict:
+    """One request's whole answer (`body` without "model" and "stream": they are set here)."""
+    return json.load(_open(served.url, _route(chat), {**body, "model": served.id, "stream": False}, api_key))
+
+
+def stream(served: ServedModel, body: dict, *, chat: bool, api_key: str | None = None) -> Iterator[dict]:
+    """One request's streamed chunks, as dicts, through the last (the usage chunk, asked for here);
+    an error event in the stream raises."""
+    body = {**body, "model": served.id, "stream": True, "stream_options": {"include_usage": True}}
+    with _open(served.url, _route(chat), body, api_key) as reply:
+        for line in reply:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise _refused(served.url, chunk)
+            yield chunk
+
+
+def _route(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
+
+
+def _open(url: str, route: str, body: dict | None, api_key: str | None, timeout: float = TIMEOUT_S):
+    """The server's reply to a GET (`body` None) or a JSON POST, or the error a user can act on."""
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url.rstrip("/") + route, data=data, headers=headers)
+    try:
+        return urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as error:
+        try:
+            reply = json.load(error)
+        except ValueError:
+            reply = {"error": {"message": f"HTTP {error.code} {error.reason}"}}
+        raise _refused(url, reply, error.code) from None
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise InvalidArgument(f"no server answers at {url} ({reason})",
+                              "start one with `multidecode serve`, or drop --server (and MULTIDECODE_SERVER) "
+                              "to load the model here") from None
+
+
+def _refused(url: str, reply: dict, status: int | None = None) -> InvalidArgument:
+    error = reply.get("error") or {}
+    message = error.get("message") if isinstance(error, dict) else str(error)
+    if status == 503:
+        return InvalidArgument(f"the server at {url} is not ready: {message}", "wait until its /health says ok")
+    if status == 401:
+        return InvalidArgument(f"the server at {url} wants an API key: {message}",
+                               "set MULTIDECODE_API_KEY to the server's key")
+    return InvalidArgument(f"the server at {url} refused the request: {message}",
+                           "change what it names, or drop --server to run here")
+
+
+__all__ = ["ServedModel", "complete", "served_model", "stream"]

@@ -1,0 +1,107 @@
+"""`multidecode generate --server URL`: the request sent to a running server gives the tokens the
+command gives when it loads the model itself, the command imports no torch on that path, and a
+server whose model is not the one asked for (or a setting the protocol cannot carry) is refused
+before anything is sent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from serving import running_server, tiny_loader
+
+from multidecode.cli import main
+from multidecode.cli.common import SAMPLING_OPTIONS, SAMPLING_SWITCHES, model_source
+from multidecode.sampling import per_branch_sampling
+
+pytestmark = pytest.mark.xdist_group("cli")
+
+PROMPT = "hello, the router is old"
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """A server of the tiny model that says how it was loaded, as `multidecode serve` does."""
+    with running_server(tiny_loader(model_dir), source={"model": model_source(str(model_dir)),
+                                                         "precision": "auto"}) as running:
+        yield running
+
+
+def _generate(*args) -> dict:
+    result = CliRunner().invoke(main, ["generate", "--max-new-tokens", "12", "--json", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("settings", [
+    [], ["--no-chat"], ["--seed", "7", "--temperature", "0.9"], ["--top-k", "5", "--seed", "3"],
+    ["--presence-penalty", "1.5", "--logit-bias", "5=3"], ["--stop", "e", "--echo"], ["--speculate", "lookup"],
+], ids=["greedy", "no-chat", "sampled", "top-k", "penalties", "stop-echo", "speculating"])
+def test_a_served_generate_equals_the_local_one(served, model_dir, settings):
+    here = _generate("--model", model_dir, "-p", PROMPT, *settings)
+    there = _generate("--server", served.url, "-p", PROMPT, *settings)
+    for key in ("text", "token_ids", "finish_reason", "prompt_tokens", "seed"):
+        assert there[key] == here[key], key
+    assert there["server"] == served.url and there["stats"]["forward_passes"] >= 1
+
+
+def test_streamed_text_and_stats_come_from_the_server(served, model_dir, monkeypatch):
+    monkeypatch.setenv("MULTIDECODE_SERVER", served.url)  # the variable stands for --server
+    here = _generate("--model", model_dir, "-p", PROMPT)
+    result = CliRunner().invoke(main, ["generate", "-p", PROMPT, "--max-new-tokens", "12", "--stats"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == here["text"] + "\n"
+    assert f"on the server at {served.url}" in result.stderr and "tokens per forward" in result.stderr
+
+
+def test_token_ids_stream_one_a_chunk_and_come_whole(served):
+    client = served.client()
+    extra = {"return_token_ids": True}
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, extra_body=extra)
+    chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                       extra_body=extra)
+    streamed = [i for chunk in chunks for choice in chunk.choices for i in choice.model_extra["token_ids"]]
+    ids = whole.choices[0].model_extra["token_ids"]
+    assert streamed == ids and len(ids) == whole.usage.completion_tokens
+    assert "token_ids" not in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                                        temperature=0).choices[0].model_extra
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "HuggingFaceTB/SmolLM2-360M"], "serves"),
+    (["--precision", "int8"], "runs --precision auto, not int8"),
+    (["--device", "cuda"], "runs --device cpu, not cuda"),
+    (["--regex", "[a-z]+"], "--regex cannot be sent to a server"),
+    (["--draft-budget", "3"], "--draft-budget cannot be sent"),
+    (["--temperature", "3"], "refused the request"),
+])
+def test_a_server_that_cannot_give_the_asked_tokens_is_refused(served, args, message):
+    result = CliRunner().invoke(main, ["generate", "--server", served.url, "-p", PROMPT, *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "hint:" in result.output and "Traceback" not in result.output
+
+
+def test_no_server_at_the_address_is_a_clear_error():
+    result = CliRunner().invoke(main, ["generate", "--server", "http://127.0.0.1:1", "-p", PROMPT])
+    assert result.exit_code == 2 and "no server answers at http://127.0.0.1:1" in result.output
+
+
+def test_the_served_path_imports_no_torch(served):
+    code = ("import sys; from multidecode.cli import main\n"
+            f"sys.argv = ['multidecode', 'generate', '--server', {served.url!r}, '-p', {PROMPT!r}, "
+            "'--max-new-tokens', '4']\n"
+            "try:\n    main()\nexcept SystemExit as exit:\n    assert not exit.code, exit.code\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("no torch")
+
+
+@pytest.mark.parametrize("option", [name for name, _, _ in SAMPLING_OPTIONS] + ["--logit-bias"])
+def test_the_commands_sampling_switches_are_the_librarys(option):
+    key = option[2:].replace("-", "_")
+    value = {"logit_bias": {1: 1.0}, "top_k": 5, "seed": 1}.get(key, 0.5 if key != "repetition_penalty" else 1.2)
+    assert per_branch_sampling(1, {key: value})[0].do_sample == (key in SAMPLING_SWITCHES)
