@@ -1,12 +1,12 @@
-"""`bench startup`: every run a fresh process, cold (an empty user cache but the kernels) and warm,
-on a tiny random GGUF. Timings are not asserted, only that every figure and target is there."""
+"""`bench startup`: every run a fresh process, cold (an empty user cache but the kernels) and warm
+(and warm on a resident server), on a tiny random GGUF. Timings are not asserted, only that every figure and target is there."""
 
 from __future__ import annotations
 
 import pytest
 
 from multidecode.bench.results import tables
-from multidecode.bench.startup import LLAMA, MD, MD_COMMAND, run_startup_benchmark
+from multidecode.bench.startup import LLAMA, MD, MD_COMMAND, MD_SERVED, run_startup_benchmark
 from multidecode.models.random_gguf import write_random_gguf
 
 
@@ -22,6 +22,8 @@ def test_cold_and_warm_starts_report_each_wait(monkeypatch, tmp_path):
         assert all(figures[k] > 0 for k in ("import_s", "load_s", "first_token_s", "process_s", "peak_mb"))
         assert row["methods"][MD_COMMAND]["extra"]["process_s"] > 0
         assert LLAMA in row["skipped"]
+    assert warm["methods"][MD_SERVED]["extra"]["process_s"] > 0 and MD_SERVED not in cold["methods"]
     assert {t["name"] for t in result["targets"]} == {"import (multidecode, torch, transformers), warm", "load() of the model, warm",
-                                                      "the whole command, warm"}
+                                                      "the whole command, warm",
+                                                      "the whole command, warm, on a resident server"}
     assert any("wait before the first token" in table.title for table in tables(result))

@@ -1,12 +1,14 @@
 """Benchmark: the wait before the first token (docs/benchmarks.md, `bench startup`): importing,
 loading the model, the first token and the whole command, cold (an empty user cache, as on the
-first command after install) and warm, for MultiDecode and for llama.cpp on the same GGUF file.
+first command after install) and warm, for MultiDecode and for llama.cpp on the same GGUF file;
+warm, also the command sent to a resident `multidecode serve` (`generate --server`).
 
 Every run is a fresh process, so nothing of one run helps the next but what stays on disk (the
 user cache, and the operating system's file cache, which no run can empty without root)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..serving.launch import ServerProcess
 from ..user_cache import cache_dir
 from . import llamacpp
 from .common import Progress, RunOutput
@@ -24,7 +27,7 @@ from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Target, run
 from .results import Column, Table
 
 PROMPT = "What is the capital of France? Answer in one word."
-MD, MD_COMMAND, LLAMA = "multidecode", "multidecode_command", "llama_cpp"
+MD, MD_COMMAND, MD_SERVED, LLAMA = "multidecode", "multidecode_command", "multidecode_served", "llama_cpp"
 PROBES = {
     MD: """
 import json, resource, sys, time
@@ -74,10 +77,11 @@ def _probe(name: str, path: str, threads: int, environment: Callable[[], dict]) 
     return RunOutput([[1]], 0, forward_passes=1, extra={**figures, "process_s": seconds})
 
 
-def _command(path: str, environment: Callable[[], dict]) -> RunOutput:
-    """`multidecode generate` as a user types it, to its exit."""
+def _command(path: str, environment: Callable[[], dict], server: str | None = None) -> RunOutput:
+    """`multidecode generate` as a user types it, to its exit (server: with `--server` that URL)."""
     argv = [sys.executable, "-m", "multidecode", "generate", "-p", PROMPT, "--max-new-tokens", "8"]
-    seconds, _ = _process(argv + (["--model", path] if path else []), environment())
+    argv += (["--model", path] if path else []) + (["--server", server] if server else [])
+    seconds, _ = _process(argv, environment())
     return RunOutput([[1]], 0, forward_passes=1, extra={"process_s": seconds})
 
 
@@ -114,6 +118,7 @@ def startup_benchmark(path: str | None, *, threads: int = 2, repeats: int = 3, w
         return each
 
     skip = llamacpp.missing(with_llama)
+    resident = ServerProcess.multidecode("resident", Path(gguf).stem, model=path, threads=threads)
 
     def methods(is_cold: bool) -> tuple[Method, ...]:
         wrap = cold if is_cold else (lambda run: run)
@@ -122,11 +127,16 @@ def startup_benchmark(path: str | None, *, threads: int = 2, repeats: int = 3, w
                 Method(MD_COMMAND, "multidecode generate, the whole command", short="command", model=OUTSIDE_TORCH,
                        run=wrap(lambda counter: _command(path or "", environment))),
                 Method(LLAMA, "llama.cpp (llama-cpp-python), same GGUF", short="llama.cpp", model=OUTSIDE_TORCH,
-                       skip=skip, run=lambda counter: _probe(LLAMA, gguf, threads, environment)))
+                       skip=skip, run=lambda counter: _probe(LLAMA, gguf, threads, environment))) + (
+                () if is_cold else (Method(MD_SERVED, "multidecode generate --server, a resident multidecode serve",
+                                           short="command, served", model=OUTSIDE_TORCH,
+                                           run=lambda counter: _command(path or "", environment, resident.url)),))
 
     targets = (Target("import (multidecode, torch, transformers), warm", ("methods", MD, "extra", "import_s"), "<=", 1.0, unit=" s"),
                Target("load() of the model, warm", ("methods", MD, "extra", "load_s"), "<=", 0.5, unit=" s"),
-               Target("the whole command, warm", ("methods", MD_COMMAND, "extra", "process_s"), "<=", 2.0, unit=" s"))
+               Target("the whole command, warm", ("methods", MD_COMMAND, "extra", "process_s"), "<=", 2.0, unit=" s"),
+               Target("the whole command, warm, on a resident server", ("methods", MD_SERVED, "extra", "process_s"),
+                      "<=", 2.0, unit=" s"))
     columns = (Column("start", "start"), Column("method", "label"),
                Column("import", "extra.import_s", "{:.2f} s"), Column("load", "extra.load_s", "{:.2f} s"),
                Column("first token", "extra.first_token_s", "{:.2f} s"),
@@ -134,11 +144,20 @@ def startup_benchmark(path: str | None, *, threads: int = 2, repeats: int = 3, w
     return Benchmark(
         name="startup", title=f"the wait before the first token, {Path(gguf).name}", model=None,
         cases=(Case({"start": "cold"}, methods(True), budget_s=None),
-               Case({"start": "warm"}, methods(False), budget_s=None, main=True, targets=targets)),
+               Case({"start": "warm"}, methods(False), budget_s=None, main=True, targets=targets,
+                    context=functools.partial(_ready, resident))),
         reference=None, repeats=repeats, columns=(), rows_key="starts",
         config={"model": gguf, "threads": threads, "prompt": PROMPT},
         tables=(Table("The wait before the first token (median of the runs)", columns, rows="methods", lead=2),),
         machine={"model": Path(gguf).name, "threads": threads})
+
+
+@contextmanager
+def _ready(server: ServerProcess):
+    """`server` started and ready for the block (its start is not timed: it stays resident)."""
+    with server:
+        server.wait_ready()
+        yield
 
 
 def run_startup_benchmark(path: str | None, *, progress: Progress | None = None, **settings) -> dict:
