@@ -105,3 +105,16 @@ def test_the_commands_sampling_switches_are_the_librarys(option):
     key = option[2:].replace("-", "_")
     value = {"logit_bias": {1: 1.0}, "top_k": 5, "seed": 1}.get(key, 0.5 if key != "repetition_penalty" else 1.2)
     assert per_branch_sampling(1, {key: value})[0].do_sample == (key in SAMPLING_SWITCHES)
+
+
+@pytest.mark.embedded
+def test_the_embedded_models_chat_reply_is_the_same_on_its_server():
+    """The chat route (the embedded model has a chat template; the tiny one has none)."""
+    from multidecode.models.loading import load_model_and_tokenizer
+
+    prompt = "What is the capital of France? Answer in one word."
+    with running_server(load_model_and_tokenizer, source={"model": None, "precision": "auto"}) as running:
+        there = _generate("--server", running.url, "-p", prompt, "--max-new-tokens", "8")
+    here = _generate("-p", prompt, "--max-new-tokens", "8")
+    assert there["token_ids"] == here["token_ids"] and there["text"] == here["text"]
+    assert there["prompt_tokens"] == here["prompt_tokens"] > 20  # the chat template's turn around the prompt
