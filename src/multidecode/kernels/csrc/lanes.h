@@ -86,6 +86,16 @@ inline float exp_scalar(float x) {
   return y * scale;
 }
 
+#if MD_LANES >= 2
+// The 8 floats of s8 summed in a fixed tree: the two halves, then pairs, then the last two.
+inline float sum8_tree(__m256 s8) {
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+#endif
+
 #if MD_LANES == 1
 // ================================================================================= portable C
 struct F { float x[LANES]; };
@@ -225,13 +235,7 @@ inline F f_zero_below(F value, F x, float low) {  // 0 where x < low (or NaN)
           _mm256_and_ps(value.hi, _mm256_cmp_ps(x.hi, _mm256_set1_ps(low), _CMP_GE_OQ))};
 }
 inline F f_from_i(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
-inline float f_sum_tree(F a) {
-  __m256 s8 = _mm256_add_ps(a.lo, a.hi);
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-  return _mm_cvtss_f32(s1);
-}
+inline float f_sum_tree(F a) { return sum8_tree(_mm256_add_ps(a.lo, a.hi)); }
 
 inline void transpose8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
   __m256 r[8], t[8];
@@ -332,11 +336,7 @@ inline F f_from_i(I a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline float f_sum_tree(F a) {
   __m256 lo = _mm512_castps512_ps256(a.v);
   __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1));
-  __m256 s8 = _mm256_add_ps(lo, hi);
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-  return _mm_cvtss_f32(s1);
+  return sum8_tree(_mm256_add_ps(lo, hi));
 }
 
 inline void transpose16(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
