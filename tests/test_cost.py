@@ -67,8 +67,8 @@ def test_the_tracker_learns_from_proposals_that_were_never_fed():
         tracker.record_proposal(1, len(bad), _chain([99, 98]))
         good.append(step)
         bad.append(step)
-        tracker.resolve(0, good, False)
-        tracker.resolve(1, bad, False)
+        tracker.score_proposals(0, good, False)
+        tracker.score_proposals(1, bad, False)
     assert tracker.rate(0, (3, False), 0.5) > 0.8
     assert tracker.rate(1, (3, False), 0.5) < 0.2
     chances = tracker.node_chances(0, _chain([1, 2, 3]))
@@ -81,7 +81,7 @@ def test_a_branch_without_history_borrows_the_groups_rates():
     for step in range(10):
         tracker.record_proposal(0, len(out), _chain([step]))
         out.append(step)
-        tracker.resolve(0, out, False)
+        tracker.score_proposals(0, out, False)
     assert tracker.rate(5, (3, False), 0.1) > 0.7  # branch 5 has seen nothing yet
 
 
@@ -92,7 +92,7 @@ def test_siblings_are_alternatives_with_their_own_rate():
     assert draft.ranks() == [0, 1]
     tracker = AcceptanceTracker()
     tracker.record_proposal(0, 0, draft)
-    tracker.resolve(0, [2], False)  # the alternative came true
+    tracker.score_proposals(0, [2], False)  # the alternative came true
     assert tracker.pooled[(2, True)].accepted == 1 and tracker.pooled[(2, False)].tried == 1
 
 

@@ -422,7 +422,7 @@ class BranchGroup(Work):
             if j in self._drafts:
                 self._observe(j, path, {row: n for (b, n), row in draft_row.items() if b == j}, logits, row_of)
             if self.tracker is not None:
-                self.tracker.resolve(j, branch.output.token_ids, branch.output.finished)
+                self.tracker.score_proposals(j, branch.output.token_ids, branch.output.finished)
             if branch.output.finished and self.speculation is not None:
                 self.speculation.proposer.release(branch.context)
         rejected = [node_of[i] for i in fed_drafts if node_of[i] not in accepted]

@@ -627,7 +627,7 @@ class _Pending:
 class AcceptanceTracker:
     """Acceptance rates of one group's drafts, per branch, with the group's rates as the prior.
 
-    `record_proposal` remembers a proposal (fed or not); `resolve` scores remembered proposals
+    `record_proposal` remembers a proposal (fed or not); `score_proposals` scores remembered proposals
     against the tokens the branch produced since; `node_chances` estimates each node of a new
     proposal.
     """
@@ -660,7 +660,7 @@ class AcceptanceTracker:
         queue.append(_Pending(start, list(draft.tokens), children, _buckets(draft), list(draft.priors)))
         del queue[: -self.max_pending]
 
-    def resolve(self, branch: int, output: Sequence[int], finished: bool) -> None:
+    def score_proposals(self, branch: int, output: Sequence[int], finished: bool) -> None:
         """Score remembered proposals of `branch` against its output so far."""
         queue = self.pending.get(branch, [])
         still = []
