@@ -95,7 +95,7 @@ def test_the_served_path_imports_no_torch(served):
             "'--max-new-tokens', '4']\n"
             "try:\n    main()\nexcept SystemExit as exit:\n    assert not exit.code, exit.code\n"
             "print('torch loaded' if 'torch' in sys.modules else 'no torch')")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().endswith("no torch")
 
