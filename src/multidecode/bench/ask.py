@@ -25,7 +25,6 @@ LABELS = {
     ALONE: ("(d) MultiDecode, each question alone", "(d) alone"),
     SPECULATING: ("(e) MultiDecode forest, every branch speculating", "(e) speculating"),
 }
-"""Method -> (label, short label)."""
 BASELINES = {SEQUENTIAL: hf_sequential, BATCHED: hf_batched, SHARED: hf_shared_prefix}
 
 

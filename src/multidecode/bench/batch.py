@@ -1,6 +1,5 @@
-"""Benchmark: the batch job run for real, on similar documents with and without speculation
-(`similar_benchmark`) and on a day's logs in merged forests (`merged_benchmark`), against HF
-`generate` (docs/benchmarks.md, `bench batch`)."""
+"""Benchmark: the batch job run for real, on similar documents and on a day's logs in merged forests
+(docs/benchmarks.md, `bench batch`)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ LABELS = {
     SUFFIX: ("batch job, suffix over a new store", "suffix"),
     AUTO: ("batch job, auto over a new store", "auto"),
 }
-"""Method -> (label, short label)."""
 SPECULATE = {PLAIN: None, LOOKUP: SpeculationSettings.parse("lookup"), SUFFIX: suffix_over, AUTO: auto_over}
 """Method -> `speculate=` for one run of the job (a function: a fresh store for all its documents)."""
 TARGETS = {SUFFIX: 1.0, AUTO: 1.0}
@@ -38,7 +36,6 @@ MERGED_LABELS = {
     MERGED: ("batch job, merged forests", "merged"),
     MERGED_SUFFIX: ("batch job, merged forests, suffix drafts", "merged + suffix"),
 }
-"""Method -> (label, short label) of the merged-forests workload."""
 MERGED_TARGETS = ((MERGED, ONE, 1.3), (MERGED, GENERATE, 6.0))
 """(fast, slow, speed-up) the merged job is held to."""
 

@@ -1,7 +1,5 @@
-"""What every benchmark measures with: forward passes counted and timed, a method's runs and their
-median, KV bytes, answers compared, the transformers baselines (a) `hf_sequential`, (b)
-`hf_batched`, (c) `hf_shared_prefix` and (d) `multidecode_forest` on the same prompt ids.
-docs/benchmarks.md ("How the benchmarks measure") says how."""
+"""What every benchmark measures with: forward passes counted and timed, runs and their median, KV
+bytes, answers compared, and the baselines (docs/benchmarks.md, "How the benchmarks measure")."""
 
 from __future__ import annotations
 
@@ -30,9 +28,8 @@ class AnswersDiffer(AssertionError):
 
 
 class ForwardCounter:
-    """Counts and times the forward calls of `model` while active (a context manager), each
-    labelled prefill or decode: `prefill(n)` labels the next n calls prefill (the runner knows
-    which calls read the prompt), every other call is decode."""
+    """Counts and times the forward calls of `model` while active, each labelled prefill (the next n
+    after `prefill(n)`) or decode."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -120,10 +117,8 @@ def check_identical(answers: dict[str, Sequence[Sequence[int]]], *, reference: s
 
 @dataclass
 class RunOutput:
-    """One run of a method: its answers (trimmed), the KV bytes it held at most, its own counts.
-    A method that times only part of its run (a server's load from first send to last end, a step
-    without its checks) gives its `seconds`; one that keeps no answers (a server's texts are
-    compared in its case's report, a step's logits in the run) gives its `new_tokens`."""
+    """One run of a method: its answers (trimmed), the KV bytes it held at most, its own counts; a run
+    that times only part of itself gives its `seconds`, one that keeps no answers its `new_tokens`."""
 
     answers: list[list[int]]
     kv_bytes: int
@@ -175,8 +170,7 @@ class Measurement:
 
 
 def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter]]) -> Measurement:
-    """The median-time run (the faster of the middle two for an even count), every run's time
-    kept; all runs must have given the same answers."""
+    """The median-time run (the faster middle one), every run's time kept; all must give the same answers."""
     for _, out, _ in runs[1:]:
         if out.answers != runs[0][1].answers:
             raise AnswersDiffer(f"{method} gave different answers on a repeat run")
@@ -193,9 +187,8 @@ def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter
 
 def measure_together(runs: dict[str, Callable[[ForwardCounter], RunOutput]], model, *, repeats: int = 3,
                      budget_s: float | None = 8.0, order: random.Random | None = None) -> dict[str, Measurement]:
-    """Measure methods in interleaved rounds: a new round starts while fewer than `repeats` ran
-    and all took under `budget_s` (None: no limit); `order` shuffles each round (None: as given).
-    model: whose forwards are counted, or {method: model} (None: none)."""
+    """Methods measured in interleaved rounds, while fewer than `repeats` ran and all took under
+    `budget_s` (None: no limit); `order` shuffles each round; `model`: whose forwards count, or {method: model}."""
     done: dict[str, list] = {name: [] for name in runs}
     spent, rounds = 0.0, 0
     while rounds == 0 or (rounds < repeats and (budget_s is None or spent < budget_s)):
@@ -212,15 +205,11 @@ def measure_together(runs: dict[str, Callable[[ForwardCounter], RunOutput]], mod
 
 def combine_sequential(method: str, parts: Sequence[Measurement]) -> Measurement:
     """One method run item by item: the cost of the items is the sum of theirs."""
-    def total(name: str):
-        return sum(getattr(p, name) for p in parts)
-
-    return Measurement(
-        method=method, wall_s=total("wall_s"), forward_passes=total("forward_passes"), new_tokens=total("new_tokens"),
-        peak_kv_bytes=max(p.peak_kv_bytes for p in parts), prefill_s=total("prefill_s"), decode_s=total("decode_s"),
-        runs_s=[p.wall_s for p in parts], hooked_forward_passes=total("hooked_forward_passes"),
-        decode_passes=total("decode_passes"), answers=[a for p in parts for a in p.answers],
-        extra={"summed_over_items": len(parts)})
+    summed = {name: sum(getattr(p, name) for p in parts) for name in (
+        "wall_s", "forward_passes", "new_tokens", "prefill_s", "decode_s", "hooked_forward_passes", "decode_passes")}
+    return Measurement(method=method, **summed, peak_kv_bytes=max(p.peak_kv_bytes for p in parts),
+                       runs_s=[p.wall_s for p in parts], answers=[a for p in parts for a in p.answers],
+                       extra={"summed_over_items": len(parts)})
 
 
 # ---------------------------------------------------------------------- the baselines, and ours
@@ -250,8 +239,8 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[t
 
 def _generate(model, counter: ForwardCounter, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int,
               eos_ids, pad_id: int, arguments: dict | None = None, **settings) -> tuple[object, list[list[int]], int]:
-    """One `model.generate`, greedy unless `settings` say otherwise (its first forward counted as
-    prefill): the output, each row's new tokens up to the first eos, and its cache's bytes at the end."""
+    """One `model.generate`, greedy unless `settings` say otherwise: the output, each row's new tokens
+    up to the first eos, and its cache's bytes at the end."""
     from transformers import GenerationConfig
 
     eos = sorted({int(e) for e in eos_ids})
@@ -270,9 +259,8 @@ def _generate(model, counter: ForwardCounter, ids: torch.Tensor, mask: torch.Ten
 
 def hf_sequential(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, assistant=None,
                   logits_processor=None, **settings) -> RunOutput:
-    """(a) `model.generate` once per prompt, the whole prompt each time (with `assistant` as its
-    `assistant_model`: assisted generation; with `logits_processor`, a `LogitsProcessorList`
-    reset before each prompt: a grammar's masks); beam search's sequence scores in `extra["scores"]`."""
+    """(a) `model.generate` once per prompt (with an `assistant` model, a `logits_processor` list reset
+    per prompt); beam search's sequence scores in `extra["scores"]`."""
     answers, peak, scores = [], 0, []
     arguments = {"assistant_model": assistant, "logits_processor": logits_processor}
     for prompt in prompts:
@@ -304,9 +292,8 @@ def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
 
 
 def hf_shared_prefix(model, prompts, counter, *, max_new_tokens, eos_ids, pad_id, **settings) -> RunOutput:
-    """(c) the shared prefix prefilled once into a `DynamicCache`, copied to a batch, and
-    `generate` fed only the tails, each left-padded inside the tail: `generate` derives positions
-    from the mask (`cumsum - 1`), so every real token keeps its exact position."""
+    """(c) the shared prefix prefilled once into a `DynamicCache`, copied to a batch, and `generate` fed
+    the tails, left-padded inside the tail (positions from the mask: each real token keeps its own)."""
     from transformers import DynamicCache
 
     n, p, device = len(prompts), shared_prefix_length(prompts), model.device

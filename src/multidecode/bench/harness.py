@@ -1,6 +1,5 @@
-"""The one benchmark harness: a benchmark declared as data (cases, methods, pairs, targets) and
-`run`, which measures it in interleaved rounds and returns its JSON-ready result. Its terms and
-rules: docs/benchmarks.md, "How the benchmarks measure". Nothing here prints."""
+"""The one benchmark harness: a benchmark declared as data (cases, methods, pairs, targets) and `run`,
+which measures it and returns its JSON-ready result (docs/benchmarks.md, "How the benchmarks measure")."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ OUTSIDE_TORCH = "outside torch"
 
 
 class Unavailable(Exception):
-    """Raised by a case's `context` where its methods cannot run after all (a server that does not
-    start): they are skipped, saying why, and the run goes on."""
+    """Raised by a case's `context` where its methods cannot run after all: they are skipped, saying why."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +86,8 @@ class Target:
 
 @dataclass(frozen=True)
 class Case:
-    """One workload or sweep point; `report(measurements)` adds the case's own figures to its row;
-    `context()` is entered around its measurement and report (servers started, a cache prefilled)."""
+    """One workload or sweep point; `report(measurements)` adds its own figures to its row; `context()`
+    is entered around its measurement and report."""
 
     params: dict
     methods: tuple[Method, ...]
@@ -112,9 +110,8 @@ class Plot:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """A benchmark as data: `columns` are its tables' figures (none: only its `tables`), `rows_key`
-    names its rows in the JSON (None: one case, its row at the top level); `machine` says what ran
-    where no model is loaded here (servers); `shuffle` seeds a random order of each round."""
+    """A benchmark as data: `columns` are its tables' figures (none: only its `tables`), `rows_key` names
+    its rows (None: one case, at the top level); `machine`: what ran where no model is loaded here."""
 
     name: str
     title: str
@@ -135,8 +132,7 @@ class Benchmark:
 
 
 def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | None = None) -> dict:
-    """Warm up, measure every case, check identical answers, return the JSON-ready result (threads:
-    torch's for the run, None: as they are). Raises `AnswersDiffer` where answers differ."""
+    """Warm up, measure every case, check identical answers (`AnswersDiffer`), return the JSON-ready result."""
     say = progress or (lambda message: None)
     started = time.perf_counter()
     with torch_threads(threads), quiet_transformers(loading=False):
@@ -199,8 +195,7 @@ def _measure_case(bench: Benchmark, case: Case, done_parts: dict, order, say: Pr
 
 
 def _measurements(bench: Benchmark, case: Case, live: list[Method], done_parts: dict, order, say: Progress) -> dict:
-    """Every live method of the case measured: parts once each, solo methods in rounds of their
-    own, the rest in interleaved rounds."""
+    """Every live method measured: parts once each, solo methods in rounds of their own, the rest interleaved."""
     got: dict[str, Measurement] = {}
     for m in live:
         if m.parts:
@@ -255,8 +250,7 @@ def _part(bench: Benchmark, method: Method, part: Part, done: dict, say: Progres
 
 
 def ratios(fast: Measurement, slow: Measurement) -> dict:
-    """fast's gain over slow: the speed-up (slow's wall time / fast's), and fast's forward passes,
-    tokens/s and KV bytes relative to slow's (None where a side has none)."""
+    """fast's gain over slow: the speed-up (slow's wall time / fast's), and its other figures relative to slow's."""
     return {"speedup": slow.wall_s / fast.wall_s,
             "forward_passes_ratio": ratio(fast.forward_passes, slow.forward_passes),
             "tokens_per_s_ratio": ratio(fast.tokens_per_s, slow.tokens_per_s),

@@ -1,6 +1,5 @@
-"""llama.cpp as a measured baseline on the same GGUF file, through llama-cpp-python's low-level
-batch API: shared prefixes decoded once and copied between sequences, greedy (docs/benchmarks.md,
-"How the benchmarks measure"). Optional: `missing()` says why it cannot run here."""
+"""llama.cpp as a measured baseline on the same GGUF file, through llama-cpp-python's low-level batch API
+(docs/benchmarks.md, "How the benchmarks measure"); `missing()` says why it cannot run here."""
 
 from __future__ import annotations
 

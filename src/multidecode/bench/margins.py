@@ -17,7 +17,6 @@ LABELS = {
     BATCHED: ("(b) HF generate, left-padded batch of the chunk prompts", "(b) padded batch"),
     MULTIDECODE: ("(d) MultiDecode forest (all margins in one pass)", "(d) MultiDecode"),
 }
-"""Method -> (label, short label)."""
 SAMPLE_QUESTION = "Why did the backup pump at the Hillcrest booster station fail to start in August?"
 
 

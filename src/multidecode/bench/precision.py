@@ -1,6 +1,5 @@
 """Benchmark: one GGUF file at each precision and in llama.cpp, on the CPU: what a decode step reads
-and costs against the memory floor of its weights, per token against llama.cpp, and 8 questions
-(docs/benchmarks.md, `bench precision`, and "How the benchmarks measure" for its figures)."""
+and costs, per token against llama.cpp, and 8 questions (docs/benchmarks.md, `bench precision`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The one results layer of the benchmarks: what ran (`environment`), a result's tables (by its
-layout) and chart (by its layout, or its own registered in `CHARTS`), and its files `<stem>.json`,
-`<stem>.md` and `<stem>.png`, each drawn from the JSON alone. Terms: docs/benchmarks.md, "How the
-benchmarks measure"."""
+"""The one results layer of the benchmarks: what ran, a result's tables and chart (by its layout, or
+its own in `CHARTS`), and its files `<stem>.json`, `.md` and `.png`, each drawn from the JSON alone."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ TITLE_SIZE, NOTE_SIZE = 9, 7
 
 
 def environment(model=None, *, launched: dict | None = None) -> dict:
-    """What ran: the model loaded here (`model`) or in a server (`launched`: its model, dtype,
-    device and threads), versions, threads, the machine, its load and the date."""
+    """What ran: the model loaded here or in a server (`launched`), versions, threads, the machine, its load, the date."""
     import transformers
 
     from ..version import __version__
@@ -104,8 +101,7 @@ class Chart:
 
 @dataclass(frozen=True)
 class Column:
-    """A table column: the figure at `path` (keys joined by dots, "{name}": the method's name) of
-    each record, times `scale`, written with `form` ("yes/no": a check, "**no**" where it failed)."""
+    """A table column: the figure at `path` ("a.b", "{name}": the method's) times `scale`, written with `form`."""
 
     header: str
     path: str
@@ -115,10 +111,8 @@ class Column:
 
 @dataclass(frozen=True)
 class Table:
-    """A table declared as data and stored in a result's layout: a row per case (`rows` "cases") or
-    per method of a dict by method ("methods", "steps") in every case (or in the result); a
-    method's record is its figures, then its case's (`sort`: by case parameters, then the methods'
-    order; default: as stored); its first `lead` columns name the row."""
+    """A table as data, stored in a result's layout: a row per case (`rows` "cases") or per method of the
+    dict `rows` in every case (or the result); `sort`: by case parameters; the first `lead` columns name the row."""
 
     title: str
     columns: tuple[Column, ...]
@@ -128,8 +122,7 @@ class Table:
 
 
 CHARTS: dict[str, Callable[[dict], Chart]] = {}
-"""Benchmarks that draw a chart of their own, by name (their modules register it); the rest draw
-their layout's (`layout_chart`). Every result's tables are its layout's (`tables`)."""
+"""Benchmarks that draw a chart of their own, by name; the rest draw their layout's (`layout_chart`)."""
 
 
 def fmt(value: float | None, form: str) -> str:
@@ -315,9 +308,7 @@ def speedup(row: dict, fast: str, slow: str) -> float | None:
 
 
 def tables(result: dict) -> list[TextTable]:
-    """The result's tables, by its layout: the main case (or every case) with a row per method and a
-    summary row per sweep point (where the layout names figure columns), its declared tables, then
-    the targets."""
+    """The result's tables: its figures by method (where the layout names columns), its declared tables, its targets."""
     layout = result["layout"]
     declared = [drawn for table in layout.get("tables", ()) for drawn in column_table(result, table)]
     return (figure_tables(result) if layout["columns"] else []) + declared + targets_table(result)
@@ -356,8 +347,7 @@ def figure_tables(result: dict) -> list[TextTable]:
 
 
 def layout_chart(result: dict) -> Chart:
-    """`sweep`: every pair's speed-up, then each figure per method (log y), against `x`; `bars`: a
-    panel per figure, a bar per method in a group per case, wall times marked with their speed-ups."""
+    """`sweep`: every pair's speed-up, then each figure per method, against `x`; `bars`: a panel per figure."""
     layout, rows = result["layout"], rows_of(result)
     spec, short = layout["plot"], layout["short"]
     names = list(dict.fromkeys(n for row in rows for n in row["methods"]))

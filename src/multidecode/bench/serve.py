@@ -1,8 +1,5 @@
-"""Benchmark: the OpenAI-compatible server under load (docs/benchmarks.md, `bench serve`). A case is
-a cell of the grid (concurrency x shared share) with its seeded Poisson load of streamed greedy
-completions; its methods are the servers, each in a subprocess: `multidecode serve` as one forest
-and one request at a time, and `transformers serve` on the grid's corners. The **arrival** case:
-streams decoding when a long prompt arrives, read in pieces or whole (`--prefill-chunk 0`)."""
+"""Benchmark: the OpenAI-compatible server under load, a case per cell of the grid (concurrency x
+shared share) and the arrival of a long prompt, the servers in subprocesses (docs/benchmarks.md, `bench serve`)."""
 
 from __future__ import annotations
 
@@ -15,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 from .. import data
@@ -36,7 +34,6 @@ LABELS = {
     PIECES: ("multidecode serve, a long prompt read in pieces (its default --prefill-chunk)", "arrival in pieces"),
     WHOLE: ("multidecode serve, a long prompt read whole (--prefill-chunk 0)", "arrival whole"),
 }
-"""Server -> (label, short label)."""
 TEXTS = ("water_board_meeting.txt", "support_call.txt")
 """The texts the prompts are cut from, read as one stream of words."""
 SERVED_NAME = "bench-model"
@@ -47,13 +44,11 @@ METRICS = ("prompt_tokens", "prompt_tokens_cached", "generation_tokens", "steps"
 """The server's counters diffed around a run (multidecode_<name>_total in /metrics)."""
 GRID = {"requests": 32, "concurrency": (1, 4, 16), "shared": (0.0, 0.5, 0.9), "max_tokens": 32, "prompt_tokens": 300,
         "arrival_tokens": 4000}
-"""The full grid's load (about 17 minutes on the project's CPU machine), then the arrival of an
-`arrival_tokens`-token prompt (0: no arrival case); --quick runs `QUICK`."""
+"""The full grid's load, then an `arrival_tokens`-token prompt's arrival (0: none); --quick runs `QUICK`."""
 QUICK = {"requests": 6, "concurrency": (1, 4), "shared": (0.0, 0.9), "max_tokens": 8, "prompt_tokens": 120,
          "arrival_tokens": 0}
 ARRIVAL = {"streams": 8, "stream_tokens": 128, "after_tokens": 16, "max_tokens": 8}
-"""The arrival case: `streams` greedy streams of `stream_tokens` tokens (prompts of the grid's
-length); once each has `after_tokens`, the long prompt arrives and asks for `max_tokens`."""
+"""The arrival case: once each stream has `after_tokens`, the long prompt arrives and asks for `max_tokens`."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +69,7 @@ class Cell:
 
 
 class WordStream:
-    """The shipped texts as one circular stream of words with their token counts (the space before
-    included), to cut prompts of about N tokens from any offset."""
+    """The shipped texts as one circular stream of words with their token counts, to cut prompts from."""
 
     def __init__(self, tokenizer, texts: Sequence[str] = TEXTS) -> None:
         self.words = [w for name in texts for w in data.text(name).split()]
@@ -94,8 +88,7 @@ class WordStream:
 
 def build_cells(tokenizer, *, requests: int, concurrency: Sequence[int], shared: Sequence[float], rate: float,
                 prompt_tokens: int, seed: int) -> list[Cell]:
-    """The grid's loads, from `seed` alone: every prompt of the run starts at its own word offset (a
-    cell's shared head counts as one), so prompts share only what their cell shares."""
+    """The grid's loads, from `seed` alone: every prompt (and cell's shared head) at its own word offset."""
     stream = WordStream(tokenizer)
     grid = [(c, s) for c in concurrency for s in shared]
     starts_needed = sum(requests + (s > 0) for _, s in grid)
@@ -111,10 +104,7 @@ def build_cells(tokenizer, *, requests: int, concurrency: Sequence[int], shared:
                  for _ in range(requests)]
         ids = [list(tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
         gaps = random.Random(f"{seed}:{c}:{s}")
-        at, arrivals = 0.0, []
-        for i in range(requests):
-            arrivals.append(at)
-            at += gaps.expovariate(rate) if math.isfinite(rate) else 0.0
+        arrivals = accumulate((gaps.expovariate(rate) if math.isfinite(rate) else 0.0 for _ in texts[1:]), initial=0.0)
         shared_tokens = common_prefix_length(ids) if len(ids) > 1 else 0
         cells.append(Cell(c, s, tuple(texts), tuple(arrivals), tuple(map(len, ids)), shared_tokens))
     return cells
@@ -122,11 +112,11 @@ def build_cells(tokenizer, *, requests: int, concurrency: Sequence[int], shared:
 
 @dataclass(frozen=True)
 class Arrival:
-    """The arrival case's load: the streams' prompts and the long prompt, as texts."""
+    """The arrival case's load: the streams' prompts and the long prompt (its ids as the server counts them)."""
 
     streams: tuple[str, ...]
     prompt: str
-    prompt_tokens: int  # the long prompt's ids, as the server tokenizes it
+    prompt_tokens: int
 
 
 def build_arrival(tokenizer, *, prompt_tokens: int, arrival_tokens: int, seed: int) -> Arrival:
@@ -155,8 +145,7 @@ def drive_cell(url: str, model: str, cell: Cell, max_tokens: int, timeout_s: flo
 
 
 def drive_arrival(url: str, model: str, load: Arrival, timeout_s: float) -> tuple[list, float]:
-    """Start the streams; once each has `ARRIVAL["after_tokens"]` tokens (or ended), send the long
-    prompt, whose request comes last."""
+    """Start the streams; once each has `ARRIVAL["after_tokens"]` tokens (or ended), send the long prompt."""
     async def send_all(client, start: float) -> list[StreamedRequest]:
         streams = [StreamedRequest(i, 0.0) for i in range(len(load.streams))]
         running = [asyncio.create_task(stream_completion(client, model, text, outcome, ARRIVAL["stream_tokens"]))
@@ -172,9 +161,7 @@ def drive_arrival(url: str, model: str, load: Arrival, timeout_s: float) -> tupl
 
 
 def arrival_figures(outcomes: Sequence[StreamedRequest]) -> dict:
-    """What the long prompt (the last outcome) did to the streams (the others): their pace (median
-    gap) before it was sent, their gaps while it was read (from its send to its first token: p99,
-    the longest, p99 over the pace), and its own TTFT."""
+    """What the long prompt (the last outcome) did to the streams' gaps while it was read, and its own TTFT."""
     *streams, arrival = outcomes
     read_until = arrival.token_times[0] if arrival.token_times else arrival.end
     gaps = [(a, b) for o in streams for a, b in zip(o.token_times, o.token_times[1:])]
@@ -196,8 +183,7 @@ def percentiles(values: Sequence[float]) -> dict | None:
 
 
 def cell_figures(outcomes: Sequence[StreamedRequest], start: float) -> dict:
-    """A cell's latency percentiles and throughput from its requests (`start`: when their arrival
-    times count from); client_wait_s: how long requests waited for a slot."""
+    """A cell's latency percentiles and throughput from its requests (`start`: when arrivals count from)."""
     done = [o for o in outcomes if o.error is None and o.token_times]
     errors = [o.error or "no token streamed" for o in outcomes if o not in done]
     span = (max(o.end for o in done) - min(o.sent for o in outcomes)) if done else 0.0
@@ -240,8 +226,7 @@ def model_folder(model: str | None) -> tuple[str, dict]:
 
 
 def warm_up(server: ServerProcess, max_tokens: int, gather: int = 1) -> None:
-    """Two short requests one after the other, then two at once, before anything is timed (a server
-    that gathers `gather` > 1 requests: that many at once, twice, so that it never waits)."""
+    """Two short requests one after the other, then two at once (a server that gathers: `gather` at once, twice)."""
     prompts = ("Warm-up: the quick brown fox", "Warm-up, again: a lazy dog")
     if gather > 1:
         prompts = tuple(prompts[i % 2] + f" ({i})" for i in range(gather))
@@ -254,10 +239,8 @@ def warm_up(server: ServerProcess, max_tokens: int, gather: int = 1) -> None:
 
 def load_run(server: ServerProcess, send: Callable[[str, str], tuple[list[StreamedRequest], float]], *,
              texts: dict, more: Callable[[list[StreamedRequest]], dict] | None = None) -> RunOutput:
-    """One load against `server`, as a run: `send(url, model)` drives it; the client's figures (and
-    a multidecode server's counters, and what `more` adds), its span from first send to last end,
-    its forwards and output tokens; every request's text (None where it failed) kept in
-    `texts[server.name]`."""
+    """One load `send(url, model)` against `server`, as a run: the client's figures (and the server's
+    counters, and what `more` adds); every request's text (None: failed) kept in `texts[server.name]`."""
     server.alive()
     counted = server.name != HF  # transformers serve has no counters
     before = server.metrics() if counted else None
@@ -300,13 +283,16 @@ class Servers:
             device=self.launched["device"], threads=self.launched["threads"], **self.limits, **options)
 
     @contextlib.contextmanager
-    def started(self, servers: dict[str, ServerProcess], gather: int = 1):
-        """`servers` loading at once, each then ready and warmed up, run by the case in the block."""
+    def started(self, servers: dict[str, ServerProcess], gather: int = 1, timed: bool = True):
+        """`servers` loading at once, each then ready and warmed up, run by the case in the block
+        (`timed`: their seconds to ready kept in `ready_s`)."""
         with contextlib.ExitStack() as stack:
             for server in servers.values():
                 stack.enter_context(server)
             for server in servers.values():
-                self.ready_s.append(server.wait_ready())
+                ready_s = server.wait_ready()
+                if timed:
+                    self.ready_s.append(ready_s)
                 warm_up(server, self.max_tokens, gather)
             self.running = servers
             yield
@@ -331,12 +317,7 @@ class Servers:
                 if kwargs:
                     raise ServerFailed("transformers serve takes a model folder here, not a .gguf file")
                 server = ServerProcess.transformers(HF, folder, continuous_batching=self.transformers_cb)
-                with contextlib.ExitStack() as starting:
-                    starting.enter_context(server)
-                    server.wait_ready()
-                    warm_up(server, self.max_tokens)
-                    self.kept.enter_context(starting.pop_all())
-                self.running = {HF: server}
+                self.kept.enter_context(self.started({HF: server}, timed=False))
             except ServerFailed as error:
                 self.transformers_failed = str(error)[:600]
         if self.transformers_failed is not None:
@@ -379,11 +360,8 @@ def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency
                     max_live_tokens: int = Limits.max_live_tokens,
                     prefix_cache_tokens: int = Limits.prefix_cache_tokens, gather_s: float = 0.0,
                     arrival_tokens: int = 0, timeout_s: float = 600.0, kept: contextlib.ExitStack) -> Benchmark:
-    """Every cell of the grid against fresh servers, as data. model: a local folder or .gguf file
-    (None: the embedded model); threads: the multidecode servers' torch threads; transformers: also
-    `transformers serve` on the grid's corners (cases after the others, on the first
-    `transformers_requests` of their load), kept running in `kept`; arrival_tokens: the long
-    prompt of the arrival case, after the grid (0: none)."""
+    """Every cell of the grid against fresh servers, as data (model: a folder or .gguf file, None: the
+    embedded model); transformers serve on the grid's corners, kept running in `kept`."""
     _check(requests=requests, concurrency=concurrency, shared=shared, rate=rate, max_tokens=max_tokens,
            prompt_tokens=prompt_tokens, gather_s=gather_s, arrival_tokens=arrival_tokens)
     openai_module()
@@ -435,16 +413,14 @@ def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency
 
 
 def run_serve_benchmark(*, progress: Progress | None = None, **settings) -> dict:
-    """`serve_benchmark(**settings)` measured: the JSON-ready result. Raises `ServerFailed` where a
-    multidecode server does not start or dies; every server started is stopped on the way out."""
+    """`serve_benchmark(**settings)` measured, every server stopped on the way out; `ServerFailed` where one fails."""
     with contextlib.ExitStack() as kept, stopped_on_sigterm():
         (progress or (lambda message: None))("building the load")
         return run(serve_benchmark(**settings, kept=kept), progress=progress)
 
 
 def _arrival_case(servers: Servers, labels: dict, load: Arrival) -> Case:
-    """The arrival case, held to the streams' gaps while the long prompt is read staying within
-    `GAP_TARGET` times their pace."""
+    """The arrival case: the streams' gaps while the long prompt is read within `GAP_TARGET` times their pace."""
     methods = tuple(Method.named(labels, name, run=lambda counter, name=name: servers.run_arrival(name, load),
                                  model=OUTSIDE_TORCH) for name in (PIECES, WHOLE))
     target = Target(f"the {len(load.streams)} streams' inter-token p99 while a {load.prompt_tokens:,}-token prompt "
@@ -456,8 +432,7 @@ def _arrival_case(servers: Servers, labels: dict, load: Arrival) -> Case:
 
 
 def _targets(cell: Cell) -> tuple[Target, ...]:
-    """At the grid's top concurrency, each share: the forest's throughput over one at a time (set
-    for 16 in flight and 90% shared) and, above concurrency 1, its p50 TTFT over solo (set for 16)."""
+    """The forest's throughput over one at a time (binding at 16 in flight, 90% shared) and its p50 TTFT over solo."""
     where = f"at concurrency {cell.concurrency}, {cell.shared:.0%} shared"
     main = abs(cell.shared - 0.9) < 1e-9 and cell.concurrency == 16
     throughput = Target(f"output tokens/s {where}, over one at a time" + ("" if main else
@@ -479,11 +454,8 @@ def _p50_ttft(figures: dict | None) -> float | None:
 
 
 def _compare_cells(servers: Servers, arrivals: dict[tuple, Sequence[float]], result: dict) -> dict:
-    """Each server's output tokens/s and p50 TTFT over one at a time in its cell, and its p50 TTFT
-    over its own solo (concurrency 1, the same share), with what reading the prompts in turn at
-    solo speed would give (`queued_ttft`, from the cell's arrivals by (concurrency, share), its
-    first request reading a whole prompt as solo at 0% shared does, where the grid has that
-    cell), added to the rows; the servers' start times."""
+    """Each server's throughput and p50 TTFT over one at a time and over its own solo, and the forest's
+    `queued_ttft` over solo, added to the rows; the servers' start times."""
     found = served(result)
     for (name, concurrency, share), (figures, row) in found.items():
         one = found.get((ONE, concurrency, share), (None,))[0]
@@ -504,12 +476,8 @@ def _compare_cells(servers: Servers, arrivals: dict[tuple, Sequence[float]], res
 
 
 def queued_ttft(arrivals: Sequence[float], read_s: float, first_s: float | None = None) -> list[float]:
-    """Each request's time to first token from a server that does nothing but read prompts, one
-    after another, each in `read_s` (the solo TTFT) but the first in `first_s` (a cell's shared
-    head is new to the server: its first request reads it whole; default `read_s`): what queueing
-    alone costs at this load when prompts are read in turn at solo speed. Where prompts arrive
-    faster than that, it grows with the queue; a server that reads several prompts in one step
-    (each step's fixed cost shared) can beat it, one that reads in turn cannot."""
+    """Each request's TTFT from a server that only reads prompts in turn, each in `read_s` (the first in
+    `first_s`, default `read_s`): what queueing alone costs at this load."""
     free, waits = 0.0, []
     for i, at in enumerate(arrivals):
         free = max(free, at) + (first_s if i == 0 and first_s is not None else read_s)
@@ -518,8 +486,7 @@ def queued_ttft(arrivals: Sequence[float], read_s: float, first_s: float | None 
 
 
 def _launched(model: str | None, threads: int | None) -> dict:
-    """How the multidecode servers start: float32 (their texts are compared), the loader's default
-    device, the torch threads."""
+    """How the multidecode servers start: float32 (their texts are compared), the default device, the threads."""
     import torch
 
     from ..models.loading import resolve_device
@@ -531,18 +498,17 @@ def _launched(model: str | None, threads: int | None) -> dict:
 def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens, gather_s=0.0, arrival_tokens=0) -> None:
     for name, value in (("requests", requests), ("max_tokens", max_tokens), ("prompt_tokens", prompt_tokens)):
         check_positive(name, value)
-    if prompt_tokens < 4:
-        raise InvalidArgument(f"prompt_tokens must be at least 4, got {prompt_tokens}", "use 100 or more")
-    if not concurrency or min(concurrency) < 1:
-        raise InvalidArgument(f"concurrency levels must be 1 or more, got {list(concurrency)}", "e.g. 1,4,16")
-    if not shared or any(not 0 <= s < 1 for s in shared):
-        raise InvalidArgument(f"shared shares must be in [0, 1), got {list(shared)}", "e.g. 0,0.5,0.9")
-    if not rate > 0:
-        raise InvalidArgument(f"the arrival rate must be positive, got {rate}", "e.g. 8 (requests per second) or inf")
-    if not gather_s >= 0:
-        raise InvalidArgument(f"gather_s must be 0 or more, got {gather_s}", "e.g. 0 (off) or 30")
-    if arrival_tokens < 0:
-        raise InvalidArgument(f"arrival_tokens must be 0 or more, got {arrival_tokens}", "e.g. 4000, or 0 (no arrival)")
+    for ok, problem, hint in (
+            (prompt_tokens >= 4, f"prompt_tokens must be at least 4, got {prompt_tokens}", "use 100 or more"),
+            (concurrency and min(concurrency) >= 1, f"concurrency levels must be 1 or more, got {list(concurrency)}",
+             "e.g. 1,4,16"),
+            (shared and all(0 <= s < 1 for s in shared), f"shared shares must be in [0, 1), got {list(shared)}",
+             "e.g. 0,0.5,0.9"),
+            (rate > 0, f"the arrival rate must be positive, got {rate}", "e.g. 8 (requests per second) or inf"),
+            (gather_s >= 0, f"gather_s must be 0 or more, got {gather_s}", "e.g. 0 (off) or 30"),
+            (arrival_tokens >= 0, f"arrival_tokens must be 0 or more, got {arrival_tokens}", "e.g. 4000, or 0 (no arrival)")):
+        if not ok:
+            raise InvalidArgument(problem, hint)
 
 
 def _tables(what: str, *, arrival: bool = False) -> tuple[Table, ...]:

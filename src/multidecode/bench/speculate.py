@@ -1,6 +1,5 @@
-"""Benchmark: speculative decoding of one sequence, greedy, on the shipped workloads: transformers'
-prompt lookup and assisted generation against every proposer of ours (docs/benchmarks.md,
-`bench speculate`, and "How the benchmarks measure" for the draft counts)."""
+"""Benchmark: speculative decoding of one sequence, greedy: transformers' prompt lookup and assisted
+generation against every proposer of ours (docs/benchmarks.md, `bench speculate`)."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ OURS_MEDUSA, OURS_EAGLE, OURS_AUTO_TOKENS = "multidecode_medusa", "multidecode_e
 OURS_MTP = "multidecode_mtp"
 OURS_AUTO_MEASURED, OURS_AUTO_QUICK = "multidecode_auto_measured", "multidecode_auto_quick"
 COST_METHODS = (OURS_AUTO_MEASURED, OURS_AUTO_QUICK)
-"""auto on other cost curves, beside auto on its own (`compare_cost`): on a full measurement
-(`measure_cost`, what auto waited for before it learned), and from a fresh probe learning as it runs."""
+"""auto on other cost curves (`compare_cost`): on a full measurement, and from a fresh probe learning as it runs."""
 LEARNED_METHODS = {"medusa": OURS_MEDUSA, "eagle": OURS_EAGLE, "mtp": OURS_MTP}
 """A learned head's kind -> its method, measured where the model has such a head."""
 HF_METHODS = {GREEDY: 0, LOOKUP_3: 3, LOOKUP_10: 10}
@@ -59,7 +57,6 @@ LABELS = {
     OURS_AUTO_MEASURED: ("MultiDecode auto on a full measurement of the cost curve", "MD auto measured"),
     OURS_AUTO_QUICK: ("MultiDecode auto from a fresh probe of the cost curve, learning as it runs", "MD auto quick"),
 }
-"""Method -> (label, short label)."""
 LOOKAHEAD_FLOOR = 0.95
 """lade's best against plain greedy on these workloads here (0.51-0.95x), held on every workload."""
 TARGETS = {OURS_SUFFIX_2ND: 2.0}
@@ -119,8 +116,7 @@ def hf_generate(model, prompt: Sequence[int], counter: ForwardCounter, *, lookup
 
 def multidecode_generate(decoder, prompt: Sequence[int], counter: ForwardCounter, *, speculate,
                          max_new_tokens: int, eos_ids) -> RunOutput:
-    """`MultiDecoder.generate` with speculation (`speculate`: a value for `speculate=`, or a
-    function making a fresh one per run); counts from its own stats."""
+    """`MultiDecoder.generate` with `speculate` (or a function making a fresh one per run), its own counts."""
     speculate = decoder.speculation(fresh(speculate))
     counter.prefill(1)
     completion = decoder.generate(list(prompt), max_new_tokens=max_new_tokens, speculate=speculate,
@@ -137,10 +133,8 @@ def multidecode_generate(decoder, prompt: Sequence[int], counter: ForwardCounter
 def speculate_benchmark(decoder, *, names: Sequence[str] | None = None, repeats: int = 3, budget_s: float = 90.0,
                         warmup: bool = True, max_new_tokens: int | None = None,
                         compare_cost: bool = False) -> Benchmark:
-    """The speculation benchmark as data: the workloads `names` (default: all, in file order), each
-    with `budget_s` for its rounds; max_new_tokens overrides the workloads' own. compare_cost:
-    auto on other cost curves too (`COST_METHODS`), with auto on its learned curve held to
-    `NO_WORSE` of auto on a full measurement."""
+    """The speculation benchmark as data: the workloads `names` (default: all); max_new_tokens overrides
+    theirs; compare_cost: auto on other cost curves too (`COST_METHODS`)."""
     chosen, setup = choose(names), Setup.of(decoder)
     draft, fitted, draft_config = _drafts(decoder)  # draft None: the model has no self-draft
     heads = decoder.learned_heads()  # the learned heads trained for the model, if any
@@ -195,9 +189,8 @@ run_speculate_benchmark = runs(speculate_benchmark)
 
 def on_curve(decoder, curve_for: Callable[[], CostCurve | LearnedCurve], counter: ForwardCounter,
              run: Callable[[], RunOutput]) -> RunOutput:
-    """`run()` with the decoder's cost curve the one `curve_for()` makes, put back after. The
-    making is not timed (its seconds in extra as `curve_s`) and its forwards (a probe's) are not
-    counted; a learned curve learns from the run's forwards, as a first run's curve does."""
+    """`run()` on the cost curve `curve_for()` makes (untimed and uncounted: its seconds in `curve_s`), put
+    back after; a learned curve learns from the run's forwards."""
     calls, started = len(counter.calls), time.perf_counter()
     curve = curve_for()
     made_s = time.perf_counter() - started
@@ -218,10 +211,8 @@ def on_curve(decoder, curve_for: Callable[[], CostCurve | LearnedCurve], counter
 
 
 def _cost_curves(decoder) -> tuple[dict[str, Callable[[], CostCurve | LearnedCurve]], dict]:
-    """`COST_METHODS` -> what makes each one's curve for a run, and what the results say of them:
-    the full measurement is made once, here (its seconds in the config); the quick curve is
-    made afresh for every run (the model's class prior and one probe, in memory only). The full
-    measurement's forwards do not teach the curve that auto learns: the two stay apart."""
+    """`COST_METHODS` -> what makes each one's curve for a run (the full measurement once, here, apart
+    from the curve auto learns; the quick one afresh), and the config's figures."""
     started, previous = time.perf_counter(), time_forwards(decoder.model, None)
     try:
         full = measure_cost(decoder.model)
@@ -232,10 +223,8 @@ def _cost_curves(decoder) -> tuple[dict[str, Callable[[], CostCurve | LearnedCur
 
 
 def _drafts(decoder) -> tuple[SpeculationSettings | None, Lookahead, dict]:
-    """The self-draft's settings (at least a quarter of the layers skipped: a draft that is the
-    target itself would say nothing), the lookahead the cost curve fits, and what the results say
-    of the self-draft; a model that cannot be self-drafted (a GGUF of mixed layer formats) has
-    none: None, and why."""
+    """The self-draft's settings (a quarter of the layers skipped at least; None where the model cannot be
+    self-drafted), the lookahead the cost curve fits, and the config's figures."""
     model, tokenizer = decoder.model, decoder.tokenizer
     fitted = Lookahead.from_cost(cost_curve(model))
     try:
@@ -249,9 +238,8 @@ def _drafts(decoder) -> tuple[SpeculationSettings | None, Lookahead, dict]:
 
 def _our_speculations(decoder, chosen: list[Workload], max_new_tokens: int | None, draft: SpeculationSettings,
                       fitted: Lookahead, heads) -> dict:
-    """MultiDecode's methods -> `speculate=` (a function: a fresh store per run); the second passes
-    draft from a store that saw one greedy pass over every chosen workload; with learned `heads`,
-    auto drafts with them too, and the heads alone and auto without them run beside it."""
+    """MultiDecode's methods -> `speculate=` (a function: a fresh store per run); the second passes draft
+    from a store that saw every chosen workload once; with learned `heads`, auto uses them too."""
     seen = SuffixStore()
     for w in chosen:
         decoder.generate(prompt_ids(decoder.tokenizer, w.text()), max_new_tokens=max_new_tokens or w.max_new_tokens,
@@ -275,9 +263,8 @@ def _our_speculations(decoder, chosen: list[Workload], max_new_tokens: int | Non
 
 
 def _targets(w: Workload, kinds: Sequence[str] = (), *, compare_cost: bool = False) -> tuple[Target, ...]:
-    """auto at the workload's target and never below `FLOOR`, lookahead at least lade's best (1.3x on
-    the code edit), the second passes, with learned heads (`kinds`) theirs, and with compare_cost
-    auto on its learned curve and from a fresh probe at least `NO_WORSE` of auto on a full measurement."""
+    """auto at the workload's target and never below `FLOOR`, lookahead's, the second passes', the learned
+    heads' (`kinds`) and, with compare_cost, auto's on other curves."""
     def over_greedy(name: str, what: str, value: float) -> Target:
         return Target(f"{w.name}: {what}", (f"{name}_vs", GREEDY, "speedup"), ">=", value)
 

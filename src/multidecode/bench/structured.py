@@ -1,9 +1,5 @@
-"""Benchmark: structured output, extracting a support-call record (a fixed JSON schema) from short
-calls (docs/benchmarks.md, `bench structured`): (a) the masks' cost per decode step at 8 branches,
-(b) jump-forward against constrained decoding without it, (c) llama.cpp with the schema's grammar
-on the same GGUF, one call at a time and the calls as parallel sequences, against MultiDecode one
-at a time and with the calls as one forest, (d) transformers' generate with outlines' masks one
-at a time, (e) the share of outputs that validate."""
+"""Benchmark: structured output, a support-call record (a fixed JSON schema) from short calls, with and
+without masks and jump-forward, against llama.cpp and outlines (docs/benchmarks.md, `bench structured`)."""
 
 from __future__ import annotations
 
@@ -40,7 +36,6 @@ LABELS = {
     OUTLINES: ("(d) transformers' generate + outlines (outlines-core), same weights and kernels, one call at a time",
                "outlines"),
 }
-"""Method -> (label, short label)."""
 EXTRACTION = (PLAIN, FOREST, SPECULATING, ONE, LLAMA, LLAMA_SHARED, OUTLINES)
 QUICK = {"documents": 2, "mask_tokens": 8, "repeats": 1}
 """The settings of a smoke run (`--quick`)."""

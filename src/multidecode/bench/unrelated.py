@@ -1,6 +1,5 @@
-"""Benchmark: one decode step of R unrelated requests of P prompt tokens, as the server's one forest
-row and three other ways, every step's logits checked against plain forwards (docs/serving.md,
-"Attention over unrelated requests"; docs/benchmarks.md, "How the benchmarks measure")."""
+"""Benchmark: one decode step of R unrelated requests of P prompt tokens, as one forest row and three
+other ways, every step's logits checked (docs/serving.md, "Attention over unrelated requests")."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ LABELS = {
     SEPARATE: ("R separate forwards (an engine per request)", "separate"),
     BATCH_ROWS: ("R batch rows (transformers DynamicCache, batch R)", "batch rows"),
 }
-"""Variant -> (label, short label)."""
 STYLES = {FOREST_UNRELATED: ("o", "-", "tab:red"), FOREST_SHARED: ("s", "-", "tab:green"),
           SEPARATE: ("^", "--", "tab:grey"), BATCH_ROWS: ("D", "-", "tab:blue")}
 """Variant -> (marker, line style, colour) in the plot."""
