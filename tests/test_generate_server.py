@@ -118,3 +118,25 @@ def test_the_embedded_models_chat_reply_is_the_same_on_its_server():
     here = _generate("-p", prompt, "--max-new-tokens", "8")
     assert there["token_ids"] == here["token_ids"] and there["text"] == here["text"]
     assert there["prompt_tokens"] == here["prompt_tokens"] > 20  # the chat template's turn around the prompt
+
+
+@pytest.mark.embedded
+def test_ask_on_the_server_answers_as_ask_here(tmp_path):
+    """`ask --server`: the questions as one request (the server's questions extension), the same
+    answers, token ids and prompt lengths as ask run here; streamed, the same text."""
+    from multidecode.models.loading import load_model_and_tokenizer
+
+    document = tmp_path / "call.txt"
+    document.write_text("Caller: Dana Reyes. Her router drops the connection every evening since Monday. "
+                        "The agent reset the line and booked a technician for Friday.", encoding="utf-8")
+    args = ["ask", "--document", str(document), "-q", "Who called?", "-q", "When does the technician come?",
+            "--max-new-tokens", "10"]
+    runner = CliRunner()
+    here = runner.invoke(main, [*args, "--json"])
+    with running_server(load_model_and_tokenizer, source={"model": None, "precision": "auto"}) as running:
+        there = runner.invoke(main, [*args, "--json", "--server", running.url])
+        streamed = runner.invoke(main, [*args, "--server", running.url])
+    assert here.exit_code == there.exit_code == streamed.exit_code == 0, there.output
+    assert json.loads(there.stdout) == json.loads(here.stdout)
+    for row in json.loads(here.stdout):
+        assert row["answer"].strip() in streamed.stdout

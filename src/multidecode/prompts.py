@@ -33,6 +33,19 @@ def check_text(value, what: str, hint: str) -> None:
                            "pass text decoded as UTF-8") from err
 
 
+def check_document(document: str) -> None:
+    check_text(document, "the document", "pass a document with some text in it")
+
+
+def check_questions(questions: Sequence[str]) -> None:
+    if isinstance(questions, str):
+        raise InvalidInput("questions must be a list of strings, got one string", "wrap it in a list: [question]")
+    if not questions:
+        raise InvalidInput("there are no questions", "ask at least one question")
+    for i, q in enumerate(questions):
+        check_text(q, f"question {i + 1}", "remove it or write the question")
+
+
 @dataclass(frozen=True)
 class SharedPrompts:
     """Several prompts as one shared prefix plus one suffix each.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import click
 from rich.live import Live
@@ -17,15 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ..branches import TokenEvent
 from ..errors import InvalidArgument, InvalidInput, check_positive
-from ..prompts import check_text
-from ..sampling import PENALTY_KEYS
-from ..strategies import ask as ask_strategy
-from ..strategies import complete as complete_strategy
-from ..strategies import margins as margins_strategy
-from ..strategies.ask import check_document, check_questions
-from ..strategies.complete import Waves
+from ..prompts import check_document, check_questions, check_text
 from .common import (
     check_early,
     constraint_from,
@@ -45,7 +39,11 @@ from .common import (
     stderr,
     stdout,
 )
+from .remote import Request, Server, server_option
 
+if TYPE_CHECKING:  # the strategies import torch: each command imports its own when it runs here
+    from ..branches import TokenEvent
+    from ..strategies import margins as margins_strategy
 
 class AnswerBoard:
     """Collects streamed events per question and renders them: live on a terminal, else as each ends."""
@@ -105,9 +103,10 @@ def gather_questions(question: Sequence[str], questions_file: str | None) -> lis
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop an answer at this string (repeatable).")
 @decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of answers instead of streaming text.")
+@server_option
 @report_errors
 def ask(document, question, questions_file, max_new_tokens, stop, model_name, precision, device, as_json, speculate,
-        draft_budget, show_stats, constraint, **sampling):
+        draft_budget, show_stats, constraint, server, **sampling):
     """Answer many questions about one document in one pass over one shared KV cache."""
     if document == "-" and questions_file == "-":
         raise InvalidInput("--document and --questions-file cannot both read standard input",
@@ -116,6 +115,12 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
     questions = gather_questions(question, questions_file)
     check_document(text)
     check_questions(questions)
+    if server:
+        request = Request(max_new_tokens, stop, sampling_from(sampling), speculate, draft_budget, constraint)
+        return ask_on_server(server, text, questions, request, (model_name, precision, device), as_json=as_json,
+                             show_stats=show_stats)
+    from ..strategies import ask as ask_strategy
+
     constraint = constraint_from(constraint)
     decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens,
                              sampling=sampling_from(sampling), stop=stop)
@@ -144,6 +149,32 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
     )
 
 
+def ask_on_server(url: str, text: str, questions: list[str], request: Request, asked: tuple, *, as_json: bool,
+                  show_stats: bool) -> None:
+    """The questions sent to the server at `url` as one request (its `questions` extension: one
+    forest there too), once the server is found to serve the model asked for."""
+    server = Server(url, *asked)
+    if not server.chat_template:
+        raise InvalidArgument(f"the model on the server at {url} has no chat template, and ask sends each question "
+                              "as a chat turn there (here it would add a plain 'Answer:' line)",
+                              "drop --server to ask here")
+    body = {**request.body, "messages": [{"role": "user", "content": text}], "questions": list(questions)}
+    start = time.perf_counter()
+    if as_json:
+        choices = server.whole(body, chat=True)
+        click.echo(json.dumps([{"question": q, "answer": c["text"], "finish_reason": c["finish_reason"],
+                                "token_ids": c["token_ids"], "prompt_tokens": len(c["prompt_token_ids"]),
+                                **request.parsed(c["text"], c["finish_reason"])}
+                               for q, c in zip(questions, choices, strict=True)], ensure_ascii=False))
+    else:
+        show_stream(server.pieces(body, chat=True), questions)
+    elapsed = time.perf_counter() - start
+    if show_stats and server.stats:
+        print_stats(server.stats)
+    stderr.print(f"[dim]{len(questions)} answer{'s' * (len(questions) != 1)}, {server.tokens} tokens in "
+                 f"{elapsed:.1f} s on the server at {url} ({server.served.id}), one shared pass[/dim]")
+
+
 @click.command()
 @prompt_options
 @click.option("--n", "-n", "n", type=int, default=4, show_default=True, help="Number of completions.")
@@ -160,6 +191,10 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     Each completion reports its seed; `--seed S` makes completion i use S + i, the same as a
     single completion run with `--seed S+i`.
     """
+    from ..sampling import PENALTY_KEYS
+    from ..strategies import complete as complete_strategy
+    from ..strategies.complete import Waves
+
     text = read_prompt(prompt, prompt_file)
     chosen = sampling_from(sampling)
     if greedy and set(chosen) - set(PENALTY_KEYS):
@@ -204,6 +239,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
 def vote(question, n, max_new_tokens, model_name, precision, device, show_traces, as_json, speculate, draft_budget,
          show_stats, constraint, **sampling):
     """Self-consistency: n sampled reasoning traces in one forest, and the majority answer."""
+    from ..strategies import complete as complete_strategy
     from ..strategies.vote import tally, vote_prompt, vote_settings
 
     check_text(question, "the question", "write the question to reason about")
@@ -345,6 +381,8 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
             device, as_json, **sampling):
     """Write a note about the question for every chunk of a long document (all chunks in one pass),
     keep the relevant notes, and answer from them (arXiv 2408.14906)."""
+    from ..strategies import margins as margins_strategy
+
     text = read_text(document)
     if question is None or not question.strip():
         raise InvalidInput("there is no question", "pass --question TEXT")

@@ -16,8 +16,8 @@ from rich.markup import escape
 
 from .. import explain as _explain
 from ..errors import InvalidArgument
+from ..prompts import check_document, check_questions
 from ..speculation import speculation_mode
-from ..strategies.ask import check_document, check_questions
 from .common import (
     model_options,
     open_run,

@@ -19,6 +19,7 @@ from ..cost import CostCurve
 from ..data import sample_excerpt
 from ..errors import InvalidArgument, InvalidInput, is_int
 from ..forest import ROOT
+from ..prompts import check_document, check_questions
 from ..sampling import per_branch_sampling
 from ..scheduler import Scheduler, StepTrace, new_scheduler
 from ..speculation import Speculation, build_speculation
@@ -68,8 +69,8 @@ def explain(decoder, *, document: str | None = None, questions: Sequence[str] | 
     """
     document = sample_excerpt() if document is None else document
     questions = sample_questions() if questions is None else questions
-    ask_strategy.check_document(document)
-    ask_strategy.check_questions(questions)
+    check_document(document)
+    check_questions(questions)
     questions = list(questions)
 
     def begin(scheduler: Scheduler, spec: Speculation) -> BranchRun:

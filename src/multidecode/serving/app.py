@@ -325,8 +325,9 @@ class _Reply:
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": self._logprobs(c.logprobs),
                                 "finish_reason": c.finish_reason})
-            if self.body.return_token_ids:
-                choices[-1]["token_ids"] = c.token_ids
+            if self.body.return_token_ids:  # beams share the one prompt
+                prompt = self.job.prompts[c.index if c.index < len(self.job.prompts) else 0]
+                choices[-1] |= {"token_ids": c.token_ids, "prompt_token_ids": list(prompt)}
         return JSONResponse({**self._head(False), "choices": choices, "usage": usage_dict(usage),
                              "multidecode": usage.stats})
 

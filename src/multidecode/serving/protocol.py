@@ -13,7 +13,8 @@ body (the openai client's `extra_body`):
   each answered as its own branch of one forest and returned as one choice per question;
 - `trace`: the stream also carries the forest nodes the request fed each step (the live page);
 - `return_token_ids`: each choice (each streamed chunk's choice) also carries `token_ids`, the
-  ids it generated (vLLM's name), so that a client can check them against another run.
+  ids it generated, and a whole reply's choices their `prompt_token_ids` (vLLM's names), so that
+  a client can check them against another run.
 
 OpenAI's sampling extras are honoured per branch: `presence_penalty` and `frequency_penalty`
 (-2 to 2, over each choice's generated tokens), `repetition_penalty` (transformers'), and

@@ -11,8 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..branches import BranchRun, TokenEvent, start_prompts
-from ..errors import InvalidInput
-from ..prompts import check_text, question_message, render_prompt, tokenize_prompt
+from ..prompts import check_document, check_questions, question_message, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
 from ..scheduler import Scheduler
 
@@ -28,19 +27,6 @@ class Answer:
     prompt_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict, compare=False, repr=False)
-
-
-def check_document(document: str) -> None:
-    check_text(document, "the document", "pass a document with some text in it")
-
-
-def check_questions(questions: Sequence[str]) -> None:
-    if isinstance(questions, str):
-        raise InvalidInput("questions must be a list of strings, got one string", "wrap it in a list: [question]")
-    if not questions:
-        raise InvalidInput("there are no questions", "ask at least one question")
-    for i, q in enumerate(questions):
-        check_text(q, f"question {i + 1}", "remove it or write the question")
 
 
 def question_prompts(tokenizer, document: str, questions: Sequence[str], *, instruction: str | None = None) -> list[list[int]]:

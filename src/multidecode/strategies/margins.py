@@ -34,11 +34,10 @@ import torch
 from ..branches import BranchRun, TokenEvent, check_fits, prompt_feed, start_prompts, token_ids
 from ..engine import FeedResult
 from ..errors import InvalidArgument, InvalidInput, check_positive
-from ..prompts import check_text, render_prompt, share_prefix, tokenize_prompt
+from ..prompts import check_document, check_text, render_prompt, share_prefix, tokenize_prompt
 from ..sampling import per_branch_sampling
 from ..scheduler import Feed, Scheduler, Settled, Work, new_scheduler
 from ..stopping import stop_strings_of
-from .ask import check_document
 
 NOTHING = "Nothing relevant."
 """What a margin says when its chunk holds nothing about the question (the prompt asks for it)."""

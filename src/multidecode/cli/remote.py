@@ -1,0 +1,131 @@
+"""A decoding command's work sent to a running `multidecode serve` (`--server URL`, or the
+MULTIDECODE_SERVER variable): the command's settings spelled as the OpenAI protocol spells them,
+and a server checked to serve the model the command asks for, so that the tokens are the ones
+the command would produce here. Nothing here imports torch: a command routed to a server starts
+in a tenth of a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import click
+
+from ..errors import InvalidArgument
+from .common import SAMPLING_SWITCHES, model_source, read_text
+
+SERVER_HELP = ("Send the work to this running `multidecode serve` (env MULTIDECODE_SERVER) instead of loading "
+               "the model here: the same tokens, without the wait for torch and the model. Its API key: env "
+               "MULTIDECODE_API_KEY.")
+
+
+def server_option(command):
+    """--server URL (env MULTIDECODE_SERVER)."""
+    return click.option("--server", default=None, envvar="MULTIDECODE_SERVER", metavar="URL", help=SERVER_HELP)(command)
+
+
+class Request:
+    """A command's decoding settings as a request body. Settings the protocol has no field for are
+    refused; sampling follows the library's rule (`SAMPLING_SWITCHES` turn it on, else greedy),
+    with the seed chosen here when none is given, so that it can be reported."""
+
+    def __init__(self, max_new_tokens: int, stop, chosen: dict, speculate, draft_budget, constraint) -> None:
+        refused = {"--draft-budget": draft_budget, "--draft-model": speculate.draft_model,
+                   "--draft-skip-layers": speculate.draft_skip_layers, "--lookahead": speculate.lookahead,
+                   "--draft-head": speculate.draft_head, "--regex": constraint.regex, "--grammar": constraint.grammar}
+        given = [name for name, value in refused.items() if value is not None]
+        if given:
+            raise InvalidArgument(f"{', '.join(given)} cannot be sent to a server (the OpenAI protocol has no field "
+                                  "for it; a server's drafting is set when it starts)",
+                                  "drop it, or drop --server (and MULTIDECODE_SERVER) to run here")
+        self.body: dict = {"max_tokens": max_new_tokens, "return_token_ids": True,
+                           "speculate": speculate.mode or "off", **({"stop": list(stop)} if stop else {})}
+        self.seed = None
+        if any(key in chosen for key in SAMPLING_SWITCHES):
+            self.seed = chosen.get("seed", random.randrange(2**31))
+            self.body |= {"temperature": chosen.get("temperature", 1.0), "seed": self.seed}
+            self.body |= {key: chosen[key] for key in ("top_k", "top_p", "min_p") if key in chosen}
+        else:
+            self.body["temperature"] = 0
+        self.body |= {key: chosen[key] for key in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+                      if key in chosen}
+        if "logit_bias" in chosen:
+            self.body["logit_bias"] = {str(token): bias for token, bias in chosen["logit_bias"].items()}
+        self.schema = None
+        if constraint.json_schema is not None:
+            self.schema = json.loads(read_text(constraint.json_schema, "JSON schema"))
+            self.body["response_format"] = {"type": "json_schema",
+                                            "json_schema": {"name": "output", "schema": self.schema, "strict": True}}
+
+    def parsed(self, text: str, finish_reason: str | None) -> dict:
+        """{"parsed": the JSON value} where a schema holds the output (null when it was cut short)."""
+        if self.schema is None:
+            return {}
+        return {"parsed": json.loads(text) if finish_reason == "stop" else None}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One streamed token of one choice (a `TokenEvent`'s fields, as the stream carries them)."""
+
+    branch: int
+    token_id: int
+    text: str
+    finish_reason: str | None
+
+
+class Server:
+    """A running server, checked to serve the model the command's options ask for (an option left
+    out takes the server's)."""
+
+    def __init__(self, url: str, model_name: str | None, precision: str | None, device: str | None) -> None:
+        from ..serving import remote
+
+        self.remote, self.url, self.key = remote, url, os.environ.get("MULTIDECODE_API_KEY")
+        self.served = remote.served_model(url, api_key=self.key)
+        self.stats: dict | None = None  # the last reply's engine statistics
+        self.usage: dict = {}
+        has_model = self.served.source.get("model")
+        if model_name is not None and model_name != self.served.id and model_source(model_name) != has_model:
+            raise InvalidArgument(f"the server at {url} serves {has_model or self.served.id}, not {model_name}",
+                                  "drop --model to use the server's, or drop --server to load it here")
+        for option, asked, has in (("--precision", precision, self.served.source.get("precision")),
+                                   ("--device", device, self.served.source.get("device"))):
+            if asked is not None and asked != has:
+                raise InvalidArgument(f"the server at {url} runs {option} {has or '(not said)'}, not {asked}",
+                                      f"drop {option} to use the server's, or drop --server to load the model here")
+
+    @property
+    def chat_template(self) -> bool:
+        return bool(self.served.source.get("chat_template", True))
+
+    def whole(self, body: dict, *, chat: bool) -> list[dict]:
+        """The reply's choices in order, each with its `text` (a chat reply's content too)."""
+        reply = self.remote.complete(self.served, body, chat=chat, api_key=self.key)
+        self.usage, self.stats = reply["usage"], reply.get("multidecode")
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        return [{**c, "text": c["message"]["content"]} if chat else c for c in choices]
+
+    def pieces(self, body: dict, *, chat: bool) -> Iterator[Piece]:
+        """The streamed tokens, as they come."""
+        for chunk in self.remote.stream(self.served, body, chat=chat, api_key=self.key):
+            if chunk.get("usage"):
+                self.usage, self.stats = chunk["usage"], chunk.get("multidecode")
+            for choice in chunk.get("choices") or ():
+                ids = choice.get("token_ids") or ()
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                for k, token in enumerate(ids):  # a chat stream's opening chunk carries none
+                    last = k == len(ids) - 1
+                    yield Piece(choice["index"], token, (text or "") if last else "",
+                                choice.get("finish_reason") if last else None)
+
+    @property
+    def tokens(self) -> int:
+        return self.usage.get("completion_tokens", 0)
+
+
+__all__ = ["Piece", "Request", "Server", "server_option"]
