@@ -140,3 +140,26 @@ def test_ask_on_the_server_answers_as_ask_here(tmp_path):
     assert json.loads(there.stdout) == json.loads(here.stdout)
     for row in json.loads(here.stdout):
         assert row["answer"].strip() in streamed.stdout
+
+
+def _complete(*args) -> list[dict]:
+    result = CliRunner().invoke(main, ["complete", "--max-new-tokens", "8", "--json", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("settings", [["--n", "3", "--seed", "3"], ["--n", "2", "--greedy"],
+                                      ["--n", "2", "--temperature", "0.7", "--top-p", "0.9", "--seed", "11"]],
+                         ids=["seeded", "greedy", "warped"])
+def test_a_served_complete_equals_the_local_one(served, model_dir, settings):
+    here = _complete("--model", model_dir, "-p", PROMPT, *settings)
+    there = _complete("--server", served.url, "-p", PROMPT, *settings)
+    assert [{k: c[k] for k in ("index", "text", "token_ids", "finish_reason", "seed")} for c in there] == [
+        {k: c[k] for k in ("index", "text", "token_ids", "finish_reason", "seed")} for c in here]
+
+
+def test_the_seeds_a_served_complete_reports_reproduce_it_here(served, model_dir):
+    there = _complete("--server", served.url, "-p", PROMPT, "--n", "2")
+    assert there[1]["seed"] == there[0]["seed"] + 1
+    here = _complete("--model", model_dir, "-p", PROMPT, "--n", "2", "--seed", there[0]["seed"])
+    assert [c["token_ids"] for c in here] == [c["token_ids"] for c in there]

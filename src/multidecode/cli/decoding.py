@@ -21,6 +21,7 @@ from rich.text import Text
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_document, check_questions, check_text
 from .common import (
+    SAMPLING_SWITCHES,
     check_early,
     constraint_from,
     decoding_options,
@@ -183,23 +184,28 @@ def ask_on_server(url: str, text: str, questions: list[str], request: Request, a
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop a completion at this string (repeatable).")
 @decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of completions.")
+@server_option
 @report_errors
 def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, model_name, precision, device, as_json,
-             speculate, draft_budget, show_stats, constraint, **sampling):
+             speculate, draft_budget, show_stats, constraint, server, **sampling):
     """n completions of one prompt from one prefill, sampled side by side.
 
     Each completion reports its seed; `--seed S` makes completion i use S + i, the same as a
     single completion run with `--seed S+i`.
     """
-    from ..sampling import PENALTY_KEYS
+    text = read_prompt(prompt, prompt_file)
+    chosen = sampling_from(sampling)
+    if greedy and set(chosen) & set(SAMPLING_SWITCHES):
+        flags = ", ".join("--" + k.replace("_", "-") for k in chosen if k in SAMPLING_SWITCHES)
+        raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
+    if server:
+        check_positive("n", n)
+        request = Request(max_new_tokens, stop, chosen, speculate, draft_budget, constraint, sample=not greedy, n=n)
+        return complete_on_server(server, text, no_chat, request, (model_name, precision, device), as_json=as_json,
+                                  show_stats=show_stats)
     from ..strategies import complete as complete_strategy
     from ..strategies.complete import Waves
 
-    text = read_prompt(prompt, prompt_file)
-    chosen = sampling_from(sampling)
-    if greedy and set(chosen) - set(PENALTY_KEYS):
-        flags = ", ".join("--" + k.replace("_", "-") for k in chosen if k not in PENALTY_KEYS)
-        raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
     if greedy:
         chosen["do_sample"] = False
     constraint = constraint_from(constraint)
@@ -226,6 +232,30 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     how = "one prefill" if waves == 1 else f"in {waves} waves of up to {run.size} (all at once would not fit in memory)"
     stderr.print(f"[dim]{n} completion{'s' * (n != 1)}, {generated} tokens in {elapsed:.1f} s "
                  f"({generated / elapsed:.1f} tokens/s), {how}[/dim]")
+
+
+def complete_on_server(url: str, text: str, no_chat: bool, request: Request, asked: tuple, *, as_json: bool,
+                       show_stats: bool) -> None:
+    """The n completions as one request to the server at `url` (n choices: one forest there too)."""
+    server = Server(url, *asked)
+    chat = not no_chat and server.chat_template
+    body = {**request.body, **({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})}
+    seeds = [None if request.seed is None else request.seed + i for i in range(request.body["n"])]
+    start = time.perf_counter()
+    if as_json:
+        choices = server.whole(body, chat=chat)
+        click.echo(json.dumps([{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
+                                "seed": seed, "token_ids": c["token_ids"],
+                                **request.parsed(c["text"], c["finish_reason"])}
+                               for c, seed in zip(choices, seeds, strict=True)], ensure_ascii=False))
+    else:
+        labels = [f"completion {i + 1}" + (f" (seed {seed})" if seed is not None else "") for i, seed in enumerate(seeds)]
+        show_stream(server.pieces(body, chat=chat), labels)
+    elapsed = time.perf_counter() - start
+    if show_stats and server.stats:
+        print_stats(server.stats)
+    stderr.print(f"[dim]{len(seeds)} completion{'s' * (len(seeds) != 1)}, {server.tokens} tokens in {elapsed:.1f} s "
+                 f"on the server at {url} ({server.served.id})[/dim]")
 
 
 @click.command()

@@ -30,10 +30,12 @@ def server_option(command):
 
 class Request:
     """A command's decoding settings as a request body. Settings the protocol has no field for are
-    refused; sampling follows the library's rule (`SAMPLING_SWITCHES` turn it on, else greedy),
-    with the seed chosen here when none is given, so that it can be reported."""
+    refused; sampling follows the library's rule (`SAMPLING_SWITCHES` turn it on, else greedy;
+    `sample`: on whatever is given, as `complete` does), with the seed chosen here when none is
+    given, so that it can be reported (choice i uses seed + i, as branch i does here)."""
 
-    def __init__(self, max_new_tokens: int, stop, chosen: dict, speculate, draft_budget, constraint) -> None:
+    def __init__(self, max_new_tokens: int, stop, chosen: dict, speculate, draft_budget, constraint, *,
+                 sample: bool = False, n: int = 1) -> None:
         refused = {"--draft-budget": draft_budget, "--draft-model": speculate.draft_model,
                    "--draft-skip-layers": speculate.draft_skip_layers, "--lookahead": speculate.lookahead,
                    "--draft-head": speculate.draft_head, "--regex": constraint.regex, "--grammar": constraint.grammar}
@@ -42,10 +44,10 @@ class Request:
             raise InvalidArgument(f"{', '.join(given)} cannot be sent to a server (the OpenAI protocol has no field "
                                   "for it; a server's drafting is set when it starts)",
                                   "drop it, or drop --server (and MULTIDECODE_SERVER) to run here")
-        self.body: dict = {"max_tokens": max_new_tokens, "return_token_ids": True,
+        self.body: dict = {"max_tokens": max_new_tokens, "return_token_ids": True, "n": n,
                            "speculate": speculate.mode or "off", **({"stop": list(stop)} if stop else {})}
         self.seed = None
-        if any(key in chosen for key in SAMPLING_SWITCHES):
+        if sample or any(key in chosen for key in SAMPLING_SWITCHES):
             self.seed = chosen.get("seed", random.randrange(2**31))
             self.body |= {"temperature": chosen.get("temperature", 1.0), "seed": self.seed}
             self.body |= {key: chosen[key] for key in ("top_k", "top_p", "min_p") if key in chosen}
