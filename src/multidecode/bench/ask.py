@@ -28,21 +28,13 @@ LABELS = {
 BASELINES = {SEQUENTIAL: hf_sequential, BATCHED: hf_batched, SHARED: hf_shared_prefix}
 
 
-def extend_questions(questions: Sequence[str], extra: Sequence[str], n: int) -> list[str]:
-    """`questions`, then `extra`, then the whole list again, until there are `n`."""
-    pool = list(questions) + list(extra)
-    return [pool[i % len(pool)] for i in range(max(n, len(questions)))]
-
-
 def ask_benchmark(decoder, *, document: str | None = None, questions: Sequence[str] | None = None,
                   extra_questions: Sequence[str] | None = None, max_new_tokens: int = 32,
                   ks: Sequence[int] = (1, 2, 4, 8, 16), sweep_methods: Sequence[str] = METHODS,
                   speculate: str | SpeculationSettings | None = None, repeats: int = 3, repeat_budget_s: float = 30.0,
                   sweep_repeat_budget_s: float = 8.0, warmup: bool = True) -> Benchmark:
-    """The ask benchmark as data. document, questions: default to the sample call and its 8
-    questions (the sweep's further ones from `extra_questions`, then cycled); ks: the sweep's
-    question counts, the main one (len(questions)) always run; sweep_methods: which of (b)-(d) the
-    sweep measures away from it ((a), the reference, always); speculate: (e)'s mode (None: no (e))."""
+    """The ask benchmark as data (the sample call and its questions by default): ks, the sweep's question counts
+    (len(questions) always); sweep_methods, which of (b)-(d) it measures; speculate, (e)'s mode (None: no (e))."""
     if document is None:
         document = data.sample_document()
         if extra_questions is None:
@@ -54,7 +46,8 @@ def ask_benchmark(decoder, *, document: str | None = None, questions: Sequence[s
         speculate = SpeculationSettings.parse(speculate)
     speculate.check(decoder.model.dtype, draft=decoder.draft, exact=is_exact(decoder.model))
     all_ks = sorted({int(k) for k in ks} | {len(questions)})
-    pool = extend_questions(questions, extra_questions or (), max(all_ks))
+    pool = questions + list(extra_questions or ())  # then the whole list again, until there are enough
+    pool = [pool[i % len(pool)] for i in range(max(all_ks))]
     plan = _Plan(Setup.of(decoder), decoder.question_prompts(document, pool), pool, len(questions), max_new_tokens,
                  tuple(sweep_methods), speculate, (repeat_budget_s, sweep_repeat_budget_s))
     return Benchmark(
@@ -93,8 +86,8 @@ class _Plan:
             self.setup.decoder, prompts, c, max_new_tokens=new, speculate=speculate))
 
     def one_by_one(self, name: str, k: int) -> Method:
-        parts = tuple(Part(i, self.method(name, self.prompts[i:i + 1]).run) for i in range(k))
-        return Method.named(LABELS, name, parts=parts)
+        return Method.named(LABELS, name, parts=tuple(Part(i, self.method(name, self.prompts[i:i + 1]).run)
+                                                      for i in range(k)))
 
     def case(self, k: int) -> Case:
         main = k == self.main_k

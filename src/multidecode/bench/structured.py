@@ -111,9 +111,7 @@ def free_tokens(constraint: Constraint, setup, ids) -> int:
 
 
 def _ceiling(constraint: Constraint, setup, answers) -> dict:
-    """Jump-forward's ceiling on these records: a step gives a branch at most one free token, so a
-    forest takes at least its longest record's free tokens in steps (against its longest record's
-    tokens without), and one call at a time all records' free tokens."""
+    """Jump-forward's ceiling on these records: a step gives a branch at most one free token."""
     tokens, free = [len(a) for a in answers], [free_tokens(constraint, setup, a) for a in answers]
     return {"the calls as one forest": {"tokens": max(tokens), "free": max(free), "ceiling": max(tokens) / max(free)},
             "one call at a time": {"tokens": sum(tokens), "free": sum(free), "ceiling": sum(tokens) / sum(free)}}
@@ -134,9 +132,8 @@ def _extraction_report(setup, valid, constraint: Constraint):
 
 
 class _Llama:
-    """llama.cpp on `gguf`, each sequence held to the schema's GBNF grammar: loaded (and warmed on
-    `warm`) before the extraction is timed (`loaded`), then runs over some calls (`run`): one, or
-    all as parallel sequences whose shared instruction is decoded once."""
+    """llama.cpp on `gguf`, each sequence held to the schema's GBNF grammar: loaded and warmed before the
+    extraction is timed (`loaded`), then runs over one call or all as parallel sequences (`run`)."""
 
     def __init__(self, gguf, schema: dict, setup, max_new_tokens: int, *, skip: str | None, warm) -> None:
         self.gguf, self.schema, self.setup, self.max_new_tokens = gguf, schema, setup, max_new_tokens
@@ -144,27 +141,17 @@ class _Llama:
 
     @contextlib.contextmanager
     def loaded(self):
-        if self.skip is None:
-            self.engine = llamacpp.LlamaCpp(self.gguf, threads=torch.get_num_threads())
-            self.grammar = llamacpp.json_schema_grammar(self.schema)
-            self.engine.generate([self.warm], max_new_tokens=2, eos_ids=self.setup.eos_ids)
-        try:
+        with contextlib.ExitStack() as loaded:
+            if self.skip is None:
+                self.engine = loaded.enter_context(contextlib.closing(
+                    llamacpp.LlamaCpp(self.gguf, threads=torch.get_num_threads())))
+                self.grammar = llamacpp.json_schema_grammar(self.schema)
+                self.engine.generate([self.warm], max_new_tokens=2, eos_ids=self.setup.eos_ids)
             yield
-        finally:
-            if self.engine is not None:
-                self.engine.close()
-                self.engine = None
 
     def run(self, prompts):
         return lambda counter: llamacpp.llama_run(self.engine, prompts, counter, max_new_tokens=self.max_new_tokens,
                                                   eos_ids=self.setup.eos_ids, grammar=self.grammar)
-
-
-def _outlines_runs(setup, schema: dict, max_new_tokens: int, skip: str | None):
-    """(d): calls -> a run of transformers' `generate` on them with outlines' masks (built only
-    where outlines runs)."""
-    processors = outlines_masks(setup, schema) if skip is None else None
-    return lambda chosen: setup.baseline(hf_sequential, chosen, max_new_tokens, logits_processor=processors)
 
 
 TABLES = (
@@ -181,8 +168,7 @@ TABLES = (
 def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 320, branches: int = 8,
                          mask_tokens: int = 32, gguf: str | Path | None = None, with_llama: bool = True,
                          repeats: int = 3, budget_s: float = 60.0, warmup: bool = True) -> Benchmark:
-    """The benchmark as data: `documents` of the shipped calls (cycled), each record at most
-    `max_new_tokens` (a record takes 50 to about 130 tokens); (a) on `branches` branches of
+    """The benchmark as data: `documents` of the shipped calls (cycled); (a) on `branches` branches of
     `mask_tokens` tokens; llama.cpp reads `gguf` (the decoder's model as a GGUF file; None: not run)."""
     for name, value in dict(documents=documents, max_new_tokens=max_new_tokens, branches=branches,
                             mask_tokens=mask_tokens).items():
@@ -196,7 +182,7 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
     llama_skip = llamacpp.missing(with_llama) or (None if gguf else "no GGUF file of this model (--model FILE.gguf)")
     llama = _Llama(gguf, schema, setup, max_new_tokens, skip=llama_skip, warm=prompts[0][:8])
     outlines_skip = outlines_missing()
-    outlined = _outlines_runs(setup, schema, max_new_tokens, outlines_skip)
+    masks = outlines_masks(setup, schema) if outlines_skip is None else None  # (d) generate with outlines' masks
 
     def forest(chosen, constraint, new=max_new_tokens, speculate=None, **how):
         return lambda counter: multidecode_forest(decoder, chosen, counter, max_new_tokens=new, constraint=constraint,
@@ -215,7 +201,8 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
         one_by_one(ONE, lambda p: forest([p], jumping)),
         one_by_one(LLAMA, lambda p: llama.run([p]), skip=llama_skip, model=OUTSIDE_TORCH),
         Method.named(LABELS, LLAMA_SHARED, run=llama.run(prompts), skip=llama_skip, model=OUTSIDE_TORCH),
-        one_by_one(OUTLINES, lambda p: outlined([p]), skip=outlines_skip)),
+        one_by_one(OUTLINES, lambda p: setup.baseline(hf_sequential, [p], max_new_tokens, logits_processor=masks),
+                   skip=outlines_skip)),
         budget_s=budget_s, report=_extraction_report(setup, valid, masked), context=llama.loaded,
         targets=(Target("(b) jump-forward over none", (f"{FOREST}_vs", PLAIN, "speedup"), ">=", 1.5),
                  *(Target(f"(e) valid outputs, {LABELS[name][1]}", ("figures", name, "valid_share"), ">=", 100,
