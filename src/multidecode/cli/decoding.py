@@ -238,8 +238,8 @@ def complete_on_server(url: str, text: str, no_chat: bool, request: Request, ask
                        show_stats: bool) -> None:
     """The n completions as one request to the server at `url` (n choices: one forest there too)."""
     server = Server(url, *asked)
-    chat = not no_chat and server.chat_template
-    body = {**request.body, **({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})}
+    chat, fields = server.prompt(text, no_chat)
+    body = {**request.body, **fields}
     seeds = [None if request.seed is None else request.seed + i for i in range(request.body["n"])]
     start = time.perf_counter()
     if as_json:

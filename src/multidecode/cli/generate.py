@@ -80,8 +80,8 @@ def on_server(url: str, text: str, no_chat: bool, request: Request, asked: tuple
               show_stats: bool) -> None:
     """Run the completion on the server at `url`, once it is found to serve the model asked for."""
     server = Server(url, *asked)
-    chat = not no_chat and server.chat_template
-    body = {**request.body, **({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})}
+    chat, fields = server.prompt(text, no_chat)
+    body = {**request.body, **fields}
     start = time.perf_counter()
     if as_json:
         choice = server.whole(body, chat=chat)[0]

@@ -105,6 +105,12 @@ class Server:
     def chat_template(self) -> bool:
         return bool(self.served.source.get("chat_template", True))
 
+    def prompt(self, text: str, no_chat: bool) -> tuple[bool, dict]:
+        """Whether the prompt goes to the chat route (as one user message, where the model has a
+        chat template and --no-chat is not given: what the command does here) and its fields."""
+        chat = not no_chat and self.chat_template
+        return chat, {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+
     def whole(self, body: dict, *, chat: bool) -> list[dict]:
         """The reply's choices in order, each with its `text` (a chat reply's content too)."""
         reply = self.remote.complete(self.served, body, chat=chat, api_key=self.key)
