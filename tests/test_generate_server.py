@@ -90,7 +90,8 @@ def test_no_server_at_the_address_is_a_clear_error():
 
 
 def test_the_served_path_imports_no_torch(served):
-    code = ("import sys; from multidecode.cli import main\n"
+    """Nor does loading the decoding commands' modules (each imports its strategy when it runs)."""
+    code = ("import sys; from multidecode.cli import main, decoding\n"
             f"sys.argv = ['multidecode', 'generate', '--server', {served.url!r}, '-p', {PROMPT!r}, "
             "'--max-new-tokens', '4']\n"
             "try:\n    main()\nexcept SystemExit as exit:\n    assert not exit.code, exit.code\n"
