@@ -85,9 +85,8 @@ def call_logs(n: int) -> list[dict]:
 
 def run_job(decoder, rows: list[dict], settings: BatchSettings, speculate, counter: ForwardCounter, *,
             forest_tokens: int = FOREST_TOKENS, forwards_from_stats: bool = True) -> RunOutput:
-    """The whole job once over the input lines `rows`, in a temporary folder: its answers in input
-    order, its documents/s and its drafts summed from the lines' stats (forwards too where
-    `forwards_from_stats`: one line at a time; merged lines share theirs, counted at the model)."""
+    """The whole job once over the input lines `rows`, in a temporary folder: its answers in input order,
+    documents/s and drafts (forwards too where `forwards_from_stats`; merged lines' are counted at the model)."""
     by_line, stats = {}, []
     with tempfile.TemporaryDirectory(prefix="multidecode-bench-batch-") as folder:
         source, out = Path(folder) / "documents.jsonl", Path(folder) / "answers.jsonl"
@@ -144,8 +143,7 @@ run_batch_benchmark = runs(similar_benchmark)
 
 def merged_benchmark(decoder, *, documents: int = 24, max_new_tokens: int = 48, repeats: int = 1,
                      budget_s: float = 600.0, forest_tokens: int = FOREST_TOKENS, warmup: bool = True) -> Benchmark:
-    """HF generate once per question, the job one document at a time and in merged forests (with
-    and without suffix drafts), over `documents` call logs, as data."""
+    """HF generate per question, the job one document at a time and in merged forests, over call logs, as data."""
     check_positive("documents", documents)
     check_positive("max_new_tokens", max_new_tokens)
     setup, rows = Setup.of(decoder), call_logs(documents)

@@ -29,8 +29,7 @@ def missing(wanted: bool = True) -> str | None:
 
 
 class LlamaCpp:
-    """One GGUF file loaded in llama.cpp with a context of `context` cells shared by up to
-    `sequences` sequences, decoding on `threads` threads."""
+    """One GGUF file loaded in llama.cpp, a context of `context` cells shared by up to `sequences` sequences."""
 
     def __init__(self, path: str | Path, *, threads: int, context: int = 4096, sequences: int = 16) -> None:
         import llama_cpp
@@ -63,9 +62,8 @@ class LlamaCpp:
 
     def _decode(self, entries: Sequence[tuple[int, int, Sequence[int], bool]], phase: str,
                 pick: Picker | None = None) -> list[int]:
-        """Decode (token, position, sequences, wants logits) entries, BATCH at a time: the token
-        `pick` chooses for each entry that wants logits (its one sequence's next); each call is told
-        to `self.record` where a run set it."""
+        """Decode (token, position, sequences, wants logits) entries, BATCH at a time, each call told to
+        `self.record`: the token `pick` chooses for each entry that wants logits."""
         picked = []
         for start in range(0, len(entries), BATCH):
             part = entries[start : start + BATCH]
@@ -85,9 +83,8 @@ class LlamaCpp:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_ids: Sequence[int],
                  grammar: str | None = None) -> dict:
-        """Greedy continuations of `prompts` (their common prefix decoded once), each held to
-        `grammar` (GBNF) where one is given, and the run's times: {"answers", "prefill_s",
-        "decode_s", "steps"}."""
+        """Greedy continuations of `prompts` (their common prefix decoded once, each held to `grammar`), and
+        the run's times: {"answers", "prefill_s", "decode_s", "steps"}."""
         if len(prompts) > self.sequences:
             raise ValueError(f"{len(prompts)} prompts, but the context holds {self.sequences} sequences")
         self.lib.llama_memory_clear(self.memory, True)
@@ -121,9 +118,8 @@ class LlamaCpp:
 
 
 class Picker:
-    """A sequence's next token from the logits at a batch index: the argmax, or with a grammar
-    (GBNF), llama.cpp's grammar sampler and then greedy, a sampler chain per sequence (it keeps
-    where that sequence is in the grammar)."""
+    """A sequence's next token from the logits at a batch index: the argmax, or with a GBNF grammar a
+    sampler chain per sequence (the grammar's, then greedy)."""
 
     def __init__(self, engine: LlamaCpp, sequences: int, grammar: str | None) -> None:
         self.engine, lib, self.chains = engine, engine.lib, []

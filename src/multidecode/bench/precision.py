@@ -3,6 +3,7 @@ and costs, per token against llama.cpp, and 8 questions (docs/benchmarks.md, `be
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -133,10 +134,8 @@ def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None
                         document_tokens: int | None = None, transformers: bool = True, profile: bool = True,
                         repeats: int = 3, budget_s: float = 60.0, bandwidth: float | None = None,
                         warmup: bool = True) -> Benchmark:
-    """The precision benchmark as data, over `loaded`: the speculate workloads `names` (None: all;
-    []: none), the long-context case (`context_tokens` 0: none), `questions` about `document`
-    (default: the sample call, or its opening `document_tokens`; 0: none), `profile`d steps, and
-    `bandwidth` for the floor (default: measured now)."""
+    """The precision benchmark as data, over `loaded`: the speculate workloads `names` (None: all), the
+    long-context case and `questions` about `document` (each 0: none), `profile`d steps, the floor's `bandwidth`."""
     chosen = list(loaded.decoders)
     if AUTO not in chosen:
         raise InvalidArgument("the precision benchmark needs the auto precision", "add auto to --precisions")
@@ -179,19 +178,15 @@ def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None
 def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Sequence[str] = DEFAULT_PRECISIONS,
                             threads: int | None = None, with_llama: bool = True, progress: Progress | None = None,
                             **settings) -> dict:
-    """Load the GGUF file at `path` at each precision (and in llama.cpp) and measure
-    `precision_benchmark(**settings)` on it."""
+    """The GGUF file at `path` loaded at each precision (and in llama.cpp), `precision_benchmark` measured on it."""
     chosen = parse_all(precisions_to_run, torch.device("cpu"))
     if not str(path).endswith(".gguf") or not Path(path).is_file():
         raise InvalidArgument(f"the precision benchmark needs a .gguf file, got {path}",
                               "leave --model out for the embedded model's GGUF, or name a .gguf file")
     threads = threads or torch.get_num_threads()
-    with torch_threads(threads):
-        loaded = FileAtPrecisions.of(path, chosen, threads=threads, with_llama=with_llama, progress=progress)
-        try:
-            return run(precision_benchmark(loaded, **settings), threads=threads, progress=progress)
-        finally:
-            loaded.close()
+    with torch_threads(threads), contextlib.closing(FileAtPrecisions.of(
+            path, chosen, threads=threads, with_llama=with_llama, progress=progress)) as loaded:
+        return run(precision_benchmark(loaded, **settings), threads=threads, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -228,8 +223,7 @@ class _Plan:
                                         **self.figures(got)})
 
     def ask(self, k: int, new: int, budget_s: float, document: str, *, transformers: bool = True) -> Case:
-        """k questions about the sample call: the forest at every precision, speculating at auto,
-        transformers one by one at auto, llama.cpp's shared-prefix run."""
+        """k questions about the document: the forest at every precision, transformers one by one, llama.cpp."""
         auto, pool = self.loaded.decoders[AUTO], data.sample_questions()
         prompts = auto.question_prompts(document, [pool[i % len(pool)] for i in range(k)])
 
@@ -241,7 +235,7 @@ class _Plan:
         methods.insert(-1, Method.named(self.labels, HF, parts=parts, model=auto.model,
                                         skip=None if transformers else "left out (--no-transformers)"))
         return Case({"case": f"{k}_questions"}, tuple(methods), budget_s=budget_s, main=True,
-                    targets=_ask_targets(), report=lambda got: {
+                    targets=ASK_TARGETS, report=lambda got: {
                         "label": f"{k} questions about one document", "prompt_tokens": [len(p) for p in prompts],
                         "max_new_tokens": new, **self.figures(got), "resident": self.resident()})
 
@@ -305,12 +299,12 @@ def _stream_targets(name: str) -> tuple[Target, ...]:
         f"{name}: auto speculating over llama.cpp, tokens/s", (f"{SPECULATING}_vs", LLAMA, "tokens_per_s_ratio"), ">", 1.0))
 
 
-def _ask_targets() -> tuple[Target, ...]:
-    return (Target("questions: auto speculating over llama.cpp shared prefix, tokens/s",
-                   (f"{SPECULATING}_vs", LLAMA, "tokens_per_s_ratio"), ">=", 3.0),
-            Target("questions: auto speculating over HF generate one by one at auto",
-                   (f"{SPECULATING}_vs", HF, "speedup"), ">=", 8.0),
-            Target("resident weights at auto / the file's tensor bytes", ("resident", "ratio"), "<=", 1.25, unit=""))
+ASK_TARGETS = (
+    Target("questions: auto speculating over llama.cpp shared prefix, tokens/s",
+           (f"{SPECULATING}_vs", LLAMA, "tokens_per_s_ratio"), ">=", 3.0),
+    Target("questions: auto speculating over HF generate one by one at auto", (f"{SPECULATING}_vs", HF, "speedup"),
+           ">=", 8.0),
+    Target("resident weights at auto / the file's tensor bytes", ("resident", "ratio"), "<=", 1.25, unit=""))
 
 
 STEPS = Table("What a decode step reads and costs", (

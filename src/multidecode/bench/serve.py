@@ -345,8 +345,7 @@ class Servers:
         return {"load": load, "measured_first": order[0], **self.same_texts(FOREST, ONE, "identical_to_one_at_a_time")}
 
     def compared_arrival(self, load: Arrival, got: dict) -> dict:
-        """The arrival case's load, what the long prompt did by server, and whether the texts of the
-        prompt read in pieces are those of it read whole."""
+        """The arrival case's load, what the long prompt did, and whether read in pieces it gave the same texts."""
         return {"load": {"streams": len(load.streams), "stream_tokens": ARRIVAL["stream_tokens"],
                          "arrival_prompt_tokens": load.prompt_tokens, "first_prompt": load.prompt[:200] + "..."},
                 "arrival": {name: got[name].extra["arrival"] for name in (PIECES, WHOLE) if name in got},
@@ -512,8 +511,7 @@ def _check(*, requests, concurrency, shared, rate, max_tokens, prompt_tokens, ga
 
 
 def _tables(what: str, *, arrival: bool = False) -> tuple[Table, ...]:
-    """Throughput with the server's counters, and latencies: a row per cell and server; with the
-    arrival case, what the long prompt did to the streams, by server."""
+    """Throughput and latencies, a row per cell and server; with the arrival case, what the long prompt did."""
     lead = (Column("shared", "shared", "{:.0%}"), Column("concurrency", "concurrency"), Column("server", "label"))
     throughput = (
         Column("requests/s", "extra.requests_per_s", "{:.2f}"), Column("output tok/s", "extra.output_tokens_per_s", "{:.1f}"),

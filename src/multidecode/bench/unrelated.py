@@ -167,9 +167,8 @@ class CellSteps:
 
 def unrelated_benchmark(model, *, requests: Sequence[int] = (1, 4, 16), prompt_tokens: Sequence[int] = (300, 1000),
                         steps: int = 7, warmup: int = 2, seed: int = 0, atol: float = ATOL) -> Benchmark:
-    """One decode step four ways for every R in `requests` and P in `prompt_tokens` (a float32 model
-    for the logits check), as data: `steps` timed rounds per cell, in a seeded random order, after
-    `warmup` untimed ones. Its run raises `LogitsDiffer` where logits differ from the reference's past `atol`."""
+    """One decode step four ways for every R in `requests` and P in `prompt_tokens`, as data: `steps` timed
+    rounds per cell after `warmup` untimed ones; its run raises `LogitsDiffer` past `atol`."""
     for name, values in (("requests", requests), ("prompt_tokens", prompt_tokens)):
         if not values:
             raise InvalidArgument(f"{name} needs at least one value", "for example 1,4,16")
