@@ -183,7 +183,8 @@ def percentiles(values: Sequence[float]) -> dict | None:
 
 
 def cell_figures(outcomes: Sequence[StreamedRequest], start: float) -> dict:
-    """A cell's latency percentiles and throughput from its requests (`start`: when arrivals count from)."""
+    """A cell's latency percentiles and throughput from its requests (`start`: when arrivals count
+    from); client_wait_s: how long requests waited for a slot."""
     done = [o for o in outcomes if o.error is None and o.token_times]
     errors = [o.error or "no token streamed" for o in outcomes if o not in done]
     span = (max(o.end for o in done) - min(o.sent for o in outcomes)) if done else 0.0
