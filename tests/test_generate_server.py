@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import sys
 
 import pytest
@@ -164,3 +165,23 @@ def test_the_seeds_a_served_complete_reports_reproduce_it_here(served, model_dir
     assert there[1]["seed"] == there[0]["seed"] + 1
     here = _complete("--model", model_dir, "-p", PROMPT, "--n", "2", "--seed", there[0]["seed"])
     assert [c["token_ids"] for c in here] == [c["token_ids"] for c in there]
+
+
+def test_a_command_waits_for_a_server_that_is_loading_its_model(model_dir):
+    def slow_loader():
+        time.sleep(1.5)
+        return tiny_loader(model_dir)()
+
+    with running_server(slow_loader, background=True, source={"model": model_source(str(model_dir))}) as running:
+        result = CliRunner().invoke(main, ["generate", "--server", running.url, "-p", PROMPT, "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert "Waiting for the server" in result.stderr
+
+
+def test_a_server_whose_model_failed_to_load_is_a_clear_error():
+    def broken_loader():
+        raise RuntimeError("no such weights")
+
+    with running_server(broken_loader, background=True) as running:
+        result = CliRunner().invoke(main, ["generate", "--server", running.url, "-p", PROMPT])
+    assert result.exit_code == 2 and "its /health says failed" in result.output and "Traceback" not in result.output

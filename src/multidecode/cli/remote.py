@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import click
 
 from ..errors import InvalidArgument
-from .common import SAMPLING_SWITCHES, model_source, read_text
+from .common import SAMPLING_SWITCHES, model_source, read_text, stderr
 
 SERVER_HELP = ("Send the work to this running `multidecode serve` (env MULTIDECODE_SERVER) instead of loading "
                "the model here: the same tokens, without the wait for torch and the model. Its API key: env "
@@ -88,6 +88,8 @@ class Server:
         from ..serving import remote
 
         self.remote, self.url, self.key = remote, url, os.environ.get("MULTIDECODE_API_KEY")
+        remote.wait_ready(url, on_wait=lambda: stderr.print(f"[dim]Waiting for the server at {url} to load its "
+                                                            "model...[/dim]"))
         self.served = remote.served_model(url, api_key=self.key)
         self.stats: dict | None = None  # the last reply's engine statistics
         self.usage: dict = {}

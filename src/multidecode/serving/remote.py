@@ -9,15 +9,18 @@ a request the server refused (its 400 message), a server still loading (503).
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument
 
 TIMEOUT_S = 600.0
 """The longest a request may go without a byte from the server."""
+READY_S, POLL_S = 600.0, 0.2
+"""How long a command waits for a server that is loading its model, and how often it asks."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,31 @@ class ServedModel:
     url: str
     id: str
     source: dict = field(default_factory=dict)
+
+
+def wait_ready(url: str, *, timeout_s: float = READY_S, on_wait: Callable[[], None] | None = None) -> None:
+    """Return once the server at `url` is ready (/health: ok); while it loads its model, call
+    `on_wait()` once and poll. A server that failed to load, that is draining, or that is still
+    loading after `timeout_s` is an error."""
+    deadline = time.monotonic() + timeout_s
+    while (status := _health(url)) == "loading" and time.monotonic() < deadline:
+        if on_wait is not None:
+            on_wait()
+            on_wait = None
+        time.sleep(POLL_S)
+    if status != "ok":
+        raise InvalidArgument(f"the server at {url} is not ready (its /health says {status})",
+                              "see the server's log" if status == "failed" else "wait until its /health says ok")
+
+
+def _health(url: str) -> str:
+    """What /health says: "ok", or (503) "loading", "draining" or "failed"."""
+    try:
+        return json.load(_open(url, "/health", None, None, timeout=10.0)).get("status", "ok")
+    except Refused as refused:
+        if refused.status != 503:
+            raise
+        return refused.reply.get("status", "unavailable")
 
 
 def served_model(url: str, *, api_key: str | None = None) -> ServedModel:
@@ -88,16 +116,25 @@ def _open(url: str, route: str, body: dict | None, api_key: str | None, timeout:
                               "to load the model here") from None
 
 
-def _refused(url: str, reply: dict, status: int | None = None) -> InvalidArgument:
+class Refused(InvalidArgument):
+    """A server's refusal, worded for the user, with its HTTP `status` and the `reply` it sent."""
+
+    def __init__(self, message: str, hint: str, status: int | None, reply: dict) -> None:
+        super().__init__(message, hint)
+        self.status, self.reply = status, reply
+
+
+def _refused(url: str, reply: dict, status: int | None = None) -> Refused:
     error = reply.get("error") or {}
     message = error.get("message") if isinstance(error, dict) else str(error)
     if status == 503:
-        return InvalidArgument(f"the server at {url} is not ready: {message}", "wait until its /health says ok")
-    if status == 401:
-        return InvalidArgument(f"the server at {url} wants an API key: {message}",
-                               "set MULTIDECODE_API_KEY to the server's key")
-    return InvalidArgument(f"the server at {url} refused the request: {message}",
-                           "change what it names, or drop --server to run here")
+        words = (f"the server at {url} is not ready: {message}", "wait until its /health says ok")
+    elif status == 401:
+        words = (f"the server at {url} wants an API key: {message}", "set MULTIDECODE_API_KEY to the server's key")
+    else:
+        words = (f"the server at {url} refused the request: {message}",
+                 "change what it names, or drop --server to run here")
+    return Refused(*words, status, reply)
 
 
-__all__ = ["ServedModel", "complete", "served_model", "stream"]
+__all__ = ["Refused", "ServedModel", "complete", "served_model", "stream", "wait_ready"]
