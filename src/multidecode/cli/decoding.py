@@ -169,11 +169,8 @@ def ask_on_server(url: str, text: str, questions: list[str], request: Request, a
                                for q, c in zip(questions, choices, strict=True)], ensure_ascii=False))
     else:
         show_stream(server.pieces(body, chat=True), questions)
-    elapsed = time.perf_counter() - start
-    if show_stats and server.stats:
-        print_stats(server.stats)
-    stderr.print(f"[dim]{len(questions)} answer{'s' * (len(questions) != 1)}, {server.tokens} tokens in "
-                 f"{elapsed:.1f} s on the server at {url} ({server.served.id}), one shared pass[/dim]")
+    server.summarize(f"{len(questions)} answer{'s' * (len(questions) != 1)}", start, show_stats=show_stats,
+                     tail=", one shared pass")
 
 
 @click.command()
@@ -251,11 +248,7 @@ def complete_on_server(url: str, text: str, no_chat: bool, request: Request, ask
     else:
         labels = [f"completion {i + 1}" + (f" (seed {seed})" if seed is not None else "") for i, seed in enumerate(seeds)]
         show_stream(server.pieces(body, chat=chat), labels)
-    elapsed = time.perf_counter() - start
-    if show_stats and server.stats:
-        print_stats(server.stats)
-    stderr.print(f"[dim]{len(seeds)} completion{'s' * (len(seeds) != 1)}, {server.tokens} tokens in {elapsed:.1f} s "
-                 f"on the server at {url} ({server.served.id})[/dim]")
+    server.summarize(f"{len(seeds)} completion{'s' * (len(seeds) != 1)}", start, show_stats=show_stats)
 
 
 @click.command()

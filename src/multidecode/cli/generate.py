@@ -91,10 +91,7 @@ def on_server(url: str, text: str, no_chat: bool, request: Request, asked: tuple
                                **request.parsed(choice["text"], choice["finish_reason"])}, ensure_ascii=False))
     else:
         write_stream(text * echo, (piece.text for piece in server.pieces(body, chat=chat)))
-    elapsed = time.perf_counter() - start
-    stderr.print(f"[dim]{server.tokens} tokens in {elapsed:.2f} s on the server at {url} ({server.served.id})[/dim]")
-    if show_stats and server.stats:
-        print_stats(server.stats)
+    server.summarize("", start, show_stats=show_stats)
 
 
 def write_stream(head: str, pieces) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import click
 
 from ..errors import InvalidArgument
-from .common import SAMPLING_SWITCHES, model_source, read_text, stderr
+from .common import SAMPLING_SWITCHES, model_source, print_stats, read_text, stderr
 
 SERVER_HELP = ("Send the work to this running `multidecode serve` (env MULTIDECODE_SERVER) instead of loading "
                "the model here: the same tokens, without the wait for torch and the model. Its API key: env "
@@ -133,9 +134,13 @@ class Server:
                     yield Piece(choice["index"], token, (text or "") if last else "",
                                 choice.get("finish_reason") if last else None)
 
-    @property
-    def tokens(self) -> int:
-        return self.usage.get("completion_tokens", 0)
+    def summarize(self, what: str, start: float, *, show_stats: bool, tail: str = "") -> None:
+        """On stderr: the engine's statistics (with --stats), then what came back (`what`: "3
+        answers"), its tokens and seconds since `start`, and from which server."""
+        if show_stats and self.stats:
+            print_stats(self.stats)
+        stderr.print(f"[dim]{what}{', ' * bool(what)}{self.usage.get('completion_tokens', 0)} tokens in "
+                     f"{time.perf_counter() - start:.2f} s on the server at {self.url} ({self.served.id}){tail}[/dim]")
 
 
 __all__ = ["Piece", "Request", "Server", "server_option"]
