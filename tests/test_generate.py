@@ -188,13 +188,3 @@ def test_cli_refuses_a_draft_model_with_another_tokenizer(model_dir, tmp_path):
     assert result.exit_code == 2, result.output
     assert "tokenizer differs" in result.output and "hint:" in result.output and "Traceback" not in result.output
 
-
-@pytest.mark.parametrize("command", ["generate", "ask", "complete", "vote", "serve", "batch"])
-def test_speculate_help_lists_every_mode_of_the_proposer_table(command):
-    from multidecode.speculation import PROPOSERS
-
-    result = CliRunner().invoke(main, [command, "--help"], terminal_width=400)
-    assert result.exit_code == 0, result.output
-    line = " ".join(result.output.split())  # click wraps the help
-    for mode in PROPOSERS:
-        assert f"{mode.name} ({' '.join(mode.summary.split())})" in line, mode.name

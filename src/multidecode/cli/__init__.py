@@ -6,7 +6,10 @@ A sub-command's module is imported when that sub-command runs (or `--help` lists
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+from pathlib import Path
 
 import click
 
@@ -32,6 +35,23 @@ class LazyCommands(click.Group):
         if module is None:
             return None
         return getattr(importlib.import_module(f".{module}", __name__), name.replace("-", "_"))
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The commands and their short help as click writes them, each read from its function's
+        docstring in its module's source: listing them imports none (several import torch)."""
+        limit = formatter.width - 6 - max(map(len, COMMANDS))
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, click.Command(name, help=docstring(name)).get_short_help_str(limit))
+                                for name in self.list_commands(ctx)])
+
+
+def docstring(name: str) -> str:
+    """The docstring of sub-command `name`'s function, read from its module's source with `ast`."""
+    source = importlib.util.find_spec(f"{__name__}.{COMMANDS[name]}").origin
+    tree = ast.parse(Path(source).read_text(encoding="utf-8"))
+    function = next(node for node in tree.body if isinstance(node, ast.FunctionDef)
+                    and node.name == name.replace("-", "_"))
+    return ast.get_docstring(function) or ""
 
 
 @click.group(cls=LazyCommands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -1,0 +1,43 @@
+"""The command line's help: `multidecode --help` lists every command as click would, without
+importing any (several import torch), and every --speculate help lists the proposer table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from multidecode.cli import COMMANDS, main
+
+
+def test_the_command_list_is_the_one_click_makes_from_the_imported_commands():
+    listed = CliRunner().invoke(main, ["--help"], terminal_width=100)
+    assert listed.exit_code == 0, listed.output
+    context = click.Context(main, terminal_width=100)
+    formatter = context.make_formatter()
+    click.Group.format_commands(main, context, formatter)  # click's own: imports every command
+    assert formatter.getvalue() and formatter.getvalue() in listed.output
+    assert all(name in listed.output for name in COMMANDS)
+
+
+def test_listing_the_commands_imports_none_of_them():
+    code = ("import sys\nfrom multidecode.cli import main\nsys.argv = ['multidecode', '--help']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch')")
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith("no torch")
+
+
+@pytest.mark.parametrize("command", ["generate", "ask", "complete", "vote", "serve", "batch"])
+def test_speculate_help_lists_every_mode_of_the_proposer_table(command):
+    from multidecode.speculation import PROPOSERS
+
+    result = CliRunner().invoke(main, [command, "--help"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    line = " ".join(result.output.split())  # click wraps the help
+    for mode in PROPOSERS:
+        assert f"{mode.name} ({' '.join(mode.summary.split())})" in line, mode.name
