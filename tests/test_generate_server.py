@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import sys
+import time
 
 import pytest
 from click.testing import CliRunner

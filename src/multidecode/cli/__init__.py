@@ -1,7 +1,8 @@
 """The `multidecode` command: one sub-command per use case, each a thin module in this package.
 
-A sub-command's module is imported when that sub-command runs (or `--help` lists them all):
-`multidecode generate` loads no server, benchmark, batch or training stack.
+A sub-command's module is imported when that sub-command runs: `multidecode generate` loads no
+server, benchmark, batch or training stack, and `multidecode --help` reads each command's short
+help from its module's source, importing none.
 """
 
 from __future__ import annotations
