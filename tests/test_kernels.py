@@ -119,8 +119,15 @@ def test_a_normed_row_is_the_same_alone_anywhere_and_at_any_thread_count(generat
 
 
 # ---------------------------------------------------------------------------------- packed
-def random_codes(generator, outputs: int, inner: int, bits: int):
+def random_codes(generator, outputs: int, inner: int, bits: int | str):
+    """(packed, scales, float32 weights) of random codes: bits 4, 8, or "4c" (4-bit codes centred
+    on 8, GGUF's Q4_0: no low kept)."""
     groups = inner // 32
+    if bits == "4c":
+        codes = torch.randint(0, 16, (outputs, inner), generator=generator)
+        step = torch.rand(outputs, groups, generator=generator) * 0.01
+        packed, scales = portable.pack(codes, step, None, 4)
+        return packed, scales, (codes.float() - 8) * step.half().float().repeat_interleave(32, 1)
     if bits == 4:
         codes = torch.randint(0, 16, (outputs, inner), generator=generator)
         step = torch.rand(outputs, groups, generator=generator) * 0.01
@@ -135,11 +142,12 @@ def random_codes(generator, outputs: int, inner: int, bits: int):
     return packed, scales, weights
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("form", [4, "4c", 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, inner, outputs", [(1, 64, 40), (6, 128, 33), (70, 576, 96)])
-def test_packed_products_are_the_same_at_every_level_and_right(generator, bits, dtype, rows, inner, outputs):
-    packed, scales, weights = random_codes(generator, outputs, inner, bits)
+def test_packed_products_are_the_same_at_every_level_and_right(generator, form, dtype, rows, inner, outputs):
+    packed, scales, weights = random_codes(generator, outputs, inner, form)
+    bits = 8 if form == 8 else 4
     x = torch.randn(rows, inner, generator=generator).to(dtype)
     bias = torch.randn(outputs, generator=generator)
     out = same_at_every_level(lambda isa: kernels.qlinear(x, packed, scales, outputs, bits, bias, isa=isa))
@@ -161,11 +169,29 @@ def test_rows_are_quantized_alike_at_every_level_and_by_the_torch_path(generator
     assert codes.abs().max() == 127 and not codes[3].any()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_the_layout_reads_back_the_weights_it_packed(generator, bits):
-    packed, scales, weights = random_codes(generator, 45, 96, bits)
+@pytest.mark.parametrize("form", [4, "4c", 8])
+def test_the_layout_reads_back_the_weights_it_packed(generator, form):
+    packed, scales, weights = random_codes(generator, 45, 96, form)
     ids = torch.tensor([0, 15, 16, 31, 44])
-    assert torch.equal(portable.rows_of(packed, scales, ids, 96, bits), weights[ids])
+    assert torch.equal(portable.rows_of(packed, scales, ids, 96, 8 if form == 8 else 4), weights[ids])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 70])
+def test_centred_codes_give_the_bits_of_the_same_codes_with_their_lows_kept(generator, rows):
+    """Q4_0's codes packed without lows (low = -8 step, computed) give every product the bits of
+    the same codes packed with their lows, in 10% fewer bytes; the portable path too."""
+    codes = torch.randint(0, 16, (50, 192), generator=generator)
+    step = (torch.rand(50, 6, generator=generator) * 0.01).half().float()
+    centred, kept = portable.pack(codes, step, None, 4), portable.pack(codes, step, -8 * step, 4)
+    assert torch.equal(centred[0], kept[0]) and centred[1].numel() * 2 == kept[1].numel()
+    assert sum(t.numel() * t.element_size() for t in centred) * 10 == sum(
+        t.numel() * t.element_size() for t in kept) * 9
+    x = torch.randn(rows, 192, generator=generator).to(torch.bfloat16)
+    for isa in LEVELS:
+        assert torch.equal(kernels.qlinear(x, *centred, 50, 4, isa=isa), kernels.qlinear(x, *kept, 50, 4, isa=isa))
+    assert torch.equal(portable.qlinear(x, *centred, 50, 4), portable.qlinear(x, *kept, 50, 4))
+    ids = torch.arange(50)
+    assert torch.equal(portable.rows_of(*centred, ids, 192, 4), portable.rows_of(*kept, ids, 192, 4))
 
 
 # ---------------------------------------------------------------------------------- attention

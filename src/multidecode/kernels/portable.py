@@ -7,8 +7,10 @@ and 32g + 8c + 4 + b (high half), 4 chunks; for 8-bit codes (-127..127, signed b
 byte 4l + b is input 32g + 4c + b, 8 chunks. Steps (and, for 4 bits, lows) are float16, per panel
 and group: 16 steps then 16 lows, held as int16 (their float16 bits: a model's `.to(dtype)`
 converts floating-point buffers, and must leave these as they are). A weight is
-`step * code + low` (8 bits: `step * code`). This is the order the compiled kernel's integer dot
-products read (4 bytes per lane per instruction).
+`step * code + low` (8 bits: `step * code`). 4-bit codes **centred** on 8 (GGUF's Q4_0, whose low
+is -8 step) keep no lows: `step * (code - 8)`, the low computed as -8 step (exact), a tenth fewer
+bytes; which form a layout holds is told by its scales' size (`halves`). This is the order the
+compiled kernel's integer dot products read (4 bytes per lane per instruction).
 
 **Portable kernels**: where no compiler built the compiled ones, the same definitions run here
 (`qlinear`, `quantize_rows`, `attention`), each output computed from its own row: integer dot
@@ -34,12 +36,13 @@ UNITS_AT_ONCE = 8
 # ---------------------------------------------------------------------------------- the layout
 def pack(codes: torch.Tensor, step: torch.Tensor, low: torch.Tensor | None, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes [N, K] (0..15 for 4 bits, -127..127 for 8) with step and low [N, K/32] (float16 or
-    float) -> (codes in panels, uint8 [bytes]; steps and lows in panels, float16)."""
+    float; low None: none kept, for 8 bits and for 4-bit codes centred on 8) -> (codes in panels,
+    uint8 [bytes]; steps and lows in panels, float16)."""
     rows, inner = codes.shape
     groups, panels = inner // GROUP, -(-rows // LANES)
     pad = panels * LANES - rows
     codes = torch.cat([codes.to(torch.int16), codes.new_zeros(pad, inner, dtype=torch.int16)])
-    halves = [step] + ([] if bits == 8 else [low])
+    halves = [step] + ([] if bits == 8 or low is None else [low])
     halves = [torch.cat([h.to(torch.float16), h.new_zeros(pad, groups, dtype=torch.float16)]) for h in halves]
     if bits == 4:  # [P, L, G, C, H, B] -> [P, G, C, L, B, H], two codes per byte
         blocks = codes.reshape(panels, LANES, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
@@ -50,26 +53,43 @@ def pack(codes: torch.Tensor, step: torch.Tensor, low: torch.Tensor | None, bits
     return packed.contiguous().reshape(-1), scales.contiguous().reshape(-1).view(torch.int16)
 
 
+def halves(packed: torch.Tensor, scales: torch.Tensor, inner: int, bits: int) -> int:
+    """Float16 values the layout keeps per output and group: 2 (a step and a low) or 1 (a step:
+    8-bit codes, and 4-bit codes centred on 8)."""
+    groups = inner // GROUP
+    panels = packed.numel() // (groups * (256 if bits == 4 else 512))
+    return scales.numel() // (panels * groups * LANES)
+
+
+def _step_and_low(steps: torch.Tensor, bits: int, kept: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[..., kept, ...] float32 halves (dimension -2) -> (steps, lows; None for 8 bits)."""
+    step = steps[..., 0, :]
+    if bits == 8:
+        return step, None
+    return step, steps[..., 1, :] if kept == 2 else -8 * step  # centred codes: low = -8 step, exact
+
+
 def rows_of(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, inner: int, bits: int) -> torch.Tensor:
     """[len(ids), inner] float32: the weights of output rows `ids`, read back out of the layout."""
-    groups = inner // GROUP
+    groups, kept = inner // GROUP, halves(packed, scales, inner, bits)
     panel, lane = ids // LANES, ids % LANES
     if bits == 4:
         chunks = packed.reshape(-1, groups, 4, LANES, 4)[panel, :, :, lane].to(torch.int16)  # [n, G, C, B]
         codes = torch.stack([chunks & 15, chunks >> 4], 3)  # [n, G, C, H, B]
     else:
         codes = packed.view(torch.int8).reshape(-1, groups, 8, LANES, 4)[panel, :, :, lane]  # [n, G, C, B]
-    halves = scales.view(torch.float16).reshape(-1, groups, 2 if bits == 4 else 1, LANES)[panel, :, :, lane].float()
-    weights = codes.reshape(len(ids), groups, GROUP).float() * halves[..., 0:1]
-    if bits == 4:
-        weights = weights + halves[..., 1:2]
+    both = scales.view(torch.float16).reshape(-1, groups, kept, LANES)[panel, :, :, lane].float()  # [n, G, kept]
+    step, low = _step_and_low(both[..., None], bits, kept)  # [n, G, 1]
+    weights = codes.reshape(len(ids), groups, GROUP).float() * step
+    if low is not None:
+        weights = weights + low
     return weights.reshape(len(ids), inner)
 
 
 def unpacked(packed: torch.Tensor, scales: torch.Tensor, out_features: int, inner: int,
              bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes [G, 32, N'] float32, steps [G, N'] float32, lows [G, N'] or None), N' the panels' outputs."""
-    groups = inner // GROUP
+    groups, kept = inner // GROUP, halves(packed, scales, inner, bits)
     panels = -(-out_features // LANES)
     if bits == 4:
         chunks = packed.reshape(panels, groups, 4, LANES, 4).to(torch.int16)
@@ -77,9 +97,9 @@ def unpacked(packed: torch.Tensor, scales: torch.Tensor, out_features: int, inne
     else:
         codes = packed.view(torch.int8).reshape(panels, groups, 8, LANES, 4).permute(1, 2, 4, 0, 3)  # [G, C, B, P, L]
     codes = codes.reshape(groups, GROUP, panels * LANES).float()
-    halves = scales.view(torch.float16).reshape(panels, groups, 2 if bits == 4 else 1, LANES).permute(1, 2, 0, 3).float()
-    halves = halves.reshape(groups, halves.shape[1], panels * LANES)
-    return codes, halves[:, 0], halves[:, 1] if bits == 4 else None
+    both = scales.view(torch.float16).reshape(panels, groups, kept, LANES).permute(1, 2, 0, 3).float()
+    step, low = _step_and_low(both.reshape(groups, kept, panels * LANES), bits, kept)
+    return codes, step, low
 
 
 # ---------------------------------------------------------------------------------- kernels

@@ -2,8 +2,8 @@
 
 A GGUF tensor is stored in blocks of 32 weights (or super-blocks of 256 in the K formats). The
 4-bit formats are read as their codes with one step and one low per group of 32 (see
-`packed`): Q4_0 (`w = d * (q - 8)`), Q4_1 (`w = d * q + m`), Q4_K (`w = d * sc * q - dmin * mn`,
-with six-bit sub-block scales); Q8_0 (`w = d * q`, q signed 8-bit) is read as 8-bit codes. Any
+`packed`): Q4_0 (`w = d * (q - 8)`: codes centred on 8, no low kept), Q4_1 (`w = d * q + m`),
+Q4_K (`w = d * sc * q - dmin * mn`, with six-bit sub-block scales); Q8_0 (`w = d * q`, q signed 8-bit) is read as 8-bit codes. Any
 other format (Q5, Q6_K, F16, F32, ...) is de-quantized to the model's compute dtype: the nearest
 precision kept, and `load_packed` says which format each tensor ended in.
 
@@ -61,10 +61,9 @@ def codes_of(raw: np.ndarray, kind: str) -> Codes:
         return Codes(_tensor(codes.reshape(rows, -1)), _tensor(scale), torch.zeros(scale.shape), 8)
     packed = blocks[..., 4 if kind == "Q4_1" else 2:]  # [N, K / 32, 16]: element j and j + 16 share byte j
     codes = np.concatenate([packed & 0x0F, packed >> 4], -1)  # [N, K / 32, 32]
-    if kind == "Q4_0":  # w = d * (q - 8) = d * q - 8 d
-        low = -8 * scale
-    else:  # Q4_1: w = d * q + m
-        low = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_0":  # w = d * (q - 8): codes centred on 8, no low kept
+        return Codes(_tensor(codes.reshape(rows, -1)), _tensor(scale), None, 4)
+    low = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # Q4_1: w = d * q + m
     return Codes(_tensor(codes.reshape(rows, -1)), _tensor(scale), _tensor(low), 4)
 
 

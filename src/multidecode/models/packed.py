@@ -7,8 +7,9 @@ by construction, and what llama.cpp computes on a CPU).
 
 - a **group** is `GROUP` consecutive weights of one row that share a **step** and, for 4 bits,
   a **low**: a weight is `step * code + low`, its **code** 4 bits (0..15) — the form of GGUF's
-  Q4_0 (low = -8 step), Q4_1 (low = m) and Q4_K (six-bit sub-block steps and mins) blocks — or
-  `step * code` with an 8-bit signed code (Q8_0, and int8). A file's codes are kept as they are;
+  Q4_1 (low = m) and Q4_K (six-bit sub-block steps and mins) blocks; GGUF's Q4_0 codes are
+  centred on 8 (`step * (code - 8)`) and keep no low, a tenth fewer bytes — or `step * code` with
+  an 8-bit signed code (Q8_0, and int8). A file's codes are kept as they are;
 - steps and lows are kept as float16: GGUF's Q4_0, Q4_1 and Q8_0 store them so (kept exactly);
   a Q4_K sub-block's step (a float16 times a six-bit scale) is rounded to float16 once;
 - the codes are kept in the kernel's layout (`kernels.portable.pack`: panels of 16 outputs).
@@ -40,12 +41,18 @@ GROUP = 32
 @dataclass
 class Codes:
     """Weights as codes: codes [N, K] int (0..15 for 4 bits, -127..127 for 8), and per group
-    step [N, K / GROUP] and low [N, K / GROUP] (float32): weight = step * code + low (low zero for 8 bits)."""
+    step [N, K / GROUP] and low [N, K / GROUP] (float32): weight = step * code + low (low zero for
+    8 bits; None for 4-bit codes centred on 8, low = -8 step, which the layout then does not keep)."""
 
     codes: torch.Tensor
     step: torch.Tensor
-    low: torch.Tensor
+    low: torch.Tensor | None
     bits: int
+
+    @property
+    def lows(self) -> torch.Tensor:
+        """[N, K / GROUP] float32: each group's low (-8 step for centred codes: exact)."""
+        return -8 * self.step if self.low is None else self.low
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -54,11 +61,11 @@ class Codes:
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32 weights."""
         weights = self.codes.float() * self.step.repeat_interleave(GROUP, 1)
-        return weights + self.low.repeat_interleave(GROUP, 1) if self.bits == 4 else weights
+        return weights + self.lows.repeat_interleave(GROUP, 1) if self.bits == 4 else weights
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, steps and lows) in the kernel's layout; refused where a step is past float16."""
-        halves = [self.step] + ([self.low] if self.bits == 4 else [])
+        halves = [self.step] + ([self.low] if self.bits == 4 and self.low is not None else [])
         if any(not torch.isfinite(h.to(torch.float16)).all() for h in halves):
             raise UnsupportedModel("a weight group's scale is past float16's range, which the packed kernels keep",
                                    "load the model in bfloat16 or float32 (--precision bfloat16)")

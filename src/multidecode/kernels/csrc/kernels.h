@@ -31,12 +31,13 @@ struct QuantizedRows {
 struct QLinearArgs {
   QuantizedRows rows;
   const uint8_t* codes;     // [N / 16 panels, K / 32 groups, 4 or 8 chunks of 64 bytes]
-  const uint16_t* scales;   // float16 bits [panels, groups, 16 steps (+ 16 lows for 4 bits)]
+  const uint16_t* scales;   // float16 bits [panels, groups, 16 steps (+ 16 lows where `lows`)]
   const float* bias;        // [N] or null
   void* y;                  // [M, N] F32 or BF16
   int64_t M, N, K;
   int32_t bits;
   DataType y_type;
+  bool lows;                // 4 bits: a low per group kept (else low = -8 step, GGUF's Q4_0)
 };
 
 struct QuantizeArgs {

@@ -15,7 +15,8 @@
 //   (Each a lane operation, or exact: max and integer sums do not depend on their order.)
 //
 // qlinear (4- or 8-bit weight codes c with a float16 step s and, for 4 bits, a float16 low L per
-//   group of 32: w = s * c + L): for each group g in increasing order,
+//   group of 32: w = s * c + L; or, 4-bit codes kept without lows (GGUF's Q4_0), L = -8 * s,
+//   exact in float32): for each group g in increasing order,
 //   I = sum of code(x) * c over the group (int32: exact in any order),
 //   t = fma(s, I, L * sum(code(x))) for 4 bits, t = s * I for 8 bits,
 //   acc = fma(t, d(x), acc) from +0; then + bias, rounded once to the output type.
@@ -193,14 +194,19 @@ inline void quantize_impl(const QuantizeArgs& a, int64_t m0, int64_t m1) {
 // lane l (output 16p + l) holds 4 bytes. 4 bits: chunk c's byte 4l + b has the code of input
 // 32g + 8c + b in its low half and of 32g + 8c + 4 + b in its high half (4 chunks). 8 bits: chunk
 // c's byte 4l + b is the signed code of input 32g + 4c + b (8 chunks). Steps and lows: float16
-// [panel, group, 16 steps, then 16 lows (4 bits)].
+// [panel, group, 16 steps, then 16 lows (4 bits with lows)].
 constexpr int PREFETCH_GROUPS = 4;
 // How many groups ahead a tile asks for its codes (a one-row product streams them from memory once).
 
-template <int MR, int NP, int BITS>
+// The weights' form: 4-bit codes with a low per group, 4-bit codes centred on 8 (no lows kept:
+// L = -8 s), or 8-bit signed codes.
+enum Form { Q4_LOWS, Q4_CENTRED, Q8 };
+
+template <int MR, int NP, Form FORM>
 inline void qlinear_tile(const QLinearArgs& a, int64_t m, int64_t p) {
+  constexpr int BITS = FORM == Q8 ? 8 : 4;
   constexpr int CHUNKS = BITS == 4 ? 4 : 8;
-  constexpr int HALVES = BITS == 4 ? 32 : 16;
+  constexpr int HALVES = FORM == Q4_LOWS ? 32 : 16;
   const int64_t groups = a.K / GROUP;
   const int8_t* x[MR];
   for (int r = 0; r < MR; ++r) x[r] = a.rows.codes + (m + r) * a.K;
@@ -240,7 +246,7 @@ inline void qlinear_tile(const QLinearArgs& a, int64_t m, int64_t p) {
     for (int j = 0; j < NP; ++j) {
       const uint16_t* halves = a.scales + ((p + j) * groups + g) * HALVES;
       F step = f_load_f16(halves);
-      F low = BITS == 4 ? f_load_f16(halves + 16) : f_zero();
+      F low = FORM == Q4_LOWS ? f_load_f16(halves + 16) : FORM == Q4_CENTRED ? f_mul(step, f_set1(-8.0f)) : f_zero();
       for (int r = 0; r < MR; ++r) {
         F total = f_from_i(dots[r][j]);
         F t = BITS == 4 ? f_fma(step, total, f_mul(low, f_set1(a.rows.sum[(m + r) * groups + g])))
@@ -265,12 +271,12 @@ inline void qlinear_tile(const QLinearArgs& a, int64_t m, int64_t p) {
     }
 }
 
-template <int MR, int BITS>
+template <int MR, Form FORM>
 inline void qlinear_rows(const QLinearArgs& a, int64_t m, int64_t p0, int64_t p1) {
   constexpr int NP = MR == 1 ? 4 : 2;  // one row: more panels at once, for more independent chains
   int64_t p = p0;
-  for (; p + NP <= p1; p += NP) qlinear_tile<MR, NP, BITS>(a, m, p);
-  for (; p < p1; ++p) qlinear_tile<MR, 1, BITS>(a, m, p);
+  for (; p + NP <= p1; p += NP) qlinear_tile<MR, NP, FORM>(a, m, p);
+  for (; p < p1; ++p) qlinear_tile<MR, 1, FORM>(a, m, p);
 }
 
 #if MD_LANES >= 3
@@ -279,17 +285,18 @@ constexpr int QLINEAR_ROWS = 6;  // 32 registers: 6 x 2 integer and 6 x 2 float 
 constexpr int QLINEAR_ROWS = 4;
 #endif
 
-template <int BITS>
-inline void qlinear_bits(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+template <Form FORM>
+inline void qlinear_form(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   int64_t m = m0;
-  for (; m + QLINEAR_ROWS <= m1; m += QLINEAR_ROWS) qlinear_rows<QLINEAR_ROWS, BITS>(a, m, p0, p1);
-  for (; m + 2 <= m1; m += 2) qlinear_rows<2, BITS>(a, m, p0, p1);
-  for (; m < m1; ++m) qlinear_rows<1, BITS>(a, m, p0, p1);
+  for (; m + QLINEAR_ROWS <= m1; m += QLINEAR_ROWS) qlinear_rows<QLINEAR_ROWS, FORM>(a, m, p0, p1);
+  for (; m + 2 <= m1; m += 2) qlinear_rows<2, FORM>(a, m, p0, p1);
+  for (; m < m1; ++m) qlinear_rows<1, FORM>(a, m, p0, p1);
 }
 
 inline void qlinear_impl(const QLinearArgs& a, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-  if (a.bits == 4) qlinear_bits<4>(a, m0, m1, p0, p1);
-  else qlinear_bits<8>(a, m0, m1, p0, p1);
+  if (a.bits == 8) qlinear_form<Q8>(a, m0, m1, p0, p1);
+  else if (a.lows) qlinear_form<Q4_LOWS>(a, m0, m1, p0, p1);
+  else qlinear_form<Q4_CENTRED>(a, m0, m1, p0, p1);
 }
 
 // ------------------------------------------------------------------------------------ attention

@@ -175,8 +175,10 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
                   codes.numel() == panels * groups * (bits == 4 ? 256 : 512),
               "multidecode.qlinear: codes do not hold ", out_features, " x ", inner, " ", bits, "-bit weights");
+  // 16 steps per (panel, group), and 16 lows after them for 4-bit codes that keep lows
+  const bool lows = bits == 4 && scales.numel() == panels * groups * 32;
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kShort &&
-                  scales.numel() == panels * groups * (bits == 4 ? 32 : 16),
+                  scales.numel() == panels * groups * (lows ? 32 : 16),
               "multidecode.qlinear: scales do not match the codes");
   const Kernels& k = kernels_for(isa);
   at::Tensor keep;
@@ -192,7 +194,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   QLinearArgs a{{qcodes, qscale, qsum},
                 codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
                 b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr(), rows.count, out_features, inner,
-                (int32_t)bits, data_type(x, "x")};
+                (int32_t)bits, data_type(x, "x"), lows};
   if (a.M * out_features * inner < SERIAL_WORK) {  // a thread's wake-up costs more than it saves
     k.qlinear(a, 0, a.M, 0, panels);
   } else {
