@@ -46,6 +46,10 @@ def pytest_report_header(config) -> str:
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+    # A user's resident server or API key must not redirect or guard the commands the tests run
+    # (the tests that use them set them themselves).
+    for variable in ("MULTIDECODE_SERVER", "MULTIDECODE_API_KEY"):
+        os.environ.pop(variable, None)
     # Cost curves that "auto" measures for test models go to a folder of this run, never to the
     # user's cache (tests that check the keeping of curves point it elsewhere themselves).
     os.environ["MULTIDECODE_COSTS"] = tempfile.mkdtemp(prefix="multidecode-costs-")
