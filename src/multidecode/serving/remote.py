@@ -3,7 +3,8 @@ streamed or whole, over the standard library alone (no torch, no openai), so tha
 routed through a resident server starts in a tenth of a second instead of loading a model.
 
 Errors a user can cause come back as `InvalidArgument` with a hint: no server at the address,
-a request the server refused (its 400 message), a server still loading (503).
+a request the server refused (`Refused`: its message, status and reply), a server whose model
+failed to load. A server still loading its model is waited for (`wait_ready`).
 """
 
 from __future__ import annotations
