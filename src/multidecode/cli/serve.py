@@ -98,7 +98,8 @@ def serve(model_name, precision, device, host, port, api_key, served_model_name,
     run(state, loader, host=host, port=port,
         limits=limits, drain_timeout=drain_timeout, log_level=log_level,
         on_listening=lambda url: stderr.print(f"Serving {escape(name)} on {url} (loading the model; /health says "
-                                              "when ready)"))
+                                              f"when ready). Commands reach it with --server {url} (or "
+                                              f"export MULTIDECODE_SERVER={url})"))
 
 
 def check_limits(limits: Limits, threads: int | None) -> None:
