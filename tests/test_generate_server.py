@@ -185,3 +185,14 @@ def test_a_server_whose_model_failed_to_load_is_a_clear_error():
     with running_server(broken_loader, background=True) as running:
         result = CliRunner().invoke(main, ["generate", "--server", running.url, "-p", PROMPT])
     assert result.exit_code == 2 and "its /health says failed" in result.output and "Traceback" not in result.output
+
+
+def test_a_schema_holds_the_served_output_as_it_holds_the_local_one(served, model_dir, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}), encoding="utf-8")
+    here = _generate("--model", model_dir, "-p", PROMPT, "--json-schema", schema, "--max-new-tokens", "24")
+    there = _generate("--server", served.url, "-p", PROMPT, "--json-schema", schema, "--max-new-tokens", "24")
+    for key in ("text", "token_ids", "finish_reason", "parsed"):
+        assert there[key] == here[key], key
+    assert here["finish_reason"] == "stop" and isinstance(here["parsed"]["ok"], bool)
