@@ -15,8 +15,9 @@ from click.testing import CliRunner
 from serving import running_server, tiny_loader
 
 from multidecode.cli import main
-from multidecode.cli.common import SAMPLING_OPTIONS, SAMPLING_SWITCHES, model_source
+from multidecode.cli.common import SAMPLING_OPTIONS, model_source
 from multidecode.sampling import per_branch_sampling
+from multidecode.sampling_keys import SAMPLING_SWITCHES
 
 pytestmark = pytest.mark.xdist_group("cli")
 

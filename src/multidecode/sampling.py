@@ -38,11 +38,8 @@ import torch
 
 from .constraints import GrammarState, mask_logits
 from .errors import InvalidArgument, InvalidInput, is_int
+from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES
 
-SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "logit_bias", "seed")
-PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
-"""Settings that change greedy branches' logits too; they never turn sampling on by themselves."""
 MAX_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
 MAX_BIAS = 100.0
@@ -162,7 +159,7 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
     if "do_sample" not in columns:
         # Asking for a temperature, top-k/p, min-p or a seed means sampling.
         columns["do_sample"] = [
-            any(k in ("temperature", "top_k", "top_p", "min_p", "seed") and v[i] is not None for k, v in sampled.items())
+            any(k in SAMPLING_SWITCHES and v[i] is not None for k, v in sampled.items())
             for i in range(n)
         ]
     params = []

@@ -29,7 +29,7 @@ class AnswersDiffer(AssertionError):
 
 class ForwardCounter:
     """Counts and times the forward calls of `model` while active, each labelled prefill (the next n
-    after `prefill(n)`) or decode."""
+    after `prefill(n)`: the runner knows which calls read the prompt) or decode."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -170,7 +170,8 @@ class Measurement:
 
 
 def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter]]) -> Measurement:
-    """The median-time run (the faster middle one), every run's time kept; all must give the same answers."""
+    """The median-time run (the faster of the middle two for an even count), every run's time kept;
+    all must give the same answers."""
     for _, out, _ in runs[1:]:
         if out.answers != runs[0][1].answers:
             raise AnswersDiffer(f"{method} gave different answers on a repeat run")

@@ -211,8 +211,9 @@ def on_curve(decoder, curve_for: Callable[[], CostCurve | LearnedCurve], counter
 
 
 def _cost_curves(decoder) -> tuple[dict[str, Callable[[], CostCurve | LearnedCurve]], dict]:
-    """`COST_METHODS` -> what makes each one's curve for a run (the full measurement once, here, apart
-    from the curve auto learns; the quick one afresh), and the config's figures."""
+    """`COST_METHODS` -> what makes each one's curve for a run (the full measurement once, here; the
+    quick one afresh each run), and the config's figures. The full measurement's forwards do not
+    teach the curve auto learns: the two stay apart."""
     started, previous = time.perf_counter(), time_forwards(decoder.model, None)
     try:
         full = measure_cost(decoder.model)
@@ -223,8 +224,9 @@ def _cost_curves(decoder) -> tuple[dict[str, Callable[[], CostCurve | LearnedCur
 
 
 def _drafts(decoder) -> tuple[SpeculationSettings | None, Lookahead, dict]:
-    """The self-draft's settings (a quarter of the layers skipped at least; None where the model cannot be
-    self-drafted), the lookahead the cost curve fits, and the config's figures."""
+    """The self-draft's settings (a quarter of the layers skipped at least: a draft that is the target
+    itself would say nothing; None where the model cannot be self-drafted, a GGUF of mixed layer
+    formats), the lookahead the cost curve fits, and the config's figures."""
     model, tokenizer = decoder.model, decoder.tokenizer
     fitted = Lookahead.from_cost(cost_curve(model))
     try:

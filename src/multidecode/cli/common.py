@@ -57,10 +57,6 @@ SAMPLING_OPTIONS = (
     ("--seed", int, "Seed; branch i uses seed + i, so every branch is reproducible."),
 )
 """The sampling options but --logit-bias: (option, type, help)."""
-SAMPLING_SWITCHES = ("temperature", "top_k", "top_p", "min_p", "seed")
-"""The settings that turn sampling on, as the library reads them (`sampling.per_branch_sampling`):
-the rest (penalties, bias) change greedy choices too. Here for a command that never imports the
-library's sampling, such as `generate --server`; a test holds the two to the same rule."""
 
 
 def sampling_options(command):

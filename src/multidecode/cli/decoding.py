@@ -20,8 +20,8 @@ from rich.text import Text
 
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_document, check_questions, check_text
+from ..sampling_keys import SAMPLING_SWITCHES
 from .common import (
-    SAMPLING_SWITCHES,
     check_early,
     constraint_from,
     decoding_options,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import click
 
 from ..errors import InvalidArgument
-from .common import SAMPLING_SWITCHES, model_source, print_stats, read_text, stderr
+from ..sampling_keys import SAMPLING_SWITCHES
+from .common import model_source, print_stats, read_text, stderr
 
 SERVER_HELP = ("Send the work to this running `multidecode serve` (env MULTIDECODE_SERVER) instead of loading "
                "the model here: the same tokens, without the wait for torch and the model. Its API key: env "

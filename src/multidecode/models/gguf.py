@@ -1,11 +1,12 @@
 """A GGUF file's weights as the file keeps them: its 4- and 8-bit codes packed, never widened.
 
 A GGUF tensor is stored in blocks of 32 weights (or super-blocks of 256 in the K formats). The
-4-bit formats are read as their codes with one step and one low per group of 32 (see
-`packed`): Q4_0 (`w = d * (q - 8)`: codes centred on 8, no low kept), Q4_1 (`w = d * q + m`),
-Q4_K (`w = d * sc * q - dmin * mn`, with six-bit sub-block scales); Q8_0 (`w = d * q`, q signed 8-bit) is read as 8-bit codes. Any
-other format (Q5, Q6_K, F16, F32, ...) is de-quantized to the model's compute dtype: the nearest
-precision kept, and `load_packed` says which format each tensor ended in.
+4-bit formats are read as their codes with one step and one low per group of 32 (see `packed`):
+Q4_0 (`w = d * (q - 8)`: codes centred on 8, no low kept), Q4_1 (`w = d * q + m`), Q4_K
+(`w = d * sc * q - dmin * mn`, with six-bit sub-block scales); Q8_0 (`w = d * q`, q signed 8-bit)
+is read as 8-bit codes. Any other format (Q5, Q6_K, F16, F32, ...) is de-quantized to the
+model's compute dtype: the nearest precision kept, and `load_packed` says which format each
+tensor ended in.
 
 The model itself is built from the file's config on the meta device (nothing allocated), its
 linear layers replaced by `PackedLinear`s (module replacement, as transformers' quantizers do),

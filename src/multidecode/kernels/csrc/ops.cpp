@@ -128,13 +128,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return y.view(out_shape(x, a.N));
 }
 
-// Rows quantized by `k` (on the calling thread where waking the others would cost more).
-void quantize(const Kernels& k, const QuantizeArgs& a) {
-  if (a.M * a.K < SERIAL_WORK / 64) {
-    k.quantize(a, 0, a.M);
+// run(begin, end) over rows [0, rows), on the calling thread where `work` (the rows' values,
+// weighted by what one costs) is below SERIAL_WORK: waking the other threads would cost more.
+template <class Run>
+void over_rows(int64_t rows, int64_t work, const Run& run) {
+  if (work < SERIAL_WORK) {
+    run(0, rows);
   } else {
-    at::parallel_for(0, a.M, 16, [&](int64_t begin, int64_t end) { k.quantize(a, begin, end); });
+    at::parallel_for(0, rows, 16, run);
   }
+}
+
+// Rows quantized by `k`, a value weighed as 64 of a product's multiply-adds.
+void quantize(const Kernels& k, const QuantizeArgs& a) {
+  over_rows(a.M, 64 * a.M * a.K, [&](int64_t begin, int64_t end) { k.quantize(a, begin, end); });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t isa) {
@@ -160,11 +167,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   at::Tensor y = at::empty(x.sizes(), x.options());
   NormArgs a{rows.data, weight.data_ptr(), y.data_ptr(), rows.count, rows.width, rows.stride, (float)eps,
              offset ? 1 : 0, data_type(x, "x")};
-  if (a.M * a.K < SERIAL_WORK / 8) {
-    k.rms_norm(a, 0, a.M);
-  } else {
-    at::parallel_for(0, a.M, 16, [&](int64_t begin, int64_t end) { k.rms_norm(a, begin, end); });
-  }
+  over_rows(a.M, 8 * a.M * a.K, [&](int64_t begin, int64_t end) { k.rms_norm(a, begin, end); });
   return y;
 }
 

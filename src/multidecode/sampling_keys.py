@@ -1,0 +1,12 @@
+"""The names of the sampling settings, apart from `sampling` (which imports torch), so that a
+command can read them before torch loads (`multidecode generate --server` decides greedy or
+sampled with them, as `sampling.per_branch_sampling` does)."""
+
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "seed")
+"""Every setting `sampling.per_branch_sampling` takes."""
+SAMPLING_SWITCHES = ("temperature", "top_k", "top_p", "min_p", "seed")
+"""Settings that turn sampling on where `do_sample` is not given; the rest (penalties, bias) change
+greedy branches' logits too and never turn sampling on by themselves."""
+
+__all__ = ["SAMPLING_KEYS", "SAMPLING_SWITCHES"]
