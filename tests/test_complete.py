@@ -156,6 +156,12 @@ def test_min_p_draws_stay_in_transformers_allowed_set(id_decoder):
         ("The answer is: $42", "42"),
         ("I think it is blue", "i think it is blue"),
         ("", None),
+        ("So, the final answer is: Answer: 51.", "51"),  # the last "answer:" on the line introduces it
+        ("Answer: 51 apples", "51"),  # one number with its unit: the number
+        ("Answer: $1,200 a month", "1200"),
+        ("Answer: x = 5", "x = 5"),  # words before the number: kept as text
+        ("Answer: 3 apples and 4 pears", "3 apples and 4 pears"),
+        ("Answer:\n51", "51"),
     ],
 )
 def test_the_default_extractor(trace, answer):
@@ -173,6 +179,14 @@ def test_tally_counts_and_breaks_ties_by_first_appearance():
     result = tally("q", done)
     assert result.counts == {"5": 2, "7": 2, "no idea": 1}
     assert result.answer == "5" and result.agreement == pytest.approx(0.4)
+    assert result.tied == ["5", "7"]  # no majority, and the result says so
+
+
+def test_a_majority_is_not_a_tie():
+    done = [multidecode.Completion(i, text, [], "stop", i, []) for i, text in
+            enumerate(["Answer: 5", "Answer: 7", "So the answer is: Answer: 7"])]
+    result = tally("q", done)
+    assert result.answer == "7" and result.tied == []
 
 
 def test_vote_runs_n_traces_with_a_replaceable_extractor(text_decoder):
@@ -217,3 +231,17 @@ def test_cli_vote_json(model_dir):
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout)
     assert len(row["traces"]) == 3 and sum(row["counts"].values()) <= 3
+    assert all(isinstance(t["token_ids"], list) for t in row["traces"]) and isinstance(row["tied"], list)
+
+
+def test_cli_temperature_zero_is_greedy(model_dir):
+    """--temperature 0 means greedy, as on the server (the library refuses 0)."""
+    base = ["--model", str(model_dir), "-p", "Tell me about cables.", "--max-new-tokens", "5", "--json"]
+    greedy = CliRunner().invoke(main, ["complete", *base, "--n", "2", "--greedy"])
+    zero = CliRunner().invoke(main, ["complete", *base, "--n", "2", "--temperature", "0"])
+    assert zero.exit_code == 0, zero.output
+    assert [r["token_ids"] for r in json.loads(zero.stdout)] == [r["token_ids"] for r in json.loads(greedy.stdout)]
+    plain = CliRunner().invoke(main, ["generate", *base])
+    generated = CliRunner().invoke(main, ["generate", *base, "--temperature", "0", "--top-k", "3"])
+    assert generated.exit_code == 0, generated.output
+    assert json.loads(generated.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]

@@ -171,6 +171,40 @@ def test_a_document_that_is_not_text(model_dir, tmp_path):
     assert_clean_error(run("ask", "--model", model_dir, "--document", binary, "-q", "why?"), "not a text file")
 
 
+def test_a_file_that_cannot_be_read(model_dir, tmp_path, monkeypatch):
+    """A file the user may not read (or that fails to read) is an error naming it, not a traceback."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the document")
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(type(secret), "read_bytes", refuse)
+    assert_clean_error(run("ask", "--model", model_dir, "--document", secret, "-q", "why?"),
+                       f"cannot read the document file {secret}: Permission denied")
+
+
+@pytest.mark.parametrize("given, url", [("127.0.0.1:8000", "http://127.0.0.1:8000"),
+                                        ("http://localhost:8000/v1/", "http://localhost:8000"),
+                                        ("https://example.org/llm/v1", "https://example.org/llm")])
+def test_a_server_url_as_users_write_it(given, url):
+    from multidecode.cli.remote import server_url
+
+    assert server_url(given) == url
+
+
+@pytest.mark.parametrize("given, message", [("http://[::1", "is not a URL"), ("ftp://host", "not an http(s) URL")])
+def test_a_malformed_server_url(given, message):
+    assert_clean_error(run("generate", "-p", "hi", "--server", given), message)
+
+
+def test_too_little_to_train_a_drafter_on_is_a_clear_error():
+    from multidecode.training.trainees import check_enough
+
+    with pytest.raises(multidecode.InvalidInput, match="too few prompts to train on"):
+        check_enough(0)
+
+
 def test_a_document_in_another_encoding(model_dir, tmp_path):
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
@@ -183,8 +217,8 @@ def test_a_missing_document_file(model_dir, tmp_path):
 
 
 def test_bad_sampling_settings(model_dir, doc):
-    assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--temperature", 0),
-                       "temperature must be > 0")
+    assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--temperature", -1),
+                       "temperature must be > 0")  # (0 is greedy on the command line, as on the server)
     assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--top-p", 1.5),
                        "top_p must be in (0, 1]")
 

@@ -38,6 +38,9 @@ def test_modes_and_their_details_parse():
     (dict(mode="draft", skip_layers="1-x"), "not a list of layer numbers"),
     (dict(draft_model="a", skip_layers="1"), "both name a draft"),
     (dict(mode="lookup", budget=0), "positive integer"),
+    (dict(mode="off", draft_model="m"), "draft_model names a draft, but speculate is 'off'"),  # off said: not overridden
+    (dict(mode="off", skip_layers="1"), "names a draft, but speculate is 'off'"),
+    (dict(mode=" OFF ", head="h"), "names a draft, but speculate is 'off'"),
 ])
 def test_bad_settings_are_refused_in_python_terms(arguments, message):
     with pytest.raises(InvalidArgument, match=message):
@@ -115,6 +118,13 @@ def test_serve_refuses_a_port_in_use_before_loading_anything():
         result = CliRunner().invoke(main, ["serve", "--port", str(busy.getsockname()[1])])
     assert result.exit_code == 2 and "cannot listen on 127.0.0.1" in result.output
     assert "another program is using that port" in result.output and "Serving" not in result.output
+
+
+@pytest.mark.parametrize("option, message", [(["--precision", "float64"], "unknown precision"),
+                                             (["--device", "tpu"], "unknown device")])
+def test_serve_refuses_a_bad_precision_or_device_before_saying_where_it_listens(option, message):
+    result = CliRunner().invoke(main, ["serve", "--port", "0", *option])
+    assert result.exit_code == 2 and message in result.output and "Serving" not in result.output
 
 
 def test_serve_refuses_an_address_of_another_machine():

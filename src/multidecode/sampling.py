@@ -76,7 +76,8 @@ class SamplingParams:
             raise InvalidArgument(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}",
                                   "branch i uses seed + i, which must stay in that range too")
         if not self.temperature > 0:
-            raise InvalidArgument(f"temperature must be > 0, got {self.temperature}", "for greedy decoding, turn sampling off instead")
+            raise InvalidArgument(f"temperature must be > 0, got {self.temperature}",
+                                  "for greedy decoding leave it out (do_sample=False; on the command line, --temperature 0)")
         if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
             raise InvalidArgument(f"top_k must be a positive integer, got {self.top_k}", "leave it unset to disable it")
         if self.top_p is not None and not 0 < self.top_p <= 1:

@@ -326,11 +326,16 @@ class SpeculationSettings:
         """Settings from what a user wrote, checked: an unknown mode, a bad budget, lookahead
         settings or layer list, or details that need another mode raise `InvalidArgument`,
         naming each setting as `spelling` does (Python arguments by default)."""
+        turned_off = mode is not None and speculation_mode(mode) is None  # "off" said, not left out
         mode = speculation_mode(mode)
         if draft_model is not None and skip_layers is not None:
             raise InvalidArgument(f"{spelling.draft_model} and {spelling.skip_layers} both name a draft",
                                   "keep one: a second model, or the target with layers skipped")
         drafting = draft_model is not None or skip_layers is not None
+        if turned_off and (drafting or head is not None):
+            given = spelling.head if head is not None else spelling.draft_model if draft_model else spelling.skip_layers
+            raise InvalidArgument(f"{given} names a draft, but {spelling.is_set(None)}",
+                                  f"drop {given}, or drop the setting that turns speculation off")
         if drafting and mode in (None, "auto"):
             mode = "draft"
         if head is not None and mode in (None, "auto"):

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import InvalidInput, MultiDecodeError
+from ..sampling_keys import SAMPLING_SWITCHES
 
 if TYPE_CHECKING:
     from ..speculation import SpeculationSettings, Spelling
@@ -92,8 +93,12 @@ def _parse_logit_bias(context, parameter, values: tuple[str, ...]) -> dict[int, 
 
 def sampling_from(options: dict) -> dict:
     """The sampling settings the user gave (a command's keyword arguments from `sampling_options`),
-    as keyword arguments for the library."""
-    return {k: v for k, v in options.items() if v is not None}
+    as keyword arguments for the library. --temperature 0 is greedy, as OpenAI's servers and
+    llama.cpp read it (the library refuses a temperature of 0): sampling off, the penalties and bias kept."""
+    chosen = {k: v for k, v in options.items() if v is not None}
+    if chosen.get("temperature") == 0:
+        chosen = {k: v for k, v in chosen.items() if k not in SAMPLING_SWITCHES} | {"do_sample": False}
+    return chosen
 
 
 @functools.cache
@@ -225,16 +230,32 @@ class ConstraintOptions:
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None
+    strict: bool = True  # False: --no-strict, the schema's keywords the engine cannot enforce ignored
+
+    def given(self) -> list[str]:
+        """The options given, refusing combinations that cannot be (two constraints; --no-strict alone)."""
+        from ..errors import InvalidArgument
+
+        given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "regex", "grammar")
+                 if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise InvalidArgument(f"{' and '.join(given)} were both given", "constrain the output one way at a time")
+        if not self.strict and self.json_schema is None:
+            raise InvalidArgument("--no-strict applies to --json-schema only", "drop --no-strict, or give --json-schema")
+        return given
 
 
 def constraint_options(command):
-    """--json-schema FILE, --regex TEXT and --grammar FILE; the command receives them as one
-    `ConstraintOptions` in `constraint`."""
+    """--json-schema FILE (and --no-strict), --regex TEXT and --grammar FILE; the command receives
+    them as one `ConstraintOptions` in `constraint`."""
 
     @functools.wraps(command)
-    def bundled(*args, json_schema, regex, grammar, **kwargs):
-        return command(*args, constraint=ConstraintOptions(json_schema, regex, grammar), **kwargs)
+    def bundled(*args, json_schema, regex, grammar, no_strict, **kwargs):
+        return command(*args, constraint=ConstraintOptions(json_schema, regex, grammar, not no_strict), **kwargs)
 
+    bundled = click.option("--no-strict", is_flag=True,
+                           help="With --json-schema: best effort, ignoring the keywords the engine cannot enforce "
+                                "(uniqueItems, some formats) instead of refusing the schema.")(bundled)
     bundled = click.option("--grammar", default=None, metavar="FILE",
                            help="Hold every output to this grammar: Lark (start: ...) or llama.cpp's GBNF "
                                 "(root ::= ...).")(bundled)
@@ -248,16 +269,11 @@ def constraint_options(command):
 def constraint_from(options: ConstraintOptions | None):
     """The `Constraint` the options name (None: none), read and compiled before any model loads."""
     from ..constraints import Constraint
-    from ..errors import InvalidArgument
 
-    given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "regex", "grammar")
-             if getattr(options, name, None) is not None]
-    if len(given) > 1:
-        raise InvalidArgument(f"{' and '.join(given)} were both given", "constrain the output one way at a time")
-    if not given:
+    if options is None or not options.given():
         return None
     if options.json_schema is not None:
-        return Constraint.json_schema(read_text(options.json_schema, "JSON schema"))
+        return Constraint.json_schema(read_text(options.json_schema, "JSON schema"), strict=options.strict)
     if options.grammar is not None:
         return Constraint.grammar(read_text(options.grammar, "grammar"))
     return Constraint.regex(options.regex)
@@ -331,7 +347,11 @@ def read_text(path: str, what: str = "document") -> str:
             raise InvalidInput(f"the {what} file {path} does not exist", "check the path")
         if file.is_dir():
             raise InvalidInput(f"the {what} file {path} is a folder", "pass a text file")
-        data = file.read_bytes()
+        try:
+            data = file.read_bytes()
+        except OSError as err:
+            raise InvalidInput(f"cannot read the {what} file {path}: {err.strerror or err}",
+                               "check that it exists and that you may read it") from None
         name = path
     if b"\x00" in data:
         raise InvalidInput(f"{name} is not a text file (it holds binary data)", f"pass the {what} as plain UTF-8 text")

@@ -195,6 +195,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     if greedy and set(chosen) & set(SAMPLING_SWITCHES):
         flags = ", ".join("--" + k.replace("_", "-") for k in chosen if k in SAMPLING_SWITCHES)
         raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
+    greedy = greedy or chosen.pop("do_sample", True) is False  # --temperature 0
     if server:
         check_positive("n", n)
         request = Request(max_new_tokens, stop, chosen, speculate, draft_budget, constraint, sample=not greedy, n=n)
@@ -284,9 +285,10 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
         print_stats(run.stats.as_dict())
     if as_json:
         click.echo(json.dumps({"question": question, "answer": result.answer, "counts": result.counts,
-                               "agreement": result.agreement,
-                               "traces": [{"answer": t.answer, "text": t.text, "seed": t.seed,
-                                           "finish_reason": t.finish_reason} for t in result.traces]},
+                               "agreement": result.agreement, "tied": result.tied,
+                               "traces": [{"answer": t.answer, "text": t.text, "token_ids": t.token_ids, "seed": t.seed,
+                                           "finish_reason": t.finish_reason, **parsed(constraint, t)}
+                                          for t in result.traces]},
                               ensure_ascii=False))
         return
     if show_traces:
@@ -303,8 +305,13 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
     if missing:
         table.add_row("[dim](no answer found)[/dim]", str(missing))
     stdout.print(table)
-    stdout.print(f"Majority answer: [bold]{escape(result.answer)}[/bold] ({result.agreement:.0%} of traces)"
-                 if result.answer is not None else "No trace gave an answer.")
+    if result.answer is None:
+        stdout.print("No trace gave an answer.")
+    elif result.tied:
+        stdout.print(f"No majority: a tie between {escape(', '.join(result.tied))} "
+                     f"({result.counts[result.answer]} of {len(result.traces)} traces each)")
+    else:
+        stdout.print(f"Majority answer: [bold]{escape(result.answer)}[/bold] ({result.agreement:.0%} of traces)")
 
 
 def parse_early_stopping(value: str) -> bool | str:

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,8 +27,27 @@ SERVER_HELP = ("Send the work to this running `multidecode serve` (env MULTIDECO
 
 
 def server_option(command):
-    """--server URL (env MULTIDECODE_SERVER)."""
+    """--server URL (env MULTIDECODE_SERVER), as `server_url` reads it."""
     return click.option("--server", default=None, envvar="MULTIDECODE_SERVER", metavar="URL", help=SERVER_HELP)(command)
+
+
+def server_url(value: str | None) -> str | None:
+    """A server's base URL as a user may write it: "host:port" taken as http://host:port, and an
+    OpenAI client's base URL (ending in /v1) taken as the server's; anything else not http(s) refused."""
+    if value is None or not value.strip():
+        return None
+    url = value.strip()
+    if "://" not in url:
+        url = "http://" + url
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (parsing the port raises on a bad one)
+    except ValueError as err:
+        raise InvalidArgument(f"--server {value} is not a URL ({err})", "for example --server http://127.0.0.1:8000") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidArgument(f"--server {value} is not an http(s) URL", "for example --server http://127.0.0.1:8000")
+    path = parts.path.rstrip("/").removesuffix("/v1")
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
 class Request:
@@ -38,14 +58,17 @@ class Request:
 
     def __init__(self, max_new_tokens: int, stop, chosen: dict, speculate, draft_budget, constraint, *,
                  sample: bool = False, n: int = 1) -> None:
-        refused = {"--draft-budget": draft_budget, "--draft-model": speculate.draft_model,
-                   "--draft-skip-layers": speculate.draft_skip_layers, "--lookahead": speculate.lookahead,
-                   "--draft-head": speculate.draft_head, "--regex": constraint.regex, "--grammar": constraint.grammar}
-        given = [name for name, value in refused.items() if value is not None]
-        if given:
-            raise InvalidArgument(f"{', '.join(given)} cannot be sent to a server (the OpenAI protocol has no field "
-                                  "for it; a server's drafting is set when it starts)",
-                                  "drop it, or drop --server (and MULTIDECODE_SERVER) to run here")
+        constraint.given()  # two at once, or --no-strict alone, refused as here
+        drafting = {"--draft-budget": draft_budget, "--draft-model": speculate.draft_model,
+                    "--draft-skip-layers": speculate.draft_skip_layers, "--lookahead": speculate.lookahead,
+                    "--draft-head": speculate.draft_head}
+        for refused, why in ((drafting, "a server's drafting is set when it starts"),
+                             ({"--regex": constraint.regex, "--grammar": constraint.grammar},
+                              "the OpenAI protocol has no field for it: a server holds output to a JSON schema only")):
+            given = [name for name, value in refused.items() if value is not None]
+            if given:
+                raise InvalidArgument(f"{', '.join(given)} cannot be sent to a server ({why})",
+                                      "drop it, or drop --server (and MULTIDECODE_SERVER) to run here")
         self.body: dict = {"max_tokens": max_new_tokens, "return_token_ids": True, "n": n,
                            "speculate": speculate.mode or "off", **({"stop": list(stop)} if stop else {})}
         self.seed = None
@@ -63,13 +86,17 @@ class Request:
         if constraint.json_schema is not None:
             self.schema = json.loads(read_text(constraint.json_schema, "JSON schema"))
             self.body["response_format"] = {"type": "json_schema",
-                                            "json_schema": {"name": "output", "schema": self.schema, "strict": True}}
+                                            "json_schema": {"name": "output", "schema": self.schema,
+                                                            "strict": constraint.strict}}
 
     def parsed(self, text: str, finish_reason: str | None) -> dict:
         """{"parsed": the JSON value} where a schema holds the output (null when it was cut short)."""
         if self.schema is None:
             return {}
-        return {"parsed": json.loads(text) if finish_reason == "stop" else None}
+        try:
+            return {"parsed": json.loads(text) if finish_reason == "stop" else None}
+        except ValueError:  # stopped by a stop string before the grammar was complete
+            return {"parsed": None}
 
 
 @dataclass(frozen=True)
@@ -89,6 +116,7 @@ class Server:
     def __init__(self, url: str, model_name: str | None, precision: str | None, device: str | None) -> None:
         from ..serving import remote
 
+        url = server_url(url)
         self.remote, self.url, self.key = remote, url, os.environ.get("MULTIDECODE_API_KEY")
         remote.wait_ready(url, on_wait=lambda: stderr.print(f"[dim]Waiting for the server at {url} to load its "
                                                             "model...[/dim]"))

@@ -79,6 +79,7 @@ def serve(model_name, precision, device, host, port, api_key, served_model_name,
                     prefix_cache_tokens=prefix_cache_tokens, max_running=max_running, gather=gather, gather_s=gather_s,
                     prefill_chunk=prefill_chunk, prefill_stretch=prefill_stretch)
     check_limits(limits, threads)
+    check_precision_and_device(precision, device)
     settings = speculation_from(speculate, draft_budget)
     if threads is not None:
         import torch
@@ -100,6 +101,15 @@ def serve(model_name, precision, device, host, port, api_key, served_model_name,
         on_listening=lambda url: stderr.print(f"Serving {escape(name)} on {url} (loading the model; /health says "
                                               f"when ready). Commands reach it with --server {url} (or "
                                               f"export MULTIDECODE_SERVER={url})"))
+
+
+def check_precision_and_device(precision: str | None, device: str | None) -> None:
+    """Refuse an unknown precision or device, or one this machine cannot run, before the server
+    says where it listens (the model loads behind it)."""
+    from ..models import precision as precisions
+    from ..models.loading import resolve_device
+
+    precisions.check(precisions.parse(precision), resolve_device(device))
 
 
 def check_limits(limits: Limits, threads: int | None) -> None:

@@ -63,7 +63,11 @@ def train_drafter(model_name, precision, device, kind, prompts, heads, draft_voc
                      f"average; head top-1 agreement {', '.join(f'{v:.0%}' for v in result['head_top1'])}")
     elif "head_top1" in result:
         stderr.print(f"Held out: its first guess is the model's token {result['head_top1'][0]:.0%} of the time")
-    stderr.print(f"Use it with --speculate {kind} (and --speculate auto uses it where it pays).")
+    if output is None:
+        stderr.print(f"Use it with --speculate {kind} (and --speculate auto uses it where it pays).")
+    else:  # outside the user cache: named where it is used
+        use = f"--draft-head {result['folder']}" + (" --speculate eagle" if kind == "eagle" else "")
+        stderr.print(f"Use it with {escape(use)}.")
 
 
 def _show(events) -> dict:

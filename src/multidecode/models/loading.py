@@ -29,7 +29,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        resolved = torch.device(device)
+        resolved = torch.device(device.strip().lower() if isinstance(device, str) else device)
     except (RuntimeError, TypeError) as err:
         raise InvalidArgument(f"unknown device {device!r}", "use cpu, cuda or cuda:N") from err
     if resolved.type not in ("cpu", "cuda"):

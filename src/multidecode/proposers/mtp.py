@@ -121,8 +121,8 @@ class MtpHead(nn.Module):
         if not mtp_layers(model):
             raise InvalidArgument(f"{name or type(model).__name__} has no multi-token-prediction layers "
                                   "(its config names none)",
-                                  "use speculate='eagle' or 'medusa' with a head trained for it "
-                                  "(multidecode train-drafter), or 'auto'")
+                                  "speculate with eagle or medusa and a head trained for it "
+                                  "(multidecode train-drafter), or with auto")
         if not name:
             raise InvalidArgument("the model was not loaded from a checkpoint, so its MTP layers cannot be read",
                                   "load it with from_pretrained from the folder that holds them")

@@ -18,8 +18,12 @@ from ..scheduler import Scheduler
 from .complete import Completion, complete
 
 INSTRUCTION = "Think step by step. Then give the final answer on its own last line, as 'Answer: <answer>'."
-_ANSWER_LINE = re.compile(r"answer\s*(?:is)?\s*[:=]\s*(.+)", re.IGNORECASE)
+_ANSWER_MARK = re.compile(r"answer\s*(?:is)?\s*[:=]", re.IGNORECASE)
+"""What introduces a final answer ("Answer:", "the answer is:"); the text after its last
+occurrence on a line is the answer ("the final answer is: Answer: 51" gives 51)."""
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_LETTERS_BEFORE = re.compile(r"[^\d-]*[A-Za-z]")
+"""Words before an answer's only number ("x = 5", "about 3"): not a bare number, kept as text."""
 _DECORATION = " \t.,:;!?\"'*_`"
 
 
@@ -44,6 +48,13 @@ class Vote:
     traces: list[Trace]
 
     @property
+    def tied(self) -> list[str]:
+        """The answers that share the highest count, where more than one does (no majority); else []."""
+        top = max(self.counts.values(), default=0)
+        leaders = [answer for answer, count in self.counts.items() if count == top]
+        return leaders if len(leaders) > 1 else []
+
+    @property
     def agreement(self) -> float:
         """Share of all traces that gave the majority answer."""
         return self.counts.get(self.answer, 0) / len(self.traces) if self.answer is not None else 0.0
@@ -53,9 +64,9 @@ def normalize(answer: str) -> str | None:
     """Comparable form of an answer: numbers without separators or trailing zeros, else lowercase
     text without surrounding punctuation or markdown emphasis."""
     text = answer.strip().strip(_DECORATION)
-    number = _NUMBER.fullmatch(text.lstrip("$"))
-    if number:
-        value = number.group().replace(",", "")
+    numbers = _NUMBER.findall(text)
+    if len(numbers) == 1 and not _LETTERS_BEFORE.match(text):  # "51", "$1,200", "51 apples"
+        value = numbers[0].replace(",", "")
         if "." in value:
             value = value.rstrip("0").rstrip(".")
         return value
@@ -66,9 +77,9 @@ def extract_answer(trace: str) -> str | None:
     """The final answer of a trace: an 'Answer: ...' line, else its last number, else its last line."""
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
     for line in reversed(lines):
-        match = _ANSWER_LINE.search(line)
-        if match:
-            return normalize(match.group(1))
+        marks = list(_ANSWER_MARK.finditer(line))
+        if marks and line[marks[-1].end():].strip():
+            return normalize(line[marks[-1].end():])
     numbers = _NUMBER.findall(trace)
     if numbers:
         return normalize(numbers[-1])

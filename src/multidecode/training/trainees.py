@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import InvalidInput
 from ..proposers.eagle import EagleHead
 from ..proposers.medusa import MedusaHeads
 from .features import Features
@@ -48,6 +49,13 @@ def draft_index(token_ids: torch.Tensor, vocab_size: int, ids: torch.Tensor) -> 
     return index[ids]
 
 
+def check_enough(train_items: int) -> None:
+    """Refuse a run left with nothing to learn from once the held-out prompts are set apart."""
+    if train_items == 0:
+        raise InvalidInput("too few prompts to train on: every answer is held out for the acceptance check, or too short",
+                           "use more prompts (a larger --limit, or none) or a larger --max-new-tokens")
+
+
 class MedusaTrainee:
     """Medusa heads over the target's features (see the module notes)."""
 
@@ -58,6 +66,7 @@ class MedusaTrainee:
         self.draft_ids = draft_index(heads.token_ids, heads.vocab_size, data.top_ids)  # [N, TOP]
         positions = torch.arange(len(data.last))
         self.train = ((~data.holdout) & (positions < data.last)).nonzero().flatten()
+        check_enough(len(self.train))
         self.steps_per_epoch = len(self.train) / self.batch
         self.positions_per_step = self.batch
 
@@ -103,6 +112,7 @@ class EagleTrainee:
         # (the sequence's first position, its answer's, one past its last)
         self.train = [(b, a, e) for (a, e, held), b in zip(data.starts, data.begins) if not held and e - a > 1]
         self.held = [(b, a, e) for (a, e, held), b in zip(data.starts, data.begins) if held and e - a > 1]
+        check_enough(len(self.train))
         pairs = sum(e - b - 1 for b, a, e in self.train)
         self.steps_per_epoch = len(self.train) / EAGLE_SEQUENCES
         self.positions_per_step = max(1, pairs // max(1, len(self.train))) * EAGLE_SEQUENCES
