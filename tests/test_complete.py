@@ -205,6 +205,7 @@ def test_cli_complete_json_and_seeds(model_dir):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert [r["seed"] for r in rows] == [9, 10, 11]
+    assert len({r["prompt_tokens"] for r in rows}) == 1 and rows[0]["prompt_tokens"] > 0
     single = CliRunner().invoke(main, args[:5] + ["--n", "1", "--max-new-tokens", "5", "--seed", "10", "--json"])
     assert json.loads(single.stdout)[0]["token_ids"] == rows[1]["token_ids"]
 

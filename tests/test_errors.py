@@ -300,7 +300,7 @@ def test_eos_ids_of_the_wrong_kind_are_named(eos, needle):
 @pytest.mark.parametrize("stop", [[""], [3], ["ok", None]])
 def test_stop_strings_must_be_non_empty_text(stop):
     decoder = multidecode.MultiDecoder(_tiny_llama(vocab_size=400), tiny_tokenizer())
-    with pytest.raises(multidecode.InvalidArgument, match="stop strings must be non-empty strings"):
+    with pytest.raises(multidecode.InvalidArgument, match="a stop string must be non-empty text, got "):
         decoder.ask("text", ["why?"], max_new_tokens=2, stop=stop)
 
 

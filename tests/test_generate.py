@@ -188,3 +188,17 @@ def test_cli_refuses_a_draft_model_with_another_tokenizer(model_dir, tmp_path):
     assert result.exit_code == 2, result.output
     assert "tokenizer differs" in result.output and "hint:" in result.output and "Traceback" not in result.output
 
+
+
+def test_cli_says_when_an_output_held_to_a_grammar_was_cut_short(model_dir, tmp_path):
+    """Printed as text, an output cut at --max-new-tokens before its grammar completes gets a note
+    (it may not parse); one that completes gets none."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}))
+    args = ["generate", "--model", str(model_dir), "-p", "A person:", "--no-chat", "--json-schema", str(schema)]
+    cut = CliRunner().invoke(main, [*args, "--max-new-tokens", "3"])
+    assert cut.exit_code == 0, cut.output
+    assert "before its grammar was complete" in cut.stderr
+    plain = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "-p", "A person:", "--no-chat",
+                                      "--max-new-tokens", "3"])
+    assert plain.exit_code == 0 and "grammar" not in plain.stderr

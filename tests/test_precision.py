@@ -183,4 +183,4 @@ def test_cli_runs_a_gguf_at_each_cpu_precision_with_the_same_speculative_and_pla
             assert result.exit_code == 0, result.output
             rows.append(json.loads(result.stdout.strip().splitlines()[-1])["token_ids"])
         assert rows[0] == rows[1], name
-        assert f"tiny.gguf (llama, {'int8' if name == 'auto' else name}, cpu)" in result.stderr
+        assert f"tiny.gguf (llama, {'auto (int8)' if name == 'auto' else name}, cpu)" in result.stderr

@@ -50,9 +50,10 @@ def stop_strings_of(stop: str | Iterable[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
     strings = (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) and s for s in strings):
-        raise InvalidArgument(f"stop strings must be non-empty strings, got {stop!r}",
-                              "pass a string or a list of strings")
+    for text in strings:
+        if not isinstance(text, str) or not text:
+            raise InvalidArgument(f"a stop string must be non-empty text, got {text!r}",
+                                  "remove it, or give the text to stop at")
     return strings
 
 

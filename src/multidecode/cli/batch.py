@@ -30,6 +30,7 @@ from .common import (
     COMPILE_HELP,
     check_early,
     constraint_from,
+    counted,
     decoding_options,
     load_decoder,
     prepare_speculation,
@@ -170,7 +171,7 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
     out = escape(summary.output)
     finished = summary.total - summary.remaining
     if summary.complete:
-        head = f"[green]Done:[/green] all {summary.total} lines of {escape(summary.input)} are in {out}"
+        head = f"[green]Done:[/green] all {counted(summary.total, 'line')} of {escape(summary.input)} are in {out}"
     else:
         head = (f"[yellow]{'Stopped' if stopped else 'Ended'}:[/yellow] {finished} of {summary.total} lines "
                 f"are in {out}, {summary.remaining} to go")

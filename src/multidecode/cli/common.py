@@ -7,6 +7,7 @@ progress and status to stderr, so `--json` output can be piped.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -335,6 +336,11 @@ def check_early(*, max_new_tokens: int | None = None, n: int = 1, sampling: dict
     stop_strings_of(stop)
 
 
+def counted(n: int, noun: str, nouns: str | None = None) -> str:
+    """"1 line", "3 lines": a count with its noun in the right number (`nouns`: a plural not in -s)."""
+    return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"
+
+
 # ---------------------------------------------------------------------- inputs
 def read_text(path: str, what: str = "document") -> str:
     """Read a UTF-8 text file, or stdin for '-'; refuse binary files with a clear message."""
@@ -463,7 +469,9 @@ def _model_label(decoder, model_name) -> str:
     config = decoder.model.config
     name = model_name or "SmolLM2-135M-Instruct (embedded)"
     device = next(decoder.model.parameters()).device
-    return f"{name} ({config.model_type}, {decoder.memory()['precision']}, {device})"
+    memory = decoder.memory()  # at auto "auto (int4)": the file's codes, not --precision int4's re-coding
+    precision = f"auto ({memory['precision']})" if memory["reason"].startswith("auto") else memory["precision"]
+    return f"{name} ({config.model_type}, {precision}, {device})"
 
 
 # ---------------------------------------------------------------------- errors
@@ -473,7 +481,9 @@ def report_errors(function):
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         try:
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
+            sys.stdout.flush()  # a reader that went away (| head) is noticed here, not by click (exit 1)
+            return result
         except MultiDecodeError as err:
             stderr.print(f"[bold red]error:[/bold red] {escape(err.message)}")
             if err.hint:
@@ -482,7 +492,8 @@ def report_errors(function):
         except KeyboardInterrupt:
             stderr.print("[yellow]interrupted[/yellow]")
             raise SystemExit(130) from None
-        except BrokenPipeError:
+        except BrokenPipeError:  # the reader has what it wanted: no error, and nothing left to flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(0) from None
 
     return wrapper

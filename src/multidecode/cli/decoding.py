@@ -24,6 +24,7 @@ from ..sampling_keys import SAMPLING_SWITCHES
 from .common import (
     check_early,
     constraint_from,
+    counted,
     decoding_options,
     load_decoder,
     model_options,
@@ -216,7 +217,8 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     if as_json:
         done = complete_strategy.completions(run.finish())
         click.echo(json.dumps([{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "seed": c.seed,
-                                "token_ids": c.token_ids, **parsed(constraint, c)} for c in done], ensure_ascii=False))
+                                "token_ids": c.token_ids, "prompt_tokens": len(c.prompt_ids), **parsed(constraint, c)}
+                               for c in done], ensure_ascii=False))
         generated = sum(len(c.token_ids) for c in done)
     else:
         labels = [f"completion {i + 1}" + (f" (seed {params.seed})" if params.do_sample else "")
@@ -243,7 +245,7 @@ def complete_on_server(url: str, text: str, no_chat: bool, request: Request, ask
     if as_json:
         choices = server.whole(body, chat=chat)
         click.echo(json.dumps([{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
-                                "seed": seed, "token_ids": c["token_ids"],
+                                "seed": seed, "token_ids": c["token_ids"], "prompt_tokens": len(c["prompt_token_ids"]),
                                 **request.parsed(c["text"], c["finish_reason"])}
                                for c, seed in zip(choices, seeds, strict=True)], ensure_ascii=False))
     else:
@@ -425,7 +427,7 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
     run = margins_strategy.start(decoder.scheduler(), decoder.tokenizer, text, question, chunk_tokens=chunk_tokens,
                          max_margin_tokens=max_margin_tokens, max_new_tokens=max_new_tokens, threshold=threshold,
                          **sampling_from(sampling))
-    stderr.print(f"[dim]{len(run.chunks)} chunks of at most {chunk_tokens} tokens; "
+    stderr.print(f"[dim]{counted(len(run.chunks), 'chunk')} of at most {chunk_tokens} tokens; "
                  "writing their margins in one pass[/dim]")
     if as_json:
         result = run.result()

@@ -19,6 +19,7 @@ from ..errors import InvalidArgument
 from ..prompts import check_document, check_questions
 from ..speculation import speculation_mode
 from .common import (
+    counted,
     model_options,
     open_run,
     read_text,
@@ -45,7 +46,8 @@ def check_output(output: str) -> Path:
               help="A question (repeatable; default: three questions about the sample transcript).")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Longest answer, in tokens.")
 @click.option("--speculate", default="lookup", show_default=True, metavar="MODE",
-              help="lookup (prompt lookup, every draft fed) or auto (drafts where the measured cost says they pay).")
+              help="Any speculation mode that drafts (lookup: prompt lookup, every draft fed; auto: drafts where the "
+                   "measured cost says they pay; suffix, lookahead, ...).")
 @click.option("--draft-budget", type=int, default=None, metavar="N",
               help=f"Draft tokens per branch per step (for auto: the most it may propose) [default: "
                    f"{_explain.DEFAULT_BUDGET}, so the picture stays readable].")
@@ -79,7 +81,7 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
                                   speculate=spec, draft_budget=None, step=step, model_label=label)
         _explain.save(result.figure, path)
     s = result.summary
-    line = (f"Wrote {path}: step {s['step']} of {s['steps']}, {len(s['branches'])} branches, {s['drafted']} draft "
+    line = (f"Wrote {path}: step {s['step']} of {s['steps']}, {counted(len(s['branches']), 'branch', 'branches')}, {s['drafted']} draft "
             f"tokens fed, {s['accepted']} accepted, {s['rejected']} rejected")
     if as_json:
         click.echo(json.dumps(s, ensure_ascii=False))

@@ -68,7 +68,8 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, pre
                                "token_ids": done.token_ids, "prompt_tokens": len(done.prompt_ids), "seed": done.seed,
                                "stats": done.stats, **parsed(constraint, done)}, ensure_ascii=False))
     else:
-        write_stream(text * echo, (event.text for event in run.events))
+        ended = write_stream(text * echo, ((event.text, event.finish_reason) for event in run.events))
+        note_if_cut(constraint is not None and ended == "length")
     elapsed = time.perf_counter() - start
     tokens = run.stats.tokens
     stderr.print(f"[dim]{tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s)[/dim]")
@@ -90,17 +91,29 @@ def on_server(url: str, text: str, no_chat: bool, request: Request, asked: tuple
                                "seed": request.seed, "stats": server.stats, "server": url,
                                **request.parsed(choice["text"], choice["finish_reason"])}, ensure_ascii=False))
     else:
-        write_stream(text * echo, (piece.text for piece in server.pieces(body, chat=chat)))
+        ended = write_stream(text * echo, ((piece.text, piece.finish_reason) for piece in server.pieces(body, chat=chat)))
+        note_if_cut(request.schema is not None and ended == "length")
     server.summarize("", start, show_stats=show_stats)
 
 
-def write_stream(head: str, pieces) -> None:
-    """Write `head`, then each piece as it comes, then a newline, to stdout."""
+def write_stream(head: str, pieces) -> str | None:
+    """Write `head`, then each (text, finish reason) piece's text as it comes, then a newline, to
+    stdout; returns the finish reason."""
     sys.stdout.write(head)
-    for piece in pieces:
-        sys.stdout.write(piece)
+    ended = None
+    for text, finish_reason in pieces:
+        sys.stdout.write(text)
         sys.stdout.flush()
+        ended = finish_reason or ended
     sys.stdout.write("\n")
+    return ended
+
+
+def note_if_cut(cut: bool) -> None:
+    """Say on stderr that an output held to a grammar ended at --max-new-tokens (it may not parse)."""
+    if cut:
+        stderr.print("[yellow]note:[/yellow] the output reached --max-new-tokens before its grammar was complete, so "
+                     "it may not parse; raise --max-new-tokens")
 
 
 __all__ = ["generate"]
