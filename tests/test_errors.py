@@ -198,6 +198,22 @@ def test_a_malformed_server_url(given, message):
     assert_clean_error(run("generate", "-p", "hi", "--server", given), message)
 
 
+@pytest.mark.parametrize("extra, message", [(["--draft-model", "/no/such/model"], "no model at /no/such/model"),
+                                            (["--draft-head", "/no/such/head"], "is not a folder")])
+def test_a_missing_draft_is_refused_before_the_model_loads(model_dir, extra, message):
+    result = run("generate", "--model", model_dir, "-p", "hi", *extra)
+    assert_clean_error(result, message)
+    assert "Loaded" not in result.output
+
+
+def test_an_empty_prompt_file_is_refused_before_the_model_loads(model_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    result = run("generate", "--model", model_dir, "--prompt-file", empty)
+    assert_clean_error(result, "the prompt is empty")
+    assert "Loaded" not in result.output
+
+
 def test_too_little_to_train_a_drafter_on_is_a_clear_error():
     from multidecode.training.trainees import check_enough
 

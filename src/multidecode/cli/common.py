@@ -192,6 +192,12 @@ def speculation_from(options: SpeculateOptions | str | None, draft_budget: int |
                                          head=options.draft_head,
                                          spelling=spelling())
     settings.check(exact=True, spelling=spelling())
+    if settings.draft_model is not None:  # before the target loads, not after
+        from ..models.loading import refuse_missing_path
+
+        refuse_missing_path(settings.draft_model)
+    if settings.head is not None and not Path(settings.head).expanduser().is_dir():
+        raise InvalidInput(f"--draft-head {settings.head} is not a folder", "pass the folder train-drafter wrote")
     return settings
 
 
@@ -374,7 +380,10 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if (prompt is None) == (prompt_file is None):
         raise InvalidInput("give the prompt as --prompt TEXT or --prompt-file FILE (one of them)",
                            "for example --prompt 'Write a haiku about the sea.'")
-    return prompt if prompt is not None else read_text(prompt_file, "prompt")
+    text = prompt if prompt is not None else read_text(prompt_file, "prompt")
+    if not text.strip():  # said before the model loads, as the library would say it after
+        raise InvalidInput("the prompt is empty", "pass some text to complete")
+    return text
 
 
 def prompt_options(command):

@@ -229,10 +229,19 @@ def locate(name: str) -> tuple[str, dict]:
                 "pass a Hugging Face model folder or a .gguf file",
             )
         return str(gguf_copy(_gguf_file(name))), {}
+    refuse_missing_path(name)
+    return name, _hub_kwargs(name)
+
+
+def refuse_missing_path(name: str) -> None:
+    """`ModelNotFound` where `name` is written as a path (not a hub id) and nothing is there: a
+    check cheap enough to make before anything loads."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return
     looks_like_path = name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1
     if looks_like_path or os.sep in name and Path(name.split(os.sep)[0]).exists():
         raise ModelNotFound(f"no model at {path}: the path does not exist", "check the path")
-    return name, _hub_kwargs(name)
 
 
 def _hub_kwargs(repo_id: str) -> dict:
