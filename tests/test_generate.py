@@ -202,3 +202,17 @@ def test_cli_says_when_an_output_held_to_a_grammar_was_cut_short(model_dir, tmp_
     plain = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "-p", "A person:", "--no-chat",
                                       "--max-new-tokens", "3"])
     assert plain.exit_code == 0 and "grammar" not in plain.stderr
+
+
+def test_results_held_to_a_json_schema_carry_their_parsed_value(decoder):
+    """`parsed` is the output's JSON value (as the command line's and batch records' "parsed"), None
+    without a schema and when the output was cut short."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    done = decoder.generate("Is it fine?", max_new_tokens=40, json_schema=schema, speculate=None)
+    assert done.finish_reason == "stop" and done.parsed == json.loads(done.text) and set(done.parsed) == {"ok"}
+    cut = decoder.generate("Is it fine?", max_new_tokens=2, json_schema=schema, speculate=None)
+    assert cut.finish_reason == "length" and cut.parsed is None
+    assert decoder.generate("Is it fine?", max_new_tokens=4, speculate=None).parsed is None
+    answers = decoder.ask("A short text.", ["Fine?", "Sure?"], max_new_tokens=40, json_schema=schema)
+    assert [a.parsed for a in answers] == [json.loads(a.text) for a in answers]

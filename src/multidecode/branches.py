@@ -78,6 +78,13 @@ class Branch:
     def prompt_length(self) -> int:
         return self.context.prompt_length
 
+    @property
+    def parsed(self):
+        """The JSON value of an output held to a JSON schema or object (None without one, or when
+        the output does not parse: cut at max_new_tokens, or by a stop string)."""
+        grammar = self.sampler.grammar
+        return None if grammar is None else grammar.compiled.constraint.parse(self.output.text)
+
 
 @dataclass
 class DecodeStats:

@@ -27,6 +27,7 @@ class Answer:
     prompt_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict, compare=False, repr=False)
+    parsed: object = None  # held to a JSON schema or object: the text's JSON value (None: cut short)
 
 
 def question_prompts(tokenizer, document: str, questions: Sequence[str], *, instruction: str | None = None) -> list[list[int]]:
@@ -59,7 +60,7 @@ def answers(run: BranchRun, questions: Sequence[str]) -> list[Answer]:
 
 def answers_of(questions: Sequence[str], branches, prompts: Sequence[list[int]], stats: dict) -> list[Answer]:
     """Each question's `Answer` from its finished branch (wherever the branches ran)."""
-    return [Answer(q, b.output.text, b.output.token_ids, prompts[i], b.output.finish_reason, stats)
+    return [Answer(q, b.output.text, b.output.token_ids, prompts[i], b.output.finish_reason, stats, b.parsed)
             for i, (q, b) in enumerate(zip(questions, branches))]
 
 

@@ -38,6 +38,7 @@ class Completion:
     seed: int | None
     prompt_ids: list[int]
     stats: dict = field(default_factory=dict, compare=False, repr=False)
+    parsed: object = None  # held to a JSON schema or object: the text's JSON value (None: cut short)
 
 
 def prompt_ids(tokenizer, prompt: str | Sequence[int], *, chat: bool | None = None) -> list[int]:
@@ -191,7 +192,7 @@ def completions(run: BranchRun | Waves) -> list[Completion]:
     stats, prompts = run.stats.as_dict(), run.prompts  # each once: `Waves.prompts` builds n lists
     return [
         Completion(b.index, b.output.text, b.output.token_ids, b.output.finish_reason,
-                   b.sampler.params.seed if b.sampler.params.do_sample else None, prompts[b.index], stats)
+                   b.sampler.params.seed if b.sampler.params.do_sample else None, prompts[b.index], stats, b.parsed)
         for b in run.branches
     ]
 
