@@ -24,8 +24,10 @@ from speculation_cases import FLAT
 import multidecode
 from multidecode import branches
 from multidecode.constraints import (
+    BEST_EFFORT_HINT,
     Constraint,
     allowed_nodes,
+    ascii_digits,
     compile_constraint,
     constraint_of,
     mask_logits,
@@ -129,6 +131,97 @@ def test_bad_constraints_are_refused_when_made(make, message):
     with pytest.raises(InvalidArgument, match=message) as caught:
         make()
     assert caught.value.hint is not None
+
+
+def nested(depth: int) -> dict:
+    """A schema of `depth` objects, each the one property of the object above it."""
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"inner": schema}}
+    return schema
+
+
+BIG = "1" + "0" * 399  # a 400-digit integer, beyond a double's range
+UNREADABLE = {  # schemas llguidance's reader refuses with a plain ValueError: (schema, message, hint)
+    "properties 64 deep": (nested(64), "recursion limit exceeded", '"$defs"'),
+    "properties 200 deep": (nested(200), "recursion limit exceeded", '"$ref"'),
+    "NaN": ({"type": "number", "minimum": float("nan")}, "NaN or Infinity", "finite number"),
+    "Infinity": ({"type": "number", "maximum": float("inf")}, "NaN or Infinity", "finite number"),
+    "NaN in JSON text": ('{"type": "number", "maximum": NaN}', "NaN or Infinity", "finite number"),
+    "1e400 in JSON text": ('{"type": "number", "maximum": 1e400}', "NaN or Infinity", "finite number"),
+    "a 400-digit integer": ({"type": "integer", "maximum": int(BIG)}, "number out of range", "double's range"),
+    "a 400-digit literal": (f'{{"type": "integer", "minimum": -{BIG}}}', "number out of range", "double's range"),
+    "a lone surrogate": ({"type": "string", "const": "\ud800"}, "lone surrogate", "\\ud800"),
+    "a lone surrogate key": ('{"properties": {"\\udc00": {}}}', "lone surrogate", "\\ud800"),
+}
+
+
+@pytest.mark.parametrize("name", UNREADABLE)
+def test_schemas_the_engine_cannot_read_are_invalid_arguments(name):
+    """Not llguidance's bare ValueError (a traceback on the command line, a 500 on the server, a
+    batch job stopped): an InvalidArgument naming what is wrong, with the fix."""
+    schema, message, hint = UNREADABLE[name]
+    with pytest.raises(InvalidArgument, match=re.escape(message)) as caught:
+        Constraint.json_schema(schema)
+    assert hint in caught.value.hint and "line 1 column" not in caught.value.message
+
+
+@pytest.mark.parametrize("text, hint", [
+    ('{"type": "number", "maximum": NaN}', 'give a JSON Schema object'),
+    ('{"const": "\\ud800"}', "lone surrogate"),
+    (json.dumps(nested(64)), '"$defs"'),
+])
+def test_schema_text_the_engine_cannot_read_is_an_invalid_argument_when_made_directly(text, hint):
+    """A Constraint made from its text, past `Constraint.json_schema`'s own checks, is refused
+    the same way (the one place that converts catches what llguidance raises)."""
+    with pytest.raises(InvalidArgument, match="JSON schema cannot be read") as caught:
+        Constraint("json_schema", text)
+    assert hint in caught.value.hint
+
+
+@pytest.mark.parametrize("schema, hint", [
+    ({"type": "array", "uniqueItems": True}, BEST_EFFORT_HINT),
+    ({"type": "string", "format": "weird"}, BEST_EFFORT_HINT),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "loosen the bounds (minLength/maxLength"),
+    ({"type": "nonsense"}, "give a JSON Schema object"),
+])
+def test_a_refused_schema_gets_the_hint_for_its_problem(schema, hint):
+    with pytest.raises(InvalidArgument) as caught:
+        Constraint.json_schema(schema)
+    assert caught.value.hint.startswith(hint)
+    assert "--no-strict" in BEST_EFFORT_HINT and "strict=False" in BEST_EFFORT_HINT
+
+
+def test_regex_digits_are_ascii_digits():
+    r"""`\d` is [0-9] and `\D` [^0-9], outside a class and inside one (Rust nests classes); an
+    escaped backslash before a "d" is left alone, and so is every other escape."""
+    assert ascii_digits(r"\d{3}-\D+") == "[0-9]{3}-[^0-9]+"
+    assert ascii_digits(r"\\d") == r"\\d"  # a backslash, then the letter d
+    assert ascii_digits(r"\\\d") == r"\\[0-9]"  # a backslash, then a digit
+    assert ascii_digits(r"[a\d_]") == "[a[0-9]_]"
+    assert ascii_digits(r"[^\D]") == "[^[^0-9]]"
+    assert ascii_digits(r"\p{Nd}\.\w[\]]\\") == r"\p{Nd}\.\w[\]]\\"
+    assert Constraint.regex(r"\d{3}").text == r"\d{3}"  # the user's pattern, as given
+
+
+def allowed_texts(decoder, constraint: Constraint) -> list[str]:
+    """What each token the constraint allows first decodes to (a lone byte of a longer character
+    decodes to U+FFFD)."""
+    vocab = decoder.model.get_input_embeddings().num_embeddings
+    compiled = compile_constraint(constraint, decoder.tokenizer, vocab_size=vocab, eos_id=eos_of(decoder))
+    bits = np.unpackbits(np.frombuffer(compiled.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    return [decoder.tokenizer.decode([int(i)]) for i in np.flatnonzero(bits[:vocab])]
+
+
+@pytest.mark.parametrize("pattern", [r"\d{3}", r"[x\d]{3}", r"[^\D]+"])
+def test_a_regex_digit_allows_only_ascii_digits(decoder, pattern):
+    """The byte-level tokenizer has a token for each byte: with Unicode's \\d the lead bytes of
+    Arabic-Indic or fullwidth digits would be allowed too."""
+    texts = allowed_texts(decoder, Constraint.regex(pattern))
+    assert texts and all(text.isascii() and (text.isdigit() or text == "x") for text in texts), texts
+    assert any(not text.isascii() for text in allowed_texts(decoder, Constraint.regex(r"\D")))
+    done = decoder.generate(PROMPTS[0], regex=r"\d{3}", chat=False, max_new_tokens=8, speculate=None)
+    assert re.fullmatch("[0-9]{3}", done.text), done.text
 
 
 def test_strict_false_ignores_what_cannot_be_enforced():
@@ -442,3 +535,39 @@ def test_batch_records_carry_the_parsed_object_and_a_bad_line_schema_is_its_erro
     assert got["d"]["error"]["type"] == "InvalidInput" and '"json_schema" must be a JSON object' in got["d"]["error"]["message"]
     expected = decoder.ask(rows[1]["document"], rows[1]["questions"], max_new_tokens=80, json_schema=line_schema)
     assert got["b"]["answers"][0]["answer"] == expected[0].text
+
+
+def test_a_line_whose_schema_the_engine_cannot_read_fails_alone(model_dir, tmp_path):
+    """A line's schema too deep, with NaN, or with a lone surrogate is that line's error; the
+    lines around it are answered. A line may ask for best effort ("json_schema_strict": false)."""
+    from batch_files import by_id, records, write_lines
+
+    fine = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}
+    weird = {"type": "object", "properties": {"when": {"type": "string", "format": "weird", "maxLength": 5}},
+             "required": ["when"], "additionalProperties": False}
+    line = {"document": "The cable was cut.", "questions": ["ok?"]}
+    rows = [{"id": "deep", **line, "json_schema": nested(70)},
+            {"id": "fine", **line, "json_schema": fine},
+            {"id": "nan", **line, "json_schema": {"type": "number", "maximum": float("nan")}},  # written as NaN
+            {"id": "surrogate", **line, "json_schema": {"const": "\ud800"}},
+            {"id": "weird", **line, "json_schema": weird},
+            {"id": "best effort", **line, "json_schema": weird, "json_schema_strict": False},
+            {"id": "strict alone", **line, "json_schema_strict": False},
+            {"id": "strict text", **line, "json_schema": fine, "json_schema_strict": "no"}]
+    source, out = write_lines(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    result = invoke("batch", source, "--output", out, "--model", model_dir, "--max-new-tokens", 40)
+    assert result.exit_code == 0, result.output
+    got = by_id(records(out))
+    assert len(got) == len(rows)
+    failed = {key: got[key]["error"] for key in got if got[key]["error"] is not None}
+    assert sorted(failed) == ["deep", "nan", "strict alone", "strict text", "surrogate", "weird"]
+    assert failed["deep"]["type"] == "InvalidArgument" and "recursion limit" in failed["deep"]["message"]
+    assert "NaN or Infinity" in failed["nan"]["message"] and "lone surrogate" in failed["surrogate"]["message"]
+    assert "Unknown format" in failed["weird"]["message"] and '"json_schema_strict": false' in failed["weird"]["hint"]
+    assert '"json_schema_strict" but no "json_schema"' in failed["strict alone"]["message"]
+    assert '"json_schema_strict" must be true or false' in failed["strict text"]["message"]
+    for key, schema in (("fine", fine), ("best effort", weird)):
+        answer, = got[key]["answers"]
+        assert answer["finish_reason"] == "stop", answer
+        jsonschema.validate(answer["parsed"], schema)

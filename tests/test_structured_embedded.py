@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from test_constraints import reference
+from test_constraints import allowed_texts, reference
 
 import multidecode
 from multidecode.constraints import Constraint
@@ -69,3 +69,11 @@ def test_sampled_records_all_validate(decoder):
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), RECORD)
     assert len({c.text for c in completions}) > 1
+
+
+def test_a_regex_digit_is_an_ascii_digit(decoder):
+    r"""With Unicode's `\d` this model answered `\d{3}` with U+1FBF8 three times: its tokenizer
+    has tokens for the bytes of such digits, and none may start the answer now."""
+    assert sorted(allowed_texts(decoder, Constraint.regex(r"\d{3}"))) == list("0123456789")
+    done = decoder.generate("Three digits:", regex=r"\d{3}", max_new_tokens=8, speculate=None)
+    assert done.finish_reason == "stop" and done.text.isascii() and done.text.isdigit(), done.text

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -82,8 +83,7 @@ class Constraint:
         llg = _llguidance()
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(self.compiled_text, None)
         if failed:
-            raise InvalidArgument(f"the {self.description} cannot be compiled: {_first_line(messages)}",
-                                  _HINTS[self.kind])
+            raise self.refusal("cannot be compiled", _first_line(messages))
 
     @classmethod
     def json_schema(cls, schema: dict | str, *, strict: bool = True, jump_forward: bool = True) -> Constraint:
@@ -93,10 +93,12 @@ class Constraint:
                 schema = json.loads(schema)
             except json.JSONDecodeError as error:
                 raise InvalidArgument(f"the JSON schema is not valid JSON: {error}", _HINTS["json_schema"]) from None
+            except RecursionError:
+                raise InvalidArgument("the JSON schema is nested too deeply to read", _DEEP_HINT) from None
         if not isinstance(schema, dict):
             raise InvalidArgument(f"a JSON schema must be a JSON object, got {type(schema).__name__}",
                                   _HINTS["json_schema"])
-        return cls("json_schema", json.dumps(schema), strict, jump_forward)
+        return cls("json_schema", _schema_json(schema), strict, jump_forward)
 
     @classmethod
     def json_object(cls, *, jump_forward: bool = True) -> Constraint:
@@ -105,7 +107,8 @@ class Constraint:
 
     @classmethod
     def regex(cls, pattern: str, *, jump_forward: bool = True) -> Constraint:
-        """Output that matches `pattern` whole (Rust regex syntax: no look-around, no back-references)."""
+        r"""Output that matches `pattern` whole (Rust regex syntax: no look-around, no back-references;
+        `\d` is an ASCII digit, see `ascii_digits`)."""
         if not isinstance(pattern, str) or not pattern:
             raise InvalidArgument(f"a regular expression must be a non-empty string, got {pattern!r}", _HINTS["regex"])
         return cls("regex", pattern, True, jump_forward)
@@ -128,17 +131,27 @@ class Constraint:
 
     @functools.cached_property
     def compiled_text(self) -> str:
-        """The constraint as an llguidance grammar (what a matcher is built from)."""
+        """The constraint as an llguidance grammar (what a matcher is built from). llguidance
+        raises a plain ValueError for what it cannot read (a schema nested 64 levels deep, a
+        number beyond a double's range, a lone surrogate, NaN in JSON text, a GBNF rule that is
+        not there): every one becomes the `InvalidArgument` that every caller (Python, the
+        command line, the server's 400, a batch line's error) already turns into its refusal."""
         llg = _llguidance()
-        if self.kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(self.text)
-        if self.kind == "grammar":
-            try:
+        try:
+            if self.kind == "regex":
+                return llg.LLMatcher.grammar_from_regex(ascii_digits(self.text))
+            if self.kind == "grammar":
                 return llg.grammar_from("grammar", self.text)
-            except ValueError as error:
-                raise InvalidArgument(f"the grammar cannot be read: {error}", _HINTS["grammar"]) from None
-        options = {**JSON_DEFAULTS, "lenient": not self.strict}
-        return llg.LLMatcher.grammar_from_json_schema(self.text, defaults=options)
+            options = {**JSON_DEFAULTS, "lenient": not self.strict}
+            return llg.LLMatcher.grammar_from_json_schema(self.text, defaults=options)
+        except ValueError as error:
+            raise self.refusal("cannot be read", str(error)) from None
+
+    def refusal(self, what: str, reason: str) -> InvalidArgument:
+        """The error for a constraint the engine refuses (`what`: "cannot be compiled", say), with
+        llguidance's `reason` and the hint that fits it (`hint_for`)."""
+        reason = _ENGINE_POSITION.sub("", reason.strip()) or "unknown error"
+        return InvalidArgument(f"the {self.description} {what}: {reason}", hint_for(self.kind, reason))
 
     def parse(self, text: str):
         """The JSON value of a JSON constraint's output (None when it does not parse: cut short,
@@ -157,6 +170,76 @@ _HINTS = {
     "regex": "use Rust regex syntax (no look-around or back-references)",
     "grammar": "give a Lark grammar (start: ...) or a GBNF grammar (root ::= ...)",
 }
+BEST_EFFORT_HINT = ('leave those keywords out, or ask for best effort (strict=False in Python; "strict": false on '
+                    'the server; --no-strict on the command line)')
+"""The fix for a schema keyword the engine cannot enforce; a batch line words it for its own field."""
+_DEEP_HINT = ('nest it less deeply (about 60 levels at most): define a part that repeats once in "$defs" and '
+              'refer to it with "$ref"')
+_SURROGATE_HINT = r"remove the lone surrogate (\ud800 to \udfff without its pair) from its strings"
+_SCHEMA_HINTS = (
+    (("Unimplemented keys", "Unknown format"), BEST_EFFORT_HINT),
+    (("Unsatisfiable",), "loosen the bounds (minLength/maxLength, minItems/maxItems, minimum/maximum...)"),
+    (("recursion limit",), _DEEP_HINT),
+    (("number out of range",), "keep its numbers within a double's range (up to about 1.8e308)"),
+    (("surrogate", "hex escape"), _SURROGATE_HINT),
+)
+"""(words in llguidance's reason, the fix) for a JSON schema it refuses; the first that matches
+wins, and a reason none matches gets the general hint. A schema's problems have different fixes,
+and a hint that says "give a JSON Schema object" to one that is one helps nobody."""
+_ENGINE_POSITION = re.compile(r"\s+at line \d+ column \d+$")
+"""Where llguidance's JSON reader stopped, in the text we wrote from the schema (not the user's):
+no help to a user, so it is left out of the message."""
+
+
+def hint_for(kind: str, reason: str) -> str:
+    """The hint for a `kind` constraint that llguidance refused for `reason`."""
+    if kind == "json_schema":
+        for words, hint in _SCHEMA_HINTS:
+            if any(word in reason for word in words):
+                return hint
+    return _HINTS[kind]
+
+
+def _schema_json(schema: dict) -> str:
+    r"""`schema` as the JSON text llguidance reads, refused here for what JSON cannot carry:
+    NaN and Infinity (Python's json reads and writes them; 1e400 in JSON text reads as Infinity),
+    a lone surrogate ("\ud800": Python strings may hold one, UTF-8 cannot), a value that is not
+    JSON (a set, say), a dict inside itself, or nesting deeper than Python can walk."""
+    try:
+        text = json.dumps(schema, allow_nan=False)
+        json.dumps(schema, ensure_ascii=False).encode("utf-8")  # a lone surrogate cannot be UTF-8
+    except UnicodeEncodeError as error:
+        raise InvalidArgument(f"the JSON schema holds a lone surrogate ({error.object[error.start]!a}) in a string",
+                              _SURROGATE_HINT) from None
+    except ValueError as error:
+        if "Circular reference" in str(error):
+            raise InvalidArgument("the JSON schema holds itself (a dict inside itself)",
+                                  'for a schema that recurses, define it in "$defs" and refer to it with "$ref"') from None
+        raise InvalidArgument("the JSON schema holds NaN or Infinity (or a number beyond a double's range, "
+                              "such as 1e400, which reads as Infinity): JSON has no such number",
+                              "write a finite number, or leave that keyword out") from None
+    except TypeError as error:
+        raise InvalidArgument(f"the JSON schema holds a value JSON cannot carry ({error})",
+                              "use only dicts, lists, strings, numbers, booleans and None") from None
+    except RecursionError:
+        raise InvalidArgument("the JSON schema is nested too deeply to read", _DEEP_HINT) from None
+    return text
+
+
+_ASCII_DIGIT_CLASSES = {"d": "[0-9]", "D": "[^0-9]"}
+
+
+def ascii_digits(pattern: str) -> str:
+    r"""`pattern` with `\d` as `[0-9]` and `\D` as `[^0-9]`: what a regular expression constraint
+    compiles. In Rust's regex syntax, which llguidance reads, `\d` is any Unicode decimal digit
+    (Arabic-Indic, fullwidth, U+1FBF0-U+1FBF9...), and a small model does write them (the embedded
+    one answered `\d{3}` with U+1FBF8 three times); users mean 0-9, as in vLLM, outlines and JSON
+    Schema's `pattern` (which llguidance already reads so). The engine has no flag for it:
+    `(?-u:\d)` is ASCII, but `(?-u:\D)` could match a byte of invalid UTF-8, which it refuses.
+    So the two escapes are rewritten, each escape read whole (`\\d` is a backslash and a "d", left
+    as it is); a class may stand inside a class, since Rust nests them (`[a\d]` becomes
+    `[a[0-9]]`, `[^\D]` `[^[^0-9]]`). `\p{Nd}` still asks for any Unicode digit."""
+    return re.sub(r"\\(.)", lambda escape: _ASCII_DIGIT_CLASSES.get(escape[1], escape[0]), pattern, flags=re.DOTALL)
 
 
 def _first_line(messages: Sequence[str]) -> str:
@@ -240,8 +323,7 @@ def compile_constraint(constraint: Constraint, tokenizer, *, vocab_size: int, eo
     llg = _llguidance()
     matcher = llg.LLMatcher(lltok, constraint.compiled_text, log_level=0)
     if matcher.is_error():
-        raise InvalidArgument(f"the {constraint.description} cannot be compiled for this tokenizer: "
-                              f"{_first_line([matcher.get_error()])}", _HINTS[constraint.kind])
+        raise constraint.refusal("cannot be compiled for this tokenizer", _first_line([matcher.get_error()]))
     compiled[constraint] = result = Compiled(constraint, matcher, vocab_size, eos_id)
     while len(compiled) > COMPILED_PER_TOKENIZER:
         compiled.popitem(last=False)

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
-from ..constraints import Constraint
-from ..errors import InvalidInput, MultiDecodeError
+from ..constraints import BEST_EFFORT_HINT, Constraint
+from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
 from ..sampling import per_branch_sampling
 from ..strategies.ask import check_document
 
@@ -34,13 +34,16 @@ class LineModel(BaseModel):
     questions: list[Annotated[StrictStr, AfterValidator(_not_blank)]] | None = None
     sampling: dict[StrictStr, Any] | None = None
     json_schema: dict | None = None
+    json_schema_strict: StrictBool | None = None
 
 
 @dataclass(frozen=True)
 class InputLine:
     """One non-blank input line, parsed. error says why it cannot run (then it is recorded as failed).
     sampling: the line's own sampling settings, over the job's (logit bias keys as token ids);
-    constraint: the line's own JSON schema, which its answers follow (None: the job's)."""
+    constraint: the line's own JSON schema, which its answers follow (None: the job's); strict
+    unless the line says "json_schema_strict": false (best effort: keywords the engine cannot
+    enforce are ignored, as `Constraint.json_schema(strict=False)` does)."""
 
     line: int
     id: str | int
@@ -82,6 +85,9 @@ def _explain(problem: dict, data: dict) -> MultiDecodeError:
         if isinstance(error := problem.get("ctx", {}).get("error"), MultiDecodeError):
             return error  # check_document's: empty, or not valid Unicode
         return InvalidInput(f'"document" must be a string, got {_kind(value)}', "put the document's text in a string")
+    if field == "json_schema_strict":
+        return InvalidInput(f'"json_schema_strict" must be true or false, got {_kind(value)}',
+                            'use "json_schema_strict": false for best effort, or leave it out')
     if field == "json_schema":
         return InvalidInput(f'"json_schema" must be a JSON object (a JSON schema), got {_kind(value)}',
                             'use "json_schema": {"type": "object", "properties": {...}}')
@@ -105,8 +111,11 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
         return InputLine(line, line, error=InvalidInput(
             f"line {line} is not UTF-8 text (bad byte at column {err.start + 1})", "save the input as UTF-8"))
     except ValueError as err:  # JSONDecodeError, or a number too long to read
-        why = f"{err.msg} at column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
+        why = f"{err.msg}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
         return InputLine(line, line, error=InvalidInput(f"line {line} is not valid JSON ({why})", LINE_HINT))
+    except RecursionError:  # Python's json reads about a thousand levels of nesting
+        return InputLine(line, line, error=InvalidInput(f"line {line} is nested too deeply to read",
+                                                        "nest its objects and lists less deeply"))
     if not isinstance(data, dict):
         return InputLine(line, line, error=InvalidInput(f"line {line} is {_kind(data)}, not a JSON object", LINE_HINT))
     try:
@@ -127,10 +136,29 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
     except MultiDecodeError as err:
         return InputLine(line, ident, error=InvalidInput(f'the line\'s "sampling": {err.message}', err.hint))
     try:
-        constraint = None if parsed.json_schema is None else Constraint.json_schema(parsed.json_schema)
+        constraint = _line_constraint(parsed)
     except MultiDecodeError as error:
         return InputLine(line, ident, error=error)
     return InputLine(line, ident, parsed.document, questions, sampling=sampling, constraint=constraint)
+
+
+def _line_constraint(parsed: LineModel) -> Constraint | None:
+    """The line's own JSON schema as a constraint (None: the job's). Whatever the engine refuses
+    in it is an `InvalidArgument` (`Constraint.json_schema` turns all of llguidance's complaints
+    into one), so the line is recorded as failed and the job goes on; the best-effort hint is
+    worded for the line's own field, where --no-strict (the run's schema) would not help."""
+    if parsed.json_schema is None:
+        if parsed.json_schema_strict is not None:
+            raise InvalidInput('the line has "json_schema_strict" but no "json_schema"',
+                               'add the line\'s "json_schema", or leave "json_schema_strict" out')
+        return None
+    try:
+        return Constraint.json_schema(parsed.json_schema, strict=parsed.json_schema_strict is not False)
+    except InvalidArgument as error:
+        if error.hint != BEST_EFFORT_HINT:
+            raise
+        raise InvalidArgument(error.message, 'leave those keywords out, or add "json_schema_strict": false to '
+                                             'the line for best effort') from None
 
 
 def _line_sampling(settings: dict, n: int) -> dict:
