@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -99,3 +100,76 @@ def test_what_is_not_offered_or_malformed_is_a_400(server, extra, param, says):
                                                 **{"tools": TOOLS, **extra})
     error = caught.value.response.json()["error"]
     assert error["param"] == param and says in error["message"]
+
+
+@pytest.mark.parametrize("tools", [None, []])  # None: left out
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_call_asked_for_without_tools_is_a_400(server, choice, tools):
+    """Answered in text, the reply would pass for one that chose not to call (OpenAI refuses it too)."""
+    request = dict(model=MODEL, messages=MESSAGES, max_tokens=5, tool_choice=choice)
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().chat.completions.create(**request, **({} if tools is None else {"tools": tools}))
+    error = caught.value.response.json()["error"]
+    assert error["param"] == "tool_choice" and "needs tools" in error["message"]
+    for text_only in ("none", "auto"):  # no call asked for: text, as without tool_choice
+        assert server.client().chat.completions.create(**request | {"tool_choice": text_only}).choices[0].message.content
+
+
+def _whole_reply(server, tool_choice) -> tuple[list[int], str]:
+    """A greedy call decoded to its end: its token ids and its text."""
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 80,
+        "temperature": 0, "return_token_ids": True}).json()["choices"][0]
+    assert reply["finish_reason"] == "tool_calls"
+    return reply["token_ids"], reply["message"]["tool_calls"][0]["function"]
+
+
+def _cut_calls(server, tool_choice, max_tokens: int, stream: bool) -> tuple[list[tuple[str, str]], str, object]:
+    """The tool calls of a greedy call cut off at max_tokens (name, arguments), its finish reason
+    and its content."""
+    reply = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                                                    max_tokens=max_tokens, temperature=0, stream=stream)
+    if not stream:
+        message = reply.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        return calls, reply.choices[0].finish_reason, message.content
+    calls, finish, content = {}, None, None
+    for chunk in reply:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            content = (content or "") + (choice.delta.content or "") if choice.delta.content else content
+            for call in choice.delta.tool_calls or []:
+                name, arguments = calls.get(call.index, ("", ""))
+                calls[call.index] = (name + (call.function.name or ""), arguments + (call.function.arguments or ""))
+    return list(calls.values()), finish, content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_cut_off_by_max_tokens_has_the_name_and_the_arguments_so_far(server, stream):
+    """Cut after each token in turn: no call until the function's name is whole, then that name and
+    only the arguments decoded (never the {"name", "arguments"} object the reply is written in)."""
+    ids, whole = _whole_reply(server, "required")
+    tokenizer = server.forest.tokenizer
+    opening = f'{{"name": "{whole["name"]}", "arguments": '
+    assert tokenizer.decode(ids, skip_special_tokens=True) == f"{opening}{whole['arguments']}}}"
+    for cut in range(1, len(ids)):
+        decoded = tokenizer.decode(ids[:cut], skip_special_tokens=True)
+        calls, finish, content = _cut_calls(server, "required", cut, stream)
+        assert finish == "length" and not content, (cut, finish, content)
+        if f'"name": "{whole["name"]}"' not in decoded:
+            assert calls == [], (cut, decoded, calls)
+        else:
+            arguments = decoded[len(opening):][:len(whole["arguments"])]  # without the wrapper's closing brace
+            assert calls == [(whole["name"], arguments)], (cut, decoded, calls)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_call_cut_off_by_max_tokens_has_its_name_and_the_arguments_so_far(server, stream):
+    ids, whole = _whole_reply(server, NAMED)
+    tokenizer = server.forest.tokenizer
+    for cut in (1, len(ids) // 2, len(ids) - 2):
+        arguments = tokenizer.decode(ids[:cut], skip_special_tokens=True)
+        assert whole["arguments"].startswith(arguments)
+        calls, finish, content = _cut_calls(server, NAMED, cut, stream)
+        assert finish == "length" and not content
+        assert calls == [("get_weather", arguments)]

@@ -4,7 +4,8 @@ This is the continuous-batching runtime that `multidecode serve` and the batch j
 `ForestRuntime` owns one `Scheduler` (one engine, one KV cache) and a thread that loops:
 
 1. take cancellations (a client that went away: its work is retired, its slots freed before the
-   next feed) and new jobs (`jobs.Job`);
+   next feed; or every job at once, each told why: `cancel_all`, a server past its drain deadline)
+   and new jobs (`jobs.Job`);
 2. **admit** waiting jobs between steps (continuous batching). A job's prompts are split into
    their common prefix and the rest; the longest part of the prefix already cached is looked up
    in the `PrefixIndex` and not fed again: the job's prompt hangs under that node. When a waiting
@@ -87,6 +88,7 @@ class ForestRuntime:
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._cancelled: list[Job] = []
+        self._ending: Exception | None = None  # set by cancel_all, taken by the engine thread
         self._running: dict[str, Job] = {}
         self.budget_bytes = self.limits.max_live_bytes or budget_bytes(self.engine.device)
         self.admission = Admission(self.limits, self.budget_bytes)  # jobs submitted and not finished
@@ -157,6 +159,17 @@ class ForestRuntime:
                 self._cancelled.append(job)
                 self._cond.notify_all()
 
+    def cancel_all(self, error: Exception) -> None:
+        """End every job in flight (waiting or decoding) with `error` as its last message, on the
+        engine thread at its next round, as `cancel` ends one: a server past its drain deadline
+        does this so that no stream keeps the process alive while it decodes to its end. Unlike a
+        cancelled job's client, these clients are still there, so each is sent the error (a stream
+        its error event, a plain request its status). A job submitted after the engine thread has
+        taken the call runs as usual: drain first to refuse those."""
+        with self._cond:
+            self._ending = error
+            self._cond.notify_all()
+
     def drain(self) -> None:
         """Refuse new jobs from now on; running ones go on."""
         with self._cond:
@@ -181,18 +194,22 @@ class ForestRuntime:
         deferred: list[Job] = []
         while True:
             with self._cond:
-                while not (self._stopping or self._waiting or self._cancelled or self._running):
+                while not (self._stopping or self._waiting or self._cancelled or self._running or self._ending):
                     self._cond.wait()
                 if self._waiting and not (self._running or deferred):
                     self._gather()
                 if self._stopping:
                     return
                 cancelled, self._cancelled = self._cancelled, []
+                ending, self._ending = self._ending, None
                 waiting = list(self._waiting)
                 self._waiting.clear()
             try:
                 for job in cancelled:
                     self._cancel(job)
+                if ending is not None:
+                    self._end_all(waiting, ending)
+                    waiting = []
                 deferred = self._admit([j for j in waiting if not j.cancelled])
                 with self._cond:
                     self._waiting.extendleft(reversed(deferred))
@@ -206,7 +223,7 @@ class ForestRuntime:
         """(Under the lock, the engine idle.) Wait until `limits.gather` jobs wait, at most
         `limits.gather_s` seconds (see `Limits`)."""
         deadline = time.monotonic() + self.limits.gather_s
-        while (len(self._waiting) < self.limits.gather and not (self._stopping or self.draining)
+        while (len(self._waiting) < self.limits.gather and not (self._stopping or self.draining or self._ending)
                and (left := deadline - time.monotonic()) > 0):
             self._cond.wait(left)
 
@@ -380,6 +397,13 @@ class ForestRuntime:
             if job in self._waiting:
                 self._waiting.remove(job)
         self._finish(job, ("error", Overloaded("cancelled")))
+
+    def _end_all(self, waiting: list[Job], error: Exception) -> None:
+        """`cancel_all` on the engine thread: every running job and every waiting one (`waiting`,
+        taken off the queue) ends with `error` (the step that follows, with nothing running, settles
+        the cache)."""
+        for job in [*self._running.values(), *waiting]:
+            self._finish(job, ("error", error))
 
     def _fail_all(self, error: Exception) -> None:
         for job in list(self._running.values()):

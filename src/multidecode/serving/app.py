@@ -5,9 +5,11 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (e
 generate --server` checks), `GET /health`
 (200 when ready, 503 while loading or draining), `GET /metrics` (Prometheus text) and `GET /`
 (the live page). Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
-400 for anything a client sends wrong, 401 without the API key, 404 for an unknown model or
-route, 503 with Retry-After at the admission cap or while draining. An error after a stream has
-begun goes out as an error event, then `data: [DONE]`.
+400 for anything a client sends wrong, 401 without the API key (saying whether none came or the
+one sent is not accepted), 404 for an unknown model or route, 503 with Retry-After at the
+admission cap, while draining, and for a request still running when a drain runs out. An error
+after a stream has begun goes out as an error event typed as that status would be, then
+`data: [DONE]`.
 
 A request's tokens come from the engine thread through an asyncio queue. A client that goes
 away (a closed stream, or a timeout on a plain request, noticed within `POLL_SECONDS`) has its
@@ -37,6 +39,7 @@ from ..runtime import ForestRuntime, Job, Limits, Overloaded, TooLarge
 from ..speculation import LEARNED, SpeculationSettings, load_draft, load_heads
 from .protocol import (
     BadRequest,
+    Call,
     ChatBody,
     Choice,
     CompletionBody,
@@ -109,12 +112,19 @@ class ServeState:
         return self.runtime
 
     def authorize(self, request: Request) -> None:
-        """Refuse a request without this server's API key (when it has one)."""
+        """Refuse a request without this server's API key (when it has one), saying whether none
+        came (or not as a Bearer token) or the one that came is not this server's: the two are
+        fixed in different places (the client's settings, or the key itself)."""
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].strip(), self.api_key)):
-            raise HTTPException(401, "a valid API key is needed: send Authorization: Bearer <key>")
+        given = request.headers.get("authorization", "").strip()
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            sent = "no Authorization header came" if not given else "the Authorization header holds no Bearer key"
+            raise HTTPException(401, f"this server needs an API key, and {sent}: send Authorization: Bearer <key>")
+        if not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise HTTPException(401, "the API key sent is not accepted by this server: send the key it was started "
+                                     "with (--api-key)")
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -264,15 +274,26 @@ class _Reply:
             choice.text = text
         self.tool = tool_choice(body)  # the call each choice is, or None
 
-    def _call(self, choice: Choice, arguments: str | None = None) -> dict:
-        """Choice's tool call: its id, the function and the arguments (its text, or `arguments`)."""
-        name, text = self.tool.call(choice.text) if arguments is None else (next(iter(self.tool.functions)), arguments)
+    def _call(self, choice: Choice, call: Call) -> dict:
+        """Choice's tool call in OpenAI's shape: its id, the function and its arguments."""
         return {"id": f"call_{self.job.id}_{choice.index}", "type": "function",
-                "function": {"name": name, "arguments": text}}
+                "function": {"name": call.name, "arguments": call.arguments}}
 
-    def _finish(self, reason: str | None) -> str | None:
-        """A tool call that ended as its grammar allows is finished as "tool_calls" (OpenAI's word)."""
-        return "tool_calls" if self.tool is not None and reason == "stop" else reason
+    def _message(self, choice: Choice) -> dict:
+        """A whole reply's message: its text, or its tool call (none where the reply was cut off
+        before the function's name: an empty message, finished by "length")."""
+        if self.tool is None:
+            return {"role": "assistant", "content": choice.text}
+        call = self.tool.call(choice.text)
+        return {"role": "assistant", "content": None} | ({"tool_calls": [self._call(choice, call)]} if call else {})
+
+    def _finish(self, choice: Choice, reason: str | None) -> str | None:
+        """A tool call that ended whole, as its grammar allows, is finished as "tool_calls" (OpenAI's
+        word); one cut short keeps its reason ("length", or "stop" for a stop string)."""
+        if self.tool is None or reason != "stop":
+            return reason
+        call = self.tool.call(choice.text)
+        return "tool_calls" if call is not None and call.whole else reason
 
     def _head(self, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
@@ -318,10 +339,8 @@ class _Reply:
         choices = []
         for c in self.choices:
             if self.chat:
-                message = ({"role": "assistant", "content": c.text} if self.tool is None else
-                           {"role": "assistant", "content": None, "tool_calls": [self._call(c)]})
-                choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
-                                "finish_reason": self._finish(c.finish_reason)})
+                choices.append({"index": c.index, "message": self._message(c), "logprobs": self._logprobs(c.logprobs),
+                                "finish_reason": self._finish(c, c.finish_reason)})
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": self._logprobs(c.logprobs),
                                 "finish_reason": c.finish_reason})
@@ -334,14 +353,16 @@ class _Reply:
     # ------------------------------------------------------------------ streamed
     def _delta(self, choice: Choice, event) -> dict | None:
         """A chat chunk's delta for `event` (None: nothing to send yet). A named function's
-        arguments stream as they come; a "required" call is sent whole when it ends."""
+        arguments stream as they come; a "required" call is sent when it ends, as far as it came
+        (nothing, an empty delta, where it was cut off before the function's name)."""
         if self.tool is None:
             return {"content": event.text}
         if self.tool.named:
             return {"tool_calls": [{"index": 0, "function": {"arguments": event.text}}]}
         if event.finish_reason is None:
             return None
-        return {"tool_calls": [{"index": 0, **self._call(choice)}]}
+        call = self.tool.call(choice.text)
+        return {"tool_calls": [{"index": 0, **self._call(choice, call)}]} if call is not None else {}
 
     async def stream(self, queue: asyncio.Queue) -> AsyncIterator[str]:
         finished = False
@@ -352,7 +373,8 @@ class _Reply:
                     opening = {"role": "assistant", "content": ""}
                     if self.tool is not None:  # a named function's call opens with its name; "required" waits
                         opening = {"role": "assistant", "content": None,
-                                   "tool_calls": [{"index": 0, **self._call(c, "")}] if self.tool.named else []}
+                                   "tool_calls": [{"index": 0, **self._call(c, self.tool.call(""))}]
+                                   if self.tool.named else []}
                     yield _sse({**self._head(True), "choices": [{"index": c.index, "delta": opening,
                                                                 "logprobs": None, "finish_reason": None}]})
             for c, text in zip(self.choices, self.echo):
@@ -371,7 +393,7 @@ class _Reply:
                         if delta is None:
                             continue
                         item = {"index": choice.index, "delta": delta, "logprobs": self._logprobs(entries),
-                                "finish_reason": self._finish(payload.finish_reason)}
+                                "finish_reason": self._finish(choice, payload.finish_reason)}
                     else:
                         item = {"index": choice.index, "text": payload.text,
                                 "logprobs": self._logprobs(entries, start), "finish_reason": payload.finish_reason}
@@ -382,8 +404,7 @@ class _Reply:
                     yield _sse({"id": self.id, "object": "multidecode.trace", **payload})
                 elif kind == "error":
                     finished = True
-                    yield _sse(error_body(str(payload), "server_error" if not isinstance(payload, MultiDecodeError)
-                                          else "invalid_request_error"))
+                    yield _sse(_error_event(payload))
                     yield "data: [DONE]\n\n"
                     return
                 elif kind == "done":
@@ -424,6 +445,16 @@ class _ServerErrors:
             log.exception("unexpected error")
             response = JSONResponse(error_body(f"internal error: {error}", "server_error"), status_code=500)
             await response(scope, receive, send)
+
+
+def _error_event(error: BaseException) -> dict:
+    """An error after a stream began, typed as its status would have been had it come first: the
+    server shutting down (or at capacity) as a 503's, a request's fault as a 400's, a bug as a 500's."""
+    if isinstance(error, Overloaded):
+        return error_body(str(error), "server_overloaded", code="overloaded")
+    if isinstance(error, MultiDecodeError):
+        return error_body(str(error))
+    return error_body(str(error), "server_error")
 
 
 def _sse(data: dict) -> str:

@@ -4,7 +4,11 @@
 the address first, so that a port out of range, in use or not this machine's is a clear error
 before anything loads; then the model loads in the background while /health answers 503, and
 uvicorn serves until a signal. The first SIGTERM (or Ctrl-C) drains: new requests get 503 while
-running ones have up to `drain_timeout` seconds to finish; a second signal exits at once.
+running ones have up to `drain_timeout` seconds to finish; those still running or waiting then are
+ended with the shutting-down error (a stream gets its error event and `data: [DONE]`, a plain
+request a 503), and the process exits within a few seconds (`SHUTDOWN_GRACE_S`, uvicorn's
+`timeout_graceful_shutdown` too, a backstop for a client that does not read its last bytes). A
+second signal exits at once.
 
 `ServerProcess` starts a server command (this one, or `transformers serve`) in a subprocess on a
 free loopback port, waits until it answers and reads its metrics: the serve benchmark and the tests
@@ -31,17 +35,25 @@ from typing import Self
 import uvicorn
 
 from ..errors import InvalidArgument, MultiDecodeError
-from ..runtime import ForestRuntime, Limits
+from ..runtime import ForestRuntime, Limits, Overloaded
 from .app import ServeState, create_app
 
 log = logging.getLogger("multidecode.serving")
 
+SHUTDOWN_GRACE_S = 5.0
+"""Past the drain deadline, how long the requests ended then have to send their last words (an
+error event, a 503), and uvicorn's connections to close, before the server stops regardless."""
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with draining on SIGTERM (or Ctrl-C): new requests get 503 while running
-    ones have up to `drain_timeout` seconds to finish; a second signal exits at once."""
+    ones have up to `drain_timeout` seconds to finish, then are ended (see the module notes); a
+    second signal exits at once. A config without `timeout_graceful_shutdown` gets
+    `SHUTDOWN_GRACE_S`: uvicorn would otherwise wait for every connection however long it lasts."""
 
     def __init__(self, config: uvicorn.Config, state: ServeState, *, drain_timeout: float = 30.0) -> None:
+        if config.timeout_graceful_shutdown is None:
+            config.timeout_graceful_shutdown = SHUTDOWN_GRACE_S
         super().__init__(config)
         self.serve_state, self.drain_timeout = state, drain_timeout
 
@@ -55,10 +67,26 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._exit_when_idle, args=(forest,), daemon=True).start()
 
     def _exit_when_idle(self, forest: ForestRuntime) -> None:
+        """Exit once nothing runs, or at the drain deadline: what still runs then is ended (setting
+        `should_exit` alone would leave uvicorn waiting for the open streams, and the engine
+        decoding them to their last token), and given `SHUTDOWN_GRACE_S` to say so to its client."""
         deadline = time.monotonic() + self.drain_timeout
         while forest.busy and time.monotonic() < deadline:
             time.sleep(0.05)
+        if forest.busy:
+            log.warning("drain timeout: ending %d request(s) still running or waiting", forest.busy)
+            forest.cancel_all(Overloaded.shutting_down("the server", "retry against another replica"))
+            ended = time.monotonic() + SHUTDOWN_GRACE_S
+            while forest.busy and time.monotonic() < ended:
+                time.sleep(0.05)
         self.should_exit = True
+
+
+def check_drain_timeout(drain_timeout: float) -> None:
+    """Refuse a drain timeout that is negative or not a number (infinity: wait for every request)."""
+    if not drain_timeout >= 0:
+        raise InvalidArgument(f"--drain-timeout must be 0 or more seconds, got {drain_timeout:g}",
+                              "pass how long running requests may go on after SIGTERM, such as 30 (0: end them at once)")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -94,6 +122,7 @@ def run(state: ServeState, loader: Callable[[], tuple], *, host: str = "127.0.0.
     model and its tokenizer, called in the background; on_listening: called with the address's
     URL once it is bound (with the real port when `port` is 0). Raises the loading error where the
     model fails to load (a `MultiDecodeError` as it is, anything else as `SystemExit(1)`)."""
+    check_drain_timeout(drain_timeout)
     sock = bind(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
     config = uvicorn.Config(create_app(state), log_level=log_level, access_log=False)
@@ -229,4 +258,5 @@ def stopped_on_sigterm():
             signal.signal(signal.SIGTERM, before)
 
 
-__all__ = ["DrainingServer", "ServerFailed", "ServerProcess", "bind", "free_port", "run", "stopped_on_sigterm"]
+__all__ = ["SHUTDOWN_GRACE_S", "DrainingServer", "ServerFailed", "ServerProcess", "bind", "check_drain_timeout",
+           "free_port", "run", "stopped_on_sigterm"]

@@ -26,11 +26,17 @@ in the prefix cache is never run again).
 `tools` with `tool_choice` naming a function, or "required": the reply is a call of that function
 (or of one of the tools, the model choosing), its `arguments` held to the function's `parameters`
 schema by the same constraint engine (`ToolChoice`); "none" leaves the tools out. "auto" (the model
-choosing between text and a call) is refused with a 400 that says what to use instead.
+choosing between text and a call) is refused with a 400 that says what to use instead, and so is a
+call asked for without tools. A call cut short (by max_tokens) is returned as far as it came: the
+function's name once it is known, and the arguments decoded so far (`ToolChoice.call`).
 
 `response_format` is OpenAI's: {"type": "json_object"} or {"type": "json_schema", "json_schema":
-{"name", "schema", "strict"}} holds every choice to it (`constraints`; strict false ignores the
-schema keywords the engine cannot enforce instead of refusing them); completions take it too.
+{"name", "schema", "strict"}} (name and schema required, as OpenAI has them) holds every choice to
+it (`constraints`; strict false ignores the schema keywords the engine cannot enforce instead of
+refusing them); completions take it too. Other servers' ways of asking for structured output
+(vLLM's `guided_json` and kin, llama.cpp's `grammar`, `json_schema` and json_object with a
+"schema": `OTHER_SERVERS_FORMATS`) are refused, saying what to send instead: passed over, they
+would get unconstrained text with a 200. Seeds go up to 2**64 - 1, as the library takes them.
 
 Every problem a client can cause raises `BadRequest` (HTTP 400) naming the parameter.
 """
@@ -57,6 +63,9 @@ GREEDY_BELOW = 1e-5
 """A temperature below this is greedy: dividing logits by it in float32 would overflow."""
 MIN_PENALTY = 0.01
 """repetition_penalty lies in [MIN_PENALTY, 1 / MIN_PENALTY]: past that, penalized logits overflow."""
+SEED_LIMIT = 2**64
+"""Seeds lie in [0, SEED_LIMIT), as `SamplingParams` takes them (and the command line, here or
+through --server): a seed a local run takes must not be refused by the server."""
 
 
 class BadRequest(MultiDecodeError, ValueError):
@@ -86,7 +95,7 @@ class _Body(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, ge=MIN_PENALTY, le=1 / MIN_PENALTY)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -149,6 +158,36 @@ def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
 
 
 # ---------------------------------------------------------------------- body -> job
+SEND_A_SCHEMA = ('send response_format {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} '
+                 "instead")
+NO_REGEX = ("this server does not hold a reply to a regular expression: use the Python API (regex=) or the "
+            "command line's --regex, which run the model locally")
+NO_GRAMMAR = ("this server does not hold a reply to a grammar: use the Python API (grammar=) or the command "
+              "line's --grammar, which run the model locally")
+NO_CHOICES = ('send response_format json_schema with the schema {"enum": [...]} (the reply is then the choice as a '
+              "JSON string), or use the command line's --regex locally")
+ONE_ENGINE = "this server has one constraint engine (llguidance): leave it out, and ask for JSON with response_format"
+NO_WHITESPACE = "leave it out: this server writes JSON with the separators of Python's json.dumps"
+NOT_ALL_OUTPUTS = (f"for a JSON schema, {SEND_A_SCHEMA}; a regular expression, a grammar or a list of choices is not "
+                   "held by this server: use the Python API or the command line's --regex or --grammar locally")
+OTHER_SERVERS_FORMATS = {  # field: (whose and what it is, what to send instead)
+    "guided_json": ("vLLM's JSON schema", SEND_A_SCHEMA),
+    "guided_regex": ("vLLM's regular expression", NO_REGEX),
+    "guided_grammar": ("vLLM's grammar", NO_GRAMMAR),
+    "guided_choice": ("vLLM's list of choices", NO_CHOICES),
+    "guided_decoding_backend": ("vLLM's choice of constraint engine", ONE_ENGINE),
+    "guided_whitespace_pattern": ("vLLM's whitespace in guided JSON", NO_WHITESPACE),
+    "structured_outputs": ("vLLM's structured output", NOT_ALL_OUTPUTS),
+    "grammar": ("llama.cpp's grammar", NO_GRAMMAR),
+    "json_schema": ("llama.cpp's JSON schema", SEND_A_SCHEMA),
+    "regex": ("SGLang's regular expression", NO_REGEX),
+    "ebnf": ("SGLang's grammar", NO_GRAMMAR),
+}
+"""Other servers' ways of asking for structured output, which this server would otherwise pass
+over (unknown fields are allowed) and answer unconstrained, with a 200 the client takes for a
+reply held to its format: each is refused, naming what to send instead."""
+
+
 def _unsupported(body: _Body) -> None:
     checks = []
     if isinstance(body, CompletionBody):
@@ -156,6 +195,11 @@ def _unsupported(body: _Body) -> None:
     for name, used in checks:
         if used:
             raise BadRequest(f"{name} is not supported by this server", name, "unsupported_parameter")
+    for name, value in (body.model_extra or {}).items():
+        if name in OTHER_SERVERS_FORMATS and value not in (None, "", [], {}):  # empty: nothing asked for
+            what, instead = OTHER_SERVERS_FORMATS[name]
+            raise BadRequest(f"{name} ({what}) is not read by this server, which would answer unconstrained: "
+                             f"{instead}", name, "unsupported_parameter")
 
 
 def _sampling(body: _Body, count: int, vocab_size: int) -> list[SamplingParams]:
@@ -167,6 +211,9 @@ def _sampling(body: _Body, count: int, vocab_size: int) -> list[SamplingParams]:
     if body.temperature < GREEDY_BELOW:
         return [SamplingParams(**penalties)] * count
     seed = secrets.randbits(31) if body.seed is None else body.seed
+    if seed + count - 1 >= SEED_LIMIT:
+        raise BadRequest(f"seed {seed} is too large for {count} choices: choice i uses seed + i, which must stay "
+                         f"below 2**64 (use a seed of at most {SEED_LIMIT - count})", "seed")
     return [SamplingParams(do_sample=True, temperature=body.temperature, top_k=top_k,
                            top_p=None if body.top_p == 1.0 else body.top_p,
                            min_p=body.min_p or None, seed=seed + i, **penalties)
@@ -331,19 +378,36 @@ def _constraint(response_format: dict | None, tokenizer, *, vocab_size: int, eos
 
     def made() -> Constraint:
         if kind == "json_object":
+            if response_format.get("schema") is not None:  # llama.cpp's form: answered as any object, it would pass
+                raise BadRequest(f"response_format json_object takes no schema (llama.cpp's form): {SEND_A_SCHEMA}",
+                                 "response_format", "invalid_json_schema")
             return Constraint.json_object()
         if kind != "json_schema":
             raise BadRequest(f"response_format type {kind!r} is not supported: use text, json_object or json_schema",
                              "response_format")
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise BadRequest("response_format.json_schema must be an object with a \"schema\" object",
-                             "response_format", "invalid_json_schema")
-        strict = spec.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise BadRequest("response_format.json_schema.strict must be true or false", "response_format")
-        return Constraint.json_schema(spec.get("schema", {}), strict=bool(strict))
+        schema, strict = _json_schema(response_format.get("json_schema"))
+        return Constraint.json_schema(schema, strict=strict)
     return _compiled(made, tokenizer, "response_format", vocab_size=vocab_size, eos_ids=eos_ids)
+
+
+def _json_schema(spec) -> tuple[dict, bool]:
+    """OpenAI's `response_format.json_schema`, checked as OpenAI checks it: its name and its schema
+    must be there (a missing schema would otherwise let any JSON through), as (schema, strict)."""
+    form = '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+    if not isinstance(spec, dict):
+        raise BadRequest(f"response_format json_schema must be {form}", "response_format", "invalid_json_schema")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise BadRequest(f"response_format.json_schema.name is missing: name the schema, as in {form}",
+                         "response_format", "invalid_json_schema")
+    if not isinstance(spec.get("schema"), dict):
+        what = "missing" if spec.get("schema") is None else "not an object"
+        raise BadRequest(f"response_format.json_schema.schema is {what}: give the JSON schema the reply must follow, "
+                         f'as in {form}, or use {{"type": "json_object"}} for any JSON object',
+                         "response_format", "invalid_json_schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise BadRequest("response_format.json_schema.strict must be true or false", "response_format")
+    return spec["schema"], bool(strict)
 
 
 def _compiled(make: Callable[[], Constraint], tokenizer, param: str, *, vocab_size: int, eos_ids) -> Constraint:
@@ -376,20 +440,89 @@ class ToolChoice:
                  for name, schema in self.functions.items()]
         return Constraint.json_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
-    def call(self, text: str) -> tuple[str, str]:
-        """The reply's text as (function name, arguments as JSON text)."""
+    def call(self, text: str) -> Call | None:
+        """The call a reply's text is, or as far as it came (cut short by max_tokens or a stop
+        string): the function's name once known, and only its arguments, never the
+        {"name", "arguments"} object a "required" reply is written in. None where not even the
+        name was decoded: there is no call to report."""
         if self.named:
-            return next(iter(self.functions)), text
+            return Call(next(iter(self.functions)), text, whole=_parses(text))
         try:
             value = json.loads(text)
-            return value["name"], json.dumps(value["arguments"], ensure_ascii=False)
-        except (ValueError, KeyError, TypeError):  # cut short by max_tokens: what was produced
-            return "", text
+            return Call(value["name"], json.dumps(value["arguments"], ensure_ascii=False), whole=True)
+        except (ValueError, KeyError, TypeError):
+            name, arguments = _cut_call(text)
+            return Call(name, arguments, whole=False) if name in self.functions else None
+
+
+@dataclass(frozen=True)
+class Call:
+    """A reply's function call: the function's name, its arguments as JSON text, and whether it is
+    whole (else cut short: `arguments` is the prefix decoded, possibly empty)."""
+
+    name: str
+    arguments: str
+    whole: bool
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _cut_call(text: str) -> tuple[str | None, str]:
+    """A "required" reply cut short, read as far as it came: (the function's name, None until its
+    string is whole; the raw text of the arguments value decoded so far). The reply is the object
+    `ToolChoice.constraint` holds it to, whatever the order of its two keys."""
+    decoder, at = json.JSONDecoder(), _skip_space(text, 0)
+    if not text.startswith("{", at):
+        return None, ""
+    name, arguments, at = None, "", at + 1
+    while True:
+        at = _skip_space(text, at)
+        if text.startswith(",", at):
+            at = _skip_space(text, at + 1)
+        try:
+            key, at = decoder.raw_decode(text, at)
+        except ValueError:  # no key, or one cut short
+            return name, arguments
+        at = _skip_space(text, at)
+        if not text.startswith(":", at):
+            return name, arguments
+        at = _skip_space(text, at + 1)
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError:  # the value cut short: a name is not known yet, arguments are what came
+            return name, text[at:] if key == "arguments" else arguments
+        if key == "name" and isinstance(value, str):
+            name = value
+        elif key == "arguments":
+            arguments = text[at:end]
+        at = end
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
 
 
 def tool_choice(body: _Body) -> ToolChoice | None:
-    """The call `body` asks for (None: a text reply), checked: `BadRequest` naming what is wrong."""
-    if not isinstance(body, ChatBody) or not body.tools or body.tool_choice == "none":
+    """The call `body` asks for (None: a text reply), checked: `BadRequest` naming what is wrong.
+    A call asked for without tools is refused, as OpenAI does, rather than answered in text that
+    the client would take for a call that was never made ("none" and "auto" ask for no call there)."""
+    if not isinstance(body, ChatBody):
+        return None
+    if not body.tools:
+        if body.tool_choice not in (None, "none", "auto"):
+            raise BadRequest(f"tool_choice {body.tool_choice!r} needs tools, and the request gives none: list the "
+                             'functions the reply may call in tools, [{"type": "function", "function": {"name": ..., '
+                             '"parameters": {...}}}], or leave tool_choice out', "tool_choice")
+        return None
+    if body.tool_choice == "none":
         return None
     functions = {}
     for tool in body.tools:
@@ -554,5 +687,5 @@ def chat_logprobs(entries: list) -> dict:
             "refusal": None}
 
 
-__all__ = ["BadRequest", "ChatBody", "Choice", "CompletionBody", "ToolChoice", "chat_logprobs", "completion_logprobs",
+__all__ = ["BadRequest", "Call", "ChatBody", "Choice", "CompletionBody", "ToolChoice", "chat_logprobs", "completion_logprobs",
            "echo_texts", "error_body", "parse", "to_job", "tool_choice", "usage_dict"]

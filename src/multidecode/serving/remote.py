@@ -109,7 +109,7 @@ def _open(url: str, route: str, body: dict | None, api_key: str | None, timeout:
             reply = json.load(error)
         except ValueError:
             reply = {"error": {"message": f"HTTP {error.code} {error.reason}"}}
-        raise _refused(url, reply, error.code) from None
+        raise _refused(url, reply, error.code, key_sent=bool(api_key)) from None
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
         raise InvalidArgument(f"no server answers at {url} ({reason})",
@@ -125,13 +125,19 @@ class Refused(InvalidArgument):
         self.status, self.reply = status, reply
 
 
-def _refused(url: str, reply: dict, status: int | None = None) -> Refused:
+def _refused(url: str, reply: dict, status: int | None = None, *, key_sent: bool = False) -> Refused:
+    """A refusal in the user's words; key_sent: whether the request carried an API key (a 401 then
+    means that key was rejected, not that one is missing: a different fix)."""
     error = reply.get("error") or {}
     message = error.get("message") if isinstance(error, dict) else str(error)
     if status == 503:
         words = (f"the server at {url} is not ready: {message}", "wait until its /health says ok")
+    elif status == 401 and key_sent:
+        words = (f"the server at {url} rejected the API key sent: {message}",
+                 "set MULTIDECODE_API_KEY to the key the server was started with (its --api-key)")
     elif status == 401:
-        words = (f"the server at {url} wants an API key: {message}", "set MULTIDECODE_API_KEY to the server's key")
+        words = (f"the server at {url} wants an API key, and none was sent: {message}",
+                 "set MULTIDECODE_API_KEY to the server's key")
     else:
         words = (f"the server at {url} refused the request: {message}",
                  "change what it names, or drop --server to run here")

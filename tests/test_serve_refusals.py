@@ -1,0 +1,135 @@
+"""What the server refuses rather than answer a request other than the one it was sent, and how it
+says so (QA's findings):
+
+- other servers' ways of asking for structured output (vLLM's `guided_*` and `structured_outputs`,
+  llama.cpp's `grammar`, `json_schema` and `response_format` json_object with a "schema", SGLang's
+  `regex` and `ebnf`) are 400s naming the field and what to send instead, never a 200 of
+  unconstrained text;
+- a `response_format` json_schema without its name or its schema is a 400 naming the field;
+- a seed is taken up to 2**64 - 1, as the library and the command line take it;
+- a 401 says whether no API key came or the one sent is not accepted, and so does the command's
+  client (`serving.remote`).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from serving import MODEL, running_server, tiny_loader
+from test_serve_faults import assert_error_shape
+
+from multidecode.serving import remote
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+COMPLETION = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_server):
+    return tiny_server
+
+
+def post(server, body: dict, route: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(server.url + route, json=body, timeout=30)
+
+
+def refused(server, body: dict, param: str, route: str = "/v1/chat/completions") -> str:
+    """The 400's message, once its shape and `param` are checked."""
+    error = assert_error_shape(post(server, body, route), 400, "invalid_request_error")
+    assert error["param"] == param, error
+    return error["message"]
+
+
+# ---------------------------------------------------------------------- other servers' structured output
+OTHER_SERVERS = {  # field: (a value a client of that server sends, what the message must point to)
+    "guided_json": (SCHEMA, "response_format"),
+    "guided_regex": ("[0-9]+", "--regex"),
+    "guided_grammar": ('root ::= "yes" | "no"', "--grammar"),
+    "guided_choice": (["yes", "no"], "enum"),
+    "guided_decoding_backend": ("xgrammar", "response_format"),
+    "guided_whitespace_pattern": (" ", "leave it out"),
+    "structured_outputs": ({"json": SCHEMA}, "response_format"),
+    "grammar": ('root ::= "yes" | "no"', "--grammar"),
+    "json_schema": (SCHEMA, "response_format"),
+    "regex": ("[0-9]+", "--regex"),
+    "ebnf": ('root ::= "yes" | "no"', "--grammar"),
+}
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("field", OTHER_SERVERS)
+def test_other_servers_structured_output_fields_are_refused_with_what_to_send(server, field, route):
+    value, points_to = OTHER_SERVERS[field]
+    body = (CHAT if route.endswith("chat/completions") else COMPLETION) | {field: value}
+    message = refused(server, body, field, route)
+    assert points_to in message and "not read by this server" in message, message
+    assert post(server, body | {field: None}, route).status_code == 200  # left empty: nothing asked for
+
+
+def test_llama_cpps_json_object_with_a_schema_is_refused(server):
+    message = refused(server, CHAT | {"response_format": {"type": "json_object", "schema": SCHEMA}}, "response_format")
+    assert "json_schema" in message and "llama.cpp" in message
+
+
+# ---------------------------------------------------------------------- response_format json_schema
+@pytest.mark.parametrize(("json_schema", "names"), [
+    ({"name": "x"}, "json_schema.schema"),
+    ({"name": "x", "strict": True}, "json_schema.schema"),
+    ({"name": "x", "schema": None}, "json_schema.schema"),
+    ({"name": "x", "schema": "{}"}, "json_schema.schema"),
+    ({"schema": SCHEMA}, "json_schema.name"),
+    ({"name": "", "schema": SCHEMA}, "json_schema.name"),
+    ({"name": 5, "schema": SCHEMA}, "json_schema.name"),
+])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_a_json_schema_without_its_name_or_its_schema_is_refused(server, json_schema, names, route):
+    body = (CHAT if route.endswith("chat/completions") else COMPLETION)
+    message = refused(server, body | {"response_format": {"type": "json_schema", "json_schema": json_schema}},
+                      "response_format", route)
+    assert names in message, message
+
+
+def test_a_named_json_schema_is_taken(server):
+    reply = post(server, CHAT | {"max_tokens": 20, "temperature": 0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"].startswith('{"a": ')
+
+
+# ---------------------------------------------------------------------- seeds
+def test_a_seed_up_to_two_to_the_64_is_taken_as_the_library_takes_it(server):
+    def text(seed: int, n: int = 1) -> list[str]:
+        reply = post(server, COMPLETION | {"max_tokens": 8, "seed": seed, "n": n, "temperature": 1}, "/v1/completions")
+        assert reply.status_code == 200, reply.text
+        return [c["text"] for c in sorted(reply.json()["choices"], key=lambda c: c["index"])]
+
+    top = 2**64 - 1
+    assert text(top) == text(top)
+    assert text(top - 1, n=2)[1] == text(top)[0]  # choice i uses seed + i
+    assert "2**64" in refused(server, COMPLETION | {"seed": top, "n": 2}, "seed", "/v1/completions")
+    refused(server, COMPLETION | {"seed": 2**64}, "seed", "/v1/completions")
+    refused(server, CHAT | {"seed": -1}, "seed")
+
+
+# ---------------------------------------------------------------------- the API key
+def test_a_401_says_whether_the_key_is_missing_or_not_accepted(model_dir):
+    with running_server(tiny_loader(model_dir), api_key="s3cret") as running:
+        route = running.url + "/v1/models"
+        for headers in ({}, {"authorization": "s3cret"}, {"authorization": "Basic s3cret"},
+                        {"authorization": "Bearer"}):
+            message = assert_error_shape(httpx.get(route, headers=headers, timeout=10), 401)["message"]
+            assert "needs an API key" in message and "not accepted" not in message, (headers, message)
+        for key in ("wrong", "s3cret-but-longer", "S3CRET"):
+            reply = httpx.get(route, headers={"authorization": f"Bearer {key}"}, timeout=10)
+            message = assert_error_shape(reply, 401, "authentication_error")["message"]
+            assert "not accepted" in message and "needs an API key" not in message, (key, message)
+        assert httpx.get(route, headers={"authorization": "bearer s3cret"}, timeout=10).status_code == 200
+
+        with pytest.raises(remote.Refused) as caught:
+            remote.served_model(running.url, api_key="wrong")
+        assert caught.value.status == 401 and "rejected the API key sent" in caught.value.message
+        with pytest.raises(remote.Refused) as caught:
+            remote.served_model(running.url)
+        assert "none was sent" in caught.value.message and "rejected" not in caught.value.message
+        assert remote.served_model(running.url, api_key="s3cret").id == MODEL
