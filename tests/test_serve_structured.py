@@ -102,3 +102,16 @@ def test_a_bad_schema_is_a_400_in_openais_shape(server):
     error = caught.value.response.json()["error"]
     assert error["param"] == "response_format" and error["code"] == "invalid_json_schema"
     assert "Invalid type" in error["message"]
+
+
+def test_a_schema_refused_for_a_keyword_says_how_to_ask_for_best_effort(server):
+    """The 400's message carries the fix (a client sees no hint field); with strict false it runs."""
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 2}
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    assert '"strict": false' in caught.value.response.json()["error"]["message"]
+    server.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": False}})

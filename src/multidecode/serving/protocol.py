@@ -417,7 +417,8 @@ def _compiled(make: Callable[[], Constraint], tokenizer, param: str, *, vocab_si
         constraint = make()
         compile_for_branches([constraint], tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
     except InvalidArgument as error:
-        raise BadRequest(f"{param}: {error.message}", param, "invalid_json_schema") from None
+        fix = f"; {error.hint}" if error.hint else ""  # a client sees no hint field: the fix goes in the message
+        raise BadRequest(f"{param}: {error.message}{fix}", param, "invalid_json_schema") from None
     return constraint
 
 
