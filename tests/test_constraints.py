@@ -204,6 +204,14 @@ def test_regex_digits_are_ascii_digits():
     assert Constraint.regex(r"\d{3}").text == r"\d{3}"  # the user's pattern, as given
 
 
+@pytest.mark.parametrize("pattern", ["\\", "a\\", "a\\\\\\"])
+def test_a_regex_ending_in_a_lone_backslash_is_refused(pattern):
+    """llguidance reads a trailing lone backslash as nothing ("a\\" as "a"): refused instead."""
+    with pytest.raises(InvalidArgument, match="ends in a lone backslash"):
+        Constraint.regex(pattern)
+    assert Constraint.regex(pattern + "\\").text == pattern + "\\"  # an escaped backslash is fine
+
+
 def allowed_texts(decoder, constraint: Constraint) -> list[str]:
     """What each token the constraint allows first decodes to (a lone byte of a longer character
     decodes to U+FFFD)."""

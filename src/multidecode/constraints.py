@@ -111,6 +111,9 @@ class Constraint:
         `\d` is an ASCII digit, see `ascii_digits`)."""
         if not isinstance(pattern, str) or not pattern:
             raise InvalidArgument(f"a regular expression must be a non-empty string, got {pattern!r}", _HINTS["regex"])
+        if (len(pattern) - len(pattern.rstrip("\\"))) % 2:  # llguidance would drop it silently: "a\\" as "a"
+            raise InvalidArgument(f"the regular expression {pattern!r} ends in a lone backslash",
+                                  "escape it (\\\\ for a backslash) or remove it")
         return cls("regex", pattern, True, jump_forward)
 
     @classmethod
