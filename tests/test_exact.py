@@ -25,6 +25,7 @@ from multidecode.api import decode
 from multidecode.engine import Engine
 from multidecode.errors import NotBitExact
 from multidecode.exact import BLOCK, plan_attention
+from multidecode.models.vetting import cache_argument
 from multidecode.scheduler import Feed
 
 
@@ -195,10 +196,10 @@ def test_padding_inside_a_batch_after_a_cached_prefix_gives_each_row_its_own_log
     positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, len(prefix):]
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([prefix]), use_cache=True, past_key_values=cache)
+        model(input_ids=torch.tensor([prefix]), use_cache=True, **{cache_argument(model): cache})
         cache.batch_repeat_interleave(len(tails))
         batched = model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                        past_key_values=cache).logits[:, -1]
+                        **{cache_argument(model): cache}).logits[:, -1]
         for tail, got in zip(tails, batched):
             alone = model(input_ids=torch.tensor([prefix + tail])).logits[0, -1]
             assert torch.equal(got, alone)
