@@ -139,8 +139,12 @@ def test_ask_on_the_server_answers_as_ask_here(tmp_path):
     with running_server(load_model_and_tokenizer, source={"model": None, "precision": "auto"}) as running:
         there = runner.invoke(main, [*args, "--json", "--server", running.url])
         streamed = runner.invoke(main, [*args, "--server", running.url])
+        sampled_there = runner.invoke(main, [*args, "--json", "--seed", "5", "--server", running.url])
+    sampled_here = runner.invoke(main, [*args, "--json", "--seed", "5"])
     assert here.exit_code == there.exit_code == streamed.exit_code == 0, there.output
     assert json.loads(there.stdout) == json.loads(here.stdout)
+    assert json.loads(sampled_there.stdout) == json.loads(sampled_here.stdout)  # question i drew with seed 5 + i
+    assert [row["seed"] for row in json.loads(sampled_here.stdout)] == [5, 6]
     for row in json.loads(here.stdout):
         assert row["answer"].strip() in streamed.stdout
 

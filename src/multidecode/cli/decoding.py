@@ -133,7 +133,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
     if as_json:
         answers = ask_strategy.answers(run.finish(), questions)
         rows = [
-            {"question": a.question, "answer": a.text, "finish_reason": a.finish_reason,
+            {"question": a.question, "answer": a.text, "finish_reason": a.finish_reason, "seed": a.seed,
              "token_ids": a.token_ids, "prompt_tokens": len(a.prompt_ids), **parsed(constraint, a)}
             for a in answers
         ]
@@ -164,10 +164,11 @@ def ask_on_server(url: str, text: str, questions: list[str], request: Request, a
     start = time.perf_counter()
     if as_json:
         choices = server.whole(body, chat=True)
-        click.echo(json.dumps([{"question": q, "answer": c["text"], "finish_reason": c["finish_reason"],
+        seeds = [None if request.seed is None else request.seed + i for i in range(len(questions))]
+        click.echo(json.dumps([{"question": q, "answer": c["text"], "finish_reason": c["finish_reason"], "seed": seed,
                                 "token_ids": c["token_ids"], "prompt_tokens": len(c["prompt_token_ids"]),
                                 **request.parsed(c["text"], c["finish_reason"])}
-                               for q, c in zip(questions, choices, strict=True)], ensure_ascii=False))
+                               for q, c, seed in zip(questions, choices, seeds, strict=True)], ensure_ascii=False))
     else:
         show_stream(server.pieces(body, chat=True), questions)
     server.summarize(f"{len(questions)} answer{'s' * (len(questions) != 1)}", start, show_stats=show_stats,

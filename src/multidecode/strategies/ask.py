@@ -28,6 +28,7 @@ class Answer:
     finish_reason: str
     stats: dict = field(default_factory=dict, compare=False, repr=False)
     parsed: object = None  # held to a JSON schema or object: the text's JSON value (None: cut short)
+    seed: int | None = None  # the seed its branch drew with (question i: seed + i; None when greedy)
 
 
 def question_prompts(tokenizer, document: str, questions: Sequence[str], *, instruction: str | None = None) -> list[list[int]]:
@@ -60,7 +61,8 @@ def answers(run: BranchRun, questions: Sequence[str]) -> list[Answer]:
 
 def answers_of(questions: Sequence[str], branches, prompts: Sequence[list[int]], stats: dict) -> list[Answer]:
     """Each question's `Answer` from its finished branch (wherever the branches ran)."""
-    return [Answer(q, b.output.text, b.output.token_ids, prompts[i], b.output.finish_reason, stats, b.parsed)
+    return [Answer(q, b.output.text, b.output.token_ids, prompts[i], b.output.finish_reason, stats, b.parsed,
+                   b.sampler.params.seed if b.sampler.params.do_sample else None)
             for i, (q, b) in enumerate(zip(questions, branches))]
 
 
