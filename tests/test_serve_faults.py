@@ -605,6 +605,22 @@ def fuzz_client(running):
         yield client
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1, "seed": 3}])
+def test_a_complete_grammar_ends_with_eos_whatever_the_model_gives_it(server, fuzz_client, sampling):
+    """Found by the fuzz test below: with logprobs (which end a branch one step later, to report
+    the eos's own log-probability) a branch whose grammar was complete chose among logits where
+    this model's eos is -inf: token 0 (greedy) or NaN (sampled), a 500. Its eos comes regardless,
+    reported at OpenAI's floor of -9999 (-inf is no JSON number)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+            "max_completion_tokens": 8, "logprobs": True, **sampling}
+    response = fuzz_client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        json.loads(choice["message"]["content"])
+    assert all(-9999 <= item["logprob"] <= 0 for item in choice["logprobs"]["content"])
+
+
 @settings(max_examples=150, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(request=st.one_of(st.tuples(st.just("/v1/completions"), bodies(COMMON | COMPLETION)),

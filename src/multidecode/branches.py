@@ -511,10 +511,16 @@ class BranchGroup(Work):
         return [b.leaf for b in self.branches if not b.output.finished]
 
 
+LOGPROB_FLOOR = -9999.0
+"""The least log-probability reported (OpenAI's value for a token with no chance)."""
+
+
 def token_logprobs(row: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
     """The log-probability of `token` under the raw distribution of logits `row` ([vocab]), and
-    the `top` likeliest (token id, log-probability) pairs, best first."""
-    logprobs = torch.log_softmax(row.float(), dim=-1)  # [vocab]
+    the `top` likeliest (token id, log-probability) pairs, best first. A token the model gives no
+    chance at all (a grammar's eos where the logit is -inf) gets `LOGPROB_FLOOR`, as OpenAI writes
+    it: -inf is no JSON number."""
+    logprobs = torch.log_softmax(row.float(), dim=-1).clamp(min=LOGPROB_FLOOR)  # [vocab]
     best = torch.topk(logprobs, top) if top else None
     pairs = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
     return float(logprobs[token]), pairs

@@ -352,7 +352,10 @@ def choose_tokens(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> li
                 for token in choose_tokens(logits[start : start + SAMPLING_ROWS], samplers[start : start + SAMPLING_ROWS])]
     scores = constrain(logits.float(), samplers)
     chosen = scores.argmax(dim=-1).tolist()
-    sampled = [i for i, s in enumerate(samplers) if s.params.do_sample]
+    ended = {i for i, s in enumerate(samplers) if s.grammar is not None and s.grammar.complete}
+    for i in ended:  # the eos alone is allowed: it comes whatever the logits say (a model's -inf eos too)
+        chosen[i] = samplers[i].grammar.compiled.eos_id
+    sampled = [i for i, s in enumerate(samplers) if s.params.do_sample and i not in ended]
     short = [i for i in sampled if samplers[i].params.top_k and samplers[i].params.top_k <= CANDIDATE_LIMIT]
     full = [i for i in sampled if i not in short]
     if short:
