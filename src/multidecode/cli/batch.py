@@ -161,9 +161,9 @@ def announce(job: BatchJob) -> None:
         stderr.print(f"[dim]removed the unfinished last line of {out} (an interrupted write); "
                      "that line is done again[/dim]")
     if job.retried:
-        stderr.print(f"[dim]redoing {job.retried} failed line{'s' * (job.retried != 1)}[/dim]")
+        stderr.print(f"[dim]redoing {counted(job.retried, 'failed line')}[/dim]")
     if job.foreign:
-        stderr.print(f"[dim]{out} also holds {job.foreign} record{'s' * (job.foreign != 1)} for ids "
+        stderr.print(f"[dim]{out} also holds {counted(job.foreign, 'record')} for ids "
                      "that are not in the input; they stay as they are[/dim]")
 
 
@@ -176,7 +176,7 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
         head = (f"[yellow]{'Stopped' if stopped else 'Ended'}:[/yellow] {finished} of {summary.total} lines "
                 f"are in {out}, {summary.remaining} to go")
     stderr.print(head)
-    this_run = f"{summary.done} line{'s' * (summary.done != 1)} this run"
+    this_run = f"{counted(summary.done, 'line')} this run"
     if summary.failed:
         this_run += f" ([yellow]{summary.failed} failed[/yellow])"
     if summary.skipped:
@@ -209,7 +209,7 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
     from ..batch.ray import ray_outcomes
 
     where = "a local Ray" if address == "local" else escape(address)
-    stderr.print(f"[dim]Starting {workers} worker{'s' * (workers != 1)} on {where}...[/dim]")
+    stderr.print(f"[dim]Starting {counted(workers, 'worker')} on {where}...[/dim]")
     return ray_outcomes(job.pending_items(), settings=settings, model=model_name, precision=precision, device=device,
                         speculate=speculation, address=None if address == "local" else address,
                         workers=workers, stopping=lambda: job.stopping)
@@ -357,7 +357,7 @@ def conclude(summary: BatchSummary, *, stopped: bool, signal_number: int, totals
     stopped, 1 when lines are left undone."""
     print_summary(summary, stopped=stopped)
     if totals and totals.get("runs"):
-        print_stats(totals, lead=f"{totals['runs']} line{'s' * (totals['runs'] != 1)} answered in this run: ")
+        print_stats(totals, lead=f"{counted(totals['runs'], 'line')} answered in this run: ")
     if as_json:
         click.echo(json.dumps(summary.as_dict() | {"stopped": stopped}, ensure_ascii=False))
     if stopped:

@@ -18,7 +18,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import InvalidInput, MultiDecodeError
+from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
 from ..sampling_keys import SAMPLING_SWITCHES
 
 if TYPE_CHECKING:
@@ -241,8 +241,6 @@ class ConstraintOptions:
 
     def given(self) -> list[str]:
         """The options given, refusing combinations that cannot be (two constraints; --no-strict alone)."""
-        from ..errors import InvalidArgument
-
         given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "regex", "grammar")
                  if getattr(self, name) is not None]
         if len(given) > 1:
@@ -479,7 +477,7 @@ def _model_label(decoder, model_name) -> str:
     name = model_name or "SmolLM2-135M-Instruct (embedded)"
     device = next(decoder.model.parameters()).device
     memory = decoder.memory()  # at auto "auto (int4)": the file's codes, not --precision int4's re-coding
-    precision = f"auto ({memory['precision']})" if memory["reason"].startswith("auto") else memory["precision"]
+    precision = f"auto ({memory['precision']})" if memory["reason"] else memory["precision"]  # a reason: auto chose
     return f"{name} ({config.model_type}, {precision}, {device})"
 
 

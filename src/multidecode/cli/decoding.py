@@ -146,7 +146,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
     if show_stats:
         print_stats(run.stats.as_dict())
     stderr.print(
-        f"[dim]{len(questions)} answer{'s' * (len(questions) != 1)}, {generated} tokens in {elapsed:.1f} s "
+        f"[dim]{counted(len(questions), 'answer')}, {generated} tokens in {elapsed:.1f} s "
         f"({generated / elapsed:.1f} tokens/s), one shared pass[/dim]"
     )
 
@@ -164,14 +164,14 @@ def ask_on_server(url: str, text: str, questions: list[str], request: Request, a
     start = time.perf_counter()
     if as_json:
         choices = server.whole(body, chat=True)
-        seeds = [None if request.seed is None else request.seed + i for i in range(len(questions))]
+        seeds = request.seeds(len(questions))
         click.echo(json.dumps([{"question": q, "answer": c["text"], "finish_reason": c["finish_reason"], "seed": seed,
                                 "token_ids": c["token_ids"], "prompt_tokens": len(c["prompt_token_ids"]),
                                 **request.parsed(c["text"], c["finish_reason"])}
                                for q, c, seed in zip(questions, choices, seeds, strict=True)], ensure_ascii=False))
     else:
         show_stream(server.pieces(body, chat=True), questions)
-    server.summarize(f"{len(questions)} answer{'s' * (len(questions) != 1)}", start, show_stats=show_stats,
+    server.summarize(f"{counted(len(questions), 'answer')}", start, show_stats=show_stats,
                      tail=", one shared pass")
 
 
@@ -231,7 +231,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
         print_stats(run.stats.as_dict())
     waves = len(run.runs) if isinstance(run, Waves) else 1
     how = "one prefill" if waves == 1 else f"in {waves} waves of up to {run.size} (all at once would not fit in memory)"
-    stderr.print(f"[dim]{n} completion{'s' * (n != 1)}, {generated} tokens in {elapsed:.1f} s "
+    stderr.print(f"[dim]{counted(n, 'completion')}, {generated} tokens in {elapsed:.1f} s "
                  f"({generated / elapsed:.1f} tokens/s), {how}[/dim]")
 
 
@@ -241,7 +241,7 @@ def complete_on_server(url: str, text: str, no_chat: bool, request: Request, ask
     server = Server(url, *asked)
     chat, fields = server.prompt(text, no_chat)
     body = {**request.body, **fields}
-    seeds = [None if request.seed is None else request.seed + i for i in range(request.body["n"])]
+    seeds = request.seeds(request.body["n"])
     start = time.perf_counter()
     if as_json:
         choices = server.whole(body, chat=chat)
@@ -252,7 +252,7 @@ def complete_on_server(url: str, text: str, no_chat: bool, request: Request, ask
     else:
         labels = [f"completion {i + 1}" + (f" (seed {seed})" if seed is not None else "") for i, seed in enumerate(seeds)]
         show_stream(server.pieces(body, chat=chat), labels)
-    server.summarize(f"{len(seeds)} completion{'s' * (len(seeds) != 1)}", start, show_stats=show_stats)
+    server.summarize(f"{counted(len(seeds), 'completion')}", start, show_stats=show_stats)
 
 
 @click.command()

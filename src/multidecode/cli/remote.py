@@ -89,6 +89,10 @@ class Request:
                                             "json_schema": {"name": "output", "schema": self.schema,
                                                             "strict": constraint.strict}}
 
+    def seeds(self, count: int) -> list[int | None]:
+        """The seed each of `count` choices drew with (choice i: seed + i; None when greedy)."""
+        return [None if self.seed is None else self.seed + i for i in range(count)]
+
     def parsed(self, text: str, finish_reason: str | None) -> dict:
         """{"parsed": the JSON value} where a schema holds the output (null when it was cut short)."""
         if self.schema is None:

@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
 
 from ..branches import BranchRun, admit
@@ -208,7 +209,7 @@ class ForestRuntime:
                 for job in cancelled:
                     self._cancel(job)
                 if ending is not None:
-                    self._end_all(waiting, ending)
+                    self._fail_all(ending, waiting)
                     waiting = []
                 deferred = self._admit([j for j in waiting if not j.cancelled])
                 with self._cond:
@@ -398,15 +399,10 @@ class ForestRuntime:
                 self._waiting.remove(job)
         self._finish(job, ("error", Overloaded("cancelled")))
 
-    def _end_all(self, waiting: list[Job], error: Exception) -> None:
-        """`cancel_all` on the engine thread: every running job and every waiting one (`waiting`,
-        taken off the queue) ends with `error` (the step that follows, with nothing running, settles
-        the cache)."""
+    def _fail_all(self, error: Exception, waiting: Sequence[Job] = ()) -> None:
+        """End every running job, and those of `waiting` (taken off the queue: `cancel_all`), with
+        `error` as its last message."""
         for job in [*self._running.values(), *waiting]:
-            self._finish(job, ("error", error))
-
-    def _fail_all(self, error: Exception) -> None:
-        for job in list(self._running.values()):
             self._finish(job, ("error", error))
 
     def _settle_cache(self) -> None:

@@ -70,16 +70,19 @@ class DrainingServer(uvicorn.Server):
         """Exit once nothing runs, or at the drain deadline: what still runs then is ended (setting
         `should_exit` alone would leave uvicorn waiting for the open streams, and the engine
         decoding them to their last token), and given `SHUTDOWN_GRACE_S` to say so to its client."""
-        deadline = time.monotonic() + self.drain_timeout
-        while forest.busy and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if forest.busy:
+        if not _idle_within(forest, self.drain_timeout):
             log.warning("drain timeout: ending %d request(s) still running or waiting", forest.busy)
             forest.cancel_all(Overloaded.shutting_down("the server", "retry against another replica"))
-            ended = time.monotonic() + SHUTDOWN_GRACE_S
-            while forest.busy and time.monotonic() < ended:
-                time.sleep(0.05)
+            _idle_within(forest, SHUTDOWN_GRACE_S)
         self.should_exit = True
+
+
+def _idle_within(forest: ForestRuntime, seconds: float) -> bool:
+    """Wait until `forest` runs no job, at most `seconds`; whether it is idle."""
+    deadline = time.monotonic() + seconds
+    while forest.busy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not forest.busy
 
 
 def check_drain_timeout(drain_timeout: float) -> None:
