@@ -287,3 +287,48 @@ def test_a_build_folder_without_its_finished_mark_is_not_trusted(tmp_path, monke
     assert not build.built()
     (build.folder() / build.DONE).write_text(build.key())
     assert build.built()
+
+
+# ---------------------------------------------------------------------- row tiles (the GPU's exact path)
+@pytest.mark.parametrize("rows", [0, 1, 5, kernels.ROW_TILE, kernels.ROW_TILE + 3, 3 * kernels.ROW_TILE])
+def test_row_tiles_call_the_layer_on_full_tiles_only_and_give_its_rows(rows):
+    """`in_row_tiles` (what a GPU runs its products and norms through): every call but an empty
+    input's sees exactly ROW_TILE rows, and the rows that come back are the layer's own."""
+    seen = []
+    layer = torch.nn.Linear(8, 3)
+
+    def counting(x):
+        seen.append(x.shape[0])
+        return layer(x)
+
+    x = torch.randn(2, rows, 8) if rows else torch.randn(0, 8)
+    with torch.no_grad():
+        out = kernels.in_row_tiles(counting, x)
+        expected = torch.stack([layer(row[None])[0] for row in x.reshape(-1, 8)]) if rows else layer(x)
+    assert out.shape == (*x.shape[:-1], 3)
+    assert torch.allclose(out.reshape(-1, 3), expected.reshape(-1, 3), atol=1e-6)
+    assert all(n == kernels.ROW_TILE for n in seen) if rows else seen == [0]
+
+
+def test_a_mask_on_another_device_gives_its_visibility_on_the_device_asked_for():
+    """The exact attention's plan reads visibility on the CPU from a mask on the model's device
+    (a GPU's): `_allowed` must return it where it is asked for (a crash on CUDA, found there)."""
+    from multidecode.exact import _allowed
+
+    mask = torch.zeros(1, 1, 2, 3).masked_fill(torch.tensor([[True, False, False], [False, False, False]]), -1e30)
+    assert _allowed(mask, 2, 3, "meta").device.type == "meta"
+    assert _allowed(mask.bool(), 2, 3, "meta").device.type == "meta"
+
+
+@pytest.mark.parametrize("length", [1, 5, 16, 64, 80])
+def test_a_tree_sum_is_the_same_whatever_is_summed_beside_it(generator, length):
+    """The portable attention's sums (`portable.tree_sum`): a row's bits do not change with the
+    other rows summed in the same call or with padding out to a longer power of two, and -0.0
+    stays -0.0 (the padding adds exactly)."""
+    rows = torch.randn(7, length, generator=generator)
+    alone = portable.tree_sum(rows[3:4])
+    assert torch.equal(portable.tree_sum(rows)[3:4], alone)
+    padded = torch.nn.functional.pad(rows[3:4], (0, 3 * length), value=-0.0)
+    assert torch.equal(portable.tree_sum(padded), alone)
+    torch.testing.assert_close(alone.double(), rows[3:4].double().sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.signbit(portable.tree_sum(torch.tensor([[-0.0, -0.0, -0.0]]))).all()

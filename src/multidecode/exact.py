@@ -308,8 +308,8 @@ def _allowed(mask, rows_count: int, keys: int, device) -> torch.Tensor:
     if mask is None:
         return torch.ones(rows_count, keys, dtype=torch.bool, device=device).tril(keys - rows_count)
     if mask.dtype == torch.bool:
-        return mask[0, 0]
-    return mask[0, 0] > torch.finfo(mask.dtype).min / 2
+        return mask[0, 0].to(device)
+    return (mask[0, 0] > torch.finfo(mask.dtype).min / 2).to(device)
 
 
 # ---------------------------------------------------------------------- a model on the exact kernels
@@ -378,7 +378,7 @@ class ExactRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # a model moved to another device after its swap: torch's kernels there
-            return torch_rms_norm(x, self.weight, self.eps, self.offset)
+            return kernels.in_row_tiles(lambda rows: torch_rms_norm(rows, self.weight, self.eps, self.offset), x)
         return kernels.rms_norm(x, self.weight, self.eps, self.offset)
 
     def extra_repr(self) -> str:
@@ -392,6 +392,31 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bo
     if offset:
         return (normed * (1.0 + weight.float())).to(x.dtype)
     return normed.to(x.dtype) * weight.to(x.dtype)
+
+
+class RowTiledNorm(nn.Module):
+    """A norm layer on a GPU, its own code run in row tiles (`kernels.in_row_tiles`): torch's
+    reductions there give fewer rows more threads each, so a row's mean of squares would change
+    with the forward's row count; in tiles of a fixed size it cannot. The layer is kept whole
+    (its arithmetic, its parameters) and put back by `Swapped.restore`."""
+
+    NAMES = ("RMSNorm", "LayerNorm")
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> RowTiledNorm | None:
+        """The tiled stand-in of a norm layer whose weights are on a GPU, or None."""
+        weight = getattr(layer, "weight", None)
+        if (type(layer).__name__.endswith(cls.NAMES) and isinstance(weight, torch.Tensor)
+                and weight.device.type != "cpu"):
+            return cls(layer)
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.in_row_tiles(self.layer, x)
 
 
 @dataclass
@@ -410,7 +435,7 @@ class Swapped:
 def use_exact_kernels(model) -> Swapped:
     """Put `model` on the exact kernels: every linear layer becomes an `ExactLinear` (sharing its
     parameters; packed layers compute on `kernels` already), every RMSNorm the kernel can compute
-    an `ExactRMSNorm`, and attention becomes
+    an `ExactRMSNorm` (on a GPU every norm a `RowTiledNorm`), and attention becomes
     `exact_attention`. Refuses (`UnsupportedModel`, nothing changed) a model that would still
     compute somewhere on torch's own products: weights of other shapes (a mixture of experts'
     stacked experts, say), or attention layers that do not go through transformers' attention
@@ -424,7 +449,7 @@ def use_exact_kernels(model) -> Swapped:
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for _, parent in list(model.named_modules()):
         for name, layer in list(parent.named_children()):
-            exact = ExactLinear.of(layer) or ExactRMSNorm.of(layer)
+            exact = ExactLinear.of(layer) or ExactRMSNorm.of(layer) or RowTiledNorm.of(layer)
             if exact is not None:
                 setattr(parent, name, exact)
                 swapped.append((parent, name, layer))

@@ -29,6 +29,17 @@ elementwise, embeddings are lookups.
 Without a compiler the kernels run on `portable`: the same definitions in torch, each output
 still a function of its own row (integer products as exact float32 sums, groups added one after
 the other), slower, and float-weight `linear` refused there (no torch kernel fixes its order).
+
+On a GPU the products and norms are torch's own, run in **row tiles** (`in_row_tiles`): every
+call sees exactly `ROW_TILE` rows (the last tile padded), so cuBLAS picks one kernel and torch's
+reductions one thread layout whatever the forward's row count, and a row's result is the same
+in a tile of one real row as in a full one (a product's or a norm's row never reads another
+row). Called with their true row counts, both change with it: cuBLAS by its heuristics, torch's
+reductions by giving fewer rows more threads each (measured on an H100: float32 forest logits
+differed from their paths alone in every node). Attention there is `portable.attention`, whose
+sums are fixed trees of elementwise additions (`portable.tree_sum`): with torch's `sum` in their
+place, one node in 75 still differed on the H100, where a step's few rows gave the sum over a
+block's 64 keys another thread layout.
 """
 
 from __future__ import annotations
@@ -96,6 +107,25 @@ def describe() -> str:
 
 
 # ---------------------------------------------------------------------------------- the operators
+ROW_TILE = 64
+"""Rows per call of a product or norm on a GPU (see the module notes): one decode step's rows fit
+one tile; a long prompt's take one call per 64 rows."""
+
+
+def in_row_tiles(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`layer` (row by row: each output row a function of its own input row) applied to x [..., K]
+    in calls of exactly `ROW_TILE` rows, zero rows padding the last; -> [..., N]. The rows are
+    copied into a fresh buffer first, so every tile starts at the same alignment (a kernel's
+    choice of vector loads can depend on it)."""
+    count = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if count == 0:
+        return layer(x)
+    rows = x.new_zeros(-(-count // ROW_TILE) * ROW_TILE, x.shape[-1])  # [M padded, K]
+    rows[:count] = x.reshape(count, x.shape[-1])
+    out = torch.cat([layer(tile) for tile in rows.split(ROW_TILE)])[:count]  # [M, N]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            isa: int | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype (see the module notes).
@@ -104,7 +134,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or not native():
         if x.device.type == "cpu":
             raise KernelsUnavailable(f"exact float products need the compiled kernels: {status().reason}")
-        return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+        return in_row_tiles(lambda tile: torch.nn.functional.linear(tile, weight, bias), x)
     return torch.ops.multidecode.linear(x, weight, bias, level() if isa is None else isa)
 
 

@@ -15,7 +15,10 @@ compiled kernel's integer dot products read (4 bytes per lane per instruction).
 **Portable kernels**: where no compiler built the compiled ones, the same definitions run here
 (`qlinear`, `quantize_rows`, `attention`), each output computed from its own row: integer dot
 products as float32 products of integers (exact: every partial sum is an integer below 2^24, so
-any order gives it), groups and blocks combined by elementwise operations one after the other.
+any order gives it), groups combined by elementwise operations one after the other, attention's
+sums as fixed trees of elementwise additions (`tree_sum`). Elementwise operations give each
+element the same bits whatever the tensor's shape, on every device: this is also the GPU's
+attention.
 They are slower, and need not equal the compiled kernels' bits (a fused multiply-add rounds once
 where torch's elementwise operations round twice): each path is exact within itself.
 """
@@ -31,6 +34,8 @@ ROWS_AT_ONCE = 64
 """Rows the portable products take at once (their float32 partials are [groups, rows, N])."""
 UNITS_AT_ONCE = 8
 """Attention units the portable kernel takes at once (its scores are [H, units, rows, 64, D])."""
+PARTIALS_AT_ONCE = 1 << 24
+"""Float32 values of partials the portable kernel combines at once ([H, rows, partials, D])."""
 
 
 # ---------------------------------------------------------------------------------- the layout
@@ -141,19 +146,42 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_fea
 def attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale: float,
               softcap: float = 0.0) -> torch.Tensor:
     """`kernels.attention` in torch: each (unit, row)'s partial over its block, then each row's
-    partials merged in position order (see `exact`)."""
+    partials combined (see `exact`). Every sum is a `tree_sum`, so a row's bits depend on its own
+    keys alone on any device, whatever torch's reduction kernels would choose for the shapes."""
     heads, rows = query.shape[1:3]
     group = heads // key.shape[1]
     parts = [_partials(query[0].float(), key[0], value[0], group, unit_slots[u:u + UNITS_AT_ONCE],
                        unit_rows[u:u + UNITS_AT_ONCE], unit_bits[u:u + UNITS_AT_ONCE], scale, softcap)
              for u in range(0, len(unit_rows), UNITS_AT_ONCE)]
     outs, high, totals = (torch.cat(p, 1) for p in zip(*parts))  # [H, U * W, D], [H, U * W], [H, U * W]
-    return _merge(outs, high, totals, row_pairs.long(), pair_index.long(), rows, query.dtype)
+    starts = row_pairs[:-1].long()  # [R]: where each row's partials begin in pair_index
+    counts = row_pairs[1:].long() - starts  # [R]: how many
+    most = int(counts.max()) if rows else 0
+    step = max(1, PARTIALS_AT_ONCE // max(1, heads * most * outs.shape[-1]))
+    combined = [_combine(outs, high, totals, starts[r:r + step], counts[r:r + step], pair_index.long(), most)
+                for r in range(0, rows, step)]
+    out = torch.cat(combined, 1) if combined else outs.new_zeros(heads, 0, outs.shape[-1])  # [H, R, D]
+    return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over its last dimension by halving: padded with -0.0 (which adds exactly, to any
+    value) to a power of two, then the upper half added onto the lower until one is left. The
+    tree of additions is fixed by the length alone, and padding further changes nothing, so a
+    row's sum is the same whatever else is summed beside it, on every device (torch's own `sum`
+    picks its order by the number of outputs on a GPU)."""
+    width = 1 << max(x.shape[-1] - 1, 0).bit_length()
+    if width != x.shape[-1]:
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=-0.0)
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
 
 
 def _partials(q, key, value, group: int, unit_slots, unit_rows, unit_bits, scale: float, softcap: float):
     """Each (unit, row)'s partial over its block: weighted values [H, U * W, D], max [H, U * W]
-    and sum of weights [H, U * W] (0: the row sees nothing there)."""
+    (-inf: the row sees nothing there) and sum of weights [H, U * W]."""
     heads = q.shape[0]
     slots = unit_slots.long().clamp(min=0)
     table = unit_rows.long()
@@ -164,40 +192,30 @@ def _partials(q, key, value, group: int, unit_slots, unit_rows, unit_bits, scale
     queries = q[:, table.clamp(min=0)]  # [H, U, W, D]
     if softcap <= 0:
         queries = queries * scale
-    scores = (queries[:, :, :, None, :] * keys[:, :, None, :, :]).sum(-1)  # [H, U, W, 64]
+    scores = tree_sum(queries[:, :, :, None, :] * keys[:, :, None, :, :])  # [H, U, W, 64]
     if softcap > 0:
         scores = softcap * torch.tanh(scores * scale / softcap)
     scores = scores.masked_fill(~seen, float("-inf"))
     high = scores.amax(-1)  # [H, U, W]
     weights = torch.exp(scores - high.clamp(min=torch.finfo(torch.float32).min)[..., None]).masked_fill(~seen, 0)
-    outs = (weights[..., None, :] * values.transpose(-1, -2)[:, :, None]).sum(-1)  # [H, U, W, D]
-    return outs.reshape(heads, -1, outs.shape[-1]), high.reshape(heads, -1), weights.sum(-1).reshape(heads, -1)
+    outs = tree_sum(weights[..., None, :] * values.transpose(-1, -2)[:, :, None])  # [H, U, W, D]
+    return outs.reshape(heads, -1, outs.shape[-1]), high.reshape(heads, -1), tree_sum(weights).reshape(heads, -1)
 
 
-def _merge(outs, high, totals, row_pairs, pair_index, rows: int, dtype) -> torch.Tensor:
-    """Each row's partials, in position order: the first as it is, then each merged in."""
-    heads, dim = outs.shape[0], outs.shape[-1]
-    o = outs.new_zeros(heads, rows, dim)
-    top = high.new_full((heads, rows), float("-inf"))
-    total = totals.new_zeros(heads, rows)
-    counts = row_pairs[1:] - row_pairs[:-1]
-    for step in range(int(counts.max()) if rows else 0):
-        live = (counts > step).nonzero().flatten()
-        index = pair_index[row_pairs[live] + step]
-        part_o, part_high, part_total = outs[:, index], high[:, index], totals[:, index]
-        real = part_total > 0  # [H, n]: the row sees something in this block
-        first = real & (total[:, live] == 0)
-        merged = torch.maximum(top[:, live], part_high)
-        keep = torch.exp(top[:, live] - merged).nan_to_num(0.0)
-        add = torch.exp(part_high - merged)
-        new_total = torch.where(first, part_total, total[:, live] * keep + part_total * add)
-        new_o = torch.where(first[..., None], part_o, o[:, live] * keep[..., None] + part_o * add[..., None])
-        new_top = torch.where(first, part_high, merged)
-        o[:, live] = torch.where(real[..., None], new_o, o[:, live])
-        total[:, live] = torch.where(real, new_total, total[:, live])
-        top[:, live] = torch.where(real, new_top, top[:, live])
-    out = torch.where(total[..., None] > 0, o / total.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0)
-    return out.transpose(0, 1).unsqueeze(0).to(dtype)
+def _combine(outs, high, totals, starts, counts, pair_index, most: int) -> torch.Tensor:
+    """Some rows' partials (each row's `counts` of them from `starts` in `pair_index`, in position
+    order) combined: each weighted by e^(its max - the row's max), then the weighted values and
+    the weights added by `tree_sum` over the row's own partials. -> [H, rows, D]."""
+    place = torch.arange(most, device=counts.device)
+    real = place < counts[:, None]  # [n, P]
+    index = pair_index[(starts[:, None] + place).clamp(max=max(len(pair_index) - 1, 0))]  # [n, P]
+    part_high = high[:, index].masked_fill(~real, float("-inf"))  # [H, n, P]
+    top = part_high.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # [H, n, 1]
+    weight = torch.exp(part_high - top)  # [H, n, P]: 0 for padding and for blocks the row does not see
+    total = tree_sum((totals[:, index] * weight).masked_fill(~real, -0.0))  # [H, n]
+    values = (outs[:, index] * weight[..., None]).masked_fill(~real[..., None], -0.0)  # [H, n, P, D]
+    value = tree_sum(values.transpose(-1, -2))  # [H, n, D]
+    return torch.where(total[..., None] > 0, value / total.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0)
 
 
 __all__ = ["attention", "pack", "qlinear", "quantize_rows", "rows_of", "unpacked"]
