@@ -1,13 +1,21 @@
-"""The CUDA path: forests, speculation and beam search on a GPU equal transformers' own results
-there. Skipped where no GPU is present (CI and the CPU machines run everything else)."""
+"""The CUDA path: every node of a random forest equals its path alone bit for bit on the GPU too
+(products and norms in row tiles, `kernels.in_row_tiles`); forests, speculation and beam search
+there equal transformers' own results; structured output, the sampling extras, seeded
+completions, the merged batch job and the server run there through `load(device="cuda")`.
+Skipped where no GPU is present (CI and the CPU machines run everything else)."""
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, VOCAB
+from forests import differing
+from tiny_models import ARCHITECTURES, MAIN_ARCHITECTURES, VOCAB, tiny_model
 
 import multidecode
+from multidecode import exact, kernels
 from multidecode.api import start_forest
 from multidecode.cost import measure_cost
 from multidecode.sampling import SamplingParams
@@ -90,3 +98,136 @@ def test_sampled_draft_speculation_on_cuda_runs_the_rule_against_q():
     out = multidecode.decode(model, PREFIX, BRANCHES, max_new_tokens=12, eos_token_id=VOCAB, do_sample=True,
                              temperature=0.8, seed=3, speculate=DraftModel(self_draft(model, [1])))
     assert [len(o) for o in out] == [12] * len(BRANCHES)
+
+
+# ---------------------------------------------------------------------- exact by construction
+def exact_cuda_model(arch: str, dtype: torch.dtype):
+    model = copy.deepcopy(tiny_model(arch, "sdpa")).to("cuda", dtype)
+    exact.use_exact_kernels(model)
+    return model
+
+
+@pytest.mark.parametrize("arch", MAIN_ARCHITECTURES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_node_of_a_random_forest_on_cuda_equals_its_path_alone_bit_for_bit(arch, dtype):
+    """The exactness tests' random forests (draft trees, rollbacks, compactions) on the GPU: the
+    products and norms in row tiles, attention on the portable kernel."""
+    model = exact_cuda_model(arch, dtype)
+    for seed in range(3):
+        bad, fed = differing(model, seed=seed)
+        assert fed and not bad, f"seed {seed}: {len(bad)} of {fed} nodes differ from their paths alone"
+
+
+def test_products_and_norms_at_their_own_row_counts_fail_the_check(monkeypatch):
+    """The mutant: torch's kernels called with the forward's true row count (no tiles)."""
+    monkeypatch.setattr(kernels, "in_row_tiles", lambda layer, x: layer(x))
+    model = exact_cuda_model("llama", torch.float32)
+    assert any(differing(model, seed=seed)[0] for seed in range(3))
+
+
+# ---------------------------------------------------------------------- what came after the engine
+# Structured output, the sampling extras, seeded completions, the merged batch job, the server and
+# memory accounting, each on the GPU through the user's own entry point (`load(device="cuda")`):
+# the tiny model folder, a forest against each branch alone there.
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+                   "color": {"enum": ["red", "green", "light blue"]}},
+    "required": ["name", "ok", "color"],
+    "additionalProperties": False,
+}
+QUESTIONS = ["name?", "is it ok?", "which color?", "and the rest?"]
+
+
+@pytest.fixture(scope="module")
+def cuda_decoder(model_dir):
+    return multidecode.load(str(model_dir), device="cuda")
+
+
+def valid(text: str) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("speculate", [None, "auto"])
+def test_constrained_answers_on_cuda_equal_each_alone_and_validate(cuda_decoder, speculate):
+    answers = cuda_decoder.ask("A call about a router.", QUESTIONS, json_schema=SCHEMA, max_new_tokens=60,
+                               speculate=speculate)
+    for answer in answers:
+        alone = cuda_decoder.generate(answer.prompt_ids, json_schema=SCHEMA, max_new_tokens=60, speculate=None)
+        assert answer.token_ids == alone.token_ids
+        assert answer.finish_reason == "length" or valid(answer.text), answer.text
+    assert any(a.finish_reason == "stop" for a in answers)
+
+
+def test_penalties_and_logit_bias_on_cuda_equal_each_alone(cuda_decoder):
+    extras = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={5: 3.0, 9: -2.0})
+    answers = cuda_decoder.ask("A call about a router.", QUESTIONS, max_new_tokens=24, speculate="auto", **extras)
+    plain = cuda_decoder.ask("A call about a router.", QUESTIONS, max_new_tokens=24, speculate=None)
+    for answer in answers:
+        alone = cuda_decoder.generate(answer.prompt_ids, max_new_tokens=24, speculate=None, **extras)
+        assert answer.token_ids == alone.token_ids
+    assert [a.token_ids for a in answers] != [a.token_ids for a in plain]  # the extras did act
+
+
+def test_seeded_completions_on_cuda_equal_each_seed_alone(cuda_decoder):
+    many = cuda_decoder.complete("The ticket:", n=4, seed=7, temperature=0.9, json_schema=SCHEMA, max_new_tokens=60)
+    for i, completion in enumerate(many):
+        (alone,) = cuda_decoder.complete("The ticket:", n=1, seed=7 + i, temperature=0.9, json_schema=SCHEMA,
+                                         max_new_tokens=60, speculate="auto")
+        assert completion.token_ids == alone.token_ids
+        assert completion.finish_reason == "length" or valid(completion.text), completion.text
+
+
+def test_merged_batch_on_cuda_equals_each_line_alone(cuda_decoder):
+    from multidecode.batch import BatchSettings, parse_line
+    from multidecode.batch.merged import ForestAnswerer, answer_merged
+
+    rows = [{"id": f"doc-{i}", "document": "router fan noise " * (1 + i), "questions": QUESTIONS[: 1 + i % 3]}
+            for i in range(5)]
+    items = [parse_line(json.dumps(row).encode(), i + 1) for i, row in enumerate(rows)]
+    with ForestAnswerer(cuda_decoder, BatchSettings(max_new_tokens=8)) as answerer:
+        outcomes = list(answer_merged(answerer, items))
+    assert all(o.error is None for o in outcomes)
+    for outcome in outcomes:
+        alone = cuda_decoder.ask(outcome.item.document, list(outcome.item.questions), max_new_tokens=8)
+        assert [a.token_ids for a in outcome.answers] == [a.token_ids for a in alone]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_on_cuda_answers_a_json_schema_with_n_choices(model_dir, stream):
+    from serving import MODEL, running_server, tiny_loader
+
+    with running_server(tiny_loader(model_dir)) as running:
+        assert next(running.forest.model.parameters()).device.type == "cuda"  # load picks the GPU by default
+        reply = running.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "A record, please."}], max_tokens=60, n=2, seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}},
+            stream=stream)
+        texts, finishes = ["", ""], [None, None]
+        for choice in ([c for chunk in reply for c in chunk.choices] if stream else reply.choices):
+            texts[choice.index] += (choice.delta.content or "") if stream else choice.message.content
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    for text, finish in zip(texts, finishes):
+        assert finish == "length" or valid(text), text
+
+
+def test_memory_on_cuda_counts_the_devices_own_bytes(cuda_decoder):
+    from multidecode import memory
+
+    free = memory.available_bytes("cuda")
+    assert 0 < free <= torch.cuda.get_device_properties(0).total_memory
+    assert next(cuda_decoder.model.parameters()).device.type == "cuda"
+
+
+def test_packed_precisions_are_refused_on_cuda_before_loading(model_dir):
+    from multidecode.errors import InvalidArgument
+
+    for name in ("int8", "int4"):
+        with pytest.raises(InvalidArgument, match="packed CPU kernels"):
+            multidecode.load(str(model_dir), device="cuda", precision=name)
