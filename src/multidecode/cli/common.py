@@ -414,8 +414,10 @@ def load_decoder(model_name: str | None, precision: str | None, device: str | No
     from .. import kernels
     from ..api import load
     from ..errors import NotBitExact
+    from ..models.loading import resolve_device
 
-    if exact and not kernels.build.built():  # setup builds them; a bare install does it here, once
+    on_cpu = resolve_device(device).type == "cpu"  # a GPU's exact path is torch's (kernels.in_row_tiles)
+    if exact and on_cpu and not kernels.build.built():  # setup builds them; a bare install does it here, once
         with stderr.status("Compiling multidecode's kernels for this CPU (once, about a minute)..."):
             built = kernels.status()
         if built.library is None:
