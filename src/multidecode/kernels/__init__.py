@@ -35,11 +35,11 @@ call sees exactly `ROW_TILE` rows (the last tile padded), so cuBLAS picks one ke
 reductions one thread layout whatever the forward's row count, and a row's result is the same
 in a tile of one real row as in a full one (a product's or a norm's row never reads another
 row). Called with their true row counts, both change with it: cuBLAS by its heuristics, torch's
-reductions by giving fewer rows more threads each (measured on an H100: float32 forest logits
-differed from their paths alone in every node). Attention there is `portable.attention`, whose
+reductions by giving fewer rows more threads each (on an H100 the model's own kernels gave
+float32 forest logits that differed from their paths alone in every node). Attention there is `portable.attention`, whose
 sums are fixed trees of elementwise additions (`portable.tree_sum`): with torch's `sum` in their
-place, one node in 75 still differed on the H100, where a step's few rows gave the sum over a
-block's 64 keys another thread layout.
+place, one node in 75 still differed on the H100 (most likely where a step's few rows gave the
+sum over a block's 64 keys another thread layout; the tree sums have not yet run on a GPU).
 """
 
 from __future__ import annotations
