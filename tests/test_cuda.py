@@ -165,6 +165,18 @@ def test_constrained_answers_on_cuda_equal_each_alone_and_validate(cuda_decoder,
     assert any(a.finish_reason == "stop" for a in answers)
 
 
+def test_a_self_draft_of_a_model_loaded_on_cuda_decodes_as_the_target(cuda_decoder):
+    """`load(device="cuda")` tiles the norms (`RowTiledNorm`); a self-draft shares them."""
+    from multidecode.proposers.draft import DraftModel
+    from multidecode.proposers.self_draft import self_draft
+
+    prompt = cuda_decoder.tokenizer("A call about a router.")["input_ids"]
+    plain = cuda_decoder.generate(prompt, max_new_tokens=16, speculate=None)
+    drafted = multidecode.decode(cuda_decoder.model, prompt, [[]], max_new_tokens=16, eos_token_id=2,
+                                 speculate=DraftModel(self_draft(cuda_decoder.model, []), confidence=0.0))
+    assert drafted[0] == plain.token_ids
+
+
 def test_penalties_and_logit_bias_on_cuda_equal_each_alone(cuda_decoder):
     extras = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={5: 3.0, 9: -2.0})
     answers = cuda_decoder.ask("A call about a router.", QUESTIONS, max_new_tokens=24, speculate="auto", **extras)

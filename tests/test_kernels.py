@@ -315,9 +315,11 @@ def test_a_mask_on_another_device_gives_its_visibility_on_the_device_asked_for()
     (a GPU's): `_allowed` must return it where it is asked for (a crash on CUDA, found there)."""
     from multidecode.exact import _allowed
 
-    mask = torch.zeros(1, 1, 2, 3).masked_fill(torch.tensor([[True, False, False], [False, False, False]]), -1e30)
-    assert _allowed(mask, 2, 3, "meta").device.type == "meta"
-    assert _allowed(mask.bool(), 2, 3, "meta").device.type == "meta"
+    hidden = torch.tensor([[False, True, True], [False, False, True]])  # [R, S]: a causal mask's
+    additive = torch.zeros(1, 1, 2, 3).masked_fill(hidden, torch.finfo(torch.float32).min)
+    for mask in (additive, ~hidden[None, None]):  # additive, and boolean (True: may attend)
+        assert torch.equal(_allowed(mask, 2, 3, "cpu"), ~hidden)
+        assert _allowed(mask, 2, 3, "meta").device.type == "meta"
 
 
 @pytest.mark.parametrize("length", [1, 5, 16, 64, 80])
@@ -332,3 +334,12 @@ def test_a_tree_sum_is_the_same_whatever_is_summed_beside_it(generator, length):
     assert torch.equal(portable.tree_sum(padded), alone)
     torch.testing.assert_close(alone.double(), rows[3:4].double().sum(-1), rtol=1e-5, atol=1e-5)
     assert torch.signbit(portable.tree_sum(torch.tensor([[-0.0, -0.0, -0.0]]))).all()
+
+
+def test_attention_of_rows_that_see_no_key_is_zero():
+    """A forward whose rows read no block (an edge the planner does not make, kept safe): zeros."""
+    query, key = torch.randn(1, 2, 3, 16), torch.randn(1, 1, 5, 16)
+    empty = torch.zeros(0, 1, dtype=torch.int32)
+    out = portable.attention(query, key, key, torch.zeros(0, 64, dtype=torch.int32), empty, empty.long(),
+                             torch.zeros(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 0.25)
+    assert out.shape == (1, 3, 2, 16) and not out.any()

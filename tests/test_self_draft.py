@@ -147,6 +147,27 @@ def test_draft_shares_every_tensor(arch):
     check_supported(draft)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_target_with_tiled_norms_drafts_with_them(arch):
+    """On a GPU the exact path wraps every norm in a `RowTiledNorm` (its weight then under
+    `layer.`): the draft takes the target's wrapped norms as they are and decodes as the target
+    does (here on the CPU, the norms wrapped as `use_exact_kernels` wraps them on a GPU)."""
+    import copy
+
+    from multidecode.exact import RowTiledNorm
+
+    model = copy.deepcopy(tiny_model(arch, "eager"))
+    expected = reference_generate(model, IDS[0].tolist(), max_new_tokens=8)
+    for _, parent in list(model.named_modules()):
+        for child, layer in list(parent.named_children()):
+            if (tiled := RowTiledNorm.of(layer, torch.device("cuda"))) is not None:
+                setattr(parent, child, tiled)
+    assert any(isinstance(m, RowTiledNorm) for m in model.modules())
+    draft = self_draft(model, [])
+    assert {id(m) for m in draft.modules() if isinstance(m, RowTiledNorm)} <= {id(m) for m in model.modules()}
+    assert reference_generate(draft, IDS[0].tolist(), max_new_tokens=8) == expected
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_target_unchanged(arch):
     model = fresh_model(arch)

@@ -395,10 +395,12 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bo
 
 
 class RowTiledNorm(nn.Module):
-    """A norm layer on a GPU, its own code run in row tiles (`kernels.in_row_tiles`): torch's
+    """A norm layer of a model on a GPU (a module whose class is named ...RMSNorm or ...LayerNorm,
+    with or without a weight), its own code run in row tiles (`kernels.in_row_tiles`): torch's
     reductions there give fewer rows more threads each, so a row's mean of squares would change
-    with the forward's row count; in tiles of a fixed size it cannot. The layer is kept whole
-    (its arithmetic, its parameters) and put back by `Swapped.restore`."""
+    with the forward's row count; in tiles of one size every call has one thread layout. The
+    layer is kept whole (its arithmetic, its parameters, now under `layer.`) and put back by
+    `Swapped.restore`."""
 
     NAMES = ("RMSNorm", "LayerNorm")
 
@@ -407,16 +409,18 @@ class RowTiledNorm(nn.Module):
         self.layer = layer
 
     @classmethod
-    def of(cls, layer: nn.Module) -> RowTiledNorm | None:
-        """The tiled stand-in of a norm layer whose weights are on a GPU, or None."""
-        weight = getattr(layer, "weight", None)
-        if (type(layer).__name__.endswith(cls.NAMES) and isinstance(weight, torch.Tensor)
-                and weight.device.type != "cpu"):
+    def of(cls, layer: nn.Module, device: torch.device) -> RowTiledNorm | None:
+        """The tiled stand-in of a norm layer of a model on `device`, or None (on the CPU, whose
+        reductions keep one order per row, or for another module)."""
+        if device.type != "cpu" and type(layer).__name__.endswith(cls.NAMES):
             return cls(layer)
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.in_row_tiles(self.layer, x)
+
+    def extra_repr(self) -> str:
+        return f"rows in tiles of {kernels.ROW_TILE}"
 
 
 @dataclass
@@ -435,27 +439,29 @@ class Swapped:
 def use_exact_kernels(model) -> Swapped:
     """Put `model` on the exact kernels: every linear layer becomes an `ExactLinear` (sharing its
     parameters; packed layers compute on `kernels` already), every RMSNorm the kernel can compute
-    an `ExactRMSNorm` (on a GPU every norm a `RowTiledNorm`), and attention becomes
+    an `ExactRMSNorm` (on a GPU every norm layer a `RowTiledNorm`), and attention becomes
     `exact_attention`. Refuses (`UnsupportedModel`, nothing changed) a model that would still
     compute somewhere on torch's own products: weights of other shapes (a mixture of experts'
     stacked experts, say), or attention layers that do not go through transformers' attention
     interface (`NotBitExact`). Returns what changed (`Swapped.restore` puts it back)."""
     check_supported(model)
-    dtype = next(model.parameters()).dtype
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     if dtype not in (torch.float32, torch.bfloat16):
         raise NotBitExact(f"the exact kernels compute in float32 and bfloat16, and this model is in "
                           f"{str(dtype).removeprefix('torch.')}",
                           "load it in bfloat16 or float32, or with exact=False")
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for _, parent in list(model.named_modules()):
+        if isinstance(parent, RowTiledNorm):  # already swapped: its layer stays inside
+            continue
         for name, layer in list(parent.named_children()):
-            exact = ExactLinear.of(layer) or ExactRMSNorm.of(layer) or RowTiledNorm.of(layer)
+            exact = ExactLinear.of(layer) or ExactRMSNorm.of(layer) or RowTiledNorm.of(layer, device)
             if exact is not None:
                 setattr(parent, name, exact)
                 swapped.append((parent, name, layer))
     change = Swapped(swapped, getattr(model.config, "_attn_implementation", None) or "eager")
     try:
-        if swapped and next(model.parameters()).device.type == "cpu" and not kernels.native():
+        if swapped and device.type == "cpu" and not kernels.native():
             raise NotBitExact(f"exact float products need multidecode's compiled kernels: {kernels.status().reason}",
                                    "install a C++ compiler (g++) and run `python -m multidecode.kernels`, or load the "
                                    "model at precision int8 or int4, or with exact=False")
@@ -539,6 +545,6 @@ def is_exact(model) -> bool:
     return not any(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
 
 
-__all__ = ["BLOCK", "NAME", "ExactLinear", "ExactPlan", "ExactRMSNorm", "Swapped", "chain_plan", "exact_attention",
-           "exact_kernels", "forest_plan", "is_exact", "one_row_plan", "plan_attention", "plan_tensors", "register",
-           "torch_rms_norm", "use_exact_kernels"]
+__all__ = ["BLOCK", "NAME", "ExactLinear", "ExactPlan", "ExactRMSNorm", "RowTiledNorm", "Swapped", "chain_plan",
+           "exact_attention", "exact_kernels", "forest_plan", "is_exact", "one_row_plan", "plan_attention", "plan_tensors",
+           "register", "torch_rms_norm", "use_exact_kernels"]

@@ -32,14 +32,16 @@ the other), slower, and float-weight `linear` refused there (no torch kernel fix
 
 On a GPU the products and norms are torch's own, run in **row tiles** (`in_row_tiles`): every
 call sees exactly `ROW_TILE` rows (the last tile padded), so cuBLAS picks one kernel and torch's
-reductions one thread layout whatever the forward's row count, and a row's result is the same
-in a tile of one real row as in a full one (a product's or a norm's row never reads another
-row). Called with their true row counts, both change with it: cuBLAS by its heuristics, torch's
-reductions by giving fewer rows more threads each (on an H100 the model's own kernels gave
-float32 forest logits that differed from their paths alone in every node). Attention there is `portable.attention`, whose
-sums are fixed trees of elementwise additions (`portable.tree_sum`): with torch's `sum` in their
-place, one node in 75 still differed on the H100 (most likely where a step's few rows gave the
-sum over a block's 64 keys another thread layout; the tree sums have not yet run on a GPU).
+reductions one thread layout whatever the forward's row count. A row's result is then the same
+in a tile of one real row as in a full one if such a kernel computes each row the same way
+wherever it sits in the tile (a product's or a norm's row never reads another row; an
+assumption about cuBLAS and torch, which the GPU tests check). Called with their true row counts,
+both change with it: cuBLAS by its heuristics, torch's reductions by giving fewer rows more
+threads each (on an H100 the model's own kernels gave float32 forest logits that differed from
+their paths alone in every node). Attention there is `portable.attention`, whose sums are fixed
+trees of elementwise additions (`portable.tree_sum`): with torch's `sum` in their place, one
+node in 75 still differed on the H100 (most likely where a step's few rows gave the sum over a
+block's 64 keys another thread layout; the tree sums have not yet run on a GPU).
 """
 
 from __future__ import annotations

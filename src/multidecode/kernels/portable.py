@@ -148,19 +148,20 @@ def attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pa
     """`kernels.attention` in torch: each (unit, row)'s partial over its block, then each row's
     partials combined (see `exact`). Every sum is a `tree_sum`, so a row's bits depend on its own
     keys alone on any device, whatever torch's reduction kernels would choose for the shapes."""
-    heads, rows = query.shape[1:3]
+    heads, rows, dim = query.shape[1:]
+    starts = row_pairs[:-1].long()  # [R]: where each row's partials begin in pair_index
+    counts = row_pairs[1:].long() - starts  # [R]: how many
+    max_partials = int(counts.max()) if rows else 0
+    if max_partials == 0:  # no row sees any key
+        return query.new_zeros(1, rows, heads, dim)
     group = heads // key.shape[1]
     parts = [_partials(query[0].float(), key[0], value[0], group, unit_slots[u:u + UNITS_AT_ONCE],
                        unit_rows[u:u + UNITS_AT_ONCE], unit_bits[u:u + UNITS_AT_ONCE], scale, softcap)
              for u in range(0, len(unit_rows), UNITS_AT_ONCE)]
     outs, high, totals = (torch.cat(p, 1) for p in zip(*parts))  # [H, U * W, D], [H, U * W], [H, U * W]
-    starts = row_pairs[:-1].long()  # [R]: where each row's partials begin in pair_index
-    counts = row_pairs[1:].long() - starts  # [R]: how many
-    most = int(counts.max()) if rows else 0
-    step = max(1, PARTIALS_AT_ONCE // max(1, heads * most * outs.shape[-1]))
-    combined = [_combine(outs, high, totals, starts[r:r + step], counts[r:r + step], pair_index.long(), most)
-                for r in range(0, rows, step)]
-    out = torch.cat(combined, 1) if combined else outs.new_zeros(heads, 0, outs.shape[-1])  # [H, R, D]
+    rows_at_once = max(1, PARTIALS_AT_ONCE // (heads * max_partials * dim))
+    out = torch.cat([_combine(outs, high, totals, starts[r:r + rows_at_once], counts[r:r + rows_at_once],
+                              pair_index.long(), max_partials) for r in range(0, rows, rows_at_once)], 1)  # [H, R, D]
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
 
 
@@ -202,13 +203,13 @@ def _partials(q, key, value, group: int, unit_slots, unit_rows, unit_bits, scale
     return outs.reshape(heads, -1, outs.shape[-1]), high.reshape(heads, -1), tree_sum(weights).reshape(heads, -1)
 
 
-def _combine(outs, high, totals, starts, counts, pair_index, most: int) -> torch.Tensor:
+def _combine(outs, high, totals, starts, counts, pair_index, max_partials: int) -> torch.Tensor:
     """Some rows' partials (each row's `counts` of them from `starts` in `pair_index`, in position
-    order) combined: each weighted by e^(its max - the row's max), then the weighted values and
-    the weights added by `tree_sum` over the row's own partials. -> [H, rows, D]."""
-    place = torch.arange(most, device=counts.device)
-    real = place < counts[:, None]  # [n, P]
-    index = pair_index[(starts[:, None] + place).clamp(max=max(len(pair_index) - 1, 0))]  # [n, P]
+    order, padded to `max_partials`) combined: each weighted by e^(its max - the row's max), then
+    the weighted values and the weights added by `tree_sum` over the row's own. -> [H, n, D]."""
+    slot = torch.arange(max_partials, device=counts.device)
+    real = slot < counts[:, None]  # [n, P]
+    index = pair_index[(starts[:, None] + slot).clamp(max=len(pair_index) - 1)]  # [n, P]
     part_high = high[:, index].masked_fill(~real, float("-inf"))  # [H, n, P]
     top = part_high.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # [H, n, 1]
     weight = torch.exp(part_high - top)  # [H, n, P]: 0 for padding and for blocks the row does not see
