@@ -177,13 +177,16 @@ def call_guards(entries) -> list[bool]:
 
 class CompiledForward:
     """`model`'s forward as one compiled graph over a `SlotCache` inside `writing` (see the module
-    notes). `refused`: why it cannot be compiled exactly (None until a compile fails): from then on
+    notes). `refused`: why it cannot be compiled exactly (None until a compile fails, or from the
+    start for a model on a GPU, whose exact path is not this one's): from then on
     `__call__` raises `CompileRefused` at once, before the graph runs (nothing written to the
     cache), and the engine runs its forwards eagerly, as exact as ever, only slower."""
 
     def __init__(self, model) -> None:
         self.model = model
-        self.refused: str | None = None
+        device = next(model.parameters()).device
+        self.refused: str | None = None if device.type == "cpu" else (
+            f"the compiled step is built and checked on the CPU only, and this model is on {device}")
         self.key = f"model {next(_numbers)}"  # keeps this model's graphs its own
         self.compiled = torch.compile(self._forward, dynamic=True, fullgraph=True,
                                       options={**options(), "guard_filter_fn": call_guards})
