@@ -343,3 +343,12 @@ def test_attention_of_rows_that_see_no_key_is_zero():
     out = portable.attention(query, key, key, torch.zeros(0, 64, dtype=torch.int32), empty, empty.long(),
                              torch.zeros(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 0.25)
     assert out.shape == (1, 3, 2, 16) and not out.any()
+
+
+def test_the_portable_attention_gives_the_same_bits_in_any_number_of_pieces(generator, monkeypatch):
+    """Its units and rows are taken in pieces of a memory budget (`PARTIALS_AT_ONCE`): one unit
+    and one row at a time gives the bits of all at once."""
+    _, args, _ = attend_all_levels(generator)
+    whole = portable.attention(*args)
+    monkeypatch.setattr(portable, "PARTIALS_AT_ONCE", 1)
+    assert torch.equal(portable.attention(*args), whole)

@@ -32,10 +32,10 @@ LANES = 16
 BLOCK = 64
 ROWS_AT_ONCE = 64
 """Rows the portable products take at once (their float32 partials are [groups, rows, N])."""
-UNITS_AT_ONCE = 8
-"""Attention units the portable kernel takes at once (its scores are [H, units, rows, 64, D])."""
 PARTIALS_AT_ONCE = 1 << 24
-"""Float32 values of partials the portable kernel combines at once ([H, rows, partials, D])."""
+"""Float32 values the portable attention holds at once in its largest temporary: the products of
+the units it takes together ([H, units, rows, 64, D]), and the partials it combines together
+([H, rows, partials, D]). Few calls on a GPU (each a kernel launch), bounded memory on a CPU."""
 
 
 # ---------------------------------------------------------------------------------- the layout
@@ -155,9 +155,10 @@ def attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pa
     if max_partials == 0:  # no row sees any key
         return query.new_zeros(1, rows, heads, dim)
     group = heads // key.shape[1]
-    parts = [_partials(query[0].float(), key[0], value[0], group, unit_slots[u:u + UNITS_AT_ONCE],
-                       unit_rows[u:u + UNITS_AT_ONCE], unit_bits[u:u + UNITS_AT_ONCE], scale, softcap)
-             for u in range(0, len(unit_rows), UNITS_AT_ONCE)]
+    units_at_once = max(1, PARTIALS_AT_ONCE // (heads * unit_rows.shape[1] * BLOCK * dim))
+    parts = [_partials(query[0].float(), key[0], value[0], group, unit_slots[u:u + units_at_once],
+                       unit_rows[u:u + units_at_once], unit_bits[u:u + units_at_once], scale, softcap)
+             for u in range(0, len(unit_rows), units_at_once)]
     outs, high, totals = (torch.cat(p, 1) for p in zip(*parts))  # [H, U * W, D], [H, U * W], [H, U * W]
     rows_at_once = max(1, PARTIALS_AT_ONCE // (heads * max_partials * dim))
     out = torch.cat([_combine(outs, high, totals, starts[r:r + rows_at_once], counts[r:r + rows_at_once],
