@@ -106,7 +106,8 @@ def test_what_is_not_offered_or_malformed_is_a_400(server, extra, param, says):
 @pytest.mark.parametrize("choice", ["required", NAMED])
 def test_a_call_asked_for_without_tools_is_a_400(server, choice, tools):
     """Answered in text, the reply would pass for one that chose not to call (OpenAI refuses it too)."""
-    request = dict(model=MODEL, messages=MESSAGES, max_tokens=5, tool_choice=choice)
+    # greedy: a sampled text-only reply (OpenAI's default temperature is 1) could draw eos first and be empty
+    request = dict(model=MODEL, messages=MESSAGES, max_tokens=5, tool_choice=choice, temperature=0)
     with pytest.raises(openai.BadRequestError) as caught:
         server.client().chat.completions.create(**request, **({} if tools is None else {"tools": tools}))
     error = caught.value.response.json()["error"]
