@@ -32,10 +32,13 @@ LANES = 16
 BLOCK = 64
 ROWS_AT_ONCE = 64
 """Rows the portable products take at once (their float32 partials are [groups, rows, N])."""
-PARTIALS_AT_ONCE = 1 << 24
-"""Float32 values the portable attention holds at once in its largest temporary: the products of
-the units it takes together ([H, units, rows, 64, D]), and the partials it combines together
-([H, rows, partials, D]). Few calls on a GPU (each a kernel launch), bounded memory on a CPU."""
+PARTIALS_AT_ONCE = 1 << 21
+"""Float32 values the portable attention holds at once in its largest temporary on a CPU: the
+products of the units it takes together ([H, units, rows, 64, D]), and the partials it combines
+together ([H, rows, partials, D]). 8 MB stay near the cores (measured: a step of 8 rows over
+1,399 tokens, one thread, 6.5 ms, against 41 ms at 64 MB and 12 ms for the merge loop before)."""
+PARTIALS_AT_ONCE_GPU = 1 << 24
+"""The same on a GPU, larger: there each piece costs kernel launches, and memory is plenty."""
 
 
 # ---------------------------------------------------------------------------------- the layout
@@ -155,12 +158,13 @@ def attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pa
     if max_partials == 0:  # no row sees any key
         return query.new_zeros(1, rows, heads, dim)
     group = heads // key.shape[1]
-    units_at_once = max(1, PARTIALS_AT_ONCE // (heads * unit_rows.shape[1] * BLOCK * dim))
+    budget = PARTIALS_AT_ONCE if query.device.type == "cpu" else PARTIALS_AT_ONCE_GPU
+    units_at_once = max(1, budget // (heads * unit_rows.shape[1] * BLOCK * dim))
     parts = [_partials(query[0].float(), key[0], value[0], group, unit_slots[u:u + units_at_once],
                        unit_rows[u:u + units_at_once], unit_bits[u:u + units_at_once], scale, softcap)
              for u in range(0, len(unit_rows), units_at_once)]
     outs, high, totals = (torch.cat(p, 1) for p in zip(*parts))  # [H, U * W, D], [H, U * W], [H, U * W]
-    rows_at_once = max(1, PARTIALS_AT_ONCE // (heads * max_partials * dim))
+    rows_at_once = max(1, budget // (heads * max_partials * dim))
     out = torch.cat([_combine(outs, high, totals, starts[r:r + rows_at_once], counts[r:r + rows_at_once],
                               pair_index.long(), max_partials) for r in range(0, rows, rows_at_once)], 1)  # [H, R, D]
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
