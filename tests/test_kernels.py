@@ -352,3 +352,18 @@ def test_the_portable_attention_gives_the_same_bits_in_any_number_of_pieces(gene
     whole = portable.attention(*args)
     monkeypatch.setattr(portable, "PARTIALS_AT_ONCE", 1)
     assert torch.equal(portable.attention(*args), whole)
+
+
+def test_every_norm_layer_of_a_gpu_model_is_tiled_with_or_without_a_weight():
+    """`RowTiledNorm.of` decides by the model's device and the layer's kind, not by a weight:
+    a weightless RMSNorm of a GPU model is tiled too; on the CPU no norm is."""
+    from multidecode.exact import RowTiledNorm
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    for layer in (torch.nn.RMSNorm(8, elementwise_affine=False), torch.nn.LayerNorm(8), torch.nn.RMSNorm(8)):
+        assert isinstance(RowTiledNorm.of(layer, gpu), RowTiledNorm)
+        assert RowTiledNorm.of(layer, cpu) is None
+    assert RowTiledNorm.of(torch.nn.Linear(8, 8), gpu) is None
+    x = torch.randn(3, 70, 8)
+    torch.testing.assert_close(RowTiledNorm(torch.nn.RMSNorm(8, elementwise_affine=False))(x),
+                               torch.nn.RMSNorm(8, elementwise_affine=False)(x))
