@@ -79,6 +79,11 @@ class Branch:
         return self.context.prompt_length
 
     @property
+    def seed(self) -> int | None:
+        """The seed this branch draws with (None when it is greedy)."""
+        return self.sampler.params.seed if self.sampler.params.do_sample else None
+
+    @property
     def parsed(self):
         """The JSON value of an output held to a JSON schema or object (None without one, or when
         the output does not parse: cut at max_new_tokens, or by a stop string)."""

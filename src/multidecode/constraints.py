@@ -209,8 +209,8 @@ def _schema_json(schema: dict) -> str:
     a lone surrogate ("\ud800": Python strings may hold one, UTF-8 cannot), a value that is not
     JSON (a set, say), a dict inside itself, or nesting deeper than Python can walk."""
     try:
-        text = json.dumps(schema, allow_nan=False)
-        json.dumps(schema, ensure_ascii=False).encode("utf-8")  # a lone surrogate cannot be UTF-8
+        text = json.dumps(schema, allow_nan=False, ensure_ascii=False)
+        text.encode("utf-8")  # a lone surrogate cannot be UTF-8
     except UnicodeEncodeError as error:
         raise InvalidArgument(f"the JSON schema holds a lone surrogate ({error.object[error.start]!a}) in a string",
                               _SURROGATE_HINT) from None

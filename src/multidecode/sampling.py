@@ -42,6 +42,8 @@ from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES
 
 MAX_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
+SEED_LIMIT = 2**64
+"""Seeds lie in [0, SEED_LIMIT): a branch's draws come from a generator seeded with it."""
 MAX_BIAS = 100.0
 """A logit bias lies in [-MAX_BIAS, MAX_BIAS] (OpenAI's range): +100 all but forces a token, -100 bans it."""
 
@@ -72,7 +74,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
                 raise InvalidArgument(f"{name} must be a number, got {value!r}")
-        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**64):
+        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
             raise InvalidArgument(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}",
                                   "branch i uses seed + i, which must stay in that range too")
         if not self.temperature > 0:

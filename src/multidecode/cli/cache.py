@@ -33,7 +33,7 @@ def list_(as_json):
                                "total_bytes": total}, indent=1, ensure_ascii=False))
         return
     rows = [(e.name, e.kind, human_size(e.bytes), (e.created or "")[:16].replace("T", " "), e.state) for e in entries]
-    rows.append(("total", "", human_size(total), "", f"{counted(len(entries), 'item')}"))
+    rows.append(("total", "", human_size(total), "", counted(len(entries), 'item')))
     header = ("name", "kind", "size", "created (UTC)", "state")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
 

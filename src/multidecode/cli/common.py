@@ -285,10 +285,9 @@ def constraint_from(options: ConstraintOptions | None):
 
 
 def parsed(constraint, result) -> dict:
-    """{"parsed": the JSON value} of a result held to a JSON constraint (null when it was cut short)."""
-    if constraint is None or not constraint.is_json:
-        return {}
-    return {"parsed": constraint.parse(result.text)}
+    """{"parsed": the JSON value} of a result held to a JSON constraint (null when it was cut short),
+    as the library read it (`Completion.parsed`, `Answer.parsed`, `Trace.parsed`)."""
+    return {"parsed": result.parsed} if constraint is not None and constraint.is_json else {}
 
 
 def decoding_options(speculate: str | None = None):

@@ -171,7 +171,7 @@ def ask_on_server(url: str, text: str, questions: list[str], request: Request, a
                                for q, c, seed in zip(questions, choices, seeds, strict=True)], ensure_ascii=False))
     else:
         show_stream(server.pieces(body, chat=True), questions)
-    server.summarize(f"{counted(len(questions), 'answer')}", start, show_stats=show_stats,
+    server.summarize(counted(len(questions), 'answer'), start, show_stats=show_stats,
                      tail=", one shared pass")
 
 
@@ -252,7 +252,7 @@ def complete_on_server(url: str, text: str, no_chat: bool, request: Request, ask
     else:
         labels = [f"completion {i + 1}" + (f" (seed {seed})" if seed is not None else "") for i, seed in enumerate(seeds)]
         show_stream(server.pieces(body, chat=chat), labels)
-    server.summarize(f"{counted(len(seeds), 'completion')}", start, show_stats=show_stats)
+    server.summarize(counted(len(seeds), 'completion'), start, show_stats=show_stats)
 
 
 @click.command()

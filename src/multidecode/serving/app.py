@@ -279,21 +279,22 @@ class _Reply:
         return {"id": f"call_{self.job.id}_{choice.index}", "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments}}
 
-    def _message(self, choice: Choice) -> dict:
+    def _ended_call(self, choice: Choice) -> Call | None:
+        """The tool call a finished choice's text is (`ToolChoice.call`), read once for its message
+        or delta and its finish reason; None for a text reply."""
+        return None if self.tool is None else self.tool.call(choice.text)
+
+    def _message(self, choice: Choice, call: Call | None) -> dict:
         """A whole reply's message: its text, or its tool call (none where the reply was cut off
         before the function's name: an empty message, finished by "length")."""
         if self.tool is None:
             return {"role": "assistant", "content": choice.text}
-        call = self.tool.call(choice.text)
         return {"role": "assistant", "content": None} | ({"tool_calls": [self._call(choice, call)]} if call else {})
 
-    def _finish(self, choice: Choice, reason: str | None) -> str | None:
+    def _finish(self, reason: str | None, call: Call | None) -> str | None:
         """A tool call that ended whole, as its grammar allows, is finished as "tool_calls" (OpenAI's
         word); one cut short keeps its reason ("length", or "stop" for a stop string)."""
-        if self.tool is None or reason != "stop":
-            return reason
-        call = self.tool.call(choice.text)
-        return "tool_calls" if call is not None and call.whole else reason
+        return "tool_calls" if reason == "stop" and call is not None and call.whole else reason
 
     def _head(self, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
@@ -339,8 +340,9 @@ class _Reply:
         choices = []
         for c in self.choices:
             if self.chat:
-                choices.append({"index": c.index, "message": self._message(c), "logprobs": self._logprobs(c.logprobs),
-                                "finish_reason": self._finish(c, c.finish_reason)})
+                call = self._ended_call(c)
+                choices.append({"index": c.index, "message": self._message(c, call),
+                                "logprobs": self._logprobs(c.logprobs), "finish_reason": self._finish(c.finish_reason, call)})
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": self._logprobs(c.logprobs),
                                 "finish_reason": c.finish_reason})
@@ -351,17 +353,17 @@ class _Reply:
                              "multidecode": usage.stats})
 
     # ------------------------------------------------------------------ streamed
-    def _delta(self, choice: Choice, event) -> dict | None:
-        """A chat chunk's delta for `event` (None: nothing to send yet). A named function's
-        arguments stream as they come; a "required" call is sent when it ends, as far as it came
-        (nothing, an empty delta, where it was cut off before the function's name)."""
+    def _delta(self, choice: Choice, event, call: Call | None) -> dict | None:
+        """A chat chunk's delta for `event` (None: nothing to send yet; `call`: the choice's call
+        once it has ended). A named function's arguments stream as they come; a "required" call is
+        sent when it ends, as far as it came (nothing, an empty delta, where it was cut off before
+        the function's name)."""
         if self.tool is None:
             return {"content": event.text}
         if self.tool.named:
             return {"tool_calls": [{"index": 0, "function": {"arguments": event.text}}]}
         if event.finish_reason is None:
             return None
-        call = self.tool.call(choice.text)
         return {"tool_calls": [{"index": 0, **self._call(choice, call)}]} if call is not None else {}
 
     async def stream(self, queue: asyncio.Queue) -> AsyncIterator[str]:
@@ -389,11 +391,12 @@ class _Reply:
                     if not (payload.text or payload.finish_reason or entries or self.body.return_token_ids):
                         continue
                     if self.chat:
-                        delta = self._delta(choice, payload)
+                        call = self._ended_call(choice) if payload.finish_reason else None
+                        delta = self._delta(choice, payload, call)
                         if delta is None:
                             continue
                         item = {"index": choice.index, "delta": delta, "logprobs": self._logprobs(entries),
-                                "finish_reason": self._finish(choice, payload.finish_reason)}
+                                "finish_reason": self._finish(payload.finish_reason, call)}
                     else:
                         item = {"index": choice.index, "text": payload.text,
                                 "logprobs": self._logprobs(entries, start), "finish_reason": payload.finish_reason}

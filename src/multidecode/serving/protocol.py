@@ -55,7 +55,7 @@ from ..constraints import Constraint, compile_for_branches
 from ..errors import InvalidArgument, MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
-from ..sampling import MAX_BIAS, MAX_PENALTY, SamplingParams
+from ..sampling import MAX_BIAS, MAX_PENALTY, SEED_LIMIT, SamplingParams
 from ..speculation import LEARNED, SpeculationSettings, speculation_mode
 
 MAX_LOGPROBS = 20
@@ -63,9 +63,6 @@ GREEDY_BELOW = 1e-5
 """A temperature below this is greedy: dividing logits by it in float32 would overflow."""
 MIN_PENALTY = 0.01
 """repetition_penalty lies in [MIN_PENALTY, 1 / MIN_PENALTY]: past that, penalized logits overflow."""
-SEED_LIMIT = 2**64
-"""Seeds lie in [0, SEED_LIMIT), as `SamplingParams` takes them (and the command line, here or
-through --server): a seed a local run takes must not be refused by the server."""
 
 
 class BadRequest(MultiDecodeError, ValueError):

@@ -61,8 +61,7 @@ def answers(run: BranchRun, questions: Sequence[str]) -> list[Answer]:
 
 def answers_of(questions: Sequence[str], branches, prompts: Sequence[list[int]], stats: dict) -> list[Answer]:
     """Each question's `Answer` from its finished branch (wherever the branches ran)."""
-    return [Answer(q, b.output.text, b.output.token_ids, prompts[i], b.output.finish_reason, stats, b.parsed,
-                   b.sampler.params.seed if b.sampler.params.do_sample else None)
+    return [Answer(q, b.output.text, b.output.token_ids, prompts[i], b.output.finish_reason, stats, b.parsed, b.seed)
             for i, (q, b) in enumerate(zip(questions, branches))]
 
 

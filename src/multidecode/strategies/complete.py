@@ -191,8 +191,8 @@ def stream(scheduler: Scheduler, tokenizer, prompt, **settings) -> Iterator[Toke
 def completions(run: BranchRun | Waves) -> list[Completion]:
     stats, prompts = run.stats.as_dict(), run.prompts  # each once: `Waves.prompts` builds n lists
     return [
-        Completion(b.index, b.output.text, b.output.token_ids, b.output.finish_reason,
-                   b.sampler.params.seed if b.sampler.params.do_sample else None, prompts[b.index], stats, b.parsed)
+        Completion(b.index, b.output.text, b.output.token_ids, b.output.finish_reason, b.seed, prompts[b.index], stats,
+                   b.parsed)
         for b in run.branches
     ]
 

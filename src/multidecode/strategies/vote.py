@@ -36,6 +36,7 @@ class Trace:
     token_ids: list[int]
     finish_reason: str
     seed: int | None
+    parsed: object = None  # held to a JSON schema or object: the text's JSON value (None: cut short)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def vote_settings(sampling: dict) -> dict:
 
 def tally(question: str, done: Sequence[Completion], extract: Callable[[str], str | None] = extract_answer) -> Vote:
     """Extract each trace's answer and count the votes."""
-    traces = [Trace(c.text, extract(c.text), c.token_ids, c.finish_reason, c.seed) for c in done]
+    traces = [Trace(c.text, extract(c.text), c.token_ids, c.finish_reason, c.seed, c.parsed) for c in done]
     counts = Counter(t.answer for t in traces if t.answer is not None)
     ranked = dict(counts.most_common())  # ties keep the order in which answers first appeared
     return Vote(question, next(iter(ranked), None), ranked, traces)
