@@ -4,11 +4,14 @@ folder is conftest's `model_dir` fixture: `running_server(tiny_loader(model_dir)
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import openai
 import uvicorn
 
@@ -18,6 +21,7 @@ from multidecode.serving.app import ServeState, create_app
 from multidecode.serving.launch import DrainingServer, free_port
 
 MODEL = "tiny"
+EOS = 2  # the tiny model's end-of-sequence token
 
 
 class Running:
@@ -85,3 +89,48 @@ def chat_prompt_ids(running: Running, messages: list[dict], tools: list[dict] | 
     tokenizer = running.forest.tokenizer
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------- faults and error shapes
+class Control:
+    """What the served model does besides its forward: sleep before each one, or raise."""
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+        self.fail = False
+
+    def reset(self) -> None:
+        self.delay, self.fail = 0.0, False
+
+
+def controlled_loader(folder: Path, control: Control):
+    def load():
+        model, tokenizer = load_model_and_tokenizer(str(folder))
+        forward = model.forward
+
+        @functools.wraps(forward)  # its signature stays: the engine checks it takes position_ids
+        def controlled(*args, **kwargs):
+            if control.delay:
+                time.sleep(control.delay)
+            if control.fail:
+                raise RuntimeError("injected fault in the model's forward")
+            out = forward(*args, **kwargs)
+            out.logits[..., EOS] = -math.inf  # a request runs to its max_tokens
+            return out
+
+        model.forward = controlled
+        return model, tokenizer
+
+    return load
+
+
+def assert_error_shape(response: httpx.Response, status: int, kind: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    if kind is not None:
+        assert error["type"] == kind
+    return error

@@ -18,6 +18,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from constraint_cases import allowed, allowed_texts, check_output, eos_of, prompt_of, reference
 from scipy.stats import chisquare
 from speculation_cases import FLAT
 
@@ -64,54 +65,6 @@ PROMPTS = ["hello there", "Here is a document about support calls.", "what is th
 @pytest.fixture(scope="module")
 def decoder(model_dir):
     return multidecode.load(str(model_dir), device="cpu", exact=True)
-
-
-def eos_of(decoder) -> int:
-    return decoder.tokenizer.eos_token_id
-
-
-def prompt_of(decoder, text: str) -> list[int]:
-    return decoder.tokenizer(text)["input_ids"]
-
-
-def reference(decoder, prompt: list[int], constraint: Constraint, *, max_new_tokens: int, seed: int | None = None,
-              temperature: float = 1.0) -> list[int]:
-    """The plain constrained loop: the model on the whole sequence, llguidance's mask, arg-max (or a
-    draw from the row's own seeded generator, as a sampled branch draws)."""
-    vocab = decoder.model.get_input_embeddings().num_embeddings
-    compiled = compile_constraint(constraint, decoder.tokenizer, vocab_size=vocab, eos_id=eos_of(decoder))
-    matcher = compiled.matcher.deep_copy()
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
-    ids, out = list(prompt), []
-    for _ in range(max_new_tokens):
-        with torch.inference_mode():
-            logits = decoder.model(torch.tensor([ids])).logits[0, -1].float()  # [V]
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = torch.from_numpy(bits[:vocab].astype(bool))
-        logits = logits.masked_fill(~allowed, -float("inf"))
-        if generator is None:
-            token = int(logits.argmax())
-        else:
-            scores = logits / temperature if temperature != 1.0 else logits
-            token = int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
-        out.append(token)
-        ids.append(token)
-        if token == eos_of(decoder):
-            break
-        assert matcher.consume_token(token)
-    return out
-
-
-def check_output(constraint: Constraint, text: str, finish_reason: str) -> None:
-    """A finished output matches its constraint whole (a JSON one parses and validates)."""
-    if finish_reason != "stop":
-        return
-    if constraint.kind == "json_schema":
-        jsonschema.validate(json.loads(text), json.loads(constraint.text))
-    elif constraint.kind == "json_object":
-        assert isinstance(json.loads(text), dict)
-    elif constraint.kind == "regex":
-        assert re.fullmatch(constraint.text, text), text
 
 
 # ---------------------------------------------------------------------- the constraint value
@@ -212,15 +165,6 @@ def test_a_regex_ending_in_a_lone_backslash_is_refused(pattern):
     assert Constraint.regex(pattern + "\\").text == pattern + "\\"  # an escaped backslash is fine
 
 
-def allowed_texts(decoder, constraint: Constraint) -> list[str]:
-    """What each token the constraint allows first decodes to (a lone byte of a longer character
-    decodes to U+FFFD)."""
-    vocab = decoder.model.get_input_embeddings().num_embeddings
-    compiled = compile_constraint(constraint, decoder.tokenizer, vocab_size=vocab, eos_id=eos_of(decoder))
-    bits = np.unpackbits(np.frombuffer(compiled.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-    return [decoder.tokenizer.decode([int(i)]) for i in np.flatnonzero(bits[:vocab])]
-
-
 @pytest.mark.parametrize("pattern", [r"\d{3}", r"[x\d]{3}", r"[^\D]+"])
 def test_a_regex_digit_allows_only_ascii_digits(decoder, pattern):
     """The byte-level tokenizer has a token for each byte: with Unicode's \\d the lead bytes of
@@ -274,9 +218,7 @@ def test_masks_of_many_rows_equal_each_rows_own(decoder):
         if state is None:
             assert torch.equal(masked[row], scores[row])
             continue
-        bits = np.unpackbits(np.frombuffer(state.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = torch.from_numpy(bits[:vocab].astype(bool))
-        assert torch.equal(masked[row], scores[row].masked_fill(~allowed, -float("inf")))
+        assert torch.equal(masked[row], scores[row].masked_fill(~allowed(state.matcher, vocab), -float("inf")))
     # every row constrained, the logits wider than the grammar's vocabulary: the extra columns forbidden
     held = [s for s in states if s is not None]
     wide = torch.randn(len(held), vocab + 7)

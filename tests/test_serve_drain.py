@@ -20,8 +20,7 @@ import time
 
 import httpx
 import pytest
-from serving import MODEL, running_server
-from test_serve_faults import Control, assert_error_shape, controlled_loader
+from serving import MODEL, Control, assert_error_shape, controlled_loader, running_server
 
 from multidecode.errors import InvalidArgument
 from multidecode.runtime import ForestRuntime, Job, Limits, Overloaded

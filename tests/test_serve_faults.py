@@ -18,7 +18,6 @@ never emits its end-of-sequence token, so a request runs to its max_tokens.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import math
 import os
@@ -34,48 +33,14 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import MODEL, free_port, running_server
+from serving import MODEL, Control, assert_error_shape, controlled_loader, free_port, running_server
 
-from multidecode.models.loading import load_model_and_tokenizer
 from multidecode.runtime import Job, Limits
 from multidecode.runtime.jobs import NOTHING
 from multidecode.sampling import SamplingParams
 from multidecode.serving.launch import ServerProcess
 
-EOS = 2  # the tiny model's end-of-sequence token
 MULTIDECODE = Path(sys.executable).with_name("multidecode")
-
-
-class Control:
-    """What the served model does besides its forward: sleep before each one, or raise."""
-
-    def __init__(self) -> None:
-        self.delay = 0.0
-        self.fail = False
-
-    def reset(self) -> None:
-        self.delay, self.fail = 0.0, False
-
-
-def controlled_loader(folder: Path, control: Control):
-    def load():
-        model, tokenizer = load_model_and_tokenizer(str(folder))
-        forward = model.forward
-
-        @functools.wraps(forward)  # its signature stays: the engine checks it takes position_ids
-        def controlled(*args, **kwargs):
-            if control.delay:
-                time.sleep(control.delay)
-            if control.fail:
-                raise RuntimeError("injected fault in the model's forward")
-            out = forward(*args, **kwargs)
-            out.logits[..., EOS] = -math.inf  # a request runs to its max_tokens
-            return out
-
-        model.forward = controlled
-        return model, tokenizer
-
-    return load
 
 
 CONTROL = Control()
@@ -101,18 +66,6 @@ def server(running):
 def good_completion(client: openai.OpenAI) -> None:
     reply = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=3, temperature=0)
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
-
-
-def assert_error_shape(response: httpx.Response, status: int, kind: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    error = body["error"]
-    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
-    if kind is not None:
-        assert error["type"] == kind
-    return error
 
 
 def idle_cache(forest) -> bool:

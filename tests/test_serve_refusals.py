@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from serving import MODEL, running_server, tiny_loader
-from test_serve_faults import assert_error_shape
+from serving import MODEL, assert_error_shape, running_server, tiny_loader
 
 from multidecode.serving import remote
 

@@ -11,8 +11,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from constraint_cases import reference
 from serving import MODEL, chat_prompt_ids
-from test_constraints import reference
 
 from multidecode.constraints import Constraint
 

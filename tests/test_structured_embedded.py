@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from test_constraints import allowed_texts, reference
+from constraint_cases import allowed_texts, reference
 
 import multidecode
 from multidecode.constraints import Constraint
