@@ -20,15 +20,16 @@ from multidecode.scheduler import Feed
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": 8, "int4": 4}
 
 
-def exact_model(arch: str, attn: str, precision: str):
-    """A tiny model at `precision` (packed ones: linear weights as codes, bfloat16 activations)."""
+def exact_model(arch: str, attn: str, precision: str, device: str = "cpu"):
+    """A tiny model at `precision` (packed ones: linear weights as codes, bfloat16 activations) on
+    `device`, put on the exact kernels there (a GPU's exact path differs from the CPU's)."""
     kind = PRECISIONS[precision]
     model = copy.deepcopy(tiny_model(arch, attn))
     if isinstance(kind, int):
         pack_model(model, kind, torch.bfloat16)
-        model.to(torch.bfloat16)
+        model.to(device, torch.bfloat16)
     else:
-        model.to(kind)
+        model.to(device, kind)
     exact.use_exact_kernels(model)
     return model
 
@@ -68,13 +69,18 @@ def random_forest(engine: Engine, rng: random.Random, *, steps: int = 4, vocab: 
     return logits
 
 
-def differing(model, *, seed: int, apart: bool | None = None) -> tuple[list[int], int]:
-    """The nodes of a random forest whose logits differ from their paths fed alone, and how many were fed."""
+def beside_alone(model, *, seed: int, apart: bool | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each node of a random forest: (its logits in the forest, its path's fed alone)."""
     engine = Engine(model, apart=apart)
     logits = random_forest(engine, random.Random(seed))
-    bad = [node for node, row in logits.items()
-           if not torch.equal(Engine(model).feed_chain(engine.forest.path_tokens(node)).logits[0], row)]
-    return bad, len(logits)
+    return {node: (row, Engine(model).feed_chain(engine.forest.path_tokens(node)).logits[0])
+            for node, row in logits.items()}
+
+
+def differing(model, *, seed: int, apart: bool | None = None) -> tuple[list[int], int]:
+    """The nodes of a random forest whose logits differ from their paths fed alone, and how many were fed."""
+    pairs = beside_alone(model, seed=seed, apart=apart)
+    return [node for node, (row, alone) in pairs.items() if not torch.equal(alone, row)], len(pairs)
 
 
 @contextmanager

@@ -6,16 +6,15 @@ Skipped where no GPU is present (CI and the CPU machines run everything else).""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
-from forests import differing
-from tiny_models import ARCHITECTURES, MAIN_ARCHITECTURES, VOCAB, tiny_model
+from forests import differing, exact_model
+from tiny_models import ARCHITECTURES, MAIN_ARCHITECTURES, VOCAB
 
 import multidecode
-from multidecode import exact, kernels
+from multidecode import kernels
 from multidecode.api import start_forest
 from multidecode.cost import measure_cost
 from multidecode.sampling import SamplingParams
@@ -101,18 +100,12 @@ def test_sampled_draft_speculation_on_cuda_runs_the_rule_against_q():
 
 
 # ---------------------------------------------------------------------- exact by construction
-def exact_cuda_model(arch: str, dtype: torch.dtype):
-    model = copy.deepcopy(tiny_model(arch, "sdpa")).to("cuda", dtype)
-    exact.use_exact_kernels(model)
-    return model
-
-
 @pytest.mark.parametrize("arch", MAIN_ARCHITECTURES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_node_of_a_random_forest_on_cuda_equals_its_path_alone_bit_for_bit(arch, dtype):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_every_node_of_a_random_forest_on_cuda_equals_its_path_alone_bit_for_bit(arch, precision):
     """The exactness tests' random forests (draft trees, rollbacks, compactions) on the GPU: the
     products and norms in row tiles, attention on the portable kernel."""
-    model = exact_cuda_model(arch, dtype)
+    model = exact_model(arch, "sdpa", precision, device="cuda")
     for seed in range(3):
         bad, fed = differing(model, seed=seed)
         assert fed and not bad, f"seed {seed}: {len(bad)} of {fed} nodes differ from their paths alone"
@@ -121,7 +114,7 @@ def test_every_node_of_a_random_forest_on_cuda_equals_its_path_alone_bit_for_bit
 def test_products_and_norms_at_their_own_row_counts_fail_the_check(monkeypatch):
     """The mutant: torch's kernels called with the forward's true row count (no tiles)."""
     monkeypatch.setattr(kernels, "in_row_tiles", lambda layer, x: layer(x))
-    model = exact_cuda_model("llama", torch.float32)
+    model = exact_model("llama", "sdpa", "float32", device="cuda")
     assert any(differing(model, seed=seed)[0] for seed in range(3))
 
 
