@@ -8,6 +8,7 @@ import functools
 import math
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -89,6 +90,23 @@ def chat_prompt_ids(running: Running, messages: list[dict], tools: list[dict] | 
     tokenizer = running.forest.tokenizer
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def wait_until(condition: Callable[[], object], seconds: float, *, every: float = 0.01) -> bool:
+    """Poll `condition` until it holds or `seconds` pass; whether it holds then."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(every)
+    return bool(condition())
+
+
+def chat_choices(reply, n: int, *, stream: bool) -> tuple[list[str], list[str | None]]:
+    """Each of a chat reply's `n` choices as (its text, its finish reason), streamed or whole."""
+    texts, finishes = [""] * n, [None] * n
+    for choice in ([c for chunk in reply for c in chunk.choices] if stream else reply.choices):
+        texts[choice.index] += (choice.delta.content or "") if stream else choice.message.content
+        finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    return texts, finishes
 
 
 # ---------------------------------------------------------------------- faults and error shapes

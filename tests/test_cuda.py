@@ -206,7 +206,7 @@ def test_merged_batch_on_cuda_equals_each_line_alone(cuda_decoder):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_server_on_cuda_answers_a_json_schema_with_n_choices(model_dir, stream):
-    from serving import MODEL, running_server, tiny_loader
+    from serving import MODEL, chat_choices, running_server, tiny_loader
 
     with running_server(tiny_loader(model_dir)) as running:
         assert next(running.forest.model.parameters()).device.type == "cuda"  # load picks the GPU by default
@@ -214,10 +214,7 @@ def test_server_on_cuda_answers_a_json_schema_with_n_choices(model_dir, stream):
             model=MODEL, messages=[{"role": "user", "content": "A record, please."}], max_tokens=60, n=2, seed=3,
             response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}},
             stream=stream)
-        texts, finishes = ["", ""], [None, None]
-        for choice in ([c for chunk in reply for c in chunk.choices] if stream else reply.choices):
-            texts[choice.index] += (choice.delta.content or "") if stream else choice.message.content
-            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+        texts, finishes = chat_choices(reply, 2, stream=stream)
     for text, finish in zip(texts, finishes):
         assert finish == "length" or valid(text), text
 

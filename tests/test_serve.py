@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serving import MODEL, running_server, tiny_loader
+from serving import MODEL, running_server, tiny_loader, wait_until
 
 from multidecode.prompts import common_prefix_length
 from multidecode.runtime import ForestRuntime, Job, Limits
@@ -225,9 +225,7 @@ def test_waiting_requests_that_share_an_uncached_prefix_let_one_go_first(model_d
             for p, out in zip(prompts, outputs)]
     forest.start()  # both jobs wait in the first round
     try:
-        deadline = time.monotonic() + 30
-        while forest.busy and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not forest.busy, 30)
     finally:
         forest.stop()
     assert sorted(job.cached_tokens for job in jobs) == [0, common_prefix_length(prompts)]
@@ -248,7 +246,7 @@ def test_an_idle_engine_gathers_the_jobs_sent_together(model_dir):
             jobs.append(forest.submit(Job(prompts=[_tokens(tokenizer, text)], max_new_tokens=4,
                                           sampling=[SamplingParams()], sink=lambda item: None)))
             time.sleep(0.2)  # each answered in a few steps: without gathering, one after another
-        _wait_idle(forest)
+        assert wait_until(lambda: not forest.busy, 60)
         assert forest.counters.steps == max(job.steps for job in jobs)  # one round: all from the first step
     finally:
         forest.stop()
@@ -257,17 +255,10 @@ def test_an_idle_engine_gathers_the_jobs_sent_together(model_dir):
         started = time.monotonic()
         forest.submit(Job(prompts=[_tokens(tokenizer, PROMPT)], max_new_tokens=2, sampling=[SamplingParams()],
                           sink=lambda item: None))
-        _wait_idle(forest)
+        assert wait_until(lambda: not forest.busy, 60)
         assert forest.counters.admitted == 1 and time.monotonic() - started >= 0.3
     finally:
         forest.stop()
-
-
-def _wait_idle(forest: ForestRuntime) -> None:
-    deadline = time.monotonic() + 60
-    while forest.busy and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not forest.busy
 
 
 def test_the_cache_goes_back_to_the_prefix_index_when_idle(server):

@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from serving import MODEL, Control, assert_error_shape, controlled_loader, running_server
+from serving import MODEL, Control, assert_error_shape, controlled_loader, running_server, wait_until
 
 from multidecode.errors import InvalidArgument
 from multidecode.runtime import ForestRuntime, Job, Limits, Overloaded
@@ -62,9 +62,7 @@ def test_past_the_drain_deadline_running_requests_end_with_the_shutting_down_err
             lines = response.iter_lines()
             events = events_of(next(lines) for _ in range(2))  # one token event, and its blank line
             waiting.start()
-            deadline = time.monotonic() + 10
-            while forest.busy < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: forest.busy >= 2, 10)
             assert forest.busy == 2
             signalled = time.monotonic()
             running.uvicorn.handle_exit(signal.SIGTERM, None)
@@ -75,9 +73,7 @@ def test_past_the_drain_deadline_running_requests_end_with_the_shutting_down_err
         assert 1.0 <= ended < 1.0 + MARGIN_S, ended
         error = assert_error_shape(plain["reply"], 503, "server_overloaded")
         assert "shutting down" in error["message"] and int(plain["reply"].headers["retry-after"]) >= 1
-        deadline = time.monotonic() + MARGIN_S
-        while not running.uvicorn.should_exit and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: running.uvicorn.should_exit, MARGIN_S)
         assert running.uvicorn.should_exit and not forest.busy and not forest.scheduler.works
         assert (forest.admission.held, forest.admission.jobs) == (NOTHING, 0)
         assert running.uvicorn.config.timeout_graceful_shutdown == SHUTDOWN_GRACE_S  # uvicorn's own backstop
@@ -93,14 +89,10 @@ def test_cancel_all_ends_running_and_waiting_jobs_on_the_engine_thread(model_dir
         for out in outputs:
             forest.submit(Job(prompts=[[5, 6, 7, 8]], max_new_tokens=200, sampling=[SamplingParams()],
                               sink=out.append))
-        deadline = time.monotonic() + 10
-        while not any(item[0] == "token" for item in outputs[0]) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: any(item[0] == "token" for item in outputs[0]), 10)
         error = Overloaded.shutting_down()
         forest.cancel_all(error)
-        deadline = time.monotonic() + 5
-        while forest.busy and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not forest.busy, 5)
         assert not forest.busy and not forest.scheduler.works
         assert [out[-1] for out in outputs] == [("error", error)] * 2
         assert not any(item[0] == "token" for item in outputs[1])  # it never started
@@ -109,9 +101,7 @@ def test_cancel_all_ends_running_and_waiting_jobs_on_the_engine_thread(model_dir
         control.delay = 0.0
         done: list = []
         forest.submit(Job(prompts=[[5, 6, 7, 8]], max_new_tokens=3, sampling=[SamplingParams()], sink=done.append))
-        deadline = time.monotonic() + 10
-        while forest.busy and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not forest.busy, 10)
         assert done[-1][0] == "done" and done[-1][1].completion_tokens == 3  # it serves on
     finally:
         forest.stop()

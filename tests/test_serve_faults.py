@@ -33,7 +33,15 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import MODEL, Control, assert_error_shape, controlled_loader, free_port, running_server
+from serving import (
+    MODEL,
+    Control,
+    assert_error_shape,
+    controlled_loader,
+    free_port,
+    running_server,
+    wait_until,
+)
 
 from multidecode.runtime import Job, Limits
 from multidecode.runtime.jobs import NOTHING
@@ -346,9 +354,7 @@ def test_a_plain_request_timed_out_while_tokens_flow_is_cancelled(server):
     CONTROL.delay = 0.01  # a token every ~10 ms, far more often than the server looks for a gone client
     with pytest.raises(openai.APITimeoutError):
         server.client(timeout=0.5).completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=240)
-    deadline = time.monotonic() + 1.5
-    while forest.scheduler.works and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_until(lambda: not forest.scheduler.works, 1.5, every=0.005)
     assert not forest.scheduler.works and forest.counters.cancelled == cancelled + 1
     assert forest.counters.generated - generated < 150
     server.wait_idle()
@@ -368,9 +374,7 @@ def test_a_stream_closed_midway_leaves_the_forest_at_the_next_step(server):
     assert len(forest.scheduler.works) == 1
     cancelled, steps = forest.counters.cancelled, forest.counters.steps
     stream.close()
-    deadline = time.monotonic() + 5
-    while forest.scheduler.works and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_until(lambda: not forest.scheduler.works, 5, every=0.005)
     assert not forest.scheduler.works and forest.counters.cancelled == cancelled + 1
     assert forest.counters.steps - steps < 100  # well before its 200 tokens
     CONTROL.delay = 0.0

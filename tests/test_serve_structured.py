@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 from constraint_cases import reference
-from serving import MODEL, chat_prompt_ids
+from serving import MODEL, chat_choices, chat_prompt_ids
 
 from multidecode.constraints import Constraint
 
@@ -54,11 +54,7 @@ def test_n_sampled_json_objects_each_parse(server, stream):
     client = server.client()
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=80, n=3, seed=4,
                                            response_format={"type": "json_object"}, stream=stream)
-    texts = ["", "", ""]
-    finishes = [None] * 3
-    for choice in ([c for chunk in reply for c in chunk.choices] if stream else reply.choices):
-        texts[choice.index] += choice.delta.content or "" if stream else choice.message.content
-        finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    texts, finishes = chat_choices(reply, 3, stream=stream)
     for text, finish in zip(texts, finishes):
         assert text.startswith("{")
         if finish == "stop":
