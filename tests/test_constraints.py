@@ -202,6 +202,76 @@ def test_a_constraint_needs_an_eos_and_a_fast_tokenizer(decoder):
         multidecode.decode(decoder.model, prompt, [[]], max_new_tokens=4, constraint=Constraint.regex("a+"))
 
 
+@pytest.mark.parametrize("kind, text", [
+    ("regex", "[a&&b]"), ("regex", r"[^\s\S]"), ("regex", "a[a&&b]"), ("grammar", 'start: a\na: a "x"\n'),
+])
+def test_a_constraint_that_matches_no_text_is_refused_when_compiled(decoder, kind, text):
+    """llguidance reads these, but no output can match them: unchecked, a branch would end at
+    once with an empty output and "stop"."""
+    constraint = getattr(Constraint, kind)(text)
+    with pytest.raises(InvalidArgument, match="matches no text at all") as caught:
+        decoder.generate("hi", constraint=constraint, max_new_tokens=4)
+    assert caught.value.hint
+    decoder.generate("hi", regex="a|[a&&b]", max_new_tokens=4)  # a language with one word is not empty
+
+
+@pytest.mark.parametrize("schema", [True, "true"])
+def test_a_boolean_schema_true_is_any_value_and_false_none(schema):
+    assert json.loads(Constraint.json_schema(schema).text) == {}
+    with pytest.raises(InvalidArgument, match="false, which no value satisfies"):
+        Constraint.json_schema(False if schema is True else "false")
+
+
+# ---------------------------------------------------------------------- what a result says it matched
+INTEGER = {"type": "integer", "minimum": 1000000}
+
+
+def test_an_output_cut_short_has_no_parsed_value_even_where_its_text_parses(decoder):
+    """A number cut at max_new_tokens may have gone on: "100" parses, and breaks the schema."""
+    cut = decoder.generate(PROMPTS[0], json_schema=INTEGER, max_new_tokens=2)
+    assert cut.finish_reason == "length" and cut.matched is False and cut.parsed is None
+    whole = decoder.generate(PROMPTS[0], json_schema=INTEGER, max_new_tokens=40)
+    if whole.finish_reason == "stop":
+        assert whole.matched is True and whole.parsed == json.loads(whole.text) >= 1000000
+    free = decoder.generate(PROMPTS[0], max_new_tokens=2)
+    assert free.matched is None and free.parsed is None
+
+
+def test_an_output_cut_by_a_stop_string_has_not_matched(decoder):
+    def cuts(text: str) -> list[int]:  # where a stop string (the rest of the text) first cuts it to a number
+        return [k for k in range(1, len(text)) if text.find(text[k:]) == k and re.fullmatch("-?[0-9]+", text[:k])]
+
+    outputs = [(p, decoder.generate(p, json_schema={"type": "integer"}, max_new_tokens=12)) for p in PROMPTS]
+    prompt, whole, at = next((p, w, cuts(w.text)[0]) for p, w in outputs if cuts(w.text))
+    cut = decoder.generate(prompt, json_schema={"type": "integer"}, max_new_tokens=12, stop=[whole.text[at:]])
+    assert cut.text == whole.text[:at] and cut.finish_reason == "stop"
+    assert cut.matched is False and cut.parsed is None  # what is left parses: not the output's value
+
+
+def test_a_whole_value_whose_eos_was_cut_at_max_new_tokens_has_matched(decoder):
+    """The grammar was complete (only the eos could follow), so the value is whole and valid."""
+    whole = decoder.generate(PROMPTS[0], json_schema=SCHEMA, max_new_tokens=80)
+    assert whole.finish_reason == "stop" and whole.token_ids[-1] == eos_of(decoder)
+    short = decoder.generate(PROMPTS[0], json_schema=SCHEMA, max_new_tokens=len(whole.token_ids) - 1)
+    assert short.finish_reason == "length" and short.token_ids == whole.token_ids[:-1]
+    assert short.matched is True and short.parsed == whole.parsed and jsonschema.validate(short.parsed, SCHEMA) is None
+
+
+def test_vote_under_a_constraint_votes_on_the_whole_value(decoder):
+    from multidecode.strategies.vote import INSTRUCTION, vote_prompt
+
+    voted = decoder.vote("Which color?", n=6, json_schema=SCHEMA, max_new_tokens=120, seed=2)
+    for trace in voted.traces:
+        expected = json.dumps(trace.parsed, sort_keys=True, ensure_ascii=False) if trace.matched else None
+        assert trace.answer == expected
+    assert sum(voted.counts.values()) == sum(t.matched for t in voted.traces) >= 1
+    assert vote_prompt("Which color?", constrained=True) == "Which color?"
+    assert vote_prompt("Which color?").endswith(INSTRUCTION)
+    picked = decoder.vote("Which color?", n=6, json_schema=SCHEMA, max_new_tokens=120, seed=2,
+                          extract=lambda text: json.loads(text)["color"] if text.endswith("}") else None)
+    assert set(picked.counts) <= {"red", "green", "light blue"}
+
+
 # ---------------------------------------------------------------------- masks and drafts
 def test_masks_of_many_rows_equal_each_rows_own(decoder):
     """One vectorised fill equals llguidance's mask row by row; free rows are left alone."""
@@ -521,3 +591,16 @@ def test_a_line_whose_schema_the_engine_cannot_read_fails_alone(model_dir, tmp_p
         answer, = got[key]["answers"]
         assert answer["finish_reason"] == "stop", answer
         jsonschema.validate(answer["parsed"], schema)
+
+
+def test_cli_notes_outputs_cut_before_their_grammar_was_complete(model_dir, tmp_path):
+    schema, document = tmp_path / "schema.json", tmp_path / "document.txt"
+    schema.write_text(json.dumps(SCHEMA))
+    document.write_text(PROMPTS[1])
+    for command in (["complete", "-p", PROMPTS[0], "-n", 2, "--seed", 1], ["ask", "-d", document, "-q", "a?", "-q", "b?"],
+                    ["vote", "-q", "Which?", "-n", 2, "--seed", 1]):
+        for budget, noted in ((3, True), (200, False)):
+            result = invoke(*command, "--model", model_dir, "--json-schema", schema, "--max-new-tokens", budget)
+            assert result.exit_code == 0, result.output
+            said = "2 of 2 outputs reached --max-new-tokens before their grammar was complete" in result.stderr
+            assert said == noted, (command, budget, result.stderr)

@@ -350,6 +350,12 @@ def test_stdin_cannot_feed_both_the_document_and_the_questions(model_dir):
                        "cannot both read standard input")
 
 
+@pytest.mark.parametrize("args", [["ask", "--document", "-", "-q", "q?"], ["generate", "--prompt-file", "-"]])
+def test_stdin_cannot_feed_both_the_text_and_the_schema(model_dir, args):
+    assert_clean_error(run(*args, "--model", model_dir, "--json-schema", "-", stdin='{"type": "object"}'),
+                       "JSON schema cannot both read standard input")
+
+
 def test_greedy_and_sampling_flags_together_are_refused(model_dir):
     assert_clean_error(run("complete", "--model", model_dir, "-p", "hi", "--greedy", "--temperature", 0.5),
                        "--greedy cannot be combined with --temperature")

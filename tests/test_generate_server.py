@@ -200,3 +200,39 @@ def test_a_schema_holds_the_served_output_as_it_holds_the_local_one(served, mode
     for key in ("text", "token_ids", "finish_reason", "parsed"):
         assert there[key] == here[key], key
     assert here["finish_reason"] == "stop" and isinstance(here["parsed"]["ok"], bool)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "integer", "minimum": 1000000},
+], ids=["object", "integer"])
+def test_a_served_output_cut_at_max_tokens_is_parsed_as_the_local_one(served, model_dir, tmp_path, schema):
+    """Cut before its eos (the value whole) or inside its value: `parsed` the same here and there,
+    null where the value may have gone on, and the note on stderr only then."""
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema), encoding="utf-8")
+    whole = _generate("--model", model_dir, "-p", PROMPT, "--json-schema", path, "--max-new-tokens", "40")
+    assert whole["finish_reason"] == "stop" or schema["type"] == "integer"
+    for budget in (len(whole["token_ids"]) - 1, 1):
+        asked = ("-p", PROMPT, "--json-schema", path, "--max-new-tokens", budget)
+        here, there = _generate("--model", model_dir, *asked), _generate("--server", served.url, *asked)
+        assert (there["token_ids"], there["finish_reason"], there["parsed"]) == \
+               (here["token_ids"], here["finish_reason"], here["parsed"])
+        value_whole = whole["finish_reason"] == "stop" and budget == len(whole["token_ids"]) - 1
+        if value_whole and schema["type"] == "object":  # only its eos was cut
+            assert here["finish_reason"] == "length" and here["parsed"] == whole["parsed"] is not None
+        if budget == 1 or schema["type"] == "integer":  # a number cut at max_tokens may have gone on
+            assert here["parsed"] is None
+        for where in (("--model", model_dir), ("--server", served.url)):
+            printed = CliRunner().invoke(main, ["generate", *map(str, where + asked)])
+            assert printed.exit_code == 0, printed.output
+            assert ("reached --max-new-tokens" in printed.stderr) == (here["parsed"] is None), where
+
+
+def test_a_schema_file_that_is_not_json_is_refused_before_the_server_is_asked(tmp_path):
+    for schema in ("not json {", "[1, 2]"):
+        (tmp_path / "bad.json").write_text(schema, encoding="utf-8")
+        result = CliRunner().invoke(main, ["generate", "--server", "http://127.0.0.1:1", "-p", PROMPT,
+                                           "--json-schema", str(tmp_path / "bad.json")])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert "JSON schema" in result.output and "hint:" in result.output

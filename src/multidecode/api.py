@@ -53,7 +53,7 @@ from .strategies import vote as _vote
 from .strategies.ask import Answer
 from .strategies.beam import Beam
 from .strategies.complete import Completion
-from .strategies.vote import Vote, extract_answer
+from .strategies.vote import Vote
 
 
 class MultiDecoder:
@@ -238,9 +238,11 @@ class MultiDecoder:
 
     # ------------------------------------------------------------------ self-consistency
     def vote(self, question: str, *, n: int = 8, max_new_tokens: int = 256,
-             extract: Callable[[str], str | None] = extract_answer, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
+             extract: Callable[[str], str | None] | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
              **sampling) -> Vote:
-        """n sampled reasoning traces in one forest, an answer extracted from each, and the majority."""
+        """n sampled reasoning traces in one forest, an answer extracted from each, and the majority.
+        extract: text -> answer (default: an "Answer:" line, else the last number or line; a trace
+        held to a constraint is its answer whole, see `strategies.vote`)."""
         return _vote.vote(self.scheduler(), self.tokenizer, question, n=n, max_new_tokens=max_new_tokens,
                           extract=extract, speculate=self.speculation(speculate), constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)
 

@@ -41,7 +41,7 @@ from .proposers.mixture import Mixture
 from .sampling import BranchSampler, SamplingParams, check_vocabulary
 from .scheduler import Feed, Scheduler, Settled, Work
 from .speculation import Speculation, build_speculation
-from .stopping import BranchOutput, StopRule, eos_ids_of, stop_strings_of
+from .stopping import LENGTH, BranchOutput, StopRule, eos_ids_of, stop_strings_of
 from .verify import walk
 
 
@@ -84,11 +84,28 @@ class Branch:
         return self.sampler.params.seed if self.sampler.params.do_sample else None
 
     @property
-    def parsed(self):
-        """The JSON value of an output held to a JSON schema or object (None without one, or when
-        the output does not parse: cut at max_new_tokens, or by a stop string)."""
+    def matched(self) -> bool | None:
+        """Whether an output held to a constraint matches it whole (None without one): its grammar
+        complete, and its text not cut by a stop string. Not when max_new_tokens came first."""
         grammar = self.sampler.grammar
-        return None if grammar is None else grammar.compiled.constraint.parse(self.output.text)
+        if grammar is None:
+            return None
+        return grammar.matched and not self.output.cut_by_stop_string
+
+    @property
+    def cut_short(self) -> bool:
+        """Held to a constraint, and ended by max_new_tokens before matching it whole."""
+        return self.matched is False and self.output.finish_reason == LENGTH
+
+    @property
+    def parsed(self):
+        """The JSON value of an output held to a JSON schema or object, where it matched it whole
+        (`matched`): so it always satisfies the schema. None otherwise: no JSON constraint, or cut
+        at max_new_tokens or by a stop string (even where the part left parses: "100" of an
+        integer that had to reach 1000000)."""
+        if not self.matched:
+            return None
+        return self.sampler.grammar.compiled.constraint.parse(self.output.text)
 
 
 @dataclass

@@ -33,11 +33,12 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import InvalidArgument, InvalidInput
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 FORCED = -7
@@ -86,19 +87,10 @@ class Constraint:
             raise self.refusal("cannot be compiled", _first_line(messages))
 
     @classmethod
-    def json_schema(cls, schema: dict | str, *, strict: bool = True, jump_forward: bool = True) -> Constraint:
-        """Output that parses as JSON and validates against `schema` (a dict or JSON text)."""
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as error:
-                raise InvalidArgument(f"the JSON schema is not valid JSON: {error}", _HINTS["json_schema"]) from None
-            except RecursionError:
-                raise InvalidArgument("the JSON schema is nested too deeply to read", _DEEP_HINT) from None
-        if not isinstance(schema, dict):
-            raise InvalidArgument(f"a JSON schema must be a JSON object, got {type(schema).__name__}",
-                                  _HINTS["json_schema"])
-        return cls("json_schema", _schema_json(schema), strict, jump_forward)
+    def json_schema(cls, schema: dict | bool | str, *, strict: bool = True, jump_forward: bool = True) -> Constraint:
+        """Output that parses as JSON and validates against `schema` (a dict, a boolean schema or
+        JSON text; see `read_schema`)."""
+        return cls("json_schema", _schema_json(read_schema(schema)), strict, jump_forward)
 
     @classmethod
     def json_object(cls, *, jump_forward: bool = True) -> Constraint:
@@ -173,14 +165,15 @@ _HINTS = {
     "regex": "use Rust regex syntax (no look-around or back-references)",
     "grammar": "give a Lark grammar (start: ...) or a GBNF grammar (root ::= ...)",
 }
-BEST_EFFORT_HINT = ('leave those keywords out, or ask for best effort (strict=False in Python; "strict": false on '
-                    'the server; --no-strict on the command line)')
+BEST_EFFORT_HINT = ('leave those keywords out, or ask for best effort (Constraint.json_schema(schema, strict=False) '
+                    'in Python; "strict": false on the server; --no-strict on the command line)')
 """The fix for a schema keyword the engine cannot enforce; a batch line words it for its own field."""
 _DEEP_HINT = ('nest it less deeply (about 60 levels at most): define a part that repeats once in "$defs" and '
               'refer to it with "$ref"')
 _SURROGATE_HINT = r"remove the lone surrogate (\ud800 to \udfff without its pair) from its strings"
 _SCHEMA_HINTS = (
     (("Unimplemented keys", "Unknown format"), BEST_EFFORT_HINT),
+    (("anyOf is empty",), 'give "enum" (or "anyOf", "oneOf") at least one choice'),
     (("Unsatisfiable",), "loosen the bounds (minLength/maxLength, minItems/maxItems, minimum/maximum...)"),
     (("recursion limit",), _DEEP_HINT),
     (("number out of range",), "keep its numbers within a double's range (up to about 1.8e308)"),
@@ -192,6 +185,28 @@ and a hint that says "give a JSON Schema object" to one that is one helps nobody
 _ENGINE_POSITION = re.compile(r"\s+at line \d+ column \d+$")
 """Where llguidance's JSON reader stopped, in the text we wrote from the schema (not the user's):
 no help to a user, so it is left out of the message."""
+
+
+def read_schema(schema: dict | bool | str) -> dict:
+    """A JSON schema as a dict, from a dict, JSON text or a boolean schema (JSON Schema's `true`
+    is any value, `{}`; `false` is none, refused), refused with the fix when it is not one. Torch-
+    free: a command sending its work to a server checks its schema here before sending it."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise InvalidArgument(f"the JSON schema is not valid JSON: {error}", _HINTS["json_schema"]) from None
+        except RecursionError:
+            raise InvalidArgument("the JSON schema is nested too deeply to read", _DEEP_HINT) from None
+    if schema is True:
+        return {}
+    if schema is False:
+        raise InvalidArgument("the JSON schema is false, which no value satisfies",
+                              "give true or {} for any JSON value, or a schema object")
+    if not isinstance(schema, dict):
+        raise InvalidArgument(f"a JSON schema must be a JSON object, got {type(schema).__name__}",
+                              _HINTS["json_schema"])
+    return schema
 
 
 def hint_for(kind: str, reason: str) -> str:
@@ -327,6 +342,9 @@ def compile_constraint(constraint: Constraint, tokenizer, *, vocab_size: int, eo
     matcher = llg.LLMatcher(lltok, constraint.compiled_text, log_level=0)
     if matcher.is_error():
         raise constraint.refusal("cannot be compiled for this tokenizer", _first_line([matcher.get_error()]))
+    if _matches_nothing(matcher):
+        raise InvalidArgument(f"the {constraint.description} matches no text at all, so no output can satisfy it",
+                              _NOTHING_HINTS[constraint.kind])
     compiled[constraint] = result = Compiled(constraint, matcher, vocab_size, eos_id)
     while len(compiled) > COMPILED_PER_TOKENIZER:
         compiled.popitem(last=False)
@@ -373,6 +391,24 @@ def primary_eos(tokenizer, eos_ids) -> int:
     return own if own in eos_ids else min(eos_ids)
 
 
+def _matches_nothing(matcher) -> bool:
+    """Whether a fresh matcher's language is empty (`[a&&b]`, a rule that only derives itself):
+    llguidance finds it only when it first computes a mask, and then allows the eos token alone,
+    so the branch would end at once with an empty output that does not match. Checked on a copy."""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    return probe.is_error()
+
+
+_NOTHING_HINTS = {
+    "json_schema": "loosen the schema so that some value satisfies it",
+    "json_object": "",
+    "regex": "check its character classes and repetitions: an intersection such as [a&&b] or a class such as "
+             "[^\\s\\S] matches no character",
+    "grammar": "check that every rule can end: a rule that only refers to itself (a: a \"x\") derives no text",
+}
+
+
 # ---------------------------------------------------------------------- one branch
 class GrammarState:
     """One branch's matcher: where its tokens have taken the grammar."""
@@ -394,6 +430,13 @@ class GrammarState:
     def complete(self) -> bool:
         """Whether the grammar is complete: only the eos token may follow."""
         return self.matcher.is_stopped()
+
+    @property
+    def matched(self) -> bool:
+        """Whether the tokens consumed are a whole match: the grammar complete (ended by its eos
+        where it could end, or with nothing left to add), and not stopped by an error. A branch cut
+        at max_new_tokens where it could still go on ("100" for an integer) has not matched."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
 
     def accepted_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, in order, the grammar allows from here (no state change)."""
@@ -418,6 +461,9 @@ def mask_logits(scores: torch.Tensor, states: Sequence[GrammarState | None]) -> 
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return scores
+    import numpy as np  # here, not at the top: a command sending a schema to a server reads it torch-free
+    import torch
+
     n, vocab = scores.shape
     width = states[rows[0]].compiled.vocab_size
     bitmask = torch.full((len(rows), (width + 31) // 32), -1, dtype=torch.int32)  # [rows, words]

@@ -103,6 +103,11 @@ class BranchOutput:
         return self.finish_reason is not None
 
     @property
+    def cut_by_stop_string(self) -> bool:
+        """Whether a stop string ended it (its text cut before the stop string)."""
+        return self._cut is not None
+
+    @property
     def text(self) -> str:
         return self._text[: self._cut] if self._cut is not None else self._text
 

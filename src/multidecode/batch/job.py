@@ -204,7 +204,7 @@ class BatchJob:
             "id": outcome.item.id,
             "line": outcome.item.line,
             "answers": [{"question": a.question, "answer": a.text, "finish_reason": a.finish_reason,
-                         "tokens": len(a.token_ids), **parsed_entry(constraint, a.text)} for a in answers],
+                         "tokens": len(a.token_ids), **parsed_entry(constraint, a)} for a in answers],
             "error": None if error is None else _error_record(error),
             "tokens": sum(len(a.token_ids) for a in answers),
             "elapsed_s": round(outcome.elapsed_s, 4),
@@ -219,12 +219,12 @@ class BatchJob:
             repaired=self.repaired, failures=list(self.failures))
 
 
-def parsed_entry(constraint, text: str) -> dict:
-    """{"parsed": the answer's JSON value} under a JSON constraint (null when it was cut short by
-    max_new_tokens), nothing otherwise."""
+def parsed_entry(constraint, answer) -> dict:
+    """{"parsed": the answer's JSON value} under a JSON constraint (null where it did not match it
+    whole: cut short by max_new_tokens or a stop string; `Answer.parsed`), nothing otherwise."""
     if constraint is None or not constraint.is_json:
         return {}
-    return {"parsed": constraint.parse(text)}
+    return {"parsed": answer.parsed}
 
 
 def _error_record(err) -> dict:

@@ -20,12 +20,12 @@ FORMAT = "multidecode-batch/1"
 
 
 def meta_path(output: str | os.PathLike) -> Path:
-    """The settings file written beside an output: OUT.meta.json."""
+    """The settings file written beside an output: OUT.jsonl.meta.json (its name with .meta.json added)."""
     return Path(output).with_name(Path(output).name + ".meta.json")
 
 
 def lock_path(output: str | os.PathLike) -> Path:
-    """The lock file beside an output: OUT.lock (it stays; the lock is on it, not its existence)."""
+    """The lock file beside an output: OUT.jsonl.lock (it stays; the lock is on it, not its existence)."""
     return Path(output).with_name(Path(output).name + ".lock")
 
 
@@ -33,7 +33,7 @@ class OutputFile:
     """An output, locked and open for appending, scanned and repaired on opening.
 
     recorded: id key -> whether its record is a failure; fingerprints: the settings seen;
-    repaired: whether a cut-short last line was removed. The lock is an flock on OUT.lock (so the
+    repaired: whether a cut-short last line was removed. The lock is an flock on OUT.jsonl.lock (so the
     kernel drops it when the process dies, and it outlives the rewrite of the output itself).
     """
 

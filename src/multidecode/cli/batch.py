@@ -280,7 +280,7 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     that fails (bad JSON, an empty question, a document too long for the model, ...) is recorded
     with its error and the job goes on; --retry-failed redoes those. Resuming needs the same
     settings (model, precision, job questions, --max-new-tokens, --stop, sampling), which
-    OUT.meta.json records. Exit status: 0 when every line has a result (failed ones included),
+    OUT.jsonl.meta.json records. Exit status: 0 when every line has a result (failed ones included),
     1 when lines are left undone (the input changed during the run, or repeated unexpected
     errors aborted it), 130 after Ctrl-C (143 after SIGTERM), 2 for a problem with the job.
 

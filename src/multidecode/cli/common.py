@@ -284,6 +284,15 @@ def constraint_from(options: ConstraintOptions | None):
     return Constraint.regex(options.regex)
 
 
+def note_if_cut(cut: int, of: int = 1) -> None:
+    """Say on stderr that `cut` of `of` outputs held to a grammar reached --max-new-tokens before
+    matching it whole (`Branch.cut_short`), so they may not parse."""
+    if cut:
+        which = "the output" if of == 1 else f"{cut} of {of} outputs"
+        stderr.print(f"[yellow]note:[/yellow] {which} reached --max-new-tokens before {'its' if of == 1 else 'their'} "
+                     "grammar was complete, so it may not parse; raise --max-new-tokens")
+
+
 def parsed(constraint, result) -> dict:
     """{"parsed": the JSON value} of a result held to a JSON constraint (null when it was cut short),
     as the library read it (`Completion.parsed`, `Answer.parsed`, `Trace.parsed`)."""
@@ -346,8 +355,15 @@ def counted(n: int, noun: str, nouns: str | None = None) -> str:
 
 # ---------------------------------------------------------------------- inputs
 def read_text(path: str, what: str = "document") -> str:
-    """Read a UTF-8 text file, or stdin for '-'; refuse binary files with a clear message."""
+    """Read a UTF-8 text file, or stdin for '-'; refuse binary files with a clear message, and a
+    second '-' in one command (stdin is read once: the second would read nothing, and its
+    error would be about empty text)."""
     if path == "-":
+        meta = context.meta if (context := click.get_current_context(silent=True)) is not None else {}
+        if (reader := meta.get(_STDIN_READER)) is not None:
+            raise InvalidInput(f"the {reader} and the {what} cannot both read standard input ('-')",
+                               "give one of them as a file")
+        meta[_STDIN_READER] = what
         data = sys.stdin.buffer.read()
         name = "standard input"
     else:
@@ -388,6 +404,10 @@ def prompt_options(command):
     command = click.option("--no-chat", is_flag=True, help="Use the raw text, without the chat template.")(command)
     command = click.option("--prompt-file", metavar="FILE", help="Read the prompt from a file ('-' for stdin).")(command)
     return click.option("--prompt", "-p", metavar="TEXT", help="The prompt.")(command)
+
+
+_STDIN_READER = "multidecode.stdin_reader"
+"""The key, in a command's click context, of what read standard input."""
 
 
 def read_lines(path: str, what: str = "questions") -> list[str]:

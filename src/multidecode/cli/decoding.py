@@ -28,6 +28,7 @@ from .common import (
     decoding_options,
     load_decoder,
     model_options,
+    note_if_cut,
     open_run,
     parsed,
     print_stats,
@@ -110,9 +111,6 @@ def gather_questions(question: Sequence[str], questions_file: str | None) -> lis
 def ask(document, question, questions_file, max_new_tokens, stop, model_name, precision, device, as_json, speculate,
         draft_budget, show_stats, constraint, server, **sampling):
     """Answer many questions about one document in one pass over one shared KV cache."""
-    if document == "-" and questions_file == "-":
-        raise InvalidInput("--document and --questions-file cannot both read standard input",
-                           "give one of them as a file")
     text = read_text(document)
     questions = gather_questions(question, questions_file)
     check_document(text)
@@ -142,6 +140,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
     else:
         board = show_stream(run.events, questions)
         generated = sum(map(len, board.token_ids))
+        note_if_cut(sum(b.cut_short for b in run.branches), len(run.branches))
     elapsed = time.perf_counter() - start
     if show_stats:
         print_stats(run.stats.as_dict())
@@ -226,6 +225,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
                   for i, params in enumerate(run.sampling)]
         board = show_stream(run.events, labels)
         generated = sum(map(len, board.token_ids))
+        note_if_cut(sum(b.cut_short for b in run.branches), len(run.branches))
     elapsed = time.perf_counter() - start
     if show_stats:
         print_stats(run.stats.as_dict())
@@ -273,7 +273,7 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
     constraint = constraint_from(constraint)
     decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
                              sampling=vote_settings(sampling_from(sampling)))
-    prompt = vote_prompt(question)
+    prompt = vote_prompt(question, constrained=constraint is not None)
     run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
                          speculate=spec, constraint=constraint, **vote_settings(sampling_from(sampling)))
     columns = [TextColumn("reasoning"), BarColumn(), MofNCompleteColumn(), TextColumn("traces done"),
@@ -308,6 +308,7 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
     if missing:
         table.add_row("[dim](no answer found)[/dim]", str(missing))
     stdout.print(table)
+    note_if_cut(sum(b.cut_short for b in run.branches), len(run.branches))
     if result.answer is None:
         stdout.print("No trace gave an answer.")
     elif result.tied:

@@ -18,6 +18,7 @@ import click
 from .common import (
     constraint_from,
     decoding_options,
+    note_if_cut,
     open_run,
     parsed,
     print_stats,
@@ -68,8 +69,8 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, pre
                                "token_ids": done.token_ids, "prompt_tokens": len(done.prompt_ids), "seed": done.seed,
                                "stats": done.stats, **parsed(constraint, done)}, ensure_ascii=False))
     else:
-        ended = write_stream(text * echo, ((event.text, event.finish_reason) for event in run.events))
-        note_if_cut(constraint is not None and ended == "length")
+        write_stream(text * echo, ((event.text, event.finish_reason) for event in run.events))
+        note_if_cut(sum(b.cut_short for b in run.branches))
     elapsed = time.perf_counter() - start
     tokens = run.stats.tokens
     stderr.print(f"[dim]{tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s)[/dim]")
@@ -91,29 +92,24 @@ def on_server(url: str, text: str, no_chat: bool, request: Request, asked: tuple
                                "seed": request.seed, "stats": server.stats, "server": url,
                                **request.parsed(choice["text"], choice["finish_reason"])}, ensure_ascii=False))
     else:
-        ended = write_stream(text * echo, ((piece.text, piece.finish_reason) for piece in server.pieces(body, chat=chat)))
-        note_if_cut(request.schema is not None and ended == "length")
+        written, ended = write_stream(text * echo, ((piece.text, piece.finish_reason)
+                                                    for piece in server.pieces(body, chat=chat)))
+        note_if_cut(ended == "length" and request.schema is not None and request.parsed(written, ended)["parsed"] is None)
     server.summarize("", start, show_stats=show_stats)
 
 
-def write_stream(head: str, pieces) -> str | None:
+def write_stream(head: str, pieces) -> tuple[str, str | None]:
     """Write `head`, then each (text, finish reason) piece's text as it comes, then a newline, to
-    stdout; returns the finish reason."""
+    stdout; returns the text the pieces made and the finish reason."""
     sys.stdout.write(head)
-    ended = None
+    ended, written = None, []
     for text, finish_reason in pieces:
         sys.stdout.write(text)
         sys.stdout.flush()
+        written.append(text)
         ended = finish_reason or ended
     sys.stdout.write("\n")
-    return ended
-
-
-def note_if_cut(cut: bool) -> None:
-    """Say on stderr that an output held to a grammar ended at --max-new-tokens (it may not parse)."""
-    if cut:
-        stderr.print("[yellow]note:[/yellow] the output reached --max-new-tokens before its grammar was complete, so "
-                     "it may not parse; raise --max-new-tokens")
+    return "".join(written), ended
 
 
 __all__ = ["generate"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import click
 
+from ..constraints import read_schema
 from ..errors import InvalidArgument
 from ..sampling_keys import SAMPLING_SWITCHES
 from .common import model_source, print_stats, read_text, stderr
@@ -82,9 +83,9 @@ class Request:
                       if key in chosen}
         if "logit_bias" in chosen:
             self.body["logit_bias"] = {str(token): bias for token, bias in chosen["logit_bias"].items()}
-        self.schema = None
+        self.schema, self.stop = None, tuple(stop)
         if constraint.json_schema is not None:
-            self.schema = json.loads(read_text(constraint.json_schema, "JSON schema"))
+            self.schema = read_schema(read_text(constraint.json_schema, "JSON schema"))
             self.body["response_format"] = {"type": "json_schema",
                                             "json_schema": {"name": "output", "schema": self.schema,
                                                             "strict": constraint.strict}}
@@ -94,13 +95,20 @@ class Request:
         return [None if self.seed is None else self.seed + i for i in range(count)]
 
     def parsed(self, text: str, finish_reason: str | None) -> dict:
-        """{"parsed": the JSON value} where a schema holds the output (null when it was cut short)."""
+        """{"parsed": the JSON value} where a schema holds the output, null where it was cut short,
+        as the library reads it (`Completion.parsed`: the grammar matched whole). The server says
+        only "stop" or "length", so it is read from the text: a value that closes itself (an
+        object, an array, a string, true, false, null) is whole once it parses, even where the
+        eos after it was cut at max_tokens; a bare number could have gone on ("100" of "1000"),
+        so it is whole only where an eos ended it: "stop" with no stop string that could have."""
         if self.schema is None:
             return {}
         try:
-            return {"parsed": json.loads(text) if finish_reason == "stop" else None}
-        except ValueError:  # stopped by a stop string before the grammar was complete
+            value = json.loads(text)
+        except ValueError:  # cut short of its end, by max_tokens or a stop string
             return {"parsed": None}
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return {"parsed": value if not number or (finish_reason == "stop" and not self.stop) else None}
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ class Answer:
     stats: dict = field(default_factory=dict, compare=False, repr=False)
     parsed: object = None  # held to a JSON schema or object: the text's JSON value (None: cut short)
     seed: int | None = None  # the seed its branch drew with (question i: seed + i; None when greedy)
+    matched: bool | None = None  # held to a constraint: whether the text matches it whole (None: free)
 
 
 def question_prompts(tokenizer, document: str, questions: Sequence[str], *, instruction: str | None = None) -> list[list[int]]:
@@ -61,7 +62,8 @@ def answers(run: BranchRun, questions: Sequence[str]) -> list[Answer]:
 
 def answers_of(questions: Sequence[str], branches, prompts: Sequence[list[int]], stats: dict) -> list[Answer]:
     """Each question's `Answer` from its finished branch (wherever the branches ran)."""
-    return [Answer(q, b.output.text, b.output.token_ids, prompts[i], b.output.finish_reason, stats, b.parsed, b.seed)
+    return [Answer(q, b.output.text, b.output.token_ids, prompts[i], b.output.finish_reason, stats, b.parsed, b.seed,
+                   b.matched)
             for i, (q, b) in enumerate(zip(questions, branches))]
 
 

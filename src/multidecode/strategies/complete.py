@@ -39,6 +39,7 @@ class Completion:
     prompt_ids: list[int]
     stats: dict = field(default_factory=dict, compare=False, repr=False)
     parsed: object = None  # held to a JSON schema or object: the text's JSON value (None: cut short)
+    matched: bool | None = None  # held to a constraint: whether the text matches it whole (None: free)
 
 
 def prompt_ids(tokenizer, prompt: str | Sequence[int], *, chat: bool | None = None) -> list[int]:
@@ -192,7 +193,7 @@ def completions(run: BranchRun | Waves) -> list[Completion]:
     stats, prompts = run.stats.as_dict(), run.prompts  # each once: `Waves.prompts` builds n lists
     return [
         Completion(b.index, b.output.text, b.output.token_ids, b.output.finish_reason, b.seed, prompts[b.index], stats,
-                   b.parsed)
+                   b.parsed, b.matched)
         for b in run.branches
     ]
 

@@ -3,11 +3,16 @@
 Self-consistency (Wang et al., 2022, arXiv 2203.11171) samples several reasoning traces for one
 question and answers with the most frequent final answer. Here the traces are branches of one
 forest over one prefill. An *extractor* turns a trace into its final answer; the default reads an
-"Answer:" line, else the last number, else the last line, and can be replaced.
+"Answer:" line, else the last number, else the last line, and can be replaced. A trace held to a
+constraint (a JSON schema, a regex, a grammar) is its answer whole: the constraint is the answer's
+form, so the default votes on the JSON value (written canonically: key order and spacing do not
+split a vote) or on the matched text, and a trace cut short before matching gives no answer. To
+vote on one field of a JSON answer, pass an extractor (`lambda text: json.loads(text)["answer"]`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -37,6 +42,7 @@ class Trace:
     finish_reason: str
     seed: int | None
     parsed: object = None  # held to a JSON schema or object: the text's JSON value (None: cut short)
+    matched: bool | None = None  # held to a constraint: whether the text matches it whole (None: free)
 
 
 @dataclass(frozen=True)
@@ -87,9 +93,23 @@ def extract_answer(trace: str) -> str | None:
     return normalize(lines[-1]) if lines else None
 
 
-def vote_prompt(question: str, instruction: str | None = INSTRUCTION) -> str:
+def constrained_answer(completion: Completion) -> str | None:
+    """The answer of a trace held to a constraint: its JSON value in canonical form (sorted keys,
+    one spacing), else its matched text normalised; None when it was cut short of a match."""
+    if not completion.matched:
+        return None
+    if completion.parsed is not None:
+        return json.dumps(completion.parsed, sort_keys=True, ensure_ascii=False)
+    return normalize(completion.text)
+
+
+def vote_prompt(question: str, instruction: str | None = INSTRUCTION, *, constrained: bool = False) -> str:
+    """The prompt of every trace: the question, then the instruction. Under a constraint the
+    default instruction (an "Answer:" line) is left out: the constraint forbids that line."""
     if not isinstance(question, str) or not question.strip():
         raise InvalidInput("the question is empty", "write the question to reason about")
+    if constrained and instruction == INSTRUCTION:
+        instruction = None
     return question.strip() + (f"\n{instruction}" if instruction else "")
 
 
@@ -98,18 +118,25 @@ def vote_settings(sampling: dict) -> dict:
     return {"temperature": 0.7, **sampling}
 
 
-def tally(question: str, done: Sequence[Completion], extract: Callable[[str], str | None] = extract_answer) -> Vote:
-    """Extract each trace's answer and count the votes."""
-    traces = [Trace(c.text, extract(c.text), c.token_ids, c.finish_reason, c.seed, c.parsed) for c in done]
+def tally(question: str, done: Sequence[Completion], extract: Callable[[str], str | None] | None = None) -> Vote:
+    """Extract each trace's answer and count the votes. extract: text -> answer; None (the
+    default) takes a constrained trace whole (`constrained_answer`) and reads a free one with
+    `extract_answer`."""
+    def answer(c: Completion) -> str | None:
+        if extract is not None:
+            return extract(c.text)
+        return extract_answer(c.text) if c.matched is None else constrained_answer(c)
+
+    traces = [Trace(c.text, answer(c), c.token_ids, c.finish_reason, c.seed, c.parsed, c.matched) for c in done]
     counts = Counter(t.answer for t in traces if t.answer is not None)
     ranked = dict(counts.most_common())  # ties keep the order in which answers first appeared
     return Vote(question, next(iter(ranked), None), ranked, traces)
 
 
 def vote(scheduler: Scheduler, tokenizer, question: str, *, n: int = 8, max_new_tokens: int = 256,
-         extract: Callable[[str], str | None] = extract_answer, instruction: str | None = INSTRUCTION,
+         extract: Callable[[str], str | None] | None = None, instruction: str | None = INSTRUCTION,
          **settings) -> Vote:
-    """Sample n traces for `question` in one forest and vote on their extracted answers."""
-    prompt = vote_prompt(question, instruction)
+    """Sample n traces for `question` in one forest and vote on their extracted answers (see `tally`)."""
+    prompt = vote_prompt(question, instruction, constrained=settings.get("constraint") is not None)
     done = complete(scheduler, tokenizer, prompt, n=n, max_new_tokens=max_new_tokens, **vote_settings(settings))
     return tally(question, done, extract)
