@@ -299,7 +299,8 @@ def per_branch(n: int, constraint) -> list[Constraint | None]:
     """A constraint for all n branches, or a list of one per branch (`Constraint` or None)."""
     if isinstance(constraint, (list, tuple)):
         if len(constraint) != n:
-            raise InvalidInput(f"{len(constraint)} constraints for {n} branches", "give one, or one per branch")
+            raise InvalidInput(f"{len(constraint)} constraints for {n} branches (a branch is a question of ask, a "
+                               "completion of complete)", "give one for all, or a list of one per branch")
         items = list(constraint)
     else:
         items = [constraint] * n
