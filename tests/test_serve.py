@@ -12,11 +12,12 @@ import httpx
 import openai
 import pytest
 import torch
-from serving import MODEL, running_server, tiny_loader, wait_until
+from serving import MODEL, assert_error_shape, chat_prompt_ids, running_server, tiny_loader, wait_until
 
 from multidecode.prompts import common_prefix_length
 from multidecode.runtime import ForestRuntime, Job, Limits
 from multidecode.sampling import SamplingParams
+from multidecode.serving.protocol import token_bytes, token_text
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Question: what is the answer?"
 DOCUMENT = "Here is a document about support calls, routers, cables and tickets. " * 3
@@ -55,6 +56,21 @@ def test_health_models_and_metrics(server):
     assert "multidecode_forward_passes_total" in metrics and "multidecode_cache_slots" in metrics
 
 
+def test_one_model_by_its_id_and_health_by_head(server):
+    """GET /v1/models/{id} is the model's object as the list has it (an unknown id a 404 in OpenAI's
+    shape); HEAD /health answers as GET does, without a body (a load balancer's probe)."""
+    model = server.client().models.retrieve(MODEL)
+    listed = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
+    assert httpx.get(server.url + f"/v1/models/{MODEL}", timeout=10).json() == listed
+    assert model.id == MODEL and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as caught:
+        server.client().models.retrieve("gpt-5")
+    assert "gpt-5" in assert_error_shape(caught.value.response, 404, "not_found_error")["message"]
+    assert_error_shape(httpx.get(server.url + "/v1/models/org/other-model", timeout=10), 404, "not_found_error")
+    head = httpx.head(server.url + "/health", timeout=10)
+    assert head.status_code == 200 and head.content == b""
+
+
 def test_greedy_completion_equals_transformers_generate_and_streaming_equals_whole(server):
     client = server.client()
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
@@ -91,6 +107,20 @@ def test_n_choices_have_distinct_indices_and_the_same_seed_gives_the_same_text(s
     assert len({c.text for c in first.choices}) > 1  # the tiny model's sampled choices differ
     # the prompt counts once for n choices
     assert first.usage.prompt_tokens == len(_ids(server, PROMPT))
+
+
+def test_each_prompt_of_a_request_counts_in_its_prompt_tokens(server):
+    """OpenAI bills each prompt of a list, equal ones too (n copies of one prompt count once), and
+    cached_tokens never claims more than that."""
+    client = server.client()
+    prompt = "Hello world, a prompt of its own for counting."
+    one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).usage
+    two = client.completions.create(model=MODEL, prompt=[prompt, prompt], max_tokens=2, temperature=0).usage
+    assert one.prompt_tokens == len(_ids(server, prompt))
+    assert two.prompt_tokens == 2 * one.prompt_tokens
+    both_n = client.completions.create(model=MODEL, prompt=[prompt, prompt], n=3, max_tokens=2, temperature=0).usage
+    assert both_n.prompt_tokens == 2 * one.prompt_tokens
+    assert 0 < both_n.prompt_tokens_details.cached_tokens <= one.prompt_tokens  # found once, in the prefix cache
 
 
 def test_stream_usage_chunk_ends_the_stream_and_adds_up(server):
@@ -172,14 +202,18 @@ def test_questions_extension_answers_each_question_as_a_choice(server):
 def test_beam_search_extension_equals_transformers(server):
     client = server.client()
     reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=3,
-                                      extra_body={"use_beam_search": True})
+                                      extra_body={"use_beam_search": True, "return_token_ids": True})
     ids = _ids(server, PROMPT)
     out = server.forest.model.generate(torch.tensor([ids]), num_beams=3, num_return_sequences=3, max_new_tokens=8,
                                        do_sample=False, eos_token_id=sorted(server.forest.eos), pad_token_id=0,
                                        early_stopping=False, length_penalty=1.0)
     tok = server.forest.tokenizer
-    expected = [tok.decode([t for t in row[len(ids):].tolist() if t != 0], skip_special_tokens=True) for row in out]
+    generated = [[t for t in row[len(ids):].tolist() if t != 0] for row in out]
+    expected = [tok.decode(row, skip_special_tokens=True) for row in generated]
     assert [c.text for c in reply.choices] == expected
+    # return_token_ids: each beam's own ids, and the one prompt's
+    assert [c.model_extra["token_ids"] for c in reply.choices] == generated
+    assert all(c.model_extra["prompt_token_ids"] == ids for c in reply.choices)
 
 
 def test_logprobs_are_the_models_own(server):
@@ -197,6 +231,85 @@ def test_logprobs_are_the_models_own(server):
     content = chat.choices[0].logprobs.content
     assert len(content) >= 1 and all(len(c.top_logprobs) == 2 for c in content)
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)
+
+
+DRAGON = {"type": "json_schema", "json_schema": {"name": "dragon", "schema": {"enum": ["🐉 龍"]}}}
+"""A reply forced to be '"🐉 龍"': the tiny tokenizer writes each of those characters' bytes as a
+token of its own, none of them UTF-8 alone."""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_tokens_that_are_parts_of_characters_carry_their_own_bytes(server, stream):
+    """Chat: each token's `bytes` are its own, so that joined they are the content's UTF-8; a token
+    that is part of a character is named "bytes:\\xNN". Completions: text_offset is a character
+    offset into the text, never past its end: a character's tokens share the offset where it
+    begins. Streamed, the same entries come chunk by chunk."""
+    client = server.client()
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Reply with 🐉"}],
+                                          max_tokens=16, temperature=0, logprobs=True, top_logprobs=2,
+                                          response_format=DRAGON)
+    content, choice = chat.choices[0].message.content, chat.choices[0]
+    assert content == '"🐉 龍"' and choice.finish_reason == "stop"
+    entries = choice.logprobs.content
+    assert entries[-1].token == "<|im_end|>"  # the end of sequence, under its name, adds no text
+    assert b"".join(bytes(e.bytes) for e in entries[:-1]) == content.encode()
+    assert [e.token for e in entries[:2]] == ['"', "bytes:\\xf0"]
+    for entry in entries:
+        data = bytes(entry.bytes)
+        assert entry.token == (data.decode() if _utf8(data) else "bytes:" + "".join(f"\\x{b:02x}" for b in data))
+        assert all(bytes(top.bytes) and top.token for top in entry.top_logprobs)
+
+    request = dict(model=MODEL, prompt="Reply with 🐉", max_tokens=16, temperature=0, logprobs=2,
+                   extra_body={"response_format": DRAGON})
+    if stream:
+        chunks = [c.choices[0] for c in client.completions.create(**request, stream=True) if c.choices]
+        text = "".join(c.text for c in chunks)
+        logprobs = [c.logprobs for c in chunks if c.logprobs]
+        tokens = [t for lp in logprobs for t in lp.tokens]
+        offsets = [o for lp in logprobs for o in lp.text_offset]
+    else:
+        reply = client.completions.create(**request).choices[0]
+        text, tokens, offsets = reply.text, reply.logprobs.tokens, reply.logprobs.text_offset
+    assert text == '"🐉 龍"'
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
+    assert offsets[:6] == [0, 1, 1, 1, 1, 2]  # '"', the dragon's four bytes where it begins, then ' '
+    for token, offset in zip(tokens, offsets):
+        if not token.startswith("bytes:") and token != "<|im_end|>":  # whole characters: where they are
+            assert text[offset:offset + len(token)] == token, (token, offset)
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.embedded
+def test_the_embedded_tokenizers_token_bytes_rebuild_the_text():
+    """The embedded model's byte-level tokenizer writes an emoji as tokens that hold parts of it
+    (with the space before it in one): their bytes, joined, are the text's UTF-8."""
+    from transformers import AutoTokenizer
+
+    from multidecode.models.converted import embedded_copy
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_copy())
+    text = "Reply with only this emoji: 🐉 (龍)"
+    pieces = [token_bytes(tokenizer, t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    assert b"".join(pieces) == text.encode()
+    assert "bytes:\\x20\\xf0\\x9f" in [token_text(p) for p in pieces]  # the space and the dragon's first bytes
+    assert token_bytes(tokenizer, tokenizer.eos_token_id) == tokenizer.eos_token.encode()
+
+
+def test_the_developer_role_is_the_system_one(server):
+    """OpenAI reads a developer message as a system one; chat templates know only "system"."""
+    user = {"role": "user", "content": "hello there"}
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "return_token_ids": True,
+        "messages": [{"role": "developer", "content": "Be brief."}, user]}).json()
+    system = chat_prompt_ids(server, [{"role": "system", "content": "Be brief."}, user])
+    assert reply["choices"][0]["prompt_token_ids"] == system
 
 
 def test_speculation_never_changes_the_answer(server):

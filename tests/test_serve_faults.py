@@ -166,6 +166,7 @@ def test_bad_chat_parameters_raise_bad_request_and_the_next_request_succeeds(ser
     (b'{"model": "tiny", "prompt": "hi"}', "text/plain", "invalid_content_type"),
     (b'{"model": "tiny", "prompt": "hi"}', None, "invalid_content_type"),
     (b"", "application/json", "invalid_json"),
+    (b"[" * 100000 + b"]" * 100000, "application/json", "invalid_json"),  # past Python's recursion limit
 ])
 def test_a_body_that_is_not_a_json_object_is_a_400(server, body, content_type, code):
     headers = {"content-type": content_type} if content_type else {}
@@ -173,6 +174,49 @@ def test_a_body_that_is_not_a_json_object_is_a_400(server, body, content_type, c
         response = httpx.post(server.url + route, content=body, headers=headers, timeout=10)
         assert assert_error_shape(response, 400, "invalid_request_error")["code"] == code
     good_completion(server.client())
+
+
+def _nested(depth: int) -> str:
+    """JSON text of objects nested `depth` deep (written as text: json.dumps would recurse too)."""
+    return '{"a": ' * depth + "{}" + "}" * depth
+
+
+@pytest.mark.parametrize(("field", "depth", "param"), [
+    ("messages", 5000, None),  # json.loads gives up: a RecursionError, once a 500
+    ("response_format", 5000, None),
+    ("tools", 700, "messages"),  # read, but the chat template's rendering recurses into it
+])
+def test_a_field_nested_too_deep_in_a_valid_body_is_a_400(server, field, depth, param):
+    deep = "<deep>"  # where the nested objects go, once the rest is JSON
+    values = {"messages": [{"role": "user", "content": "hi", "extra": deep}],
+              "response_format": {"type": "json_object", "extra": deep},
+              "tools": [{"type": "function", "function": {"name": "f", "parameters": deep}}]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tool_choice": "required", field: values[field]}
+    body = json.dumps(body).replace(json.dumps(deep), _nested(depth))
+    response = httpx.post(server.url + "/v1/chat/completions", content=body.encode(), timeout=30,
+                          headers={"content-type": "application/json"})
+    error = assert_error_shape(response, 400, "invalid_request_error")
+    assert error["param"] == param and "nested too deep" in error["message"], error
+    good_completion(server.client())
+
+
+def test_messages_the_chat_template_refuses_are_a_400_naming_messages():
+    """Many chat templates raise on a role or an order they do not take (Gemma's on a system
+    message, Mistral's on two user turns in a row): the client's to fix, not a server error."""
+    from local_models import tiny_tokenizer
+
+    from multidecode.serving.protocol import BadRequest, ChatBody, parse, to_job
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    body = parse(json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}).encode(),
+        "application/json", ChatBody)
+    with pytest.raises(BadRequest, match="chat template cannot render these messages: System role not supported") as caught:
+        to_job(body, tokenizer, vocab_size=len(tokenizer), max_positions=None)
+    assert caught.value.param == "messages"
 
 
 def test_a_body_past_the_size_limit_is_a_400_without_reading_it_all(server, monkeypatch):
@@ -218,7 +262,7 @@ def test_the_api_key_guards_every_route_but_health(model_dir):
                 running.client(api_key=key).models.list()
         routes = [("post", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
                   ("post", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
-                  ("get", "/v1/models", None), ("get", "/metrics", None)]
+                  ("get", "/v1/models", None), ("get", f"/v1/models/{MODEL}", None), ("get", "/metrics", None)]
         for headers in ({}, {"authorization": "s3cret"}, {"authorization": "Basic s3cret"},
                         {"authorization": "Bearer wrong"}, {"authorization": "Bearer"}):
             for method, route, body in routes:

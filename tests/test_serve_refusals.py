@@ -132,3 +132,48 @@ def test_a_401_says_whether_the_key_is_missing_or_not_accepted(model_dir):
             remote.served_model(running.url)
         assert "none was sent" in caught.value.message and "rejected" not in caught.value.message
         assert remote.served_model(running.url, api_key="s3cret").id == MODEL
+
+
+# ---------------------------------------------------------------------- beam search
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"stop": ["fox"]}, "stop"),
+    ({"stop": "fox"}, "stop"),
+    ({"temperature": 0.7}, "temperature"),
+    ({"top_p": 0.5}, "top_p"),
+    ({"top_k": 5}, "top_k"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"speculate": "lookup"}, "speculate"),
+])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_beam_search_refuses_what_it_would_not_honour(server, extra, param, route):
+    """Beams end on eos or max_tokens and are scored by the model's own log-probabilities: a stop
+    string or a sampling setting would be passed over, and the beams returned as if it had been
+    honoured."""
+    body = (CHAT if route.endswith("chat/completions") else COMPLETION) | {"n": 2, "use_beam_search": True}
+    message = refused(server, body | extra, param, route)
+    assert param in message and "use_beam_search" in message, message
+    for neutral in ({"temperature": 0}, {"temperature": 1}, {"top_k": -1}, {"stop": []}, {"speculate": "off"},
+                    {"seed": 3}):
+        assert post(server, body | neutral, route).status_code == 200, neutral
+
+
+# ---------------------------------------------------------------------- booleans are no numbers
+@pytest.mark.parametrize(("route", "field", "value"), [
+    ("/v1/completions", "max_tokens", True),
+    ("/v1/completions", "n", True),
+    ("/v1/completions", "seed", False),
+    ("/v1/completions", "logprobs", True),
+    ("/v1/completions", "top_k", True),
+    ("/v1/completions", "temperature", True),
+    ("/v1/completions", "logit_bias", {"5": True}),
+    ("/v1/completions", "prompt", [True, 5]),
+    ("/v1/chat/completions", "max_completion_tokens", True),
+    ("/v1/chat/completions", "top_logprobs", False),
+])
+def test_a_boolean_is_not_taken_for_a_number(server, route, field, value):
+    """pydantic reads true as 1: `"max_tokens": true` would be answered as max_tokens 1."""
+    body = CHAT if route.endswith("chat/completions") else COMPLETION
+    message = refused(server, body | {field: value}, field, route)
+    assert field in message, message
+    if field != "prompt":  # one of the prompt's shapes is text: pydantic names that one
+        assert "a number is expected, got true" in message or "got false" in message, message

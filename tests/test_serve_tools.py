@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 from constraint_cases import reference
-from serving import MODEL, chat_prompt_ids
+from serving import MODEL, assert_error_shape, chat_prompt_ids
 
 from multidecode.constraints import Constraint
 
@@ -174,3 +174,68 @@ def test_a_named_call_cut_off_by_max_tokens_has_its_name_and_the_arguments_so_fa
         calls, finish, content = _cut_calls(server, NAMED, cut, stream)
         assert finish == "length" and not content
         assert calls == [("get_weather", arguments)]
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "name": "get_weather"}, "any", {"type": "function"},
+                                    {"type": "function", "function": "get_weather"}, ["get_weather"]])
+@pytest.mark.parametrize("tools", [TOOLS, None])
+def test_a_malformed_tool_choice_is_told_the_shapes_taken(server, choice, tools):
+    """A tool_choice of no shape this server reads (the Responses API's {"type", "name"}, "any")
+    is not the "auto" it does not offer: the 400 says what to send, with tools or without."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "tool_choice": choice}
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                          json=body | ({"tools": tools} if tools else {}))
+    error = assert_error_shape(response, 400, "invalid_request_error")
+    assert error["param"] == "tool_choice", error
+    message = error["message"]
+    assert '{"type": "function", "function": {"name": ...}}' in message and '"required"' in message, message
+    assert json.dumps(choice) in message and "needs tools" not in message, message
+
+
+HISTORY = [*MESSAGES,
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+
+
+def test_a_call_in_the_history_is_shown_to_a_template_that_does_not_render_calls(server):
+    """The tiny model's template renders content alone: the assistant's call is written into its
+    content as the JSON a "required" call is decoded in, so the model sees what it called, not
+    an empty turn."""
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": HISTORY, "max_tokens": 2, "return_token_ids": True}).json()
+    written = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    expected = chat_prompt_ids(server, [*MESSAGES, {"role": "assistant", "content": written},
+                                        {"role": "tool", "content": "18 degrees"}])
+    assert reply["choices"][0]["prompt_token_ids"] == expected
+
+
+def test_a_template_that_renders_calls_gets_them_and_the_tool_call_id(model_dir):
+    """A template that renders `tool_calls` gets them (arguments as an object, as chat templates
+    take them) and a tool result's `tool_call_id`, with the content as it came."""
+    from local_models import tiny_tokenizer
+
+    from multidecode.serving.protocol import ChatBody, parse, to_job
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<call {{ c.id }}>{{ c.function.name }} {{ c.function.arguments | tojson }}"
+        "{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n")
+    body = parse(json.dumps({"model": MODEL, "messages": HISTORY, "max_tokens": 2}).encode(), "application/json",
+                 ChatBody)
+    job = to_job(body, tokenizer, vocab_size=len(tokenizer), max_positions=None)
+    text = tokenizer.decode(job.prompts[0])
+    assert '<call call_1>get_weather {"city": "Paris", "unit": "celsius"}<|im_end|>' in text, text
+    assert "18 degrees [call_1]" in text and "assistant\n{" not in text, text
+
+
+@pytest.mark.parametrize("calls", ["get_weather", [{"type": "function"}], [{"function": {"arguments": "{}"}}]])
+def test_malformed_tool_calls_in_the_history_are_a_400(server, calls):
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls}]
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    error = assert_error_shape(response, 400, "invalid_request_error")
+    assert error["param"] == "messages" and "messages[1].tool_calls" in error["message"], error

@@ -313,8 +313,9 @@ def per_branch(n: int, constraint) -> list[Constraint | None]:
 
 # ---------------------------------------------------------------------- compiling
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""tokenizer -> {(vocab, eos): (llguidance tokenizer, LRU of compiled constraints)}: building an
-llguidance tokenizer takes up to a second, compiling a schema a few milliseconds."""
+"""tokenizer -> {(vocab, eos): (llguidance tokenizer, LRU of compiled constraints), "bytes": the
+reading `token_bytes_reader` gives}: building an llguidance tokenizer takes up to a second,
+compiling a schema a few milliseconds."""
 
 
 @dataclass(frozen=True)
@@ -352,12 +353,30 @@ def compile_constraint(constraint: Constraint, tokenizer, *, vocab_size: int, eo
     return result
 
 
+def _per_tokenizer(tokenizer) -> dict:
+    """What is kept for `tokenizer` (see `_TOKENIZERS`)."""
+    try:
+        return _TOKENIZERS.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referable or not hashable: built every time
+        return {}
+
+
+def token_bytes_reader(tokenizer):
+    """llguidance's reading of `tokenizer`, which knows each token's own bytes whatever the
+    tokenizer's way of writing them (byte-level BPE, byte fallback): `.decode_bytes([id])`.
+    Built once per tokenizer; None for one it cannot read (not a Hugging Face fast tokenizer)."""
+    per = _per_tokenizer(tokenizer)
+    if "bytes" not in per:
+        try:
+            per["bytes"] = _llguidance().hf.from_tokenizer(tokenizer)
+        except (ValueError, TypeError, AttributeError):
+            per["bytes"] = None
+    return per["bytes"]
+
+
 def _tokenizer_entry(tokenizer, vocab_size: int, eos_id: int):
     llg = _llguidance()
-    try:
-        per = _TOKENIZERS.setdefault(tokenizer, {})
-    except TypeError:  # not weakly referable or not hashable: built every time
-        per = {}
+    per = _per_tokenizer(tokenizer)
     key = (vocab_size, eos_id)
     if key not in per:
         try:

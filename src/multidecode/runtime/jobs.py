@@ -98,8 +98,9 @@ class TooLarge(MultiDecodeError, ValueError):
 
 @dataclass
 class Usage:
-    """What a finished job cost: its prompt tokens (each distinct prompt once), how many of them
-    were already cached, and the tokens it generated; stats: its decoding counters."""
+    """What a finished job cost: its prompt tokens (each prompt it was given, not each copy:
+    `Job.prompt_tokens`), how many of them were already cached, and the tokens it generated;
+    stats: its decoding counters."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -111,7 +112,9 @@ class Usage:
 class Job:
     """One request's work (see the module notes). beams > 0 runs a beam search of that many beams
     over prompts[0] and returns them all; trace sends the forest nodes the job feeds each step;
-    constraint holds every branch (or, a list, each) to a `constraints.Constraint`."""
+    constraint holds every branch (or, a list, each) to a `constraints.Constraint`; copies: the
+    branches each prompt was given (a request's n: prompts holds each prompt that many times
+    in a row), which its prompt tokens count once."""
 
     prompts: list[list[int]]
     max_new_tokens: int
@@ -122,6 +125,7 @@ class Job:
     beams: int = 0
     trace: bool = False
     constraint: object = None
+    copies: int = 1
     sink: Callable[[tuple], None] = lambda item: None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cached_tokens: int = 0
@@ -145,8 +149,11 @@ class Job:
 
     @property
     def prompt_tokens(self) -> int:
-        """Prompt tokens received, each distinct prompt once (n copies of one prompt count once)."""
-        return sum(map(len, {tuple(p) for p in self.prompts}))
+        """Prompt tokens received: each prompt's, as OpenAI bills them (two equal prompts of one
+        request count twice), but not each copy of one (n choices of a prompt count it once).
+        The forest computes a prompt shared by several branches once all the same; what the prefix
+        cache held already is `cached_tokens`, never more than this."""
+        return sum(map(len, self.prompts[::self.copies]))
 
 
 @dataclass

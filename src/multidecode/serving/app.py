@@ -2,8 +2,8 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (each model with
 `multidecode`: how it was loaded, its device, whether it has a chat template: what `multidecode
-generate --server` checks), `GET /health`
-(200 when ready, 503 while loading or draining), `GET /metrics` (Prometheus text) and `GET /`
+generate --server` checks) and `GET /v1/models/{id}` (one of them), `GET /health` (and `HEAD`:
+200 when ready, 503 while loading or draining), `GET /metrics` (Prometheus text) and `GET /`
 (the live page). Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 400 for anything a client sends wrong, 401 without the API key (saying whether none came or the
 one sent is not accepted), 404 for an unknown model or route, 503 with Retry-After at the
@@ -166,18 +166,31 @@ def _error_handlers(app: FastAPI) -> None:
 def _info_routes(app: FastAPI, state: ServeState) -> None:
     """/health, /v1/models, /metrics and the live page."""
 
-    @app.get("/health")
-    async def health():
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: a probe that reads the status alone
+    async def health(request: Request):
         if state.runtime is None or state.runtime.draining:
-            status = "failed" if state.load_error else "draining" if state.runtime else "loading"
-            return JSONResponse({"status": status}, status_code=503)
-        return {"status": "ok"}
+            status, code = "failed" if state.load_error else "draining" if state.runtime else "loading", 503
+        else:
+            status, code = "ok", 200
+        if request.method == "HEAD":
+            return Response(status_code=code)
+        return JSONResponse({"status": status}, status_code=code)
+
+    def model_object() -> dict:
+        return {"id": state.name, "object": "model", "created": state.started, "owned_by": "multidecode",
+                "multidecode": state.source}
 
     @app.get("/v1/models")
     async def models(request: Request):
         state.authorize(request)
-        return {"object": "list", "data": [{"id": state.name, "object": "model", "created": state.started,
-                                            "owned_by": "multidecode", "multidecode": state.source}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")  # a model's id may hold slashes (an organization's, a folder's)
+    async def model(request: Request, model_id: str):
+        state.authorize(request)
+        if model_id != state.name:
+            raise HTTPException(404, f"the model {model_id!r} does not exist: this server serves {state.name!r}")
+        return model_object()
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -300,14 +313,15 @@ class _Reply:
         kind = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.name}
 
-    def _logprobs(self, entries: list, start: int = 0):
+    def _logprobs(self, entries: list):
         if self.job.logprobs is None:
             return None
-        return chat_logprobs(entries) if self.chat else completion_logprobs(entries, start)
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
 
     def _take(self, event) -> tuple[Choice, list]:
         choice = self.choices[event.branch]
-        entries = [token_entry(self.runtime.tokenizer, event)] if self.job.logprobs is not None else []
+        entries = ([token_entry(self.runtime.tokenizer, event, len(choice.text))] if self.job.logprobs is not None
+                   else [])
         choice.logprobs.extend(entries)
         choice.token_ids.append(event.token_id)
         choice.text += event.text
@@ -333,6 +347,7 @@ class _Reply:
             elif kind == "beams":
                 for choice, beam in zip(self.choices, payload):
                     choice.text, choice.finish_reason = choice.text + beam.text, beam.finish_reason  # after any echo
+                    choice.token_ids = list(beam.token_ids)
             elif kind == "error":
                 raise payload
             elif kind == "done":
@@ -386,7 +401,6 @@ class _Reply:
             while True:
                 kind, payload = await queue.get()
                 if kind == "token":
-                    start = len(self.choices[payload.branch].text)
                     choice, entries = self._take(payload)
                     if not (payload.text or payload.finish_reason or entries or self.body.return_token_ids):
                         continue
@@ -399,7 +413,7 @@ class _Reply:
                                 "finish_reason": self._finish(payload.finish_reason, call)}
                     else:
                         item = {"index": choice.index, "text": payload.text,
-                                "logprobs": self._logprobs(entries, start), "finish_reason": payload.finish_reason}
+                                "logprobs": self._logprobs(entries), "finish_reason": payload.finish_reason}
                     if self.body.return_token_ids:
                         item["token_ids"] = [payload.token_id]
                     yield _sse({**self._head(True), "choices": [item]})

@@ -8,7 +8,9 @@ body (the openai client's `extra_body`):
 
 - `speculate`: a mode of `speculation.MODES` ("draft" where the server has a draft model) or
   "off": every branch carries a draft tree; the server's own settings fill in the details;
-- `use_beam_search`: beam search with n beams, all n returned best first;
+- `use_beam_search`: beam search with n beams, all n returned best first (with `return_token_ids`,
+  each beam's ids); what beams would pass over is refused (`_beams`): penalties, bias, sampling
+  settings, stop strings, speculation, streaming, logprobs;
 - `questions`: questions about the one prompt (the document; for chat, the last user message),
   each answered as its own branch of one forest and returned as one choice per question;
 - `trace`: the stream also carries the forest nodes the request fed each step (the live page);
@@ -22,6 +24,13 @@ OpenAI's sampling extras are honoured per branch: `presence_penalty` and `freque
 of `sampling`'s module notes. `echo` (completions) starts each choice's text with its prompt; with
 `logprobs` it is refused, since prompt tokens' log-probabilities are not computed (a prompt found
 in the prefix cache is never run again).
+
+Chat messages go to the chat template as `_template_message` shapes them: a developer message as
+a system one, and the calls of a conversation's past turns (an assistant's `tool_calls`, a tool
+result's `tool_call_id`) kept for a template that renders them, else written into the content.
+Log-probabilities report each token's own bytes (`TokenLogprob`), which may be part of a character.
+Integer and number fields refuse booleans (`Int`, `Float`), and a body nested past Python's recursion
+limit is invalid JSON, never a server error.
 
 `tools` with `tool_choice` naming a function, or "required": the reply is a call of that function
 (or of one of the tools, the model choosing), its `arguments` held to the function's `parameters`
@@ -47,11 +56,12 @@ import json
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
-from ..constraints import Constraint, compile_for_branches
+from ..constraints import Constraint, compile_for_branches, token_bytes_reader
 from ..errors import InvalidArgument, MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
@@ -63,6 +73,21 @@ GREEDY_BELOW = 1e-5
 """A temperature below this is greedy: dividing logits by it in float32 would overflow."""
 MIN_PENALTY = 0.01
 """repetition_penalty lies in [MIN_PENALTY, 1 / MIN_PENALTY]: past that, penalized logits overflow."""
+
+
+def _not_a_boolean(value):
+    """Refuse true and false where a number is expected: pydantic would take them as 1 and 0, and
+    `"max_tokens": true` would be answered as if the client had meant a number."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("bool_not_number", "a number is expected, got {value}",
+                                  {"value": json.dumps(value)})
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_a_boolean)]
+"""An integer field of a request: any integer (or its text, as pydantic reads it), never a boolean."""
+Float = Annotated[float, BeforeValidator(_not_a_boolean)]
+"""A number field of a request: any number (or its text), never a boolean."""
 
 
 class BadRequest(MultiDecodeError, ValueError):
@@ -85,20 +110,20 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = None
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, ge=MIN_PENALTY, le=1 / MIN_PENALTY)
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0, le=2)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int | None = None
+    min_p: Float = Field(0.0, ge=0, le=1)
+    repetition_penalty: Float = Field(1.0, ge=MIN_PENALTY, le=1 / MIN_PENALTY)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    n: int = Field(1, ge=1)
+    seed: Int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    n: Int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    presence_penalty: float | None = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: Float | None = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: Float | None = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, Float] | None = None
     user: str | None = None
     # extensions
     speculate: str | None = None
@@ -110,11 +135,11 @@ class _Body(BaseModel):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
 
 class Message(BaseModel):
@@ -126,12 +151,16 @@ class Message(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Any = None  # its shapes are checked by `tool_choice`, whose 400 says which are taken
     parallel_tool_calls: bool | None = None
+
+
+TOO_DEEP = ("the body is not valid JSON for this server: its arrays or objects are nested too deeply to be read "
+            "(a request needs a few levels; flatten it)")
 
 
 def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
@@ -143,10 +172,14 @@ def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
         raise BadRequest(f"the body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested past Python's recursion limit
+        raise BadRequest(TOO_DEEP, code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object")
     try:
         return kind.model_validate(data)
+    except RecursionError:
+        raise BadRequest(TOO_DEEP, code="invalid_json") from None
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -301,13 +334,79 @@ def _content(message: Message) -> str:
     return "".join(parts)
 
 
+TOOL_CALLS_FORM = '[{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}]'
+
+
+def _template_message(message: Message, at: int, *, calls_in_template: bool) -> dict:
+    """One chat message as the chat template gets it. A developer message is a system one, as
+    OpenAI reads it (templates know the system role, not the developer one). An assistant's
+    `tool_calls` and a tool result's `tool_call_id` go along, for a template that renders them;
+    where the template does not render calls (it would show an empty assistant turn), they are
+    written into the content as JSON, one a line, in the form a "required" call is decoded in
+    ({"name": ..., "arguments": {...}}), so that the model still sees what it called."""
+    out = {"role": "system" if message.role == "developer" else message.role, "content": _content(message)}
+    extra = message.model_extra or {}
+    if message.role == "tool" and extra.get("tool_call_id") is not None:
+        out["tool_call_id"] = extra["tool_call_id"]
+    calls = _tool_calls(extra.get("tool_calls"), at) if message.role == "assistant" else []
+    if calls and calls_in_template:
+        out["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+                             for call_id, name, arguments in calls]
+    elif calls:
+        written = "\n".join(json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+                            for _, name, arguments in calls)
+        out["content"] = f"{out['content']}\n{written}" if out["content"] else written
+    return out
+
+
+def _tool_calls(calls, at: int) -> list[tuple[str | None, str, Any]]:
+    """An assistant message's `tool_calls` (OpenAI's shape) as (id, function name, arguments),
+    checked; the arguments parsed from their JSON text where they parse (chat templates render
+    them as objects), else kept as the text that came."""
+    if calls is None:
+        return []
+    where = f"messages[{at}].tool_calls"
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where} must be a list, {TOOL_CALLS_FORM}", "messages")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise BadRequest(f"each of {where} must be {TOOL_CALLS_FORM}", "messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                pass  # not JSON (or too deep to read): the model sees the text it wrote
+        out.append((call.get("id"), function["name"], arguments))
+    return out
+
+
+def _chat_messages(tokenizer, messages: list[Message]) -> list[dict]:
+    """The request's messages as the chat template gets them (`_template_message`); calls go to
+    the template as `tool_calls` only where its text renders them."""
+    calls_in_template = "tool_calls" in str(getattr(tokenizer, "chat_template", None) or "")
+    return [_template_message(m, at, calls_in_template=calls_in_template) for at, m in enumerate(messages)]
+
+
 def _chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The chat's prompt ids; `tools` go to the chat template (one that ignores them is told of the
-    call's schema by the constraint alone)."""
+    call's schema by the constraint alone). A template that cannot render the messages (most
+    raise on a role or an order they do not take, and rendering recurses into every value) is a
+    400 naming messages, not a server error."""
     if not has_chat_template(tokenizer):
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    except TemplateError as error:
+        raise BadRequest(f"the model's chat template cannot render these messages: {error}", "messages") from None
+    except RecursionError:
+        raise BadRequest("the messages or tools are nested too deeply for the model's chat template to render: "
+                         "flatten them", "messages") from None
     return tokenize_prompt(tokenizer, text)
 
 
@@ -351,6 +450,8 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
         logprobs = body.logprobs
     beams = _beams(body, prompts, logprobs)
     prompts = prompts[:1] if beams else prompts
+    if logprobs is not None:
+        token_bytes_reader(tokenizer)  # built here, off the event loop, which reads tokens' bytes from it
     tool = tool_choice(body)
     if tool is not None and body.response_format and body.response_format.get("type", "text") != "text":
         raise BadRequest("response_format and a tool call cannot both shape the reply: give one of them",
@@ -364,7 +465,8 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
                          "tool_choice" if tool is not None else "response_format")
     return Job(prompts=prompts, max_new_tokens=max_tokens, sampling=_sampling(body, len(prompts), vocab_size),
                stop=_stop(body), speculate=_speculation(body.speculate, speculate_default, has_draft),
-               logprobs=logprobs, beams=beams, trace=body.trace, constraint=constraint)
+               logprobs=logprobs, beams=beams, trace=body.trace, constraint=constraint,
+               copies=1 if beams else body.n)
 
 
 def _constraint(response_format: dict | None, tokenizer, *, vocab_size: int, eos_ids) -> Constraint | None:
@@ -448,7 +550,7 @@ class ToolChoice:
         try:
             value = json.loads(text)
             return Call(value["name"], json.dumps(value["arguments"], ensure_ascii=False), whole=True)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             name, arguments = _cut_call(text)
             return Call(name, arguments, whole=False) if name in self.functions else None
 
@@ -466,7 +568,7 @@ class Call:
 def _parses(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a reply may nest as deep as max_tokens lets it
         return False
     return True
 
@@ -485,7 +587,7 @@ def _cut_call(text: str) -> tuple[str | None, str]:
             at = _skip_space(text, at + 1)
         try:
             key, at = decoder.raw_decode(text, at)
-        except ValueError:  # no key, or one cut short
+        except (ValueError, RecursionError):  # no key, or one cut short
             return name, arguments
         at = _skip_space(text, at)
         if not text.startswith(":", at):
@@ -493,7 +595,7 @@ def _cut_call(text: str) -> tuple[str | None, str]:
         at = _skip_space(text, at + 1)
         try:
             value, end = decoder.raw_decode(text, at)
-        except ValueError:  # the value cut short: a name is not known yet, arguments are what came
+        except (ValueError, RecursionError):  # the value cut short (or too deep to read): arguments are what came
             return name, text[at:] if key == "arguments" else arguments
         if key == "name" and isinstance(value, str):
             name = value
@@ -514,6 +616,7 @@ def tool_choice(body: _Body) -> ToolChoice | None:
     the client would take for a call that was never made ("none" and "auto" ask for no call there)."""
     if not isinstance(body, ChatBody):
         return None
+    _check_tool_choice_shape(body.tool_choice)
     if not body.tools:
         if body.tool_choice not in (None, "none", "auto"):
             raise BadRequest(f"tool_choice {body.tool_choice!r} needs tools, and the request gives none: list the "
@@ -547,6 +650,22 @@ def tool_choice(body: _Body) -> ToolChoice | None:
                      "unsupported_parameter")
 
 
+TOOL_CHOICES = ('"none" (text), "required" (a call of one of the tools) or {"type": "function", "function": '
+                '{"name": ...}} (a call of that function)')
+
+
+def _check_tool_choice_shape(choice) -> None:
+    """Refuse a tool_choice of no shape this server reads, saying which it takes: a malformed one
+    (a named function without its "function" object, "any") is not the "auto" that is not offered."""
+    if choice in (None, "none", "auto", "required"):
+        return
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if isinstance(function, dict) and isinstance(function.get("name"), str):
+        return
+    raise BadRequest(f"tool_choice {json.dumps(choice)} is not a tool choice this server reads: give {TOOL_CHOICES} "
+                     '("auto", the model choosing between text and a call, is not offered)', "tool_choice")
+
+
 def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branches: int | None) -> list[list[int]]:
     """Whole prompt ids, one per branch: a prompt per question, or n copies of each prompt."""
     if body.questions is not None:
@@ -565,7 +684,7 @@ def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branche
     if chat:
         if not body.messages:
             raise BadRequest("messages must not be empty", "messages")
-        messages = [{"role": m.role, "content": _content(m)} for m in body.messages]
+        messages = _chat_messages(tokenizer, body.messages)
         tools = body.tools if tool_choice(body) is not None else None
         return [_chat_prompt(tokenizer, messages, tools)] * body.n
     texts = _text_prompts(tokenizer, body, vocab_size)
@@ -631,10 +750,24 @@ def _beams(body: _Body, prompts: list[list[int]], logprobs: int | None) -> int:
     used = [name for name, on in (("repetition_penalty", body.repetition_penalty != 1.0),
                                   ("presence_penalty", bool(body.presence_penalty)),
                                   ("frequency_penalty", bool(body.frequency_penalty)),
-                                  ("logit_bias", bool(body.logit_bias))) if on]
+                                  ("logit_bias", bool(body.logit_bias)),
+                                  ("temperature", body.temperature not in (0.0, 1.0)),
+                                  ("top_p", body.top_p != 1.0),
+                                  ("top_k", body.top_k not in (None, -1, 0)),
+                                  ("min_p", bool(body.min_p))) if on]
     for name in used[:1]:
         raise BadRequest(f"{name} is not supported with use_beam_search (beams are scored by the model's own "
                          "log-probabilities)", name)
+    if _stop(body):
+        raise BadRequest("stop is not supported with use_beam_search (beams end on the model's end of sequence or "
+                         "at max_tokens): leave it out, or cut the returned beams yourself", "stop")
+    try:
+        drafted = speculation_mode(body.speculate) is not None
+    except InvalidArgument:  # an unknown mode: refused here all the same
+        drafted = True
+    if drafted:
+        raise BadRequest("speculate is not supported with use_beam_search (beams are not drafted): leave it out",
+                         "speculate")
     return body.n
 
 
@@ -657,33 +790,66 @@ class Choice:
         self.index = index
         self.text = ""
         self.finish_reason: str | None = None
-        self.logprobs: list = []  # (token text, logprob, [(text, logprob), ...])
+        self.logprobs: list[TokenLogprob] = []
         self.token_ids: list[int] = []
 
 
-def token_entry(tokenizer, event) -> tuple:
-    def piece(t):
-        return tokenizer.decode([t])
-    return piece(event.token_id), event.logprob, [(piece(t), lp) for t, lp in event.top_logprobs]
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token as a reply's log-probabilities report it: its own bytes (a token may
+    hold part of a character: an emoji's first bytes, say), its log-probability, the likeliest
+    tokens there as (bytes, log-probability), and `offset`: the length of the choice's text before
+    it, which is where the text it completes begins (a token that leaves a character unfinished
+    adds no text, and the tokens of that character share the offset where its text begins)."""
+
+    data: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...]
+    offset: int
 
 
-def completion_logprobs(entries: list, start: int = 0) -> dict:
-    """The completions API's log-probabilities (its legacy shape)."""
-    offsets, at = [], start
-    for text, _, _ in entries:
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """A token's own bytes (a special token's: its name). Without llguidance's reading of the
+    tokenizer, its decoded text's: right for tokens of whole characters only."""
+    reader = token_bytes_reader(tokenizer)
+    if reader is None:
+        return tokenizer.decode([token_id]).encode()
+    return reader.decode_bytes([token_id])
 
 
-def chat_logprobs(entries: list) -> dict:
-    """The chat API's log-probabilities."""
-    def item(text, lp):
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-    return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries],
+def token_text(data: bytes) -> str:
+    """A token as OpenAI names it in logprobs: its text where its bytes are UTF-8 on their own,
+    else "bytes:" and each byte as \\xNN (part of a character)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def token_entry(tokenizer, event, offset: int) -> TokenLogprob:
+    """`event`'s token (a `TokenEvent` with log-probabilities) at `offset` in its choice's text."""
+    return TokenLogprob(token_bytes(tokenizer, event.token_id), event.logprob,
+                        tuple((token_bytes(tokenizer, t), lp) for t, lp in event.top_logprobs), offset)
+
+
+def completion_logprobs(entries: list[TokenLogprob]) -> dict:
+    """The completions API's log-probabilities (its legacy shape); text_offset: each token's
+    `TokenLogprob.offset`, a character offset into the choice's text."""
+    return {"tokens": [token_text(e.data) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(data): lp for data, lp in e.top} for e in entries],
+            "text_offset": [e.offset for e in entries]}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    """The chat API's log-probabilities: each token's bytes are its own, so that joined they are
+    the content's UTF-8 (with the end-of-sequence token's name last, where one ended it)."""
+    def item(data: bytes, lp: float) -> dict:
+        return {"token": token_text(data), "logprob": lp, "bytes": list(data)}
+    return {"content": [{**item(e.data, e.logprob), "top_logprobs": [item(d, lp) for d, lp in e.top]}
+                        for e in entries],
             "refusal": None}
 
 
-__all__ = ["BadRequest", "Call", "ChatBody", "Choice", "CompletionBody", "ToolChoice", "chat_logprobs", "completion_logprobs",
-           "echo_texts", "error_body", "parse", "to_job", "tool_choice", "usage_dict"]
+__all__ = ["BadRequest", "Call", "ChatBody", "Choice", "CompletionBody", "TokenLogprob", "ToolChoice", "chat_logprobs",
+           "completion_logprobs", "echo_texts", "error_body", "parse", "to_job", "token_bytes", "token_entry",
+           "token_text", "tool_choice", "usage_dict"]
