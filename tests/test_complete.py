@@ -189,6 +189,17 @@ def test_a_majority_is_not_a_tie():
     assert result.answer == "7" and result.tied == []
 
 
+def test_a_trace_cut_at_max_new_tokens_votes_only_with_its_answer_line():
+    """Its last number is any it was working with ("17 * 3" restated gives 3): only an
+    'Answer:' line it reached counts; a finished trace keeps the fallbacks."""
+    texts = ["To find 17 * 3 we multiply", "Answer: 51 and then", "To find 17 * 3 we multiply"]
+    done = [multidecode.Completion(i, text, [], reason, i, []) for i, (text, reason) in
+            enumerate(zip(texts, ["length", "length", "stop"]))]
+    result = tally("What is 17 * 3?", done)
+    assert [t.answer for t in result.traces] == [None, "51", "3"]
+    assert result.counts == {"51": 1, "3": 1}
+
+
 def test_vote_runs_n_traces_with_a_replaceable_extractor(text_decoder):
     result = text_decoder.vote("What is two plus two?", n=5, max_new_tokens=6, seed=3,
                                extract=lambda text: "even" if len(text) % 2 == 0 else "odd")
@@ -246,3 +257,26 @@ def test_cli_temperature_zero_is_greedy(model_dir):
     generated = CliRunner().invoke(main, ["generate", *base, "--temperature", "0", "--top-k", "3"])
     assert generated.exit_code == 0, generated.output
     assert json.loads(generated.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize("prompt", [123, None, ["hi"], [1.5, 2.0], [[1, 2]], b"hi"])
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_refused(text_decoder, prompt):
+    with pytest.raises(multidecode.InvalidInput, match="a prompt that is not text must be a sequence of token ids"):
+        text_decoder.generate(prompt, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("call", ["generate", "complete", "vote"])
+def test_max_new_tokens_of_the_wrong_type_is_refused(text_decoder, call):
+    with pytest.raises(multidecode.InvalidArgument, match="max_new_tokens must be a positive integer"):
+        getattr(text_decoder, call)("hi", max_new_tokens="4")
+
+
+def test_a_tensor_of_ids_is_a_prompt(text_decoder):
+    import torch
+
+    import numpy as np
+
+    ids = [5, 6, 7]
+    expected = text_decoder.generate(ids, max_new_tokens=3)
+    assert text_decoder.generate(torch.tensor(ids), max_new_tokens=3) == expected
+    assert text_decoder.generate(np.array(ids), max_new_tokens=3) == expected

@@ -181,6 +181,19 @@ def test_cli_generate_with_every_proposer_gives_plain_greedy(model_dir, decoder)
 
 
 @pytest.mark.xdist_group("cli")
+@pytest.mark.parametrize("settings", [{"temperature": 0.9}, {"top_k": 5}, {"top_p": 0.9}, {"do_sample": True}])
+def test_a_sampled_result_without_a_seed_reports_the_one_that_reproduces_it(decoder, settings):
+    """Where no seed is given a base seed is drawn and reported, for every way of sampling."""
+    done = decoder.generate("hello there", max_new_tokens=8, speculate=None, **settings)
+    assert done.seed is not None
+    assert decoder.generate("hello there", max_new_tokens=8, speculate=None, seed=done.seed, **settings) == done
+    answers = decoder.ask("A short document.", ["one?", "two?"], max_new_tokens=6, **settings)
+    assert answers[1].seed == answers[0].seed + 1
+    again = decoder.ask("A short document.", ["one?", "two?"], max_new_tokens=6, seed=answers[0].seed, **settings)
+    assert [a.token_ids for a in again] == [a.token_ids for a in answers]
+    assert decoder.generate("hello there", max_new_tokens=4).seed is None  # greedy
+
+
 def test_cli_refuses_a_draft_model_with_another_tokenizer(model_dir, tmp_path):
     other = tiny_model_folder(tmp_path / "other", vocab_size=300)
     result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "-p", "hi", "--max-new-tokens", "3",
@@ -216,3 +229,25 @@ def test_results_held_to_a_json_schema_carry_their_parsed_value(decoder):
     assert decoder.generate("Is it fine?", max_new_tokens=4, speculate=None).parsed is None
     answers = decoder.ask("A short text.", ["Fine?", "Sure?"], max_new_tokens=40, json_schema=schema)
     assert [a.parsed for a in answers] == [json.loads(a.text) for a in answers]
+
+
+def test_the_live_board_wraps_long_answers_and_says_which_were_cut(monkeypatch):
+    """On a terminal the board is redrawn in place; a line wider than the terminal is wrapped, not
+    cropped (the command's soft-wrapped console would crop it), and an answer cut at the limit says so."""
+    import io
+
+    from rich.console import Console
+
+    from multidecode.branches import TokenEvent
+    from multidecode.cli import decoding
+
+    screen = io.StringIO()
+    monkeypatch.setattr(decoding, "stdout", Console(file=screen, force_terminal=True, soft_wrap=True, highlight=False))
+    monkeypatch.setenv("COLUMNS", "30")
+    words = [f"word{i} " for i in range(20)]
+    events = [TokenEvent(0, i, text, None) for i, text in enumerate(words[:-1])] + [TokenEvent(0, 19, words[-1], "length")]
+    events.append(TokenEvent(1, 0, "short", "stop"))
+    decoding.show_stream(events, ["a question?", "another?"])
+    shown = screen.getvalue()
+    assert all(word.strip() in shown for word in words), shown
+    assert "cut at" in shown and " done" in shown

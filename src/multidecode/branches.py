@@ -160,17 +160,20 @@ class DecodeStats:
 
 
 # ---------------------------------------------------------------------- checks
-def token_ids(ids, vocab_size: int, what: str = "a prompt") -> list[int]:
-    """`ids` (a sequence or 1-d tensor of ints) as a list, each checked against the vocabulary."""
+def token_ids(ids, vocab_size: int | None, what: str = "a prompt") -> list[int]:
+    """`ids` (a sequence or 1-d tensor of ints) as a list, each checked against the vocabulary
+    (vocab_size None: ints, whatever their range)."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1:
             raise InvalidInput(f"{what} must be a 1-d sequence of token ids, got a tensor of shape "
                                f"{tuple(ids.shape)}", "pass one list of ints per prompt")
         ids = ids.tolist()
+    elif hasattr(ids, "tolist") and hasattr(ids, "dtype"):  # a NumPy array of ids
+        ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not all(is_int(t) for t in ids):
         raise InvalidInput(f"{what} must be a sequence of token ids (ints), got {_preview(ids)}",
                            "tokenize text first, and pass one list of ints per prompt")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
+    bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
     if bad:
         raise InvalidInput(f"{what} has token id {bad[0]}, outside the model's vocabulary of "
                            f"{vocab_size}", "tokenize with this model's tokenizer")
@@ -191,13 +194,13 @@ def check_fits(engine: Engine, prompt_lengths: Sequence[int], max_new_tokens: in
     if longest > limit:
         raise PromptTooLong(
             f"the prompt is {longest} tokens long but the model takes at most {limit} positions",
-            "shorten the document or split it into chunks",
+            "shorten the document (or prompt), or split it into chunks",
         )
     if longest + max_new_tokens > limit:
         raise PromptTooLong(
             f"the prompt is {longest} tokens and max_new_tokens is {max_new_tokens}, "
             f"more than the model's {limit} positions",
-            f"lower max_new_tokens to {limit - longest} or shorten the document",
+            f"lower max_new_tokens to {limit - longest} or shorten the document (or prompt)",
         )
 
 

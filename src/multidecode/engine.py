@@ -521,7 +521,7 @@ class Engine:
         if self.max_positions is not None and top >= self.max_positions:
             raise PromptTooLong(
                 f"position {top} is past the model's maximum of {self.max_positions} positions",
-                "shorten the document or lower max_new_tokens",
+                "shorten the document (or prompt) or lower max_new_tokens",
             )
         return positions
 

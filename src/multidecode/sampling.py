@@ -29,6 +29,7 @@ allowed token and sampling draws among the allowed ones only.
 from __future__ import annotations
 
 import math
+import secrets
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -133,11 +134,18 @@ def check_vocabulary(params: Sequence[SamplingParams], vocab_size: int) -> None:
                                   f"of {vocab_size}", "tokenize with this model's tokenizer")
 
 
+def drawn_seed() -> int:
+    """A random base seed, for branches that sample without one (31 bits: easy to retype)."""
+    return secrets.randbits(31)
+
+
 def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
     """Expand sampling settings (each a value for all branches, or a list of n) into n params.
 
-    A single `seed` s gives branch i the seed s + i; a list gives each branch its own. A
-    `logit_bias` is one {token id: bias} for all branches, or a list of n (None for none).
+    A single `seed` s gives branch i the seed s + i; a list gives each branch its own. Where
+    branches sample and no seed is given, a base seed is drawn at random (`drawn_seed`) and used
+    as if given: every sampled branch reports the seed that reproduces it. A `logit_bias` is one
+    {token id: bias} for all branches, or a list of n (None for none).
     """
     unknown = set(sampling) - set(SAMPLING_KEYS)
     if unknown:
@@ -165,6 +173,9 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
             any(k in SAMPLING_SWITCHES and v[i] is not None for k, v in sampled.items())
             for i in range(n)
         ]
+    if all(seed is None for seed in columns.get("seed", [None])) and any(columns["do_sample"]):
+        base = drawn_seed()
+        columns["seed"] = [base + i for i in range(n)]
     params = []
     for i in range(n):
         kwargs = {k: v[i] for k, v in columns.items() if v[i] is not None}

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import click
+from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -48,6 +50,11 @@ if TYPE_CHECKING:  # the strategies import torch: each command imports its own w
     from ..branches import TokenEvent
     from ..strategies import margins as margins_strategy
 
+BOARD_STATES = MappingProxyType({None: (" ...", "cyan"), "stop": (" done", "green"),
+                                  "length": (" cut at --max-new-tokens", "yellow")})
+"""How a board entry's state is shown: going on, ended (eos or a stop string), or cut by the limit."""
+
+
 class AnswerBoard:
     """Collects streamed events per question and renders them: live on a terminal, else as each ends."""
 
@@ -67,7 +74,7 @@ class AnswerBoard:
     def entry(self, i: int) -> Text:
         entry = Text()
         entry.append(f"{i + 1}. {self.questions[i]}", style="bold")
-        entry.append(" done" if self.reasons[i] else " ...", style="green" if self.reasons[i] else "cyan")
+        entry.append(*BOARD_STATES.get(self.reasons[i], BOARD_STATES["stop"]))
         entry.append("\n   " + self.texts[i].strip().replace("\n", "\n   ") + "\n")
         return entry
 
@@ -78,8 +85,9 @@ class AnswerBoard:
 def show_stream(events: Iterable[TokenEvent], questions: Sequence[str]) -> AnswerBoard:
     """Print answers as they are generated; returns the finished board."""
     board = AnswerBoard(questions)
-    if stdout.is_terminal:
-        with Live(board, console=stdout, refresh_per_second=12, transient=False):
+    if stdout.is_terminal:  # a live board wraps its lines: soft-wrapped (`stdout`), rich would crop them
+        live = Console(file=stdout.file, highlight=False, force_terminal=True)
+        with Live(board, console=live, refresh_per_second=12, transient=False):
             for event in events:
                 board.add(event)
     else:

@@ -11,11 +11,10 @@ fit, each completion still drawn with its own seed: the same completions, only l
 from __future__ import annotations
 
 import functools
-import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..branches import Branch, BranchRun, DecodeStats, TokenEvent, check_memory, memory_need, start_prompts
+from ..branches import Branch, BranchRun, DecodeStats, TokenEvent, check_memory, memory_need, start_prompts, token_ids
 from ..branches import start as start_branches
 from ..engine import Engine
 from ..errors import InvalidInput, check_positive
@@ -54,19 +53,16 @@ def prompt_ids(tokenizer, prompt: str | Sequence[int], *, chat: bool | None = No
         if use_chat:
             return tokenize_prompt(tokenizer, render_prompt(tokenizer, prompt))
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    ids = [int(t) for t in prompt]
+    ids = token_ids(prompt, None, "a prompt that is not text")
     if not ids:
         raise InvalidInput("the prompt has no tokens", "pass some token ids or text")
     return ids
 
 
-def sampled_settings(n: int, sampling: dict) -> dict:
-    """Sampling on by default; a random base seed when none is given, so each branch is reproducible."""
-    sampling = dict(sampling)
-    sampling.setdefault("do_sample", True)
-    if sampling.get("seed") is None and sampling["do_sample"] not in (False, [False] * n):
-        sampling["seed"] = secrets.randbits(31)
-    return sampling
+def sampled_settings(sampling: dict) -> dict:
+    """Sampling on by default (a random base seed is drawn where none is given: see
+    `sampling.per_branch_sampling`)."""
+    return {"do_sample": True, **sampling}
 
 
 # ---------------------------------------------------------------------- waves
@@ -172,8 +168,9 @@ def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: in
     a `constraints.Constraint` every completion follows (or a list of n).
     """
     check_positive("n", n)
+    check_positive("max_new_tokens", max_new_tokens)  # here too: the waves' memory check reads it first
     ids = prompt_ids(tokenizer, prompt, chat=chat)
-    params = per_branch_sampling(n, sampled_settings(n, sampling) if sample else sampling)
+    params = per_branch_sampling(n, sampled_settings(sampling) if sample else sampling)
     engine = scheduler.engine
     spec = build_speculation(speculate, engine.dtype, exact=engine.exact)
     settings = {"max_new_tokens": max_new_tokens, "tokenizer": tokenizer, "stop": stop, "eos_token_id": eos_token_id,

@@ -80,13 +80,17 @@ def normalize(answer: str) -> str | None:
     return text.lower() or None
 
 
-def extract_answer(trace: str) -> str | None:
-    """The final answer of a trace: an 'Answer: ...' line, else its last number, else its last line."""
+def extract_answer(trace: str, *, marked_only: bool = False) -> str | None:
+    """The final answer of a trace: an 'Answer: ...' line, else its last number, else its last line.
+    marked_only: the 'Answer:' line alone (for a trace cut short, whose last number is any number
+    it was working with: "17 * 3" cut after its restatement of the question would vote 3)."""
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
     for line in reversed(lines):
         marks = list(_ANSWER_MARK.finditer(line))
         if marks and line[marks[-1].end():].strip():
             return normalize(line[marks[-1].end():])
+    if marked_only:
+        return None
     numbers = _NUMBER.findall(trace)
     if numbers:
         return normalize(numbers[-1])
@@ -106,7 +110,9 @@ def constrained_answer(completion: Completion) -> str | None:
 def vote_prompt(question: str, instruction: str | None = INSTRUCTION, *, constrained: bool = False) -> str:
     """The prompt of every trace: the question, then the instruction. Under a constraint the
     default instruction (an "Answer:" line) is left out: the constraint forbids that line."""
-    if not isinstance(question, str) or not question.strip():
+    if not isinstance(question, str):
+        raise InvalidInput(f"the question must be text, got {type(question).__name__}", "pass the question as a string")
+    if not question.strip():
         raise InvalidInput("the question is empty", "write the question to reason about")
     if constrained and instruction == INSTRUCTION:
         instruction = None
@@ -121,11 +127,13 @@ def vote_settings(sampling: dict) -> dict:
 def tally(question: str, done: Sequence[Completion], extract: Callable[[str], str | None] | None = None) -> Vote:
     """Extract each trace's answer and count the votes. extract: text -> answer; None (the
     default) takes a constrained trace whole (`constrained_answer`) and reads a free one with
-    `extract_answer`."""
+    `extract_answer`, by its 'Answer:' line alone where max_new_tokens cut it short."""
     def answer(c: Completion) -> str | None:
         if extract is not None:
             return extract(c.text)
-        return extract_answer(c.text) if c.matched is None else constrained_answer(c)
+        if c.matched is not None:
+            return constrained_answer(c)
+        return extract_answer(c.text, marked_only=c.finish_reason == "length")
 
     traces = [Trace(c.text, answer(c), c.token_ids, c.finish_reason, c.seed, c.parsed, c.matched) for c in done]
     counts = Counter(t.answer for t in traces if t.answer is not None)
