@@ -187,6 +187,13 @@ def test_duplicate_ids_are_refused_up_front_naming_both_lines(tmp_path):
     assert not out.exists() and not lock_path(out).exists()  # refused before the output is touched
 
 
+def test_an_id_on_three_lines_is_named_once_with_all_three(tmp_path):
+    rows = [{"id": 1, "document": "text", "questions": ["q?"]}] * 3
+    with pytest.raises(multidecode.InvalidInput) as caught:
+        open_batch(write_lines(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl", BatchSettings())
+    assert caught.value.message.endswith("has duplicate ids: id 1 is on lines 1, 2 and 3")
+
+
 def test_a_document_too_long_for_the_model_is_recorded_and_the_others_go_on(model_dir, tmp_path):
     rows = documents(5)
     rows[2] = {"id": "long", "document": "routers and cables and tickets " * 60, "questions": ["why?", "when?"]}

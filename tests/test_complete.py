@@ -272,9 +272,8 @@ def test_max_new_tokens_of_the_wrong_type_is_refused(text_decoder, call):
 
 
 def test_a_tensor_of_ids_is_a_prompt(text_decoder):
-    import torch
-
     import numpy as np
+    import torch
 
     ids = [5, 6, 7]
     expected = text_decoder.generate(ids, max_new_tokens=3)

@@ -211,15 +211,18 @@ def check_input_file(path: Path) -> None:
 
 def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int, str]]:
     """(line, key) of every non-blank input line, in order. Refuses duplicate ids, naming their lines."""
-    first_line: dict[str, int] = {}
+    on_lines: dict[str, list[int]] = {}  # key -> the lines it is on
+    ids: dict[str, object] = {}
     lines: list[tuple[int, str]] = []
-    clashes: list[str] = []
     for number, raw in input_lines(path):
         item = parse_line(raw, number, job_questions)
-        if item.key in first_line:
-            clashes.append(f"id {item.id!r} is on lines {first_line[item.key]} and {number}")
-        first_line.setdefault(item.key, number)
+        on_lines.setdefault(item.key, []).append(number)
+        ids[item.key] = item.id  # as its latest line spells it (7 and "7" are one id)
         lines.append((number, item.key))
+    repeated = sorted(((key, where) for key, where in on_lines.items() if len(where) > 1),
+                      key=lambda repeat: repeat[1][1])  # in the order they were found
+    clashes = [f"id {ids[key]!r} is on lines {', '.join(map(str, where[:-1]))} and {where[-1]}"
+               for key, where in repeated]
     if clashes:
         more = f" and {len(clashes) - 3} more" if len(clashes) > 3 else ""
         raise InvalidInput(f"{path} has duplicate ids: {'; '.join(clashes[:3])}{more}",
