@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.image import imread
 
 from multidecode.cli import main
+from multidecode.cli.explain import check_output
 from multidecode.cost import CostCurve
 from multidecode.errors import InvalidArgument
 from multidecode.explain import explain_prompts, shown
@@ -52,6 +53,19 @@ class PartlyRight(Proposer):
         second = draft.add(future[1], first)
         draft.add((future[2] + 1) % VOCAB, second)
         return draft.truncate(budget)
+
+
+class PartlyRightWithSide(PartlyRight):
+    """PartlyRight plus a chain of two side nodes under the head, as lookahead feeds its window
+    (which "auto" adds where it is nearly free): fed for their logits, never verified."""
+
+    name = "partly-right-with-side"
+
+    def propose(self, context: BranchContext, budget: int) -> DraftTree:
+        draft = super().propose(context, budget)
+        if len(draft):
+            draft.add_side(1, draft.add_side(2))
+        return draft
 
 
 def run_explain(**settings):
@@ -150,6 +164,24 @@ def test_auto_with_a_given_cost_curve():
     assert explained.summary["drafted"] > 0
 
 
+def test_side_nodes_are_no_drafts():
+    """Side nodes are fed and taken back, but they are no draft tokens: the step's counts still
+    agree with the run's, and the nodes are shown as side nodes."""
+    explained = run_explain(speculate=Speculation(PartlyRightWithSide(), budget=4))
+    stats, steps, summary = explained.stats, explained.steps, explained.summary
+    assert sum(c.drafts for c in steps) == stats.drafted
+    assert [c.drafts for c in steps] == stats.draft_budgets
+    assert sum(c.accepted for c in steps) == stats.accepted
+    step = summary["step"]
+    assert summary["drafted"] == stats.draft_budgets[step - 1] == steps[step - 1].drafts
+    assert summary["rejected"] == steps[step - 1].rejected
+    assert summary["fed"] == steps[step - 1].rows == len(PROMPTS) + summary["drafted"] + summary["side_nodes"]
+    for branch in summary["branches"]:
+        assert (branch["draft_size"], branch["accepted"], branch["rejected"], branch["side_nodes"]) == (4, 2, 2, 2)
+    for lane in explained.view.lanes:
+        assert [n.depth for n in lane.side] == [1, 2] and not set(lane.side) & set(lane.drafts)
+
+
 @pytest.mark.parametrize(("settings", "needle"), [
     ({"step": 1}, "step must be an integer of 2 or more"),
     ({"step": 99}, "so there is no step 99"),
@@ -212,4 +244,31 @@ def test_the_command_refuses_bad_input(tiny, tmp_path, args, needle):
     result = run("--model", folder, "--document", document, "-q", "what?", "--max-new-tokens", 6, *out, *args)
     assert result.exit_code == 2, result.output
     assert "error:" in result.stderr and needle in result.stderr, result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_an_unwritable_output_is_refused_before_the_model_loads(tiny, tmp_path):
+    """The output is tried before the run (which takes minutes on a real model), not when saving."""
+    _, document = tiny
+    for output, needle in (("/proc/step.png", "(in /proc)"), (document / "step.png", "not a folder")):
+        result = run("--model", tmp_path / "no-such-model", "--document", document, "--output", output)
+        assert result.exit_code == 2, result.output
+        assert f"cannot write --output {output}" in result.stderr and needle in result.stderr, result.stderr
+        assert "hint:" in result.stderr and "Traceback" not in result.output
+    assert check_output(str(tmp_path / "new" / "step.png")) == tmp_path / "new" / "step.png"
+    assert not list(tmp_path.iterdir())  # trying a folder leaves nothing behind in it
+
+
+def test_an_error_while_saving_is_reported(tiny, tmp_path, monkeypatch):
+    import multidecode.explain
+
+    def full(figure, path):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(multidecode.explain, "save", full)
+    folder, document = tiny
+    png = tmp_path / "step.png"
+    result = run("--model", folder, "--document", document, "-q", "what?", "--max-new-tokens", 6, "--output", png)
+    assert result.exit_code == 2, result.output
+    assert f"cannot write --output {png}: No space left on device" in result.stderr, result.stderr
     assert "Traceback" not in result.output

@@ -19,6 +19,8 @@ from click.testing import CliRunner
 from gguf_files import q4_k_blocks, write_tiny_gguf
 
 import multidecode
+from multidecode import cost
+from multidecode.bench.results import environment
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument
 from multidecode.models import precision
@@ -155,6 +157,20 @@ def test_a_float_folder_packed_at_int4_reports_smaller_weights(model_dir):
     assert floats["precision"] == "float32" and packed["precision"] == "int4"
     assert packed["weights_bytes"] < floats["weights_bytes"] / 3
     assert floats["kv_bytes_per_token"] == 2 * packed["kv_bytes_per_token"]  # float32 cache vs bfloat16
+
+
+def test_each_precision_has_its_own_cost_curve_and_benchmark_metadata(model_dir):
+    """int4 and int8 compute in the same dtype and hold their codes as buffers, not parameters:
+    both must still tell apart (a cost curve timed at one precision is wrong for the other), and a
+    packed model counts the weights its codes stand for."""
+    models = {name: multidecode.load(str(model_dir), precision=name).model for name in ("float32", "int4", "int8")}
+    keys = {name: cost.model_key(model) for name, model in models.items()}
+    assert len(set(keys.values())) == 3
+    assert cost.model_key(multidecode.load(str(model_dir), precision="int4").model) == keys["int4"]  # stable
+    meta = {name: environment(model) for name, model in models.items()}
+    assert [meta[name]["dtype"] for name in models] == ["float32", "int4", "int8"]
+    assert meta["int4"]["compute_dtype"] == "bfloat16"
+    assert meta["int4"]["parameters"] == meta["int8"]["parameters"] == meta["float32"]["parameters"]
 
 
 # ---------------------------------------------------------------------- the command line

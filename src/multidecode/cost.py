@@ -47,6 +47,7 @@ import torch
 
 from .engine import Engine, time_forwards
 from .forest import ROOT
+from .models.packed import weight_count, weights_precision
 from .user_cache import cache_dir
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -111,14 +112,16 @@ def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 def model_key(model) -> str:
-    """What a cost curve depends on: the model's shape, dtype, device, attention kernel, torch
-    version and thread count."""
+    """What a cost curve depends on: the model's shape, dtype, weights' precision (int4 and int8
+    codes are buffers, not parameters, and compute in the same dtype, yet time differently),
+    device, attention kernel, torch version and thread count."""
     param = next(model.parameters())
     device = param.device
     facts = {
         "config": model.config.to_json_string(use_diff=False),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": weight_count(model),
         "dtype": str(param.dtype),
+        "weights": weights_precision(model),
         "device": f"{device.type}:{device_name(device)}",
         "attention": getattr(model.config, "_attn_implementation", None),
         "torch": torch.__version__,

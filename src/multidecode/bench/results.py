@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..models.packed import weight_count, weights_precision
+
 TITLE_SIZE, NOTE_SIZE = 9, 7
 
 
@@ -27,8 +29,9 @@ def environment(model=None, *, launched: dict | None = None) -> dict:
     if model is not None:
         param = next(model.parameters())
         facts = {"model": model_name(model), "model_type": getattr(model.config, "model_type", None),
-                 "parameters": sum(p.numel() for p in model.parameters()),
-                 "dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
+                 "parameters": weight_count(model),  # packed weights included
+                 "dtype": weights_precision(model),  # what the weights are held as ("int4", "bfloat16", ...)
+                 "compute_dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
                  "attn_implementation": getattr(model.config, "_attn_implementation", None)}
     return {"model": None, "dtype": None, "device": None, **facts, "torch": torch.__version__,
             "transformers": transformers.__version__, "multidecode": __version__,

@@ -8,7 +8,9 @@ sample transcript, three of its questions, prompt lookup with at most four draft
 
 from __future__ import annotations
 
+import errno
 import json
+import tempfile
 from pathlib import Path
 
 import click
@@ -30,13 +32,37 @@ from .common import (
 
 
 def check_output(output: str) -> Path:
-    """Refuse an output path that cannot become a PNG file, before the model loads."""
+    """Refuse an output path that cannot become a PNG file, before the model loads and runs.
+
+    Writability is tried, not inferred from permission bits: root passes every `os.access` check,
+    yet cannot create a file in /proc. So the existing file is opened for appending (which changes
+    nothing), or a scratch file is created and removed in the nearest folder that exists (`save`
+    creates the missing ones).
+    """
     path = Path(output)
     if path.is_dir():
         raise InvalidArgument(f"--output {output} is a folder", "name a PNG file, e.g. --output step.png")
     if path.suffix.lower() != ".png":
         raise InvalidArgument(f"--output {output} does not end in .png", "the picture is written as a PNG")
+    folder = next(p for p in path.absolute().parents if p.exists())
+    try:
+        if path.exists():
+            path.open("ab").close()
+        elif not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(folder))
+        else:
+            tempfile.NamedTemporaryFile(dir=folder, prefix=".multidecode-", suffix=".png").close()
+    except OSError as err:
+        raise _unwritable(output, err, None if path.exists() else folder) from None
     return path
+
+
+def _unwritable(output: str, err: OSError, folder: Path | None = None) -> InvalidArgument:
+    """The error for an --output that cannot be written (checked before the run, or met saving):
+    the reason, and where it was met when that is not the file itself (the folder it goes in)."""
+    where = folder or (err.filename if err.filename and str(err.filename) != output else None)
+    return InvalidArgument(f"cannot write --output {output}: {err.strerror or err}" + (f" (in {where})" if where else ""),
+                           "name a PNG file in a folder you may write to, e.g. --output step.png")
 
 
 @click.command()
@@ -79,7 +105,10 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
     with stderr.status("Decoding and drawing..."):
         result = _explain.explain(decoder, document=text, questions=questions, max_new_tokens=max_new_tokens,
                                   speculate=spec, draft_budget=None, step=step, model_label=label)
-        _explain.save(result.figure, path)
+        try:
+            _explain.save(result.figure, path)
+        except OSError as err:  # the disk filled, or the folder changed since `check_output`
+            raise _unwritable(output, err) from None
     s = result.summary
     line = (f"Wrote {path}: step {s['step']} of {s['steps']}, {counted(len(s['branches']), 'branch', 'branches')}, {s['drafted']} draft "
             f"tokens fed, {s['accepted']} accepted, {s['rejected']} rejected")

@@ -21,6 +21,7 @@ STATUS_COLOURS = {
     "head": "#3465a4",
     "accepted": "#2e9d5b",
     "rejected": "#d64550",
+    "side": "#9a86b8",
     "next": "#ffffff",
 }
 PREFIX_COLOUR = "#6b7280"
@@ -69,7 +70,7 @@ def draw(view: StepView, *, title: str = "", figsize: tuple[float, float] = (14.
     _draw_mask(fig.add_axes((0.655, 0.02, 0.335, 0.85)), view)
     if title:
         fig.suptitle(title, fontsize=11, y=0.985, va="top", linespacing=1.4)
-    _legend(fig)
+    _legend(fig, side=any(lane.side for lane in view.lanes))
     return fig
 
 
@@ -81,13 +82,16 @@ def save(figure: Figure, path: str | Path, *, dpi: int | None = None) -> Path:
     return path
 
 
-def _legend(fig) -> None:
+def _legend(fig, *, side: bool) -> None:
+    """The colours' meanings; side nodes' only where the step has some (lookahead's window)."""
     from matplotlib.patches import Patch
 
     handles = [
         Patch(facecolor=STATUS_COLOURS["head"], label="head: the branch's newest token, fed this step"),
         Patch(facecolor=STATUS_COLOURS["accepted"], label="draft accepted (the target chose it too)"),
         Patch(facecolor=STATUS_COLOURS["rejected"], label="draft rejected (taken back after the step)"),
+        *([Patch(facecolor=STATUS_COLOURS["side"], label="side node (fed for its logits, never verified)")]
+          if side else []),
         Patch(facecolor="white", edgecolor="#333333", linestyle="--",
               label="the target's next token (+n: what the branch gains)"),
         Patch(facecolor=PREFIX_COLOUR, label="shared prefix (cached once)"),

@@ -149,10 +149,14 @@ class _Recorder:
             self.counts.append(StepCounts(1, len(trace.nodes), drafts, accepted, drafts - accepted, 0))
             return
         lanes = _lanes(trace, group)
-        drafts = sum(len(b) - 1 for b in lanes.values())
-        rejected = len(trace.rejected)
-        counts = StepCounts(trace.step, len(trace.nodes), drafts, drafts - rejected, rejected,
-                            sum(len(b) > 1 for b in lanes.values()))
+        # Not every fed node below a head is a draft: side nodes (lookahead's window, which "auto"
+        # feeds where it is nearly free) are fed and taken back unverified. The group's own record
+        # of this step's draft nodes tells them apart, so the counts agree with the run's stats.
+        drafts = group.draft_nodes
+        drafted = sum(node in drafts for node in trace.nodes)
+        rejected = sum(node in drafts for node in trace.rejected)
+        counts = StepCounts(trace.step, len(trace.nodes), drafted, drafted - rejected, rejected,
+                            sum(any(node in drafts for node in b) for b in lanes.values()))
         self.counts.append(counts)
         if self.step is not None:
             if trace.step == self.step:
@@ -195,6 +199,17 @@ def _view(trace: StepTrace, group: BranchGroup, lanes: dict[int, list[int]], tok
     """Copy the step out of the forest (it changes as soon as the callback returns)."""
     forest = trace.forest
     rejected = set(trace.rejected)
+    drafts = group.draft_nodes
+
+    def status(node: int, depth: int) -> str:
+        """A fed node's part: the head, a draft the target verified, or a side node (fed for its logits only)."""
+        if depth == 0:
+            return "head"
+        if node not in drafts:
+            return "side"
+        return "rejected" if node in rejected else "accepted"
+
+    order = {"accepted": 0, "rejected": 1, "side": 2}
     prefix_length = len(group.prefix_ids)
     out: list[Lane] = []
     for index, nodes in lanes.items():
@@ -209,11 +224,10 @@ def _view(trace: StepTrace, group: BranchGroup, lanes: dict[int, list[int]], tok
         while stack:
             node, depth = stack.pop()
             ordered.append((node, depth))
-            kids = sorted(children.get(node, []), key=lambda n: n in rejected)
+            kids = sorted(children.get(node, []), key=lambda n: order[status(n, depth + 1)])
             stack.extend((kid, depth + 1) for kid in reversed(kids))
         fed = [FedNode(node, forest.tokens[node], token_text(tokenizer, [forest.tokens[node]]), forest.parents[node],
-                       forest.positions[node], forest.slot_of[node], depth,
-                       "head" if depth == 0 else "rejected" if node in rejected else "accepted")
+                       forest.positions[node], forest.slot_of[node], depth, status(node, depth))
                for node, depth in ordered]
         tail = path[prefix_length:branch.prompt_length]
         answer = path[branch.prompt_length:-1]
@@ -271,6 +285,7 @@ def summarize(view: StepView, stats: DecodeStats, *, model: str, speculate: Spec
             "draft_size": len(lane.drafts),
             "accepted": len(lane.accepted),
             "rejected": len(lane.rejected),
+            "side_nodes": len(lane.side),
             "accepted_text": "".join(n.text for n in lane.accepted),
             "next_token": {"token_id": lane.next_token, "text": lane.next_text},
             "positions": [min(n.position for n in lane.nodes), max(n.position for n in lane.nodes)],
@@ -288,9 +303,10 @@ def summarize(view: StepView, stats: DecodeStats, *, model: str, speculate: Spec
         "cache_slots": view.num_slots,
         "prefix_tokens": view.prefix_length,
         "fed": len(rows),
-        "drafted": sum(r.status != "head" for r in rows),
+        "drafted": sum(r.status in ("accepted", "rejected") for r in rows),
         "accepted": sum(r.status == "accepted" for r in rows),
         "rejected": sum(r.status == "rejected" for r in rows),
+        "side_nodes": sum(r.status == "side" for r in rows),
         "branches": branches,
         "run": stats.as_dict(),
     }
@@ -302,10 +318,12 @@ def _title(view: StepView, model: str, spec: Speculation, what: str) -> str:
     accepted = sum(r.status == "accepted" for r in rows)
     rejected = sum(r.status == "rejected" for r in rows)
     budget = "chosen by cost" if spec.auto else f"at most {spec.size} per branch"
+    side = sum(r.status == "side" for r in rows)
     lanes = len(view.lanes)
     return (f"One verification step of {what}, speculate={spec.name}, on {model}: step {view.step} of {view.steps}\n"
-            f"{lanes} branch{'es' * (lanes != 1)} in one forward, {accepted + rejected} draft tokens ({budget}): "
-            f"{accepted} accepted, {rejected} rejected, so {accepted + lanes} tokens emitted")
+            f"{lanes} branch{'es' * (lanes != 1)} in one forward, {accepted + rejected} draft tokens ({budget})"
+            + (f" and {side} side nodes (fed for their logits only)" if side else "")
+            + f": {accepted} accepted, {rejected} rejected, so {accepted + lanes} tokens emitted")
 
 
 __all__ = ["Explanation", "explain", "explain_prompts", "sample_excerpt", "sample_questions", "summarize", "token_text"]

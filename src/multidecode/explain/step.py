@@ -16,8 +16,9 @@ import torch
 @dataclass(frozen=True)
 class FedNode:
     """One node fed in the step. parent: its parent's node id (for a head, the branch's last
-    cached node); depth: 0 for the head, 1 for its children, ...; status: "head", "accepted" or
-    "rejected"."""
+    cached node); depth: 0 for the head, 1 for its children, ...; status: "head", "accepted",
+    "rejected" or "side" (a proposer's side node, such as lookahead's Jacobi window: fed for its
+    logits only, never verified and always taken back, so it is no draft token)."""
 
     node: int
     token: int
@@ -47,7 +48,8 @@ class Lane:
 
     @property
     def drafts(self) -> list[FedNode]:
-        return [n for n in self.nodes if n.status != "head"]
+        """The draft nodes, verified by the target (side nodes are not drafts: the run does not count them)."""
+        return [n for n in self.nodes if n.status in ("accepted", "rejected")]
 
     @property
     def accepted(self) -> list[FedNode]:
@@ -57,11 +59,16 @@ class Lane:
     def rejected(self) -> list[FedNode]:
         return [n for n in self.nodes if n.status == "rejected"]
 
+    @property
+    def side(self) -> list[FedNode]:
+        return [n for n in self.nodes if n.status == "side"]
+
 
 @dataclass(frozen=True)
 class StepCounts:
-    """One step in numbers: rows fed, draft nodes among them, and their fate. For step 1 (the
-    prompts) the draft counts are the run's own and branches_with_drafts is not counted (0)."""
+    """One step in numbers: rows fed, draft nodes among them, and their fate (side nodes are fed
+    rows, but no drafts). For step 1 (the prompts) the draft counts are the run's own and
+    branches_with_drafts is not counted (0)."""
 
     step: int
     rows: int

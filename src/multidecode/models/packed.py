@@ -167,6 +167,35 @@ def step_bytes(model: nn.Module) -> int:
     return total if shared else total - packed_bytes(embedding)
 
 
+def packed_linears(model: nn.Module) -> list[PackedLinear]:
+    """Every `PackedLinear` of a model once: its modules, and an untied packed embedding's own
+    codes (held outside the module tree, so `modules()` alone misses them)."""
+    found = {id(m): m for m in model.modules() if isinstance(m, PackedLinear)}
+    for module in model.modules():
+        if isinstance(module, PackedEmbedding):
+            found.setdefault(id(module.head[0]), module.head[0])
+    return list(found.values())
+
+
+def weight_count(model: nn.Module) -> int:
+    """The model's weights, packed ones included: its parameters, plus a weight per code (packed
+    codes are buffers, which `parameters()` leaves out, so a packed model would seem to shrink)."""
+    return sum(p.numel() for p in model.parameters()) + sum(m.in_features * m.out_features
+                                                             for m in packed_linears(model))
+
+
+def weights_precision(model: nn.Module) -> str:
+    """What the model's weights are held as: "int4", "int8" (or "int4+int8" for a GGUF file whose
+    tensors keep their own widths) where any are packed, else the parameters' dtype ("float32", ...).
+
+    Read from the model itself, so whoever holds only the model (a cost curve's key, a benchmark's
+    metadata) tells an int4 model from an int8 one: both compute in the same activation dtype."""
+    bits = sorted({m.bits for m in packed_linears(model)})
+    if bits:
+        return "+".join(f"int{b}" for b in bits)
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 # ---------------------------------------------------------------------- packing a model loaded from floats
 def pack_model(model: nn.Module, bits: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
     """Replace every linear layer (and GPT-2's Conv1D) of `model` whose weight can be packed with
@@ -221,4 +250,4 @@ def _linear_weight(module: nn.Module) -> torch.Tensor | None:
 
 
 __all__ = ["GROUP", "Codes", "PackedEmbedding", "PackedLinear", "linear_of", "pack_model", "packable", "packed_bytes",
-           "quantize", "step_bytes"]
+           "packed_linears", "quantize", "step_bytes", "weight_count", "weights_precision"]
