@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import uvicorn
+from tiny_models import EOS
 
 from multidecode.models.loading import load_model_and_tokenizer
 from multidecode.runtime import Limits
@@ -22,7 +23,6 @@ from multidecode.serving.app import ServeState, create_app
 from multidecode.serving.launch import DrainingServer, free_port
 
 MODEL = "tiny"
-EOS = 2  # the tiny model's end-of-sequence token
 
 
 class Running:
@@ -46,13 +46,9 @@ class Running:
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Until no request is running and the engine has settled its cache."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.forest.busy and not self.forest.scheduler.works:
-                time.sleep(0.1)  # the engine thread settles the cache right after the last step
-                return
-            time.sleep(0.02)
-        raise TimeoutError("the server did not go idle")
+        if not wait_until(lambda: not self.forest.busy and not self.forest.scheduler.works, timeout, every=0.02):
+            raise TimeoutError("the server did not go idle")
+        time.sleep(0.1)  # the engine thread settles the cache right after the last step
 
 
 def tiny_loader(folder: Path):

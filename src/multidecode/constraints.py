@@ -218,6 +218,13 @@ def hint_for(kind: str, reason: str) -> str:
     return _HINTS[kind]
 
 
+def parsed_field(constraint: Constraint | None, result) -> dict:
+    """{"parsed": a result's JSON value} where a JSON constraint held it (null where it did not
+    match it whole: `Completion.parsed`, `Answer.parsed`, `Trace.parsed`), else nothing: the field
+    a command's --json output and a batch record carry."""
+    return {"parsed": result.parsed} if constraint is not None and constraint.is_json else {}
+
+
 def _schema_json(schema: dict) -> str:
     r"""`schema` as the JSON text llguidance reads, refused here for what JSON cannot carry:
     NaN and Infinity (Python's json reads and writes them; 1e400 in JSON text reads as Infinity),

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Self
 
+from ..constraints import parsed_field
 from ..errors import InvalidInput, MultiDecodeError
 from .lines import InputLine, check_input_file, input_lines, parse_line, scan_input
 from .merged import FOREST_BRANCHES, FOREST_TOKENS, PREFILL_CHUNK, ForestAnswerer, LineOutcome, answer_merged
@@ -204,7 +205,7 @@ class BatchJob:
             "id": outcome.item.id,
             "line": outcome.item.line,
             "answers": [{"question": a.question, "answer": a.text, "finish_reason": a.finish_reason,
-                         "tokens": len(a.token_ids), **parsed_entry(constraint, a)} for a in answers],
+                         "tokens": len(a.token_ids), **parsed_field(constraint, a)} for a in answers],
             "error": None if error is None else _error_record(error),
             "tokens": sum(len(a.token_ids) for a in answers),
             "elapsed_s": round(outcome.elapsed_s, 4),
@@ -217,14 +218,6 @@ class BatchJob:
             retried=self.retried, done=self.done, failed=self.failed, remaining=len(self.pending),
             tokens=self.tokens, elapsed_s=self.elapsed_s, earlier_failures=self.earlier_failures,
             repaired=self.repaired, failures=list(self.failures))
-
-
-def parsed_entry(constraint, answer) -> dict:
-    """{"parsed": the answer's JSON value} under a JSON constraint (null where it did not match it
-    whole: cut short by max_new_tokens or a stop string; `Answer.parsed`), nothing otherwise."""
-    if constraint is None or not constraint.is_json:
-        return {}
-    return {"parsed": answer.parsed}
 
 
 def _error_record(err) -> dict:

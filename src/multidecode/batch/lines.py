@@ -213,16 +213,17 @@ def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int,
     """(line, key) of every non-blank input line, in order. Refuses duplicate ids, naming their lines."""
     on_lines: dict[str, list[int]] = {}  # key -> the lines it is on
     ids: dict[str, object] = {}
+    repeated: list[str] = []  # keys on more than one line, in the order they were found
     lines: list[tuple[int, str]] = []
     for number, raw in input_lines(path):
         item = parse_line(raw, number, job_questions)
         on_lines.setdefault(item.key, []).append(number)
+        if len(on_lines[item.key]) == 2:
+            repeated.append(item.key)
         ids[item.key] = item.id  # as its latest line spells it (7 and "7" are one id)
         lines.append((number, item.key))
-    repeated = sorted(((key, where) for key, where in on_lines.items() if len(where) > 1),
-                      key=lambda repeat: repeat[1][1])  # in the order they were found
-    clashes = [f"id {ids[key]!r} is on lines {', '.join(map(str, where[:-1]))} and {where[-1]}"
-               for key, where in repeated]
+    clashes = [f"id {ids[key]!r} is on lines {', '.join(map(str, on_lines[key][:-1]))} and {on_lines[key][-1]}"
+               for key in repeated]
     if clashes:
         more = f" and {len(clashes) - 3} more" if len(clashes) > 3 else ""
         raise InvalidInput(f"{path} has duplicate ids: {'; '.join(clashes[:3])}{more}",

@@ -284,19 +284,18 @@ def constraint_from(options: ConstraintOptions | None):
     return Constraint.regex(options.regex)
 
 
+def note_cut_branches(branches) -> None:
+    """`note_if_cut` for a run's branches (`Branch.cut_short`)."""
+    note_if_cut(sum(b.cut_short for b in branches), len(branches))
+
+
 def note_if_cut(cut: int, of: int = 1) -> None:
     """Say on stderr that `cut` of `of` outputs held to a grammar reached --max-new-tokens before
-    matching it whole (`Branch.cut_short`), so they may not parse."""
+    matching it whole, so they may not parse."""
     if cut:
         which = "the output" if of == 1 else f"{cut} of {of} outputs"
         stderr.print(f"[yellow]note:[/yellow] {which} reached --max-new-tokens before {'its' if of == 1 else 'their'} "
                      "grammar was complete, so it may not parse; raise --max-new-tokens")
-
-
-def parsed(constraint, result) -> dict:
-    """{"parsed": the JSON value} of a result held to a JSON constraint (null when it was cut short),
-    as the library read it (`Completion.parsed`, `Answer.parsed`, `Trace.parsed`)."""
-    return {"parsed": result.parsed} if constraint is not None and constraint.is_json else {}
 
 
 def decoding_options(speculate: str | None = None):

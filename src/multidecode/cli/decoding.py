@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from ..constraints import parsed_field
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_document, check_questions, check_text
 from ..sampling_keys import SAMPLING_SWITCHES
@@ -30,9 +31,8 @@ from .common import (
     decoding_options,
     load_decoder,
     model_options,
-    note_if_cut,
+    note_cut_branches,
     open_run,
-    parsed,
     print_stats,
     prompt_options,
     read_lines,
@@ -140,7 +140,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
         answers = ask_strategy.answers(run.finish(), questions)
         rows = [
             {"question": a.question, "answer": a.text, "finish_reason": a.finish_reason, "seed": a.seed,
-             "token_ids": a.token_ids, "prompt_tokens": len(a.prompt_ids), **parsed(constraint, a)}
+             "token_ids": a.token_ids, "prompt_tokens": len(a.prompt_ids), **parsed_field(constraint, a)}
             for a in answers
         ]
         click.echo(json.dumps(rows, ensure_ascii=False))
@@ -148,7 +148,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
     else:
         board = show_stream(run.events, questions)
         generated = sum(map(len, board.token_ids))
-        note_if_cut(sum(b.cut_short for b in run.branches), len(run.branches))
+        note_cut_branches(run.branches)
     elapsed = time.perf_counter() - start
     if show_stats:
         print_stats(run.stats.as_dict())
@@ -225,7 +225,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     if as_json:
         done = complete_strategy.completions(run.finish())
         click.echo(json.dumps([{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "seed": c.seed,
-                                "token_ids": c.token_ids, "prompt_tokens": len(c.prompt_ids), **parsed(constraint, c)}
+                                "token_ids": c.token_ids, "prompt_tokens": len(c.prompt_ids), **parsed_field(constraint, c)}
                                for c in done], ensure_ascii=False))
         generated = sum(len(c.token_ids) for c in done)
     else:
@@ -233,7 +233,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
                   for i, params in enumerate(run.sampling)]
         board = show_stream(run.events, labels)
         generated = sum(map(len, board.token_ids))
-        note_if_cut(sum(b.cut_short for b in run.branches), len(run.branches))
+        note_cut_branches(run.branches)
     elapsed = time.perf_counter() - start
     if show_stats:
         print_stats(run.stats.as_dict())
@@ -298,7 +298,7 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
         click.echo(json.dumps({"question": question, "answer": result.answer, "counts": result.counts,
                                "agreement": result.agreement, "tied": result.tied,
                                "traces": [{"answer": t.answer, "text": t.text, "token_ids": t.token_ids, "seed": t.seed,
-                                           "finish_reason": t.finish_reason, **parsed(constraint, t)}
+                                           "finish_reason": t.finish_reason, **parsed_field(constraint, t)}
                                           for t in result.traces]},
                               ensure_ascii=False))
         return
@@ -316,7 +316,7 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
     if missing:
         table.add_row("[dim](no answer found)[/dim]", str(missing))
     stdout.print(table)
-    note_if_cut(sum(b.cut_short for b in run.branches), len(run.branches))
+    note_cut_branches(run.branches)
     if result.answer is None:
         stdout.print("No trace gave an answer.")
     elif result.tied:

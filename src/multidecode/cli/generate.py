@@ -15,12 +15,13 @@ import time
 
 import click
 
+from ..constraints import parsed_field
 from .common import (
     constraint_from,
     decoding_options,
+    note_cut_branches,
     note_if_cut,
     open_run,
-    parsed,
     print_stats,
     prompt_options,
     read_prompt,
@@ -67,10 +68,10 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, pre
         done = complete_strategy.completions(run.finish())[0]
         click.echo(json.dumps({"text": text * echo + done.text, "finish_reason": done.finish_reason,
                                "token_ids": done.token_ids, "prompt_tokens": len(done.prompt_ids), "seed": done.seed,
-                               "stats": done.stats, **parsed(constraint, done)}, ensure_ascii=False))
+                               "stats": done.stats, **parsed_field(constraint, done)}, ensure_ascii=False))
     else:
         write_stream(text * echo, ((event.text, event.finish_reason) for event in run.events))
-        note_if_cut(sum(b.cut_short for b in run.branches))
+        note_cut_branches(run.branches)
     elapsed = time.perf_counter() - start
     tokens = run.stats.tokens
     stderr.print(f"[dim]{tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s)[/dim]")

@@ -53,7 +53,6 @@ Every problem a client can cause raises `BadRequest` (HTTP 400) naming the param
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -65,7 +64,7 @@ from ..constraints import Constraint, compile_for_branches, token_bytes_reader
 from ..errors import InvalidArgument, MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
-from ..sampling import MAX_BIAS, MAX_PENALTY, SEED_LIMIT, SamplingParams
+from ..sampling import MAX_BIAS, MAX_PENALTY, SEED_LIMIT, SamplingParams, drawn_seed
 from ..speculation import LEARNED, SpeculationSettings, speculation_mode
 
 MAX_LOGPROBS = 20
@@ -240,7 +239,7 @@ def _sampling(body: _Body, count: int, vocab_size: int) -> list[SamplingParams]:
     penalties = _penalties(body, vocab_size)
     if body.temperature < GREEDY_BELOW:
         return [SamplingParams(**penalties)] * count
-    seed = secrets.randbits(31) if body.seed is None else body.seed
+    seed = drawn_seed() if body.seed is None else body.seed
     if seed + count - 1 >= SEED_LIMIT:
         raise BadRequest(f"seed {seed} is too large for {count} choices: choice i uses seed + i, which must stay "
                          f"below 2**64 (use a seed of at most {SEED_LIMIT - count})", "seed")
@@ -811,10 +810,15 @@ class TokenLogprob:
 def token_bytes(tokenizer, token_id: int) -> bytes:
     """A token's own bytes (a special token's: its name). Without llguidance's reading of the
     tokenizer, its decoded text's: right for tokens of whole characters only."""
+    return _bytes_of(tokenizer)(token_id)
+
+
+def _bytes_of(tokenizer) -> Callable[[int], bytes]:
+    """token id -> its bytes (`token_bytes`), the tokenizer's reading looked up once."""
     reader = token_bytes_reader(tokenizer)
     if reader is None:
-        return tokenizer.decode([token_id]).encode()
-    return reader.decode_bytes([token_id])
+        return lambda token_id: tokenizer.decode([token_id]).encode()
+    return lambda token_id: reader.decode_bytes([token_id])
 
 
 def token_text(data: bytes) -> str:
@@ -828,8 +832,8 @@ def token_text(data: bytes) -> str:
 
 def token_entry(tokenizer, event, offset: int) -> TokenLogprob:
     """`event`'s token (a `TokenEvent` with log-probabilities) at `offset` in its choice's text."""
-    return TokenLogprob(token_bytes(tokenizer, event.token_id), event.logprob,
-                        tuple((token_bytes(tokenizer, t), lp) for t, lp in event.top_logprobs), offset)
+    of = _bytes_of(tokenizer)  # once for the token and its top candidates
+    return TokenLogprob(of(event.token_id), event.logprob, tuple((of(t), lp) for t, lp in event.top_logprobs), offset)
 
 
 def completion_logprobs(entries: list[TokenLogprob]) -> dict:
