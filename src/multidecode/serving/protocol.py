@@ -399,14 +399,35 @@ def _chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = Non
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
     from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
+    if _nesting([messages, tools]) > TEMPLATE_NESTING:  # refused the same way whatever the stack's depth
+        raise BadRequest(TEMPLATE_TOO_DEEP, "messages")
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
     except TemplateError as error:
         raise BadRequest(f"the model's chat template cannot render these messages: {error}", "messages") from None
     except RecursionError:
-        raise BadRequest("the messages or tools are nested too deeply for the model's chat template to render: "
-                         "flatten them", "messages") from None
+        raise BadRequest(TEMPLATE_TOO_DEEP, "messages") from None
     return tokenize_prompt(tokenizer, text)
+
+
+TEMPLATE_NESTING = 200
+"""The deepest messages and tools a chat template is given (real tool schemas nest a few dozen
+levels at most). Past some depth rendering recurses beyond Python's limit, but where depends on
+the stack at the time: a fixed bound answers one way every time."""
+TEMPLATE_TOO_DEEP = "the messages or tools are nested too deeply for the model's chat template to render: flatten them"
+
+
+def _nesting(value) -> int:
+    """How deep lists and dicts nest in `value`, walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def _question_prompts(tokenizer, document: str, questions: Sequence[str], *, chat: bool) -> list[list[int]]:
