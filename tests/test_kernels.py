@@ -354,6 +354,32 @@ def test_the_portable_attention_gives_the_same_bits_in_any_number_of_pieces(gene
     assert torch.equal(portable.attention(*args), whole)
 
 
+def test_the_exact_path_tells_the_portable_attention_its_longest_row_from_the_host(generator, monkeypatch):
+    """A GPU waits for the device whenever a value is read off it: the most partials a row has is
+    known on the host when the plan is made (`_Layout.max_partials`), and handed to the portable
+    attention (what a GPU runs), which then reads nothing off the device, with the bits it gets
+    when it reads the value itself."""
+    ancestors, key_positions, query_positions, parent_rows = random_forest_plan(generator, 20, 150, 40)
+    plan = plan_attention(ancestors, key_positions, query_positions, parent_rows)
+    query, key = torch.randn(1, 4, 20, 64, generator=generator), torch.randn(1, 2, 170, 64, generator=generator)
+    given, attention = [], portable.attention
+
+    def recording(*args):
+        given.append(args[-1])
+        return attention(*args)
+
+    monkeypatch.setattr(kernels, "native", lambda: False)
+    monkeypatch.setattr(portable, "attention", recording)
+    out = exact._attend(query, key, key, ancestors[None, None], plan, None, None)
+    layout = plan.layout("cpu")
+    longest = int((layout.row_pairs[1:] - layout.row_pairs[:-1]).max())
+    assert given == [longest] and layout.max_partials == longest
+    bits = layout.visible_bits(plan, ancestors[None, None], 170, "cpu")
+    read = portable.attention(query, key, key, layout.unit_slots, layout.unit_rows, bits, layout.row_pairs,
+                              layout.pair_index, 64 ** -0.5, 0.0, None)
+    assert torch.equal(out, read)
+
+
 def test_every_norm_layer_of_a_gpu_model_is_tiled_with_or_without_a_weight():
     """`RowTiledNorm.of` decides by the model's device and the layer's kind, not by a weight:
     a weightless RMSNorm of a GPU model is tiled too; on the CPU no norm is."""

@@ -91,14 +91,17 @@ class _Layout:
 
     unit_slots: [U, BLOCK]; unit_rows: [U, W]; row_pairs: [R + 1] and pair_index: [P], each
     row's (unit, place) partials as u * W + w, in position order (`row_pairs[r]` to
-    `row_pairs[r + 1]`); bits: per mask, [U, W] int64, bit j set where the row sees the unit's
-    position j (the layers of one type share theirs).
+    `row_pairs[r + 1]`); max_partials: the most partials a row has (kept on the host: a GPU's
+    attention would otherwise wait for the device to read it, once per layer); bits: per mask,
+    [U, W] int64, bit j set where the row sees the unit's position j (the layers of one type share
+    theirs).
     """
 
     unit_slots: torch.Tensor
     unit_rows: torch.Tensor
     row_pairs: torch.Tensor
     pair_index: torch.Tensor
+    max_partials: int
     bits: dict = field(default_factory=dict)
 
     @classmethod
@@ -111,7 +114,8 @@ class _Layout:
         counts = torch.bincount(pair_rows, minlength=plan.num_rows)
         row_pairs = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
         return cls(plan.slots.to(device, torch.int32), plan.rows.to(device, torch.int32),
-                   row_pairs.to(device, torch.int32), flat[order].to(device, torch.int32))
+                   row_pairs.to(device, torch.int32), flat[order].to(device, torch.int32),
+                   int(counts.max()) if len(counts) else 0)
 
     def visible_bits(self, plan: ExactPlan, mask, keys: int, device) -> torch.Tensor:
         """[U, W] int64: which of each unit's positions each of its rows may see under `mask`."""
@@ -300,7 +304,7 @@ def _attend(query, key, value, attention_mask, plan: ExactPlan, scaling, softcap
     bits = layout.visible_bits(plan, attention_mask, key.shape[2], query.device)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     return kernels.attention(query, key, value, layout.unit_slots, layout.unit_rows, bits, layout.row_pairs,
-                             layout.pair_index, scale, softcap or 0.0)
+                             layout.pair_index, scale, softcap or 0.0, max_partials=layout.max_partials)
 
 
 def _allowed(mask, rows_count: int, keys: int, device) -> torch.Tensor:

@@ -40,8 +40,9 @@ both change with it: cuBLAS by its heuristics, torch's reductions by giving fewe
 threads each (on an H100 the model's own kernels gave float32 forest logits that differed from
 their paths alone in every node). Attention there is `portable.attention`, whose sums are fixed
 trees of elementwise additions (`portable.tree_sum`): with torch's `sum` in their place, one
-node in 75 still differed on the H100 (most likely where a step's few rows gave the sum over a
-block's 64 keys another thread layout; the tree sums have not yet run on a GPU).
+node in 75 still differed on an H100; with the trees, none (7 architectures, float32 and
+bfloat16, docs/benchmarks.md). There a step's time is its kernel launches, not its arithmetic,
+so the portable attention keeps their number down.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def in_row_tiles(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor)
         return layer(x)
     rows = x.new_zeros(-(-count // ROW_TILE) * ROW_TILE, x.shape[-1])  # [M padded, K]
     rows[:count] = x.reshape(count, x.shape[-1])
-    out = torch.cat([layer(tile) for tile in rows.split(ROW_TILE)])[:count]  # [M, N]
+    outs = [layer(tile) for tile in rows.split(ROW_TILE)]
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs))[:count]  # [M, N]: a decode step's one tile not copied again
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -167,15 +169,18 @@ as they go (no partials kept: a long prompt's); auto picks by the partials' size
 
 
 def attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale: float,
-              softcap: float = 0.0, *, merge: int = MERGE_AUTO, isa: int | None = None) -> torch.Tensor:
+              softcap: float = 0.0, *, merge: int = MERGE_AUTO, isa: int | None = None,
+              max_partials: int | None = None) -> torch.Tensor:
     """Exact attention of one forest's rows (see `exact` for the plan's tensors): query
-    [1, H, R, D], key and value [1, H_kv, S, D] -> [1, R, H, D] in query's dtype."""
+    [1, H, R, D], key and value [1, H_kv, S, D] -> [1, R, H, D] in query's dtype. max_partials:
+    the most partials a row has, where the caller knows it (the portable path then need not read it
+    off the device)."""
     if query.device.type == "cpu" and native():
         return torch.ops.multidecode.attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs,
                                                pair_index, float(scale), float(softcap), merge,
                                                level() if isa is None else isa)
     return portable.attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale,
-                              softcap)
+                              softcap, max_partials)
 
 
 def quantize_rows(x: torch.Tensor, *, isa: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

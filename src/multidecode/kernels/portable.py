@@ -147,27 +147,40 @@ def qlinear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_fea
 
 
 def attention(query, key, value, unit_slots, unit_rows, unit_bits, row_pairs, pair_index, scale: float,
-              softcap: float = 0.0) -> torch.Tensor:
+              softcap: float = 0.0, max_partials: int | None = None) -> torch.Tensor:
     """`kernels.attention` in torch: each (unit, row)'s partial over its block, then each row's
     partials combined (see `exact`). Every sum is a `tree_sum`, so a row's bits depend on its own
-    keys alone on any device, whatever torch's reduction kernels would choose for the shapes."""
+    keys alone on any device, whatever torch's reduction kernels would choose for the shapes.
+
+    max_partials: the most partials any row has (`row_pairs`' largest step), where the caller knows
+    it; else read from `row_pairs`, which on a GPU waits for the device (once per layer).
+    On a GPU every torch operation is a kernel launch, and a decode step's launches, not its
+    arithmetic, are its time: the code below keeps their number down (no index conversions, heads
+    grouped by broadcasting, the weights' sum carried as one more column of the values)."""
     heads, rows, dim = query.shape[1:]
-    starts = row_pairs[:-1].long()  # [R]: where each row's partials begin in pair_index
-    counts = row_pairs[1:].long() - starts  # [R]: how many
-    max_partials = int(counts.max()) if rows else 0
+    starts = row_pairs[:-1]  # [R]: where each row's partials begin in pair_index
+    counts = row_pairs[1:] - starts  # [R]: how many
+    if max_partials is None:
+        max_partials = int(counts.max()) if rows else 0
     if max_partials == 0:  # no row sees any key
         return query.new_zeros(1, rows, heads, dim)
-    group = heads // key.shape[1]
     budget = PARTIALS_AT_ONCE if query.device.type == "cpu" else PARTIALS_AT_ONCE_GPU
     units_at_once = max(1, budget // (heads * unit_rows.shape[1] * BLOCK * dim))
-    parts = [_partials(query[0].float(), key[0], value[0], group, unit_slots[u:u + units_at_once],
-                       unit_rows[u:u + units_at_once], unit_bits[u:u + units_at_once], scale, softcap)
+    q = query[0].float()
+    weighted = torch.nn.functional.pad(value[0].float(), (0, 1), value=1.0)  # [H_kv, S, D + 1]: a last column of ones
+    parts = [_partials(q, key[0], weighted, unit_slots[u:u + units_at_once], unit_rows[u:u + units_at_once],
+                       unit_bits[u:u + units_at_once], scale, softcap)
              for u in range(0, len(unit_rows), units_at_once)]
-    outs, high, totals = (torch.cat(p, 1) for p in zip(*parts))  # [H, U * W, D], [H, U * W], [H, U * W]
-    rows_at_once = max(1, budget // (heads * max_partials * dim))
-    out = torch.cat([_combine(outs, high, totals, starts[r:r + rows_at_once], counts[r:r + rows_at_once],
-                              pair_index.long(), max_partials) for r in range(0, rows, rows_at_once)], 1)  # [H, R, D]
+    outs, high = (_joined(p, 1) for p in zip(*parts))  # [H, U * W, D + 1], [H, U * W]
+    rows_at_once = max(1, budget // (heads * max_partials * (dim + 1)))
+    out = _joined([_combine(outs, high, starts[r:r + rows_at_once], counts[r:r + rows_at_once], pair_index,
+                            max_partials) for r in range(0, rows, rows_at_once)], 1)  # [H, R, D]
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
+
+
+def _joined(pieces, dim: int) -> torch.Tensor:
+    """`torch.cat`, without its copy when there is one piece."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -185,43 +198,45 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
-def _partials(q, key, value, group: int, unit_slots, unit_rows, unit_bits, scale: float, softcap: float):
-    """Each (unit, row)'s partial over its block: weighted values [H, U * W, D], max [H, U * W]
-    (-inf: the row sees nothing there) and sum of weights [H, U * W]."""
-    heads = q.shape[0]
-    slots = unit_slots.long().clamp(min=0)
-    table = unit_rows.long()
-    bits = (unit_bits[..., None] >> torch.arange(BLOCK, device=unit_bits.device)) & 1  # [U, W, 64]
-    seen = (bits == 1) & (unit_slots[:, None, :] >= 0) & (table[..., None] >= 0)
-    keys = key[:, slots].float().repeat_interleave(group, 0)  # [H, U, 64, D]
-    values = value[:, slots].float().repeat_interleave(group, 0)
-    queries = q[:, table.clamp(min=0)]  # [H, U, W, D]
+def _partials(q, key, weighted, unit_slots, unit_rows, unit_bits, scale: float, softcap: float):
+    """Each (unit, row)'s partial over its block: weighted values with the sum of the weights as
+    their last column [H, U * W, D + 1] (a weight times the ones column is the weight, exactly, and
+    its tree is the one it would have alone), and the max of the scores [H, U * W] (-inf: the row
+    sees nothing there). q [H, R, D]; key [H_kv, S, D]; weighted [H_kv, S, D + 1]."""
+    heads, kv_heads = q.shape[0], key.shape[0]
+    units, width = unit_rows.shape
+    slots = unit_slots.clamp(min=0)
+    hidden = ((unit_bits[..., None] >> torch.arange(BLOCK, device=unit_bits.device)) & 1 == 0) \
+        | (unit_slots < 0)[:, None, :] | (unit_rows < 0)[..., None]  # [U, W, 64]: what a row does not see
+    keys = key[:, slots].float()  # [H_kv, U, 64, D]: each query head reads its group's by broadcasting
+    queries = q[:, unit_rows.clamp(min=0)].reshape(kv_heads, heads // kv_heads, units, width, 1, -1)
     if softcap <= 0:
         queries = queries * scale
-    scores = tree_sum(queries[:, :, :, None, :] * keys[:, :, None, :, :])  # [H, U, W, 64]
+    scores = tree_sum(queries * keys[:, None, :, None]).reshape(heads, units, width, BLOCK)  # [H, U, W, 64]
     if softcap > 0:
         scores = softcap * torch.tanh(scores * scale / softcap)
-    scores = scores.masked_fill(~seen, float("-inf"))
+    scores = scores.masked_fill(hidden, float("-inf"))
     high = scores.amax(-1)  # [H, U, W]
-    weights = torch.exp(scores - high.clamp(min=torch.finfo(torch.float32).min)[..., None]).masked_fill(~seen, 0)
-    outs = tree_sum(weights[..., None, :] * values.transpose(-1, -2)[:, :, None])  # [H, U, W, D]
-    return outs.reshape(heads, -1, outs.shape[-1]), high.reshape(heads, -1), tree_sum(weights).reshape(heads, -1)
+    weights = torch.exp(scores - high.clamp(min=torch.finfo(torch.float32).min)[..., None]).masked_fill(hidden, 0)
+    columns = weighted[:, slots].transpose(-1, -2)  # [H_kv, U, D + 1, 64]
+    outs = tree_sum(weights.reshape(kv_heads, -1, units, width, 1, BLOCK) * columns[:, None, :, None])
+    return outs.reshape(heads, units * width, -1), high.reshape(heads, -1)
 
 
-def _combine(outs, high, totals, starts, counts, pair_index, max_partials: int) -> torch.Tensor:
+def _combine(outs, high, starts, counts, pair_index, max_partials: int) -> torch.Tensor:
     """Some rows' partials (each row's `counts` of them from `starts` in `pair_index`, in position
     order, padded to `max_partials`) combined: each weighted by e^(its max - the row's max), then
-    the weighted values and the weights added by `tree_sum` over the row's own. -> [H, n, D]."""
+    the weighted values and the weights (`outs`' last column) added by `tree_sum` over the row's
+    own. -> [H, n, D]."""
     slot = torch.arange(max_partials, device=counts.device)
-    real = slot < counts[:, None]  # [n, P]
+    padding = slot >= counts[:, None]  # [n, P]
     index = pair_index[(starts[:, None] + slot).clamp(max=len(pair_index) - 1)]  # [n, P]
-    part_high = high[:, index].masked_fill(~real, float("-inf"))  # [H, n, P]
+    part_high = high[:, index].masked_fill(padding, float("-inf"))  # [H, n, P]
     top = part_high.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # [H, n, 1]
     weight = torch.exp(part_high - top)  # [H, n, P]: 0 for padding and for blocks the row does not see
-    total = tree_sum((totals[:, index] * weight).masked_fill(~real, -0.0))  # [H, n]
-    values = (outs[:, index] * weight[..., None]).masked_fill(~real[..., None], -0.0)  # [H, n, P, D]
-    value = tree_sum(values.transpose(-1, -2))  # [H, n, D]
-    return torch.where(total[..., None] > 0, value / total.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0)
+    summed = tree_sum((outs[:, index] * weight[..., None]).masked_fill(padding[..., None], -0.0).transpose(-1, -2))
+    value, total = summed[..., :-1], summed[..., -1:]  # [H, n, D], [H, n, 1]
+    return torch.where(total > 0, value / total.clamp(min=torch.finfo(torch.float32).tiny), 0)
 
 
 __all__ = ["attention", "pack", "qlinear", "quantize_rows", "rows_of", "unpacked"]
