@@ -100,6 +100,28 @@ def test_a_same_precision_difference_fails_the_run():
         check_same_precision({**same, HF: measurement("h", [[1, 2, 4]])})
 
 
+def test_an_untied_packed_embedding_counts_in_the_weights_and_not_in_a_step():
+    """A packed input embedding that is not the LM head's keeps its own codes outside the module
+    tree (`PackedEmbedding.head`): the model's bytes count them (they are resident), a decode
+    step's do not (a lookup reads only its rows)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from multidecode.models.packed import PackedEmbedding, pack_model, packed_bytes
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(config)
+    pack_model(model, 4)
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, PackedEmbedding) and embedding.head[0] is not model.get_output_embeddings()
+    own = sum(t.untyped_storage().nbytes() for t in [*embedding.head[0].parameters(), *embedding.head[0].buffers()])
+    tree = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t
+                                                      for t in [*model.parameters(), *model.buffers()]}.values())
+    assert own > 0 and packed_bytes(embedding) == own
+    assert packed_bytes(model) == tree + own
+    assert step_bytes(model) == tree
+
+
 def test_step_bytes_leave_out_an_untied_input_embedding():
     from transformers import LlamaConfig, LlamaForCausalLM
 
