@@ -293,7 +293,8 @@ def test_the_lock_lives_on_out_lock_survives_the_retry_rewrite_and_dies_with_its
 
 @pytest.mark.parametrize("case", ["missing input", "input folder", "compressed input", "no lines", "output folder",
                                   "output is input", "missing model", "zero max tokens", "bad temperature",
-                                  "empty job question", "not a batch output", "lock not writable"])
+                                  "empty job question", "not a batch output", "lock not writable",
+                                  "nothing to ask"])
 def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
     source = write_lines(tmp_path / "in.jsonl", [{"document": "text", "questions": ["why?"]}])
     out = tmp_path / "out.jsonl"
@@ -326,6 +327,9 @@ def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
     elif case == "lock not writable":
         lock_path(out).mkdir()
         needle = f"cannot write {lock_path(out)}"
+    elif case == "nothing to ask":  # -q forgotten: every line would fail alike
+        write_lines(source, [{"document": "text"}, {"document": "more", "questions": []}])
+        needle = "the job has no questions and no line of"
     before = out.read_bytes() if out.exists() else None
     result = run(*args)
     assert result.exit_code == 2, (result.exit_code, result.output)
@@ -340,14 +344,20 @@ def test_resume_after_a_cut_short_last_line(model_dir, tmp_path):
     full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
     assert run(source, "-o", full, "--model", model_dir, "--max-new-tokens", 5).exit_code == 0
     lines = full.read_bytes().splitlines(keepends=True)
-    for cut in (lines[2][:40], lines[2][:-1], b'{"id": "doc-2", "li\n', b"\x00" * 30):
-        # what a crash mid-write can leave: part of a record, all of it but its newline, or zeros
+    for cut in (lines[2][:40], b'{"id": "doc-2", "li\n', b"\x00" * 30):
+        # what a crash mid-write can leave: part of a record, or zeros
         out.write_bytes(b"".join(lines[:2]) + cut)
         result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 5)
         assert result.exit_code == 0, result.output
         assert "removed the unfinished last line" in result.stderr and "2 already in" in result.stderr
         assert results(records(out)) == results(records(full))
         assert out.read_bytes().startswith(b"".join(lines[:2]))  # finished records are never rewritten
+    # all of a record but its newline: the record is whole, so it is kept and the newline added
+    out.write_bytes(b"".join(lines[:2]) + lines[2][:-1])
+    result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 5)
+    assert result.exit_code == 0, result.output
+    assert "removed" not in result.stderr and "3 already in" in result.stderr
+    assert results(records(out)) == results(records(full)) and out.read_bytes().startswith(b"".join(lines[:3]))
 
 
 def test_a_finished_job_is_not_redone_and_loads_no_model(model_dir, tmp_path):
@@ -566,6 +576,80 @@ def test_an_output_that_cannot_be_repaired_is_refused_untouched(tmp_path, case):
     assert out.read_bytes() == before
     with open_batch(source, write_lines(out, good), BatchSettings()) as job:  # without the bad line: it opens
         assert (job.skipped, job.earlier_failures, job.repaired) == (2, 2, False)
+
+
+def test_whole_json_that_is_no_record_is_refused_even_without_its_newline(tmp_path):
+    """A one-line JSON file given as the output by mistake (its last line without a newline) is
+    someone's data, not an interrupted write: refused, the file untouched (it was truncated)."""
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    out = tmp_path / "precious.jsonl"
+    out.write_bytes(b'{"id": "precious", "document": "my only copy"}')
+    with pytest.raises(multidecode.InvalidInput, match="line 1 is not a result record"):
+        open_batch(source, out, BatchSettings())
+    assert out.read_bytes() == b'{"id": "precious", "document": "my only copy"}'
+
+
+def test_one_output_reached_by_two_names_takes_one_lock_and_stays_behind_its_link(tmp_path):
+    """A symbolic link to the output is the output: a second run through it is refused while the
+    first holds the lock (two writers made duplicate records), and the atomic rewrite of a retry
+    replaces the file the link points to, not the link."""
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    out = write_lines(tmp_path / "out.jsonl", [failed_record("doc-0", 1)])
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(out)
+    with open_batch(source, out, BatchSettings()), \
+            pytest.raises(multidecode.InvalidInput, match="being written by another"):
+        open_batch(source, link, BatchSettings())
+    with open_batch(source, link, BatchSettings(), retry_failed=True) as job:
+        assert job.retried == 1 and len(job.pending) == 2
+    assert link.is_symlink() and out.read_text() == ""
+
+
+def test_failures_do_not_hold_a_job_to_the_settings_that_made_them(tmp_path):
+    """Records that failed carry no results: a job whose lines failed under some settings (no
+    questions, a prompt too long for its max_new_tokens) goes on with the settings that mend it,
+    and --retry-failed redoes them with those; a result made with other settings still refuses."""
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    out = write_lines(tmp_path / "out.jsonl", [failed_record("doc-0", 1), failed_record("doc-1", 2)])
+    mended = BatchSettings(questions=("who?",), max_new_tokens=5)
+    with open_batch(source, out, mended, retry_failed=True) as job:
+        assert job.retried == 2 and len(job.pending) == 2
+    result = dict(json.loads(failed_record("doc-0", 1)), error=None)
+    write_lines(out, [json.dumps(result)])
+    with pytest.raises(multidecode.InvalidInput, match="other settings"):
+        open_batch(source, out, mended)
+
+
+def test_retry_failed_also_drops_failures_of_ids_no_longer_in_the_input(tmp_path):
+    """A bad line fixed with a new id leaves its old failure (recorded under its line number)
+    behind: --retry-failed drops it too, so the output keeps one record per input line."""
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    out = write_lines(tmp_path / "out.jsonl", [failed_record("2", 2), failed_record("doc-0", 1)])
+    with open_batch(source, out, BatchSettings(), retry_failed=True) as job:
+        assert (job.retried, job.foreign, len(job.pending)) == (1, 0, 2)
+    assert out.read_text() == ""
+
+
+def test_job_questions_given_as_one_string_are_one_question():
+    assert BatchSettings(questions="Who called?").questions == ("Who called?",)
+    assert BatchSettings(stop="###").stop == ("###",)
+
+
+def test_a_job_started_in_python_resumes_on_the_command_line(tmp_path):
+    """`run_batch` labels the model as the command line does (what `load` was given), so the
+    same job resumes there: a GGUF file's model was labelled by its converted copy's path."""
+    from multidecode.models.random_gguf import write_random_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_random_gguf(model, shape="tiny")
+    source = write_lines(tmp_path / "in.jsonl", documents(3)[:2])
+    out = tmp_path / "out.jsonl"
+    summary = run_batch(multidecode.load(str(model)), source, out, questions=["who?"], max_new_tokens=3)
+    assert summary.done == 2
+    write_lines(source, documents(3))
+    result = run(source, "-o", out, "--model", model, "-q", "who?", "--max-new-tokens", 3)
+    assert result.exit_code == 0, result.output
+    assert "2 already in" in result.stderr and len(records(out)) == 3
 
 
 # ---------------------------------------------------------------------- real interruptions

@@ -41,3 +41,41 @@ def test_speculate_help_lists_every_mode_of_the_proposer_table(command):
     line = " ".join(result.output.split())  # click wraps the help
     for mode in PROPOSERS:
         assert f"{mode.name} ({' '.join(mode.summary.split())})" in line, mode.name
+
+
+# ---------------------------------------------------------------------- Ctrl-C before a command runs
+@pytest.mark.parametrize("swallowed", [False, True])
+def test_an_interrupt_while_a_command_is_imported_ends_as_interrupted(monkeypatch, swallowed):
+    """Ctrl-C while a sub-command's module (and torch) is still being imported: "interrupted",
+    status 130, no traceback, also where a library caught the interrupt and raised something else
+    in its place (transformers' lazy imports do: an ImportError or a RecursionError follows)."""
+    import importlib
+    import signal
+
+    def importing(name, package=None):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            if swallowed:
+                raise ImportError("cannot load module more than once per process") from None
+            raise
+        raise AssertionError("the interrupt was not raised")
+
+    monkeypatch.setattr(importlib, "import_module", importing)
+    result = CliRunner().invoke(main, ["generate", "-p", "hi"])
+    assert result.exit_code == 130, result.output
+    assert "interrupted" in result.output and "Traceback" not in result.output
+
+
+def test_an_error_with_no_interrupt_is_left_to_the_command():
+    """Without an interrupt the group lets an error through as it was (`report_errors` and click
+    report a command's own)."""
+    import importlib
+
+    def broken(name, package=None):
+        raise ImportError("a real import error")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(importlib, "import_module", broken)
+        result = CliRunner().invoke(main, ["generate", "-p", "hi"])
+    assert result.exit_code == 1 and isinstance(result.exception, ImportError)

@@ -82,7 +82,7 @@ class SamplingParams:
             raise InvalidArgument(f"temperature must be > 0, got {self.temperature}",
                                   "for greedy decoding leave it out (do_sample=False; on the command line, --temperature 0)")
         if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
-            raise InvalidArgument(f"top_k must be a positive integer, got {self.top_k}", "leave it unset to disable it")
+            raise InvalidArgument(f"top_k must be a positive integer, got {self.top_k!r}", "leave it unset to disable it")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
@@ -158,7 +158,7 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
             per_branch = all(v is None or isinstance(v, Mapping) for v in value)
         if per_branch:
             if len(value) != n:
-                raise InvalidInput(f"{key} has {len(value)} values for {n} branches", "give one value, or one per branch")
+                raise InvalidInput(f"{key} has {len(value)} values for {n} branches", "give one value, or one per branch (a question, a completion or a prompt each)")
             columns[key] = list(value)
         elif key == "seed" and value is not None:
             if not is_int(value):

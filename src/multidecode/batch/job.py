@@ -249,9 +249,10 @@ def open_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, se
     try:
         output.check_settings(settings)
         input_keys = {key for _, key in lines}
-        redo = {key for key, failed in output.recorded.items() if failed and key in input_keys} if retry_failed else ()
-        if redo:
-            output.drop(redo)
+        failed = {key for key, failure in output.recorded.items() if failure} if retry_failed else set()
+        redo = failed & input_keys  # failures of ids no longer in the input (a line mended with a new id) go too
+        if failed:
+            output.drop(failed)
         output.write_meta(settings, input_path)
     except BaseException:
         output.close()
@@ -267,20 +268,24 @@ def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.Path
               constraint=None, **sampling) -> BatchSummary:
     """Run (or resume) a whole batch job silently and return its summary.
 
-    model, precision: the labels that go into the settings fingerprint (defaults: the model's
-    `name_or_path`, which for a local folder is its path, and the precision it runs at, as
-    `MultiDecoder.memory()` names it; the command line labels its jobs so too).
+    model, precision: the labels that go into the settings fingerprint (defaults: what `load` was
+    given, as `settings.model_identity` labels it, the command line's label too, so a job started
+    here resumes there and back; for a decoder built without `load`, the model's `name_or_path`;
+    and the precision it runs at, as `MultiDecoder.memory()` names it).
     speculate: as for `BatchJob.run` (not a setting: it never changes the answers). "suffix" or
     "auto" draft from the answers to the job's earlier documents, which pays on similar ones.
     forest_tokens, forest_branches: the merged forest's budget (`BatchJob.run`; forest_tokens=0 runs
     one document at a time). constraint: a `Constraint` every answer follows (a line's own
     "json_schema" takes its place for that line); records then carry each answer's "parsed" value.
     """
-    if model is None:
+    loaded = getattr(decoder, "loaded", None)
+    if model is None and loaded is not None:
+        model = model_identity(None if loaded.source == "embedded" else loaded.source)
+    elif model is None:
         name = getattr(decoder.model.config, "name_or_path", None) or getattr(decoder.model.config, "_name_or_path", "")
         model = model_identity(name) if name else type(decoder.model).__name__
     precision = precision or decoder.memory()["precision"]
-    settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
+    settings = BatchSettings(questions=questions, max_new_tokens=max_new_tokens, stop=stop,
                              sampling=sampling, instruction=instruction, model=model, precision=precision,
                              constraint=constraint)
     with open_batch(input_path, output_path, settings, retry_failed=retry_failed) as job:

@@ -52,6 +52,7 @@ class InputLine:
     error: MultiDecodeError | None = None
     sampling: dict[str, Any] = field(default_factory=dict, hash=False)
     constraint: Constraint | None = None
+    nothing_to_ask: bool = False  # no questions of its own and none from the job (its error says so)
 
     @property
     def key(self) -> str:
@@ -130,7 +131,8 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
         own = 'has no "questions"' if parsed.questions is None else 'has an empty "questions" list'
         return InputLine(line, ident, error=InvalidInput(
             f"the line {own} and the job has none",
-            'add "questions": ["..."] to the line, or give questions for every line (--questions-file, -q)'))
+            'add "questions": ["..."] to the line, or give questions for every line (--questions-file, -q)'),
+            nothing_to_ask=True)
     try:
         sampling = _line_sampling(parsed.sampling or {}, len(questions))
     except MultiDecodeError as err:
@@ -215,8 +217,10 @@ def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int,
     ids: dict[str, object] = {}
     repeated: list[str] = []  # keys on more than one line, in the order they were found
     lines: list[tuple[int, str]] = []
+    asked = bool(job_questions)  # whether any line has something to ask
     for number, raw in input_lines(path):
         item = parse_line(raw, number, job_questions)
+        asked = asked or not item.nothing_to_ask
         on_lines.setdefault(item.key, []).append(number)
         if len(on_lines[item.key]) == 2:
             repeated.append(item.key)
@@ -230,4 +234,7 @@ def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int,
                            "give every line its own id (a line without one takes its line number as its id)")
     if not lines:
         raise InvalidInput(f"{path} has no input lines", LINE_HINT)
+    if not asked:  # every line would fail alike: the job's mistake, not the lines'
+        raise InvalidInput(f"there is nothing to ask: the job has no questions and no line of {path} has any",
+                           'give the job\'s questions (-q, --questions-file), or a "questions" list on each line')
     return lines

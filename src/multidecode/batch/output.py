@@ -32,14 +32,17 @@ def lock_path(output: str | os.PathLike) -> Path:
 class OutputFile:
     """An output, locked and open for appending, scanned and repaired on opening.
 
-    recorded: id key -> whether its record is a failure; fingerprints: the settings seen;
+    recorded: id key -> whether its record is a failure; fingerprints: the settings of its results
+    (the records that are not failures);
     repaired: whether a cut-short last line was removed. The lock is an flock on OUT.jsonl.lock (so the
     kernel drops it when the process dies, and it outlives the rewrite of the output itself).
     """
 
     def __init__(self, path: Path) -> None:
-        self.path, self.fd = path, -1
-        self.lock = FileLock(lock_path(path), timeout=0, thread_local=False)
+        # Through any symbolic link: two runs reaching one file by two names take one lock, and the
+        # atomic rewrite replaces the file, not the link.
+        self.path, self.fd = Path(path).resolve(), -1
+        self.lock = FileLock(lock_path(self.path), timeout=0, thread_local=False)
         try:
             self.lock.acquire()
             self._open()
@@ -61,12 +64,24 @@ class OutputFile:
             _fsync_dir(self.path.parent)
 
     def _scan(self) -> tuple[dict[str, bool], set[str], bool]:
-        """Read every record; truncate a cut-short last line; refuse anything else that is not a record."""
+        """Read every record; truncate a cut-short last line (a whole record that lacks only its
+        newline keeps it, the newline added); refuse anything else that is not a record."""
         recorded: dict[str, bool] = {}
         fingerprints: set[str] = set()
         first_line: dict[str, int] = {}
         offset = good_end = 0
         unreadable: tuple[int, bytes] | None = None  # a line that is not a record: allowed only last, cut short
+
+        def take(record: dict, number: int) -> None:
+            key = id_key(record["id"])
+            if key in recorded:
+                raise InvalidInput(
+                    f"{self.path} has two records for id {record['id']!r} (lines {first_line[key]} and {number})",
+                    "keep one of them; a batch output holds one record per id")
+            first_line[key], recorded[key] = number, record["error"] is not None
+            if record["error"] is None:
+                fingerprints.add(record["settings"])
+
         with open(self.path, "rb") as handle:
             for number, raw in enumerate(handle, start=1):
                 if unreadable is not None:
@@ -79,19 +94,21 @@ class OutputFile:
                     else:  # a blank line (an edited file): harmless
                         good_end = offset
                     continue
-                key = id_key(record["id"])
-                if key in recorded:
-                    raise InvalidInput(
-                        f"{self.path} has two records for id {record['id']!r} (lines {first_line[key]} and {number})",
-                        "keep one of them; a batch output holds one record per id")
-                first_line[key], recorded[key], good_end = number, record["error"] is not None, offset
-                fingerprints.add(record["settings"])
-        if unreadable is not None:
-            if not _cut_short(unreadable[1]):
-                self._refuse(*unreadable)
-            os.ftruncate(self.fd, good_end)
+                take(record, number)
+                good_end = offset
+        if unreadable is None:
+            return recorded, fingerprints, False
+        number, raw = unreadable
+        if not raw.endswith(b"\n") and (record := _parse_record(raw + b"\n")) is not None:
+            take(record, number)  # whole, but its newline never reached the file
+            os.write(self.fd, b"\n")
             os.fsync(self.fd)
-        return recorded, fingerprints, unreadable is not None
+            return recorded, fingerprints, False
+        if not _cut_short(raw):
+            self._refuse(number, raw)
+        os.ftruncate(self.fd, good_end)
+        os.fsync(self.fd)
+        return recorded, fingerprints, True
 
     def _refuse(self, number: int, raw: bytes):
         raise InvalidInput(f"{self.path} is not a multidecode batch output: line {number} is not a result record",
@@ -119,7 +136,10 @@ class OutputFile:
             del self.recorded[key]
 
     def check_settings(self, settings: BatchSettings) -> None:
-        """Refuse records made with other settings, naming what changed when the settings file tells."""
+        """Refuse results made with other settings, naming what changed when the settings file
+        tells. Failed records do not bind: a job whose lines all failed (no questions given, a
+        prompt too long for max_new_tokens) can go on with the settings that mend it, and
+        --retry-failed redoes those lines with them."""
         others = self.fingerprints - {settings.fingerprint}
         if not others:
             return
@@ -172,7 +192,8 @@ def _parse_record(raw: bytes) -> dict | None:
 
 def _cut_short(raw: bytes) -> bool:
     """Whether an unreadable last line is what an interrupted write leaves: the start of a record
-    (or zeros, from a file system that lost the data), never another file's JSON."""
+    that does not parse (or zeros, from a file system that lost the data), never another file's
+    JSON (whole JSON that is not a record, with or without its newline, is someone's data)."""
     stripped = raw.strip(b"\x00 \t\r\n")
     if not stripped:
         return True
@@ -182,7 +203,7 @@ def _cut_short(raw: bytes) -> bool:
         json.loads(stripped.decode("utf-8"))
     except ValueError:
         return True
-    return not raw.endswith(b"\n")  # whole JSON but no newline: the write did not finish
+    return False
 
 
 def _replace(path: Path, chunks: Iterable[bytes]) -> None:

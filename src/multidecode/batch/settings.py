@@ -44,9 +44,9 @@ class BatchSettings:
     precision: str | None = None
     constraint: Constraint | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "questions", tuple(self.questions))
-        object.__setattr__(self, "stop", tuple(self.stop))
+    def __post_init__(self) -> None:  # one string is one question, one stop string (not its characters)
+        object.__setattr__(self, "questions", (self.questions,) if isinstance(self.questions, str) else tuple(self.questions))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "sampling", dict(self.sampling))
 
     def check(self) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import signal
+import sys
 from pathlib import Path
 
 import click
@@ -36,6 +38,34 @@ class LazyCommands(click.Group):
         if module is None:
             return None
         return getattr(importlib.import_module(f".{module}", __name__), name.replace("-", "_"))
+
+    def invoke(self, ctx: click.Context):
+        """Run the sub-command; Ctrl-C at any moment ends it as "interrupted" with status 130.
+
+        A command's own errors are reported by `common.report_errors`, but an interrupt can come
+        before it runs (while its module and torch are imported), and a library that catches the
+        interrupt there (transformers' lazy imports do) turns it into some other error: so the
+        interrupt is noted when it arrives, and whatever error follows it is reported as it."""
+        interrupted: list[bool] = []
+
+        def on_interrupt(signum, frame):
+            interrupted.append(True)
+            raise KeyboardInterrupt
+
+        try:
+            previous = signal.signal(signal.SIGINT, on_interrupt)
+        except ValueError:  # not the main thread (an embedding program's): its own handling stands
+            previous = None
+        try:
+            return super().invoke(ctx)
+        except (KeyboardInterrupt, Exception) as err:
+            if isinstance(err, KeyboardInterrupt) or (interrupted and not isinstance(err, click.ClickException)):
+                click.echo("interrupted", err=True)
+                sys.exit(130)
+            raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The commands and their short help as click writes them, each read from its function's

@@ -152,7 +152,7 @@ def resume_command() -> str | None:
 # ---------------------------------------------------------------------- reporting
 def announce(job: BatchJob) -> None:
     inp, out = escape(str(job.input_path)), escape(str(job.output_path))
-    parts = [f"{inp}: {job.total} lines"]
+    parts = [f"{inp}: {counted(job.total, 'line')}"]
     if job.skipped:
         parts.append(f"{job.skipped} already in {out}")
     parts.append(f"{len(job.pending)} to do")
@@ -279,8 +279,8 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     or a crash, the same command resumes: finished lines are never redone or duplicated. A line
     that fails (bad JSON, an empty question, a document too long for the model, ...) is recorded
     with its error and the job goes on; --retry-failed redoes those. Resuming needs the same
-    settings (model, precision, job questions, --max-new-tokens, --stop, sampling), which
-    OUT.jsonl.meta.json records. Exit status: 0 when every line has a result (failed ones included),
+    settings (model, precision, job questions, --max-new-tokens, --stop, sampling, the
+    constraint), which OUT.jsonl.meta.json records; failed records do not hold a job to theirs. Exit status: 0 when every line has a result (failed ones included),
     1 when lines are left undone (the input changed during the run, or repeated unexpected
     errors aborted it), 130 after Ctrl-C (143 after SIGTERM), 2 for a problem with the job.
 

@@ -267,8 +267,8 @@ def constraint_options(command):
     bundled = click.option("--regex", default=None, metavar="TEXT",
                            help="Hold every output to this regular expression (matched whole).")(bundled)
     return click.option("--json-schema", default=None, metavar="FILE",
-                        help="Hold every output to this JSON schema (a JSON file; '-' for stdin); with --json, "
-                             "each result carries the parsed object.")(bundled)
+                        help="Hold every output to this JSON schema (a JSON file; '-' for stdin); each result "
+                             "carries the parsed object (with --json; a batch's records always).")(bundled)
 
 
 def constraint_from(options: ConstraintOptions | None):
