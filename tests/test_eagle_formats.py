@@ -279,6 +279,31 @@ def test_the_cli_drafts_with_a_published_head_named_by_draft_head(model_dir, tmp
     assert "speculate=eagle" in drafted.stderr
 
 
+def test_a_head_folder_alone_implies_the_head_s_own_kind(model_dir, tmp_path):
+    """`--draft-head DIR` without --speculate drafts with the kind of head DIR holds: an EAGLE
+    head's folder means "eagle" (it was read as Medusa's, and refused for lacking Medusa's files);
+    a Medusa layout's means "medusa"."""
+    from click.testing import CliRunner
+
+    from multidecode.cli import main
+    from multidecode.speculation import SpeculationSettings
+
+    config = json.loads((model_dir / "config.json").read_text())
+    folder = write_speculators(tmp_path / "spec", vocab=config["vocab_size"], aux=[0, 1, 2])
+    assert SpeculationSettings.parse(head=str(folder)).mode == "eagle"
+    medusa = tmp_path / "medusa"
+    medusa.mkdir()
+    (medusa / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
+    assert SpeculationSettings.parse(head=str(medusa)).mode == "medusa"
+    args = ["generate", "--model", str(model_dir), "-p", "Here is a document about", "--max-new-tokens", "12",
+            "--precision", "float32", "--json"]
+    plain = CliRunner().invoke(main, [*args, "--speculate", "off"])
+    drafted = CliRunner().invoke(main, [*args, "--draft-head", str(folder), "--stats"])
+    assert drafted.exit_code == 0, drafted.output
+    assert json.loads(plain.stdout)["text"] == json.loads(drafted.stdout)["text"]
+    assert "speculate=eagle" in drafted.stderr
+
+
 def test_an_eagle3_head_whose_config_names_its_head_dim_loads_with_it(tmp_path):
     """Heads whose heads are wider than hidden / heads (Qwen3's EAGLE-3 heads) name `head_dim`."""
     from safetensors.torch import save_file

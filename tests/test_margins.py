@@ -257,6 +257,9 @@ def test_cli_human_output_and_stdin(model_dir):
     assert "Relevance" in result.stdout and "Answer" in result.stdout
     assert result.stdout.count("chunk, characters") >= 3
     assert "margins" in result.stderr and "forward passes" in result.stderr
+    chunks = [line for line in result.stdout.splitlines() if "chunk, characters" in line]
+    assert any(line.endswith("cut at --max-margin-tokens") for line in chunks), chunks  # the notes' own limit
+    assert not any("--max-new-tokens" in line for line in chunks)
 
 
 @pytest.mark.parametrize("args, needle", [

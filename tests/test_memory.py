@@ -136,6 +136,8 @@ def test_a_request_that_cannot_fit_is_refused_before_it_runs(exact_decoder, monk
     with pytest.raises(NotEnoughMemory, match=r"needs about .* KV cache .* but .* is available") as caught:
         exact_decoder.complete(PROMPT, n=4, max_new_tokens=8, seed=1)
     assert "MULTIDECODE_MEMORY" in caught.value.hint
+    assert "decoding even 1 branch of the 4 asked for" in caught.value.message  # waves: not even one fits
+    assert multidecode.NotEnoughMemory is NotEnoughMemory  # exported beside the other errors
     engine = exact_decoder.scheduler().engine
     one = memory_need(engine, len(PROMPT), [3], 8, 0).total
     monkeypatch.setenv(memory.ENVIRONMENT, str(int(one * 3 / memory.HEADROOM)))

@@ -28,7 +28,7 @@ _EXPORTS = {
     "TokenEvent": "branches",
     "Constraint": "constraints",
     "CacheUnwritable": "errors", "InvalidArgument": "errors", "InvalidInput": "errors",
-    "ModelNotFound": "errors", "MultiDecodeError": "errors", "PromptTooLong": "errors",
+    "ModelNotFound": "errors", "MultiDecodeError": "errors", "NotEnoughMemory": "errors", "PromptTooLong": "errors",
     "UnsupportedModel": "errors",
     "BranchContext": "proposers", "DraftTree": "proposers", "Proposer": "proposers",
     "DraftModel": "proposers.draft",

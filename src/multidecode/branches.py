@@ -212,9 +212,10 @@ def memory_need(engine: Engine, prefix_length: int, suffix_lengths: Sequence[int
 
 
 def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[int], max_new_tokens: int,
-                 draft: int, budget: int | None = None) -> None:
+                 draft: int, budget: int | None = None, *, asked: int | None = None) -> None:
     """Refuse branches whose bytes the machine does not have (`budget`: None for what it has
-    now, see `memory.budget_bytes`), saying how many would fit."""
+    now, see `memory.budget_bytes`), saying how many would fit. asked: how many branches the
+    caller wanted, where it checks one to learn that not even one fits (waves)."""
     budget = budget_bytes(engine.device) if budget is None else budget
     need = memory_need(engine, prefix_length, suffix_lengths, max_new_tokens, draft)
     if need.total <= budget:
@@ -224,8 +225,12 @@ def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[in
                         <= budget, len(suffix_lengths))
     hint = (f"at most {fit:,} such branches fit at once: split the work" if fit else
             "lower max_new_tokens or shorten the prompts")
-    check_budget(need, budget, what=f"decoding {len(suffix_lengths):,} branches of up to {max_new_tokens} new tokens",
-               hint=f"{hint}, or set {ENVIRONMENT} to a larger budget if more memory is free")
+    count = len(suffix_lengths)
+    branches = f"{count:,} branch" if count == 1 else f"{count:,} branches"
+    if asked is not None and asked > count:
+        branches = f"even {branches} of the {asked:,} asked for"
+    check_budget(need, budget, what=f"decoding {branches} of up to {max_new_tokens} new tokens",
+                 hint=f"{hint}, or set {ENVIRONMENT} to a larger budget if more memory is free")
 
 
 # ---------------------------------------------------------------------- the work

@@ -52,7 +52,7 @@ from .proposers.base import Proposer
 from .proposers.draft import DraftModel, check_same_tokenizer
 from .proposers.eagle import Eagle, EagleHead
 from .proposers.eagle3 import Eagle3Head
-from .proposers.heads import head_dir, shape_key, shipped_head_dir
+from .proposers.heads import folder_kind, head_dir, shape_key, shipped_head_dir
 from .proposers.lookahead import Lookahead
 from .proposers.lookup import PromptLookup
 from .proposers.medusa import Medusa, MedusaHeads
@@ -308,8 +308,9 @@ class SpeculationSettings:
     "lookahead". draft_model: a model name (as `load` takes it) to draft with; skip_layers: draft
     with the target itself, these layers skipped, or "auto" to choose them by measured
     acceptance. Either one implies mode "draft"; with neither, "draft" uses the caller's draft
-    model (`MultiDecoder(draft=...)`). head: the folder of a learned head ("medusa"; implies it);
-    without it the head is looked up for the model (`load_heads`).
+    model (`MultiDecoder(draft=...)`). head: the folder of a learned head (implies its kind,
+    "medusa" or "eagle", read from its config: `heads.folder_kind`); without it the head is looked
+    up for the model (`load_heads`).
     """
 
     mode: str | None = None
@@ -339,7 +340,7 @@ class SpeculationSettings:
         if drafting and mode in (None, "auto"):
             mode = "draft"
         if head is not None and mode in (None, "auto"):
-            mode = "medusa"
+            mode = folder_kind(head)  # the head's own kind: an EAGLE head's folder means "eagle"
         if head is not None and (mode not in LEARNED or mode in SHIPPED_WITH_MODEL):
             raise InvalidArgument(f"{spelling.head} names a learned head, but {spelling.is_set(mode)}"
                                   + (" (whose layers come in the model's own checkpoint)" if mode in LEARNED else ""),

@@ -162,9 +162,9 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
         command = click.option("--lookahead", default=None, metavar="W,N,G",
                                help="Lookahead settings: window, n-gram size, guesses (default 7,5,7).")(command)
         command = click.option("--draft-head", default=None, metavar="DIR",
-                               help="A learned head's folder to draft with (Medusa's layout, or an EAGLE head "
-                                    "with --speculate eagle); default: the head `multidecode train-drafter` trained "
-                                    "for this model. Implies --speculate medusa.")(command)
+                               help="A learned head's folder to draft with (Medusa's layout, or an EAGLE head); "
+                                    "default: the head `multidecode train-drafter` trained for this model. Implies "
+                                    "--speculate medusa or eagle, whichever the head is.")(command)
         command = click.option("--draft-skip-layers", default=None, metavar="LIST|auto",
                                help="Draft with the model itself, skipping these layers (e.g. 4,6,8-12), or "
                                     "'auto' to pick them by measured acceptance. Implies --speculate draft.")(command)

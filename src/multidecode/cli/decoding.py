@@ -51,15 +51,16 @@ if TYPE_CHECKING:  # the strategies import torch: each command imports its own w
     from ..strategies import margins as margins_strategy
 
 BOARD_STATES = MappingProxyType({None: (" ...", "cyan"), "stop": (" done", "green"),
-                                  "length": (" cut at --max-new-tokens", "yellow")})
-"""How a board entry's state is shown: going on, ended (eos or a stop string), or cut by the limit."""
+                                  "length": (" cut at {limit}", "yellow")})
+"""How a board entry's state is shown: going on, ended (eos or a stop string), or cut by the limit
+(the option that set it, `AnswerBoard.limit`)."""
 
 
 class AnswerBoard:
     """Collects streamed events per question and renders them: live on a terminal, else as each ends."""
 
-    def __init__(self, questions: Sequence[str]) -> None:
-        self.questions = list(questions)
+    def __init__(self, questions: Sequence[str], limit: str = "--max-new-tokens") -> None:
+        self.questions, self.limit = list(questions), limit
         self.texts = [""] * len(questions)
         self.token_ids: list[list[int]] = [[] for _ in questions]
         self.reasons: list[str | None] = [None] * len(questions)
@@ -74,7 +75,8 @@ class AnswerBoard:
     def entry(self, i: int) -> Text:
         entry = Text()
         entry.append(f"{i + 1}. {self.questions[i]}", style="bold")
-        entry.append(*BOARD_STATES.get(self.reasons[i], BOARD_STATES["stop"]))
+        label, style = BOARD_STATES.get(self.reasons[i], BOARD_STATES["stop"])
+        entry.append(label.format(limit=self.limit), style)
         entry.append("\n   " + self.texts[i].strip().replace("\n", "\n   ") + "\n")
         return entry
 
@@ -82,9 +84,10 @@ class AnswerBoard:
         return Text("\n").join(self.entry(i) for i in range(len(self.questions)))
 
 
-def show_stream(events: Iterable[TokenEvent], questions: Sequence[str]) -> AnswerBoard:
-    """Print answers as they are generated; returns the finished board."""
-    board = AnswerBoard(questions)
+def show_stream(events: Iterable[TokenEvent], questions: Sequence[str], limit: str = "--max-new-tokens") -> AnswerBoard:
+    """Print answers as they are generated; returns the finished board. limit: the option whose
+    length an answer cut short reached."""
+    board = AnswerBoard(questions, limit)
     if stdout.is_terminal:  # a live board wraps its lines: soft-wrapped (`stdout`), rich would crop them
         live = Console(file=stdout.file, highlight=False, force_terminal=True)
         with Live(board, console=live, refresh_per_second=12, transient=False):
@@ -443,7 +446,7 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
         result = run.result()
         click.echo(json.dumps(result_json(result), ensure_ascii=False))
     else:
-        show_stream(run.events, [f"chunk, characters {c.start}-{c.end}" for c in run.chunks])
+        show_stream(run.events, [f"chunk, characters {c.start}-{c.end}" for c in run.chunks], "--max-margin-tokens")
         verdicts = run.judge()
         stdout.print(verdicts_table(run, verdicts))
         stdout.print(Text("Answer", style="bold"))

@@ -69,10 +69,12 @@ def check(name: str, device: torch.device) -> None:
     """Refuse a precision the device cannot run (before the model loads)."""
     if name == "float16" and device.type == "cpu":
         raise InvalidArgument("float16 has no fast kernels on a CPU here",
-                              "use --precision bfloat16 (or int4/int8) on a CPU; float16 is for CUDA")
+                              "use bfloat16 (or int4/int8) on a CPU (--precision, or precision= in Python); "
+                              "float16 is for CUDA")
     if name in BITS and device.type != "cpu":
         raise InvalidArgument(f"{name} weights use multidecode's packed CPU kernels, and this model runs on {device}",
-                              "use --precision bfloat16 on CUDA, or --device cpu for packed weights")
+                              "use bfloat16 on CUDA, or the CPU for packed weights (--precision and --device, or "
+                              "precision= and device= in Python)")
 
 
 def parse_all(names, device: torch.device) -> list[str]:

@@ -134,6 +134,18 @@ def read_config(folder: Path, what: str) -> dict:
         raise InvalidArgument(f"{what}: {path} is not JSON ({err})", "rewrite or replace the file") from None
 
 
+def folder_kind(folder: str | Path) -> str:
+    """The learned mode a head's folder is for, read from its config.json: "medusa" where it is in
+    Medusa's layout (published heads and ours name `medusa_num_heads`), else "eagle" (ours, the
+    EAGLE project's, EAGLE-3's, speculators'). A folder whose config cannot be read is taken as
+    Medusa's, whose loading then says what is wrong with it."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "medusa"
+    return "medusa" if not isinstance(config, dict) or "medusa_num_heads" in config else "eagle"
+
+
 def read_tensors(folder: Path, stem: str, what: str) -> dict[str, torch.Tensor]:
     """The tensors of `<stem>.safetensors` (or `<stem>.pt`, a torch state dict) in `folder`."""
     return read_weights(folder, (f"{stem}.safetensors", f"{stem}.pt"), what)

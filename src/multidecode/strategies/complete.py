@@ -79,7 +79,7 @@ def wave_size(engine: Engine, prompt_length: int, n: int, max_new_tokens: int, d
         return n
     size = most_branches(fits, n)
     if not size:
-        check_memory(engine, prompt_length, [0], max_new_tokens, draft, budget)
+        check_memory(engine, prompt_length, [0], max_new_tokens, draft, budget, asked=n)
     return size
 
 
