@@ -630,6 +630,17 @@ def test_retry_failed_also_drops_failures_of_ids_no_longer_in_the_input(tmp_path
     assert out.read_text() == ""
 
 
+def test_a_lock_that_cannot_be_made_is_not_called_another_run_s(tmp_path, monkeypatch):
+    """Where the lock file cannot be created (a folder like /proc, where filelock only times out),
+    the refusal says so, not that another run holds it."""
+    from multidecode.batch import output
+
+    source = write_lines(tmp_path / "in.jsonl", documents(1))
+    monkeypatch.setattr(output, "lock_path", lambda out: Path("/proc/self/out.jsonl.lock"))
+    with pytest.raises(multidecode.InvalidInput, match="cannot write /proc/self/out.jsonl.lock"):
+        open_batch(source, tmp_path / "out.jsonl", BatchSettings())
+
+
 def test_job_questions_given_as_one_string_are_one_question():
     assert BatchSettings(questions="Who called?").questions == ("Who called?",)
     assert BatchSettings(stop="###").stop == ("###",)

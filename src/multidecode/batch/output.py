@@ -49,6 +49,9 @@ class OutputFile:
             self.recorded, self.fingerprints, self.repaired = self._scan()
         except BaseException as err:
             self.close()
+            if isinstance(err, Timeout) and not Path(self.lock.lock_file).exists():  # not held: it could not be made
+                raise InvalidInput(f"cannot write {self.lock.lock_file} (the output's lock file)",
+                                   "check that the output's folder is writable, or write to another --output") from None
             if isinstance(err, Timeout):
                 busy = f"{path} is being written by another multidecode batch run, which holds {self.lock.lock_file}"
                 raise InvalidInput(busy, "wait for it to finish (or stop it), or write to another --output") from None
