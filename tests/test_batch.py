@@ -230,6 +230,14 @@ def test_parse_line_words_each_problem_in_the_format_s_terms():
     assert (item.id, item.key, item.document, item.questions, item.error) == (0, "0", "d", ("job?", "q"), None)
     assert parse_line(b'{"id": "x", "document": "d", "questions": ["q"]}', 9).id == "x"  # an id that failed elsewhere
     assert parse_line(b'{"id": "x", "document": 5}', 9).id == "x"
+    # a line's key in another spelling is not silently ignored, as other keys are: the line fails
+    for key, meant in (("question", "questions"), ("Document", "document"), ("json-schema", "json_schema")):
+        item = parse_line(json.dumps({"id": "k", "document": "d", key: ["q"]}).encode(), 3, ["job?"])
+        if key == "Document":
+            item = parse_line(json.dumps({"id": "k", key: "d", "questions": ["q"]}).encode(), 3)
+        assert item.id == "k" and item.error.message == \
+            f'the line has "{key}", which is not a key a line may have: did you mean "{meant}"?'
+    assert parse_line(b'{"document": "d", "questions": ["q"], "question_id": 4, "doc_id": 1}', 3).error is None
 
 
 def test_record_takes_outcomes_from_any_backend_and_writes_each_line_once(tmp_path):

@@ -103,6 +103,23 @@ def _explain(problem: dict, data: dict) -> MultiDecodeError:
                         "write each question as a string")
 
 
+def _spelling(key: str) -> str:
+    return key.lower().replace("-", "").replace("_", "").replace(" ", "").rstrip("s")
+
+
+_KNOWN_SPELLINGS = {_spelling(name): name for name in LineModel.model_fields}
+
+
+def _misspelt_key(data: dict) -> tuple[str, str] | None:
+    """A key that is one of a line's keys in another spelling ("question", "Document",
+    "json-schema"), which would otherwise be ignored as any other key is: (key, the key meant)."""
+    for key in data:
+        meant = _KNOWN_SPELLINGS.get(_spelling(key)) if isinstance(key, str) else None
+        if meant is not None and key != meant and meant not in data:
+            return key, meant
+    return None
+
+
 def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> InputLine:
     """Parse one input line (bytes, without its newline). Never raises for bad content: the
     problem comes back as `.error`, and the id falls back to the line number when unreadable."""
@@ -119,6 +136,13 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
                                                         "nest its objects and lists less deeply"))
     if not isinstance(data, dict):
         return InputLine(line, line, error=InvalidInput(f"line {line} is {_kind(data)}, not a JSON object", LINE_HINT))
+    misspelt = _misspelt_key(data)
+    if misspelt is not None:
+        ident = data.get("id") if isinstance(data.get("id"), (str, int)) and not isinstance(data.get("id"), bool) else line
+        key, meant = misspelt
+        return InputLine(line, ident, error=InvalidInput(
+            f'the line has "{key}", which is not a key a line may have: did you mean "{meant}"?',
+            f'rename it to "{meant}" (other keys are ignored: this one would have been, silently)'))
     try:
         parsed = LineModel.model_validate(data)
     except ValidationError as err:
