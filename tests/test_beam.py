@@ -398,3 +398,16 @@ def test_benchmark_on_a_tiny_model(tmp_path):
     assert path.stat().st_size > 10_000
     with pytest.raises(InvalidArgument):
         run_beam_benchmark(decoder, beams_sweep=(0,), max_new_tokens=2)
+
+
+def test_more_beams_than_memory_holds_are_refused_before_they_run(monkeypatch):
+    """The beams are branches of the prompt, and their memory is known before the search: a width
+    the machine cannot hold is a `NotEnoughMemory` saying what fits, not an allocation failure
+    from the middle of the first step (100,000 beams took 19.7 GB of a 23 GB machine, then crashed)."""
+    from multidecode import memory
+
+    monkeypatch.setenv(memory.ENVIRONMENT, "50MB")
+    model = tiny_model("llama", "sdpa")
+    with pytest.raises(multidecode.NotEnoughMemory, match="needs about") as caught:
+        run_beam_search(model, [5, 6, 7], num_beams=100_000, max_new_tokens=4)
+    assert "at most" in caught.value.hint

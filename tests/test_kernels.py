@@ -276,6 +276,17 @@ def test_rows_merged_in_groups_give_the_bits_of_merged_partials(generator, dtype
             assert torch.equal(grouped, out), f"{kernels.LEVELS[isa]}, {rows} rows"
 
 
+def test_a_cache_folder_that_cannot_be_written_means_no_build_and_says_why(tmp_path):
+    """MULTIDECODE_CACHE naming a file (or a read-only place): the kernels are not built there,
+    with the reason and the fix, instead of an OSError from the middle of the build."""
+    from multidecode.kernels import build
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    built = build._build(afile / "kernels" / "key" / "lib.so", None)
+    assert built.library is None and "cannot be built in" in built.reason and "MULTIDECODE_CACHE" in built.reason
+
+
 def test_a_build_folder_without_its_finished_mark_is_not_trusted(tmp_path, monkeypatch):
     """A build that stopped half-way (no `built` mark beside the library) is built again, never
     loaded; the mark is written last."""

@@ -226,6 +226,15 @@ def test_seeds_matter_and_repeat():
     assert first != other
 
 
+def test_numpy_integers_are_seeds_and_top_k_like_python_ones():
+    """A NumPy seed or top_k passes the checks, and samples as the Python int does (torch's
+    generator takes Python ints only: it raised a TypeError at the first draw)."""
+    (python,) = run([TARGET], [SEEDED])
+    (numpy,) = run([TARGET], [SamplingParams(do_sample=True, temperature=SEEDED.temperature,
+                                             top_k=np.int64(SEEDED.top_k), seed=np.int64(SEEDED.seed))])
+    assert numpy == python
+
+
 @pytest.mark.xdist_group("sampling")
 def test_greedy_branch_beside_sampled_ones_stays_exact():
     model = tiny_model(ARCH, ATTN)

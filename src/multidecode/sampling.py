@@ -95,6 +95,9 @@ class SamplingParams:
                 raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}",
                                       "0 turns it off")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        for name in ("seed", "top_k"):  # NumPy integers pass the checks; torch's generator takes Python ints only
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
     @property
     def penalized(self) -> bool:

@@ -19,6 +19,7 @@ source has two operations: each kernel's arithmetic is exactly what its source s
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,8 +76,6 @@ def built() -> bool:
 
 def compiler() -> str | None:
     """The C++ compiler torch's builder would use, if it is on this machine."""
-    import os
-
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 
 
@@ -102,7 +101,13 @@ def _build(path: Path, progress: Callable[[str], None] | None) -> Built:
     from filelock import FileLock
     from torch.utils.cpp_extension import load as build_extension
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:  # a cache folder that is a file, or on a read-only file system: no build, the portable path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
+            raise PermissionError(f"{path.parent} is not writable")
+    except OSError as err:
+        return Built(None, f"the kernels cannot be built in {path.parent} ({err}); set MULTIDECODE_CACHE to a "
+                           "folder you can write to")
     with FileLock(str(path.parent / "build.lock")):
         if not (path.parent / DONE).exists():
             if progress is not None:
