@@ -356,6 +356,13 @@ def test_stdin_cannot_feed_both_the_text_and_the_schema(model_dir, args):
                        "JSON schema cannot both read standard input")
 
 
+def test_a_huge_n_is_checked_at_once(model_dir):
+    """The early check reads the settings once, not once per completion: n = 10^8 whose last seed
+    overflows is refused in a moment (it built 10^8 settings first, for minutes)."""
+    assert_clean_error(run("complete", "--model", model_dir, "-p", "hi", "-n", 10**8, "--seed", 2**64 - 2),
+                       "seed must be an integer from 0 to 2**64 - 1")
+
+
 def test_greedy_and_sampling_flags_together_are_refused(model_dir):
     assert_clean_error(run("complete", "--model", model_dir, "-p", "hi", "--greedy", "--temperature", 0.5),
                        "--greedy cannot be combined with --temperature")
@@ -378,6 +385,20 @@ def test_bench_output_that_is_a_file(tmp_path):
     taken = tmp_path / "results"
     taken.write_text("not a folder")
     assert_clean_error(run("bench", "ask", "--output", taken), "is a file, not a folder")
+
+
+def test_a_bench_stem_with_folders_is_refused_before_the_run(tmp_path):
+    """--stem names the files, --output the folder: a stem with a folder in it failed only when
+    the finished run wrote its results, and the measurements were lost."""
+    assert_clean_error(run("bench", "sample", "--stem", "a/b", "--output", tmp_path / "out", "--model",
+                           tmp_path / "no-model"), "--stem 'a/b' is not a file name")
+
+
+@pytest.mark.parametrize("content", ["{}", "not json", '{"benchmark": "sample"}'])
+def test_redrawing_a_file_that_is_no_result_is_a_clean_error(tmp_path, content):
+    path = tmp_path / "result.json"
+    path.write_text(content)
+    assert_clean_error(run("bench", "redraw", path), "is not a multidecode benchmark result")
 
 
 def test_an_unwritable_model_cache_is_named(monkeypatch, tmp_path):

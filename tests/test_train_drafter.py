@@ -112,3 +112,14 @@ def test_bad_prompts_a_model_without_an_lm_head_and_other_settings_are_refused(t
         list(train_drafter(decoder, _settings(tmp_path, epochs=2)))
     result = CliRunner().invoke(main, ["train-drafter", "--prompts", str(bad)])
     assert result.exit_code != 0 and "line 2" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("option", ["--output", "--work"])
+def test_folders_that_cannot_take_the_results_are_refused_before_the_model_loads(tmp_path, option):
+    """--output (or --work) naming a file failed with a traceback, and for --output only after the
+    whole training; now it is refused at once, and nothing is loaded."""
+    taken = tmp_path / "afile"
+    taken.write_text("")
+    result = CliRunner().invoke(main, ["train-drafter", "--model", str(tmp_path / "no-model"), option, str(taken)])
+    assert result.exit_code == 2, result.output
+    assert f"{option} {taken} is a file, not a folder" in result.output and "Traceback" not in result.output

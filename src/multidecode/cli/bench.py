@@ -11,8 +11,8 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import InvalidArgument
-from .common import load_decoder, model_options, report_errors, spelling, stderr, stdout
+from ..errors import InvalidArgument, InvalidInput
+from .common import check_writable_folder, load_decoder, model_options, report_errors, spelling, stderr, stdout
 
 
 def parse_counts(text: str, flag: str) -> tuple[int, ...]:
@@ -43,10 +43,12 @@ def run_options(command):
                         help="Timed runs at the main point (the median is reported).")(command)
 
 
-def check_run(output: str, threads: int | None) -> None:
-    """Refuse settings every benchmark would trip on, before the model loads and the run starts."""
-    if Path(output).exists() and not Path(output).is_dir():
-        raise InvalidArgument(f"--output {output} is a file, not a folder", "name a folder for the results")
+def check_run(output: str, threads: int | None, stem: str | None = None) -> None:
+    """Refuse settings every benchmark would trip on, before the model loads and the run starts
+    (a run can take many minutes: its results must have somewhere to go)."""
+    check_writable_folder(output, "--output")
+    if stem is not None and (not stem.strip() or Path(stem).name != stem or stem in (".", "..")):
+        raise InvalidArgument(f"--stem {stem!r} is not a file name", "give a name without folders; --output says where")
     if threads is not None and threads < 1:
         raise InvalidArgument(f"--threads must be 1 or more, got {threads}", "or leave it unset")
 
@@ -117,7 +119,7 @@ def bench_command(name: str, *options, sweeps: tuple[str, ...] = (), counts: tup
     def declare(prepare):
         @functools.wraps(prepare)
         def command(output, stem, repeats, threads, model_name, precision, device, **own):
-            check_run(output, threads)
+            check_run(output, threads, stem)
             check_counts(repeats=repeats, **{k: own[k] for k in counts if own[k] is not None})
             call = prepare(**{**own, **{k: parse_counts(own[k], "--" + k.replace("_", "-")) for k in sweeps}})
             decoder = load_decoder(model_name, precision, device)
@@ -316,7 +318,7 @@ def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, pro
     if load["arrival_tokens"] < 0:
         raise InvalidArgument(f"--arrival-tokens must be 0 or more, got {load['arrival_tokens']}",
                               "for example --arrival-tokens 4000, or 0 for no arrival")
-    check_run(output, settings["threads"])
+    check_run(output, settings["threads"], stem)
     transformers = (not quick) if with_transformers is None else with_transformers
     run_and_report("serve", lambda progress: run_serve_benchmark(
         model=model_name, rate=rate, transformers=transformers, transformers_cb=transformers_cb, progress=progress,
@@ -347,7 +349,7 @@ def bench_unrelated(requests, prompt_tokens, steps, warmup, seed, threads, model
     check_counts(steps=steps)
     if warmup < 0:
         raise InvalidArgument(f"--warmup must be 0 or more, got {warmup}", "use --warmup 0 or more")
-    check_run(output, threads)
+    check_run(output, threads, stem)
     model = load_decoder(model_name, "float32", device).model
     run_and_report("unrelated", lambda progress: run_unrelated(
         model, requests=levels, prompt_tokens=lengths, steps=steps, warmup=warmup, seed=seed, threads=threads,
@@ -397,7 +399,7 @@ def bench_precision(model_name, precisions, workloads, max_new_tokens, context_t
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     if names:
         choose(names)
-    check_run(output, threads)
+    check_run(output, threads, stem)
     check_counts(repeats=repeats, context_new_tokens=context_new_tokens, question_tokens=question_tokens,
                  **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}))
     check_budget(budget, 60)
@@ -427,7 +429,7 @@ def bench_startup(model_name, threads, repeats, with_llama, output, stem):
     the whole `multidecode generate` command, against llama.cpp on the same file; each run its own process."""
     from ..bench.startup import run_startup_benchmark
 
-    check_run(output, threads)
+    check_run(output, threads, stem)
     check_counts(repeats=repeats)
     run_and_report("startup", lambda progress: run_startup_benchmark(
         model_name, threads=threads, repeats=repeats, with_llama=with_llama, progress=progress), output, stem)
@@ -442,7 +444,12 @@ def bench_redraw(results):
     from ..bench.results import redraw
 
     for path in results:
-        for written in redraw(path):
+        try:
+            written_paths = redraw(path)
+        except (ValueError, KeyError, TypeError) as err:  # not JSON, or not a benchmark's result
+            raise InvalidInput(f"{path} is not a multidecode benchmark result ({type(err).__name__}: {err})",
+                               "give the .json file a `multidecode bench` run wrote") from None
+        for written in written_paths:
             stdout.print(f"wrote {escape(str(written))}")
 
 
@@ -494,7 +501,7 @@ def bench_structured(documents, max_new_tokens, mask_tokens, with_llama, quick, 
     from ..bench.structured import QUICK, run_structured_benchmark
     from ..models.converted import embedded_gguf
 
-    check_run(output, threads)
+    check_run(output, threads, stem)
     check_counts(repeats=repeats, documents=documents, max_new_tokens=max_new_tokens, mask_tokens=mask_tokens)
     settings = {"documents": documents, "max_new_tokens": max_new_tokens, "mask_tokens": mask_tokens,
                 "repeats": repeats} | (QUICK if quick else {})

@@ -336,15 +336,33 @@ def print_stats(stats: dict, lead: str = "") -> None:
 def check_early(*, max_new_tokens: int | None = None, n: int = 1, sampling: dict | None = None,
                 stop=()) -> None:
     """Check settings before the model loads (which can take minutes), so a typo fails at once."""
-    from ..errors import check_positive
+    from ..errors import check_positive, is_int
     from ..sampling import per_branch_sampling
     from ..stopping import stop_strings_of
 
     if max_new_tokens is not None:
         check_positive("max_new_tokens", max_new_tokens)
     check_positive("n", n)
-    per_branch_sampling(n, dict(sampling or {}))
+    sampling = dict(sampling or {})
+    per_branch_sampling(1, sampling)  # the command line's settings are one value for every branch:
+    if is_int(sampling.get("seed")):  # the first branch and the last one's seed (seed + n - 1) say it all
+        per_branch_sampling(1, {**sampling, "seed": sampling["seed"] + n - 1})
     stop_strings_of(stop)
+
+
+def check_writable_folder(path: str | os.PathLike, option: str) -> None:
+    """Refuse, before a long run, the folder it writes to at its end: a file in its place, or a
+    place where the folder cannot be made or written (made here if missing)."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise InvalidArgument(f"{option} {path} is a file, not a folder", "name a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InvalidInput(f"cannot create {option} {path}: {err.strerror or err}",
+                           "name a folder you can write to") from None
+    if not os.access(folder, os.W_OK):
+        raise InvalidInput(f"{option} {path} is not writable", "name a folder you can write to")
 
 
 def counted(n: int, noun: str, nouns: str | None = None) -> str:

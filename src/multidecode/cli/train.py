@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..training import TRAINABLE
-from .common import load_decoder, model_options, report_errors, stderr
+from .common import check_writable_folder, load_decoder, model_options, report_errors, stderr
 
 PHASES = {"write": "the model writes answers", "read": "the model reads them back", "train": "the heads learn"}
 UNITS = {"write": "prompts", "read": "sequences", "train": "steps"}
@@ -48,7 +48,10 @@ def train_drafter(model_name, precision, device, kind, prompts, heads, draft_voc
 
     settings = DistillSettings(kind=kind, prompts=prompts, heads=heads, draft_vocab=draft_vocab,
                                max_new_tokens=max_new_tokens, epochs=epochs, limit=limit, output=output, work=work)
-    read_prompts(prompts)  # a bad file is refused before the model loads
+    read_prompts(prompts)  # a bad file is refused before the model loads, and so are folders that
+    for option, folder in (("--output", output), ("--work", work)):  # could not take the run's results
+        if folder is not None:
+            check_writable_folder(folder, option)
     decoder = load_decoder(model_name, precision, device, exact=False)
     events = train_drafter(decoder, settings)
     if as_json:
