@@ -230,14 +230,21 @@ def test_parse_line_words_each_problem_in_the_format_s_terms():
     assert (item.id, item.key, item.document, item.questions, item.error) == (0, "0", "d", ("job?", "q"), None)
     assert parse_line(b'{"id": "x", "document": "d", "questions": ["q"]}', 9).id == "x"  # an id that failed elsewhere
     assert parse_line(b'{"id": "x", "document": 5}', 9).id == "x"
-    # a line's key in another spelling is not silently ignored, as other keys are: the line fails
-    for key, meant in (("question", "questions"), ("Document", "document"), ("json-schema", "json_schema")):
+    # a line's key in another case or with other separators is not silently ignored, as other keys
+    # are: the line fails (its questions would have been lost behind the job's)
+    for key, meant in (("Questions", "questions"), ("Document", "document"), ("json-schema", "json_schema")):
         item = parse_line(json.dumps({"id": "k", "document": "d", key: ["q"]}).encode(), 3, ["job?"])
         if key == "Document":
             item = parse_line(json.dumps({"id": "k", key: "d", "questions": ["q"]}).encode(), 3)
         assert item.id == "k" and item.error.message == \
             f'the line has "{key}", which is not a key a line may have: did you mean "{meant}"?'
-    assert parse_line(b'{"document": "d", "questions": ["q"], "question_id": 4, "doc_id": 1}', 3).error is None
+    assert parse_line(b'{"id": "", "Questions": ["q"], "document": "d"}', 4).id == 4  # a blank id: the line's number
+    # other words are a dataset's own fields: a SQuAD-like "question" runs with the job's questions,
+    # and where there are none, the refusal points at it
+    fields = {"document": "d", "question": "what?", "ID": 7, "question_id": 4, "doc_id": 1}
+    assert parse_line(json.dumps(fields).encode(), 3, ["job?"]).error is None
+    assert parse_line(json.dumps(fields).encode(), 3).error.message == \
+        'the line has no "questions" (it has "question": a list of them goes in "questions") and the job has none'
 
 
 def test_record_takes_outcomes_from_any_backend_and_writes_each_line_once(tmp_path):
@@ -610,6 +617,7 @@ def test_one_output_reached_by_two_names_takes_one_lock_and_stays_behind_its_lin
         open_batch(source, link, BatchSettings())
     with open_batch(source, link, BatchSettings(), retry_failed=True) as job:
         assert job.retried == 1 and len(job.pending) == 2
+        assert job.summary().output == str(link)  # reported as the user named it
     assert link.is_symlink() and out.read_text() == ""
 
 

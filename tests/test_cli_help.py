@@ -79,3 +79,24 @@ def test_an_error_with_no_interrupt_is_left_to_the_command():
         patch.setattr(importlib, "import_module", broken)
         result = CliRunner().invoke(main, ["generate", "-p", "hi"])
     assert result.exit_code == 1 and isinstance(result.exception, ImportError)
+
+
+def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it(monkeypatch):
+    """A background job of a script starts with SIGINT ignored: the group leaves that as it is
+    (a Ctrl-C meant for the terminal's foreground must not end it), and puts back what it found."""
+    import importlib
+    import signal
+
+    seen = []
+
+    def importing(name, package=None):
+        seen.append(signal.getsignal(signal.SIGINT))
+        raise ImportError("stop here")
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        monkeypatch.setattr(importlib, "import_module", importing)
+        CliRunner().invoke(main, ["generate", "-p", "hi"])
+        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

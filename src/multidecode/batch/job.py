@@ -104,7 +104,7 @@ class BatchJob:
 
     def __init__(self, input_path: Path, output: OutputFile, settings: BatchSettings, lines: list[tuple[int, str]],
                  retried: int) -> None:
-        self.input_path, self.output_path, self._output = input_path, output.path, output
+        self.input_path, self.output_path, self._output = input_path, output.given, output
         self.settings, self.fingerprint = settings, settings.fingerprint
         input_keys = {key for _, key in lines}
         self.total, self.retried, self.repaired = len(lines), retried, output.repaired

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ..constraints import BEST_EFFORT_HINT, Constraint
-from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
+from ..errors import InvalidArgument, InvalidInput, MultiDecodeError, is_int
 from ..sampling import per_branch_sampling
 from ..strategies.ask import check_document
 
@@ -104,15 +104,17 @@ def _explain(problem: dict, data: dict) -> MultiDecodeError:
 
 
 def _spelling(key: str) -> str:
-    return key.lower().replace("-", "").replace("_", "").replace(" ", "").rstrip("s")
+    return key.lower().replace("-", "").replace("_", "").replace(" ", "")
 
 
-_KNOWN_SPELLINGS = {_spelling(name): name for name in LineModel.model_fields}
+_KNOWN_SPELLINGS = {_spelling(name): name for name in LineModel.model_fields if name != "id"}
+"""A line's keys by their letters alone (not "id": a line without one takes its line number)."""
 
 
 def _misspelt_key(data: dict) -> tuple[str, str] | None:
-    """A key that is one of a line's keys in another spelling ("question", "Document",
-    "json-schema"), which would otherwise be ignored as any other key is: (key, the key meant)."""
+    """A key that is one of a line's keys in another case or with other separators ("Questions",
+    "Document", "json-schema"), which would otherwise be ignored as any other key is: (key, the
+    key meant). Other words ("question", a dataset's own field) stay ordinary keys."""
     for key in data:
         meant = _KNOWN_SPELLINGS.get(_spelling(key)) if isinstance(key, str) else None
         if meant is not None and key != meant and meant not in data:
@@ -138,7 +140,8 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
         return InputLine(line, line, error=InvalidInput(f"line {line} is {_kind(data)}, not a JSON object", LINE_HINT))
     misspelt = _misspelt_key(data)
     if misspelt is not None:
-        ident = data.get("id") if isinstance(data.get("id"), (str, int)) and not isinstance(data.get("id"), bool) else line
+        given = data.get("id")
+        ident = given if (isinstance(given, str) and given.strip()) or is_int(given) else line
         key, meant = misspelt
         return InputLine(line, ident, error=InvalidInput(
             f'the line has "{key}", which is not a key a line may have: did you mean "{meant}"?',
@@ -153,6 +156,8 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
     questions = tuple(job_questions) + tuple(parsed.questions or ())
     if not questions:
         own = 'has no "questions"' if parsed.questions is None else 'has an empty "questions" list'
+        if parsed.questions is None and "question" in data:
+            own += ' (it has "question": a list of them goes in "questions")'
         return InputLine(line, ident, error=InvalidInput(
             f"the line {own} and the job has none",
             'add "questions": ["..."] to the line, or give questions for every line (--questions-file, -q)'),

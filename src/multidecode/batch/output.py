@@ -41,6 +41,7 @@ class OutputFile:
     def __init__(self, path: Path) -> None:
         # Through any symbolic link: two runs reaching one file by two names take one lock, and the
         # atomic rewrite replaces the file, not the link.
+        self.given = Path(path)  # as the user named it, for reports
         self.path, self.fd = Path(path).resolve(), -1
         self.lock = FileLock(lock_path(self.path), timeout=0, thread_local=False)
         try:

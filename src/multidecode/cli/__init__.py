@@ -52,20 +52,25 @@ class LazyCommands(click.Group):
             interrupted.append(True)
             raise KeyboardInterrupt
 
+        installed, previous = False, None
         try:
-            previous = signal.signal(signal.SIGINT, on_interrupt)
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is not signal.SIG_IGN:  # a background job started with Ctrl-C ignored keeps ignoring it
+                signal.signal(signal.SIGINT, on_interrupt)
+                installed = True
         except ValueError:  # not the main thread (an embedding program's): its own handling stands
-            previous = None
+            pass
         try:
             return super().invoke(ctx)
         except (KeyboardInterrupt, Exception) as err:
             if isinstance(err, KeyboardInterrupt) or (interrupted and not isinstance(err, click.ClickException)):
-                click.echo("interrupted", err=True)
+                click.echo("interrupted" + ("" if isinstance(err, KeyboardInterrupt) else
+                                            f" ({type(err).__name__} raised after the interrupt)"), err=True)
                 sys.exit(130)
             raise
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+            if installed:
+                signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The commands and their short help as click writes them, each read from its function's
