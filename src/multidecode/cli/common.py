@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -356,13 +357,12 @@ def check_writable_folder(path: str | os.PathLike, option: str) -> None:
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise InvalidArgument(f"{option} {path} is a file, not a folder", "name a folder")
-    try:
+    try:  # tried, not read from permission bits (root passes every `os.access` check, even in /proc)
         folder.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=folder, prefix=".multidecode-").close()
     except OSError as err:
-        raise InvalidInput(f"cannot create {option} {path}: {err.strerror or err}",
+        raise InvalidInput(f"cannot write {option} {path}: {err.strerror or err}",
                            "name a folder you can write to") from None
-    if not os.access(folder, os.W_OK):
-        raise InvalidInput(f"{option} {path} is not writable", "name a folder you can write to")
 
 
 def counted(n: int, noun: str, nouns: str | None = None) -> str:

@@ -151,8 +151,7 @@ def packed_bytes(module: nn.Module) -> int:
     """Bytes of a module's tensors, each storage once (shared codes and tied weights count once),
     an untied packed embedding's own codes included (held outside the module tree)."""
     seen, total = set(), 0
-    outside = [t for m in module.modules() if isinstance(m, PackedEmbedding)
-               for t in [*m.head[0].parameters(), *m.head[0].buffers()]]
+    outside = [t for m in packed_linears(module) for t in [*m.parameters(), *m.buffers()]]  # in the tree too: once
     for tensor in [*module.parameters(), *module.buffers(), *outside]:
         key = tensor.untyped_storage().data_ptr()
         if key not in seen:
