@@ -20,6 +20,7 @@ from gguf_files import write_tiny_gguf
 
 from multidecode import CacheUnwritable, ModelNotFound
 from multidecode.cli import main
+from multidecode.kernels.build import BUILD_LOCK, KERNELS_FOLDER
 from multidecode.models import converted, loading
 
 
@@ -316,10 +317,52 @@ def test_cache_clear_of_an_unknown_name_fails_cleanly(cache, tiny_gguf):
     assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
 
 
-@pytest.mark.parametrize("command", [["list"], ["clear", "--yes"]])
-def test_a_missing_cache_folder_is_a_clean_error(cache, command):
+@pytest.mark.parametrize("command", [["list"], ["list", "--json"], ["clear", "--yes"]])
+def test_a_cache_folder_not_made_yet_is_an_empty_cache(cache, command):
     result = cli(*command)
-    assert result.exit_code == 2 and "no cache folder at" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 0 and "Traceback" not in result.output
+    assert not cache.exists()  # looking does not make it
+    if "--json" in command:  # a script reads an empty listing, not an error
+        assert json.loads(result.output) == {"folder": str(cache), "entries": [], "total_bytes": 0}
+    else:
+        assert ("Nothing to clear" if command[0] == "clear" else "0 items") in result.output
+
+
+@pytest.mark.parametrize("command", [["list"], ["clear", "--yes"]])
+def test_a_cache_folder_that_is_a_file_is_a_clean_error(cache, command):
+    cache.write_text("not a folder")
+    result = cli(*command)
+    assert result.exit_code == 2 and "is a file" in result.output and "MULTIDECODE_CACHE" in result.output
+    assert "Traceback" not in result.output
+
+
+def kernel_builds(cache, *keys):
+    """A kernels folder with one (fake) build per key, as `multidecode.kernels.build` lays them out."""
+    for key in keys:
+        (cache / KERNELS_FOLDER / key).mkdir(parents=True)
+        (cache / KERNELS_FOLDER / key / "multidecode_kernels.so").write_bytes(b"x" * 10)
+    return cache / KERNELS_FOLDER
+
+
+def test_the_compiled_kernels_are_listed_and_cleared_only_by_name(cache):
+    kernels = kernel_builds(cache, "a" * 16, "b" * 16)
+    (entry,) = json.loads(cli("list", "--json").output)["entries"]
+    assert (entry["name"], entry["kind"], entry["state"], entry["bytes"]) == ("kernels", "kernels", "2 builds", 20)
+    assert cli("clear", "--yes").exit_code == 0 and kernels.exists()  # not a converted model
+    assert cli("clear", "--yes", "kernels").exit_code == 0 and not kernels.exists()
+
+
+def test_a_kernels_build_under_way_is_left_alone(cache):
+    from filelock import FileLock
+
+    kernels = kernel_builds(cache, "a" * 16, "b" * 16)
+    with FileLock(str(kernels / ("b" * 16) / BUILD_LOCK)):  # as a build compiling in another process holds it
+        (entry,) = json.loads(cli("list", "--json").output)["entries"]
+        assert entry["state"] == "2 builds, 1 building now"
+        result = cli("clear", "--yes", "kernels")
+        assert result.exit_code == 0 and "skipped kernels: another process is building them" in result.output
+        assert not (kernels / ("a" * 16)).exists() and (kernels / ("b" * 16) / "multidecode_kernels.so").exists()
+    assert cli("clear", "--yes", "kernels").exit_code == 0 and not kernels.exists()  # once it is done
 
 
 def test_clearing_an_empty_cache_says_so(cache):

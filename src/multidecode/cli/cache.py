@@ -1,5 +1,6 @@
 """`multidecode cache list|clear`: what the cache folder holds (the float32 copies of GGUF models,
-conversions under way, cost curves), and removing converted copies to free the disk."""
+conversions under way, cost curves, the compiled kernels), and removing converted copies to free
+the disk."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from .common import counted, report_errors, stderr, stdout
 @click.group()
 def cache() -> None:
     """List or clear the cache folder: the float32 copies of GGUF models (the embedded one and any
-    .gguf file loaded), and measured cost curves. $MULTIDECODE_CACHE sets where it is."""
+    .gguf file loaded), measured cost curves and the compiled kernels. $MULTIDECODE_CACHE sets where
+    it is."""
 
 
 @cache.command("list")
@@ -56,8 +58,8 @@ def list_(as_json):
 @report_errors
 def clear(names, yes):
     """Remove converted models: those NAMEd (as `cache list` shows them; `costs` for the cost
-    curves), or every converted model and abandoned partial conversion. A conversion another
-    process is running is left alone."""
+    curves, `kernels` for the compiled kernels), or every converted model and abandoned partial
+    conversion. A conversion or a kernels' build another process is running is left alone."""
     from ..models.converted import clear_cache, select_entries
     from ..user_cache import cache_dir
 
@@ -74,7 +76,8 @@ def clear(names, yes):
     for e in removed:
         stdout.print(f"removed {escape(e.name)} ({human_size(e.bytes)})")
     for e in busy:
-        stderr.print(f"[yellow]skipped[/yellow] {escape(e.name)}: another process is converting it")
+        doing = "building them" if e.kind == "kernels" else "converting it"
+        stderr.print(f"[yellow]skipped[/yellow] {escape(e.name)}: another process is {doing}")
     stdout.print(f"Freed {human_size(sum(e.bytes for e in removed))}.")
 
 

@@ -36,6 +36,10 @@ CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp", "-Wno-maybe-unin
 LDFLAGS = ("-fopenmp",)
 DONE = "built"
 """The file a finished build leaves beside its library (a folder without it is rebuilt)."""
+KERNELS_FOLDER = "kernels"
+"""The folder of the user cache that holds one folder per build (`<key>/`)."""
+BUILD_LOCK = "build.lock"
+"""The lock a build holds in its folder while it compiles (`multidecode cache clear` respects it)."""
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 
@@ -60,7 +64,7 @@ def key() -> str:
 
 
 def folder() -> Path:
-    return cache_dir() / "kernels" / key()
+    return cache_dir() / KERNELS_FOLDER / key()
 
 
 def library_path() -> Path:
@@ -108,7 +112,7 @@ def _build(path: Path, progress: Callable[[str], None] | None) -> Built:
     except OSError as err:
         return Built(None, f"the kernels cannot be built in {path.parent} ({err}); set MULTIDECODE_CACHE to a "
                            "folder you can write to")
-    with FileLock(str(path.parent / "build.lock")):
+    with FileLock(str(path.parent / BUILD_LOCK)):
         if not (path.parent / DONE).exists():
             if progress is not None:
                 progress("Compiling multidecode's kernels for this CPU (once, about a minute)")
@@ -124,4 +128,4 @@ def _build(path: Path, progress: Callable[[str], None] | None) -> Built:
     return Built(path)
 
 
-__all__ = ["Built", "built", "folder", "key", "library_path", "load"]
+__all__ = ["BUILD_LOCK", "KERNELS_FOLDER", "Built", "built", "folder", "key", "library_path", "load"]

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CacheUnwritable, InvalidArgument, InvalidInput, ModelNotFound, MultiDecodeError
+from ..kernels.build import BUILD_LOCK, KERNELS_FOLDER
 from ..user_cache import cache_dir
 from ..version import __version__
 from .reading import first_line, from_pretrained, loading_errors, quiet_transformers
@@ -288,9 +289,11 @@ class CacheEntry:
     """One thing in the cache folder.
 
     kind: "model" (a converted float32 copy), "partial" (a conversion under way, or abandoned by a
-    killed process), "costs" (the measured forward-cost curves of `cost.py`) or "other".
+    killed process), "costs" (the measured forward-cost curves of `cost.py`), "kernels" (the
+    compiled kernels, one build per source and torch version) or "other".
     state: for a model, "embedded", "current" (its GGUF file is unchanged), "source changed",
-    "source missing" or "unknown" (no manifest); for a partial, "converting" or "abandoned"; for costs, "N curves".
+    "source missing" or "unknown" (no manifest); for a partial, "converting" or "abandoned"; for costs,
+    "N curves"; for kernels, "N builds" and how many another process is building now.
     """
 
     name: str
@@ -308,15 +311,20 @@ class CacheEntry:
 
 
 def cache_entries() -> list[CacheEntry]:
-    """Everything in the cache folder, converted models first (lock files left out)."""
-    folder = _existing_cache_dir()
+    """Everything in the cache folder, converted models first (lock files left out); nothing where
+    the folder is not made yet."""
+    folder = cache_dir()
+    if not folder.exists():
+        return []
+    if not folder.is_dir():
+        raise InvalidInput(f"the cache folder {folder} is a file", "set MULTIDECODE_CACHE to a folder")
     entries = []
     for path in sorted(folder.iterdir()):
         if path.name in (_LOCKS, ".convert.lock"):
             continue
         with contextlib.suppress(FileNotFoundError):  # removed by another process while listing
             entries.append(_entry(path))
-    order = {"model": 0, "partial": 1, "costs": 2, "other": 3}
+    order = {"model": 0, "partial": 1, "costs": 2, "kernels": 3, "other": 4}
     return sorted(entries, key=lambda e: (order[e.kind], e.name))
 
 
@@ -338,7 +346,8 @@ def select_entries(names=()) -> list[CacheEntry]:
 
 def clear_cache(entries) -> tuple[list[CacheEntry], list[CacheEntry]]:
     """Remove `entries` (from `select_entries`); returns (removed, busy). A model or partial copy
-    is removed only under its lock: one another process is converting is left alone (busy)."""
+    is removed only under its lock, a kernels' build under its build lock: what another process is
+    converting or building is left alone (busy)."""
     removed, busy = [], []
     for entry in entries:
         try:
@@ -350,6 +359,10 @@ def clear_cache(entries) -> tuple[list[CacheEntry], list[CacheEntry]]:
                         busy.append(entry)
                         continue
                     _remove(entry.path)
+            elif entry.kind == "kernels":
+                if not _clear_kernels(entry.path):
+                    busy.append(entry)
+                    continue
             else:
                 _remove(entry.path)
         except OSError as err:
@@ -359,15 +372,18 @@ def clear_cache(entries) -> tuple[list[CacheEntry], list[CacheEntry]]:
     return removed, busy
 
 
-def _existing_cache_dir() -> Path:
-    folder = cache_dir()
-    if not folder.exists():
-        raise InvalidInput(f"there is no cache folder at {folder}: nothing has been converted there yet",
-                           "it is made on the first load of the embedded model or a .gguf file; "
-                           "MULTIDECODE_CACHE or XDG_CACHE_HOME choose where")
-    if not folder.is_dir():
-        raise InvalidInput(f"the cache folder {folder} is a file", "set MULTIDECODE_CACHE to a folder")
-    return folder
+def _clear_kernels(folder: Path) -> bool:
+    """Remove the kernels' builds in `folder`, each under its build lock, and the folder once empty;
+    whether all went (a build another process is compiling now stays)."""
+    whole = True
+    for build in [p for p in folder.iterdir() if p.is_dir()]:
+        with _exclusive(build / BUILD_LOCK, wait=False) as held:
+            if held:
+                _remove(build)
+            whole = whole and held
+    if whole:
+        _remove(folder)
+    return whole
 
 
 def _entry(path: Path) -> CacheEntry:
@@ -380,6 +396,11 @@ def _entry(path: Path) -> CacheEntry:
     if path.is_dir() and path.name.startswith(_PARTIAL):
         state = "converting" if _busy(_copy_name(path)) else "abandoned"
         return CacheEntry(path.name, "partial", path, size, created, None, state)
+    if path.is_dir() and path.name == KERNELS_FOLDER:
+        builds = [p for p in path.iterdir() if p.is_dir()]
+        building = sum(_held(p / BUILD_LOCK) for p in builds)
+        state = f"{len(builds)} build{'s' * (len(builds) != 1)}" + (f", {building} building now" if building else "")
+        return CacheEntry(path.name, "kernels", path, size, created, None, state)
     if path.is_dir() and path.name == "costs":
         curves = sum(1 for p in path.glob("*.json"))
         return CacheEntry(path.name, "costs", path, size, created, None, f"{curves} cost curve{'s' * (curves != 1)}")
@@ -394,7 +415,11 @@ def _copy_name(entry_or_path) -> str:
 
 def _busy(name: str) -> bool:
     """Whether another process holds the lock of the copy `name` (is converting it)."""
-    lock = _lock_path(name)
+    return _held(_lock_path(name))
+
+
+def _held(lock: Path) -> bool:
+    """Whether another process holds the lock file `lock` (one that is not there is not held)."""
     if not lock.is_file():
         return False
     with _exclusive(lock, wait=False) as held:
