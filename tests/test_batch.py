@@ -443,6 +443,23 @@ def test_two_runs_cannot_write_one_output(tmp_path):
     open_batch(source, tmp_path / "out.jsonl", BatchSettings()).close()  # the lock went with the job
 
 
+def test_ctrl_c_while_the_model_loads_stops_the_job_with_its_summary(model_dir, tmp_path, monkeypatch):
+    """--json still prints the summary (stopped, nothing done), with the resume hint and 130, as a
+    job stopped between documents does: a script reading stdout gets its JSON either way."""
+    import multidecode.cli.batch as batch_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch_cli, "load_decoder", interrupted)
+    source = write_lines(tmp_path / "in.jsonl", [{"document": "The modem light is red.", "questions": ["what colour?"]}])
+    result = run(source, "-o", tmp_path / "out.jsonl", "--model", model_dir, "--json")
+    assert result.exit_code == 130, result.output
+    summary = json.loads(result.stdout)
+    assert summary["stopped"] and (summary["done"], summary["remaining"], summary["complete"]) == (0, 1, False)
+    assert "run the same command again to resume" in result.stderr and "Traceback" not in result.output
+
+
 def test_the_library_runs_silently_and_stops_on_request(model_dir, tmp_path, capsys):
     source = write_lines(tmp_path / "in.jsonl", documents(4))
     out = tmp_path / "out.jsonl"

@@ -307,17 +307,21 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
         announce(job)
         received, totals = [], {}
         if job.pending:
-            if ray_address is None:
-                decoder = load_decoder(model_name, precision, device, compile=compile_step)
-                results = job.run(decoder, speculate=prepare_speculation(decoder, speculation),
-                                  forest_tokens=forest_tokens, forest_branches=forest_branches,
-                                  prefill_chunk=prefill_chunk)
-                if compile_step:
-                    results = say_if_not_compiled(results, decoder.model)
+            try:  # Ctrl-C while the model loads (or Ray connects) stops the job as one in progress would
+                if ray_address is None:
+                    decoder = load_decoder(model_name, precision, device, compile=compile_step)
+                    results = job.run(decoder, speculate=prepare_speculation(decoder, speculation),
+                                      forest_tokens=forest_tokens, forest_branches=forest_branches,
+                                      prefill_chunk=prefill_chunk)
+                    if compile_step:
+                        results = say_if_not_compiled(results, decoder.model)
+                else:
+                    results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, precision,
+                                                device, speculation))
+            except KeyboardInterrupt:
+                received = [signal.SIGINT]
             else:
-                results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, precision, device,
-                                            speculation))
-            received, totals = follow(job, results)
+                received, totals = follow(job, results)
         summary = job.summary()
     conclude(summary, stopped=bool(received) and not summary.complete, signal_number=received[0] if received else 0,
              totals=totals if show_stats else None, as_json=as_json)
