@@ -6,6 +6,8 @@ anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from numbers import Integral
 
 
@@ -84,3 +86,10 @@ def check_known(names, known, what: str) -> None:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise InvalidArgument(f"unknown {what}: {', '.join(unknown)}", f"use {', '.join(known)}")
+
+
+def changed_settings(stored: Mapping, current: Mapping) -> list[str]:
+    """What differs between the settings a saved result was made with and these ("epochs was 2.0,
+    now 3.0"), for the refusal to go on with it (a batch output, a drafter's checkpoint)."""
+    return [f"{key} was {json.dumps(stored.get(key), ensure_ascii=False)}, now {json.dumps(current.get(key), ensure_ascii=False)}"
+            for key in sorted(set(stored) | set(current)) if stored.get(key) != current.get(key)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from ..errors import InvalidInput
+from ..errors import InvalidInput, changed_settings
 from .lines import id_key
 from .settings import BatchSettings
 
@@ -152,9 +152,7 @@ class OutputFile:
             meta = json.loads(meta_path(self.path).read_text(encoding="utf-8"))
             if meta.get("fingerprint") in others:
                 stored, current = meta.get("settings", {}), settings.as_dict()
-                differences = [f"{key} was {json.dumps(stored.get(key), ensure_ascii=False)}, "
-                               f"now {json.dumps(current.get(key), ensure_ascii=False)}"
-                               for key in sorted(set(stored) | set(current)) if stored.get(key) != current.get(key)]
+                differences = changed_settings(stored, current)
         said = (f": {'; '.join(differences)}" if differences else
                 f" (fingerprint {', '.join(sorted(others))}, these settings are {settings.fingerprint})")
         raise InvalidInput(f"{self.path} holds results made with other settings{said}",

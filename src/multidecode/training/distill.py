@@ -35,7 +35,7 @@ import torch
 
 from .. import data
 from ..engine import Engine
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, changed_settings
 from ..forest import chain_parents
 from ..prompts import render_prompt, tokenize_prompt
 from ..proposers.drafting import vocabulary_size
@@ -76,11 +76,14 @@ class DistillSettings:
     work: str | None = None
     output: str | None = None
 
-    def training_key(self) -> str:
-        """A hash of what decides the trained weights (not where they go): a resumed run must match."""
+    def training_settings(self) -> dict:
+        """What decides the trained weights (not where they go, nor how often they are saved)."""
         keep = {k: v for k, v in asdict(self).items() if k not in ("work", "output", "checkpoint_every")}
-        keep["recipe"] = RECIPE
-        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+        return keep | {"recipe": RECIPE}
+
+    def training_key(self) -> str:
+        """A hash of `training_settings`: a resumed run must match."""
+        return hashlib.sha256(json.dumps(self.training_settings(), sort_keys=True).encode()).hexdigest()[:16]
 
     def data_key(self) -> str:
         """A hash of what decides the answers the target writes (shared by every kind trained on them)."""
@@ -305,7 +308,8 @@ def train_loop(trainee, settings: DistillSettings, checkpoint: Path, log: list[d
 
 def _save_checkpoint(path: Path, settings: DistillSettings, module, optimizer, schedule, step: int,
                      log: list[dict]) -> None:
-    _save({"key": settings.training_key(), "step": step, "module": _trained_state(module),
+    _save({"key": settings.training_key(), "settings": settings.training_settings(), "step": step,
+           "module": _trained_state(module),
            "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "log": log}, path)
 
 
@@ -328,7 +332,10 @@ def _resume(path: Path, settings: DistillSettings, module, optimizer, schedule, 
         return 0
     state = torch.load(path, weights_only=False)
     if state.get("key") != settings.training_key():
-        raise InvalidArgument(f"the work folder holds a {settings.kind} training with other settings ({path})",
+        saved = state.get("settings")  # a checkpoint written before they were kept names none
+        changed = changed_settings(saved, settings.training_settings()) if saved else []
+        raise InvalidArgument(f"the work folder holds a {settings.kind} training with other settings ({path})"
+                              + (f": {'; '.join(changed)}" if changed else ""),
                               "resume it with the same settings, or give another --work folder (or delete the file)")
     module.load_state_dict(state["module"], strict=False)
     optimizer.load_state_dict(state["optimizer"])
