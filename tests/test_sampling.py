@@ -312,3 +312,73 @@ def test_many_rows_choose_as_each_row_alone():
     together = choose_tokens(logits, [BranchSampler(p) for p in settings])
     alone = [choose_tokens(logits[i : i + 1], [BranchSampler(p)])[0] for i, p in enumerate(settings)]
     assert together == alone
+
+
+# ---------------------------------------------------------------------- ties and the top-k candidates
+def test_a_tie_at_the_kth_logit_keeps_every_tied_token_as_transformers_does():
+    """top_k=2 over [1, 0, 0, 0, -5...]: transformers keeps token 0 and the three tied at 0. The draw
+    among a row's own top-k candidates kept two (0.73 / 0.27, tokens 2 and 3 never drawn), while the
+    distribution speculation verifies against (`probabilities`) kept four."""
+    from multidecode.sampling import probabilities
+
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, 0], logits[0, 1:4] = 1.0, 0.0
+    params = SamplingParams(do_sample=True, top_k=2, seed=0)
+    expected = TopKLogitsWarper(2)(None, logits.clone()).softmax(-1)[0]
+    torch.testing.assert_close(probabilities(logits, [BranchSampler(params)])[0], expected)
+    sampler, draws = BranchSampler(params), 4000
+    counts = np.bincount([choose_tokens(logits, [sampler])[0] for _ in range(draws)], minlength=VOCAB)
+    assert set(np.flatnonzero(counts)) == {0, 1, 2, 3}
+    share = expected[:4].double().numpy()
+    assert chisquare(counts[:4], share / share.sum() * draws).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_top_k_row_draws_alike_whatever_top_k_its_neighbours_use(dtype):
+    """A seeded top-k row among rows of another k: its candidates were the neighbours' k_max best,
+    in an order of ties that depended on k_max, so a bfloat16 row (whose 40th and 41st logits tie
+    often) drew another token in about a quarter of 300 steps beside k = 41 or 100."""
+    logits = (torch.randn(300, 49152, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
+    mine = SamplingParams(do_sample=True, top_k=40, top_p=0.9, seed=5)
+    alone_sampler = BranchSampler(mine)
+    alone = [choose_tokens(row[None], [alone_sampler])[0] for row in logits]
+    for other in (41, 100, 5000, None):
+        samplers = [BranchSampler(mine), BranchSampler(SamplingParams(do_sample=True, top_k=other, seed=9))]
+        beside = [choose_tokens(torch.stack([row, row]), samplers)[0] for row in logits]
+        assert beside == alone, other
+
+
+def test_top_k_candidates_and_the_vocabulary_give_one_distribution():
+    """A top-k row's draw (over its own candidates) is the distribution `probabilities` gives, and
+    transformers' warpers give over the whole vocabulary, ties at the top-k edge included. Of tokens
+    tied at the top-p edge, which ones top-p drops is the sort's choice (transformers' unstable
+    sort of the vocabulary, ours of the candidates: 22 of these 64 rows differ so): the same
+    probabilities, on tokens of equal logits."""
+    from multidecode.sampling import draws, probabilities
+
+    logits = (torch.randn(64, 49152, generator=torch.Generator().manual_seed(1)) * 2.5).bfloat16().float()
+    params = [SamplingParams(do_sample=True, temperature=0.8, top_k=40, top_p=0.9, seed=i) for i in range(64)]
+    samplers = [BranchSampler(p) for p in params]
+    ours = probabilities(logits, samplers)
+    for i, draw in draws(logits, samplers, range(64)).items():
+        assert torch.equal(draw.over(49152), ours[i])
+        theirs = transformers_processors(params[i])(None, logits[i : i + 1].clone()).softmax(-1)[0]
+        torch.testing.assert_close(ours[i].sort().values, theirs.sort().values)  # the same shares
+        differ = (theirs > 0) != (ours[i] > 0)
+        kept = logits[i][theirs > 0]
+        assert all(bool((kept == logits[i, t]).any()) for t in differ.nonzero().flatten()), i  # only among ties
+
+
+def test_top_p_compares_as_transformers_does_at_the_last_ulp():
+    """1 - float32(0.9) is an ulp above float32(1 - 0.9): a token whose share is 0.10000001639 was
+    dropped here and kept by transformers."""
+    row = torch.tensor([[0.0, 2.1972243785858154]])
+    ours = warp_probs(row, SamplingParams(do_sample=True, top_p=0.9, seed=0))
+    torch.testing.assert_close(ours, TopPLogitsWarper(0.9)(None, row.clone()).softmax(-1)[0])
+    assert float(ours[0]) > 0
+
+
+def warp_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    from multidecode.sampling import probabilities
+
+    return probabilities(row, [BranchSampler(params)])[0]

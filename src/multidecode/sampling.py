@@ -15,7 +15,9 @@ The processors run in this order, each on the output of the one before:
    (not its prompt);
 3. logit bias: logits[j] += logit_bias[j] (OpenAI's `logit_bias`, a bias in [-100, 100] per token);
 4. when sampling, temperature, top-k, top-p and min-p, as transformers' `generate`, each keeping at
-   least one token.
+   least one token (top-k keeps every token tied with the k-th; of tokens tied exactly at the
+   top-p edge, which ones top-p drops is the sort's choice, in transformers as here: the shares
+   kept are the same).
 
 Steps 1 to 3 apply to greedy branches too: they take the arg-max after them, as `generate` does
 after its repetition penalty. Each step reads only the row's own history, so speculation applies
@@ -258,10 +260,12 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches top_p. top_p [n, 1]."""
+    """Keep the smallest set of most likely tokens whose probability reaches top_p. top_p [n, 1]:
+    in float64 (`warp` gives it so), 1 - top_p is rounded to the logits' dtype once, as transformers
+    compares with its Python float (1 - float32(0.9) is an ulp above float32(1 - 0.9))."""
     sorted_logits, sorted_index = torch.sort(logits, descending=False)  # [n, V]
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted = cumulative <= (1 - top_p).to(cumulative.dtype)
     remove_sorted[..., -1:] = False  # always keep the most likely token
     remove = remove_sorted.scatter(1, sorted_index, remove_sorted)
     return logits.masked_fill(remove, -float("inf"))
@@ -277,7 +281,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 CANDIDATE_LIMIT = 4096
-"""Rows that all use top-k at most this large are warped and drawn among their top-k only."""
+"""A row with a top-k at most this large is warped and drawn among its own top-k only."""
 SAMPLING_ROWS = 256
 """`choose_tokens` processes at most this many rows at once (its float copies stay small)."""
 
@@ -315,17 +319,24 @@ def penalize(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.T
 
 
 def warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p, one setting per row, for sampled rows. [n, m] -> [n, m]
+    """Temperature, top-k, top-p and min-p, one setting per row, for sampled rows. [n, V] -> [n, V]"""
+    return _cut(_tempered(scores, params), params)
 
-    m may be the whole vocabulary or each row's top candidates sorted by score: tokens outside a
-    row's top-k have probability zero either way, so both give the same distribution.
-    """
+
+def _tempered(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     if any(p.temperature != 1.0 for p in params):
         scores = apply_temperature(scores, _column([p.temperature for p in params], scores))
+    return scores
+
+
+def _cut(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Top-k, top-p and min-p of tempered scores. [n, m] -> [n, m]: m the whole vocabulary, or one
+    row's candidates (`draws`), for which top-k keeps them all."""
     if any(p.top_k for p in params):
         scores = apply_top_k(scores, torch.tensor([p.top_k or 0 for p in params], device=scores.device))
     if any(p.top_p is not None and p.top_p < 1 for p in params):
-        scores = apply_top_p(scores, _column([1.0 if p.top_p is None else p.top_p for p in params], scores))
+        top_p = torch.tensor([1.0 if p.top_p is None else p.top_p for p in params], dtype=torch.float64)
+        scores = apply_top_p(scores, top_p.to(scores.device)[:, None])
     if any(p.min_p for p in params):
         scores = apply_min_p(scores, _column([p.min_p or 0.0 for p in params], scores))
     return scores
@@ -347,19 +358,102 @@ def process_logits(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> t
     return out
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One row's distribution: ids [C] (ascending token ids; None: the whole vocabulary) and probs
+    [C] (float32, on the CPU)."""
+
+    ids: torch.Tensor | None
+    probs: torch.Tensor
+
+    def sample(self, generator: torch.Generator | None) -> int:
+        drawn = int(torch.multinomial(self.probs, 1, generator=generator))
+        return drawn if self.ids is None else int(self.ids[drawn])
+
+    def over(self, vocab: int) -> torch.Tensor:
+        """The distribution over the whole vocabulary. [vocab]"""
+        if self.ids is None:
+            return self.probs
+        return torch.zeros(vocab, dtype=self.probs.dtype).index_copy_(0, self.ids, self.probs)
+
+
+def draws(scores: torch.Tensor, samplers: Sequence[BranchSampler], rows: Sequence[int]) -> dict[int, Draw]:
+    """What each of `rows` draws from: scores [n, V] float32 (`constrain`'s) -> {row: Draw}.
+
+    A row with a top-k of at most CANDIDATE_LIMIT is warped over its own candidates only: every
+    token whose tempered score reaches its k-th best (those tied with it too, as transformers'
+    top-k keeps them), in id order, so that top-p sorts k scores, not the vocabulary. The set and
+    its order depend on the row alone (its k-th best score is the same whatever the neighbours'
+    k), and so does the width it is warped at (a softmax over another length may round
+    otherwise): rows are warped together only with rows of the same width. Other rows are warped
+    together over the vocabulary, each row's result its own.
+    """
+    out: dict[int, Draw] = {}
+    short = [i for i in rows if samplers[i].params.top_k and samplers[i].params.top_k <= CANDIDATE_LIMIT]
+    if short:
+        picked = scores if short == list(range(scores.shape[0])) else scores[short]
+        out.update(_candidate_draws(picked, short, [samplers[i].params for i in short]))
+    full = [i for i in rows if i not in out]
+    if full:
+        probs = warp(scores[full], [samplers[i].params for i in full]).softmax(dim=-1).cpu()  # [n_full, V]
+        out.update((i, Draw(None, probs[row])) for row, i in enumerate(full))
+    return out
+
+
+def _candidate_draws(scores: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams]) -> dict[int, Draw]:
+    """`draws` for top-k rows: scores [s, V] -> {row: Draw over its candidates}.
+
+    The rows' k_max + 1 best scores are tempered (the same division, element by element, as the
+    whole row's); a row whose (k_max + 1)-th still reaches its k-th best has ties past them, and
+    takes its candidates from its whole row instead."""
+    vocab = scores.shape[-1]
+    ks = torch.tensor([min(p.top_k, vocab) for p in params], device=scores.device)
+    width = min(int(ks.max()) + 1, vocab)
+    raw, index = torch.topk(scores, width, dim=-1)  # [s, width] best first
+    values = _tempered(raw, params)
+    kth = values.gather(1, (ks - 1)[:, None])  # [s, 1]: the row's k-th best, whatever k_max
+    inside = (values >= kth) & (values > -float("inf"))  # [s, width] (a grammar's -inf tokens have no chance)
+    ids, order = torch.where(inside, index, vocab).sort(dim=-1)  # [s, width]: ascending ids, then `vocab`s
+    values = values.gather(1, order).masked_fill(ids == vocab, -float("inf"))  # in the order of ids
+    counts, past = inside.sum(dim=-1).tolist(), (inside[:, -1] & (width < vocab)).tolist()
+    own: list[tuple[torch.Tensor, torch.Tensor]] = []  # each row's (ids [C] ascending, tempered scores [C])
+    for row, (count, tied_past) in enumerate(zip(counts, past)):
+        if count and not tied_past:
+            own.append((ids[row, :count], values[row, :count]))
+            continue
+        whole = _tempered(scores[row][None], [params[row]])[0]  # [V]
+        keep = (whole >= kth[row]) & (whole > -float("inf")) if count else torch.ones_like(whole, dtype=torch.bool)
+        own.append((keep.nonzero().flatten(), whole[keep]))
+    groups: dict[int, list[int]] = {}
+    for row, (row_ids, _) in enumerate(own):
+        groups.setdefault(max(16, 1 << (len(row_ids) - 1).bit_length()), []).append(row)
+    out: dict[int, Draw] = {}
+    for size, group in groups.items():  # [g, size]: each row's candidates, padded with -inf
+        picked = torch.stack([torch.nn.functional.pad(own[r][1], (0, size - len(own[r][1])), value=-float("inf"))
+                              for r in group])
+        probs = _cut(picked, [params[r] for r in group]).softmax(dim=-1).cpu()
+        for j, row in enumerate(group):
+            out[rows[row]] = Draw(own[row][0].cpu(), probs[j, : len(own[row][0])])
+    return out
+
+
 def probabilities(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> torch.Tensor:
-    """The distribution each sampled row draws from: processors, then softmax. logits [n, V] ->
-    [n, V] float32 on the CPU (the same distribution `choose_tokens` draws from)."""
-    return process_logits(logits.float(), samplers).softmax(dim=-1).cpu()
+    """The distribution each row draws from: processors, then softmax. logits [n, V] -> [n, V]
+    float32 on the CPU; a sampled row's is exactly the one `choose_tokens` draws from (`draws`)."""
+    scores = constrain(logits.float(), samplers)
+    probs = scores.softmax(dim=-1).cpu()
+    for i, draw in draws(scores, samplers, [i for i, s in enumerate(samplers) if s.params.do_sample]).items():
+        probs[i] = draw.over(scores.shape[-1])
+    return probs
 
 
 def choose_tokens(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> list[int]:
     """Pick one token per row: arg-max for greedy rows, a draw from the row's generator otherwise.
 
     logits [n, V] (any float dtype; processed in float32). A row with top-k is warped and drawn
-    among its own top-k candidates only (sorted, so top-p needs no sort of the vocabulary); a row
-    without, over the whole vocabulary. Which way a row goes, and its draw, depend on that row
-    alone, so a seeded branch gives the same tokens whatever runs beside it. Draws happen on the
+    among its own top-k candidates only (`draws`); a row without, over the whole vocabulary. Which
+    way a row goes, and its draw, depend on that row alone, so a seeded branch gives the same
+    tokens whatever runs beside it. Draws happen on the
     CPU, so a seed gives the same random stream on every device (the logits themselves may differ
     slightly between devices).
     """
@@ -372,19 +466,8 @@ def choose_tokens(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> li
     for i in ended:  # the eos alone is allowed: it comes whatever the logits say (a model's -inf eos too)
         chosen[i] = samplers[i].grammar.compiled.eos_id
     sampled = [i for i, s in enumerate(samplers) if s.params.do_sample and i not in ended]
-    short = [i for i in sampled if samplers[i].params.top_k and samplers[i].params.top_k <= CANDIDATE_LIMIT]
-    full = [i for i in sampled if i not in short]
-    if short:
-        k_max = min(max(samplers[i].params.top_k for i in short), scores.shape[-1])
-        values, candidates = torch.topk(scores[short], k_max, dim=-1)  # [n_short, k_max], best first
-        probs = warp(values, [samplers[i].params for i in short]).softmax(dim=-1).cpu()
-        for row, i in enumerate(short):
-            own = probs[row, : samplers[i].params.top_k]  # this row's own top-k, nothing more
-            chosen[i] = int(candidates[row, int(torch.multinomial(own, 1, generator=samplers[i].generator))])
-    if full:
-        probs = warp(scores[full], [samplers[i].params for i in full]).softmax(dim=-1).cpu()  # [n_full, V]
-        for row, i in enumerate(full):
-            chosen[i] = int(torch.multinomial(probs[row], 1, generator=samplers[i].generator))
+    for i, draw in draws(scores, samplers, sampled).items():
+        chosen[i] = draw.sample(samplers[i].generator)
     for token, sampler in zip(chosen, samplers):
         sampler.observe(token)
     return chosen
