@@ -367,6 +367,19 @@ def test_embedded_model_matches_generate(embedded, settings):
         assert len({len(b.token_ids) for b in run.beams}) > 1
 
 
+@pytest.mark.embedded
+@pytest.mark.xdist_group("embedded")
+def test_equal_scores_rank_as_generate_ranks_them(embedded):
+    """The 4-bit model gives two finished hypotheses exactly equal scores on this prompt: they rank
+    as generate's merge ranks them (one topk over the kept and the new), so the best beam is its
+    best beam (a sort of the finished list kept the older first, and returned another best)."""
+    run = beam_module.search(embedded.scheduler(), embedded.tokenizer, "Say hi in one word.", num_beams=3,
+                             max_new_tokens=12, length_penalty=1.0, early_stopping=False, num_return_sequences=3)
+    scores = [b.score for b in run.beams]
+    assert len(set(scores)) < len(scores)  # the tie this case is about
+    assert_same(run, _generate(embedded.model, run.prompt_ids, 3, 12, 1.0, False, 3, sorted(embedded.eos_ids)))
+
+
 # ---------------------------------------------------------------------- the benchmark
 @pytest.mark.xdist_group("llama")
 def test_benchmark_on_a_tiny_model(tmp_path):

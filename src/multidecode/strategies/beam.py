@@ -17,7 +17,9 @@ rule, so its sequences and scores equal what `generate` returns for the same mod
 - a candidate *hits* when its token is an eos id or the sequence reaches max_length
   (prompt + max_new_tokens). Hits among the first B candidates become finished hypotheses with
   score = (sum of log-probs) / (generated length, eos included) ** length_penalty; hits ranked
-  B or later are dropped. The best B finished hypotheses are kept;
+  B or later are dropped. The best B finished hypotheses are kept, merged as `generate` merges
+  them every step (the kept B, then this step's K, ranked by one topk: equal scores, which a
+  quantized model gives, rank alike);
 - the next running beams are the first B candidates that did not hit, with their raw scores;
 - the search stops at max_length, or once B hypotheses are finished and `early_stopping` is True,
   or (False / "never") when the best running beam can no longer beat the worst finished one by
@@ -122,7 +124,9 @@ class BeamWork(Work):
         # node here, and the -1e9 scores keep every first-step candidate on the first copy.
         self.scores = torch.full((num_beams,), -1e9, dtype=torch.float32)  # [B] each beam's summed log-prob
         self.scores[0] = 0.0
-        self.finished: list[_Hypothesis] = []
+        # transformers' finished beams: B slots scored -1e9 until hypotheses fill them
+        self.finished: list[_Hypothesis | None] = [None] * num_beams
+        self.finished_scores = torch.full((num_beams,), -1e9, dtype=torch.float32)  # [B], best first
         self.cur_len, self.steps = self.P, 0
         self.parents: list[int] = []
         self.next_tokens: list[int] = []
@@ -158,10 +162,7 @@ class BeamWork(Work):
         at_max = self.cur_len + 1 >= self.max_length
         hits = [at_max or t in self.eos for t in tokens]
 
-        penalized = finished_scores(top_scores, self.cur_len + 1 - P, self.length_penalty)
-        new = [_Hypothesis(penalized[j], self.leaves[sources[j]], tokens[j]) for j in range(B) if hits[j]]
-        if new:
-            self.finished = sorted(self.finished + new, key=lambda h: -float(h.score))[:B]
+        self._merge_finished(top_scores, sources, tokens, hits)
         self.cur_len += 1
         if at_max:
             self.done = True
@@ -172,7 +173,7 @@ class BeamWork(Work):
         self.scores = top_scores[keep]
         self.parents = [self.leaves[sources[j]] for j in keep]
         self.next_tokens = [tokens[j] for j in keep]
-        if len(self.finished) == B:
+        if None not in self.finished:
             if self.early_stopping is True or B == 1:
                 self.done = True
                 return Settled()
@@ -180,11 +181,25 @@ class BeamWork(Work):
                 best_length = self.max_length - P
             else:
                 best_length = self.cur_len - P
-            if not bool(self.scores[0] / (best_length ** self.length_penalty) > self.finished[-1].score):
+            if not bool(self.scores[0] / (best_length ** self.length_penalty) > self.finished_scores[-1]):
                 self.done = True
                 return Settled()
         # a beam left behind: its slots may be dead
         return Settled(dead=not set(self.leaves) <= set(self.parents))
+
+    def _merge_finished(self, top_scores: torch.Tensor, sources: list[int], tokens: list[int], hits: list[bool]) -> None:
+        """This step's hits among the first B candidates join the finished beams, as transformers'
+        `_update_finished_beams` merges them: [kept B, K candidates (length-penalized; -1e9 added
+        to those that did not finish)] ranked by one topk of B."""
+        B, K = self.B, len(tokens)
+        penalized = finished_scores(top_scores, self.cur_len + 1 - self.P, self.length_penalty)  # [K]
+        finishing = [j < B and hits[j] for j in range(K)]
+        candidates = penalized + torch.tensor([not f for f in finishing], dtype=torch.float32) * -1.0e9
+        merged = torch.cat((self.finished_scores, candidates))[None]  # [1, B + K]
+        keep = torch.topk(merged, k=B)[1][0].tolist()
+        slots = self.finished + [_Hypothesis(penalized[j], self.leaves[sources[j]], tokens[j]) if finishing[j] else None
+                                 for j in range(K)]
+        self.finished, self.finished_scores = [slots[i] for i in keep], merged[0, keep]
 
     def live(self) -> list[int]:
         return sorted(set(self.parents))
@@ -193,7 +208,7 @@ class BeamWork(Work):
         """The best `count` finished hypotheses, best first (read from the forest, so before the
         work's slots are freed: its nodes stay in the tree as history)."""
         return [_beam(i, h, engine, self.start, self.prompt, self.eos, tokenizer)
-                for i, h in enumerate(self.finished[:count])]
+                for i, h in enumerate([h for h in self.finished if h is not None][:count])]
 
 
 def run_beam_search(
