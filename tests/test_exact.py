@@ -278,6 +278,63 @@ def test_decode_puts_a_users_model_on_the_exact_kernels_and_back():
         assert decode(model, prefix + branch, [[]], max_new_tokens=12, eos_token_id=[])[0] == ids
 
 
+def test_overlapping_streams_keep_the_exact_kernels_until_the_last_one_ends():
+    """A stream closed while another still decodes on the same model put the model back under
+    it: the second finished on the model's own sdpa, silently off the exact kernels."""
+    from multidecode.api import stream_decode
+
+    model = copy.deepcopy(tiny_model("llama", "sdpa"))
+    prefix, branches = [1, 50, 60, 70, 80], [[90, 91], [100]]
+    first = stream_decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[])
+    second = stream_decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[])
+    next(first), next(second)
+    first.close()
+    assert exact.is_exact(model) and model.config._attn_implementation == exact.NAME
+    assert len(list(second)) == 2 * 8 - 1
+    assert not exact.is_exact(model) and model.config._attn_implementation == "sdpa"  # the last one out
+
+
+def test_threads_decoding_with_one_model_get_its_answers():
+    """Threads calling `decode` on one model swapped its kernels in and out under each other: most
+    calls failed ('cannot take a tree-shaped 4D mask', 'do not go through transformers' attention
+    interface') and a few returned other tokens."""
+    import threading
+
+    model = copy.deepcopy(tiny_model("llama", "sdpa"))
+    prefix, branches = [1, 50, 60, 70, 80], [[90, 91], [100], [110, 120, 130]]
+    expected = decode(model, prefix, branches, max_new_tokens=12, eos_token_id=[])
+    results: list = []
+
+    def work() -> None:
+        for _ in range(4):
+            try:
+                results.append(decode(model, prefix, branches, max_new_tokens=12, eos_token_id=[]))
+            except Exception as err:  # noqa: BLE001 (what a thread raised is the finding)
+                results.append(err)
+
+    workers = [threading.Thread(target=work) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert results == [expected] * 16
+    assert not exact.is_exact(model) and model.config._attn_implementation == "sdpa"
+
+
+def test_stream_decode_takes_decodes_sampling_settings():
+    """`stream_decode` without `sampling=` raised a TypeError from inside ('admit() missing ...
+    sampling'), and with do_sample= another."""
+    from multidecode.api import stream_decode
+
+    model = tiny_model("llama", "sdpa")
+    prefix, branches = [1, 50, 60], [[70], [80, 90]]
+    for settings in ({}, {"do_sample": True, "seed": 3, "top_k": 5}):
+        events = list(stream_decode(model, prefix, branches, max_new_tokens=4, eos_token_id=[], **settings))
+        streamed = [[e.token_id for e in events if e.branch == b] for b in range(2)]
+        assert streamed == decode(model, prefix, branches, max_new_tokens=4, eos_token_id=[],
+                                  **{"do_sample": False} | settings)
+
+
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_the_portable_kernels_are_exact_too(monkeypatch, precision):
     """Where no compiler built the kernels, packed models run on the same definitions in torch:

@@ -28,12 +28,13 @@ from .constraints import Constraint, constraint_of
 from .cost import CostCurve, LearnedCurve
 from .engine import Engine
 from .errors import InvalidArgument, UnsupportedModel
-from .exact import Swapped, is_exact, use_exact_kernels
+from .exact import hold_exact_kernels, is_exact
 from .memory import Footprint, activation_dtype, available_bytes
 from .models.loading import Loaded, load_model
 from .models.packed import packed_bytes
 from .models.vetting import check_supported
 from .sampling import per_branch_sampling
+from .sampling_keys import SAMPLING_KEYS
 from .scheduler import CompactionPolicy, Scheduler, new_scheduler
 from .speculation import (
     LEARNED,
@@ -320,25 +321,32 @@ def stream_decode(
     attention are swapped for them while the events come, and put back when the stream ends or
     is closed; a model that cannot run on them is refused (`NotBitExact`) before any token.
     False: the model's own kernels, exact to the token in float32, not the bit. An `engine=`
-    given in the settings runs on the kernels the model had when it was built."""
-    check_supported(model)  # refused as it is, before anything is swapped
+    given in the settings runs on the kernels the model had when it was built. The sampling
+    settings are `decode`'s (greedy where none is given), or `sampling=`, a `SamplingParams` per
+    branch."""
+    if "sampling" not in settings:
+        asked = {key: settings.pop(key) for key in SAMPLING_KEYS if key in settings}
+        settings["sampling"] = per_branch_sampling(len(branch_ids), asked)
     given_engine = settings.get("engine") is not None  # an engine built earlier keeps the kernels it found
-    change = use_exact_kernels(model) if exact and not given_engine and not is_exact(model) else None
+    release = hold_exact_kernels(model) if exact and not given_engine else None  # it checks the model first
+    if release is None:
+        check_supported(model)
     try:
         run = start_forest(model, prefix_ids, branch_ids, **settings)
     except BaseException:
-        if change is not None:
-            change.restore(model)
+        if release is not None:
+            release()
         raise
-    return run.events if change is None else _restoring(run.events, change, model)
+    return run.events if release is None else _releasing(run.events, release)
 
 
-def _restoring(events: Iterator[TokenEvent], change: Swapped, model) -> Iterator[TokenEvent]:
-    """`events`, then the model put back as it was (also when the caller stops early)."""
+def _releasing(events: Iterator[TokenEvent], release: Callable[[], None]) -> Iterator[TokenEvent]:
+    """`events`, then the stream's hold on the exact kernels released (also when the caller stops
+    early): the model is put back once no other stream or thread holds them."""
     try:
         yield from events
     finally:
-        change.restore(model)
+        release()
 
 
 def decode(

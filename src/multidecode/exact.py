@@ -39,6 +39,9 @@ slots are its positions.
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -481,15 +484,49 @@ def use_exact_kernels(model) -> Swapped:
 @contextmanager
 def exact_kernels(model):
     """`model` on the exact kernels for the length of a `with` block, as it was afterwards (a model
-    already on them stays as it is)."""
-    if is_exact(model):
-        yield model
-        return
-    change = use_exact_kernels(model)
+    already on them stays as it is; see `hold_exact_kernels` for several users at once)."""
+    release = hold_exact_kernels(model)
     try:
         yield model
     finally:
-        change.restore(model)
+        release()
+
+
+@dataclass
+class _Hold:
+    change: Swapped | None  # None: the model was on the exact kernels before its first user came
+    users: int = 0
+
+
+_HOLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Hold, while it has users
+_HOLDS_LOCK = threading.Lock()
+
+
+def hold_exact_kernels(model) -> Callable[[], None]:
+    """Put `model` on the exact kernels for one user, and return that user's release. Users may
+    overlap (streams on one model, threads decoding with one model): the first swaps the kernels
+    in, the last release puts the model back as the first found it, and none sees it half
+    swapped or put back while it decodes."""
+    with _HOLDS_LOCK:
+        hold = _HOLDS.get(model)
+        if hold is None:
+            hold = _Hold(None if is_exact(model) else use_exact_kernels(model))
+            _HOLDS[model] = hold
+        hold.users += 1
+    released = threading.Event()
+
+    def release() -> None:
+        if released.is_set():
+            return
+        released.set()
+        with _HOLDS_LOCK:
+            hold.users -= 1
+            if hold.users == 0:
+                del _HOLDS[model]
+                if hold.change is not None:
+                    hold.change.restore(model)
+
+    return release
 
 
 def _check_every_product_is_exact(model) -> None:
