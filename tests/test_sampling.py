@@ -382,3 +382,26 @@ def warp_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     from multidecode.sampling import probabilities
 
     return probabilities(row, [BranchSampler(params)])[0]
+
+
+# ---------------------------------------------------------------------- seeds at the edge of their range
+def test_a_seed_too_large_for_the_last_branch_names_the_seed_given():
+    """seed=2**64 - 1 with two branches said 'got 18446744073709551616', a seed nobody passed."""
+    from multidecode.sampling import per_branch_sampling
+
+    with pytest.raises(InvalidArgument, match=r"seed 18446744073709551615 gives the last of 2 branches the seed "
+                                              r"18446744073709551615 \+ 1"):
+        per_branch_sampling(2, {"seed": 2**64 - 1})
+    assert [p.seed for p in per_branch_sampling(2, {"seed": 2**64 - 2})] == [2**64 - 2, 2**64 - 1]
+
+
+def test_draft_streams_take_every_seed_and_are_no_other_branchs_stream():
+    """A proposer's stream was seeded seed + 7919: an overflow for seeds near 2**64, and the very
+    stream of the branch seeded seed + 7919 (complete(n > 7919) with speculation)."""
+    from multidecode.proposers.drafting import draft_generator
+
+    assert draft_generator(SamplingParams(do_sample=True, seed=2**64 - 1)) is not None
+    draft = torch.rand(4, generator=draft_generator(SamplingParams(do_sample=True, seed=5)))
+    for neighbour in (5, 6, 5 + 7919):
+        assert not torch.equal(draft, torch.rand(4, generator=BranchSampler(
+            SamplingParams(do_sample=True, seed=neighbour)).generator))

@@ -168,6 +168,9 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
         elif key == "seed" and value is not None:
             if not is_int(value):
                 raise InvalidArgument(f"seed must be an integer, got {value!r}")
+            if 0 <= value < SEED_LIMIT <= value + n - 1:  # the seed itself is fine; the last branch's is not
+                raise InvalidArgument(f"seed {value} gives the last of {n} branches the seed {value} + {n - 1}, past "
+                                      "2**64 - 1 (branch i is seeded seed + i)", f"use a seed of at most 2**64 - {n}")
             columns[key] = [value + i for i in range(n)]
         else:
             columns[key] = [value] * n

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams, warp
+from ..sampling import SEED_LIMIT, SamplingParams, warp
 from .base import DraftTree
 
 
@@ -58,14 +58,20 @@ def add_candidates(tree: DraftTree, parent: int, q: torch.Tensor, count: int, ge
     return out
 
 
+DRAFT_SEED_MULTIPLIER = 0x9E3779B97F4A7C15
+"""Odd, so seed -> seed * it + 1 (mod 2**64) is one to one: every branch seed gets its own draft
+seed, every one of them valid, and no branch seed s's draft stream is the main stream of a
+nearby seed (an offset, s + c, made the draft stream of s the main stream of s + c)."""
+
+
 def draft_generator(sampling: SamplingParams) -> torch.Generator | None:
     """The random stream a proposer draws a sampled branch's candidates from: seeded from the
-    branch's seed (offset, so it is not the branch's own stream), else fresh; None for greedy."""
+    branch's seed (mixed, so it is not the branch's own stream), else fresh; None for greedy."""
     if not sampling.do_sample:
         return None
     generator = torch.Generator()
     if sampling.seed is not None:
-        generator.manual_seed(sampling.seed + 7919)
+        generator.manual_seed((sampling.seed * DRAFT_SEED_MULTIPLIER + 1) % SEED_LIMIT)
     else:
         generator.seed()
     return generator
