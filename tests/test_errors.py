@@ -15,6 +15,7 @@ import torch
 import transformers as tf
 from click.testing import CliRunner
 from local_models import tiny_tokenizer
+from tiny_models import reference_generate
 
 import multidecode
 import multidecode.models.converted
@@ -254,8 +255,37 @@ def test_library_errors_name_the_problem():
         decoder.ask("routers and cables " * 100, ["why?"])
     with pytest.raises(multidecode.InvalidInput, match="unknown sampling"):
         decoder.ask("text", ["why?"], temprature=0.5)
+    with pytest.raises(multidecode.PromptTooLong, match="more than the model's 64"):  # not NotEnoughMemory
+        decoder.generate("text", max_new_tokens=10**12)
+    with pytest.raises(multidecode.PromptTooLong, match="more than the model's 64"):
+        decoder.complete("text", n=2, max_new_tokens=10**12)
     with torch.no_grad():
         assert decoder.ask("text", ["why?"], max_new_tokens=2)[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("how", ["one", "branches", "beam", "speculating"])
+def test_a_prompt_and_its_new_tokens_may_fill_the_model_to_its_last_position(how):
+    """The last new token is never fed: P + max_new_tokens - 1 positions suffice, as transformers'
+    `generate` has them (it was refused one token early, with a hint of 'lower max_new_tokens to
+    0'). GPT-2's learned positions fail past the last, so this also shows none is fed past it."""
+    from multidecode.exact import exact_kernels
+    from multidecode.strategies.beam import run_beam_search
+
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=400, n_positions=32, n_embd=16, n_layer=1, n_head=2)).eval()
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8] * 2  # 24 tokens: 9 new ones reach position 31, the last
+    if how == "one":
+        got = multidecode.decode(model, prompt, [[]], max_new_tokens=9, eos_token_id=[])[0]
+    elif how == "branches":
+        got = multidecode.decode(model, prompt[:22], [prompt[22:], prompt[22:]], max_new_tokens=9, eos_token_id=[])[1]
+    elif how == "beam":
+        got = run_beam_search(model, prompt, num_beams=1, max_new_tokens=9, eos_token_id=[]).beams[0].token_ids
+    else:
+        got = multidecode.decode(model, prompt, [[]], max_new_tokens=9, eos_token_id=[], speculate="lookup")[0]
+    with exact_kernels(model):
+        assert got == reference_generate(model, prompt, max_new_tokens=9)
+    with pytest.raises(multidecode.PromptTooLong, match="lower max_new_tokens to 9"):
+        multidecode.decode(model, prompt, [[]], max_new_tokens=10, eos_token_id=[])
 
 
 def _tiny_llama(vocab_size: int = 64):

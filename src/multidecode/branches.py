@@ -186,7 +186,9 @@ def _preview(value) -> str:
 
 
 def check_fits(engine: Engine, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
-    """Refuse prompts that, with their new tokens, need more positions than the model has."""
+    """Refuse prompts that, with their new tokens, need more positions than the model has. The
+    last new token is never fed (nor a draft past it), so a prompt of P tokens takes
+    P + max_new_tokens - 1 positions, as with transformers' `generate`."""
     limit = engine.max_positions
     if limit is None:
         return
@@ -196,11 +198,11 @@ def check_fits(engine: Engine, prompt_lengths: Sequence[int], max_new_tokens: in
             f"the prompt is {longest} tokens long but the model takes at most {limit} positions",
             "shorten the document (or prompt), or split it into chunks",
         )
-    if longest + max_new_tokens > limit:
+    if longest + max_new_tokens - 1 > limit:
         raise PromptTooLong(
-            f"the prompt is {longest} tokens and max_new_tokens is {max_new_tokens}, "
-            f"more than the model's {limit} positions",
-            f"lower max_new_tokens to {limit - longest} or shorten the document (or prompt)",
+            f"the prompt is {longest} tokens and max_new_tokens is {max_new_tokens}: {longest + max_new_tokens - 1} "
+            f"positions, more than the model's {limit}",
+            f"lower max_new_tokens to {limit - longest + 1} or shorten the document (or prompt)",
         )
 
 

@@ -14,7 +14,17 @@ import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..branches import Branch, BranchRun, DecodeStats, TokenEvent, check_memory, memory_need, start_prompts, token_ids
+from ..branches import (
+    Branch,
+    BranchRun,
+    DecodeStats,
+    TokenEvent,
+    check_fits,
+    check_memory,
+    memory_need,
+    start_prompts,
+    token_ids,
+)
 from ..branches import start as start_branches
 from ..engine import Engine
 from ..errors import InvalidInput, check_positive
@@ -172,6 +182,7 @@ def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: in
     ids = prompt_ids(tokenizer, prompt, chat=chat)
     params = per_branch_sampling(n, sampled_settings(sampling) if sample else sampling)
     engine = scheduler.engine
+    check_fits(engine, [len(ids)], max_new_tokens)  # before the memory it would take: the fix differs
     spec = build_speculation(speculate, engine.dtype, exact=engine.exact)
     settings = {"max_new_tokens": max_new_tokens, "tokenizer": tokenizer, "stop": stop, "eos_token_id": eos_token_id,
                 "speculate": spec, "constraint": constraint}
