@@ -263,6 +263,32 @@ def test_library_errors_name_the_problem():
         assert decoder.ask("text", ["why?"], max_new_tokens=2)[0].finish_reason in ("stop", "length")
 
 
+def test_questions_and_prompts_may_come_as_any_sequence_or_iterable():
+    """A generator or a `map` of questions was consumed by the check and then 'there are no
+    prompts'; a NumPy array of questions or ids, or a 2-d tensor of ids, raised its truth-value
+    error; a generator of prompts, 'object of type generator has no len()'."""
+    import numpy as np
+
+    config = tf.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    decoder = multidecode.MultiDecoder(tf.LlamaForCausalLM(config).eval(), tiny_tokenizer())
+    questions = ["why?", "who?"]
+    expected = [a.text for a in decoder.ask("text", questions, max_new_tokens=3)]
+    for given in ((q for q in questions), map(str.strip, questions), np.array(questions), tuple(questions)):
+        assert [a.text for a in decoder.ask("text", given, max_new_tokens=3)] == expected, type(given)
+
+    def decoded(prompts) -> list[list[int]]:
+        run = decoder.start(prompts, max_new_tokens=3, eos_token_id=[])
+        out = [[], []]
+        for event in run.events:
+            out[event.branch].append(event.token_id)
+        return out
+
+    ids = [[5, 6, 7], [8, 9, 10]]
+    for given in (np.array(ids), torch.tensor(ids), (row for row in ids)):
+        assert decoded(given) == decoded(ids), type(given)
+
+
 @pytest.mark.parametrize("how", ["one", "branches", "beam", "speculating"])
 def test_a_prompt_and_its_new_tokens_may_fill_the_model_to_its_last_position(how):
     """The last new token is never fed: P + max_new_tokens - 1 positions suffice, as transformers'

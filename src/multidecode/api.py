@@ -27,7 +27,7 @@ from .compiled import compile_forward
 from .constraints import Constraint, constraint_of
 from .cost import CostCurve, LearnedCurve
 from .engine import Engine
-from .errors import InvalidArgument, UnsupportedModel
+from .errors import InvalidArgument, UnsupportedModel, as_list
 from .exact import hold_exact_kernels, is_exact
 from .memory import Footprint, activation_dtype, available_bytes
 from .models.loading import Loaded, load_model
@@ -152,6 +152,7 @@ class MultiDecoder:
 
         eos_token_id: the ids that end a branch (default: the model's; [] never stops early).
         """
+        prompts = as_list(prompts)
         return start_prompts(self.scheduler(), prompts, max_new_tokens=max_new_tokens,
                              sampling=per_branch_sampling(len(prompts), sampling), tokenizer=self.tokenizer,
                              stop=stop, eos_token_id=eos_token_id, speculate=self.speculation(speculate),

@@ -32,7 +32,7 @@ import torch
 from .constraints import FORCED, FORCED_LIMIT, Compiled, GrammarState, allowed_nodes, compile_for_branches, per_branch
 from .cost import AcceptanceTracker
 from .engine import Engine, FeedResult
-from .errors import InvalidArgument, InvalidInput, PromptTooLong, check_positive, is_int
+from .errors import InvalidArgument, InvalidInput, PromptTooLong, as_list, check_positive, is_int
 from .forest import ROOT, local_parent
 from .memory import ENVIRONMENT, Need, budget_bytes, check_budget, most_branches
 from .prompts import share_prefix
@@ -744,6 +744,7 @@ def admit(
 def start_prompts(scheduler: Scheduler, prompts: Sequence[Sequence[int]], **settings) -> BranchRun:
     """`start` for whole prompts: their longest common run of ids is the shared prefix, so
     branch i's path is exactly `prompts[i]`. Settings as for `start`."""
+    prompts = as_list(prompts)
     if not prompts:
         raise InvalidInput("there are no prompts to decode", "pass at least one prompt")
     vocab_size = scheduler.engine.vocab_size

@@ -69,6 +69,21 @@ def is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
+def as_list(items):
+    """A list of questions or prompts as a list, read once: a generator or a `map` is not consumed
+    by a check before its use, and a NumPy array or a tensor is not asked its truth value (a 2-d
+    array of ids becomes one list per row). Text, and what is not iterable, comes back as it is,
+    for the caller's own refusal."""
+    if isinstance(items, (str, bytes)):
+        return items
+    if hasattr(items, "tolist") and hasattr(items, "dtype"):  # a NumPy array or a torch tensor
+        return items.tolist()
+    try:
+        return list(items)
+    except TypeError:
+        return items
+
+
 def check_positive(name: str, value) -> None:
     """Refuse anything but a positive integer for the setting `name`."""
     if not is_int(value) or value < 1:

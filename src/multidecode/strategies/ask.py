@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..branches import BranchRun, TokenEvent, start_prompts
+from ..errors import as_list
 from ..prompts import check_document, check_questions, question_message, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
 from ..scheduler import Scheduler
@@ -34,6 +35,7 @@ class Answer:
 
 def question_prompts(tokenizer, document: str, questions: Sequence[str], *, instruction: str | None = None) -> list[list[int]]:
     """The whole prompt ids each question would be asked with alone."""
+    questions = as_list(questions)
     check_document(document)
     check_questions(questions)
     kwargs = {} if instruction is None else {"instruction": instruction}
@@ -68,4 +70,5 @@ def answers_of(questions: Sequence[str], branches, prompts: Sequence[list[int]],
 
 
 def ask(scheduler: Scheduler, tokenizer, document: str, questions: Sequence[str], **settings) -> list[Answer]:
+    questions = as_list(questions)  # read once: the prompts and the answers both name them
     return answers(start(scheduler, tokenizer, document, questions, **settings).finish(), questions)
