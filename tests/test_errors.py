@@ -263,6 +263,23 @@ def test_library_errors_name_the_problem():
         assert decoder.ask("text", ["why?"], max_new_tokens=2)[0].finish_reason in ("stop", "length")
 
 
+def test_what_is_not_a_model_is_named_as_such():
+    """MultiDecoder(tokenizer, model), decode(None, ...) and decode(tokenizer, ...) were
+    AttributeErrors from inside ('TokenizersBackend has no attribute config'); two precisions at
+    once (load(precision=, dtype=)) were resolved silently for one of them."""
+    config = tf.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1)
+    model, tokenizer = tf.LlamaForCausalLM(config).eval(), tiny_tokenizer()
+    with pytest.raises(multidecode.InvalidArgument, match="got TokenizersBackend.*model first, then its tokenizer"):
+        multidecode.MultiDecoder(tokenizer, model)
+    with pytest.raises(multidecode.InvalidArgument, match="must be a transformers causal LM.*got None"):
+        multidecode.decode(None, [1], [[2]], max_new_tokens=2)
+    with pytest.raises(multidecode.InvalidArgument, match="got TokenizersBackend"):
+        multidecode.decode(tokenizer, [1], [[2]], max_new_tokens=2)
+    with pytest.raises(multidecode.InvalidArgument, match="ask for two precisions"):
+        multidecode.load("unused", precision="float32", dtype="bfloat16")
+
+
 def test_questions_and_prompts_may_come_as_any_sequence_or_iterable():
     """A generator or a `map` of questions was consumed by the check and then 'there are no
     prompts'; a NumPy array of questions or ids, or a 2-d tensor of ids, raised its truth-value

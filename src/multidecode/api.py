@@ -286,6 +286,9 @@ def load(model: str | None = None, *, precision: str | None = None, dtype=None, 
     if compile and not exact:
         raise InvalidArgument("compile=True needs exact=True (the compiled step runs on the exact kernels)",
                               "drop compile=True, or keep exact=True")
+    if precision is not None and dtype is not None and str(precision) != str(dtype).removeprefix("torch."):
+        raise InvalidArgument(f"precision={precision!r} and dtype={dtype!r} ask for two precisions",
+                              "give precision= alone (dtype is its older name)")
     loaded = load_model(model, precision_name=precision or dtype, device=device, exact=exact)
     if compile:
         compile_forward(loaded.model)

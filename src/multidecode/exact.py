@@ -50,7 +50,7 @@ from torch import nn
 
 from . import kernels
 from .errors import NotBitExact
-from .models.vetting import check_supported
+from .models.vetting import check_is_model, check_supported
 
 NAME = "multidecode_exact"
 PROBE = "multidecode_exact_probe"
@@ -507,6 +507,7 @@ def hold_exact_kernels(model) -> Callable[[], None]:
     overlap (streams on one model, threads decoding with one model): the first swaps the kernels
     in, the last release puts the model back as the first found it, and none sees it half
     swapped or put back while it decodes."""
+    check_is_model(model)
     with _HOLDS_LOCK:
         hold = _HOLDS.get(model)
         if hold is None:

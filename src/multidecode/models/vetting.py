@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..errors import UnsupportedModel
+from ..errors import InvalidArgument, UnsupportedModel
 from ..masks import FULL, SLIDING, MaskLayout
 
 SUPPORTED_ATTENTION = ("eager", "sdpa", "multidecode_sdpa", "multidecode_exact")
@@ -42,8 +42,20 @@ def text_config(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def check_is_model(model) -> None:
+    """Refuse what is not a model at all (None, a tokenizer given in its place) by name, before
+    anything reads its config."""
+    if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
+        what = "None" if model is None else type(model).__name__
+        hint = ("pass the model first, then its tokenizer: MultiDecoder(model, tokenizer)"
+                if hasattr(model, "encode") or hasattr(model, "convert_tokens_to_ids") else
+                "load one with multidecode.load(...) or transformers' AutoModelForCausalLM.from_pretrained(...)")
+        raise InvalidArgument(f"the model must be a transformers causal LM (a PreTrainedModel), got {what}", hint)
+
+
 def check_supported(model) -> None:
     """Raise `UnsupportedModel` unless `model` can be decoded as a forest exactly."""
+    check_is_model(model)
     config = model.config
     name = getattr(config, "model_type", type(model).__name__)
     if getattr(config, "is_encoder_decoder", False):
