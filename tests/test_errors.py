@@ -99,6 +99,14 @@ def test_prompt_plus_new_tokens_past_the_model_positions(model_dir, tmp_path):
     assert_clean_error(result, "lower max_new_tokens")
 
 
+def test_a_negative_temperature_on_the_command_line_speaks_of_the_option(doc):
+    """Its hint said 'do_sample=False; on the command line, --temperature 0': Python's words to a
+    command-line user."""
+    result = run("ask", "--document", doc, "-q", "why?", "--temperature", "-1")
+    assert_clean_error(result, "--temperature must be 0 (greedy) or more, got -1")
+    assert "do_sample" not in result.output + result.stderr
+
+
 def test_missing_model_path(doc, tmp_path):
     assert_clean_error(run("ask", "--model", tmp_path / "nope", "--document", doc, "-q", "why?"), "does not exist")
 

@@ -163,6 +163,7 @@ def test_sampled_tokens_stay_inside_the_kept_set():
     [
         dict(temperature=0.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1),
         dict(repetition_penalty=0.0),
+        dict(temperature=1e-40), dict(temperature=float("inf")),  # passed, then torch's 'probability tensor contains inf'
     ],
 )
 def test_bad_sampling_params_raise(kwargs):
@@ -405,3 +406,11 @@ def test_draft_streams_take_every_seed_and_are_no_other_branchs_stream():
     for neighbour in (5, 6, 5 + 7919):
         assert not torch.equal(draft, torch.rand(4, generator=BranchSampler(
             SamplingParams(do_sample=True, seed=neighbour)).generator))
+
+
+def test_the_tiniest_temperature_taken_still_draws():
+    from multidecode.sampling import TINIEST_TEMPERATURE
+
+    logits = random_logits(9) * 3000  # logits of size 1e4 at most
+    sampler = BranchSampler(SamplingParams(do_sample=True, temperature=TINIEST_TEMPERATURE, seed=1))
+    assert choose_tokens(logits[:1], [sampler]) == [int(logits[0].argmax())]

@@ -47,6 +47,9 @@ MAX_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
 SEED_LIMIT = 2**64
 """Seeds lie in [0, SEED_LIMIT): a branch's draws come from a generator seeded with it."""
+TINIEST_TEMPERATURE = 1e-30
+"""The smallest temperature taken: logits (at most about 1e4 in size) divided by it stay finite in
+float32 (below float32's smallest normal number, 1.2e-38, they reach infinity and the draw fails)."""
 MAX_BIAS = 100.0
 """A logit bias lies in [-MAX_BIAS, MAX_BIAS] (OpenAI's range): +100 all but forces a token, -100 bans it."""
 
@@ -82,7 +85,11 @@ class SamplingParams:
                                   "branch i uses seed + i, which must stay in that range too")
         if not self.temperature > 0:
             raise InvalidArgument(f"temperature must be > 0, got {self.temperature}",
-                                  "for greedy decoding leave it out (do_sample=False; on the command line, --temperature 0)")
+                                  "for greedy decoding leave it out (do_sample=False)")
+        if not TINIEST_TEMPERATURE <= self.temperature < math.inf:  # logits / it overflow float32: no distribution
+            raise InvalidArgument(f"temperature {self.temperature} is outside what float32 logits can be divided by",
+                                  f"use a temperature from {TINIEST_TEMPERATURE:g} to a finite number, or greedy "
+                                  "decoding (do_sample=False) for the arg-max")
         if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
             raise InvalidArgument(f"top_k must be a positive integer, got {self.top_k!r}", "leave it unset to disable it")
         if self.top_p is not None and not 0 < self.top_p <= 1:

@@ -156,7 +156,7 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
     if show_stats:
         print_stats(run.stats.as_dict())
     stderr.print(
-        f"[dim]{counted(len(questions), 'answer')}, {generated} tokens in {elapsed:.1f} s "
+        f"[dim]{counted(len(questions), 'answer')}, {counted(generated, 'token')} in {elapsed:.1f} s "
         f"({generated / elapsed:.1f} tokens/s), one shared pass[/dim]"
     )
 
@@ -242,7 +242,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
         print_stats(run.stats.as_dict())
     waves = len(run.runs) if isinstance(run, Waves) else 1
     how = "one prefill" if waves == 1 else f"in {waves} waves of up to {run.size} (all at once would not fit in memory)"
-    stderr.print(f"[dim]{counted(n, 'completion')}, {generated} tokens in {elapsed:.1f} s "
+    stderr.print(f"[dim]{counted(n, 'completion')}, {counted(generated, 'token')} in {elapsed:.1f} s "
                  f"({generated / elapsed:.1f} tokens/s), {how}[/dim]")
 
 
