@@ -1,6 +1,6 @@
-"""`multidecode cache list|clear`: what the cache folder holds (the float32 copies of GGUF models,
-conversions under way, cost curves, the compiled kernels), and removing converted copies to free
-the disk."""
+"""`multidecode cache list|clear`: what the cache folder holds (GGUF models read once into the
+kernels' layout or converted to float32, conversions under way, cost curves, the compiled
+kernels), and removing those copies to free the disk."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from .common import counted, report_errors, stderr, stdout
 
 @click.group()
 def cache() -> None:
-    """List or clear the cache folder: the float32 copies of GGUF models (the embedded one and any
-    .gguf file loaded), measured cost curves and the compiled kernels. $MULTIDECODE_CACHE sets where
-    it is."""
+    """List or clear the cache folder: the copies of GGUF models (the embedded one and any .gguf
+    file loaded; their packed weights in the kernels' layout, or float32), measured cost curves and
+    the compiled kernels. $MULTIDECODE_CACHE sets where it is."""
 
 
 @cache.command("list")
