@@ -243,7 +243,7 @@ def test_a_missing_document_file(model_dir, tmp_path):
 
 def test_bad_sampling_settings(model_dir, doc):
     assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--temperature", -1),
-                       "temperature must be > 0")  # (0 is greedy on the command line, as on the server)
+                       "--temperature must be 0 (greedy) or more")  # (0 is greedy here, as on the server)
     assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--top-p", 1.5),
                        "top_p must be in (0, 1]")
 
@@ -286,6 +286,8 @@ def test_what_is_not_a_model_is_named_as_such():
         multidecode.decode(tokenizer, [1], [[2]], max_new_tokens=2)
     with pytest.raises(multidecode.InvalidArgument, match="ask for two precisions"):
         multidecode.load("unused", precision="float32", dtype="bfloat16")
+    with pytest.raises(multidecode.ModelNotFound):  # two spellings of one precision: on to the (missing) model
+        multidecode.load("/nonexistent/model", precision="bf16", dtype=torch.bfloat16)
 
 
 def test_questions_and_prompts_may_come_as_any_sequence_or_iterable():

@@ -294,6 +294,24 @@ def test_overlapping_streams_keep_the_exact_kernels_until_the_last_one_ends():
     assert not exact.is_exact(model) and model.config._attn_implementation == "sdpa"  # the last one out
 
 
+def test_a_stream_closed_or_dropped_before_its_first_event_puts_the_model_back():
+    """A generator never started runs no `finally`: a stream closed or dropped before its first
+    event kept the model on the exact kernels for good."""
+    import gc
+
+    from multidecode.api import stream_decode
+
+    model = copy.deepcopy(tiny_model("llama", "sdpa"))
+    stream = stream_decode(model, [1, 50, 60], [[70], [80]], max_new_tokens=4, eos_token_id=[])
+    assert exact.is_exact(model)
+    stream.close()
+    assert not exact.is_exact(model) and model.config._attn_implementation == "sdpa"
+    stream = stream_decode(model, [1, 50, 60], [[70], [80]], max_new_tokens=4, eos_token_id=[])
+    del stream
+    gc.collect()
+    assert not exact.is_exact(model) and model.config._attn_implementation == "sdpa"
+
+
 def test_threads_decoding_with_one_model_get_its_answers():
     """Threads calling `decode` on one model swapped its kernels in and out under each other: most
     calls failed ('cannot take a tree-shaped 4D mask', 'do not go through transformers' attention

@@ -361,6 +361,7 @@ def test_a_kernels_build_under_way_is_left_alone(cache):
         assert entry["state"] == "2 builds, 1 building now"
         result = cli("clear", "--yes", "kernels")
         assert result.exit_code == 0 and "skipped kernels: another process is building them" in result.output
+        assert "Freed 10 B" in result.output  # the build that was not compiling went
         assert not (kernels / ("a" * 16)).exists() and (kernels / ("b" * 16) / "multidecode_kernels.so").exists()
     assert cli("clear", "--yes", "kernels").exit_code == 0 and not kernels.exists()  # once it is done
 

@@ -402,10 +402,13 @@ def test_draft_streams_take_every_seed_and_are_no_other_branchs_stream():
     from multidecode.proposers.drafting import draft_generator
 
     assert draft_generator(SamplingParams(do_sample=True, seed=2**64 - 1)) is not None
-    draft = torch.rand(4, generator=draft_generator(SamplingParams(do_sample=True, seed=5)))
-    for neighbour in (5, 6, 5 + 7919):
+    for seed in (0, 5):  # seed * m + 1 gave seed 0 the stream of branch 1
+        draft = torch.rand(4, generator=draft_generator(SamplingParams(do_sample=True, seed=seed)))
+        for neighbour in range(seed, seed + 8):
+            assert not torch.equal(draft, torch.rand(4, generator=BranchSampler(
+                SamplingParams(do_sample=True, seed=neighbour)).generator))
         assert not torch.equal(draft, torch.rand(4, generator=BranchSampler(
-            SamplingParams(do_sample=True, seed=neighbour)).generator))
+            SamplingParams(do_sample=True, seed=seed + 7919)).generator))
 
 
 def test_the_tiniest_temperature_taken_still_draws():

@@ -32,6 +32,7 @@ from .exact import hold_exact_kernels, is_exact
 from .memory import Footprint, activation_dtype, available_bytes
 from .models.loading import Loaded, load_model
 from .models.packed import packed_bytes
+from .models.precision import parse as parse_precision
 from .models.vetting import check_supported
 from .sampling import per_branch_sampling
 from .sampling_keys import SAMPLING_KEYS
@@ -286,7 +287,7 @@ def load(model: str | None = None, *, precision: str | None = None, dtype=None, 
     if compile and not exact:
         raise InvalidArgument("compile=True needs exact=True (the compiled step runs on the exact kernels)",
                               "drop compile=True, or keep exact=True")
-    if precision is not None and dtype is not None and str(precision) != str(dtype).removeprefix("torch."):
+    if precision is not None and dtype is not None and parse_precision(precision) != parse_precision(dtype):
         raise InvalidArgument(f"precision={precision!r} and dtype={dtype!r} ask for two precisions",
                               "give precision= alone (dtype is its older name)")
     loaded = load_model(model, precision_name=precision or dtype, device=device, exact=exact)
@@ -341,16 +342,32 @@ def stream_decode(
         if release is not None:
             release()
         raise
-    return run.events if release is None else _releasing(run.events, release)
+    return run.events if release is None else _Releasing(run.events, release)
 
 
-def _releasing(events: Iterator[TokenEvent], release: Callable[[], None]) -> Iterator[TokenEvent]:
-    """`events`, then the stream's hold on the exact kernels released (also when the caller stops
-    early): the model is put back once no other stream or thread holds them."""
-    try:
-        yield from events
-    finally:
-        release()
+class _Releasing(Iterator[TokenEvent]):
+    """`events`, then the stream's hold on the exact kernels released: when they end or raise,
+    when the stream is closed or dropped, started or not (a generator never started runs no
+    `finally`). The model is put back once no other stream or thread holds them."""
+
+    def __init__(self, events: Iterator[TokenEvent], release: Callable[[], None]) -> None:
+        self._events, self._release = events, release
+
+    def __next__(self) -> TokenEvent:
+        try:
+            return next(self._events)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            getattr(self._events, "close", lambda: None)()
+        finally:
+            self._release()
+
+    def __del__(self) -> None:
+        self._release()
 
 
 def decode(

@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -360,8 +360,11 @@ def clear_cache(entries) -> tuple[list[CacheEntry], list[CacheEntry]]:
                         continue
                     _remove(entry.path)
             elif entry.kind == "kernels":
-                if not _clear_kernels(entry.path):
-                    busy.append(entry)
+                gone, kept = _clear_kernels(entry.path)
+                if kept:  # what went is reported as removed, the build still compiling as busy
+                    busy.append(replace(entry, bytes=entry.bytes - gone, state=f"{kept} building"))
+                    if gone:
+                        removed.append(replace(entry, bytes=gone, state="the builds not compiling"))
                     continue
             else:
                 _remove(entry.path)
@@ -372,18 +375,21 @@ def clear_cache(entries) -> tuple[list[CacheEntry], list[CacheEntry]]:
     return removed, busy
 
 
-def _clear_kernels(folder: Path) -> bool:
-    """Remove the kernels' builds in `folder`, each under its build lock, and the folder once empty;
-    whether all went (a build another process is compiling now stays)."""
-    whole = True
+def _clear_kernels(folder: Path) -> tuple[int, int]:
+    """Remove the kernels' builds in `folder`, each under its build lock, and the folder once empty.
+    Returns (the bytes removed, how many builds stay: another process is compiling them now)."""
+    gone, kept = 0, 0
     for build in [p for p in folder.iterdir() if p.is_dir()]:
         with _exclusive(build / BUILD_LOCK, wait=False) as held:
             if held:
+                size = _disk_bytes(build)
                 _remove(build)
-            whole = whole and held
-    if whole:
+                gone += size
+            else:
+                kept += 1
+    if not kept:
         _remove(folder)
-    return whole
+    return gone, kept
 
 
 def _entry(path: Path) -> CacheEntry:

@@ -58,10 +58,15 @@ def add_candidates(tree: DraftTree, parent: int, q: torch.Tensor, count: int, ge
     return out
 
 
-DRAFT_SEED_MULTIPLIER = 0x9E3779B97F4A7C15
-"""Odd, so seed -> seed * it + 1 (mod 2**64) is one to one: every branch seed gets its own draft
-seed, every one of them valid, and no branch seed s's draft stream is the main stream of a
-nearby seed (an offset, s + c, made the draft stream of s the main stream of s + c)."""
+def draft_seed(seed: int) -> int:
+    """The seed of a branch's draft stream: splitmix64's mix of the branch's seed, one to one over
+    [0, 2**64), so every branch seed has its own valid draft seed, with no small offset between
+    them (an offset c made the draft stream of s the main stream of s + c, and s = 0 would meet
+    branch 1 under seed * m + 1)."""
+    z = (seed + 0x9E3779B97F4A7C15) % SEED_LIMIT
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % SEED_LIMIT
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % SEED_LIMIT
+    return z ^ (z >> 31)
 
 
 def draft_generator(sampling: SamplingParams) -> torch.Generator | None:
@@ -71,7 +76,7 @@ def draft_generator(sampling: SamplingParams) -> torch.Generator | None:
         return None
     generator = torch.Generator()
     if sampling.seed is not None:
-        generator.manual_seed((sampling.seed * DRAFT_SEED_MULTIPLIER + 1) % SEED_LIMIT)
+        generator.manual_seed(draft_seed(sampling.seed))
     else:
         generator.seed()
     return generator
