@@ -19,6 +19,7 @@ with or without speculation.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
@@ -367,7 +368,8 @@ class _Releasing(Iterator[TokenEvent]):
             self._release()
 
     def __del__(self) -> None:
-        self._release()
+        with contextlib.suppress(Exception):  # at interpreter exit the lock or the model may be gone
+            self._release()
 
 
 def decode(
