@@ -333,7 +333,7 @@ def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
     elif case == "zero max tokens":
         args, needle = args + ["--max-new-tokens", 0], "max_new_tokens must be a positive integer"
     elif case == "bad temperature":
-        args, needle = args + ["--temperature", -0.5], "temperature must be > 0"  # (0 is greedy)
+        args, needle = args + ["--temperature", -0.5], "--temperature must be 0 (greedy) or more"
     elif case == "empty job question":
         args, needle = args + ["-q", "  "], "question 1 is empty"
     elif case == "not a batch output":

@@ -30,7 +30,7 @@ from ..engine import Engine
 from ..errors import InvalidInput, check_positive
 from ..memory import budget_bytes, most_branches
 from ..prompts import has_chat_template, render_prompt, tokenize_prompt
-from ..sampling import SamplingParams, per_branch_sampling
+from ..sampling import SamplingParams, check_vocabulary, per_branch_sampling
 from ..scheduler import Scheduler
 from ..speculation import Speculation, build_speculation
 
@@ -182,7 +182,8 @@ def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: in
     ids = prompt_ids(tokenizer, prompt, chat=chat)
     params = per_branch_sampling(n, sampled_settings(sampling) if sample else sampling)
     engine = scheduler.engine
-    check_fits(engine, [len(ids)], max_new_tokens)  # before the memory it would take: the fix differs
+    check_vocabulary(params, engine.vocab_size)  # the checks of `branches.start`, in its order,
+    check_fits(engine, [len(ids)], max_new_tokens)  # before the memory the waves would take
     spec = build_speculation(speculate, engine.dtype, exact=engine.exact)
     settings = {"max_new_tokens": max_new_tokens, "tokenizer": tokenizer, "stop": stop, "eos_token_id": eos_token_id,
                 "speculate": spec, "constraint": constraint}
