@@ -314,6 +314,12 @@ def test_questions_and_prompts_may_come_as_any_sequence_or_iterable():
     ids = [[5, 6, 7], [8, 9, 10]]
     for given in (np.array(ids), torch.tensor(ids), (row for row in ids)):
         assert decoded(given) == decoded(ids), type(given)
+    config.max_position_embeddings = 512  # margins' prompts are longer
+    decoder = multidecode.MultiDecoder(tf.LlamaForCausalLM(config).eval(), tiny_tokenizer())
+    chunks = ["The router drops.", "The cable was cut."]  # margins' chunks, given as a list or not
+    expected = repr(decoder.margins(chunks, "why?", max_new_tokens=2))
+    for given in ((c for c in chunks), np.array(chunks)):
+        assert repr(decoder.margins(given, "why?", max_new_tokens=2)) == expected, type(given)
 
 
 @pytest.mark.parametrize("how", ["one", "branches", "beam", "speculating"])

@@ -33,7 +33,7 @@ import torch
 
 from ..branches import BranchRun, TokenEvent, check_fits, prompt_feed, start_prompts, token_ids
 from ..engine import FeedResult
-from ..errors import InvalidArgument, InvalidInput, check_positive
+from ..errors import InvalidArgument, InvalidInput, as_list, check_positive
 from ..prompts import check_document, check_text, render_prompt, share_prefix, tokenize_prompt
 from ..sampling import per_branch_sampling
 from ..scheduler import Feed, Scheduler, Settled, Work, new_scheduler
@@ -277,6 +277,7 @@ def make_chunks(tokenizer, document: str | Sequence[str], chunk_tokens: int) -> 
     """(document, chunks) from a document (split) or a list of chunk strings (used as given)."""
     if isinstance(document, str):
         return document, split_document(tokenizer, document, chunk_tokens)
+    document = as_list(document)  # a generator or an array of chunks, read once
     if document is None or not isinstance(document, Sequence):
         raise InvalidInput(f"the document must be text or a list of chunks, got {type(document).__name__}")
     return chunks_from_list(tokenizer, document)
