@@ -462,7 +462,8 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
     chat = isinstance(body, ChatBody)
     _check_echo(body)
     _check_branches(len(body.questions) if body.questions is not None else body.n, max_branches)
-    prompts = _prompts(body, tokenizer, vocab_size, chat=chat, max_branches=max_branches)
+    tool = tool_choice(body)
+    prompts = _prompts(body, tokenizer, vocab_size, chat=chat, max_branches=max_branches, tool=tool)
     max_tokens = _max_tokens(body, prompts, max_positions, chat=chat)
     if chat:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -472,7 +473,6 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
     prompts = prompts[:1] if beams else prompts
     if logprobs is not None:
         token_bytes_reader(tokenizer)  # built here, off the event loop, which reads tokens' bytes from it
-    tool = tool_choice(body)
     if tool is not None and body.response_format and body.response_format.get("type", "text") != "text":
         raise BadRequest("response_format and a tool call cannot both shape the reply: give one of them",
                          "response_format")
@@ -686,8 +686,10 @@ def _check_tool_choice_shape(choice) -> None:
                      '("auto", the model choosing between text and a call, is not offered)', "tool_choice")
 
 
-def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branches: int | None) -> list[list[int]]:
-    """Whole prompt ids, one per branch: a prompt per question, or n copies of each prompt."""
+def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branches: int | None,
+             tool: ToolChoice | None) -> list[list[int]]:
+    """Whole prompt ids, one per branch: a prompt per question, or n copies of each prompt. tool:
+    the call the reply must be (`tool_choice`), whose tools the chat template then shows."""
     if body.questions is not None:
         if body.n != 1:
             raise BadRequest("n must be 1 with questions: each question is one choice", "n")
@@ -705,7 +707,7 @@ def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branche
         if not body.messages:
             raise BadRequest("messages must not be empty", "messages")
         messages = _chat_messages(tokenizer, body.messages)
-        tools = body.tools if tool_choice(body) is not None else None
+        tools = body.tools if tool is not None else None
         return [_chat_prompt(tokenizer, messages, tools)] * body.n
     texts = _text_prompts(tokenizer, body, vocab_size)
     _check_branches(len(texts) * body.n, max_branches)
