@@ -414,15 +414,13 @@ def decode(
     model's `tokenizer` (a Hugging Face fast tokenizer) to compile it for; output then equals
     the plain loop that masks each step's logits by the grammar.
     """
-    sampling = per_branch_sampling(
-        len(branch_ids), dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed)
-    )
+    sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed)
     out: list[list[int]] = [[] for _ in branch_ids]
-    for event in stream_decode(model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                               eos_token_id=eos_token_id, speculate=speculate, cost=cost, exact=exact,
-                               tokenizer=tokenizer, constraint=constraint):
+    for event in stream_decode(model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                               speculate=speculate, cost=cost, exact=exact, tokenizer=tokenizer, constraint=constraint,
+                               **sampling):
         out[event.branch].append(event.token_id)
     return out
 

@@ -514,13 +514,14 @@ def hold_exact_kernels(model) -> Callable[[], None]:
             hold = _Hold(None if is_exact(model) else use_exact_kernels(model))
             _HOLDS[model] = hold
         hold.users += 1
-    released = threading.Event()
+    released = False
 
     def release() -> None:
-        if released.is_set():
-            return
-        released.set()
+        nonlocal released
         with _HOLDS_LOCK:
+            if released:  # a user's release counts once (a stream closed, then collected)
+                return
+            released = True
             hold.users -= 1
             if hold.users == 0:
                 del _HOLDS[model]

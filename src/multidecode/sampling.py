@@ -451,8 +451,14 @@ def probabilities(logits: torch.Tensor, samplers: Sequence[BranchSampler]) -> to
     """The distribution each row draws from: processors, then softmax. logits [n, V] -> [n, V]
     float32 on the CPU; a sampled row's is exactly the one `choose_tokens` draws from (`draws`)."""
     scores = constrain(logits.float(), samplers)
-    probs = scores.softmax(dim=-1).cpu()
-    for i, draw in draws(scores, samplers, [i for i, s in enumerate(samplers) if s.params.do_sample]).items():
+    sampled = [i for i, s in enumerate(samplers) if s.params.do_sample]
+    if not sampled:
+        return scores.softmax(dim=-1).cpu()
+    probs = torch.empty(scores.shape, dtype=torch.float32)  # [n, V] on the CPU
+    plain = [i for i, s in enumerate(samplers) if not s.params.do_sample]
+    if plain:
+        probs[plain] = scores[plain].softmax(dim=-1).cpu()
+    for i, draw in draws(scores, samplers, sampled).items():
         probs[i] = draw.over(scores.shape[-1])
     return probs
 

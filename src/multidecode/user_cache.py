@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -16,3 +17,15 @@ def cache_dir() -> Path:
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "multidecode"
     return Path.home() / ".cache" / "multidecode"
+
+
+def unwritable(folder: Path) -> OSError | None:
+    """Why `folder` cannot be made or written (made here if missing), or None: tried, not read from
+    permission bits (root passes every `os.access` check, even on a read-only bind mount's
+    folders)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=folder, prefix=".multidecode-").close()
+    except OSError as err:
+        return err
+    return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from rich.markup import escape
 
 from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
 from ..sampling_keys import SAMPLING_SWITCHES
+from ..user_cache import unwritable
 
 if TYPE_CHECKING:
     from ..speculation import SpeculationSettings, Spelling
@@ -360,12 +360,9 @@ def check_writable_folder(path: str | os.PathLike, option: str) -> None:
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise InvalidArgument(f"{option} {path} is a file, not a folder", "name a folder")
-    try:  # tried, not read from permission bits (root passes every `os.access` check, even in /proc)
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.NamedTemporaryFile(dir=folder, prefix=".multidecode-").close()
-    except OSError as err:
-        raise InvalidInput(f"cannot write {option} {path}: {err.strerror or err}",
-                           "name a folder you can write to") from None
+    err = unwritable(folder)
+    if err is not None:
+        raise InvalidInput(f"cannot write {option} {path}: {err.strerror or err}", "name a folder you can write to")
 
 
 def counted(n: int, noun: str, nouns: str | None = None) -> str:

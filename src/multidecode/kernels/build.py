@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..user_cache import cache_dir
+from ..user_cache import cache_dir, unwritable
 
 NAME = "multidecode_kernels"
 SOURCES = ("ops.cpp", "kernels_portable.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp", "kernels_avx512vnni.cpp")
@@ -105,11 +105,8 @@ def _build(path: Path, progress: Callable[[str], None] | None) -> Built:
     from filelock import FileLock
     from torch.utils.cpp_extension import load as build_extension
 
-    try:  # a cache folder that is a file, or on a read-only file system: no build, the portable path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(path.parent, os.W_OK):
-            raise PermissionError(f"{path.parent} is not writable")
-    except OSError as err:
+    err = unwritable(path.parent)  # a cache folder that is a file, or read-only: no build, the portable path
+    if err is not None:
         return Built(None, f"the kernels cannot be built in {path.parent} ({err}); set MULTIDECODE_CACHE to a "
                            "folder you can write to")
     with FileLock(str(path.parent / BUILD_LOCK)):
