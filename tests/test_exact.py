@@ -17,8 +17,9 @@ import itertools
 
 import pytest
 import torch
+import transformers as tf
 from forests import PRECISIONS, THREADS, differing, exact_model, threads
-from tiny_models import MAIN_ARCHITECTURES, reference_generate, tiny_model
+from tiny_models import COMMON, MAIN_ARCHITECTURES, NO_EOS, ROPE, reference_generate, tiny_model
 
 from multidecode import exact, kernels
 from multidecode.api import decode
@@ -371,3 +372,25 @@ def test_float_weights_without_the_compiled_kernels_are_refused(monkeypatch):
         exact.use_exact_kernels(model)
     assert "exact=False" in refused.value.hint
     assert not exact.is_exact(model) and isinstance(model.lm_head, torch.nn.Linear)  # nothing changed
+
+
+@pytest.mark.parametrize("arch", ["stablelm", "nemotron"])
+def test_a_model_whose_layers_drop_the_forwards_keywords_is_refused_and_exact_without_the_kernels(arch):
+    """StableLM's and Nemotron's decoder layers (transformers 5.24) call attention without the
+    keywords given to the forward, so the forest's plan never reached `exact_attention`, which then
+    attended as one plain sequence: every branch wrong, silently. The probe now refuses them, and
+    exact=False (the forest as a mask) gives each branch its tokens alone."""
+    config_class, model_class = {"stablelm": (tf.StableLmConfig, tf.StableLmForCausalLM),
+                                 "nemotron": (tf.NemotronConfig, tf.NemotronForCausalLM)}[arch]
+    config = config_class(**COMMON, **ROPE)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(1234)
+    model = model_class(config).eval()
+    with pytest.raises(NotBitExact, match="keyword arguments") as refused:
+        decode(model, [1, 5, 6, 7], [[], [10, 11]], max_new_tokens=4, eos_token_id=[])
+    assert "exact=False" in refused.value.hint
+    assert not exact.is_exact(model)  # put back as it was
+    prefix, branches = [1, 5, 6, 7, 8, 9], [[], [10, 11], [12]]
+    together = decode(model, prefix, branches, max_new_tokens=6, eos_token_id=[], exact=False)
+    for branch, got in zip(branches, together):
+        assert got == reference_generate(model, prefix + branch, max_new_tokens=6, eos_token_id=[NO_EOS])

@@ -540,23 +540,39 @@ def _check_every_product_is_exact(model) -> None:
         raise NotBitExact(f"{', '.join(stray[:3])} {'is' if len(stray) == 1 else 'are'} multiplied by torch's own "
                                "kernels (not a linear layer), whose reduction order multidecode does not fix",
                                "load the model with exact=False (exact to the token, not the bit)")
-    calls = _attention_calls(model)
+    calls, told = _attention_calls(model)
     layers = getattr(model.config.get_text_config(), "num_hidden_layers", calls)
     if calls < layers:
         raise NotBitExact(f"{layers - calls} of the model's {layers} attention layers do not go through "
                                "transformers' attention interface, so they cannot take the exact kernel",
                                "load the model with exact=False (exact to the token, not the bit)")
+    if told < calls:
+        raise NotBitExact(f"{calls - told} of the model's {calls} attention calls do not receive the keyword "
+                          "arguments given to its forward (its decoder layers do not pass them on), so a forest's "
+                          "attention plan cannot reach them", "load the model with exact=False: exact to the token, not the "
+                          "bit (the forest then reaches attention as a mask)")
 
 
-def _attention_calls(model) -> int:
-    """How many attention calls one forward of `model` makes through the attention interface."""
+_PROBE_KWARG = "multidecode_probe"
+"""A keyword the probe forward is given, as the engine gives `forest_plan`: each attention call
+that receives it is reached by the engine's keywords (StableLM's and Nemotron's decoder layers
+in transformers 5.24 do not pass their keywords on; without this check their forests would
+attend as one plain sequence, silently wrong)."""
+
+
+def _attention_calls(model) -> tuple[int, int]:
+    """How many attention calls one forward of `model` makes through the attention interface, and
+    how many of them receive the keyword arguments given to the model's forward."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    calls = []
+    calls, told = [], []
+    marker = object()
 
     def counting(module, query, key, value, attention_mask, **kwargs):
         calls.append(module)
+        if kwargs.pop(_PROBE_KWARG, None) is marker:
+            told.append(module)
         return exact_attention(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(PROBE, counting)
@@ -566,10 +582,10 @@ def _attention_calls(model) -> int:
     try:
         device = next(model.parameters()).device
         with torch.inference_mode():
-            model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=False)
+            model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=False, **{_PROBE_KWARG: marker})
     finally:
         model.set_attn_implementation(before)
-    return len(calls)
+    return len(calls), len(told)
 
 
 def register() -> None:
