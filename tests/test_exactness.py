@@ -369,3 +369,33 @@ def test_mutant_engine_disagrees_with_reference(arch, attn, mutant, monkeypatch)
     MUTANTS[mutant](monkeypatch)
     out = multidecode.decode(model, PREFIX, BRANCHES, max_new_tokens=STEPS, eos_token_id=NO_EOS)
     assert out != expected
+
+
+def _longrope_phi3(switch: int):
+    """A tiny Phi-3 whose "longrope" rotary embedding switches to its long factors at `switch`."""
+    import transformers as tf
+    from tiny_models import COMMON, ROPE
+
+    config = tf.Phi3Config(**COMMON, **{**ROPE, "max_position_embeddings": 4 * switch},
+                           original_max_position_embeddings=switch,
+                           rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
+                                                long_factor=[4.0] * 8, original_max_position_embeddings=switch))
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(1234)
+    return tf.Phi3ForCausalLM(config).eval()
+
+
+def test_a_longrope_forest_stays_below_the_switch_and_is_exact_there():
+    """transformers turns a whole forward by longrope's long factors once its highest position id
+    reaches the switch: a long branch (or a branch's own drafts) would turn its neighbours too.
+    A forest keeps below the switch, where each branch equals its run alone, with drafts too,
+    and a run that would cross it is refused before any forward, saying why."""
+    model = _longrope_phi3(switch=24)
+    prefix, branches = _tokens(10), [[], _tokens(1), _tokens(8)]
+    for speculate in (None, "lookup"):
+        together = multidecode.decode(model, prefix, branches, max_new_tokens=6, eos_token_id=[], speculate=speculate)
+        for branch, got in zip(branches, together):
+            assert got == reference_generate(model, prefix + branch, max_new_tokens=6, eos_token_id=[NO_EOS])
+    with pytest.raises(multidecode.PromptTooLong, match="longrope") as refused:
+        multidecode.decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[])  # 18 + 8 - 1 = 25 positions
+    assert "max_new_tokens to 7" in refused.value.hint

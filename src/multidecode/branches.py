@@ -35,6 +35,7 @@ from .engine import Engine, FeedResult
 from .errors import InvalidArgument, InvalidInput, PromptTooLong, as_list, check_positive, is_int
 from .forest import ROOT, local_parent
 from .memory import ENVIRONMENT, Need, budget_bytes, check_budget, most_branches
+from .models.vetting import positions_note
 from .prompts import share_prefix
 from .proposers import UNDER_LEAF, BranchContext, DraftTree
 from .proposers.mixture import Mixture
@@ -192,16 +193,16 @@ def check_fits(engine: Engine, prompt_lengths: Sequence[int], max_new_tokens: in
     limit = engine.max_positions
     if limit is None:
         return
-    longest = max(prompt_lengths)
+    longest, note = max(prompt_lengths), positions_note(engine.model.config)
     if longest > limit:
         raise PromptTooLong(
-            f"the prompt is {longest} tokens long but the model takes at most {limit} positions",
+            f"the prompt is {longest} tokens long but the model takes at most {limit} positions{note}",
             "shorten the document (or prompt), or split it into chunks",
         )
     if longest + max_new_tokens - 1 > limit:
         raise PromptTooLong(
             f"the prompt is {longest} tokens and max_new_tokens is {max_new_tokens}: {longest + max_new_tokens - 1} "
-            f"positions, more than the model's {limit}",
+            f"positions, more than the model's {limit}{note}",
             f"lower max_new_tokens to {limit - longest + 1} or shorten the document (or prompt)",
         )
 

@@ -53,7 +53,7 @@ from .exact import ExactPlan, is_exact, plan_attention, plan_tensors
 from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
 from .masks import build_attention_mask
 from .memory import Footprint, Need
-from .models.vetting import cache_argument, check_supported, mask_layout, max_positions
+from .models.vetting import cache_argument, check_supported, mask_layout, max_positions, positions_note
 
 APART_MIN_MEAN_LENGTH = 64
 """Chains shorter than this on average are prefilled together (see `Engine.prefers_apart`)."""
@@ -520,7 +520,8 @@ class Engine:
         top = int(positions.max())
         if self.max_positions is not None and top >= self.max_positions:
             raise PromptTooLong(
-                f"position {top} is past the model's maximum of {self.max_positions} positions",
+                f"position {top} is past the model's maximum of {self.max_positions} positions"
+                f"{positions_note(self.model.config)}",
                 "shorten the document (or prompt) or lower max_new_tokens",
             )
         return positions

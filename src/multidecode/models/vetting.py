@@ -119,4 +119,36 @@ def cache_argument(model) -> str:
 
 
 def max_positions(config) -> int | None:
-    return getattr(text_config(config), "max_position_embeddings", None)
+    """How many positions a forest may use (0 .. limit - 1): the model's `max_position_embeddings`,
+    or fewer where its rotary embedding switches with a forward's highest position
+    (`rotary_switch`). None: no limit known."""
+    tconfig = text_config(config)
+    limit, switch = getattr(tconfig, "max_position_embeddings", None), rotary_switch(tconfig)
+    return switch if switch is not None and (limit is None or switch < limit) else limit
+
+
+def rotary_switch(config) -> int | None:
+    """Where a "longrope" rotary embedding (Phi-3 128k, Phi-3.5, Phi-4-mini) switches from its short
+    factors to its long ones, or None. transformers picks one set for a whole forward, by its
+    highest position id (the long one from `original_max_position_embeddings` on): in a forest a
+    long branch, or a branch's own drafts, would turn every other row of the forward by the long
+    factors, which none of them would get alone. Below the switch every row turns as it would
+    alone, so a forest stays there."""
+    config = text_config(config)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return None
+    per_type = not ("rope_type" in rope or "type" in rope)  # {layer type: parameters} in hybrid models
+    sets = [p for p in rope.values() if isinstance(p, dict)] if per_type else [rope]
+    switches = [p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+                for p in sets if (p.get("rope_type") or p.get("type")) == "longrope"]
+    return min((int(s) for s in switches if s), default=None)
+
+
+def positions_note(config) -> str:
+    """Why a forest's positions stop short of the model's own, in words ("" where they do not)."""
+    switch = rotary_switch(config)
+    if switch is None or switch >= (getattr(text_config(config), "max_position_embeddings", None) or switch + 1):
+        return ""
+    return (f" (its longrope rotary embedding switches to other factors at position {switch} for a whole forward "
+            "at once, which would turn every branch by the longest one's, so a forest stays below it)")
