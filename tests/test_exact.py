@@ -279,6 +279,44 @@ def test_decode_puts_a_users_model_on_the_exact_kernels_and_back():
         assert decode(model, prefix + branch, [[]], max_new_tokens=12, eos_token_id=[])[0] == ids
 
 
+def test_a_multidecoder_holds_a_users_model_on_the_exact_kernels_while_it_lives():
+    """`MultiDecoder(model, tokenizer)` on a model the user holds ran it on torch's own kernels: in
+    bfloat16 an answer of `ask` changed with the questions beside it, and beam scores differed
+    from `generate(num_beams=...)`. It now holds the exact kernels until `close()` (or its
+    collection), refuses a model they cannot run, and keeps the model's own with exact=False."""
+    import gc
+
+    from byte_tokenizer import ByteTokenizer
+
+    import multidecode
+
+    model = copy.deepcopy(tiny_model("llama", "sdpa")).to(torch.bfloat16)
+    layers = [type(m) for m in model.modules()]
+    document, questions = "The quick brown fox jumps over the lazy dog. " * 3, ["Who?", "Over what, and why?", "When?"]
+    with multidecode.MultiDecoder(model, ByteTokenizer()) as decoder:
+        assert exact.is_exact(model)
+        together = decoder.ask(document, questions, max_new_tokens=10)
+        for answer in together:
+            assert decoder.ask(document, [answer.question], max_new_tokens=10)[0].token_ids == answer.token_ids
+        prompt = together[0].prompt_ids
+        beams = decoder.beam_search(prompt, num_beams=3, max_new_tokens=6, num_return_sequences=3)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 num_beams=3, do_sample=False, max_new_tokens=6, num_return_sequences=3,
+                                 eos_token_id=[2], pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        assert [b.score for b in beams] == out.sequences_scores.tolist()
+    assert [type(m) for m in model.modules()] == layers and model.config._attn_implementation == "sdpa"
+    multidecode.MultiDecoder(model, ByteTokenizer())
+    gc.collect()  # a decoder collected without close() puts the model back too
+    assert not exact.is_exact(model)
+    half = copy.deepcopy(tiny_model("llama", "sdpa")).to(torch.float16)
+    with pytest.raises(NotBitExact, match="float16") as refused:
+        multidecode.MultiDecoder(half, ByteTokenizer())
+    assert "exact=False" in refused.value.hint
+    multidecode.MultiDecoder(half, ByteTokenizer(), exact=False).generate([1, 40, 41], max_new_tokens=2)
+    assert not exact.is_exact(half)
+
+
 def test_overlapping_streams_keep_the_exact_kernels_until_the_last_one_ends():
     """A stream closed while another still decodes on the same model put the model back under
     it: the second finished on the model's own sdpa, silently off the exact kernels."""

@@ -20,6 +20,7 @@ with or without speculation.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
@@ -63,6 +64,12 @@ class MultiDecoder:
     """A causal LM and its tokenizer, decoded as forests over one shared KV cache.
 
     model: any transformers causal LM loaded with eager or sdpa attention.
+    exact: put `model` on the exact kernels (`exact.hold_exact_kernels`) while this decoder lives:
+        its linear layers and attention are swapped for ones sharing the same weights, so a
+        branch's tokens never depend on what shares its forward; `close()` (or the end of a `with`
+        block, or the decoder being collected) puts the model back as it was. A model that cannot
+        run on them is refused here (`NotBitExact`, with the reason); False keeps the model's own
+        kernels: exact to the token in float32, not the bit (`load` decides this for its models).
     compaction: when to drop finished branches from the cache (default: a quarter of it dead).
     cost: the forward cost curve that speculate="auto" uses (default: learned from this model's
         forwards on this machine, from a probe of at most a second on first use, and kept on
@@ -71,9 +78,11 @@ class MultiDecoder:
         self-draft of the target (`self_draft.self_draft(model, skip_layers)`).
     """
 
-    def __init__(self, model, tokenizer, *, compaction: CompactionPolicy | None = None,
+    def __init__(self, model, tokenizer, *, exact: bool = True, compaction: CompactionPolicy | None = None,
                  cost: CostCurve | LearnedCurve | None = None, draft=None, loaded: Loaded | None = None) -> None:
         check_supported(model)
+        # The release runs once: at close(), or when the decoder is collected (it holds the model, not the decoder).
+        self._kernels = weakref.finalize(self, hold_exact_kernels(model)) if exact else None
         self.model = model
         self.tokenizer = tokenizer
         self.loaded = loaded  # how `load` loaded it: precision, formats, source
@@ -81,6 +90,18 @@ class MultiDecoder:
         self.cost = cost
         self.draft = draft
         self._drafts: dict[tuple, object] = {}  # (draft model, skipped layers) -> a draft made by `draft_for`
+
+    def close(self) -> None:
+        """Put the model back on the kernels it had before this decoder (see `exact`); the decoder
+        is not to be used afterwards. Idempotent."""
+        if self._kernels is not None:
+            self._kernels()
+
+    def __enter__(self) -> MultiDecoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def speculation(self, speculate):
         """`speculate` as this decoder runs it. "draft" drafts with this decoder's draft model;
@@ -294,7 +315,7 @@ def load(model: str | None = None, *, precision: str | None = None, dtype=None, 
     loaded = load_model(model, precision_name=precision or dtype, device=device, exact=exact)
     if compile:
         compile_forward(loaded.model)
-    return MultiDecoder(loaded.model, loaded.tokenizer, loaded=loaded)
+    return MultiDecoder(loaded.model, loaded.tokenizer, exact=exact, loaded=loaded)
 
 
 def memory_report(model, loaded: Loaded | None = None) -> dict:
