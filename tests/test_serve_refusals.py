@@ -8,10 +8,14 @@ says so (QA's findings):
 - a `response_format` json_schema without its name or its schema is a 400 naming the field;
 - a seed is taken up to 2**64 - 1, as the library and the command line take it;
 - a 401 says whether no API key came or the one sent is not accepted, and so does the command's
-  client (`serving.remote`).
+  client (`serving.remote`);
+- what OpenAI's own clients send: null for a default, a function's `strict`, the deprecated
+  `functions`; a lone surrogate anywhere is a 400 naming where, never a 500.
 """
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -53,6 +57,8 @@ OTHER_SERVERS = {  # field: (a value a client of that server sends, what the mes
     "json_schema": (SCHEMA, "response_format"),
     "regex": ("[0-9]+", "--regex"),
     "ebnf": ('root ::= "yes" | "no"', "--grammar"),
+    "functions": ([{"name": "f", "parameters": SCHEMA}], "tools"),  # OpenAI's deprecated forms
+    "function_call": ({"name": "f"}, "tool_choice"),
 }
 
 
@@ -107,7 +113,7 @@ def test_a_seed_up_to_two_to_the_64_is_taken_as_the_library_takes_it(server):
     assert text(top) == text(top)
     assert text(top - 1, n=2)[1] == text(top)[0]  # choice i uses seed + i
     assert "2**64" in refused(server, COMPLETION | {"seed": top, "n": 2}, "seed", "/v1/completions")
-    refused(server, COMPLETION | {"seed": 2**64}, "seed", "/v1/completions")
+    assert str(2**64) in refused(server, COMPLETION | {"seed": 2**64}, "seed", "/v1/completions")  # whole digits
     refused(server, CHAT | {"seed": -1}, "seed")
 
 
@@ -177,3 +183,69 @@ def test_a_boolean_is_not_taken_for_a_number(server, route, field, value):
     assert field in message, message
     if field != "prompt":  # one of the prompt's shapes is text: pydantic names that one
         assert "a number is expected, got true" in message or "got false" in message, message
+
+
+# ---------------------------------------------------------------------- what OpenAI's clients send
+@pytest.mark.parametrize(("route", "fields"), [
+    ("/v1/chat/completions", {"temperature": None, "top_p": None, "n": None, "stream": None, "logprobs": None,
+                              "top_logprobs": None, "stream_options": None, "tools": None, "seed": None}),
+    ("/v1/completions", {"temperature": None, "n": None, "echo": None, "logprobs": None, "top_p": None}),
+])
+def test_null_asks_for_the_default(server, route, fields):
+    """OpenAI's optional parameters are nullable, and its Python client sends null for a None a
+    caller passes: `temperature: null` was a 400 ("Input should be a valid number")."""
+    body = (CHAT if route.endswith("chat/completions") else COMPLETION) | {"temperature": 0, "max_tokens": 4}
+    plain = post(server, body, route)
+    nulls = post(server, body | fields | {"temperature": 0}, route)
+    assert plain.status_code == nulls.status_code == 200, nulls.text
+    choices = [reply.json()["choices"] for reply in (plain, nulls)]
+    assert choices[0] == choices[1]
+    refused(server, body | {"model": None}, "model", route)  # a required field's null is still refused
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "hi \ud800 there"}]}, "messages"),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "text", "text": "x\ud83d"}]}]},
+     "messages"),
+    ("/v1/chat/completions", CHAT | {"questions": ["q\udc00"]}, "questions"),
+    ("/v1/completions", COMPLETION | {"prompt": "hi \udc00"}, "prompt"),
+    ("/v1/completions", COMPLETION | {"prompt": ["fine", "hi \ud800"], "stream": True}, "prompt"),
+    ("/v1/completions", COMPLETION | {"stop": ["\ud800"]}, "stop"),
+])
+def test_a_lone_surrogate_in_any_text_is_a_400_naming_where(server, route, body, param):
+    """JSON's escapes can send half of a surrogate pair, which is no character: the tokenizer
+    failed on it, a 500 ("TextEncodeInput must be Union[...]")."""
+    sent = httpx.post(server.url + route, content=json.dumps(body), headers={"content-type": "application/json"},
+                      timeout=30)  # json.dumps escapes the half pair as \\udXXX, as a client's JSON does
+    error = assert_error_shape(sent, 400, "invalid_request_error")
+    assert "lone surrogate" in error["message"] and error["param"] == param, error
+
+
+def test_what_openai_refuses_is_refused_and_named(server):
+    assert "stream is true" in refused(server, CHAT | {"stream_options": {"include_usage": True}}, "stream_options")
+    assert "logprobs: true" in refused(server, CHAT | {"top_logprobs": 3}, "top_logprobs")
+    message = refused(server, CHAT | {"max_completion_tokens": 9000}, "max_completion_tokens")
+    assert "max_completion_tokens (9000)" in message, message
+    message = refused(server, COMPLETION | {"prompt": ["Once upon", "Once upon"], "n": 2, "use_beam_search": True},
+                      "use_beam_search", "/v1/completions")  # two prompts, equal or not: one was dropped
+    assert "one prompt" in message
+
+
+def test_a_tools_strict_is_honoured_as_response_formats_is(server):
+    """A function's `strict` (OpenAI's default: false) was passed over: keywords the engine cannot
+    enforce were refused whatever it said, with a hint to send strict false."""
+    parameters = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                            "uniqueItems": True, "maxItems": 2}}, "required": ["tags"]}
+
+    def body(strict):
+        function = {"name": "send", "parameters": parameters} | ({} if strict is None else {"strict": strict})
+        return CHAT | {"max_tokens": 24, "temperature": 0, "tools": [{"type": "function", "function": function}],
+                       "tool_choice": {"type": "function", "function": {"name": "send"}}}
+
+    for strict in (None, False):
+        reply = post(server, body(strict))
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "send"
+    message = refused(server, body(True), "tools")
+    assert "uniqueItems" in message and '"strict": false' in message, message
+    refused(server, body("yes"), "tools")

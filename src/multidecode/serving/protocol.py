@@ -53,11 +53,12 @@ Every problem a client can cause raises `BadRequest` (HTTP 400) naming the param
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..constraints import Constraint, compile_for_branches, token_bytes_reader
@@ -116,7 +117,7 @@ class _Body(BaseModel):
     min_p: Float = Field(0.0, ge=0, le=1)
     repetition_penalty: Float = Field(1.0, ge=MIN_PENALTY, le=1 / MIN_PENALTY)
     stop: str | list[str] | None = None
-    seed: Int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    seed: Int | None = Field(None, ge=0)  # below SEED_LIMIT: `_unsupported` says so in whole digits
     n: Int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -131,6 +132,17 @@ class _Body(BaseModel):
     trace: bool = False
     return_token_ids: bool = False
     response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's optional parameters are nullable, and its client sends `null` for a `None` a
+        caller passes: `null` asks for the default, as leaving the field out does (a required field
+        keeps its null, and is refused as the wrong type)."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
 
 
 class CompletionBody(_Body):
@@ -175,6 +187,7 @@ def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
         raise BadRequest(TOO_DEEP, code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object")
+    _refuse_lone_surrogates(data)
     try:
         return kind.model_validate(data)
     except RecursionError:
@@ -184,6 +197,29 @@ def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
         where = ".".join(str(p) for p in first["loc"])
         raise BadRequest(f"{where}: {first['msg']}" if where else first["msg"],
                          str(first["loc"][0]) if first["loc"] else None) from None
+
+
+def _refuse_lone_surrogates(data: dict) -> None:
+    r"""Refuse a string holding half of a surrogate pair ("\ud800" alone): JSON's escapes let a
+    client send one, but it is no character, UTF-8 cannot carry it and the tokenizer fails on it
+    (a 500, before this check). The 400 names where it is."""
+    stack: list[tuple[str, object]] = [(key, value) for key, value in data.items()]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            stack += [(f"{where}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{where}.{i}", v) for i, v in enumerate(value)]
+        for text in (where.rsplit(".", 1)[-1], value):  # an object's keys are strings too
+            if isinstance(text, str) and _SURROGATE.search(text):
+                lone = _SURROGATE.search(text)[0]
+                raise BadRequest(f"{where} holds a lone surrogate ({lone!a}), which is not a character: remove it, "
+                                 "or send the whole pair (a character past U+FFFF is two \\u escapes in JSON)",
+                                 where.split(".", 1)[0])
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A surrogate code point: in a Python string read from JSON, always a lone one (json pairs the rest)."""
 
 
 # ---------------------------------------------------------------------- body -> job
@@ -199,6 +235,8 @@ ONE_ENGINE = "this server has one constraint engine (llguidance): leave it out, 
 NO_WHITESPACE = "leave it out: this server writes JSON with the separators of Python's json.dumps"
 NOT_ALL_OUTPUTS = (f"for a JSON schema, {SEND_A_SCHEMA}; a regular expression, a grammar or a list of choices is not "
                    "held by this server: use the Python API or the command line's --regex or --grammar locally")
+USE_TOOLS = ('send tools, [{"type": "function", "function": {"name": ..., "parameters": {...}}}], and tool_choice, '
+             '{"type": "function", "function": {"name": ...}} or "required"')
 OTHER_SERVERS_FORMATS = {  # field: (whose and what it is, what to send instead)
     "guided_json": ("vLLM's JSON schema", SEND_A_SCHEMA),
     "guided_regex": ("vLLM's regular expression", NO_REGEX),
@@ -211,6 +249,8 @@ OTHER_SERVERS_FORMATS = {  # field: (whose and what it is, what to send instead)
     "json_schema": ("llama.cpp's JSON schema", SEND_A_SCHEMA),
     "regex": ("SGLang's regular expression", NO_REGEX),
     "ebnf": ("SGLang's grammar", NO_GRAMMAR),
+    "functions": ("OpenAI's deprecated form of tools", USE_TOOLS),
+    "function_call": ("OpenAI's deprecated form of tool_choice", USE_TOOLS),
 }
 """Other servers' ways of asking for structured output, which this server would otherwise pass
 over (unknown fields are allowed) and answer unconstrained, with a 200 the client takes for a
@@ -218,6 +258,12 @@ reply held to its format: each is refused, naming what to send instead."""
 
 
 def _unsupported(body: _Body) -> None:
+    if body.seed is not None and body.seed >= SEED_LIMIT:
+        raise BadRequest(f"seed must be below 2**64 ({SEED_LIMIT}), got {body.seed}", "seed")
+    if body.stream_options is not None and not body.stream:  # as OpenAI answers it
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+    if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true (as OpenAI requires)", "top_logprobs")
     checks = []
     if isinstance(body, CompletionBody):
         checks += [("suffix", body.suffix is not None), ("best_of", body.best_of not in (None, 1, body.n))]
@@ -546,19 +592,23 @@ def _compiled(make: Callable[[], Constraint], tokenizer, param: str, *, vocab_si
 class ToolChoice:
     """The call a reply must be. functions: name -> its `parameters` schema, for every tool the
     reply may call; named: whether `tool_choice` named one (the reply is then its arguments alone)
-    or said "required" (the reply is {"name": ..., "arguments": {...}}, the model choosing)."""
+    or said "required" (the reply is {"name": ..., "arguments": {...}}, the model choosing); strict:
+    the functions whose `strict` is true (OpenAI's default is false: keywords the engine cannot
+    enforce are then ignored, as `response_format`'s strict false ignores them)."""
 
     functions: dict[str, dict]
     named: bool
+    strict: frozenset[str] = frozenset()
 
     def constraint(self) -> Constraint:
+        strict = bool(self.strict & self.functions.keys())  # one compile: strict where any function asks it
         if self.named:
             (schema,) = self.functions.values()
-            return Constraint.json_schema(schema)
+            return Constraint.json_schema(schema, strict=strict)
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for name, schema in self.functions.items()]
-        return Constraint.json_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
+        return Constraint.json_schema(calls[0] if len(calls) == 1 else {"anyOf": calls}, strict=strict)
 
     def call(self, text: str) -> Call | None:
         """The call a reply's text is, or as far as it came (cut short by max_tokens or a stop
@@ -645,7 +695,7 @@ def tool_choice(body: _Body) -> ToolChoice | None:
         return None
     if body.tool_choice == "none":
         return None
-    functions = {}
+    functions, strict = {}, set()
     for tool in body.tools:
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
@@ -654,16 +704,20 @@ def tool_choice(body: _Body) -> ToolChoice | None:
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise BadRequest(f"tools: the parameters of {function['name']!r} must be a JSON schema object", "tools")
+        if function.get("strict") not in (None, True, False):
+            raise BadRequest(f"tools: the strict of {function['name']!r} must be true or false", "tools")
         functions[function["name"]] = parameters
+        if function.get("strict"):
+            strict.add(function["name"])
     choice = body.tool_choice
     if choice == "required":
-        return ToolChoice(functions, named=False)
+        return ToolChoice(functions, named=False, strict=frozenset(strict))
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in functions:
             raise BadRequest(f"tool_choice names {name!r}, which is not among the tools ({', '.join(functions)})",
                              "tool_choice")
-        return ToolChoice({name: functions[name]}, named=True)
+        return ToolChoice({name: functions[name]}, named=True, strict=frozenset(strict))
     raise BadRequest(f"tool_choice {choice if choice is not None else 'auto'!r} is not supported (the model choosing "
                      'between text and a call): name a function, {"type": "function", "function": {"name": ...}}, '
                      'or give "required" (a call of one of the tools) or "none" (text)', "tool_choice",
@@ -726,8 +780,9 @@ def _max_tokens(body: _Body, prompts: list[list[int]], max_positions: int | None
         if max_tokens is None:
             max_tokens = min(default, max_positions - longest)
         elif longest + max_tokens > max_positions:
-            raise BadRequest(f"the prompt ({longest} tokens) plus max_tokens ({max_tokens}) is over the model's "
-                             f"context window of {max_positions} tokens", "max_tokens", "context_length_exceeded")
+            named = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+            raise BadRequest(f"the prompt ({longest} tokens) plus {named} ({max_tokens}) is over the model's "
+                             f"context window of {max_positions} tokens", named, "context_length_exceeded")
     return max_tokens or default
 
 
@@ -764,7 +819,7 @@ def _beams(body: _Body, prompts: list[list[int]], logprobs: int | None) -> int:
     """The number of beams of a `use_beam_search` request (n), else 0."""
     if not body.use_beam_search:
         return 0
-    if body.questions is not None or len({tuple(p) for p in prompts}) != 1:
+    if body.questions is not None or len(prompts) != body.n:  # n copies of each prompt given: one prompt
         raise BadRequest("use_beam_search takes one prompt (n is the number of beams)", "use_beam_search")
     if body.stream or logprobs is not None:
         raise BadRequest("use_beam_search returns finished beams: stream and logprobs are not supported with it",
