@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 from penalty_reference import reference
 from serving import MODEL
 
@@ -102,3 +103,16 @@ def test_bad_values_are_a_400_naming_the_parameter(server, name):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, **BAD[name])
     param = caught.value.body["param"]
     assert param == name.split()[0] or (name.startswith("beam") and param == "presence_penalty"), caught.value.body
+
+
+def test_tied_top_logprobs_come_in_the_order_greedy_picks_them():
+    """`torch.topk` left ties in any order: a greedy reply's token (the lowest id among the best)
+    was listed second in its own top_logprobs. Ties now come by id, the boundary's too."""
+    from multidecode.branches import token_logprobs
+
+    row = torch.tensor([0.0, 5.0, 1.0, 5.0, 5.0, 1.0])
+    best = int(row.argmax())
+    chosen, top = token_logprobs(row, best, 2)
+    assert [t for t, _ in top] == [1, 3] and top[0] == (best, chosen)
+    assert [t for t, _ in token_logprobs(row, best, 4)[1]] == [1, 3, 4, 2]  # the tie at the 4th: the lower id
+    assert token_logprobs(row, best, 0)[1] == ()

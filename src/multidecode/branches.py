@@ -550,13 +550,18 @@ LOGPROB_FLOOR = -9999.0
 
 def token_logprobs(row: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
     """The log-probability of `token` under the raw distribution of logits `row` ([vocab]), and
-    the `top` likeliest (token id, log-probability) pairs, best first. A token the model gives no
-    chance at all (a grammar's eos where the logit is -inf) gets `LOGPROB_FLOOR`, as OpenAI writes
-    it: -inf is no JSON number."""
+    the `top` likeliest (token id, log-probability) pairs, best first, tied ones by id (the order
+    greedy's arg-max picks them in; `torch.topk` leaves ties in any order). A token the model gives
+    no chance at all (a grammar's eos where the logit is -inf) gets `LOGPROB_FLOOR`, as OpenAI
+    writes it: -inf is no JSON number."""
     logprobs = torch.log_softmax(row.float(), dim=-1).clamp(min=LOGPROB_FLOOR)  # [vocab]
-    best = torch.topk(logprobs, top) if top else None
-    pairs = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
-    return float(logprobs[token]), pairs
+    if not top:
+        return float(logprobs[token]), ()
+    least = torch.topk(logprobs, top).values[-1]  # the top-th best value: every token at or above it is a candidate
+    ids = torch.nonzero(logprobs >= least).flatten().tolist()
+    values = logprobs[ids].tolist()
+    pairs = sorted(zip(ids, values), key=lambda pair: (-pair[1], pair[0]))[:top]
+    return float(logprobs[token]), tuple(pairs)
 
 
 def pruned(draft: DraftTree, grammar: GrammarState | None) -> DraftTree:
