@@ -206,3 +206,23 @@ def test_a_job_reserves_its_common_prefix_once_and_its_refusals_name_no_driver(e
     assert "18 cache tokens" in caught.value.message and "server" not in str(caught.value)
     assert "max_tokens" not in str(caught.value)
     assert (caught.value.need.tokens, caught.value.limit.tokens) == (18, 10) and not caught.value.over_bytes
+
+
+def test_a_model_whose_layers_differ_in_width_is_accounted_layer_by_layer():
+    """Gemma 4's config refuses a global `head_dim` (its full-attention layers' heads are wider
+    than its sliding ones'): reading it stopped every run before its first forward. Each layer's
+    keys and values are counted at their own width, and the forest decodes as `generate` does."""
+    import transformers as tf
+    from tiny_models import COMMON, NO_EOS, ROPE, reference_generate
+
+    config = tf.Gemma4TextConfig(**COMMON, **{**ROPE, "num_hidden_layers": 2}, head_dim=16, global_head_dim=32,
+                                 sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.Gemma4ForCausalLM(config).eval()
+    kv_heads = config.num_key_value_heads
+    assert Footprint.of(model).kv_per_slot == 2 * kv_heads * (16 + 32) * 4  # float32 keys and values
+    prefix, branches = [1, 5, 6, 7, 8, 9, 10, 11], [[], [9], [20, 21, 22]]
+    together = multidecode.decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[])
+    for branch, got in zip(branches, together):
+        assert got == reference_generate(model, prefix + branch, max_new_tokens=8, eos_token_id=[NO_EOS])

@@ -51,6 +51,20 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def _kv_shapes(config) -> list[tuple[int, int]]:
+    """(key-value heads, head size) of each layer. A model whose layers differ (Gemma 4: a full
+    attention layer's heads are wider than a sliding one's) describes each in `per_layer_config`,
+    and its config refuses a global `head_dim`."""
+    layers = getattr(config, "per_layer_config", None) or [config] * getattr(config, "num_hidden_layers", 0)
+    shapes = []
+    for layer in layers:
+        heads = getattr(layer, "num_attention_heads", None) or getattr(config, "num_attention_heads", 1)
+        hidden = getattr(layer, "hidden_size", None) or getattr(config, "hidden_size", 0)
+        shapes.append((getattr(layer, "num_key_value_heads", None) or heads,
+                       getattr(layer, "head_dim", None) or hidden // heads))
+    return shapes
+
+
 @dataclass(frozen=True)
 class Footprint:
     """What one model's forest costs, in bytes (see the module notes).
@@ -71,14 +85,12 @@ class Footprint:
         config = model.config.get_text_config()
         hidden = getattr(config, "hidden_size", 0)  # a config without these (a test's fake) costs nothing
         heads = getattr(config, "num_attention_heads", 1)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
         dtype = activation_dtype(model)
         size = torch.finfo(dtype).bits // 8
         vocab = model.get_input_embeddings().num_embeddings
         intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
         return cls(
-            kv_per_slot=getattr(config, "num_hidden_layers", 0) * 2 * kv_heads * head_dim * size,
+            kv_per_slot=sum(2 * kv_heads * head_dim for kv_heads, head_dim in _kv_shapes(config)) * size,
             logits_row=vocab * 4,
             # visibility (bool, and its kept copy), the mask, and scores and probabilities per head
             per_row_slot=2 + size + 2 * heads * max(size, 4),
