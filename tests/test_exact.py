@@ -306,8 +306,18 @@ def test_a_multidecoder_holds_a_users_model_on_the_exact_kernels_while_it_lives(
                                  eos_token_id=[2], pad_token_id=0, output_scores=True, return_dict_in_generate=True)
         assert [b.score for b in beams] == out.sequences_scores.tolist()
     assert [type(m) for m in model.modules()] == layers and model.config._attn_implementation == "sdpa"
+    with pytest.raises(multidecode.InvalidArgument, match="closed"):
+        decoder.ask(document, questions, max_new_tokens=2)
     multidecode.MultiDecoder(model, ByteTokenizer())
     gc.collect()  # a decoder collected without close() puts the model back too
+    assert not exact.is_exact(model)
+    events = iter(multidecode.MultiDecoder(model, ByteTokenizer()).stream(document, questions, max_new_tokens=6))
+    next(events)
+    gc.collect()  # the decoder is gone, its stream is not: the model stays on the exact kernels for it
+    assert exact.is_exact(model)
+    assert len(list(events)) >= 1
+    del events
+    gc.collect()
     assert not exact.is_exact(model)
     half = copy.deepcopy(tiny_model("llama", "sdpa")).to(torch.float16)
     with pytest.raises(NotBitExact, match="float16") as refused:

@@ -221,6 +221,19 @@ def test_a_lone_surrogate_in_any_text_is_a_400_naming_where(server, route, body,
     assert "lone surrogate" in error["message"] and error["param"] == param, error
 
 
+@pytest.mark.parametrize(("content", "param"), [
+    (json.dumps(CHAT | {"x\ud800": 1}), "x\\ud800"),  # in a key: named escaped, or the 400 itself was a 500
+    (json.dumps(CHAT | {"messages": [{"role": "user", "content": "hi", "n\udc00ame": "x"}]}), "messages"),
+    (json.dumps(CHAT | {"messages": [{"role": "user", "content": "hi"}], "\ud800.x": 1}), "\\ud800.x"),
+    (json.dumps(CHAT).encode().replace(b'"hello"', b'"hel\xed\xa0\x80lo"'), "messages"),  # as bytes, no escape
+])
+def test_a_lone_surrogate_in_a_key_or_in_raw_bytes_is_a_400_too(server, content, param):
+    sent = httpx.post(server.url + "/v1/chat/completions", content=content,
+                      headers={"content-type": "application/json"}, timeout=30)
+    error = assert_error_shape(sent, 400, "invalid_request_error")
+    assert "lone surrogate" in error["message"] and error["param"] == param, error
+
+
 def test_what_openai_refuses_is_refused_and_named(server):
     assert "stream is true" in refused(server, CHAT | {"stream_options": {"include_usage": True}}, "stream_options")
     assert "logprobs: true" in refused(server, CHAT | {"top_logprobs": 3}, "top_logprobs")
@@ -249,3 +262,9 @@ def test_a_tools_strict_is_honoured_as_response_formats_is(server):
     message = refused(server, body(True), "tools")
     assert "uniqueItems" in message and '"strict": false' in message, message
     refused(server, body("yes"), "tools")
+    refused(server, body(1), "tools")  # 1 is no boolean
+    mixed = body(False) | {"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "send", "parameters": parameters, "strict": False}},
+        {"type": "function", "function": {"name": "stop", "parameters": {"type": "object"}, "strict": True}}]}
+    message = refused(server, mixed, "tools")  # held to one schema, strict: the hint is not "send strict false"
+    assert "same strict" in message and "stop asks strict" in message, message

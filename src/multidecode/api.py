@@ -165,8 +165,16 @@ class MultiDecoder:
         return eos_ids_of(self.model, None)
 
     def scheduler(self) -> Scheduler:
-        """A new scheduler (with its own engine and cache) for this model."""
-        return new_scheduler(self.model, compaction=self.compaction, cost=self.cost)
+        """A new scheduler (with its own engine and cache) for this model. On an exact decoder it
+        holds the exact kernels too, while it lives: a stream or run it serves keeps them after
+        the decoder is gone."""
+        if self._kernels is not None and not self._kernels.alive:
+            raise InvalidArgument("this MultiDecoder was closed (its model is back on the kernels it had)",
+                                  "make a new MultiDecoder, or use it before close()")
+        scheduler = new_scheduler(self.model, compaction=self.compaction, cost=self.cost)
+        if self._kernels is not None:
+            weakref.finalize(scheduler, hold_exact_kernels(self.model))
+        return scheduler
 
     # ------------------------------------------------------------------ token level
     def start(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop: Sequence[str] = (),

@@ -499,7 +499,9 @@ class _Hold:
 
 
 _HOLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Hold, while it has users
-_HOLDS_LOCK = threading.Lock()
+_HOLDS_LOCK = threading.RLock()
+"""Re-entrant: a release may come from a finalizer (a `MultiDecoder` collected), which the garbage
+collector can run on a thread that holds the lock already, in the middle of a swap."""
 
 
 def hold_exact_kernels(model) -> Callable[[], None]:

@@ -51,18 +51,29 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def _per_layer(config, name: str) -> list:
+    """`name` of each layer of `config` (None where it does not say). A model whose layers differ
+    (Gemma 4: a full attention layer's heads are wider than a sliding one's) describes each in
+    `per_layer_config`, and its config refuses to give one global value (transformers raises
+    `AmbiguousGlobalPerLayerAttributeError`, a RuntimeError, which getattr's default does not catch)."""
+    layers = getattr(config, "per_layer_config", None)
+    if layers:
+        return [getattr(layer, name, None) for layer in layers]
+    try:
+        value = getattr(config, name, None)
+    except RuntimeError:
+        value = None
+    return [value] * max(1, getattr(config, "num_hidden_layers", 0) or 0)
+
+
 def _kv_shapes(config) -> list[tuple[int, int]]:
-    """(key-value heads, head size) of each layer. A model whose layers differ (Gemma 4: a full
-    attention layer's heads are wider than a sliding one's) describes each in `per_layer_config`,
-    and its config refuses a global `head_dim`."""
-    layers = getattr(config, "per_layer_config", None) or [config] * getattr(config, "num_hidden_layers", 0)
-    shapes = []
-    for layer in layers:
-        heads = getattr(layer, "num_attention_heads", None) or getattr(config, "num_attention_heads", 1)
-        hidden = getattr(layer, "hidden_size", None) or getattr(config, "hidden_size", 0)
-        shapes.append((getattr(layer, "num_key_value_heads", None) or heads,
-                       getattr(layer, "head_dim", None) or hidden // heads))
-    return shapes
+    """(key-value heads, head size) of each layer."""
+    hidden = getattr(config, "hidden_size", 0)
+    heads = [h or 1 for h in _per_layer(config, "num_attention_heads")]
+    if not getattr(config, "num_hidden_layers", 0) and not getattr(config, "per_layer_config", None):
+        return []  # a config without layers (a test's fake) costs nothing
+    return [(kv or h, dim or hidden // h) for h, kv, dim in
+            zip(heads, _per_layer(config, "num_key_value_heads"), _per_layer(config, "head_dim"))]
 
 
 @dataclass(frozen=True)
@@ -84,11 +95,11 @@ class Footprint:
     def of(cls, model) -> Footprint:
         config = model.config.get_text_config()
         hidden = getattr(config, "hidden_size", 0)  # a config without these (a test's fake) costs nothing
-        heads = getattr(config, "num_attention_heads", 1)
+        heads = max(h or 1 for h in _per_layer(config, "num_attention_heads"))  # the widest layer's
         dtype = activation_dtype(model)
         size = torch.finfo(dtype).bits // 8
         vocab = model.get_input_embeddings().num_embeddings
-        intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+        intermediate = max(i or 4 * hidden for i in _per_layer(config, "intermediate_size"))
         return cls(
             kv_per_slot=sum(2 * kv_heads * head_dim for kv_heads, head_dim in _kv_shapes(config)) * size,
             logits_row=vocab * 4,

@@ -187,7 +187,7 @@ def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
         raise BadRequest(TOO_DEEP, code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object")
-    _refuse_lone_surrogates(data)
+    _refuse_lone_surrogates(raw, data)
     try:
         return kind.model_validate(data)
     except RecursionError:
@@ -199,27 +199,33 @@ def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
                          str(first["loc"][0]) if first["loc"] else None) from None
 
 
-def _refuse_lone_surrogates(data: dict) -> None:
-    r"""Refuse a string holding half of a surrogate pair ("\ud800" alone): JSON's escapes let a
-    client send one, but it is no character, UTF-8 cannot carry it and the tokenizer fails on it
-    (a 500, before this check). The 400 names where it is."""
-    stack: list[tuple[str, object]] = [(key, value) for key, value in data.items()]
+def _refuse_lone_surrogates(raw: bytes, data: dict) -> None:
+    r"""Refuse a string (a value or a key) holding half of a surrogate pair ("\ud800" alone):
+    JSON's escapes let a client send one, but it is no character, UTF-8 cannot carry it and the
+    tokenizer fails on it (a 500, before this check). The 400 names where it is, escaped. Only a
+    body that can hold one is walked (`_SURROGATE_ESCAPE`), and a path is written only for the
+    string found."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    stack: list[tuple[tuple, object]] = [((), data)]
     while stack:
-        where, value = stack.pop()
-        if isinstance(value, dict):
-            stack += [(f"{where}.{k}", v) for k, v in value.items()]
-        elif isinstance(value, list):
-            stack += [(f"{where}.{i}", v) for i, v in enumerate(value)]
-        for text in (where.rsplit(".", 1)[-1], value):  # an object's keys are strings too
-            if isinstance(text, str) and _SURROGATE.search(text):
-                lone = _SURROGATE.search(text)[0]
-                raise BadRequest(f"{where} holds a lone surrogate ({lone!a}), which is not a character: remove it, "
-                                 "or send the whole pair (a character past U+FFFF is two \\u escapes in JSON)",
-                                 where.split(".", 1)[0])
+        path, value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            if isinstance(key, str) and _SURROGATE.search(key) or isinstance(item, str) and _SURROGATE.search(item):
+                where = ".".join(json.dumps(str(k))[1:-1] for k in (*path, key))  # \udXXX written out
+                raise BadRequest(f"{where} holds a lone surrogate, which is not a character: remove it, or send "
+                                 "the whole pair (a character past U+FFFF is two \\u escapes in JSON)",
+                                 json.dumps(str((*path, key)[0]))[1:-1])
+            if isinstance(item, (dict, list)):
+                stack.append(((*path, key), item))
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 """A surrogate code point: in a Python string read from JSON, always a lone one (json pairs the rest)."""
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+"""A JSON escape of a surrogate code point, paired or not, or one written in bytes as UTF-8 would
+write it (json reads bytes with "surrogatepass"): a body with neither holds none."""
 
 
 # ---------------------------------------------------------------------- body -> job
@@ -523,7 +529,8 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
         raise BadRequest("response_format and a tool call cannot both shape the reply: give one of them",
                          "response_format")
     if tool is not None:
-        constraint = _compiled(tool.constraint, tokenizer, "tools", vocab_size=vocab_size, eos_ids=eos_ids)
+        constraint = _compiled(tool.constraint, tokenizer, "tools", vocab_size=vocab_size, eos_ids=eos_ids,
+                               hint=tool.mixed_strictness())
     else:
         constraint = _constraint(body.response_format, tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
     if constraint is not None and beams:
@@ -575,14 +582,16 @@ def _json_schema(spec) -> tuple[dict, bool]:
     return spec["schema"], bool(strict)
 
 
-def _compiled(make: Callable[[], Constraint], tokenizer, param: str, *, vocab_size: int, eos_ids) -> Constraint:
+def _compiled(make: Callable[[], Constraint], tokenizer, param: str, *, vocab_size: int, eos_ids,
+              hint: str | None = None) -> Constraint:
     """The constraint `make` builds, once it is known to compile for the tokenizer: a 400 naming
-    `param` (where the schema came from) when it cannot be built or compiled."""
+    `param` (where the schema came from) when it cannot be built or compiled, with the engine's
+    hint or `hint`."""
     try:
         constraint = make()
         compile_for_branches([constraint], tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
     except InvalidArgument as error:
-        fix = f"; {error.hint}" if error.hint else ""  # a client sees no hint field: the fix goes in the message
+        fix = f"; {hint or error.hint}" if hint or error.hint else ""  # a client sees no hint field: in the message
         raise BadRequest(f"{param}: {error.message}{fix}", param, "invalid_json_schema") from None
     return constraint
 
@@ -609,6 +618,16 @@ class ToolChoice:
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for name, schema in self.functions.items()]
         return Constraint.json_schema(calls[0] if len(calls) == 1 else {"anyOf": calls}, strict=strict)
+
+    def mixed_strictness(self) -> str | None:
+        """The fix for a "required" call whose tools differ in `strict` (held to one schema, strict
+        where any asks it), when that schema is refused; None where they agree."""
+        asking = sorted(self.strict & self.functions.keys())
+        if not asking or len(asking) == len(self.functions):
+            return None
+        return (f"a \"required\" call is held to one schema of all its tools, strict because {', '.join(asking)} "
+                "asks strict: true; give every tool the same strict (false for best effort), or leave out the "
+                "keywords the engine cannot enforce")
 
     def call(self, text: str) -> Call | None:
         """The call a reply's text is, or as far as it came (cut short by max_tokens or a stop
@@ -704,7 +723,7 @@ def tool_choice(body: _Body) -> ToolChoice | None:
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise BadRequest(f"tools: the parameters of {function['name']!r} must be a JSON schema object", "tools")
-        if function.get("strict") not in (None, True, False):
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
             raise BadRequest(f"tools: the strict of {function['name']!r} must be true or false", "tools")
         functions[function["name"]] = parameters
         if function.get("strict"):
