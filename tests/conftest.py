@@ -21,6 +21,7 @@ Fixtures:
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -52,7 +53,14 @@ def pytest_configure(config):
         os.environ.pop(variable, None)
     # Cost curves that "auto" measures for test models go to a folder of this run, never to the
     # user's cache (tests that check the keeping of curves point it elsewhere themselves).
-    os.environ["MULTIDECODE_COSTS"] = tempfile.mkdtemp(prefix="multidecode-costs-")
+    os.environ["MULTIDECODE_COSTS"] = config._multidecode_costs = tempfile.mkdtemp(prefix="multidecode-costs-")
+
+
+def pytest_unconfigure(config):
+    """The run's cost-curve folder goes with the run (one per worker: they piled up in /tmp)."""
+    folder = getattr(config, "_multidecode_costs", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
