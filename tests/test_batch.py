@@ -309,7 +309,7 @@ def test_the_lock_lives_on_out_lock_survives_the_retry_rewrite_and_dies_with_its
 @pytest.mark.parametrize("case", ["missing input", "input folder", "compressed input", "no lines", "output folder",
                                   "output is input", "missing model", "zero max tokens", "bad temperature",
                                   "empty job question", "not a batch output", "lock not writable",
-                                  "nothing to ask"])
+                                  "nothing to ask", "a pipe"])
 def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
     source = write_lines(tmp_path / "in.jsonl", [{"document": "text", "questions": ["why?"]}])
     out = tmp_path / "out.jsonl"
@@ -345,6 +345,9 @@ def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
     elif case == "nothing to ask":  # -q forgotten: every line would fail alike
         write_lines(source, [{"document": "text"}, {"document": "more", "questions": []}])
         needle = "the job has no questions and no line of"
+    elif case == "a pipe":  # /dev/stdin, <(...) or a fifo: read once to check, it said "no input lines" or hung
+        os.mkfifo(tmp_path / "fifo")
+        args[0], needle = tmp_path / "fifo", "is a pipe or a device, not a file"
     before = out.read_bytes() if out.exists() else None
     result = run(*args)
     assert result.exit_code == 2, (result.exit_code, result.output)
@@ -779,3 +782,17 @@ def test_the_example_input_is_valid():
     assert len(scan_input(data / "example_batch.jsonl", questions)) == 4
     for number, raw in input_lines(data / "example_batch.jsonl"):
         assert parse_line(raw, number, questions).error is None
+
+
+def test_a_run_that_ends_with_lines_left_says_the_input_changed(capsys):
+    """A run not stopped that ends with lines left read its input to the end: the input changed
+    under it (rewritten in place, lines removed). The summary said "Ended: ... 50 to go" and no why."""
+    from multidecode.batch.job import BatchSummary
+    from multidecode.cli.batch import print_summary
+
+    summary = BatchSummary(input="in.jsonl", output="out.jsonl", total=120, skipped=0, retried=0, done=70, failed=0,
+                           remaining=50, tokens=700, elapsed_s=10.0, earlier_failures=0, repaired=False)
+    print_summary(summary, stopped=False)
+    assert "in.jsonl changed during the run" in " ".join(capsys.readouterr().err.split())
+    print_summary(summary, stopped=True)  # stopped: the lines left are simply left
+    assert "changed" not in capsys.readouterr().err

@@ -215,6 +215,27 @@ def test_a_constraint_that_matches_no_text_is_refused_when_compiled(decoder, kin
     decoder.generate("hi", regex="a|[a&&b]", max_new_tokens=4)  # a language with one word is not empty
 
 
+SELF_REQUIRING = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("constraint", [
+    Constraint.grammar('root ::= "a" root\n'), Constraint.grammar('start: "a" start\n'),
+    Constraint.json_schema(SELF_REQUIRING),
+], ids=["gbnf", "lark", "schema"])
+def test_a_constraint_that_forces_text_without_end_is_refused_when_compiled(decoder, constraint):
+    """A rule that always calls itself again at its end forces "aaa..." without end: llguidance's
+    parser ran out of items in the first step's forced tokens, and decoding failed with a
+    RuntimeError ("token ... was chosen against its grammar"), a traceback on the command line and
+    an "unexpected error" per line in a batch. It is refused before decoding, with the engine's
+    reason; a recursion that may end runs."""
+    with pytest.raises(InvalidArgument, match="cannot be followed.*Too many items") as caught:
+        decoder.generate("hi", constraint=constraint, max_new_tokens=4)
+    assert "a way to end" in caught.value.hint
+    decoder.generate("hi", grammar='root ::= "a" root | "a"\n', max_new_tokens=4)
+    optional = {**SELF_REQUIRING, "required": []}
+    decoder.generate("hi", json_schema=optional, max_new_tokens=4)
+
+
 @pytest.mark.parametrize("schema", [True, "true"])
 def test_a_boolean_schema_true_is_any_value_and_false_none(schema):
     assert json.loads(Constraint.json_schema(schema).text) == {}

@@ -223,6 +223,8 @@ def test_threshold_and_bools(decoder):
     (DOCUMENT, QUESTION, {"max_new_tokens": -1}, InvalidArgument, "max_new_tokens"),
     (DOCUMENT, QUESTION, {"temperature": [0.5, 0.7]}, InvalidInput, "one value"),
     (DOCUMENT, QUESTION, {"classify": lambda q, notes: []}, InvalidArgument, "scores for"),
+    (DOCUMENT, QUESTION, {"threshold": float("nan")}, InvalidArgument, "threshold must be a number"),  # all dropped
+    (DOCUMENT, QUESTION, {"threshold": "0.5"}, InvalidArgument, "threshold must be a number"),
 ])
 def test_bad_input_names_the_problem(decoder, document, question, settings, error, needle):
     with pytest.raises(error) as info:

@@ -351,9 +351,7 @@ def compile_constraint(constraint: Constraint, tokenizer, *, vocab_size: int, eo
     matcher = llg.LLMatcher(lltok, constraint.compiled_text, log_level=0)
     if matcher.is_error():
         raise constraint.refusal("cannot be compiled for this tokenizer", _first_line([matcher.get_error()]))
-    if _matches_nothing(matcher):
-        raise InvalidArgument(f"the {constraint.description} matches no text at all, so no output can satisfy it",
-                              _NOTHING_HINTS[constraint.kind])
+    _check_start(constraint, matcher)
     compiled[constraint] = result = Compiled(constraint, matcher, vocab_size, eos_id)
     while len(compiled) > COMPILED_PER_TOKENIZER:
         compiled.popitem(last=False)
@@ -418,13 +416,32 @@ def primary_eos(tokenizer, eos_ids) -> int:
     return own if own in eos_ids else min(eos_ids)
 
 
-def _matches_nothing(matcher) -> bool:
-    """Whether a fresh matcher's language is empty (`[a&&b]`, a rule that only derives itself):
-    llguidance finds it only when it first computes a mask, and then allows the eos token alone,
-    so the branch would end at once with an empty output that does not match. Checked on a copy."""
+def _check_start(constraint: Constraint, matcher) -> None:
+    """Refuse, on a copy of a fresh matcher, what would fail at the first step:
+    - a language that is empty (`[a&&b]`, a rule that only derives itself first): llguidance finds
+      it only when it first computes a mask, and then allows the eos token alone, so the branch
+      would end at once with an empty output that does not match;
+    - text forced from the start that the parser gives up on: a rule that always calls itself again
+      at its end (`root ::= "a" root`, a schema whose required property is itself) forces "aaa..."
+      without end, and llguidance's parser runs out of items within the first step's forced
+      tokens (a traceback, before this check, and in a batch an "unexpected" error per line)."""
     probe = matcher.deep_copy()
     probe.compute_bitmask()
-    return probe.is_error()
+    if probe.is_error():
+        raise InvalidArgument(f"the {constraint.description} matches no text at all, so no output can satisfy it",
+                              _NOTHING_HINTS[constraint.kind])
+    probe.consume_tokens(probe.compute_ff_tokens()[:FORCED_LIMIT])
+    if probe.is_error():
+        raise _gave_up(constraint, probe)
+
+
+def _gave_up(constraint: Constraint, matcher) -> InvalidArgument:
+    """The error for a matcher llguidance stopped following (its parser's limits), with its reason."""
+    return InvalidArgument(
+        f"the {constraint.description} cannot be followed: the engine gave up on it "
+        f"({_first_line([matcher.get_error() or 'no reason given'])}); a rule that always calls itself again at its "
+        "end (root ::= \"a\" root), or a schema that requires itself, forces text without end",
+        "give the recursion a way to end: an alternative without it, or an optional property")
 
 
 _NOTHING_HINTS = {
@@ -451,6 +468,8 @@ class GrammarState:
     def consume(self, token: int) -> None:
         """Advance past a chosen token (chosen through this branch's mask, so always allowed)."""
         if not self.matcher.consume_token(token):
+            if self.matcher.is_error():  # the parser gave up (its limits), before or at this token
+                raise _gave_up(self.compiled.constraint, self.matcher)
             raise RuntimeError(f"token {token} was chosen against its grammar: {self.matcher.get_error()}")
 
     @property
@@ -473,7 +492,10 @@ class GrammarState:
         """The tokens the grammar forces next (possibly none), at most `limit`."""
         if limit < 1 or self.complete:
             return []
-        return self.matcher.compute_ff_tokens()[:limit]
+        forced = self.matcher.compute_ff_tokens()[:limit]
+        if self.matcher.is_error():
+            raise _gave_up(self.compiled.constraint, self.matcher)
+        return forced
 
 
 def mask_logits(scores: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:

@@ -233,6 +233,9 @@ def check_input_file(path: Path) -> None:
         raise InvalidInput(f"the input file {path} does not exist", "check the path")
     if path.is_dir():
         raise InvalidInput(f"the input file {path} is a folder", "pass a JSON Lines file, one JSON object per line")
+    if not path.is_file():  # a pipe (/dev/stdin, <(...), a fifo): read once, it is gone, or it waits for a writer
+        raise InvalidInput(f"the input {path} is a pipe or a device, not a file",
+                           "it reads the input again to resume; save it to a file first")
     with open(path, "rb") as handle:
         head = handle.read(8192)
     if head.startswith(b"\x1f\x8b") or b"\x00" in head:

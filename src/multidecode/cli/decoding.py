@@ -434,6 +434,7 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
     check_document(text)
     for name, value in (("chunk_tokens", chunk_tokens), ("max_margin_tokens", max_margin_tokens)):
         check_positive(name, value)
+    margins_strategy.check_threshold(threshold)
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling))
     decoder = load_decoder(model_name, precision, device)
     start = time.perf_counter()

@@ -28,6 +28,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from numbers import Real
 
 import torch
 
@@ -499,6 +500,14 @@ class MarginsRun:
                        answer.output.finish_reason, stats)
 
 
+def check_threshold(threshold) -> None:
+    """Refuse a relevance threshold that is not a number: NaN compares false with every score, so
+    every margin would be dropped as irrelevant, silently."""
+    if isinstance(threshold, bool) or not isinstance(threshold, Real) or math.isnan(threshold):
+        raise InvalidArgument(f"threshold must be a number, got {threshold!r}",
+                              "give a log-odds of yes over no, e.g. 0 (yes at least as likely as no)")
+
+
 def start(scheduler: Scheduler, tokenizer, document: str | Sequence[str], question: str, *, chunk_tokens: int = 300,
           max_margin_tokens: int = 48, max_new_tokens: int = 64, classify: Classifier | None = None,
           threshold: float = 0.0, margin_template: str = MARGIN_TEMPLATE, answer_template: str = ANSWER_TEMPLATE,
@@ -520,6 +529,7 @@ def start(scheduler: Scheduler, tokenizer, document: str | Sequence[str], questi
     check_question(question)
     check_positive("chunk_tokens", chunk_tokens)
     check_positive("max_margin_tokens", max_margin_tokens)
+    check_threshold(threshold)
     text, chunks = make_chunks(tokenizer, document, chunk_tokens)
     return MarginsRun(scheduler, tokenizer, text, chunks, question, max_margin_tokens=max_margin_tokens,
                       max_new_tokens=max_new_tokens, classify=classify, threshold=threshold,
