@@ -133,7 +133,7 @@ def test_sampled_draft_speculation_follows_the_softmax_and_a_trusting_rule_fails
     draft = _perturbed(tiny_model("llama", "sdpa"), 1.0)
 
     def spec():
-        return Speculation(DraftModel(draft, width=3, sure=1.1, confidence=0.0), budget=3)
+        return Speculation(DraftModel(draft, width=3, sure=1.1, confidence=0.0), budget=3, against_q=True)
 
     firsts, seconds, stats = _two_tokens(3000, first, spec())
     assert stats.accepted > 300  # the rule against q was exercised, accepting and rejecting
@@ -176,3 +176,34 @@ def test_the_decoder_drafts_with_its_draft_model():
     assert drafted.token_ids == plain.token_ids and drafted.stats["accepted"] > 0
     with pytest.raises(InvalidArgument, match="needs a draft model"):
         multidecode.MultiDecoder(model, ByteTokenizer()).generate([1, 40], max_new_tokens=2, speculate="draft")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_seeded_samples_drafted_by_a_model_are_the_tokens_of_no_speculation_whatever_shares_the_forward(arch):
+    """Candidates drawn from a draft's q were verified by the rule against q, which spends random
+    draws on them: a seeded branch's tokens differed from the run without speculation (from the
+    first token), and from its own run alone (a lone prompt drafts one chain, a forest siblings).
+    By default a sampled branch now draws, then matches, as for every other draft; the rule
+    against q stays for who asks it (`against_q=True`), reproducible run to run."""
+    model = tiny_model(arch, "sdpa")
+    decoder = multidecode.MultiDecoder(model, ByteTokenizer(), exact=False)
+    prompts = [[1, 40, 50, 60], [1, 70, 80]]
+
+    def sampled(chosen, speculate):
+        run = decoder.start([prompts[i] for i in chosen], max_new_tokens=12, eos_token_id=[], speculate=speculate,
+                            do_sample=True, seed=7, temperature=0.8)
+        out: list[list[int]] = [[] for _ in chosen]
+        for event in run.events:
+            out[event.branch].append(event.token_id)
+        return out
+
+    def drafted():
+        return Speculation(DraftModel(_perturbed(model, 0.3), width=3, confidence=0.0), budget=4)
+
+    plain = sampled([0, 1], None)
+    assert all(len(tokens) == 12 for tokens in plain)
+    assert sampled([0, 1], drafted()) == plain
+    assert sampled([0], drafted()) == plain[:1]  # alone: seed 7 is the first branch's in both
+    against_q = [sampled([0, 1], Speculation(DraftModel(_perturbed(model, 0.3), width=3, confidence=0.0), budget=4,
+                                             against_q=True)) for _ in range(2)]
+    assert against_q[0] == against_q[1]  # reproducible, and not draw for draw the plain run's

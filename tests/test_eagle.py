@@ -119,7 +119,8 @@ def test_sampled_eagle_speculation_follows_the_softmax_and_a_trusting_rule_fails
     probs = tiny_softmax(SAMPLE_PREFIX + [first])
 
     def spec_of(model):
-        return Speculation(Eagle(random_head(model, seed=4), width=3, confidence=0.0, max_depth=1), budget=3)
+        return Speculation(Eagle(random_head(model, seed=4), width=3, confidence=0.0, max_depth=1), budget=3,
+                           against_q=True)
 
     seconds, _, stats = sample_three_tokens(3000, spec_of)
     assert stats.accepted > 100

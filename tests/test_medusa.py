@@ -114,7 +114,7 @@ def test_sampled_medusa_speculation_follows_the_softmax_and_a_trusting_rule_fail
     probs = tiny_softmax(SAMPLE_PREFIX + [first])
 
     def spec_of(model):
-        return Speculation(Medusa(_perturbed_heads(model), width=3, min_chance=0.0), budget=3)
+        return Speculation(Medusa(_perturbed_heads(model), width=3, min_chance=0.0), budget=3, against_q=True)
 
     seconds, _, stats = sample_three_tokens(3000, spec_of)
     assert stats.accepted > 300 and stats.accepted < stats.drafted / 2

@@ -439,7 +439,8 @@ class BranchGroup(Work):
             parent_row = row_of[self._heads[branch]] if parent == UNDER_LEAF else draft_row[branch, parent]
             children.setdefault(branch, {}).setdefault(parent_row, {})[draft.tokens[n]] = row
         drawn: dict[int, dict[int, tuple[list[int], torch.Tensor]]] = {}  # branch -> row -> (candidates, q)
-        for branch, draft in self._drafts.items():
+        against_q = self.speculation is not None and self.speculation.against_q  # else draw, then match
+        for branch, draft in self._drafts.items() if against_q else ():
             for parent, q in draft.dists.items():
                 row = row_of[self._heads[branch]] if parent == UNDER_LEAF else draft_row.get((branch, parent))
                 if row is not None:  # candidates under an unfed node are never reached

@@ -78,11 +78,19 @@ class Speculation:
 
     budget: draft nodes per branch per step, all fed; None lets the cost model choose each step
         among up to `max_draft` proposed nodes per branch ("auto").
+    against_q: where a proposer drew its candidates from a distribution q (a draft model or a
+        learned head sampling), verify a sampled branch by the speculative-sampling rule against q
+        (`verify.speculative_sample`): it accepts more often, and its tokens follow the model's
+        distribution, but it spends random draws on the candidates, so a seeded branch's tokens
+        then differ from the run without speculation and depend on the drafts its neighbours
+        shaped. False (the default): draw, then match, as for every other draft: a seeded branch
+        gives the same tokens with or without speculation, whatever shares its forward.
     """
 
     proposer: Proposer
     budget: int | None = DEFAULT_BUDGET
     max_draft: int = AUTO_MAX_DRAFT
+    against_q: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.proposer, Proposer):

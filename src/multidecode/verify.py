@@ -24,15 +24,17 @@ tried against that residual, and so on. Drawing y first and matching the candida
 is that rule with its random numbers shared.
 
 **Drafts drawn from a distribution.** When a proposer drew a node's candidates from a known
-distribution q (a draft model sampling, `DraftTree.dists`), a sampled branch uses the
-speculative-sampling rule against q instead, which accepts more often (on average the overlap
+distribution q (a draft model sampling, `DraftTree.dists`) and the speculation asks for it
+(`Speculation.against_q`; `drawn` below), a sampled branch uses the speculative-sampling rule
+against q instead, which accepts more often (on average the overlap
 sum_x min(p(x), q(x)) rather than p(x)): candidate x_i is accepted with probability
 min(1, p_i(x_i) / q_i(x_i)); on rejection p_{i+1} = norm(max(p_i - q_i, 0)) and q_{i+1} = q_i
 without x_i, renormalised (the candidates were drawn without replacement); when every candidate
 is rejected the token is drawn from the last residual. This is recursive rejection sampling
 (Jeon et al., 2024, arXiv 2402.14160), the without-replacement form of SpecInfer's multi-candidate
 rule; the emitted token is distributed exactly as p. It costs one uniform draw per candidate
-tried, so a seeded run is reproducible but not draw-for-draw the run without speculation.
+tried, so a seeded run is reproducible but not draw-for-draw the run without speculation, and a
+branch's draws then depend on the drafts its neighbours shaped: not the default.
 Greedy branches ignore q: arg-max and match, as above.
 
 **Random numbers.** Each branch has its own generator and draws exactly once per emitted token,

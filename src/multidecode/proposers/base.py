@@ -22,8 +22,9 @@ Terms. **Candidate** nodes are guesses of the branch's next tokens: verified, an
 target agrees. **Side** nodes (`DraftTree.add_side`) are fed in the same forward for their logits
 only, as lookahead decoding's Jacobi window is; they are never candidates and are always taken
 back. A **draft distribution** (`DraftTree.dists[p]`) says the candidates under node p were drawn
-from a known distribution q, in sibling order, without replacement; a sampled branch then verifies
-them by the speculative-sampling rule against q (`verify`), which accepts more than matching a draw.
+from a known distribution q, in sibling order, without replacement; where the `Speculation` asks
+for it (`against_q`), a sampled branch then verifies them by the speculative-sampling rule against q
+(`verify`), which accepts more than matching a draw (by default it draws, then matches).
 
 `context.scratch` is a dict a proposer may keep per-branch state in (an n-gram index, say); it
 lives as long as the branch. Proposers never touch the target model or its cache (a draft-model
