@@ -23,6 +23,7 @@ import contextlib
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import Self
 
 from .branches import BranchRun, TokenEvent, start, start_prompts
 from .compiled import compile_forward
@@ -97,7 +98,7 @@ class MultiDecoder:
         if self._kernels is not None:
             self._kernels()
 
-    def __enter__(self) -> MultiDecoder:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
