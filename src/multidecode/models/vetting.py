@@ -122,9 +122,13 @@ def max_positions(config) -> int | None:
     """How many positions a forest may use (0 .. limit - 1): the model's `max_position_embeddings`,
     or fewer where its rotary embedding switches with a forward's highest position
     (`rotary_switch`). None: no limit known."""
-    tconfig = text_config(config)
-    limit, switch = getattr(tconfig, "max_position_embeddings", None), rotary_switch(tconfig)
-    return switch if switch is not None and (limit is None or switch < limit) else limit
+    return _switch_first(config) or getattr(text_config(config), "max_position_embeddings", None)
+
+
+def _switch_first(config) -> int | None:
+    """The rotary switch (`rotary_switch`) where it comes before the model's last position, else None."""
+    switch, limit = rotary_switch(config), getattr(text_config(config), "max_position_embeddings", None)
+    return switch if switch is not None and (limit is None or switch < limit) else None
 
 
 def rotary_switch(config) -> int | None:
@@ -147,8 +151,8 @@ def rotary_switch(config) -> int | None:
 
 def positions_note(config) -> str:
     """Why a forest's positions stop short of the model's own, in words ("" where they do not)."""
-    switch = rotary_switch(config)
-    if switch is None or switch >= (getattr(text_config(config), "max_position_embeddings", None) or switch + 1):
+    switch = _switch_first(config)
+    if switch is None:
         return ""
     return (f" (its longrope rotary embedding switches to other factors at position {switch} for a whole forward "
             "at once, which would turn every branch by the longest one's, so a forest stays below it)")
