@@ -640,3 +640,20 @@ def test_no_request_body_makes_a_server_error(running, fuzz_client, request):
             assert "error" not in event, event
     else:
         assert response.json()["choices"], response.text
+
+
+def test_a_request_past_a_window_short_of_the_models_own_says_why():
+    """A model whose forest window stops short of its own (longrope's switch) is refused past it
+    with the reason, as the Python API's refusal gives it, not a bare number the client cannot square
+    with the model card."""
+    from local_models import tiny_tokenizer
+
+    from multidecode.serving.protocol import BadRequest, CompletionBody, parse, to_job
+
+    tokenizer = tiny_tokenizer()
+    note = " (its longrope rotary embedding switches at position 24)"
+    for asked in ({"max_tokens": 30}, {}):
+        body = parse(json.dumps({"model": MODEL, "prompt": "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+                                 **asked}).encode(), "application/json", CompletionBody)
+        with pytest.raises(BadRequest, match="context window of 24 tokens.*longrope|window is 24 tokens.*longrope"):
+            to_job(body, tokenizer, vocab_size=len(tokenizer), max_positions=24, window_note=note)

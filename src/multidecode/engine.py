@@ -143,6 +143,7 @@ class Engine:
         self.cache = SlotCache(capacity)
         self.layout = mask_layout(model.config)
         self.max_positions = max_positions(model.config)
+        self.positions_note = positions_note(model.config)  # why max_positions is short of the model's, or ""
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.stats = EngineStats()
         self.device = next(model.parameters()).device
@@ -521,7 +522,7 @@ class Engine:
         if self.max_positions is not None and top >= self.max_positions:
             raise PromptTooLong(
                 f"position {top} is past the model's maximum of {self.max_positions} positions"
-                f"{positions_note(self.model.config)}",
+                f"{self.positions_note}",
                 "shorten the document (or prompt) or lower max_new_tokens",
             )
         return positions

@@ -227,7 +227,8 @@ def _completion_routes(app: FastAPI, state: ServeState) -> None:
         engine = runtime.engine
         # Tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing.
         job = await asyncio.to_thread(to_job, body, runtime.tokenizer, vocab_size=engine.vocab_size,
-                                      max_positions=engine.max_positions, speculate_default=state.speculate,
+                                      max_positions=engine.max_positions,
+                                      window_note=engine.positions_note, speculate_default=state.speculate,
                                       has_draft=runtime.draft is not None, max_branches=runtime.limits.max_branches,
                                       eos_ids=runtime.eos)
         loop = asyncio.get_running_loop()

@@ -501,13 +501,14 @@ def _check_branches(count: int, max_branches: int | None) -> None:
                          "(n times the prompts, or the questions)", "n", "too_many_branches")
 
 
-def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None,
+def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None, window_note: str = "",
            speculate_default: SpeculationSettings | None = None, has_draft: bool = False,
            max_branches: int | None = None, eos_ids=frozenset()) -> Job:
     """A checked request as a runtime job (its sink is set by the caller). speculate_default:
     the server's speculation, for requests that name no mode of their own; has_draft: whether the
     server has a draft model (for "draft"); max_branches: the server's cap on branches, checked
-    before n copies of a prompt are made; eos_ids: what ends a branch (a `response_format`
+    before n copies of a prompt are made; window_note: why `max_positions` stops short of the
+    model's own, for the refusal of a request past it; eos_ids: what ends a branch (a `response_format`
     needs one, and is compiled for the tokenizer here, so a bad one is refused before any
     decoding)."""
     _unsupported(body)
@@ -516,7 +517,7 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
     _check_branches(len(body.questions) if body.questions is not None else body.n, max_branches)
     tool = tool_choice(body)
     prompts = _prompts(body, tokenizer, vocab_size, chat=chat, max_branches=max_branches, tool=tool)
-    max_tokens = _max_tokens(body, prompts, max_positions, chat=chat)
+    max_tokens = _max_tokens(body, prompts, max_positions, window_note, chat=chat)
     if chat:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
@@ -787,21 +788,23 @@ def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branche
     return [p for p in texts for _ in range(body.n)]
 
 
-def _max_tokens(body: _Body, prompts: list[list[int]], max_positions: int | None, *, chat: bool) -> int:
-    """The tokens to generate: as asked, or a default that fits the model's window."""
+def _max_tokens(body: _Body, prompts: list[list[int]], max_positions: int | None, window_note: str, *,
+                chat: bool) -> int:
+    """The tokens to generate: as asked, or a default that fits the model's window (window_note: why
+    that window is short of the model's own, or "")."""
     default = 16 if not chat else 256
     max_tokens = (body.max_completion_tokens if chat else None) or body.max_tokens
     longest = max(map(len, prompts))
     if max_positions is not None:
         if longest >= max_positions:
             raise BadRequest(f"the prompt is {longest} tokens, but the model's context window is {max_positions} "
-                             "tokens", "messages" if chat else "prompt", "context_length_exceeded")
+                             f"tokens{window_note}", "messages" if chat else "prompt", "context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(default, max_positions - longest)
         elif longest + max_tokens > max_positions:
             named = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
             raise BadRequest(f"the prompt ({longest} tokens) plus {named} ({max_tokens}) is over the model's "
-                             f"context window of {max_positions} tokens", named, "context_length_exceeded")
+                             f"context window of {max_positions} tokens{window_note}", named, "context_length_exceeded")
     return max_tokens or default
 
 
