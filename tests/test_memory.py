@@ -226,3 +226,25 @@ def test_a_model_whose_layers_differ_in_width_is_accounted_layer_by_layer():
     together = multidecode.decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[])
     for branch, got in zip(branches, together):
         assert got == reference_generate(model, prefix + branch, max_new_tokens=8, eos_token_id=[NO_EOS])
+
+
+def test_a_model_that_gives_a_width_per_layer_as_a_list_is_accounted_and_exact():
+    """Gemma 3n's configs give `intermediate_size` as a list, one per layer: the accounting took
+    the list for one width and every run stopped in a TypeError. The widest layer counts, and the
+    forest decodes as `generate` does."""
+    import transformers as tf
+    from tiny_models import COMMON, NO_EOS, ROPE, reference_generate
+
+    config = tf.Gemma3nTextConfig(**COMMON, **{**ROPE, "num_hidden_layers": 4, "intermediate_size": [128, 96, 128, 64]},
+                                  head_dim=16, activation_sparsity_pattern=[0.0] * 4,
+                                  layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=6,
+                                  hidden_size_per_layer_input=16, laurel_rank=8, num_kv_shared_layers=0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.Gemma3nForCausalLM(config).eval()
+    size = 4  # float32
+    assert Footprint.of(model).per_row == (3 * 128 + 6 * config.hidden_size) * size
+    prefix, branches = [1, 5, 6, 7, 8, 9, 10, 11], [[], [9], [20, 21, 22]]
+    together = multidecode.decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[])
+    for branch, got in zip(branches, together):
+        assert got == reference_generate(model, prefix + branch, max_new_tokens=8, eos_token_id=[NO_EOS])

@@ -55,15 +55,19 @@ def _per_layer(config, name: str) -> list:
     """`name` of each layer of `config` (None where it does not say). A model whose layers differ
     (Gemma 4: a full attention layer's heads are wider than a sliding one's) describes each in
     `per_layer_config`, and its config refuses to give one global value (transformers raises
-    `AmbiguousGlobalPerLayerAttributeError`, a RuntimeError, which getattr's default does not catch)."""
+    `AmbiguousGlobalPerLayerAttributeError`, a RuntimeError, which getattr's default does not catch);
+    others give the value itself as a list, one per layer (Gemma 3n's `intermediate_size`)."""
     layers = getattr(config, "per_layer_config", None)
     if layers:
-        return [getattr(layer, name, None) for layer in layers]
-    try:
-        value = getattr(config, name, None)
-    except RuntimeError:
-        value = None
-    return [value] * max(1, getattr(config, "num_hidden_layers", 0) or 0)
+        values = [getattr(layer, name, None) for layer in layers]
+    else:
+        try:
+            value = getattr(config, name, None)
+        except RuntimeError:
+            value = None
+        values = [value] * max(1, getattr(config, "num_hidden_layers", 0) or 0)
+    # A value given as a list is one per layer (Gemma 3n's `intermediate_size`), whichever view gave it.
+    return [v[i] if isinstance(v, (list, tuple)) else v for i, v in enumerate(values)]
 
 
 def _kv_shapes(config) -> list[tuple[int, int]]:
