@@ -442,3 +442,22 @@ def test_a_model_whose_layers_drop_the_forwards_keywords_is_refused_and_exact_wi
     together = decode(model, prefix, branches, max_new_tokens=6, eos_token_id=[], exact=False)
     for branch, got in zip(branches, together):
         assert got == reference_generate(model, prefix + branch, max_new_tokens=6, eos_token_id=[NO_EOS])
+
+
+def test_a_model_with_attention_sinks_is_refused_as_not_bit_exact_and_exact_without_the_kernels():
+    """Attention sinks (GraniteSWA, gpt-oss: a learned logit per head beside the keys) are not in
+    the exact kernel: the probe stopped in a bare NotImplementedError, which neither the API's
+    callers nor the command line's fallback to exact=False could tell from a bug. It is a
+    `NotBitExact` now, and exact=False gives each branch its tokens alone."""
+    config = tf.GraniteSWAConfig(**COMMON, **ROPE, head_dim=16, sliding_window=6)
+    config._attn_implementation = "eager"
+    torch.manual_seed(1234)
+    model = tf.GraniteSWAForCausalLM(config).eval()
+    with pytest.raises(NotBitExact, match="sinks") as refused:
+        decode(model, [1, 5, 6, 7], [[], [10, 11]], max_new_tokens=4, eos_token_id=[])
+    assert "exact=False" in refused.value.hint
+    assert not exact.is_exact(model)  # put back as it was
+    prefix, branches = [1, 5, 6, 7, 8, 9], [[], [10, 11], [12]]
+    together = decode(model, prefix, branches, max_new_tokens=10, eos_token_id=[], exact=False)
+    for branch, got in zip(branches, together):
+        assert got == reference_generate(model, prefix + branch, max_new_tokens=10, eos_token_id=[NO_EOS])

@@ -262,7 +262,9 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     Returns ([B, R, H, D], None), as transformers' attention functions do.
     """
     if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("exact attention does not support attention sinks")
+        raise NotBitExact("the model's attention has sinks (a learned logit per head beside the keys), which the "
+                          "exact attention kernel does not take", "pass exact=False (in float32 a forest is still exact "
+                          "to the token)")
     if forest_units is not None:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         return kernels.attention(query, key, value, forest_units["slots"], forest_units["rows"],
