@@ -15,7 +15,7 @@ import torch
 import transformers as tf
 from click.testing import CliRunner
 from local_models import tiny_tokenizer
-from tiny_models import reference_generate
+from tiny_models import NO_EOS, reference_generate
 
 import multidecode
 import multidecode.models.converted
@@ -496,3 +496,53 @@ def test_an_unwritable_model_cache_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("MULTIDECODE_CACHE", str(blocker / "cache"))
     with pytest.raises(multidecode.CacheUnwritable, match="MULTIDECODE_CACHE"):
         multidecode.models.converted.embedded_copy()
+
+
+def _tiny(config, model_class, impl="eager"):
+    config._attn_implementation = impl
+    torch.manual_seed(0)
+    return model_class(config).eval()
+
+
+SMALL = dict(vocab_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+SLOT_READERS = {
+    "bert, bidirectional": (lambda: _tiny(tf.BertConfig(**SMALL, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                        num_attention_heads=2, is_decoder=False), tf.BertLMHeadModel, "sdpa"),
+                            "bidirectional"),
+    "gpt-neo, local layers": (lambda: _tiny(tf.GPTNeoConfig(**SMALL, hidden_size=16, num_layers=2, num_heads=2,
+                                                            attention_types=[[["global", "local"], 1]], window_size=4),
+                                            tf.GPTNeoForCausalLM), "window by cache slot"),
+    "llama 4, temperature": (lambda: _tiny(tf.Llama4TextConfig(**SMALL, hidden_size=16, intermediate_size=32,
+                                                               intermediate_size_mlp=32, num_hidden_layers=2,
+                                                               num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                                               num_local_experts=2, num_experts_per_tok=1,
+                                                               attention_chunk_size=None),
+                                           tf.Llama4ForCausalLM, "sdpa"), "temperature"),
+    "openai-gpt": (lambda: _tiny(tf.OpenAIGPTConfig(**SMALL, n_embd=16, n_layer=1, n_head=2), tf.OpenAIGPTLMHeadModel),
+                   "4D mask"),
+}
+
+
+@pytest.mark.parametrize("name", SLOT_READERS)
+@pytest.mark.parametrize("exact", [True, False])
+def test_models_that_read_cache_slots_or_see_ahead_are_refused_in_both_modes(name, exact):
+    """Each of these ran as a forest and gave other tokens than alone, silently (GPT-Neo's local
+    layers and Llama 4's attention temperature read cache slots, not positions; BERT as a causal LM
+    attends both ways), or failed inside transformers (OpenAI GPT's own attention): refused, with
+    the kernels (exact=True) and without them, since without them is where a refusal's hint leads."""
+    make, reason = SLOT_READERS[name]
+    with pytest.raises(multidecode.UnsupportedModel, match=reason):
+        multidecode.decode(make(), [1, 5, 6, 7], [[], [9, 10]], max_new_tokens=3, eos_token_id=[], exact=exact)
+
+
+def test_the_same_families_configured_to_read_positions_still_run():
+    """The refusals above read the configuration, not the family: GPT-Neo with global layers only
+    and BERT as a decoder run, and exactly."""
+    for model in (_tiny(tf.GPTNeoConfig(**SMALL, hidden_size=16, num_layers=2, num_heads=2,
+                                        attention_types=[[["global"], 2]]), tf.GPTNeoForCausalLM),
+                  _tiny(tf.BertConfig(**SMALL, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, is_decoder=True), tf.BertLMHeadModel, "sdpa")):
+        prefix, branches = [1, 5, 6, 7], [[], [9, 10]]
+        together = multidecode.decode(model, prefix, branches, max_new_tokens=5, eos_token_id=[], exact=False)
+        for branch, got in zip(branches, together):
+            assert got == reference_generate(model, prefix + branch, max_new_tokens=5, eos_token_id=[NO_EOS])

@@ -3,7 +3,7 @@
 A forest is exact only for decoder-only attention models that take position ids and an additive
 4D mask through `forward`: eager or sdpa attention, full or sliding-window layers. Everything else
 (flash-attention, recurrent or convolution layers, encoder-decoders, ALiBi, chunked or
-bidirectional attention) is refused with an `UnsupportedModel` error. `mask_layout` says which
+bidirectional attention, windows or temperatures read from cache slots) is refused with an `UnsupportedModel` error. `mask_layout` says which
 masks a model needs (one, or one per layer type for hybrid models), `max_positions` how far
 its positions go and `cache_argument` what its forward calls the KV cache.
 """
@@ -35,6 +35,7 @@ _REFUSED_TYPES = {
     "qwen3_next": "linear-attention layers",
     "bloom": "ALiBi positions (computed from cache order, not position ids)",
     "mpt": "ALiBi positions (computed from cache order, not position ids)",
+    "openai-gpt": "an attention of its own that cannot take a 4D mask",
 }
 
 
@@ -73,8 +74,12 @@ def check_supported(model) -> None:
     reason = _REFUSED_TYPES.get(getattr(tconfig, "model_type", name)) or _REFUSED_TYPES.get(name)
     if reason is None and getattr(tconfig, "alibi", False):
         reason = "ALiBi positions (computed from cache order, not position ids)"
-    if reason is None and getattr(tconfig, "use_bidirectional_attention", False):
+    if reason is None and (getattr(tconfig, "use_bidirectional_attention", False) or _sees_ahead(model, tconfig)):
         reason = "bidirectional attention"
+    if reason is None and "local" in (getattr(tconfig, "attention_layers", None) or ()):
+        reason = "local attention layers that window by cache slot (GPT-Neo's), not by position"
+    if reason is None and getattr(tconfig, "attn_temperature_tuning", False):
+        reason = "an attention temperature computed from cache slots (Llama 4's), not from positions"
     if reason is None and getattr(tconfig, "attention_chunk_size", None):
         reason = "chunked attention"
     if reason is None:
@@ -92,6 +97,16 @@ def check_supported(model) -> None:
             "their cache order instead of their depth",
             "use a model whose forward accepts position_ids, such as Llama, Qwen2, Mistral, Gemma or GPT-2",
         )
+
+
+def _sees_ahead(model, config) -> bool:
+    """Whether a BERT-family model loaded as a causal LM without `is_decoder` attends both ways
+    (its self-attention is then not causal: transformers only warns). Other configs that say
+    `is_decoder=False` (GPT-NeoX's) still attend causally, so the layers are asked."""
+    if getattr(config, "is_decoder", None) is not False:
+        return False
+    return any(getattr(m, "is_causal", None) is False for m in model.modules()
+               if type(m).__name__.endswith("SelfAttention"))
 
 
 def _layer_types(config) -> list[str]:
