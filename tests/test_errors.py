@@ -505,7 +505,7 @@ def _tiny(config, model_class, impl="eager"):
 
 
 SMALL = dict(vocab_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-SLOT_READERS = {
+REFUSED_CONFIGS = {
     "bert, bidirectional": (lambda: _tiny(tf.BertConfig(**SMALL, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                                         num_attention_heads=2, is_decoder=False), tf.BertLMHeadModel, "sdpa"),
                             "bidirectional"),
@@ -523,14 +523,14 @@ SLOT_READERS = {
 }
 
 
-@pytest.mark.parametrize("name", SLOT_READERS)
+@pytest.mark.parametrize("name", REFUSED_CONFIGS)
 @pytest.mark.parametrize("exact", [True, False])
 def test_models_that_read_cache_slots_or_see_ahead_are_refused_in_both_modes(name, exact):
     """Each of these ran as a forest and gave other tokens than alone, silently (GPT-Neo's local
     layers and Llama 4's attention temperature read cache slots, not positions; BERT as a causal LM
     attends both ways), or failed inside transformers (OpenAI GPT's own attention): refused, with
     the kernels (exact=True) and without them, since without them is where a refusal's hint leads."""
-    make, reason = SLOT_READERS[name]
+    make, reason = REFUSED_CONFIGS[name]
     with pytest.raises(multidecode.UnsupportedModel, match=reason):
         multidecode.decode(make(), [1, 5, 6, 7], [[], [9, 10]], max_new_tokens=3, eos_token_id=[], exact=exact)
 

@@ -433,15 +433,20 @@ def test_a_model_whose_layers_drop_the_forwards_keywords_is_refused_and_exact_wi
     config = config_class(**COMMON, **ROPE)
     config._attn_implementation = "sdpa"
     torch.manual_seed(1234)
-    model = model_class(config).eval()
-    with pytest.raises(NotBitExact, match="keyword arguments") as refused:
+    _refused_then_exact_without_the_kernels(model_class(config).eval(), "keyword arguments", max_new_tokens=6)
+
+
+def _refused_then_exact_without_the_kernels(model, reason: str, *, max_new_tokens: int) -> None:
+    """`model` is refused on the exact kernels (`NotBitExact` matching `reason`, its hint
+    exact=False), put back as it was, and with exact=False each branch equals `generate` alone."""
+    with pytest.raises(NotBitExact, match=reason) as refused:
         decode(model, [1, 5, 6, 7], [[], [10, 11]], max_new_tokens=4, eos_token_id=[])
     assert "exact=False" in refused.value.hint
     assert not exact.is_exact(model)  # put back as it was
     prefix, branches = [1, 5, 6, 7, 8, 9], [[], [10, 11], [12]]
-    together = decode(model, prefix, branches, max_new_tokens=6, eos_token_id=[], exact=False)
+    together = decode(model, prefix, branches, max_new_tokens=max_new_tokens, eos_token_id=[], exact=False)
     for branch, got in zip(branches, together):
-        assert got == reference_generate(model, prefix + branch, max_new_tokens=6, eos_token_id=[NO_EOS])
+        assert got == reference_generate(model, prefix + branch, max_new_tokens=max_new_tokens, eos_token_id=[NO_EOS])
 
 
 def test_a_model_with_attention_sinks_is_refused_as_not_bit_exact_and_exact_without_the_kernels():
@@ -452,12 +457,4 @@ def test_a_model_with_attention_sinks_is_refused_as_not_bit_exact_and_exact_with
     config = tf.GraniteSWAConfig(**COMMON, **ROPE, head_dim=16, sliding_window=6)
     config._attn_implementation = "eager"
     torch.manual_seed(1234)
-    model = tf.GraniteSWAForCausalLM(config).eval()
-    with pytest.raises(NotBitExact, match="sinks") as refused:
-        decode(model, [1, 5, 6, 7], [[], [10, 11]], max_new_tokens=4, eos_token_id=[])
-    assert "exact=False" in refused.value.hint
-    assert not exact.is_exact(model)  # put back as it was
-    prefix, branches = [1, 5, 6, 7, 8, 9], [[], [10, 11], [12]]
-    together = decode(model, prefix, branches, max_new_tokens=10, eos_token_id=[], exact=False)
-    for branch, got in zip(branches, together):
-        assert got == reference_generate(model, prefix + branch, max_new_tokens=10, eos_token_id=[NO_EOS])
+    _refused_then_exact_without_the_kernels(tf.GraniteSWAForCausalLM(config).eval(), "sinks", max_new_tokens=10)

@@ -3,9 +3,10 @@
 A forest is exact only for decoder-only attention models that take position ids and an additive
 4D mask through `forward`: eager or sdpa attention, full or sliding-window layers. Everything else
 (flash-attention, recurrent or convolution layers, encoder-decoders, ALiBi, chunked or
-bidirectional attention, windows or temperatures read from cache slots) is refused with an `UnsupportedModel` error. `mask_layout` says which
-masks a model needs (one, or one per layer type for hybrid models), `max_positions` how far
-its positions go and `cache_argument` what its forward calls the KV cache.
+bidirectional attention, windows or temperatures read from cache slots) is refused with an
+`UnsupportedModel` error. `mask_layout` says which masks a model needs (one, or one per layer
+type for hybrid models), `max_positions` how far its positions go and `cache_argument` what its
+forward calls the KV cache.
 """
 
 from __future__ import annotations
