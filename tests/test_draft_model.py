@@ -178,6 +178,19 @@ def test_the_decoder_drafts_with_its_draft_model():
         multidecode.MultiDecoder(model, ByteTokenizer()).generate([1, 40], max_new_tokens=2, speculate="draft")
 
 
+def test_decode_refuses_draft_with_a_hint_it_can_follow():
+    """`decode` has no `draft=`: its refusal of speculate="draft" names the spelling it takes
+    (a `DraftModel`), and that spelling gives plain greedy's tokens."""
+    model = tiny_model("llama", "sdpa")
+    with pytest.raises(InvalidArgument, match="needs a draft model") as refused:
+        multidecode.decode(model, [1, 40, 41], [[42], [43]], max_new_tokens=4, speculate="draft")
+    assert "speculate=DraftModel(" in refused.value.hint
+    plain = multidecode.decode(model, [1, 40, 41], [[42], [43]], max_new_tokens=6, eos_token_id=[])
+    drafted = multidecode.decode(model, [1, 40, 41], [[42], [43]], max_new_tokens=6, eos_token_id=[],
+                                 speculate=DraftModel(_perturbed(model, 0.3)))
+    assert drafted == plain
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_seeded_samples_drafted_by_a_model_are_the_tokens_of_no_speculation_whatever_shares_the_forward(arch):
     """Candidates drawn from a draft's q were verified by the rule against q, which spends random

@@ -188,3 +188,15 @@ def test_speculate_medusa_finds_the_heads_trained_for_the_model(tmp_path, monkey
     assert isinstance(spec.proposer, Medusa) and spec.proposer.heads.num_heads == 3
     assert outputs(run(model, PREFIX, BRANCHES, speculate=spec, max_new_tokens=STEPS,
                        eos=[NO_EOS])) == tiny_references("llama", "sdpa")
+
+
+def test_decode_refuses_medusa_without_heads_with_a_hint_it_can_follow(tmp_path):
+    """`decode` finds no heads of its own: its refusal names the spelling it takes (the proposer on
+    heads loaded from a folder, and where they live), and that spelling gives plain greedy's tokens."""
+    model = tiny_model("llama", "sdpa")
+    with pytest.raises(InvalidArgument, match="needs a medusa head") as refused:
+        multidecode.decode(model, PREFIX, BRANCHES, max_new_tokens=2, speculate="medusa")
+    assert "speculate=Medusa(MedusaHeads.load(folder)), both from multidecode.proposers.medusa" in refused.value.hint
+    random_heads(model).save(tmp_path / "heads")
+    assert outputs(run(model, PREFIX, BRANCHES, speculate=Medusa(MedusaHeads.load(tmp_path / "heads")),
+                       max_new_tokens=STEPS, eos=[NO_EOS])) == tiny_references("llama", "sdpa")

@@ -159,7 +159,8 @@ def draft_model_proposer(draft) -> DraftModel:
     """"draft"'s proposer: `draft` (a model with the target's tokenizer, a self-draft, or a `DraftModel`)."""
     if draft is None:
         raise InvalidArgument("speculate='draft' needs a draft model",
-                              "pass draft= (a model with the target's tokenizer, or self_draft(model, layers)); "
+                              "give MultiDecoder(..., draft=...) a model with the target's tokenizer, or "
+                              "self_draft(model, layers); to decode, pass speculate=DraftModel(that model); "
                               "on the command line, --draft-model PATH or --draft-skip-layers")
     return draft if isinstance(draft, DraftModel) else DraftModel(draft)
 
@@ -174,12 +175,14 @@ def learned_proposer(mode: ProposerMode, draft) -> Proposer:
         return mode.proposer()
     if not isinstance(draft, mode.heads) and mode.shipped_with_model:
         raise InvalidArgument(f"speculate={mode.name!r} drafts with the model's own {mode.name} layer",
-                              f"pass draft={mode.heads[0].__name__}.of(model), or none to read it from the "
+                              f"pass speculate={mode.proposer.__name__}({mode.heads[0].__name__}.of(model)) (both from "
+                              f"{mode.proposer.__module__}), or speculate={mode.name!r} alone to read it from the "
                               "model's checkpoint")
     if not isinstance(draft, mode.heads):
         raise InvalidArgument(f"speculate={mode.name!r} needs a {mode.name} head",
-                              f"pass draft={mode.heads[0].__name__}.load(folder), or train one for the model: "
-                              f"multidecode train-drafter --kind {mode.name}")
+                              f"train one for the model (multidecode train-drafter --kind {mode.name}), which a "
+                              f"MultiDecoder then finds; to decode, pass speculate={mode.proposer.__name__}"
+                              f"({mode.heads[0].__name__}.load(folder)), both from {mode.proposer.__module__}")
     return mode.proposer(draft)
 
 
