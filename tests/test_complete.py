@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (
 
 import multidecode
 from multidecode.cli import main
+from multidecode.errors import InvalidArgument
 from multidecode.strategies.vote import extract_answer, normalize, tally
 
 PROMPT = [5, 17, 42, 99, 7, 3, 150, 23]
@@ -206,6 +207,17 @@ def test_vote_runs_n_traces_with_a_replaceable_extractor(text_decoder):
     assert len(result.traces) == 5 and sum(result.counts.values()) == 5
     assert result.answer in ("even", "odd")
     assert [t.seed for t in result.traces] == [3, 4, 5, 6, 7]
+
+
+def test_an_extractor_that_is_no_function_or_returns_no_vote_is_refused(text_decoder):
+    """An `extract` that cannot be called is refused before any trace is decoded; one that returns
+    what cannot be counted (a dict) is refused naming what it returned, not a TypeError inside Counter."""
+    with pytest.raises(InvalidArgument, match="extract must be a function"):
+        text_decoder.vote("What is two plus two?", n=2, max_new_tokens=2, extract=5)
+    done = [multidecode.Completion(i, text, [], "stop", i, []) for i, text in enumerate(['{"a": 1}', '{"a": 1}'])]
+    with pytest.raises(InvalidArgument, match="extract returned a dict"):
+        tally("q", done, extract=json.loads)
+    assert tally("q", done, extract=lambda text: json.loads(text)["a"]).counts == {1: 2}
 
 
 # ---------------------------------------------------------------------- the CLI

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidInput
+from ..errors import InvalidArgument, InvalidInput
 from ..scheduler import Scheduler
 from .complete import Completion, complete
 
@@ -130,7 +130,7 @@ def tally(question: str, done: Sequence[Completion], extract: Callable[[str], st
     `extract_answer`, by its 'Answer:' line alone where max_new_tokens cut it short."""
     def answer(c: Completion) -> str | None:
         if extract is not None:
-            return extract(c.text)
+            return counted(extract(c.text))
         if c.matched is not None:
             return constrained_answer(c)
         return extract_answer(c.text, marked_only=c.finish_reason == "length")
@@ -141,10 +141,24 @@ def tally(question: str, done: Sequence[Completion], extract: Callable[[str], st
     return Vote(question, next(iter(ranked), None), ranked, traces)
 
 
+def counted(answer):
+    """An extractor's answer as a vote: it must be hashable (text, a number) or None (no answer)."""
+    try:
+        hash(answer)
+    except TypeError:
+        raise InvalidArgument(f"extract returned a {type(answer).__name__}, which cannot be counted as a vote",
+                              "return text or a number (None: no answer), e.g. json.dumps(value, sort_keys=True)"
+                              ) from None
+    return answer
+
+
 def vote(scheduler: Scheduler, tokenizer, question: str, *, n: int = 8, max_new_tokens: int = 256,
          extract: Callable[[str], str | None] | None = None, instruction: str | None = INSTRUCTION,
          **settings) -> Vote:
     """Sample n traces for `question` in one forest and vote on their extracted answers (see `tally`)."""
+    if extract is not None and not callable(extract):
+        raise InvalidArgument(f"extract must be a function from a trace's text to its answer, got {extract!r}",
+                              "pass e.g. extract=lambda text: text.split()[-1], or none for the default")
     prompt = vote_prompt(question, instruction, constrained=settings.get("constraint") is not None)
     done = complete(scheduler, tokenizer, prompt, n=n, max_new_tokens=max_new_tokens, **vote_settings(settings))
     return tally(question, done, extract)
