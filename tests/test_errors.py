@@ -290,6 +290,27 @@ def test_what_is_not_a_model_is_named_as_such():
         multidecode.load("/nonexistent/model", precision="bf16", dtype=torch.bfloat16)
 
 
+def test_token_level_settings_are_checked_before_the_prompt_is_read():
+    """`stream_decode` passed a misspelt setting on to an internal function ('admit() got an
+    unexpected keyword argument'), and a logprobs out of range failed inside torch's topk after the
+    prefill; now both are named, as `MultiDecoder`'s methods name theirs."""
+    from multidecode.api import stream_decode
+
+    config = tf.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1)
+    model = tf.LlamaForCausalLM(config).eval()
+    with pytest.raises(multidecode.InvalidArgument, match="unknown setting.*: temprature") as typo:
+        list(stream_decode(model, [1, 2], [[3]], max_new_tokens=2, temprature=0.5))
+    assert "temperature" in typo.value.hint and "logprobs" in typo.value.hint
+    for wrong in (-1, 401, "5", 2.0):
+        with pytest.raises(multidecode.InvalidArgument, match="logprobs must be a whole number from 0 to .* 400"):
+            list(stream_decode(model, [1, 2], [[3]], max_new_tokens=2, logprobs=wrong))
+    with pytest.raises(multidecode.InvalidArgument, match="sampling= and temperature were both given"):
+        list(stream_decode(model, [1, 2], [[3]], max_new_tokens=2, sampling=[None], temperature=0.5))
+    events = list(stream_decode(model, [1, 2], [[3]], max_new_tokens=2, logprobs=400))
+    assert [len(e.top_logprobs) for e in events] == [400, 400]
+
+
 def test_questions_and_prompts_may_come_as_any_sequence_or_iterable():
     """A generator or a `map` of questions was consumed by the check and then 'there are no
     prompts'; a NumPy array of questions or ids, or a 2-d tensor of ids, raised its truth-value

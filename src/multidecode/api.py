@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Self
 
-from .branches import BranchRun, TokenEvent, start, start_prompts
+from .branches import ADMIT_SETTINGS, BranchRun, TokenEvent, start, start_prompts
 from .compiled import compile_forward
 from .constraints import Constraint, constraint_of
 from .cost import CostCurve, LearnedCurve
@@ -344,8 +344,20 @@ def start_forest(model, prefix_ids: Sequence[int], suffixes: Sequence[Sequence[i
                  compaction: CompactionPolicy | None = None, engine: Engine | None = None,
                  apart: bool | None = None, cost: CostCurve | LearnedCurve | None = None, **settings) -> BranchRun:
     """`start` on a new scheduler for `model` (see `new_scheduler`)."""
+    refuse_unknown(settings)
     scheduler = new_scheduler(model, engine=engine, compaction=compaction, apart=apart, cost=cost)
     return start(scheduler, prefix_ids, suffixes, **settings)
+
+
+FOREST_SETTINGS = ("compaction", "engine", "apart", "cost", *ADMIT_SETTINGS)
+"""The settings `start_forest` takes by name (`stream_decode`: these and the sampling settings)."""
+
+
+def refuse_unknown(settings: dict, also: Sequence[str] = ()) -> None:
+    """Refuse a setting that is neither one of `FOREST_SETTINGS` nor of `also` (a typo)."""
+    unknown = sorted(set(settings) - set(FOREST_SETTINGS) - set(also))
+    if unknown:
+        raise InvalidArgument(f"unknown setting(s): {', '.join(unknown)}", f"use {', '.join((*also, *FOREST_SETTINGS))}")
 
 
 def stream_decode(
@@ -360,6 +372,10 @@ def stream_decode(
     given in the settings runs on the kernels the model had when it was built. The sampling
     settings are `decode`'s (greedy where none is given), or `sampling=`, a `SamplingParams` per
     branch."""
+    refuse_unknown(settings, SAMPLING_KEYS)
+    if "sampling" in settings and (both := [key for key in SAMPLING_KEYS if key in settings]):
+        raise InvalidArgument(f"sampling= and {', '.join(both)} were both given", "give the settings one way: "
+                              "sampling= (a SamplingParams per branch), or the settings by name")
     if "sampling" not in settings:
         asked = {key: settings.pop(key) for key in SAMPLING_KEYS if key in settings}
         settings["sampling"] = per_branch_sampling(len(branch_ids), asked)

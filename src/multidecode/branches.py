@@ -23,6 +23,7 @@ This is the branch half of a step (the scheduler is the other): `admit` checks i
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -204,6 +205,7 @@ def check_fits(engine: Engine, prompt_lengths: Sequence[int], max_new_tokens: in
             f"the prompt is {longest} tokens and max_new_tokens is {max_new_tokens}: {longest + max_new_tokens - 1} "
             f"positions, more than the model's {limit}{note}",
             f"lower max_new_tokens to {limit - longest + 1} or shorten the document (or prompt)",
+            fits=limit - longest + 1,
         )
 
 
@@ -719,11 +721,15 @@ def admit(
     one per branch (None: free), compiled for `tokenizer` here, before anything is fed.
     """
     check_positive("max_new_tokens", max_new_tokens)
+    engine = scheduler.engine
+    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= engine.vocab_size):
+        raise InvalidArgument(f"logprobs must be a whole number from 0 to the vocabulary's {engine.vocab_size}, "
+                              f"or None, got {logprobs!r}", "e.g. logprobs=5: each token's log-probability "
+                              "and the five likeliest at its step")
     if isinstance(suffixes, torch.Tensor):
         suffixes = list(suffixes)
     if not suffixes:
         raise InvalidInput("there are no branches to decode", "pass at least one branch")
-    engine = scheduler.engine
     spec = build_speculation(speculate, engine.dtype, exact=engine.exact)
     if spec is not None:
         if spec.auto and isinstance(spec.proposer, Mixture):
@@ -746,6 +752,10 @@ def admit(
     engine.reserve(engine.forest.num_slots + len(prefix_ids) + sum(map(len, suffixes))
                    + len(suffixes) * (max_new_tokens + draft))
     return BranchRun(scheduler, scheduler.admit(group))
+
+
+ADMIT_SETTINGS = tuple(name for name, p in inspect.signature(admit).parameters.items() if p.kind is p.KEYWORD_ONLY)
+"""The settings `admit` (and so `start`) takes by name."""
 
 
 def start_prompts(scheduler: Scheduler, prompts: Sequence[Sequence[int]], **settings) -> BranchRun:
