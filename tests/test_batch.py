@@ -211,6 +211,29 @@ def test_a_document_too_long_for_the_model_is_recorded_and_the_others_go_on(mode
     assert summary.failures == [{"id": "long", "line": 3, **error}]
 
 
+def test_a_prompt_too_long_for_the_job_s_max_new_tokens_is_told_a_fix_the_job_takes(model_dir, tmp_path):
+    """The record said "lower max_new_tokens to N", which resuming beside the other lines' results
+    refuses (other settings); it now says to shorten the document, or to run the job with N new
+    tokens into a new output, and N is what fits."""
+    from multidecode.strategies.ask import question_prompts
+
+    decoder = multidecode.load(str(model_dir))
+    rows = documents(2)
+    rows[1] = {"id": "long", "document": "routers and cables and tickets " * 38, "questions": ["why?"]}
+    prompt = max(map(len, question_prompts(decoder.tokenizer, rows[1]["document"], ["why?"])))
+    fits = decoder.model.config.max_position_embeddings - prompt + 1
+    assert 1 < fits < 64  # the prompt fits, its new tokens do not
+    source = write_lines(tmp_path / "in.jsonl", rows)
+    summary = run_batch(decoder, source, tmp_path / "out.jsonl", max_new_tokens=fits + 8, model="tiny")
+    assert (summary.done, summary.failed) == (2, 1)
+    error = by_id(records(tmp_path / "out.jsonl"))["long"]["error"]
+    assert error["type"] == "PromptTooLong" and "max_new_tokens is" in error["message"]
+    assert "shorten the line's document, then rerun with --retry-failed" in error["hint"]
+    assert f"--max-new-tokens {fits} (into a new --output" in error["hint"]
+    summary = run_batch(decoder, source, tmp_path / "new.jsonl", max_new_tokens=fits, model="tiny")
+    assert (summary.done, summary.failed) == (2, 0)
+
+
 def test_parse_line_words_each_problem_in_the_format_s_terms():
     def error(line: dict, job=()):
         return parse_line(json.dumps(line).encode(), 1, job).error.message

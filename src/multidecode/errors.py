@@ -34,7 +34,13 @@ class InvalidInput(MultiDecodeError, ValueError):
 
 
 class PromptTooLong(MultiDecodeError, ValueError):
-    """A prompt plus its new tokens does not fit in the model's positions."""
+    """A prompt plus its new tokens does not fit in the model's positions. fits: the most new
+    tokens the prompt leaves room for (None: the prompt alone does not fit), for a driver that
+    words the fix in its own terms."""
+
+    def __init__(self, message: str, hint: str | None = None, *, fits: int | None = None) -> None:
+        super().__init__(message, hint)
+        self.fits = fits
 
 
 class ModelNotFound(MultiDecodeError, FileNotFoundError):

@@ -29,6 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Self
 
+from ..errors import PromptTooLong
 from ..runtime import ForestRuntime, Job, Limits, TooLarge
 from ..sampling import per_branch_sampling
 from ..strategies.ask import Answer, answers_of, question_prompts
@@ -120,7 +121,8 @@ class ForestAnswerer:
                 answers = answers_of(questions, ticket.job.work.branches, ticket.prompts, value.stats)
                 future.set_result(LineOutcome(item, tuple(answers), elapsed_s=time.perf_counter() - started))
             elif kind == "error":
-                future.set_result(LineOutcome(item, error=value, elapsed_s=time.perf_counter() - started))
+                future.set_result(LineOutcome(item, error=_in_the_jobs_words(value),
+                                              elapsed_s=time.perf_counter() - started))
 
         ticket.job.sink = sink
         try:
@@ -148,10 +150,19 @@ class ForestAnswerer:
         self.close()
 
 
-def _in_the_jobs_words(error: TooLarge) -> TooLarge:
-    """The runtime's refusal of a line, said as the batch job's (the line's record keeps it): "the
-    line", "this job", and the knobs of a job."""
-    return error.reworded("ask it fewer questions, or lower --max-new-tokens", subject="the line", holder="this job")
+def _in_the_jobs_words(error: Exception) -> Exception:
+    """A refusal of a line, said as the batch job's (the line's record keeps it): "the line", "this
+    job", and the knobs of a job. A prompt too long for the job's max_new_tokens is mended by a
+    shorter document: a lower max_new_tokens is another job's setting, which an output holding
+    results made with this one refuses."""
+    if isinstance(error, TooLarge):
+        return error.reworded("ask it fewer questions, or lower --max-new-tokens", subject="the line",
+                              holder="this job")
+    if isinstance(error, PromptTooLong) and error.fits is not None:
+        return PromptTooLong(error.message, f"shorten the line's document, then rerun with --retry-failed; or answer "
+                             f"the whole job with --max-new-tokens {error.fits} (into a new --output where lines "
+                             "already have results)", fits=error.fits)
+    return error
 
 
 def answer_merged(answerer: ForestAnswerer, items: Iterable[InputLine], *,
