@@ -234,6 +234,20 @@ def test_a_prompt_too_long_for_the_job_s_max_new_tokens_is_told_a_fix_the_job_ta
     assert (summary.done, summary.failed) == (2, 0)
 
 
+def test_a_job_wide_logit_bias_outside_the_vocabulary_is_a_job_error(model_dir, tmp_path):
+    """Every line failed with it, the run exited 0, and its hint blamed the input; rerun without it,
+    the job skipped every line as done. Now the job stops before any line, as `ask` does."""
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    out = tmp_path / "out.jsonl"
+    result = run(source, "-q", "who?", "--model", model_dir, "--max-new-tokens", "2", "-o", out,
+                 "--logit-bias", "999999=5")
+    assert result.exit_code == 2 and "logit_bias of the job names token id 999999" in result.stderr
+    assert not out.exists() or records(out) == []
+    assert run(source, "-q", "who?", "--model", model_dir, "--max-new-tokens", "2", "-o", out,
+               "--logit-bias", "5=5").exit_code == 0
+    assert all(record["error"] is None for record in records(out))
+
+
 def test_parse_line_words_each_problem_in_the_format_s_terms():
     def error(line: dict, job=()):
         return parse_line(json.dumps(line).encode(), 1, job).error.message

@@ -83,6 +83,7 @@ class ForestAnswerer:
     def __init__(self, decoder, settings, *, speculate=None, forest_tokens: int = FOREST_TOKENS,
                  forest_branches: int = FOREST_BRANCHES, cache_tokens: int = CACHE_TOKENS,
                  prefill_chunk: int = PREFILL_CHUNK) -> None:
+        settings.check_model(decoder.model)
         self.decoder = decoder
         self.settings = settings
         self.speculate = speculate

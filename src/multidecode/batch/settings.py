@@ -17,7 +17,7 @@ from typing import Any
 
 from ..constraints import Constraint
 from ..errors import InvalidArgument, InvalidInput, check_positive
-from ..sampling import per_branch_sampling
+from ..sampling import check_vocabulary, per_branch_sampling
 from ..strategies.ask import check_questions
 
 
@@ -60,6 +60,12 @@ class BatchSettings:
                 raise InvalidInput("a stop string is empty", "remove it or give the text to stop at")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise InvalidArgument(f"constraint must be a multidecode Constraint, got {type(self.constraint).__name__}")
+
+    def check_model(self, model) -> None:
+        """Refuse what `model` would make every line fail with: a logit bias on a token id it does
+        not have (a job error, before any line runs)."""
+        check_vocabulary(per_branch_sampling(1, dict(self.sampling)), model.get_input_embeddings().num_embeddings,
+                         whose="the job")
 
     def as_dict(self) -> dict:
         return {"model": self.model, "precision": self.precision, "questions": list(self.questions),
