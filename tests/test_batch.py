@@ -248,6 +248,19 @@ def test_a_job_wide_logit_bias_outside_the_vocabulary_is_a_job_error(model_dir, 
     assert all(record["error"] is None for record in records(out))
 
 
+def test_settings_that_change_no_token_do_not_change_the_fingerprint():
+    """`--temperature 0` (do_sample False), a repetition penalty of 1, presence and frequency
+    penalties of 0 and an empty logit bias decode as nothing does: resuming with them was refused
+    as other settings. A seed is a setting even for a greedy job (a line may sample with it)."""
+    plain = BatchSettings(questions=("who?",)).fingerprint
+    neutral = {"do_sample": False, "repetition_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0,
+               "logit_bias": {}}
+    assert BatchSettings(questions=("who?",), sampling=neutral).fingerprint == plain
+    for other in ({"seed": 5}, {"repetition_penalty": 1.1}, {"do_sample": True}, {"presence_penalty": 0.5},
+                  {"logit_bias": {5: 1.0}}, {"repetition_penalty": [1.0, 1.0]}):
+        assert BatchSettings(questions=("who?",), sampling=other).fingerprint != plain, other
+
+
 def test_parse_line_words_each_problem_in_the_format_s_terms():
     def error(line: dict, job=()):
         return parse_line(json.dumps(line).encode(), 1, job).error.message

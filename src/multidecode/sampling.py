@@ -151,6 +151,22 @@ def drawn_seed() -> int:
     return secrets.randbits(31)
 
 
+NEUTRAL = {"do_sample": False, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""Settings whose value here changes no token: the default greedy choice, penalties that are off."""
+
+
+def without_neutral(sampling: Mapping) -> dict:
+    """`sampling` without the settings that change no token (`NEUTRAL`, an empty logit bias): two
+    spellings of one decoding, `--temperature 0` and nothing, say, compare equal."""
+    def neutral(key: str, value) -> bool:
+        if key == "logit_bias":
+            return isinstance(value, Mapping) and not value
+        return (key in NEUTRAL and isinstance(value, bool) == (key == "do_sample")
+                and isinstance(value, (bool, int, float)) and value == NEUTRAL[key])
+
+    return {key: value for key, value in sampling.items() if not neutral(key, value)}
+
+
 def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
     """Expand sampling settings (each a value for all branches, or a list of n) into n params.
 

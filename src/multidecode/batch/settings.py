@@ -17,7 +17,7 @@ from typing import Any
 
 from ..constraints import Constraint
 from ..errors import InvalidArgument, InvalidInput, check_positive
-from ..sampling import check_vocabulary, per_branch_sampling
+from ..sampling import check_vocabulary, per_branch_sampling, without_neutral
 from ..strategies.ask import check_questions
 
 
@@ -70,7 +70,8 @@ class BatchSettings:
     def as_dict(self) -> dict:
         return {"model": self.model, "precision": self.precision, "questions": list(self.questions),
                 "max_new_tokens": self.max_new_tokens, "stop": list(self.stop),
-                "sampling": {k: _as_json(v) for k, v in sorted(self.sampling.items())}, "instruction": self.instruction,
+                "sampling": {k: _as_json(v) for k, v in sorted(without_neutral(self.sampling).items())},
+                "instruction": self.instruction,
                 **constraint_entry(self.constraint)}
 
     @property
