@@ -220,6 +220,30 @@ def test_an_extractor_that_is_no_function_or_returns_no_vote_is_refused(text_dec
     assert tally("q", done, extract=lambda text: json.loads(text)["a"]).counts == {1: 2}
 
 
+def test_logprobs_are_the_models_own_and_do_not_depend_on_what_shares_the_forward(id_decoder):
+    """generate(logprobs=k): each token's log-probability is log_softmax of the logits transformers'
+    `generate` computes for it (through the same kernels), the k likeliest are those logits' top
+    k; completion i of n (seeded) carries the numbers it carries alone, and speculation changes none."""
+    from multidecode.exact import exact_kernels
+
+    model, prompt = id_decoder.model, [1, 40, 41, 42, 43, 40, 41]
+    done = id_decoder.generate(prompt, max_new_tokens=8, eos_token_id=[], speculate=None, logprobs=3)
+    with exact_kernels(model), torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    assert done.token_ids == out.sequences[0, len(prompt):].tolist()
+    rows = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # [steps, vocab]
+    assert done.logprobs == rows.gather(1, torch.tensor(done.token_ids)[:, None])[:, 0].tolist()
+    assert [[i for i, _ in top] for top in done.top_logprobs] == rows.topk(3).indices.tolist()
+    assert done.logprob == pytest.approx(sum(done.logprobs))
+    assert id_decoder.generate(prompt, max_new_tokens=8, eos_token_id=[], speculate="lookup", logprobs=3) == done
+    assert id_decoder.generate(prompt, max_new_tokens=8, eos_token_id=[]).logprobs is None
+    many = id_decoder.complete(prompt, n=3, max_new_tokens=6, seed=5, eos_token_id=[], logprobs=2)
+    for c in many:
+        alone = id_decoder.complete(prompt, n=1, max_new_tokens=6, seed=5 + c.index, eos_token_id=[], logprobs=2)[0]
+        assert (c.token_ids, c.logprobs, c.top_logprobs) == (alone.token_ids, alone.logprobs, alone.top_logprobs)
+
+
 # ---------------------------------------------------------------------- the CLI
 def test_cli_complete_json_and_seeds(model_dir):
     args = ["complete", "--model", str(model_dir), "-p", "Tell me about cables.", "--n", "3",

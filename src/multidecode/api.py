@@ -193,7 +193,7 @@ class MultiDecoder:
     # ------------------------------------------------------------------ one prompt
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",
                  chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None, constraint=None, json_schema=None, regex=None, grammar=None,
-                 **sampling) -> Completion:
+                 logprobs: int | None = None, **sampling) -> Completion:
         """One completion of one prompt, greedy unless sampling settings say otherwise.
 
         A text prompt goes through the chat template when the tokenizer has one (chat=False for
@@ -203,19 +203,21 @@ class MultiDecoder:
         second on first use, and kept on disk);
         "lookup", "suffix", "lookahead" and "draft" always draft (see `speculation`); None never does.
         Greedy output equals `model.generate(do_sample=False)`; `.stats` says how many forwards
-        it took and how many draft tokens were accepted.
+        it took and how many draft tokens were accepted. logprobs=k: the completion carries each
+        token's log-probability under the model (`.logprobs`, their sum `.logprob`) and the k
+        likeliest tokens at each step (`.top_logprobs`; 0: none), as its events do.
         """
         return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
                                   stop=stop, chat=chat, sample=False, speculate=self.speculation(speculate),
-                                  eos_token_id=eos_token_id, constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)[0]
+                                  eos_token_id=eos_token_id, constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), logprobs=logprobs, **sampling)[0]
 
     def stream_generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",
                         chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None, constraint=None, json_schema=None, regex=None, grammar=None,
-                        **sampling) -> Iterator[TokenEvent]:
+                        logprobs: int | None = None, **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s as `generate` produces them."""
         return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
                                 stop=stop, chat=chat, sample=False, speculate=self.speculation(speculate),
-                                eos_token_id=eos_token_id, constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)
+                                eos_token_id=eos_token_id, constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), logprobs=logprobs, **sampling)
 
     # ------------------------------------------------------------------ many questions, one document
     def question_prompts(self, document: str, questions: Sequence[str], *, instruction: str | None = None):
@@ -249,26 +251,27 @@ class MultiDecoder:
     # ------------------------------------------------------------------ parallel completions
     def complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
                  stop: Sequence[str] = (), chat: bool | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
-                 **sampling) -> list[Completion]:
+                 logprobs: int | None = None, **sampling) -> list[Completion]:
         """n completions of one prompt from one prefill, sampled by default.
 
         Sampling settings take one value or a list of n. With `seed=s`, completion i uses seed
         s + i and equals `complete(prompt, n=1, seed=s + i)`; without one, a random base seed is
         drawn and each `Completion.seed` says how to reproduce it. Text prompts go through the
         chat template when the tokenizer has one (chat=False for raw text); ids are used as given.
-        speculate never changes the tokens of a seeded completion.
+        speculate never changes the tokens of a seeded completion. logprobs=k: each completion's
+        token log-probabilities, to rank them by (`Completion.logprob`), as `generate` gives them.
         """
         return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
                                   stop=stop, chat=chat, speculate=self.speculation(speculate), constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar),
-                                  **sampling)
+                                  logprobs=logprobs, **sampling)
 
     def stream_complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
                         stop: Sequence[str] = (), chat: bool | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
-                        **sampling) -> Iterator[TokenEvent]:
+                        logprobs: int | None = None, **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s (branch = completion index) as `complete` generates."""
         return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
                                 stop=stop, chat=chat, speculate=self.speculation(speculate), constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar),
-                                **sampling)
+                                logprobs=logprobs, **sampling)
 
     # ------------------------------------------------------------------ self-consistency
     def vote(self, question: str, *, n: int = 8, max_new_tokens: int = 256,

@@ -75,6 +75,8 @@ class Branch:
     context: BranchContext
     leaf: int | None = None  # its last cached node (None until its prompt is fed)
     head: int | None = None  # its newest token, emitted but not yet fed
+    logprobs: list[float] | None = None  # each token's log-probability, where the run asks for them
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # and the likeliest at its step
 
     @property
     def prompt_length(self) -> int:
@@ -531,6 +533,10 @@ class BranchGroup(Work):
         logprob, top = None, ()
         if self.logprobs is not None:
             logprob, top = token_logprobs(logits[row], token, self.logprobs)
+            if branch.logprobs is None:
+                branch.logprobs, branch.top_logprobs = [], []
+            branch.logprobs.append(logprob)
+            branch.top_logprobs.append(top)
         self.events.append(TokenEvent(index, token, delta, branch.output.finish_reason, logprob, top))
         grammar = branch.sampler.grammar
         if grammar is not None and grammar.complete and not branch.output.finished and self.logprobs is None:

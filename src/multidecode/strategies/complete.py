@@ -49,6 +49,14 @@ class Completion:
     stats: dict = field(default_factory=dict, compare=False, repr=False)
     parsed: object = None  # held to a JSON schema or object: the text's JSON value (None: cut short)
     matched: bool | None = None  # held to a constraint: whether the text matches it whole (None: free)
+    logprobs: list[float] | None = None  # with logprobs=k: each token's log-probability (see `TokenEvent`)
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # and the k likeliest (id, log-prob) at its step
+
+    @property
+    def logprob(self) -> float | None:
+        """The completion's log-probability under the model (its tokens' summed; None without logprobs=):
+        to rank completions by, or, divided by its length, to compare ones of different lengths."""
+        return None if self.logprobs is None else sum(self.logprobs)
 
 
 def prompt_ids(tokenizer, prompt: str | Sequence[int], *, chat: bool | None = None) -> list[int]:
@@ -169,13 +177,14 @@ class Waves:
 # ---------------------------------------------------------------------- completions
 def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
           stop: Sequence[str] = (), chat: bool | None = None, sample: bool = True, speculate=None,
-          eos_token_id=None, constraint=None, **sampling) -> BranchRun | Waves:
+          eos_token_id=None, constraint=None, logprobs: int | None = None, **sampling) -> BranchRun | Waves:
     """Admit n branches of one prompt to `scheduler` and prefill it once; when the n branches
     would not fit in memory at once, they run in `Waves` of as many as fit.
 
     sample: sample by default (a random base seed when none is given); False keeps the given
     settings as they are (greedy unless they ask for sampling), as `generate` does. constraint:
-    a `constraints.Constraint` every completion follows (or a list of n).
+    a `constraints.Constraint` every completion follows (or a list of n). logprobs: each token's
+    log-probability and the `logprobs` likeliest at its step, in the events and the completions.
     """
     check_positive("n", n)
     check_positive("max_new_tokens", max_new_tokens)  # here too: the waves' memory check reads it first
@@ -186,7 +195,7 @@ def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: in
     check_fits(engine, [len(ids)], max_new_tokens)  # before the memory the waves would take
     spec = build_speculation(speculate, engine.dtype, exact=engine.exact)
     settings = {"max_new_tokens": max_new_tokens, "tokenizer": tokenizer, "stop": stop, "eos_token_id": eos_token_id,
-                "speculate": spec, "constraint": constraint}
+                "speculate": spec, "constraint": constraint, "logprobs": logprobs}
     budget = budget_bytes(engine.device)
     size = wave_size(engine, len(ids), n, max_new_tokens, 0 if spec is None else spec.size, budget=budget)
     if size < n:  # too many to hold at once: in waves, each completion still drawn with its own seed
@@ -202,7 +211,7 @@ def completions(run: BranchRun | Waves) -> list[Completion]:
     stats, prompts = run.stats.as_dict(), run.prompts  # each once: `Waves.prompts` builds n lists
     return [
         Completion(b.index, b.output.text, b.output.token_ids, b.output.finish_reason, b.seed, prompts[b.index], stats,
-                   b.parsed, b.matched)
+                   b.parsed, b.matched, b.logprobs, b.top_logprobs)
         for b in run.branches
     ]
 
