@@ -315,3 +315,8 @@ def test_a_tensor_of_ids_is_a_prompt(text_decoder):
     expected = text_decoder.generate(ids, max_new_tokens=3)
     assert text_decoder.generate(torch.tensor(ids), max_new_tokens=3) == expected
     assert text_decoder.generate(np.array(ids), max_new_tokens=3) == expected
+
+
+def test_cli_complete_logprobs_need_json(model_dir):
+    result = CliRunner().invoke(main, ["complete", "--model", str(model_dir), "-p", "Hi", "--logprobs"])
+    assert result.exit_code == 2 and "--logprobs adds to the JSON output" in result.stderr

@@ -156,12 +156,15 @@ def _complete(*args) -> list[dict]:
 
 
 @pytest.mark.parametrize("settings", [["--n", "3", "--seed", "3"], ["--n", "2", "--greedy"], ["--n", "2", "--temperature", "0"],
-                                      ["--n", "2", "--temperature", "0.7", "--top-p", "0.9", "--seed", "11"]],
-                         ids=["seeded", "greedy", "temperature-0", "warped"])
+                                      ["--n", "2", "--temperature", "0.7", "--top-p", "0.9", "--seed", "11"],
+                                      ["--n", "3", "--seed", "3", "--logprobs"], ["--n", "2", "--no-chat", "--seed", "4", "--logprobs"]],
+                         ids=["seeded", "greedy", "temperature-0", "warped", "logprobs", "logprobs-no-chat"])
 def test_a_served_complete_equals_the_local_one(served, model_dir, settings):
     here = _complete("--model", model_dir, "-p", PROMPT, *settings)
     there = _complete("--server", served.url, "-p", PROMPT, *settings)
     assert there == here  # every field the command prints
+    if "--logprobs" in settings:
+        assert all(len(c["logprobs"]) == len(c["token_ids"]) and c["logprob"] == sum(c["logprobs"]) for c in here)
 
 
 def test_the_seeds_a_served_complete_reports_reproduce_it_here(served, model_dir):

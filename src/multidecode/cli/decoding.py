@@ -193,10 +193,12 @@ def ask_on_server(url: str, text: str, questions: list[str], request: Request, a
 @click.option("--stop", multiple=True, metavar="TEXT", help="Stop a completion at this string (repeatable).")
 @decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of completions.")
+@click.option("--logprobs", is_flag=True, help="With --json: each completion's token log-probabilities "
+              "(\"logprobs\") and their sum (\"logprob\"), to rank completions by.")
 @server_option
 @report_errors
 def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, model_name, precision, device, as_json,
-             speculate, draft_budget, show_stats, constraint, server, **sampling):
+             logprobs, speculate, draft_budget, show_stats, constraint, server, **sampling):
     """n completions of one prompt from one prefill, sampled side by side.
 
     Each completion reports its seed; `--seed S` makes completion i use S + i, the same as a
@@ -208,11 +210,13 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
         flags = ", ".join("--" + k.replace("_", "-") for k in chosen if k in SAMPLING_SWITCHES)
         raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
     greedy = greedy or chosen.pop("do_sample", True) is False  # --temperature 0
+    if logprobs and not as_json:
+        raise InvalidArgument("--logprobs adds to the JSON output", "add --json")
     if server:
         check_positive("n", n)
         request = Request(max_new_tokens, stop, chosen, speculate, draft_budget, constraint, sample=not greedy, n=n)
         return complete_on_server(server, text, no_chat, request, (model_name, precision, device), as_json=as_json,
-                                  show_stats=show_stats)
+                                  show_stats=show_stats, logprobs=logprobs)
     from ..strategies import complete as complete_strategy
     from ..strategies.complete import Waves
 
@@ -222,14 +226,14 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
                              sampling=chosen, stop=stop)
     settings = dict(n=n, max_new_tokens=max_new_tokens, stop=stop, chat=False if no_chat else None, speculate=spec,
-                    constraint=constraint, **chosen)
+                    constraint=constraint, logprobs=0 if logprobs else None, **chosen)
     start = time.perf_counter()
     run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, text, **settings)
     if as_json:
         done = complete_strategy.completions(run.finish())
         click.echo(json.dumps([{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "seed": c.seed,
-                                "token_ids": c.token_ids, "prompt_tokens": len(c.prompt_ids), **parsed_field(constraint, c)}
-                               for c in done], ensure_ascii=False))
+                                "token_ids": c.token_ids, "prompt_tokens": len(c.prompt_ids), **parsed_field(constraint, c),
+                                **scored(c.logprobs if logprobs else None)} for c in done], ensure_ascii=False))
         generated = sum(len(c.token_ids) for c in done)
     else:
         labels = [f"completion {i + 1}" + (f" (seed {params.seed})" if params.do_sample else "")
@@ -246,19 +250,31 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
                  f"({generated / elapsed:.1f} tokens/s), {how}[/dim]")
 
 
+def scored(logprobs: list[float] | None) -> dict:
+    """A JSON row's token log-probabilities and their sum, where they were asked for."""
+    return {} if logprobs is None else {"logprobs": logprobs, "logprob": sum(logprobs)}
+
+
 def complete_on_server(url: str, text: str, no_chat: bool, request: Request, asked: tuple, *, as_json: bool,
-                       show_stats: bool) -> None:
+                       show_stats: bool, logprobs: bool = False) -> None:
     """The n completions as one request to the server at `url` (n choices: one forest there too)."""
     server = Server(url, *asked)
     chat, fields = server.prompt(text, no_chat)
-    body = {**request.body, **fields}
+    body = {**request.body, **fields, **({"logprobs": True if chat else 0} if logprobs else {})}
+
+    def token_logprobs(choice: dict) -> list[float] | None:
+        if not logprobs:
+            return None
+        return ([e["logprob"] for e in choice["logprobs"]["content"]] if chat
+                else choice["logprobs"]["token_logprobs"])
+
     seeds = request.seeds(request.body["n"])
     start = time.perf_counter()
     if as_json:
         choices = server.whole(body, chat=chat)
         click.echo(json.dumps([{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
                                 "seed": seed, "token_ids": c["token_ids"], "prompt_tokens": len(c["prompt_token_ids"]),
-                                **request.parsed(c["text"], c["finish_reason"])}
+                                **request.parsed(c["text"], c["finish_reason"]), **scored(token_logprobs(c))}
                                for c, seed in zip(choices, seeds, strict=True)], ensure_ascii=False))
     else:
         labels = [f"completion {i + 1}" + (f" (seed {seed})" if seed is not None else "") for i, seed in enumerate(seeds)]
