@@ -163,6 +163,11 @@ def test_min_p_draws_stay_in_transformers_allowed_set(id_decoder):
         ("Answer: x = 5", "x = 5"),  # words before the number: kept as text
         ("Answer: 3 apples and 4 pears", "3 apples and 4 pears"),
         ("Answer:\n51", "51"),
+        ("Answer: 2,3", "2,3"),  # a list, not the number 23
+        ("Answer: 1,5", "1,5"),
+        ("the total is 1,234,567.", "1234567"),
+        ("Answer: 12,3456", "12,3456"),  # no group of three: not one number
+        ("Answer: -1,000.5", "-1000.5"),
     ],
 )
 def test_the_default_extractor(trace, answer):

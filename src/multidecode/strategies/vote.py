@@ -26,7 +26,8 @@ INSTRUCTION = "Think step by step. Then give the final answer on its own last li
 _ANSWER_MARK = re.compile(r"answer\s*(?:is)?\s*[:=]", re.IGNORECASE)
 """What introduces a final answer ("Answer:", "the answer is:"); the text after its last
 occurrence on a line is the answer ("the final answer is: Answer: 51" gives 51)."""
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+"""A number, its commas only those between groups of three digits ("1,200"): "2,3" is two numbers."""
 _LETTERS_BEFORE = re.compile(r"[^\d-]*[A-Za-z]")
 """Words before an answer's only number ("x = 5", "about 3"): not a bare number, kept as text."""
 _DECORATION = " \t.,:;!?\"'*_`"
