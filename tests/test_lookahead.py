@@ -36,6 +36,7 @@ from speculation_cases import (
 from tiny_models import combos, tiny_model
 
 from multidecode.cost import CostCurve
+from multidecode.errors import InvalidArgument
 from multidecode.proposers import UNDER_LEAF, BranchContext, DraftTree
 from multidecode.proposers.lookahead import (
     HEAD,
@@ -400,8 +401,9 @@ def test_the_window_is_held_back_near_the_models_last_position():
 
 
 def test_options_are_checked():
-    for bad in (dict(window=0), dict(ngram=1), dict(window=1, ngram=2), dict(guesses=0), dict(max_keys=0)):
-        with pytest.raises(ValueError):
+    for bad in (dict(window=0), dict(ngram=1), dict(window=1, ngram=2), dict(guesses=0), dict(max_keys=0),
+                dict(window="7")):
+        with pytest.raises(InvalidArgument):  # a multidecode error with its hint, not a bare ValueError
             Lookahead(**bad)
     proposer = Lookahead()
     assert (proposer.window, proposer.ngram, proposer.guesses, proposer.pool_from_prompt) == (7, 5, 7, True)

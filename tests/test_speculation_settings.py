@@ -36,6 +36,8 @@ def test_modes_and_their_details_parse():
     (dict(mode="lookup", lookahead="7,5,7"), "lookahead sets lookahead decoding"),
     (dict(mode="lookahead", lookahead="7,5"), "is not three integers"),
     (dict(mode="draft", skip_layers="1-x"), "not a list of layer numbers"),
+    (dict(mode="draft", skip_layers="5-2"), r"runs backwards \(5-2\).*2-5"),  # was (): the target as its own draft
+    (dict(mode="draft", skip_layers="1-"), "not a list of layer numbers"),  # was (1,)
     (dict(draft_model="a", skip_layers="1"), "both name a draft"),
     (dict(mode="lookup", budget=0), "positive integer"),
     (dict(mode="off", draft_model="m"), "draft_model names a draft, but speculate is 'off'"),  # off said: not overridden
@@ -45,6 +47,32 @@ def test_modes_and_their_details_parse():
 def test_bad_settings_are_refused_in_python_terms(arguments, message):
     with pytest.raises(InvalidArgument, match=message):
         SpeculationSettings.parse(**arguments)
+
+
+def test_a_proposer_must_be_one_and_a_self_draft_must_skip_a_layer():
+    """A class with `propose` and `observe` that is no `Proposer` was 'unknown speculation mode
+    <__main__.Plain object at 0x...>'; a self-draft that skips nothing ran the target as its draft."""
+    from tiny_models import tiny_model
+
+    from multidecode import self_draft
+    from multidecode.speculation import build_speculation
+
+    class Plain:
+        def propose(self, context, budget):
+            return None
+
+        def observe(self, context, accepted):
+            pass
+
+    for value in (Plain(), True, 3):
+        with pytest.raises(InvalidArgument, match="neither a mode's name nor a proposer") as refused:
+            build_speculation(value, torch.float32)
+        assert "subclass of multidecode.Proposer" in refused.value.hint
+    model = tiny_model("llama", "sdpa")
+    with pytest.raises(InvalidArgument, match="names no layer"):
+        self_draft(model, [])
+    with pytest.raises(InvalidArgument, match="7, 8, 9, 10, 11 and 95 more are not layer indices"):
+        self_draft(model, range(7, 107))
 
 
 def test_check_refuses_what_cannot_run_before_anything_loads():

@@ -220,7 +220,11 @@ def speculation_mode(value) -> str | None:
     around). Raises `InvalidArgument` naming the choices for anything else."""
     if value is None or value is False:
         return None
-    mode = str(value).strip().lower()
+    if not isinstance(value, str):
+        raise InvalidArgument(f"speculate={value!r} is neither a mode's name nor a proposer",
+                              f"use one of {', '.join(MODES)}, off, or a proposer of your own: a subclass of "
+                              "multidecode.Proposer (its propose and observe)")
+    mode = value.strip().lower()
     if mode in OFF:
         return None
     if mode not in PROPOSER_MODES:
@@ -495,9 +499,15 @@ def skip_layer_list(value: str | Sequence[int], spelling: Spelling = PYTHON) -> 
     layers: list[int] = []
     try:
         for part in value.split(","):
-            first, _, last = part.strip().partition("-")
-            layers += range(int(first), int(last or first) + 1)
-    except ValueError:
+            first, dash, last = part.strip().partition("-")
+            first, last = int(first), int(last) if dash else int(first)  # "8-" is no range
+            if last < first:
+                raise InvalidArgument(f"{spelling.skip_layers} {value!r} has a range that runs backwards ({part.strip()})",
+                                      f"write the lower layer first: {last}-{first}")
+            layers += range(first, last + 1)
+    except ValueError as err:
+        if isinstance(err, InvalidArgument):
+            raise
         raise InvalidArgument(f"{spelling.skip_layers} {value!r} is not a list of layer numbers",
                               f"write e.g. {spelling.skip_layers} 4,6,8-12, or auto") from None
     return tuple(layers)

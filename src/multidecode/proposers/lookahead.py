@@ -83,6 +83,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import InvalidArgument, is_int
 from ..models.vetting import max_positions
 from .base import UNDER_LEAF, BranchContext, DraftTree, Proposer
 
@@ -169,14 +170,19 @@ class Lookahead(Proposer):
 
     def __init__(self, *, window: int = 7, ngram: int = 5, guesses: int = 7, pool_from_prompt: bool = True,
                  max_keys: int = 4096) -> None:
+        given = {"window": window, "ngram": ngram, "guesses": guesses, "max_keys": max_keys}
+        if not all(map(is_int, given.values())):
+            raise InvalidArgument(f"Lookahead takes whole numbers, got {given}", "e.g. Lookahead(window=7, ngram=5, guesses=7)")
         if window < 1 or ngram < 2:
-            raise ValueError("need window >= 1 and ngram >= 2")
+            raise InvalidArgument(f"Lookahead needs window >= 1 and ngram >= 2, got window={window}, ngram={ngram}",
+                                  "the defaults are window=7, ngram=5")
         if window == 1 and ngram == 2:
-            raise ValueError("window=1 with ngram=2 leaves no lookahead window (only the newest token)")
+            raise InvalidArgument("window=1 with ngram=2 leaves no lookahead window (only the newest token)",
+                                  "widen the window or lengthen the n-grams")
         if guesses < 1:
-            raise ValueError("guesses must be at least 1")
+            raise InvalidArgument(f"guesses must be at least 1, got {guesses}")
         if max_keys < 1:
-            raise ValueError("max_keys must be at least 1")
+            raise InvalidArgument(f"max_keys must be at least 1, got {max_keys}")
         self.window, self.ngram, self.guesses = window, ngram, guesses
         self.pool_from_prompt, self.max_keys = pool_from_prompt, max_keys
         self._max_positions: int | None = None

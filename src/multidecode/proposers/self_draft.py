@@ -159,6 +159,9 @@ def self_draft(model, skip_layers: Sequence[int]):
 
 def _check_skip(skip_layers, layers: int) -> set[int]:
     skip = _layer_indices(skip_layers, layers, "skip_layers")
+    if not skip:
+        raise InvalidArgument("skip_layers names no layer, so the draft would be the target itself",
+                              "name the layers to skip, e.g. [10, 12, 15]")
     if len(skip) == layers:
         raise InvalidArgument(f"skip_layers skips all {layers} layers, which leaves no model",
                               "keep at least one layer")
@@ -172,8 +175,9 @@ def _layer_indices(values, layers: int, what: str) -> set[int]:
     values = list(values)
     bad = [i for i in values if not is_int(i) or not 0 <= i < layers]
     if bad:
-        raise InvalidArgument(f"{what} {bad} are not layer indices of a {layers}-layer model",
-                              f"use integers from 0 to {layers - 1}")
+        named = ", ".join(map(repr, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise InvalidArgument(f"{what} {named} {'is' if len(bad) == 1 else 'are'} not layer indices of a "
+                              f"{layers}-layer model", f"use integers from 0 to {layers - 1}")
     if len(set(values)) != len(values):
         twice = sorted({i for i in values if values.count(i) > 1})
         raise InvalidArgument(f"{what} names layers {twice} more than once", "name each layer once")
