@@ -311,6 +311,38 @@ def test_token_level_settings_are_checked_before_the_prompt_is_read():
     assert [len(e.top_logprobs) for e in events] == [400, 400]
 
 
+def test_arguments_of_the_wrong_kind_are_named_not_taken(tmp_path):
+    """Each of these was taken silently (chat="x" as True, an instruction of 5 as text, strict="x"
+    as strict, eos id -1 as an id, a negative forest budget) or said something else ("the grammar
+    is empty" for 5, ". holds no config.json" for load(""))."""
+    from multidecode.batch import BatchSettings, open_batch
+
+    config = tf.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    decoder = multidecode.MultiDecoder(tf.LlamaForCausalLM(config).eval(), tiny_tokenizer())
+    with pytest.raises(multidecode.InvalidArgument, match="chat must be True, False or None"):
+        decoder.generate("text", max_new_tokens=2, chat="x")
+    with pytest.raises(multidecode.InvalidArgument, match="instruction must be text, got int"):
+        decoder.ask("text", ["why?"], max_new_tokens=2, instruction=5)
+    with pytest.raises(multidecode.InvalidArgument, match="eos_token_id must name token ids"):
+        decoder.generate([1, 2], max_new_tokens=2, eos_token_id=-1)
+    with pytest.raises(multidecode.InvalidArgument, match="strict must be True or False"):
+        multidecode.Constraint.json_schema({"type": "string"}, strict="x")
+    with pytest.raises(multidecode.InvalidArgument, match="a grammar must be text, got int"):
+        multidecode.Constraint.grammar(5)
+    with pytest.raises(multidecode.ModelNotFound, match="the model name is empty"):
+        multidecode.load("")
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"document": "text", "questions": ["why?"]}) + "\n")
+    with open_batch(source, tmp_path / "out.jsonl", BatchSettings(max_new_tokens=2)) as job:
+        for budget, message in ((dict(forest_tokens=-1), "forest_tokens must be 0 or"),
+                                (dict(forest_branches=0), "forest_branches must be a positive")):
+            with pytest.raises(multidecode.InvalidArgument, match=message):
+                next(job.run(decoder, **budget))
+    events = list(decoder.start([[1, 2, 3]], max_new_tokens=2, logprobs=1).events)
+    assert [len(e.top_logprobs) for e in events] == [1, 1] and all(e.logprob is not None for e in events)
+
+
 def test_questions_and_prompts_may_come_as_any_sequence_or_iterable():
     """A generator or a `map` of questions was consumed by the check and then 'there are no
     prompts'; a NumPy array of questions or ids, or a 2-d tensor of ids, raised its truth-value

@@ -179,16 +179,19 @@ class MultiDecoder:
 
     # ------------------------------------------------------------------ token level
     def start(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop: Sequence[str] = (),
-              eos_token_id=None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None, **sampling) -> BranchRun:
+              eos_token_id=None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
+              logprobs: int | None = None, **sampling) -> BranchRun:
         """Start decoding whole prompts (token ids) as one forest; iterate `.events` to decode.
 
         eos_token_id: the ids that end a branch (default: the model's; [] never stops early).
+        logprobs: each event's token log-probability and the `logprobs` likeliest (see `TokenEvent`).
         """
         prompts = as_list(prompts)
         return start_prompts(self.scheduler(), prompts, max_new_tokens=max_new_tokens,
                              sampling=per_branch_sampling(len(prompts), sampling), tokenizer=self.tokenizer,
                              stop=stop, eos_token_id=eos_token_id, speculate=self.speculation(speculate),
-                             constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar))
+                             constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar),
+                             logprobs=logprobs)
 
     # ------------------------------------------------------------------ one prompt
     def generate(self, prompt: str | Sequence[int], *, max_new_tokens: int = 256, speculate="auto",

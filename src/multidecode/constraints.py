@@ -90,6 +90,9 @@ class Constraint:
     def json_schema(cls, schema: dict | bool | str, *, strict: bool = True, jump_forward: bool = True) -> Constraint:
         """Output that parses as JSON and validates against `schema` (a dict, a boolean schema or
         JSON text; see `read_schema`)."""
+        for name, flag in (("strict", strict), ("jump_forward", jump_forward)):
+            if not isinstance(flag, bool):
+                raise InvalidArgument(f"{name} must be True or False, got {flag!r}")
         return cls("json_schema", _schema_json(read_schema(schema)), strict, jump_forward)
 
     @classmethod
@@ -112,7 +115,8 @@ class Constraint:
     def grammar(cls, text: str, *, jump_forward: bool = True) -> Constraint:
         """Output that the grammar `text` (Lark, or llama.cpp's GBNF with `root ::= ...`) derives."""
         if not isinstance(text, str) or not text.strip():
-            raise InvalidArgument("the grammar is empty", _HINTS["grammar"])
+            raise InvalidArgument("the grammar is empty" if isinstance(text, str) else
+                                  f"a grammar must be text, got {type(text).__name__}", _HINTS["grammar"])
         return cls("grammar", text, True, jump_forward)
 
     @property

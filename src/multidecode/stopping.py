@@ -31,6 +31,7 @@ class StopRule:
 
 def eos_ids_of(model, eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
     """The eos ids to stop on: the argument if given, else all of the model's generation config ids."""
+    given = eos_token_id is not None
     if eos_token_id is None:
         config = getattr(model, "generation_config", None)
         eos_token_id = getattr(config, "eos_token_id", None)
@@ -42,6 +43,9 @@ def eos_ids_of(model, eos_token_id: int | Iterable[int] | None) -> frozenset[int
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable) or not all(is_int(t) for t in ids):
         raise InvalidArgument(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r}",
                               "pass an int, a list of ints, or [] to never stop early")
+    if given and any(t < 0 for t in ids):
+        raise InvalidArgument(f"eos_token_id must name token ids (0 or more), got {eos_token_id!r}",
+                              "pass the ids of the model's end tokens, or [] to never stop early")
     return frozenset(int(t) for t in ids)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Self
 
 from ..constraints import parsed_field
-from ..errors import InvalidInput, MultiDecodeError
+from ..errors import InvalidArgument, InvalidInput, MultiDecodeError, check_positive, is_int
 from .lines import InputLine, check_input_file, input_lines, parse_line, scan_input
 from .merged import FOREST_BRANCHES, FOREST_TOKENS, PREFILL_CHUNK, ForestAnswerer, LineOutcome, answer_merged
 from .output import OutputFile
@@ -144,6 +144,10 @@ class BatchJob:
         record valid. speculate: `MultiDecoder.ask`'s, for every line; it never changes the answers.
         """
         self._check_open()
+        check_positive("forest_branches", forest_branches)
+        if not is_int(forest_tokens) or forest_tokens < 0:
+            raise InvalidArgument(f"forest_tokens must be 0 or a positive integer, got {forest_tokens!r}",
+                                  "0 runs one document at a time")
         with ForestAnswerer(decoder, self.settings, speculate=speculate, forest_tokens=forest_tokens,
                             forest_branches=forest_branches, prefill_chunk=prefill_chunk) as answerer:
             outcomes = answer_merged(answerer, self.pending_items(), stopping=lambda: self._stop)

@@ -214,12 +214,15 @@ def _gguf_file(name: str) -> Path:
 def locate(name: str) -> tuple[str, dict]:
     """What `from_pretrained` reads for `name`: a model folder (a .gguf file's converted copy) or a
     hub id, and the keyword arguments it needs; `ModelNotFound` where there is nothing to read."""
+    if not str(name).strip():  # Path("") is the working folder
+        raise ModelNotFound("the model name is empty",
+                            "give a model folder, a .gguf file or a hub id (none: the embedded model)")
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFound(
                 f"{path} holds no config.json, so it is not a Hugging Face model folder",
-                "point --model at the folder that holds config.json and the weights",
+                "name the folder that holds config.json and the weights (--model on the command line)",
             )
         return str(path), {}
     if path.is_file():

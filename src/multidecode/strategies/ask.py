@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..branches import BranchRun, TokenEvent, start_prompts
-from ..errors import as_list
+from ..errors import InvalidArgument, as_list
 from ..prompts import check_document, check_questions, question_message, render_prompt, tokenize_prompt
 from ..sampling import per_branch_sampling
 from ..scheduler import Scheduler
@@ -38,6 +38,9 @@ def question_prompts(tokenizer, document: str, questions: Sequence[str], *, inst
     questions = as_list(questions)
     check_document(document)
     check_questions(questions)
+    if instruction is not None and not isinstance(instruction, str):
+        raise InvalidArgument(f"instruction must be text, got {type(instruction).__name__}",
+                              "pass the words said before each question, or None for the default")
     kwargs = {} if instruction is None else {"instruction": instruction}
     return [tokenize_prompt(tokenizer, render_prompt(tokenizer, question_message(document, q, **kwargs)))
             for q in questions]

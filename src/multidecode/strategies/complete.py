@@ -27,7 +27,7 @@ from ..branches import (
 )
 from ..branches import start as start_branches
 from ..engine import Engine
-from ..errors import InvalidInput, check_positive
+from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..memory import budget_bytes, most_branches
 from ..prompts import has_chat_template, render_prompt, tokenize_prompt
 from ..sampling import SamplingParams, check_vocabulary, per_branch_sampling
@@ -65,6 +65,9 @@ def prompt_ids(tokenizer, prompt: str | Sequence[int], *, chat: bool | None = No
     if isinstance(prompt, str):
         if not prompt.strip():
             raise InvalidInput("the prompt is empty", "pass some text to complete")
+        if chat is not None and not isinstance(chat, bool):
+            raise InvalidArgument(f"chat must be True, False or None, got {chat!r}",
+                                  "None (the default) uses the chat template where the tokenizer has one")
         use_chat = has_chat_template(tokenizer) if chat is None else chat
         if use_chat and not has_chat_template(tokenizer):
             raise InvalidInput("this tokenizer has no chat template", "pass chat=False (--no-chat) to complete raw text")
