@@ -51,7 +51,8 @@ def test_bad_settings_are_refused_in_python_terms(arguments, message):
 
 def test_a_proposer_must_be_one_and_a_self_draft_must_skip_a_layer():
     """A class with `propose` and `observe` that is no `Proposer` was 'unknown speculation mode
-    <__main__.Plain object at 0x...>'; a self-draft that skips nothing ran the target as its draft."""
+    <__main__.Plain object at 0x...>'; a self-draft asked to skip no layer ran the target as its
+    draft (`self_draft(model, [])` itself stays: the identity draft the tests check acceptance with)."""
     from tiny_models import tiny_model
 
     from multidecode import self_draft
@@ -70,7 +71,7 @@ def test_a_proposer_must_be_one_and_a_self_draft_must_skip_a_layer():
         assert "subclass of multidecode.Proposer" in refused.value.hint
     model = tiny_model("llama", "sdpa")
     with pytest.raises(InvalidArgument, match="names no layer"):
-        self_draft(model, [])
+        SpeculationSettings.parse("draft", skip_layers=[])
     with pytest.raises(InvalidArgument, match="7, 8, 9, 10, 11 and 95 more are not layer indices"):
         self_draft(model, range(7, 107))
 

@@ -493,6 +493,9 @@ def skip_layer_list(value: str | Sequence[int], spelling: Spelling = PYTHON) -> 
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     if not isinstance(value, str):
+        if not value:
+            raise InvalidArgument(f"{spelling.skip_layers} names no layer, so the draft would be the target itself",
+                                  f"name the layers to skip, e.g. {spelling.skip_layers} 4,6,8-12, or auto")
         if all(is_int(v) for v in value):
             return tuple(int(v) for v in value)
         value = ",".join(map(str, value))

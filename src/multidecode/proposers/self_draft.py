@@ -159,9 +159,6 @@ def self_draft(model, skip_layers: Sequence[int]):
 
 def _check_skip(skip_layers, layers: int) -> set[int]:
     skip = _layer_indices(skip_layers, layers, "skip_layers")
-    if not skip:
-        raise InvalidArgument("skip_layers names no layer, so the draft would be the target itself",
-                              "name the layers to skip, e.g. [10, 12, 15]")
     if len(skip) == layers:
         raise InvalidArgument(f"skip_layers skips all {layers} layers, which leaves no model",
                               "keep at least one layer")
