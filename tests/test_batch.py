@@ -732,7 +732,7 @@ def test_job_questions_given_as_one_string_are_one_question():
     assert BatchSettings(stop="###").stop == ("###",)
 
 
-def test_a_job_started_in_python_resumes_on_the_command_line(tmp_path):
+def test_a_job_started_in_python_resumes_on_the_command_line(tmp_path, cache):
     """`run_batch` labels the model as the command line does (what `load` was given), so the
     same job resumes there: a GGUF file's model was labelled by its converted copy's path."""
     from multidecode.models.random_gguf import write_random_gguf

@@ -411,6 +411,9 @@ def test_benchmark_on_a_tiny_model(tmp_path):
     assert path.stat().st_size > 10_000
     with pytest.raises(InvalidArgument):
         run_beam_benchmark(decoder, beams_sweep=(0,), max_new_tokens=2)
+    for one in (dict(num_beams=1, beams_sweep=(2,)), dict(num_beams=2, beams_sweep=(1,))):  # was a KeyError, after measuring
+        with pytest.raises(InvalidArgument, match="at 2 beams or more"):
+            run_beam_benchmark(decoder, max_new_tokens=2, **one)
 
 
 def test_more_beams_than_memory_holds_are_refused_before_they_run(monkeypatch):

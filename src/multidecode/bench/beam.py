@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import check_counts, check_positive
+from ..errors import InvalidArgument, check_counts, check_positive
 from ..strategies.beam import check_settings, run_beam_search
 from ..strategies.complete import prompt_ids
 from .common import (
@@ -68,6 +68,9 @@ def beam_benchmark(decoder, *, prompt: str | Sequence[int] | None = None, prompt
     check_settings(num_beams, max_new_tokens, length_penalty, early_stopping, 1)
     check_positive("prompt_tokens", prompt_tokens)
     check_counts("beam count", beams_sweep, "pass beams_sweep=(2, 4, 8)")
+    if min(num_beams, *beams_sweep) < 2:  # transformers' generate(num_beams=1) is greedy: no scores to compare
+        raise InvalidArgument(f"beam search is compared at 2 beams or more, got {sorted({num_beams, *beams_sweep})}",
+                              "one beam is greedy decoding, which bench ask measures")
     setup = Setup.of(decoder)
     ids = prompt_ids(setup.tokenizer, prompt) if prompt is not None else excerpt_prompt(
         setup.tokenizer, prompt_tokens, INSTRUCTION)
