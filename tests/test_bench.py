@@ -212,3 +212,17 @@ def test_bench_command_writes_its_results_under_the_given_stem(tmp_path):
     assert result.exit_code == 0, (result.output, result.exception)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mine.json", "mine.md", "mine.png"]
     assert "Targets" in result.output and "wrote" in result.output
+
+
+def test_the_committed_results_tables_are_what_the_code_draws_from_their_json():
+    """docs/results stays in step with the code: a change to how results are written is followed by
+    `multidecode bench redraw docs/results/*.json` (13 tables had fallen behind)."""
+    from pathlib import Path
+
+    from multidecode.bench.results import markdown
+
+    results = sorted((Path(__file__).resolve().parents[1] / "docs" / "results").glob("*.json"))
+    assert results
+    stale = [path.name for path in results
+             if markdown(json.loads(path.read_text(encoding="utf-8"))) != path.with_suffix(".md").read_text(encoding="utf-8")]
+    assert not stale, f"redraw these: multidecode bench redraw {' '.join(stale)}"
