@@ -72,6 +72,18 @@ def test_other_servers_structured_output_fields_are_refused_with_what_to_send(se
     assert post(server, body | {field: None}, route).status_code == 200  # left empty: nothing asked for
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_a_misspelt_parameter_is_refused_naming_the_one_meant(server, route):
+    """"max_token" was passed over (16 tokens, the default, came back) and "temprature": 0 sampled
+    at 1, each a 200; a name this close to one the server reads is a typo. Other clients'
+    extensions the server does not read are passed over still."""
+    body = CHAT if route.endswith("chat/completions") else COMPLETION
+    for typo, meant in (("max_token", "max_tokens"), ("temprature", "temperature"), ("stream_option", "stream_options")):
+        message = refused(server, body | {typo: 1}, typo, route)
+        assert f"did you mean {meant!r}" in message, message
+    assert post(server, body | {"min_tokens": 2, "store": False}, route).status_code == 200
+
+
 def test_llama_cpps_json_object_with_a_schema_is_refused(server):
     message = refused(server, CHAT | {"response_format": {"type": "json_object", "schema": SCHEMA}}, "response_format")
     assert "json_schema" in message and "llama.cpp" in message

@@ -52,6 +52,7 @@ Every problem a client can cause raises `BadRequest` (HTTP 400) naming the param
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -263,6 +264,12 @@ over (unknown fields are allowed) and answer unconstrained, with a 200 the clien
 reply held to its format: each is refused, naming what to send instead."""
 
 
+MISSPELT = 0.85
+"""How alike (difflib's ratio) an unknown field's name must be to a known one's to be taken for a
+typo of it and refused ("max_token", "temprature"); other unknown fields are passed over, as other
+clients' extensions are (vLLM's `min_tokens` is 0.8 from `max_tokens`, and passes)."""
+
+
 def _unsupported(body: _Body) -> None:
     if body.seed is not None and body.seed >= SEED_LIMIT:
         raise BadRequest(f"seed must be below 2**64 ({SEED_LIMIT}), got {body.seed}", "seed")
@@ -281,6 +288,11 @@ def _unsupported(body: _Body) -> None:
             what, instead = OTHER_SERVERS_FORMATS[name]
             raise BadRequest(f"{name} ({what}) is not read by this server, which would answer unconstrained: "
                              f"{instead}", name, "unsupported_parameter")
+        if name not in OTHER_SERVERS_FORMATS and (meant := difflib.get_close_matches(name, type(body).model_fields,
+                                                                                     n=1, cutoff=MISSPELT)):
+            raise BadRequest(f"unrecognized parameter {name!r}: did you mean {meant[0]!r}? (a parameter this "
+                             "server does not know is passed over, so this one would change nothing)", name,
+                             "unknown_parameter")
 
 
 def _sampling(body: _Body, count: int, vocab_size: int) -> list[SamplingParams]:
