@@ -183,10 +183,14 @@ def train_drafter(decoder, settings: DistillSettings) -> Iterator[Progress]:
 
 
 def new_trainee(settings: DistillSettings, model, token_ids: torch.Tensor, data_: Features):
-    """The trainee of `settings.kind`: fresh heads bound to `model`, over `data_`."""
+    """The trainee of `settings.kind`: fresh heads bound to `model`, over `data_`; their starting
+    weights drawn from `settings.seed` (an EAGLE layer's are random), so a run is repeatable."""
     device = next(model.parameters()).device
     if settings.kind == "eagle":
-        head = EagleHead(head_config(model, len(token_ids)), token_ids, vocabulary_size(model), target=fingerprint(model))
+        with torch.random.fork_rng(devices=[]):  # the caller's global generator is left as it was
+            torch.manual_seed(settings.seed)
+            head = EagleHead(head_config(model, len(token_ids)), token_ids, vocabulary_size(model),
+                             target=fingerprint(model))
         head.bind(model)
         return EagleTrainee(head.to(device), data_)
     heads = MedusaHeads(model.config.hidden_size, vocabulary_size(model), settings.heads, num_layers=settings.layers,
