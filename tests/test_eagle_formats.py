@@ -295,6 +295,10 @@ def test_a_head_folder_alone_implies_the_head_s_own_kind(model_dir, tmp_path):
     medusa.mkdir()
     (medusa / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
     assert SpeculationSettings.parse(head=str(medusa)).mode == "medusa"
+    for mode, other, kind in (("eagle", medusa, "medusa"), ("medusa", folder, "eagle")):  # named the files it lacked
+        with pytest.raises(InvalidArgument, match=f"holds a {kind} head, but speculate is '{mode}'") as refused:
+            SpeculationSettings.parse(mode, head=str(other))
+        assert f"speculate='{kind}'" in refused.value.hint
     args = ["generate", "--model", str(model_dir), "-p", "Here is a document about", "--max-new-tokens", "12",
             "--precision", "float32", "--json"]
     plain = CliRunner().invoke(main, [*args, "--speculate", "off"])

@@ -360,6 +360,9 @@ class SpeculationSettings:
             raise InvalidArgument(f"{spelling.head} names a learned head, but {spelling.is_set(mode)}"
                                   + (" (whose layers come in the model's own checkpoint)" if mode in LEARNED else ""),
                                   f"use {spelling.setting('medusa')} or {spelling.setting('eagle')}")
+        if head is not None and (kind := folder_kind(head, unread=None)) not in (None, mode):
+            raise InvalidArgument(f"{spelling.head} {head} holds a {kind} head, but {spelling.is_set(mode)}",
+                                  f"use {spelling.setting(kind)}, or leave the mode out: the head's folder says its kind")
         if budget is not None:
             check_positive("the draft budget", budget)
         if mode is None:

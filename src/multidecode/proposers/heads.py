@@ -134,15 +134,15 @@ def read_config(folder: Path, what: str) -> dict:
         raise InvalidArgument(f"{what}: {path} is not JSON ({err})", "rewrite or replace the file") from None
 
 
-def folder_kind(folder: str | Path) -> str:
+def folder_kind(folder: str | Path, unread: str | None = "medusa") -> str | None:
     """The learned mode a head's folder is for, read from its config.json: "medusa" where it is in
     Medusa's layout (published heads and ours name `medusa_num_heads`), else "eagle" (ours, the
-    EAGLE project's, EAGLE-3's, speculators'). A folder whose config cannot be read is taken as
-    Medusa's, whose loading then says what is wrong with it."""
+    EAGLE project's, EAGLE-3's, speculators'). A folder whose config cannot be read is `unread`'s:
+    by default Medusa's, whose loading then says what is wrong with it."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
-        return "medusa"
+        return unread
     return "medusa" if not isinstance(config, dict) or "medusa_num_heads" in config else "eagle"
 
 
