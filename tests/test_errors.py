@@ -547,8 +547,12 @@ def test_an_unwritable_model_cache_is_named(monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("MULTIDECODE_CACHE", str(blocker / "cache"))
-    with pytest.raises(multidecode.CacheUnwritable, match="MULTIDECODE_CACHE"):
+    with pytest.raises(multidecode.CacheUnwritable, match="cannot write the float32 copy") as whole:
         multidecode.models.converted.embedded_copy()
+    assert "MULTIDECODE_CACHE" in whole.value.hint and "4 bytes per parameter" in whole.value.hint
+    with pytest.raises(multidecode.CacheUnwritable, match="cannot write the config and tokenizer") as described:
+        multidecode.models.converted.embedded_copy(described=True)  # what a packed load writes: no weights
+    assert "a few MB" in described.value.hint
 
 
 def _tiny(config, model_class, impl="eager"):

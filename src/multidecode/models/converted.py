@@ -142,7 +142,7 @@ def _converted(name: str, source, *, convert: bool, write=None) -> Path | None:
     if not convert:
         return None
     gguf = source()
-    with _unwritable(gguf, target.parent), locked_copy(name):
+    with _unwritable(gguf, target.parent, described=write is _describe_gguf), locked_copy(name):
         if not (target / _COMPLETE).is_file():  # another process may have finished meanwhile
             for partial in target.parent.glob(f"{_PARTIAL}{name}-*"):  # left by a killed conversion
                 shutil.rmtree(partial, ignore_errors=True)
@@ -248,18 +248,19 @@ def locked_copy(name: str, *, or_unlocked: bool = False):
 
 
 @contextlib.contextmanager
-def _unwritable(gguf: Path, folder: Path):
+def _unwritable(gguf: Path, folder: Path, *, described: bool = False):
     """Turn an OSError while writing the cache into `CacheUnwritable` (errors reading the GGUF
-    file are `ModelNotFound` already, from `loading_errors`)."""
+    file are `ModelNotFound` already, from `loading_errors`); described: the copy is its config
+    and tokenizer only (a few MB), not the float32 weights."""
     try:
         yield
     except MultiDecodeError:
         raise
     except OSError as err:
-        raise CacheUnwritable(
-            f"cannot write the float32 copy of {gguf.name} to {folder}: {first_line(err)}",
-            "set MULTIDECODE_CACHE to a folder you can write to (with room for 4 bytes per parameter)",
-        ) from err
+        what, room = (("config and tokenizer", "a few MB") if described else
+                      ("float32 copy", "room for 4 bytes per parameter"))
+        raise CacheUnwritable(f"cannot write the {what} of {gguf.name} to {folder}: {first_line(err)}",
+                              f"set MULTIDECODE_CACHE to a folder you can write to ({room})") from err
 
 
 @contextlib.contextmanager
