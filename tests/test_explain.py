@@ -272,3 +272,18 @@ def test_an_error_while_saving_is_reported(tiny, tmp_path, monkeypatch):
     assert result.exit_code == 2, result.output
     assert f"cannot write --output {png}: No space left on device" in result.stderr, result.stderr
     assert "Traceback" not in result.output
+
+
+def test_the_command_draws_a_learned_head_named_by_its_folder(tiny, tmp_path):
+    """explain had no --draft-head, while its refusal of --speculate medusa without a head pointed
+    to one: a head trained into a folder of one's own could not be drawn."""
+    from learned_heads import random_heads
+
+    import multidecode
+
+    folder, document = tiny
+    random_heads(multidecode.load(str(folder), exact=False).model).save(tmp_path / "heads")
+    result = run("--model", folder, "--document", document, "-q", "what is the answer?", "--max-new-tokens", 8,
+                 "--output", tmp_path / "step.png", "--json", "--draft-head", tmp_path / "heads")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["drafted"] > 0

@@ -458,7 +458,7 @@ def load_heads(settings: SpeculationSettings, model):
             return head_class.load(folder).bind(model)
     raise InvalidArgument(f"no {kind} head was trained for this model ({shape_key(model)})",
                           f"train one: multidecode train-drafter --model M --kind {kind} "
-                          "(or name a head's folder: --draft-head DIR on ask, generate, complete, vote, batch and serve; "
+                          "(or name a head's folder: --draft-head DIR on ask, generate, complete, vote, batch, explain and serve; "
                           "SpeculationSettings(head=...) in Python)")
 
 

@@ -8,6 +8,7 @@ sample transcript, three of its questions, prompt lookup with at most four draft
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import tempfile
@@ -19,13 +20,14 @@ from rich.markup import escape
 from .. import explain as _explain
 from ..errors import InvalidArgument
 from ..prompts import check_document, check_questions
-from ..speculation import speculation_mode
 from .common import (
     counted,
     model_options,
     open_run,
     read_text,
     report_errors,
+    speculate_options,
+    speculation_from,
     stderr,
     stdout,
 )
@@ -71,12 +73,9 @@ def _unwritable(output: str, err: OSError, folder: Path | None = None) -> Invali
 @click.option("--question", "-q", multiple=True, metavar="TEXT",
               help="A question (repeatable; default: three questions about the sample transcript).")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Longest answer, in tokens.")
-@click.option("--speculate", default="lookup", show_default=True, metavar="MODE",
-              help="Any speculation mode that drafts (lookup: prompt lookup, every draft fed; auto: drafts where the "
-                   "measured cost says they pay; suffix, lookahead, ...).")
-@click.option("--draft-budget", type=int, default=None, metavar="N",
-              help=f"Draft tokens per branch per step (for auto: the most it may propose) [default: "
-                   f"{_explain.DEFAULT_BUDGET}, so the picture stays readable].")
+@speculate_options(None, stats=False, scope=f"Any mode that drafts; default: lookup (a --draft-head, --draft-model or "
+                                            f"--draft-skip-layers implies its own); --draft-budget defaults to "
+                                            f"{_explain.DEFAULT_BUDGET} here, so the picture stays readable.")
 @click.option("--step", type=int, default=None, metavar="N",
               help="The step to draw (2 or later; default: the one that shows verification best).")
 @click.option("--output", "-o", default="explain_step.png", show_default=True, metavar="PNG",
@@ -92,8 +91,10 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
     questions = list(question) or _explain.sample_questions()
     check_document(text)
     check_questions(questions)
-    if speculation_mode(speculate) is None:
-        raise InvalidArgument(f"--speculate {speculate} has no draft tokens to draw", "use lookup or auto")
+    if speculate.mode is None and not (speculate.draft_head or speculate.draft_model or speculate.draft_skip_layers):
+        speculate = dataclasses.replace(speculate, mode="lookup")
+    if speculation_from(speculate, draft_budget).off:
+        raise InvalidArgument(f"--speculate {speculate.mode} has no draft tokens to draw", "use lookup or auto")
     if step is not None and step < 2:
         raise InvalidArgument(f"--step must be 2 or more, got {step}",
                               "step 1 feeds the prompts; leave --step unset to pick the step that shows most")
