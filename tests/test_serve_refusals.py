@@ -84,6 +84,14 @@ def test_a_misspelt_parameter_is_refused_naming_the_one_meant(server, route):
     assert post(server, body | {"min_tokens": 2, "store": False}, route).status_code == 200
 
 
+@pytest.mark.parametrize(("prompt", "kind"), [(5, "a number"), ({"a": 1}, "an object"),
+                                             ([[1, 2], "hi"], "a list of lists and strings")])
+def test_a_prompt_of_no_form_the_server_takes_is_named_with_the_forms_it_takes(server, prompt, kind):
+    """It was "prompt.str: Input should be a valid string", though lists are taken too."""
+    message = refused(server, COMPLETION | {"prompt": prompt}, "prompt", "/v1/completions")
+    assert message == f"prompt must be a string, a list of strings, a list of token ids, or a list of lists of token ids, got {kind}"
+
+
 def test_llama_cpps_json_object_with_a_schema_is_refused(server):
     message = refused(server, CHAT | {"response_format": {"type": "json_object", "schema": SCHEMA}}, "response_format")
     assert "json_schema" in message and "llama.cpp" in message

@@ -195,9 +195,25 @@ def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
         raise BadRequest(TOO_DEEP, code="invalid_json") from None
     except ValidationError as error:
         first = error.errors()[0]
+        if first["loc"][:1] == ("prompt",):  # a union: pydantic names the first of its forms ("prompt.str")
+            raise BadRequest(f"prompt must be {PROMPT_FORMS}, got {_json_kind(data.get('prompt'))}", "prompt") from None
         where = ".".join(str(p) for p in first["loc"])
         raise BadRequest(f"{where}: {first['msg']}" if where else first["msg"],
                          str(first["loc"][0]) if first["loc"] else None) from None
+
+
+PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+def _json_kind(value) -> str:
+    """What a JSON value is, in JSON's words: "a number", "an object", "a list of lists and strings"."""
+    one = {bool: "a boolean", int: "a number", float: "a number", str: "a string", dict: "an object",
+           type(None): "null"}
+    many = {bool: "booleans", int: "numbers", float: "numbers", str: "strings", dict: "objects", list: "lists",
+            type(None): "nulls"}
+    if isinstance(value, list):
+        return "a list of " + " and ".join(sorted({many.get(type(v), "values") for v in value}))
+    return one.get(type(value), "a value")
 
 
 def _refuse_lone_surrogates(raw: bytes, data: dict) -> None:
