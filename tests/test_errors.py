@@ -250,9 +250,7 @@ def test_bad_sampling_settings(model_dir, doc):
 
 def test_library_errors_name_the_problem():
     """The same checks hold for library callers, as typed exceptions."""
-    config = tf.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    decoder = multidecode.MultiDecoder(tf.LlamaForCausalLM(config).eval(), tiny_tokenizer())
+    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
     with pytest.raises(multidecode.InvalidInput, match="document is empty"):
         decoder.ask("", ["why?"])
     with pytest.raises(multidecode.InvalidInput, match="no questions"):
@@ -275,9 +273,7 @@ def test_what_is_not_a_model_is_named_as_such():
     """MultiDecoder(tokenizer, model), decode(None, ...) and decode(tokenizer, ...) were
     AttributeErrors from inside ('TokenizersBackend has no attribute config'); two precisions at
     once (load(precision=, dtype=)) were resolved silently for one of them."""
-    config = tf.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=1)
-    model, tokenizer = tf.LlamaForCausalLM(config).eval(), tiny_tokenizer()
+    model, tokenizer = _tiny_llama(400), tiny_tokenizer()
     with pytest.raises(multidecode.InvalidArgument, match="got TokenizersBackend.*model first, then its tokenizer"):
         multidecode.MultiDecoder(tokenizer, model)
     with pytest.raises(multidecode.InvalidArgument, match="must be a transformers causal LM.*got None"):
@@ -296,9 +292,7 @@ def test_token_level_settings_are_checked_before_the_prompt_is_read():
     prefill; now both are named, as `MultiDecoder`'s methods name theirs."""
     from multidecode.api import stream_decode
 
-    config = tf.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=1)
-    model = tf.LlamaForCausalLM(config).eval()
+    model = _tiny_llama(400)
     with pytest.raises(multidecode.InvalidArgument, match="unknown setting.*: temprature") as typo:
         list(stream_decode(model, [1, 2], [[3]], max_new_tokens=2, temprature=0.5))
     assert "temperature" in typo.value.hint and "logprobs" in typo.value.hint
@@ -317,9 +311,7 @@ def test_arguments_of_the_wrong_kind_are_named_not_taken(tmp_path):
     is empty" for 5, ". holds no config.json" for load(""))."""
     from multidecode.batch import BatchSettings, open_batch
 
-    config = tf.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    decoder = multidecode.MultiDecoder(tf.LlamaForCausalLM(config).eval(), tiny_tokenizer())
+    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
     with pytest.raises(multidecode.InvalidArgument, match="chat must be True, False or None"):
         decoder.generate("text", max_new_tokens=2, chat="x")
     with pytest.raises(multidecode.InvalidArgument, match="instruction must be text, got int"):
@@ -349,9 +341,7 @@ def test_questions_and_prompts_may_come_as_any_sequence_or_iterable():
     error; a generator of prompts, 'object of type generator has no len()'."""
     import numpy as np
 
-    config = tf.LlamaConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    decoder = multidecode.MultiDecoder(tf.LlamaForCausalLM(config).eval(), tiny_tokenizer())
+    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
     questions = ["why?", "who?"]
     expected = [a.text for a in decoder.ask("text", questions, max_new_tokens=3)]
     for given in ((q for q in questions), map(str.strip, questions), np.array(questions), tuple(questions)):
@@ -367,8 +357,8 @@ def test_questions_and_prompts_may_come_as_any_sequence_or_iterable():
     ids = [[5, 6, 7], [8, 9, 10]]
     for given in (np.array(ids), torch.tensor(ids), (row for row in ids)):
         assert decoded(given) == decoded(ids), type(given)
-    config.max_position_embeddings = 512  # margins' prompts are longer
-    decoder = multidecode.MultiDecoder(tf.LlamaForCausalLM(config).eval(), tiny_tokenizer())
+    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=512),  # margins' prompts are longer
+                                       tiny_tokenizer())
     chunks = ["The router drops.", "The cable was cut."]  # margins' chunks, given as a list or not
     expected = repr(decoder.margins(chunks, "why?", max_new_tokens=2))
     for given in ((c for c in chunks), np.array(chunks)):
@@ -400,9 +390,10 @@ def test_a_prompt_and_its_new_tokens_may_fill_the_model_to_its_last_position(how
         multidecode.decode(model, prompt, [[]], max_new_tokens=10, eos_token_id=[])
 
 
-def _tiny_llama(vocab_size: int = 64):
+def _tiny_llama(vocab_size: int = 64, **config):
+    """A one-layer random Llama (`config`: other settings of its `LlamaConfig`)."""
     config = tf.LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=1)
+                            num_attention_heads=2, num_key_value_heads=1, **config)
     return tf.LlamaForCausalLM(config).eval()
 
 

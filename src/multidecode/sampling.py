@@ -151,18 +151,20 @@ def drawn_seed() -> int:
     return secrets.randbits(31)
 
 
-NEUTRAL = {"do_sample": False, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-"""Settings whose value here changes no token: the default greedy choice, penalties that are off."""
+NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""The penalties at the value that turns them off."""
 
 
 def without_neutral(sampling: Mapping) -> dict:
-    """`sampling` without the settings that change no token (`NEUTRAL`, an empty logit bias): two
-    spellings of one decoding, `--temperature 0` and nothing, say, compare equal."""
+    """`sampling` without the settings that change no token: do_sample False (greedy, the default),
+    a penalty that is off (`NEUTRAL`), an empty logit bias. Two spellings of one decoding,
+    `--temperature 0` and nothing, say, then compare equal."""
     def neutral(key: str, value) -> bool:
+        if key == "do_sample":
+            return value is False
         if key == "logit_bias":
             return isinstance(value, Mapping) and not value
-        return (key in NEUTRAL and isinstance(value, bool) == (key == "do_sample")
-                and isinstance(value, (bool, int, float)) and value == NEUTRAL[key])
+        return key in NEUTRAL and isinstance(value, Real) and not isinstance(value, bool) and value == NEUTRAL[key]
 
     return {key: value for key, value in sampling.items() if not neutral(key, value)}
 

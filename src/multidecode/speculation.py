@@ -502,19 +502,15 @@ def skip_layer_list(value: str | Sequence[int], spelling: Spelling = PYTHON) -> 
         if all(is_int(v) for v in value):
             return tuple(int(v) for v in value)
         value = ",".join(map(str, value))
-    layers: list[int] = []
     try:
-        for part in value.split(","):
-            first, dash, last = part.strip().partition("-")
-            first, last = int(first), int(last) if dash else int(first)  # "8-" is no range
-            if last < first:
-                raise InvalidArgument(f"{spelling.skip_layers} {value!r} has a range that runs backwards ({part.strip()})",
-                                      f"write the lower layer first: {last}-{first}")
-            layers += range(first, last + 1)
-    except ValueError as err:
-        if isinstance(err, InvalidArgument):
-            raise
+        ranges = [(int(first), int(last) if dash else int(first))  # "8-" is no range
+                  for first, dash, last in (part.strip().partition("-") for part in value.split(","))]
+    except ValueError:
         raise InvalidArgument(f"{spelling.skip_layers} {value!r} is not a list of layer numbers",
                               f"write e.g. {spelling.skip_layers} 4,6,8-12, or auto") from None
-    return tuple(layers)
+    for first, last in ranges:
+        if last < first:
+            raise InvalidArgument(f"{spelling.skip_layers} {value!r} has a range that runs backwards ({first}-{last})",
+                                  f"write the lower layer first: {last}-{first}")
+    return tuple(layer for first, last in ranges for layer in range(first, last + 1))
 

@@ -91,10 +91,10 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
     questions = list(question) or _explain.sample_questions()
     check_document(text)
     check_questions(questions)
-    if speculate.mode is None and not (speculate.draft_head or speculate.draft_model or speculate.draft_skip_layers):
-        speculate = dataclasses.replace(speculate, mode="lookup")
     if speculation_from(speculate, draft_budget).off:
-        raise InvalidArgument(f"--speculate {speculate.mode} has no draft tokens to draw", "use lookup or auto")
+        if speculate.mode is not None:  # "off", said
+            raise InvalidArgument(f"--speculate {speculate.mode} has no draft tokens to draw", "use lookup or auto")
+        speculate = dataclasses.replace(speculate, mode="lookup")  # left out, and no detail implied a mode
     if step is not None and step < 2:
         raise InvalidArgument(f"--step must be 2 or more, got {step}",
                               "step 1 feeds the prompts; leave --step unset to pick the step that shows most")
