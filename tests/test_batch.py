@@ -846,3 +846,18 @@ def test_a_run_that_ends_with_lines_left_says_the_input_changed(capsys):
     assert "in.jsonl changed during the run" in " ".join(capsys.readouterr().err.split())
     print_summary(summary, stopped=True)  # stopped: the lines left are simply left
     assert "changed" not in capsys.readouterr().err
+
+
+def test_a_job_that_fails_before_its_first_record_leaves_no_empty_output(model_dir, tmp_path):
+    """A setting only the loaded model can check fails after the output was opened: the output and
+    its settings file it made are gone again; an output that was there before stays, records and all."""
+    source = write_lines(tmp_path / "in.jsonl", [{"document": "text", "questions": ["why?"]}])
+    out = tmp_path / "out.jsonl"
+    result = run(source, "--output", out, "--model", model_dir, "--speculate", "eagle")
+    assert result.exit_code == 2 and "eagle" in result.output, result.output
+    assert not out.exists() and not meta_path(out).exists()
+
+    kept = write_lines(tmp_path / "kept.jsonl", [failed_record("doc-0", 1)])
+    with pytest.raises(RuntimeError, match="boom"), open_batch(source, kept, BatchSettings()):
+        raise RuntimeError("boom")
+    assert records(kept)[0]["id"] == "doc-0" and meta_path(kept).exists()

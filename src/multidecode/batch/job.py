@@ -132,7 +132,9 @@ class BatchJob:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is not None:  # failed before its first record: nothing of it stays
+            self._output.discard()
         self.close()
 
     def run(self, decoder, *, speculate=None, forest_tokens: int = FOREST_TOKENS,
@@ -259,6 +261,7 @@ def open_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, se
             output.drop(failed)
         output.write_meta(settings, input_path)
     except BaseException:
+        output.discard()
         output.close()
         raise
     return BatchJob(input_path, output, settings, lines, len(redo))

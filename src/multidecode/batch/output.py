@@ -43,6 +43,7 @@ class OutputFile:
         # atomic rewrite replaces the file, not the link.
         self.given = Path(path)  # as the user named it, for reports
         self.path, self.fd = Path(path).resolve(), -1
+        self.created = False  # whether this opening made the output (then `discard` may remove it)
         self.lock = FileLock(lock_path(self.path), timeout=0, thread_local=False)
         try:
             self.lock.acquire()
@@ -65,6 +66,7 @@ class OutputFile:
         created = not self.path.exists()
         self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
         if created:
+            self.created = True
             _fsync_dir(self.path.parent)
 
     def _scan(self) -> tuple[dict[str, bool], set[str], bool]:
@@ -168,6 +170,14 @@ class OutputFile:
         data = {"format": FORMAT, "fingerprint": settings.fingerprint, "settings": settings.as_dict(),
                 "input": str(input_path.resolve()), "multidecode": __version__}
         _replace(meta, [(json.dumps(data, ensure_ascii=False, indent=2) + "\n").encode("utf-8")])
+
+    def discard(self) -> None:
+        """Remove the output and its settings file where this opening made the output and nothing was
+        written to it: a job that fails before its first record (the model would not load, a setting
+        only the model can check) leaves no empty output behind. The lock file stays, as always."""
+        if self.created and self.fd >= 0 and os.fstat(self.fd).st_size == 0:
+            self.path.unlink(missing_ok=True)
+            meta_path(self.path).unlink(missing_ok=True)
 
     @property
     def closed(self) -> bool:
