@@ -259,7 +259,7 @@ def test_an_unreachable_address_fails_fast_with_a_clear_message(tmp_path):
                                        "--workers", "3"])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert "no Ray cluster answers at 127.0.0.1:1" in result.stderr and "ray start --head" in result.stderr
-    assert time.perf_counter() - started < 10 and records(tmp_path / "out.jsonl") == []
+    assert time.perf_counter() - started < 10 and not (tmp_path / "out.jsonl").exists()  # no empty output left
     for address, error, needle in [("127.0.0.1:1", RayUnavailable, "no Ray cluster answers at 127.0.0.1:1"),
                                    ("ray://127.0.0.1:1", RayUnavailable, "no Ray cluster answers"),
                                    ("nonsense", InvalidArgument, "is not a Ray address"),
