@@ -278,6 +278,28 @@ def test_logprobs_of_tokens_that_are_parts_of_characters_carry_their_own_bytes(s
             assert text[offset:offset + len(token)] == token, (token, offset)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offsets_do_not_move_while_a_stop_string_holds_text_back(server, stream):
+    """A stop string that the text keeps starting to spell holds every token's text back until the
+    end; each token's text_offset is still where its text begins, as without the stop string (they
+    were the length of the text sent so far: all 0). One that matches leaves the offsets before it."""
+    client = server.client()
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1)
+
+    def offsets(**more) -> tuple[str, list[int]]:
+        if not stream:
+            reply = client.completions.create(**request, **more).choices[0]
+            return reply.text, reply.logprobs.text_offset
+        chunks = [c.choices[0] for c in client.completions.create(**request, **more, stream=True) if c.choices]
+        return "".join(c.text for c in chunks), [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+
+    text, free = offsets()
+    assert len(set(free)) > 2 and free == sorted(free), (text, free)  # tokens with text of their own
+    assert offsets(stop=[text + "\x00"]) == (text, free)  # never matches: every token held until the last
+    cut = free[3]
+    assert offsets(stop=[text[cut:]])[0] == text[:cut] and offsets(stop=[text[cut:]])[1][:4] == free[:4]
+
+
 def _utf8(data: bytes) -> bool:
     try:
         data.decode()

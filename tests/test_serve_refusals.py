@@ -288,3 +288,23 @@ def test_a_tools_strict_is_honoured_as_response_formats_is(server):
         {"type": "function", "function": {"name": "stop", "parameters": {"type": "object"}, "strict": True}}]}
     message = refused(server, mixed, "tools")  # held to one schema, strict: the hint is not "send strict false"
     assert "same strict" in message and "stop asks strict" in message, message
+
+
+def test_completions_take_max_completion_tokens_as_chat_does(server):
+    """Chat's newer name for max_tokens is not passed over by completions (a client that sends it
+    would get the default 16 tokens, more than it asked for): it counts there too, before max_tokens."""
+    def reply(**limits) -> dict:
+        body = {k: v for k, v in COMPLETION.items() if k != "max_tokens"} | limits
+        sent = httpx.post(server.url + "/v1/completions", json=body | {"temperature": 0, "logit_bias": {"0": -100}},
+                          timeout=60)
+        assert sent.status_code == 200, sent.text
+        return sent.json()
+
+    two = reply(max_tokens=2)
+    assert two["usage"]["completion_tokens"] == 2
+    for limits in ({"max_completion_tokens": 2}, {"max_completion_tokens": 2, "max_tokens": 7}):
+        got = reply(**limits)
+        assert got["choices"][0]["text"] == two["choices"][0]["text"], limits
+        assert got["usage"]["completion_tokens"] == 2, limits  # (cached prompt tokens differ: the prefix cache)
+    message = refused(server, COMPLETION | {"max_completion_tokens": 9000}, "max_completion_tokens", "/v1/completions")
+    assert "max_completion_tokens (9000)" in message, message

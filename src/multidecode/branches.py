@@ -54,7 +54,10 @@ class TokenEvent:
     text is the text delta this token made certain ("" without a tokenizer, or while held back);
     finish_reason is None while the branch goes on, else "stop" or "length". When the run asks
     for log-probabilities, logprob is the token's under the model's raw distribution and
-    top_logprobs the likeliest (token id, log-probability) pairs there, best first.
+    top_logprobs the likeliest (token id, log-probability) pairs there, best first. offset: the
+    characters of the branch's text before this token, as decoded, whether or not it was handed
+    out yet (text held back for a stop string counts), so a token's place in the text is known
+    while its own text is still held.
     """
 
     branch: int
@@ -63,6 +66,7 @@ class TokenEvent:
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    offset: int = 0
 
 
 @dataclass
@@ -527,6 +531,7 @@ class BranchGroup(Work):
 
     def _emit(self, index: int, token: int, logits: torch.Tensor, row: int) -> bool:
         branch = self.branches[index]
+        offset = branch.output.decoded_chars
         delta = branch.output.accept(token)
         branch.context.tokens.append(token)
         self.stats.tokens += 1
@@ -537,7 +542,7 @@ class BranchGroup(Work):
                 branch.logprobs, branch.top_logprobs = [], []
             branch.logprobs.append(logprob)
             branch.top_logprobs.append(top)
-        self.events.append(TokenEvent(index, token, delta, branch.output.finish_reason, logprob, top))
+        self.events.append(TokenEvent(index, token, delta, branch.output.finish_reason, logprob, top, offset))
         grammar = branch.sampler.grammar
         if grammar is not None and grammar.complete and not branch.output.finished and self.logprobs is None:
             # Its grammar is complete: its mask allows the eos token alone, which any choice takes,

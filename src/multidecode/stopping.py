@@ -115,6 +115,11 @@ class BranchOutput:
     def text(self) -> str:
         return self._text[: self._cut] if self._cut is not None else self._text
 
+    @property
+    def decoded_chars(self) -> int:
+        """Characters decoded so far, text held back for a stop string included."""
+        return len(self._text)
+
     def accept(self, token: int) -> str:
         """Record one generated token; returns the text delta it makes certain."""
         if self.finished:

@@ -321,8 +321,8 @@ class _Reply:
 
     def _take(self, event) -> tuple[Choice, list]:
         choice = self.choices[event.branch]
-        entries = ([token_entry(self.runtime.tokenizer, event, len(choice.text))] if self.job.logprobs is not None
-                   else [])
+        entries = ([token_entry(self.runtime.tokenizer, event, event.offset)] if self.job.logprobs is not None
+                   else [])  # (no echo with logprobs: the offset is into the generated text)
         choice.logprobs.extend(entries)
         choice.token_ids.append(event.token_id)
         choice.text += event.text

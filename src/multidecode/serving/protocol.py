@@ -112,6 +112,7 @@ class _Body(BaseModel):
 
     model: str
     max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)  # chat's newer name; taken by completions too
     temperature: Float = Field(1.0, ge=0, le=2)
     top_p: Float = Field(1.0, gt=0, le=1)
     top_k: Int | None = None
@@ -163,7 +164,6 @@ class Message(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message]
-    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
@@ -821,7 +821,7 @@ def _max_tokens(body: _Body, prompts: list[list[int]], max_positions: int | None
     """The tokens to generate: as asked, or a default that fits the model's window (window_note: why
     that window is short of the model's own, or "")."""
     default = 16 if not chat else 256
-    max_tokens = (body.max_completion_tokens if chat else None) or body.max_tokens
+    max_tokens = body.max_completion_tokens or body.max_tokens
     longest = max(map(len, prompts))
     if max_positions is not None:
         if longest >= max_positions:
@@ -830,7 +830,7 @@ def _max_tokens(body: _Body, prompts: list[list[int]], max_positions: int | None
         if max_tokens is None:
             max_tokens = min(default, max_positions - longest)
         elif longest + max_tokens > max_positions:
-            named = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+            named = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
             raise BadRequest(f"the prompt ({longest} tokens) plus {named} ({max_tokens}) is over the model's "
                              f"context window of {max_positions} tokens{window_note}", named, "context_length_exceeded")
     return max_tokens or default
