@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers as tf
 from forests import PRECISIONS, THREADS, differing, exact_model, threads
-from tiny_models import COMMON, MAIN_ARCHITECTURES, NO_EOS, ROPE, reference_generate, tiny_model
+from tiny_models import ARCHITECTURES, COMMON, MAIN_ARCHITECTURES, NO_EOS, ROPE, reference_generate, tiny_model
 
 from multidecode import exact, kernels
 from multidecode.api import decode
@@ -141,6 +141,39 @@ def test_a_norm_kernel_that_depends_on_its_row_count_fails_the_check(monkeypatch
     model = exact_model("llama", "sdpa", "bfloat16")
     assert any(isinstance(m, exact.ExactRMSNorm) for m in model.modules())
     assert any(differing(model, seed=seed)[0] for seed in range(3))
+
+
+def wide_or_odd_mlp(arch: str, intermediate: int, dtype: torch.dtype = torch.float32):
+    """A tiny model of `arch` whose MLP is `intermediate` wide, on the exact kernels."""
+    config, cls = ARCHITECTURES[arch]()
+    config.intermediate_size, config._attn_implementation = intermediate, "sdpa"
+    torch.manual_seed(1234)
+    model = cls(config).to(dtype).eval()
+    exact.use_exact_kernels(model)
+    assert any(isinstance(m, exact.ExactActivation) for m in model.modules())
+    return model
+
+
+@pytest.mark.parametrize(("arch", "intermediate", "count"), [("llama", 80, 1), ("gemma3", 80, 1), ("llama", 1100, 3)])
+def test_activations_are_exact_at_any_width_and_thread_count(arch, intermediate, count):
+    """torch computes the last elements of an elementwise run that fall short of a vector step with
+    scalar code that rounds otherwise: an MLP 80 wide ended a forward's SiLU on the scalar code at
+    one thread (the last row's last 16 elements), and one 1,100 wide at 3 threads wherever the
+    threads' shares ended; those rows' logits were not their paths' alone (float32: in bfloat16
+    the two codes' results round to the same bits on these shapes)."""
+    model = wide_or_odd_mlp(arch, intermediate, torch.float32)
+    with threads(count):
+        for seed in range(2):
+            bad, fed = differing(model, seed=seed)
+            assert fed and not bad, f"seed {seed}: {len(bad)} of {fed} nodes differ from their paths alone"
+
+
+def test_an_activation_run_on_torchs_loops_as_they_are_fails_the_check(monkeypatch):
+    """The mutant: activations handed to torch whole (as before `in_flat_tiles`)."""
+    monkeypatch.setattr(kernels, "in_flat_tiles", lambda layer, x: layer(x))
+    model = wide_or_odd_mlp("llama", 80, torch.float32)
+    with threads(1):
+        assert any(differing(model, seed=seed)[0] for seed in range(2))
 
 
 class DoubledRMSNorm(torch.nn.Module):

@@ -24,8 +24,14 @@ depend on the other rows of the forward or on where the node's keys sit in the c
   ancestors it holds (`plan_attention`); a **unit** is such a block and the rows that read it.
   Sharing changes which keys are loaded together, never a row's arithmetic.
 
-Norms reduce per row, rotary embeddings and activations are elementwise, and embeddings are
-lookups: they are invariant as they are (see `kernels`). `tests/test_exact.py` checks the whole
+- **activations**: elementwise, but torch's CPU loops compute a run's last few elements (those
+  short of a whole vector step) with scalar code, whose exp and tanh round differently from the
+  vector code, and where a run ends depends on the forward's size and thread count: a row's SiLU
+  changed with the rows beside it. Each activation layer runs in `kernels.in_flat_tiles`, which
+  hands torch only runs of whole vector steps, one thread each (`ExactActivation`).
+
+Norms reduce per row, rotary embeddings are elementwise (their angles from positions of one
+shape: whole vector steps), and embeddings are lookups: they are invariant as they are (see `kernels`). `tests/test_exact.py` checks the whole
 claim by feeding random forests and comparing every node's logits, bit for bit, with its path
 fed alone, at one thread and at two.
 
@@ -394,6 +400,38 @@ class ExactRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}"
 
 
+class ExactActivation(nn.Module):
+    """An activation layer (SiLU, GELU, ...: elementwise) computed in `kernels.in_flat_tiles`, so
+    that every element takes torch's vector code whatever the forward's row count and thread
+    count (the layer is kept whole, under `layer.`, and put back by `Swapped.restore`). Swapped in
+    on the CPU for the activation classes of transformers and torch, whose outputs are each a
+    function of one input element; a model that calls an activation as a function keeps torch's
+    loops there. Compiled (`multidecode.compiled`), the layer runs as it is: inductor generates
+    its own loops."""
+
+    ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.Sigmoid, nn.Tanh, nn.SiLU, nn.GELU, nn.Hardswish, nn.LeakyReLU, nn.Mish,
+                   nn.ELU, nn.Softplus)
+    """torch's activation layers that are elementwise (not PReLU, whose weight is per channel)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    @classmethod
+    def of(cls, layer: nn.Module, device: torch.device) -> ExactActivation | None:
+        """The stand-in of an elementwise activation layer of a model on the CPU, or None."""
+        ours = type(layer).__module__ == "transformers.activations" or isinstance(layer, cls.ELEMENTWISE)
+        return cls(layer) if ours and device.type == "cpu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
+            return self.layer(x)
+        return kernels.in_flat_tiles(self.layer, x)
+
+    def extra_repr(self) -> str:
+        return f"in flat tiles of at most {kernels.FLAT_TILE} elements"
+
+
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
     """`kernels.rms_norm`'s arithmetic in torch's own operations (its mean of squares in torch's
     order): where the kernel does not run (another device)."""
@@ -448,7 +486,8 @@ class Swapped:
 def use_exact_kernels(model) -> Swapped:
     """Put `model` on the exact kernels: every linear layer becomes an `ExactLinear` (sharing its
     parameters; packed layers compute on `kernels` already), every RMSNorm the kernel can compute
-    an `ExactRMSNorm` (on a GPU every norm layer a `RowTiledNorm`), and attention becomes
+    an `ExactRMSNorm` (on a GPU every norm layer a `RowTiledNorm`), every activation layer on the
+    CPU an `ExactActivation`, and attention becomes
     `exact_attention`. Refuses (`UnsupportedModel`, nothing changed) a model that would still
     compute somewhere on torch's own products: weights of other shapes (a mixture of experts'
     stacked experts, say), or attention layers that do not go through transformers' attention
@@ -461,16 +500,18 @@ def use_exact_kernels(model) -> Swapped:
                           "load it in bfloat16 or float32, or with exact=False")
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for _, parent in list(model.named_modules()):
-        if isinstance(parent, RowTiledNorm):  # already swapped: its layer stays inside
+        if isinstance(parent, (RowTiledNorm, ExactActivation)):  # already swapped: its layer stays inside
             continue
         for name, layer in list(parent.named_children()):
-            exact = ExactLinear.of(layer) or ExactRMSNorm.of(layer) or RowTiledNorm.of(layer, device)
+            exact = (ExactLinear.of(layer) or ExactRMSNorm.of(layer) or RowTiledNorm.of(layer, device)
+                     or ExactActivation.of(layer, device))
             if exact is not None:
                 setattr(parent, name, exact)
                 swapped.append((parent, name, layer))
     change = Swapped(swapped, getattr(model.config, "_attn_implementation", None) or "eager")
     try:
-        if swapped and device.type == "cpu" and not kernels.native():
+        float_products = any(isinstance(getattr(parent, name), ExactLinear) for parent, name, _ in swapped)
+        if float_products and device.type == "cpu" and not kernels.native():
             raise NotBitExact(f"exact float products need multidecode's compiled kernels: {kernels.status().reason}",
                                    "install a C++ compiler (g++) and run `python -m multidecode.kernels`, or load the "
                                    "model at precision int8 or int4, or with exact=False")
@@ -608,6 +649,6 @@ def is_exact(model) -> bool:
     return not any(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
 
 
-__all__ = ["BLOCK", "NAME", "ExactLinear", "ExactPlan", "ExactRMSNorm", "RowTiledNorm", "Swapped", "chain_plan",
+__all__ = ["BLOCK", "NAME", "ExactActivation", "ExactLinear", "ExactPlan", "ExactRMSNorm", "RowTiledNorm", "Swapped", "chain_plan",
            "exact_attention", "exact_kernels", "forest_plan", "is_exact", "one_row_plan", "plan_attention", "plan_tensors",
            "register", "torch_rms_norm", "use_exact_kernels"]

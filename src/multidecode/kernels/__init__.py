@@ -130,6 +130,39 @@ def in_row_tiles(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+FLAT_TILE = 16384
+"""Elements per call of an elementwise layer on the CPU (`in_flat_tiles`): below torch's grain
+size (32768), so one thread computes a call, and a multiple of `VECTOR_STEP`."""
+VECTOR_STEP = 256
+"""A multiple of every vector loop's step in torch's CPU elementwise kernels (two vectors of 32
+bfloat16 lanes at most, with AVX-512)."""
+
+
+def in_flat_tiles(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """An elementwise `layer` (an activation: each output element a function of its own input
+    element) applied to x on the CPU so that every element is computed by the same code, whatever
+    the forward's row count and thread count. Why: torch's elementwise kernels run a vector loop
+    and finish a run whose length is not a multiple of its step with scalar code, whose
+    transcendental functions (exp, tanh, erf) round differently from the vector ones; where a run
+    ends depends on the tensor's size and on how the threads split it, so a row's activation
+    changed with the rows beside it (float32 SiLU at 3 threads and up, or a width that is no
+    multiple of 32). Here x, flattened and zero-padded to a multiple of `VECTOR_STEP`, goes in
+    calls of at most `FLAT_TILE` elements, each a multiple of the vector step and one thread's:
+    every element takes the vector path, in which lanes do not interact."""
+    count = x.numel()
+    if count == 0:
+        return layer(x)
+    padded = -(-count // VECTOR_STEP) * VECTOR_STEP
+    if padded == count and x.is_contiguous():
+        flat = x.reshape(count)  # a view: a decode step's activations are not copied
+    else:
+        flat = x.new_zeros(padded)  # [padded]
+        flat[:count] = x.reshape(count)
+    outs = [layer(tile) for tile in flat.split(FLAT_TILE)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [padded]
+    return out[:count].reshape(x.shape)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            isa: int | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype (see the module notes).
@@ -220,4 +253,4 @@ def _register_fakes() -> None:
 
 
 __all__ = ["AVX2", "AVX512", "AVX512_VNNI", "LEVELS", "PORTABLE", "KernelsUnavailable", "attention", "describe",
-           "level", "linear", "native", "qlinear", "quantize_rows", "rms_norm", "status"]
+           "in_flat_tiles", "level", "linear", "native", "qlinear", "quantize_rows", "rms_norm", "status"]

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument, UnsupportedModel, is_int
-from ..exact import ExactLinear, ExactRMSNorm, RowTiledNorm
+from ..exact import ExactActivation, ExactLinear, ExactRMSNorm, RowTiledNorm
 from ..models.packed import PackedEmbedding, PackedLinear, packed_bytes
 from ..models.vetting import text_config
 
@@ -255,7 +255,7 @@ def _renamer(name: str, keep: list[int]):
 
 
 def _share_kernel_modules(model, draft, renamed) -> None:
-    """Put the target's own kernel layers (exact linear layers and norms, a GPU's tiled norms,
+    """Put the target's own kernel layers (exact linear layers, norms and activations, a GPU's tiled norms,
     packed linear layers and embeddings, which hold no index of their own) in the draft, where a draft built from the
     config has plain ones: the draft computes with the same kernels and shares their tensors as
     they are."""
@@ -264,7 +264,8 @@ def _share_kernel_modules(model, draft, renamed) -> None:
             module = model.get_submodule(renamed(path)) if path else None
         except AttributeError:
             continue
-        if isinstance(module, (ExactLinear, ExactRMSNorm, RowTiledNorm, PackedLinear, PackedEmbedding)):
+        if isinstance(module, (ExactLinear, ExactRMSNorm, RowTiledNorm, ExactActivation, PackedLinear,
+                               PackedEmbedding)):
             parent, _, child = path.rpartition(".")
             setattr(draft.get_submodule(parent) if parent else draft, child, module)
 
