@@ -227,6 +227,18 @@ def test_seeds_matter_and_repeat():
     assert first != other
 
 
+def test_a_seed_list_with_gaps_gives_every_sampled_branch_a_seed_it_reports():
+    """seed=[5, None, None]: the branches left unseeded draw seeds of their own, so each reports the
+    seed that reproduces it (the gaps sampled from a seed no one saw, and reported None, as greedy);
+    a greedy branch keeps none."""
+    from multidecode.sampling import per_branch_sampling
+
+    params = per_branch_sampling(3, {"seed": [5, None, None], "do_sample": [True, True, False], "temperature": 0.9})
+    assert params[0].seed == 5 and isinstance(params[1].seed, int) and params[2].seed is None
+    first = run([TARGET, TARGET], params[:2])
+    assert run([TARGET, TARGET], params[:2]) == first  # the drawn seed, reported, repeats the branch
+
+
 def test_numpy_integers_are_seeds_and_top_k_like_python_ones():
     """A NumPy seed or top_k passes the checks, and samples as the Python int does (torch's
     generator takes Python ints only: it raised a TypeError at the first draw)."""

@@ -174,7 +174,8 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
 
     A single `seed` s gives branch i the seed s + i; a list gives each branch its own. Where
     branches sample and no seed is given, a base seed is drawn at random (`drawn_seed`) and used
-    as if given: every sampled branch reports the seed that reproduces it. A `logit_bias` is one
+    as if given; a sampled branch a list leaves None draws one of its own: every sampled branch
+    reports the seed that reproduces it. A `logit_bias` is one
     {token id: bias} for all branches, or a list of n (None for none).
     """
     unknown = set(sampling) - set(SAMPLING_KEYS)
@@ -206,9 +207,14 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
             any(k in SAMPLING_SWITCHES and v[i] is not None for k, v in sampled.items())
             for i in range(n)
         ]
-    if all(seed is None for seed in columns.get("seed", [None])) and any(columns["do_sample"]):
+    seeds = columns.get("seed", [None] * n)
+    if all(seed is None for seed in seeds) and any(columns["do_sample"]):
         base = drawn_seed()
         columns["seed"] = [base + i for i in range(n)]
+    elif any(seed is None and sample for seed, sample in zip(seeds, columns["do_sample"])):
+        # A list with gaps: each sampled branch it leaves unseeded draws a seed of its own, reported too.
+        columns["seed"] = [drawn_seed() if seed is None and sample else seed
+                           for seed, sample in zip(seeds, columns["do_sample"])]
     params = []
     for i in range(n):
         kwargs = {k: v[i] for k, v in columns.items() if v[i] is not None}
