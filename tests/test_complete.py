@@ -168,6 +168,8 @@ def test_min_p_draws_stay_in_transformers_allowed_set(id_decoder):
         ("the total is 1,234,567.", "1234567"),
         ("Answer: 12,3456", "12,3456"),  # no group of three: not one number
         ("Answer: -1,000.5", "-1000.5"),
+        ("Answer: .5", "0.5"),  # a decimal from its point: not 5
+        ("so it is -.25", "-0.25"),
     ],
 )
 def test_the_default_extractor(trace, answer):
@@ -176,6 +178,7 @@ def test_the_default_extractor(trace, answer):
 
 def test_normalize_makes_equal_answers_equal():
     assert normalize("3.50") == normalize("3.5") == "3.5"
+    assert normalize(".5") == normalize("0.50") == normalize("**0.5**.") == "0.5"
     assert normalize(" Yes. ") == normalize("yes") == "yes"
 
 
@@ -204,6 +207,16 @@ def test_a_trace_cut_at_max_new_tokens_votes_only_with_its_answer_line():
     result = tally("What is 17 * 3?", done)
     assert [t.answer for t in result.traces] == [None, "51", "3"]
     assert result.counts == {"51": 1, "3": 1}
+    assert extract_answer("17 * 3 is\nAnswer:\n51", marked_only=True) == "51"  # its answer on the next line
+    assert extract_answer("To find 17 * 3\nAnswer:", marked_only=True) is None  # cut right after the mark
+
+
+def test_a_decimal_written_from_its_point_votes_with_its_equals():
+    """".5" was read as 5, so three traces that said one half outvoted by one that said 5."""
+    texts = ["So half of 1 is 0.5\nAnswer: 0.5", "Answer: .5", "Answer: .5", "Answer: 5"]
+    result = tally("What is 1/2 as a decimal?", [multidecode.Completion(i, text, [], "stop", i, [])
+                                                  for i, text in enumerate(texts)])
+    assert (result.answer, result.counts) == ("0.5", {"0.5": 3, "5": 1})
 
 
 def test_vote_runs_n_traces_with_a_replaceable_extractor(text_decoder):

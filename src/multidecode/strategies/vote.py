@@ -26,11 +26,14 @@ INSTRUCTION = "Think step by step. Then give the final answer on its own last li
 _ANSWER_MARK = re.compile(r"answer\s*(?:is)?\s*[:=]", re.IGNORECASE)
 """What introduces a final answer ("Answer:", "the answer is:"); the text after its last
 occurrence on a line is the answer ("the final answer is: Answer: 51" gives 51)."""
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
-"""A number, its commas only those between groups of three digits ("1,200"): "2,3" is two numbers."""
+_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
+"""A number, its commas only those between groups of three digits ("1,200"): "2,3" is two numbers;
+a decimal may start at its point (".5")."""
 _LETTERS_BEFORE = re.compile(r"[^\d-]*[A-Za-z]")
 """Words before an answer's only number ("x = 5", "about 3"): not a bare number, kept as text."""
 _DECORATION = " \t.,:;!?\"'*_`"
+_LEADING_DECORATION = re.compile(r"^(?:[ \t,:;!?\"'*_`]|\.(?!\d))+")
+"""Decoration before an answer: the same marks, but not the point of a decimal (".5")."""
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,15 @@ class Vote:
 def normalize(answer: str) -> str | None:
     """Comparable form of an answer: numbers without separators or trailing zeros, else lowercase
     text without surrounding punctuation or markdown emphasis."""
-    text = answer.strip().strip(_DECORATION)
+    text = _LEADING_DECORATION.sub("", answer.strip().rstrip(_DECORATION))
     numbers = _NUMBER.findall(text)
     if len(numbers) == 1 and not _LETTERS_BEFORE.match(text):  # "51", "$1,200", "51 apples"
         value = numbers[0].replace(",", "")
         if "." in value:
             value = value.rstrip("0").rstrip(".")
-        return value
+        if value.lstrip("-").startswith("."):  # ".5" is "0.5"
+            value = value.replace(".", "0.", 1)
+        return value or "0"
     return text.lower() or None
 
 
@@ -86,10 +91,15 @@ def extract_answer(trace: str, *, marked_only: bool = False) -> str | None:
     marked_only: the 'Answer:' line alone (for a trace cut short, whose last number is any number
     it was working with: "17 * 3" cut after its restatement of the question would vote 3)."""
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
-    for line in reversed(lines):
-        marks = list(_ANSWER_MARK.finditer(line))
-        if marks and line[marks[-1].end():].strip():
-            return normalize(line[marks[-1].end():])
+    for i in reversed(range(len(lines))):
+        marks = list(_ANSWER_MARK.finditer(lines[i]))
+        if not marks:
+            continue
+        after = lines[i][marks[-1].end():]
+        if after.strip():
+            return normalize(after)
+        if i + 1 < len(lines):  # "Answer:" ending its line: the answer is the next line
+            return normalize(lines[i + 1])
     if marked_only:
         return None
     numbers = _NUMBER.findall(trace)
