@@ -14,8 +14,10 @@ from multidecode.models.random_gguf import BYTE_TOKENS, add_byte_level_tokenizer
 
 
 def write_tiny_gguf(path, *, seed: int = 0, name: str = "tiny", matrix_type: str = "Q8_0", types=None,
-                    hidden: int = 32, ffn: int = 64, heads: int = 4, layers: int = 2, extra_tokens: int = 0):
-    """A Llama with random weights and a byte-level BPE tokenizer, as a GGUF file.
+                    hidden: int = 32, ffn: int = 64, heads: int = 4, layers: int = 2, extra_tokens: int = 0,
+                    architecture: str = "llama"):
+    """A Llama with random weights and a byte-level BPE tokenizer, as a GGUF file (architecture:
+    the name its header gives, another one's for a file no forest runs: the tensors stay Llama's).
 
     matrix_type: the GGUF type of its matrices ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "F16", ... or
     "Q4_K"); types: {tensor name: type} for some tensors; extra_tokens: filler tokens after the
@@ -24,7 +26,7 @@ def write_tiny_gguf(path, *, seed: int = 0, name: str = "tiny", matrix_type: str
 
     rng = np.random.default_rng(seed)
     tokens = byte_level_tokens(BYTE_TOKENS + extra_tokens)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name(name)
     writer.add_block_count(layers)
     writer.add_context_length(128)

@@ -123,6 +123,34 @@ def test_a_gguf_file_that_is_not_gguf(doc, tmp_path):
     assert_clean_error(run("ask", "--model", fake, "--document", doc, "-q", "why?"), "not a GGUF file")
 
 
+@pytest.mark.parametrize("kept", ["3000 bytes", "all but the last 2000 bytes", "a header alone"])
+def test_a_gguf_file_cut_short_says_so(doc, tmp_path, cache, kept):
+    """A download cut short: the header, or a tensor, ends before the file does (it was a traceback
+    of struct.error, or a reshape's numbers, with a hint to pass a .gguf file)."""
+    from gguf_files import write_tiny_gguf
+
+    whole = tmp_path / "whole.gguf"
+    write_tiny_gguf(whole)
+    data = whole.read_bytes()
+    cut = tmp_path / "model.gguf"
+    cut.write_bytes({"3000 bytes": data[:3000], "all but the last 2000 bytes": data[:-2000],
+                     "a header alone": b"GGUFgarbage"}[kept])
+    assert_clean_error(run("ask", "--model", cut, "--document", doc, "-q", "why?"), "may be cut short or damaged",
+                       "fetch it again")
+
+
+@pytest.mark.parametrize(("architecture", "reason"), [("mamba", "recurrent layers"), ("bloom", "ALiBi positions")])
+def test_a_gguf_model_no_forest_runs_is_refused_for_what_it_is_at_the_default_precision(doc, tmp_path, cache,
+                                                                                      architecture, reason):
+    """Read as packed codes (the default), such a file was refused with transformers' words about
+    sdpa and a hint to pass a .gguf file (at float32 it was refused for what it is). The file's
+    tensors are a Llama's: the model is refused from its config, before any weight is read."""
+    from gguf_files import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / f"{architecture}.gguf", architecture=architecture)
+    assert_clean_error(run("ask", "--model", path, "--document", doc, "-q", "why?"), reason, "cannot run exactly")
+
+
 def test_a_folder_without_config(doc, tmp_path):
     assert_clean_error(run("ask", "--model", tmp_path, "--document", doc, "-q", "why?"), "no config.json")
 

@@ -57,6 +57,9 @@ def test_a_precision_the_device_cannot_run_is_refused():
     (Counter(Q4_1=210, Q8_0=1), None, CPU, "int4"),
     (Counter(Q4_K=100, Q6_K=20), None, CPU, "int4"),
     (Counter(Q8_0=50), None, CPU, "int8"),
+    (Counter(Q5_0=50), None, CPU, "int8"),  # no kernel reads 5-bit codes: re-coded as 8-bit, not widened to bfloat16
+    (Counter(Q6_K=40, Q5_K=10), None, CPU, "int8"),
+    (Counter(Q3_K=40, Q5_K=10), None, CPU, "int4"),
     (Counter(F32=50), None, CPU, "float32"),
     (Counter(F16=50), None, CPU, "bfloat16"),
     (None, torch.float32, CPU, "float32"),

@@ -38,6 +38,7 @@ from .converted import locked_copy
 from .packed import GROUP, Codes, PackedEmbedding, PackedLinear, quantize
 from .packed_cache import PackedFile, PackedWeights
 from .tensor_directory import TensorDirectory
+from .vetting import check_supported
 
 PACKED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
 """GGUF tensor types kept as codes, and their bits."""
@@ -104,7 +105,13 @@ def load_packed(path: str | Path, folder: str | Path, *, bits: int | None, dtype
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        except ValueError as err:  # a model with no such attention (recurrent layers, say): said by the vetting
+            if attn_implementation not in str(err) and "scaled_dot_product" not in str(err):
+                raise
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    check_supported(model)  # before a single weight is read: a model no forest runs exactly is refused as such
     model.generation_config = GenerationConfig.from_pretrained(folder)
     weights = _kept_weights(Path(path), Path(folder), model, bits=bits, dtype=dtype)
     _fill(model, weights, dtype)

@@ -97,12 +97,17 @@ def resolve(name: str, device: torch.device, *, gguf_types: Counter | None = Non
     if device.type != "cpu":
         return Precision("bfloat16", f"auto on {device.type}: bfloat16")
     if gguf_types:
-        four = sum(n for kind, n in gguf_types.items() if kind in ("Q4_0", "Q4_1", "Q4_K"))
-        eight = gguf_types.get("Q8_0", 0)
+        from .gguf import PACKED_TYPES, RECODED
+
+        widths = {**RECODED, **PACKED_TYPES}  # each quantized type's codes as kept: its own, or the nearest width
+        four = sum(n for kind, n in gguf_types.items() if widths.get(kind) == 4)
+        eight = sum(n for kind, n in gguf_types.items() if widths.get(kind) == 8)
         floats = sum(n for kind, n in gguf_types.items() if kind in ("F32", "F16", "BF16"))
         if four or eight:
-            return Precision("int4" if four >= eight else "int8",
-                             "auto: the GGUF file's " + ("4-bit" if four >= eight else "8-bit") + " codes, kept")
+            bits = 4 if four >= eight else 8
+            kept = all(kind in PACKED_TYPES for kind in gguf_types if widths.get(kind) == bits)
+            return Precision(f"int{bits}", f"auto: the GGUF file's {bits}-bit codes, kept" if kept else
+                             f"auto: the GGUF file's quantized weights as {bits}-bit codes (the nearest width kept)")
         if floats and gguf_types.get("F32", 0) == floats:
             return Precision("float32", "auto: the GGUF file's float32 weights")
         return Precision("bfloat16", "auto: the GGUF file's weights at the nearest precision kept")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import warnings
 
 from ..errors import ModelNotFound, MultiDecodeError, UnsupportedModel
@@ -53,11 +54,11 @@ def loading_errors(model):
         yield
     except MultiDecodeError:
         raise
-    except (OSError, ValueError, KeyError) as err:
-        raise ModelNotFound(
-            f"could not load a causal language model from {model}: {first_line(err)}",
-            "pass a local Hugging Face model folder, a .gguf file, or nothing for the embedded model",
-        ) from err
+    except (OSError, ValueError, KeyError, struct.error, EOFError) as err:
+        hint = "pass a local Hugging Face model folder, a .gguf file, or nothing for the embedded model"
+        if str(model).lower().endswith(".gguf"):  # a header or a tensor that ends early: most often a cut download
+            hint = f"{model} may be cut short or damaged (a download that did not finish?): fetch it again; or " + hint
+        raise ModelNotFound(f"could not load a causal language model from {model}: {first_line(err)}", hint) from err
 
 
 def from_pretrained(auto_class, folder, dtype, kwargs):
