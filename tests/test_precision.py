@@ -203,3 +203,22 @@ def test_cli_runs_a_gguf_at_each_cpu_precision_with_the_same_speculative_and_pla
             rows.append(json.loads(result.stdout.strip().splitlines()[-1])["token_ids"])
         assert rows[0] == rows[1], name
         assert f"tiny.gguf (llama, {'auto (int8)' if name == 'auto' else name}, cpu)" in result.stderr
+
+
+def test_weights_a_packed_precision_cannot_pack_are_said_not_packed(tmp_path):
+    """An MLP 80 wide (no whole groups of 32) at int4: its 3 down projections stay bfloat16. The
+    load said int4 and listed only what it packed; the report and the command line's note now name
+    what was not packed (as they would a mixture of experts' stacked weights)."""
+    import transformers as tf
+    from local_models import tiny_tokenizer
+    from tiny_models import COMMON, ROPE
+
+    torch.manual_seed(0)
+    folder = tmp_path / "odd"
+    tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON, **{**ROPE, "intermediate_size": 80})).save_pretrained(folder)
+    tiny_tokenizer(vocab_size=COMMON["vocab_size"]).save_pretrained(folder)
+    formats = multidecode.load(str(folder), precision="int4").memory()["formats"]
+    assert sum(n for became, n in formats.items() if "not packed" in became) == 3, formats
+    result = CliRunner().invoke(main, ["generate", "--model", str(folder), "--precision", "int4", "-p", "hi",
+                                       "--max-new-tokens", "2"])
+    assert result.exit_code == 0 and "int4, 3 weights not packed" in result.stderr, result.output

@@ -511,11 +511,15 @@ def first_read_seconds(size: int) -> float:
 
 
 def _model_label(decoder, model_name) -> str:
+    from ..models.packed import NOT_PACKED
+
     config = decoder.model.config
     name = model_name or "SmolLM2-135M-Instruct (embedded)"
     device = next(decoder.model.parameters()).device
     memory = decoder.memory()  # at auto "auto (int4)": the file's codes, not --precision int4's re-coding
     precision = f"auto ({memory['precision']})" if memory["reason"] else memory["precision"]  # a reason: auto chose
+    floats = sum(n for became, n in memory["formats"].items() if NOT_PACKED in became)  # widths no group divides
+    precision += f", {floats} weights {NOT_PACKED}" if floats else ""
     return f"{name} ({config.model_type}, {precision}, {device})"
 
 

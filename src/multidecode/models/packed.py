@@ -199,6 +199,10 @@ def weights_precision(model: nn.Module) -> str:
 
 
 # ---------------------------------------------------------------------- packing a model loaded from floats
+NOT_PACKED = "not packed"
+"""Said in `pack_model`'s report of a weight it kept in floats (so the precision asked for is not all the model holds)."""
+
+
 def pack_model(model: nn.Module, bits: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
     """Replace every linear layer (and GPT-2's Conv1D) of `model` whose weight can be packed with
     a `PackedLinear` of `bits`-bit codes, and the input embedding with a `PackedEmbedding` (sharing
@@ -210,7 +214,10 @@ def pack_model(model: nn.Module, bits: int, dtype: torch.dtype = torch.bfloat16)
         for child_name, child in list(module.named_children()):
             weight = _linear_weight(child)
             full = f"{name}.{child_name}" if name else child_name
-            if weight is None or not packable(tuple(weight.shape)):
+            if weight is None:
+                continue
+            if not packable(tuple(weight.shape)):  # kept, and said: the precision asked for is not all it holds
+                report[f"{full}.weight"] = f"{_named(dtype)}, {NOT_PACKED}: {weight.shape[1]} inputs, not whole groups of {GROUP}"
                 continue
             linear = heads.get(id(_weight_object(child)))
             if linear is None:
@@ -227,10 +234,16 @@ def pack_model(model: nn.Module, bits: int, dtype: torch.dtype = torch.bfloat16)
         model.set_input_embeddings(PackedEmbedding(head, padding_idx=embed.padding_idx,
                                                    embed_scale=getattr(embed, "embed_scale", None)))
         report["embeddings"] = f"int{bits} codes" + (", shared with the LM head" if tied else "")
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
+        if param.dim() > 2:  # a mixture of experts' stacked weights: no packed kernel takes them
+            report[name] = f"{_named(dtype)}, {NOT_PACKED}: stacked weights, which no packed kernel reads"
     return report
+
+
+def _named(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _tied(model: nn.Module) -> bool:
