@@ -151,6 +151,24 @@ def test_a_gguf_model_no_forest_runs_is_refused_for_what_it_is_at_the_default_pr
     assert_clean_error(run("ask", "--model", path, "--document", doc, "-q", "why?"), reason, "cannot run exactly")
 
 
+def test_a_folder_named_like_a_gguf_file_is_called_a_folder(doc, tmp_path):
+    folder = tmp_path / "model.gguf"
+    folder.mkdir()
+    assert_clean_error(run("ask", "--model", folder, "--document", doc, "-q", "why?"), "is a folder, not a .gguf file")
+
+
+def test_an_empty_precision_is_refused_not_taken_for_auto(model_dir):
+    with pytest.raises(multidecode.InvalidArgument, match="unknown precision ''"):
+        multidecode.load(str(model_dir), precision="")
+
+
+def test_small_byte_counts_are_written_in_their_own_unit():
+    from multidecode.memory import gigabytes
+
+    assert [gigabytes(n) for n in (0, 50, 512, 23_040, 5_000_000, 3_000_000_000)] == [
+        "0 bytes", "50 bytes", "0.5 kB", "23.0 kB", "5.0 MB", "3.00 GB"]  # a budget of 0 read "0.0 MB"
+
+
 def test_a_folder_without_config(doc, tmp_path):
     assert_clean_error(run("ask", "--model", tmp_path, "--document", doc, "-q", "why?"), "no config.json")
 

@@ -327,7 +327,8 @@ def load(model: str | None = None, *, precision: str | None = None, dtype=None, 
     if precision is not None and dtype is not None and parse_precision(precision) != parse_precision(dtype):
         raise InvalidArgument(f"precision={precision!r} and dtype={dtype!r} ask for two precisions",
                               "give precision= alone (dtype is its older name)")
-    loaded = load_model(model, precision_name=precision or dtype, device=device, exact=exact)
+    loaded = load_model(model, precision_name=precision if precision is not None else dtype, device=device,
+                        exact=exact)  # (precision="" is no precision: refused, not auto)
     if compile:
         compile_forward(loaded.model)
     return MultiDecoder(loaded.model, loaded.tokenizer, exact=exact, loaded=loaded)

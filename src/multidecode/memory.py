@@ -163,7 +163,11 @@ def activation_dtype(model) -> torch.dtype:
 
 
 def gigabytes(count: int) -> str:
-    return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
+    """A byte count in words: GB from 0.1 GB, MB from 0.1 MB, then kB and bytes (not "0.0 MB")."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size / 10:
+            return f"{count / size:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{count:,} bytes"
 
 
 def parse_bytes(text: str) -> int:

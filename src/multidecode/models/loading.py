@@ -203,6 +203,9 @@ def _folder_dtype(folder, kwargs: dict) -> torch.dtype | None:
 
 def _gguf_file(name: str) -> Path:
     path = Path(name).expanduser()
+    if path.is_dir():
+        raise ModelNotFound(f"{path} is a folder, not a .gguf file", "name the .gguf file itself, or a model folder "
+                            "without .gguf in its name")
     if not path.is_file():
         raise ModelNotFound(f"no model at {path}: the path does not exist", "check the path")
     with open(path, "rb") as fh:
