@@ -40,6 +40,7 @@ from .common import (
     sampling_from,
     speculation_from,
     stderr,
+    stop_option,
 )
 
 #: failures printed as they happen; later ones are only counted (all are in the output)
@@ -251,7 +252,7 @@ def say_if_not_compiled(results, model):
 @click.option("--questions-file", metavar="FILE", help="Questions for every document, one per line.")
 @click.option("--question", "-q", multiple=True, metavar="TEXT", help="A question for every document (repeatable).")
 @click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Longest answer, in tokens.")
-@click.option("--stop", multiple=True, metavar="TEXT", help="Stop an answer at this string (repeatable).")
+@stop_option("an answer")
 @click.option("--retry-failed", is_flag=True, help="Redo the lines whose result in OUT is an error.")
 @click.option("--forest-tokens", type=click.IntRange(min=0), default=FOREST_TOKENS, show_default=True, metavar="N",
               help="Merge documents into one forest while they reserve at most N cache tokens (0: one at a time).")

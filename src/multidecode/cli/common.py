@@ -302,6 +302,13 @@ def note_if_cut(cut: int, of: int = 1) -> None:
                      "grammar was complete, so it may not parse; raise --max-new-tokens")
 
 
+def stop_option(what: str):
+    """--stop TEXT, repeatable: the text that ends `what`. A shell gives "\\n" as two characters, not a
+    newline (the server and the library take a newline as it is): the help says how to type one."""
+    return click.option("--stop", multiple=True, metavar="TEXT",
+                        help=f"Stop {what} at this string (repeatable; a newline: --stop $'\\n' in bash).")
+
+
 def decoding_options(speculate: str | None = None):
     """What every decoding command takes: the model's options, the sampling options, the
     speculation options (--speculate defaulting to `speculate`) and the constraint options."""

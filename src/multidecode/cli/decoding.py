@@ -43,6 +43,7 @@ from .common import (
     sampling_options,
     stderr,
     stdout,
+    stop_option,
 )
 from .remote import Request, Server, server_option
 
@@ -114,7 +115,7 @@ def gather_questions(question: Sequence[str], questions_file: str | None) -> lis
 @click.option("--question", "-q", multiple=True, metavar="TEXT", help="A question (repeatable).")
 @click.option("--questions-file", metavar="FILE", help="Questions, one per line.")
 @click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Longest answer, in tokens.")
-@click.option("--stop", multiple=True, metavar="TEXT", help="Stop an answer at this string (repeatable).")
+@stop_option("an answer")
 @decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of answers instead of streaming text.")
 @server_option
@@ -190,7 +191,7 @@ def ask_on_server(url: str, text: str, questions: list[str], request: Request, a
 @click.option("--n", "-n", "n", type=int, default=4, show_default=True, help="Number of completions.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--greedy", is_flag=True, help="Greedy decoding (all n completions are then identical).")
-@click.option("--stop", multiple=True, metavar="TEXT", help="Stop a completion at this string (repeatable).")
+@stop_option("a completion")
 @decoding_options()
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of completions.")
 @click.option("--logprobs", is_flag=True, help="With --json: each completion's token log-probabilities "

@@ -28,6 +28,7 @@ from .common import (
     report_errors,
     sampling_from,
     stderr,
+    stop_option,
 )
 from .remote import Request, Server, server_option
 
@@ -35,7 +36,7 @@ from .remote import Request, Server, server_option
 @click.command()
 @prompt_options
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--stop", multiple=True, metavar="TEXT", help="Stop at this string (repeatable).")
+@stop_option("the text")
 @decoding_options("auto")
 @click.option("--echo", is_flag=True, help="Print the prompt before the completion (with --json, the text starts "
                                            "with it), as the completions API's echo.")
