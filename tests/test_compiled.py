@@ -82,9 +82,22 @@ def test_the_pass_replaces_them_all():
     assert compiled.eager_sums().uuid() == compiled.eager_sums().uuid()  # cacheable: the same pass, the same key
 
 
+def test_rotary_angles_are_eagers():
+    """Inductor's own cos and sin were a unit in the last place off aten's for about a third of
+    float32 angles: a float32 forest compiled gave no node its path's logits (the first forward,
+    eager, fed the prompt). The pass hands them to aten, as it does sums."""
+    angles = torch.arange(1, 4097, dtype=torch.float32)[:, None] * torch.logspace(0, -4, 32)[None]  # [4096, 32]
+
+    def rotary(x):
+        return x.cos(), x.sin()
+
+    for got, want in zip(_compile(rotary)(angles), rotary(angles)):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------------- the compiled engine
-@pytest.mark.parametrize("arch", ["llama", "qwen2-hybrid"])  # full attention; a sliding window beside it
-@pytest.mark.parametrize("precision", ["bfloat16", "int4"])
+@pytest.mark.parametrize(("arch", "precision"), [("llama", "float32"), ("llama", "bfloat16"), ("llama", "int4"),
+                                                  ("qwen2-hybrid", "bfloat16"), ("qwen2-hybrid", "int4")])
 def test_a_compiled_forest_gives_the_eager_forests_bits_and_each_node_its_path_alone(arch, precision):
     """Random forests fed through the compiled forward (after each engine's first forward, which
     allocates the cache and runs eagerly) give the eager engine's logits bit for bit, and every

@@ -29,7 +29,10 @@ logit. So every sum and mean of the graph is handed to aten: a pass (`eager_sums
 `post_grad_custom_pre_pass`) replaces `aten.sum` and `aten.mean` by `multidecode::eager_sum` and
 `multidecode::eager_mean`, operators whose kernel is aten's (inductor calls them as they are, as it
 calls the products), so a norm's reduction is eager's, bit for bit; the elementwise work around
-it stays fused. (An RMSNorm the exact kernels compute, `exact.ExactRMSNorm`, is one of their
+it stays fused. Rotary angles likewise: inductor's own cos and sin are a unit in the last place
+off aten's for about a third of float32 angles, so a float32 forest compiled gave no node its
+path's logits (the prompt's first forward runs eagerly); the pass makes `aten.cos` and `aten.sin`
+`multidecode::eager_cos` / `eager_sin`. (An RMSNorm the exact kernels compute, `exact.ExactRMSNorm`, is one of their
 operators: called from the graph as it is, no sum of its own left to hand back.) A reduction
 inductor makes out of another operation (a softmax's, a layer norm's `var_mean`) is not one of
 them: a graph with one of those is refused before it runs (GPT-2's layer norms), and that model
@@ -81,16 +84,28 @@ def _eager_mean(x, dim, keepdim=False, dtype=None):
     return torch.ops.aten.mean.dim(x, dim, keepdim, dtype=dtype)
 
 
+def _eager_cos(x):
+    return torch.ops.aten.cos.default(x)
+
+
+def _eager_sin(x):
+    return torch.ops.aten.sin.default(x)
+
+
 def register_sums() -> None:
-    """Define `multidecode::eager_sum` and `eager_mean` (aten's `sum.dim_IntList` and `mean.dim`, under
-    names inductor has no lowering for: it calls them as they are). Idempotent."""
+    """Define `multidecode::eager_sum` and `eager_mean` (aten's `sum.dim_IntList` and `mean.dim`), and
+    `eager_cos` / `eager_sin` (aten's, for rotary angles: inductor's own cos and sin are a unit in the
+    last place off aten's for a third of float32 angles), under names inductor has no lowering for:
+    it calls them as they are. Idempotent."""
     global _library
     if _library is not None:
         return
     library = torch.library.Library("multidecode", "FRAGMENT")
-    for name, kernel in (("eager_sum", _eager_sum), ("eager_mean", _eager_mean)):
-        library.define(name + _SCHEMA)
-        library.impl(name, kernel, "CompositeExplicitAutograd")  # aten's kernel: eager's order of additions
+    for name, kernel, schema in (("eager_sum", _eager_sum, _SCHEMA), ("eager_mean", _eager_mean, _SCHEMA),
+                                 ("eager_cos", _eager_cos, "(Tensor self) -> Tensor"),
+                                 ("eager_sin", _eager_sin, "(Tensor self) -> Tensor")):
+        library.define(name + schema)
+        library.impl(name, kernel, "CompositeExplicitAutograd")  # aten's kernel: eager's order and rounding
         torch.library.register_fake(f"multidecode::{name}", kernel, lib=library)
     _library = library
 
@@ -108,7 +123,8 @@ def eager_sums():
         def __call__(self, graph: torch.fx.Graph) -> None:
             aten, ops = torch.ops.aten, torch.ops.multidecode
             replaced = {aten.sum.dim_IntList: ops.eager_sum.default, aten.sum.default: ops.eager_sum.default,
-                        aten.mean.dim: ops.eager_mean.default, aten.mean.default: ops.eager_mean.default}
+                        aten.mean.dim: ops.eager_mean.default, aten.mean.default: ops.eager_mean.default,
+                        aten.cos.default: ops.eager_cos.default, aten.sin.default: ops.eager_sin.default}
             for node in [node for old in replaced for node in graph.find_nodes(op="call_function", target=old)]:
                 target = replaced[node.target]
                 # (self, *, dtype) is over every dim: (self, None, False, *, dtype)
