@@ -129,9 +129,15 @@ def test_bench_serve_command_measures_both_servers(tmp_path):
             assert 0.5 < m["cache_hit_rate"] < 0.9
         if server == ONE:
             assert m["branches_per_forward"] <= 1.0
-    # all four requests arrive at once: the forest decodes them together, one at a time does not
+    # all four requests arrive at once: the forest decodes them together, one at a time does not. (At
+    # 90% shared the tiny model's answers are short, 11 decode steps in all, one of 7: how many forwards
+    # the forest's prompts take (1 to 4, deferred and paced by what steps cost on a loaded machine) can
+    # bring its branches per forward to 1, so there the count of forwards tells.)
+    assert rows[(FOREST, 4, 0.0)]["server_metrics"]["branches_per_forward"] > 1.0
     for shared in (0.0, 0.9):
-        assert rows[(FOREST, 4, shared)]["server_metrics"]["branches_per_forward"] > 1.0
+        forwards = {server: rows[(server, 4, shared)]["server_metrics"]["counters"]["forward_passes"]
+                    for server in (FOREST, ONE)}
+        assert forwards[FOREST] < forwards[ONE], forwards
         assert rows[(FOREST, 4, shared)]["identical_to_one_at_a_time"] is True
         assert rows[(FOREST, 1, shared)]["identical_to_one_at_a_time"] is True
         assert rows[(FOREST, 4, shared)]["throughput_vs_one_at_a_time"] > 0
