@@ -25,13 +25,13 @@ depend on the other rows of the forward or on where the node's keys sit in the c
   Sharing changes which keys are loaded together, never a row's arithmetic.
 
 - **activations**: elementwise, but torch's CPU loops compute a run's last few elements (those
-  short of a whole vector step) with scalar code, whose exp and tanh round differently from the
+  short of a whole vector step) with scalar code, whose sigmoid rounds differently from the
   vector code, and where a run ends depends on the forward's size and thread count: a row's SiLU
   changed with the rows beside it. Each activation layer runs in `kernels.in_flat_tiles`, which
   hands torch only runs of whole vector steps, one thread each (`ExactActivation`).
 
-Norms reduce per row, rotary embeddings are elementwise (their angles from positions of one
-shape: whole vector steps), and embeddings are lookups: they are invariant as they are (see `kernels`). `tests/test_exact.py` checks the whole
+Norms reduce per row, rotary embeddings are elementwise (torch's scalar and vector cos and sin
+agree), and embeddings are lookups: they are invariant as they are (see `kernels`). `tests/test_exact.py` checks the whole
 claim by feeding random forests and comparing every node's logits, bit for bit, with its path
 fed alone, at one thread and at two.
 

@@ -143,7 +143,7 @@ def in_flat_tiles(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     element) applied to x on the CPU so that every element is computed by the same code, whatever
     the forward's row count and thread count. Why: torch's elementwise kernels run a vector loop
     and finish a run whose length is not a multiple of its step with scalar code, whose
-    transcendental functions (exp, tanh, erf) round differently from the vector ones; where a run
+    functions can round differently from the vector ones (float32 sigmoid, and so SiLU); where a run
     ends depends on the tensor's size and on how the threads split it, so a row's activation
     changed with the rows beside it (float32 SiLU at 3 threads and up, or a width that is no
     multiple of 32). Here x, flattened and zero-padded to a multiple of `VECTOR_STEP`, goes in
