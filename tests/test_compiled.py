@@ -1,4 +1,4 @@
-"""The compiled step's sums are added in aten's order (`multidecode.compiled`, the `eager_sums` pass).
+"""The compiled step's sums are added in aten's order (`multidecode.compiled`, the `eager_ops` pass).
 
 Inductor's own CPU reduction adds a row in another order than aten's: for random bfloat16 rows of
 576 (the embedded model's width), the mean of squares an RMSNorm takes differs from eager's in the
@@ -75,11 +75,11 @@ def test_the_pass_replaces_them_all():
              graph.call_function(aten.mean.dim, (x, [0])),
              graph.call_function(aten.mean.default, (x,), {"dtype": None})]
     graph.output(tuple(nodes))
-    compiled.eager_sums()(graph)
+    compiled.eager_ops()(graph)
     targets = [node.target for node in graph.nodes if node.op == "call_function"]
     ops = torch.ops.multidecode
     assert targets == [ops.eager_sum.default, ops.eager_sum.default, ops.eager_mean.default, ops.eager_mean.default]
-    assert compiled.eager_sums().uuid() == compiled.eager_sums().uuid()  # cacheable: the same pass, the same key
+    assert compiled.eager_ops().uuid() == compiled.eager_ops().uuid()  # cacheable: the same pass, the same key
 
 
 def test_rotary_angles_are_eagers():

@@ -18,22 +18,23 @@ serve every step:
   of changing size reuse the graphs compiled so far (torch specializes sizes 0 and 1: a one-row
   step and a forest are different graphs; a handful in all, see docs/benchmarks.md).
 
-**Exactness: sums in aten's order.** Inductor fuses a chain of bfloat16 operations and would round
+**Exactness: sums (and rotary angles) in aten's order.** Inductor fuses a chain of bfloat16 operations and would round
 once at its end where eager torch rounds after each; `emulate_precision_casts` makes the fused code
 round where eager does. A sum is another matter: inductor's CPU reduction adds a row in its own
 order (32 lanes, then a tree), aten's in another (a cascade of 4 x 16-lane accumulators), and the
 two round differently for some rows: on the embedded model the post-attention norm of layer 6
 (`pow(2).mean(-1)` of token 1235 under a 22-token prompt) gave a mean of squares one bit off
 (14.736589 against eager's 14.736588), which flipped 3 elements of the normed row and 0.56 in a
-logit. So every sum and mean of the graph is handed to aten: a pass (`eager_sums`, inductor's
+logit. So every sum and mean of the graph is handed to aten: a pass (`eager_ops`, inductor's
 `post_grad_custom_pre_pass`) replaces `aten.sum` and `aten.mean` by `multidecode::eager_sum` and
 `multidecode::eager_mean`, operators whose kernel is aten's (inductor calls them as they are, as it
 calls the products), so a norm's reduction is eager's, bit for bit; the elementwise work around
 it stays fused. Rotary angles likewise: inductor's own cos and sin are a unit in the last place
 off aten's for about a third of float32 angles, so a float32 forest compiled gave no node its
-path's logits (the prompt's first forward runs eagerly); the pass makes `aten.cos` and `aten.sin`
-`multidecode::eager_cos` / `eager_sin`. (An RMSNorm the exact kernels compute, `exact.ExactRMSNorm`, is one of their
-operators: called from the graph as it is, no sum of its own left to hand back.) A reduction
+path's logits (the prompt's first forward runs eagerly); the pass makes `aten.cos` and
+`aten.sin` `multidecode::eager_cos` / `eager_sin`. (An RMSNorm the exact kernels compute,
+`exact.ExactRMSNorm`, is one of their operators: called from the graph as it is, no sum of its
+own left to hand back.) A reduction
 inductor makes out of another operation (a softmax's, a layer norm's `var_mean`) is not one of
 them: a graph with one of those is refused before it runs (GPT-2's layer norms), and that model
 runs eagerly. The embedded model gives eager's logits compiled (the siblings above, random
@@ -68,7 +69,7 @@ import torch
 from .user_cache import cache_dir
 
 OPTIONS = {"emulate_precision_casts": True}
-"""Inductor's settings for the step (see the module notes); `options()` adds the `eager_sums` pass."""
+"""Inductor's settings for the step (see the module notes); `options()` adds the `eager_ops` pass."""
 
 
 # ---------------------------------------------------------------------- sums in aten's order
@@ -92,7 +93,7 @@ def _eager_sin(x):
     return torch.ops.aten.sin.default(x)
 
 
-def register_sums() -> None:
+def register_eager_ops() -> None:
     """Define `multidecode::eager_sum` and `eager_mean` (aten's `sum.dim_IntList` and `mean.dim`), and
     `eager_cos` / `eager_sin` (aten's, for rotary angles: inductor's own cos and sin are a unit in the
     last place off aten's for a third of float32 angles), under names inductor has no lowering for:
@@ -110,16 +111,16 @@ def register_sums() -> None:
     _library = library
 
 
-def eager_sums():
+def eager_ops():
     """An inductor pass (`post_grad_custom_pre_pass`: after autograd, before inductor's pattern matcher)
     that makes every `aten.sum` and `aten.mean` of the graph `multidecode::eager_sum` / `eager_mean`,
-    so each sum is added in aten's order (see the module notes). Made on first use: inductor's
-    modules take a second to import."""
+    and every `aten.cos` and `aten.sin` `eager_cos` / `eager_sin`, so each is computed as aten
+    computes it (see the module notes). Made on first use: inductor's modules take a second to import."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    register_sums()
+    register_eager_ops()
 
-    class EagerSums(CustomGraphPass):
+    class EagerOps(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             aten, ops = torch.ops.aten, torch.ops.multidecode
             replaced = {aten.sum.dim_IntList: ops.eager_sum.default, aten.sum.default: ops.eager_sum.default,
@@ -144,14 +145,14 @@ def eager_sums():
         def uuid(self) -> bytes:  # compiled artifacts are cached under the pass's source
             return get_hash_for_files((__file__,))
 
-    return EagerSums()
+    return EagerOps()
 
 
 ORDERED_REDUCTIONS = frozenset({"sum", "mean", "var", "var_mean", "std", "std_mean", "prod", "cumsum", "cumprod",
                                 "logsumexp", "linalg_vector_norm", "norm", "nansum", "nanmean", "_softmax",
                                 "_log_softmax", "logcumsumexp"})
 """aten reductions whose result depends on the order of their additions (a max, a min or an
-any does not): after `eager_sums`, a graph with one left is refused (`CompileRefused`)."""
+any does not): after `eager_ops`, a graph with one left is refused (`CompileRefused`)."""
 
 
 class CompileRefused(RuntimeError):
@@ -165,8 +166,8 @@ def _packet(target) -> str | None:
 
 
 def options() -> dict:
-    """`OPTIONS` and the `eager_sums` pass: what the step is compiled with."""
-    return {**OPTIONS, "post_grad_custom_pre_pass": eager_sums()}
+    """`OPTIONS` and the `eager_ops` pass: what the step is compiled with."""
+    return {**OPTIONS, "post_grad_custom_pre_pass": eager_ops()}
 
 
 RECOMPILE_LIMIT = 64
@@ -225,7 +226,7 @@ class CompiledForward:
                     torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 return self.compiled(input_ids, position_ids, mask, cache, logits_to_keep, units, cache_argument,
                                      self.key)
-        except Exception as error:  # refused by `eager_sums`, or a graph inductor cannot build: run eagerly
+        except Exception as error:  # refused by `eager_ops`, or a graph inductor cannot build: run eagerly
             inner = getattr(error, "inner_exception", None) or error.__cause__ or error
             self.refused = str(inner) if isinstance(inner, CompileRefused) else \
                 f"compiling failed ({type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''})"
@@ -261,4 +262,4 @@ def uncompile(model) -> None:
 
 
 __all__ = ["ORDERED_REDUCTIONS", "STATIC_SOURCES", "CompileRefused", "CompiledForward", "call_guards", "compile_forward",
-           "compiled_forward", "eager_sums", "options", "register_sums", "uncompile", "use_inductor_cache"]
+           "compiled_forward", "eager_ops", "options", "register_eager_ops", "uncompile", "use_inductor_cache"]

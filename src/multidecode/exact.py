@@ -31,9 +31,10 @@ depend on the other rows of the forward or on where the node's keys sit in the c
   hands torch only runs of whole vector steps, one thread each (`ExactActivation`).
 
 Norms reduce per row, rotary embeddings are elementwise (torch's scalar and vector cos and sin
-agree), and embeddings are lookups: they are invariant as they are (see `kernels`). `tests/test_exact.py` checks the whole
-claim by feeding random forests and comparing every node's logits, bit for bit, with its path
-fed alone, at one thread and at two.
+agree), and embeddings are lookups: they are invariant as they are (see `kernels`).
+`tests/test_exact.py` checks the whole claim by feeding random forests and comparing every node's
+logits, bit for bit, with its path fed alone, at one thread and at two (and at three, where an
+MLP is wide enough for torch to split its activation among threads).
 
 The kernel is registered as the attention implementation `"multidecode_exact"` through
 transformers' public `AttentionInterface`; the engine passes each forward's `ExactPlan` as the
@@ -649,6 +650,6 @@ def is_exact(model) -> bool:
     return not any(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
 
 
-__all__ = ["BLOCK", "NAME", "ExactActivation", "ExactLinear", "ExactPlan", "ExactRMSNorm", "RowTiledNorm", "Swapped", "chain_plan",
-           "exact_attention", "exact_kernels", "forest_plan", "is_exact", "one_row_plan", "plan_attention", "plan_tensors",
+__all__ = ["BLOCK", "NAME", "ExactActivation", "ExactLinear", "ExactPlan", "ExactRMSNorm", "RowTiledNorm", "Swapped",
+           "chain_plan", "exact_attention", "exact_kernels", "forest_plan", "is_exact", "one_row_plan", "plan_attention", "plan_tensors",
            "register", "torch_rms_norm", "use_exact_kernels"]

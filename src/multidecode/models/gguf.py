@@ -37,6 +37,7 @@ from . import packed as packing
 from .converted import locked_copy
 from .packed import GROUP, Codes, PackedEmbedding, PackedLinear, quantize
 from .packed_cache import PackedFile, PackedWeights
+from .reading import sdpa_or_eager
 from .tensor_directory import TensorDirectory
 from .vetting import check_supported
 
@@ -91,8 +92,8 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the model
-def load_packed(path: str | Path, folder: str | Path, *, bits: int | None, dtype: torch.dtype,
-                attn_implementation: str = "sdpa") -> tuple[nn.Module, dict[str, str]]:
+def load_packed(path: str | Path, folder: str | Path, *, bits: int | None,
+                dtype: torch.dtype) -> tuple[nn.Module, dict[str, str]]:
     """The model of the GGUF file `path` (its config in `folder`), linear weights packed.
 
     bits: the codes' width, None to keep each tensor's own (a tensor of another width than asked
@@ -105,12 +106,8 @@ def load_packed(path: str | Path, folder: str | Path, *, bits: int | None, dtype
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-        except ValueError as err:  # a model with no such attention (recurrent layers, say): said by the vetting
-            if attn_implementation not in str(err) and "scaled_dot_product" not in str(err):
-                raise
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+        model = sdpa_or_eager(lambda attention: AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                                                 attn_implementation=attention))
     check_supported(model)  # before a single weight is read: a model no forest runs exactly is refused as such
     model.generation_config = GenerationConfig.from_pretrained(folder)
     weights = _kept_weights(Path(path), Path(folder), model, bits=bits, dtype=dtype)

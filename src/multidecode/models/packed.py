@@ -208,6 +208,7 @@ def pack_model(model: nn.Module, bits: int, dtype: torch.dtype = torch.bfloat16)
     a `PackedLinear` of `bits`-bit codes, and the input embedding with a `PackedEmbedding` (sharing
     the LM head's codes where the two are tied). Returns what each weight became, by name."""
     tied = _tied(model)
+    kept = f"{str(dtype).removeprefix('torch.')}, {NOT_PACKED}"  # what a weight no packed kernel takes stays as
     report: dict[str, str] = {}
     heads: dict[int, PackedLinear] = {}  # id(weight) -> its packed linear
     for name, module in list(model.named_modules()):
@@ -217,7 +218,7 @@ def pack_model(model: nn.Module, bits: int, dtype: torch.dtype = torch.bfloat16)
             if weight is None:
                 continue
             if not packable(tuple(weight.shape)):  # kept, and said: the precision asked for is not all it holds
-                report[f"{full}.weight"] = f"{_named(dtype)}, {NOT_PACKED}: {weight.shape[1]} inputs, not whole groups of {GROUP}"
+                report[f"{full}.weight"] = f"{kept}: {weight.shape[1]} inputs, not whole groups of {GROUP}"
                 continue
             linear = heads.get(id(_weight_object(child)))
             if linear is None:
@@ -238,12 +239,8 @@ def pack_model(model: nn.Module, bits: int, dtype: torch.dtype = torch.bfloat16)
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
         if param.dim() > 2:  # a mixture of experts' stacked weights: no packed kernel takes them
-            report[name] = f"{_named(dtype)}, {NOT_PACKED}: stacked weights, which no packed kernel reads"
+            report[name] = f"{kept}: stacked weights, which no packed kernel reads"
     return report
-
-
-def _named(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _tied(model: nn.Module) -> bool:

@@ -12,8 +12,12 @@ import contextlib
 import os
 import struct
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 from ..errors import ModelNotFound, MultiDecodeError, UnsupportedModel
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -61,18 +65,28 @@ def loading_errors(model):
         raise ModelNotFound(f"could not load a causal language model from {model}: {first_line(err)}", hint) from err
 
 
-def from_pretrained(auto_class, folder, dtype, kwargs):
+def sdpa_or_eager(build: Callable[[str], T]) -> T:
+    """`build(attn_implementation)` with sdpa, or with eager where the model's class has no sdpa
+    (recurrent layers, say: the vetting then says why such a model is refused, not transformers)."""
     try:
-        return auto_class.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **kwargs)
+        return build("sdpa")
     except ValueError as err:
         if "sdpa" not in str(err).lower() and "scaled_dot_product" not in str(err).lower():
-            if "Unrecognized configuration class" in str(err) or "does not recognize" in str(err):
-                raise UnsupportedModel(
-                    f"{folder} is not a causal language model: {first_line(err)}",
-                    "MultiDecode needs a decoder-only model (AutoModelForCausalLM)",
-                ) from err
             raise
-        return auto_class.from_pretrained(folder, dtype=dtype, attn_implementation="eager", **kwargs)
+    return build("eager")
+
+
+def from_pretrained(auto_class, folder, dtype, kwargs):
+    try:
+        return sdpa_or_eager(lambda attention: auto_class.from_pretrained(folder, dtype=dtype,
+                                                                         attn_implementation=attention, **kwargs))
+    except ValueError as err:
+        if "Unrecognized configuration class" in str(err) or "does not recognize" in str(err):
+            raise UnsupportedModel(
+                f"{folder} is not a causal language model: {first_line(err)}",
+                "MultiDecode needs a decoder-only model (AutoModelForCausalLM)",
+            ) from err
+        raise
 
 
 def first_line(err: BaseException) -> str:

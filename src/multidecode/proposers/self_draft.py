@@ -255,10 +255,10 @@ def _renamer(name: str, keep: list[int]):
 
 
 def _share_kernel_modules(model, draft, renamed) -> None:
-    """Put the target's own kernel layers (exact linear layers, norms and activations, a GPU's tiled norms,
-    packed linear layers and embeddings, which hold no index of their own) in the draft, where a draft built from the
-    config has plain ones: the draft computes with the same kernels and shares their tensors as
-    they are."""
+    """Put the target's own kernel layers (exact linear layers, norms and activations, a GPU's tiled
+    norms, packed linear layers and embeddings, which hold no index of their own) in the draft,
+    where a draft built from the config has plain ones: the draft computes with the same kernels
+    and shares their tensors as they are."""
     for path, _ in list(draft.named_modules()):
         try:
             module = model.get_submodule(renamed(path)) if path else None
