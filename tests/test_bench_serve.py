@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from local_models import tiny_model_folder, tiny_tokenizer
 
 from multidecode.bench.serve import (
+    ARRIVAL,
     FOREST,
     ONE,
     PIECES,
@@ -165,7 +166,11 @@ def test_arrival_figures_a_worked_example():
 
 
 @pytest.mark.slow
-def test_bench_serve_arrival_case_reads_a_long_prompt_in_pieces_and_whole(tmp_path):
+def test_bench_serve_arrival_case_reads_a_long_prompt_in_pieces_and_whole(tmp_path, monkeypatch):
+    # The tiny model gives the 8 streams a token every ~2 ms: with 128 tokens each, a client held up for
+    # 0.2 s (a loaded machine) saw every stream end before it sent the long prompt, so no gap overlapped
+    # the read and the case had no figure. 400 tokens give it 3.4 times that slack (512 positions hold them).
+    monkeypatch.setitem(ARRIVAL, "stream_tokens", 400)
     model = tiny_model_folder(tmp_path / "model", max_positions=512)
     out = tmp_path / "out"
     args = ["bench", "serve", "--model", str(model), "--requests", "1", "--concurrency", "1", "--shared", "0",

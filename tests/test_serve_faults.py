@@ -369,7 +369,9 @@ def test_fifty_timed_out_requests_leave_the_cache_as_it_was(server):
     forest = server.forest
     good_completion(server.client())
     server.wait_idle()
-    idle_slots, cancelled, generated = forest.engine.forest.num_slots, forest.counters.cancelled, forest.counters.generated
+    counters = forest.counters
+    idle_slots, cancelled, generated, admitted = (forest.engine.forest.num_slots, counters.cancelled, counters.generated,
+                                                  counters.admitted)
     CONTROL.delay = 0.01  # 200 steps: 2 s at least, against a 0.5 s timeout
 
     async def impatient():
@@ -386,7 +388,11 @@ def test_fifty_timed_out_requests_leave_the_cache_as_it_was(server):
     reply = server.client(timeout=10).completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=4)
     assert reply.choices[0].finish_reason == "length" and time.monotonic() - started < 5
     server.wait_idle()
-    assert forest.counters.cancelled - cancelled == 50
+    # A request whose 0.5 s ran out before the server read it never reached the forest (a loaded
+    # machine): count what did. Every request the forest admitted was cut off (the last one, admitted
+    # after them, ran to its end); some may have been cancelled still waiting for admission.
+    reached = counters.admitted - admitted - 1
+    assert reached >= 1 and reached <= counters.cancelled - cancelled <= 50
     assert forest.counters.generated - generated < 75 * 200 / 2  # 75 branches cut off, not run to the end
     assert idle_cache(forest)
     assert forest.engine.forest.num_slots <= idle_slots + 50 * 12  # the new prompts' prefixes, no more
