@@ -301,7 +301,7 @@ def test_cli_vote_json(model_dir):
 
 
 def test_cli_temperature_zero_is_greedy(model_dir):
-    """--temperature 0 means greedy, as on the server (the library refuses 0)."""
+    """--temperature 0 means greedy, as on the server and in the library."""
     base = ["--model", str(model_dir), "-p", "Tell me about cables.", "--max-new-tokens", "5", "--json"]
     greedy = CliRunner().invoke(main, ["complete", *base, "--n", "2", "--greedy"])
     zero = CliRunner().invoke(main, ["complete", *base, "--n", "2", "--temperature", "0"])

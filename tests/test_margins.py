@@ -232,6 +232,19 @@ def test_bad_input_names_the_problem(decoder, document, question, settings, erro
     assert needle in str(info.value)
 
 
+def test_a_seed_too_large_for_the_answer_is_refused_before_any_margin_is_written(decoder):
+    """Margin i is seeded seed + i and the answer seed + n: a seed whose answer passed 2**64 - 1 was
+    refused only once the margins had been written and judged, naming a seed nobody passed."""
+    judged = []
+    with pytest.raises(InvalidArgument, match=r"seed 18446744073709551614 gives the last of 3 branches"):
+        decoder.margins(["One line.", "Another line."], QUESTION, seed=2**64 - 2, max_margin_tokens=2,
+                        max_new_tokens=2, classify=lambda question, notes: judged.append(notes) or [1.0] * len(notes))
+    assert not judged
+    result = decoder.margins(["One line.", "Another line."], QUESTION, seed=2**64 - 3, max_margin_tokens=2,
+                             max_new_tokens=2, classify=lambda question, notes: [1.0] * len(notes))
+    assert len(result.margins) == 2 and result.answer_finish_reason in ("length", "stop")
+
+
 # ---------------------------------------------------------------------- the command
 def invoke(*args, stdin=None):
     return CliRunner().invoke(main, ["margins", *map(str, args)], input=stdin)

@@ -27,6 +27,7 @@ from multidecode.sampling import (
     apply_top_k,
     apply_top_p,
     choose_tokens,
+    per_branch_sampling,
     process_logits,
 )
 
@@ -161,7 +162,7 @@ def test_sampled_tokens_stay_inside_the_kept_set():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(temperature=0.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1),
+        dict(temperature=0.0, do_sample=True), dict(temperature=-0.5), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1),
         dict(repetition_penalty=0.0),
         dict(temperature=1e-40), dict(temperature=float("inf")),  # passed, then torch's 'probability tensor contains inf'
     ],
@@ -169,6 +170,25 @@ def test_sampled_tokens_stay_inside_the_kept_set():
 def test_bad_sampling_params_raise(kwargs):
     with pytest.raises(InvalidArgument):
         SamplingParams(**kwargs)
+
+
+def test_temperature_zero_is_greedy_as_openai_reads_it():
+    """The server and the command line read temperature 0 as greedy; the library refused it, with a
+    hint (leave it out) that made `complete` sample at temperature 1."""
+    assert SamplingParams(temperature=0) == SamplingParams()
+    for settings in ({"temperature": 0}, {"temperature": 0, "do_sample": True, "top_p": 0.5, "seed": 3}):
+        assert per_branch_sampling(2, settings) == [SamplingParams()] * 2
+    mixed = per_branch_sampling(3, {"temperature": [0.7, 0, 1.0], "seed": 10})
+    assert [(p.do_sample, p.temperature, p.seed) for p in mixed] == [(True, 0.7, 10), (False, 1.0, None), (True, 1.0, 12)]
+
+
+def test_a_tiny_temperature_after_a_strong_penalty_still_draws():
+    """repetition_penalty=1e-9 then temperature=1e-30 carried logits past float32: torch's
+    'probability tensor contains either inf, nan or element < 0'. The draw is now the arg-max."""
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5]])
+    params = SamplingParams(do_sample=True, temperature=1e-30, repetition_penalty=1e-9, seed=1)
+    sampler = BranchSampler(params, context=[0, 1, 2, 3])
+    assert choose_tokens(logits, [sampler]) == [2]
 
 
 # ---------------------------------------------------------------------- seeds and neighbours
@@ -429,3 +449,16 @@ def test_the_tiniest_temperature_taken_still_draws():
     logits = random_logits(9) * 3000  # logits of size 1e4 at most
     sampler = BranchSampler(SamplingParams(do_sample=True, temperature=TINIEST_TEMPERATURE, seed=1))
     assert choose_tokens(logits[:1], [sampler]) == [int(logits[0].argmax())]
+
+
+def test_a_seed_keeps_its_high_bits():
+    """torch's CPU generator keeps a seed's low 32 bits: seeds s and s + 2**32 drew one stream (and
+    branch 1 of seed 2**32 - 1 was branch 0 of seed 0). A seed below 2**32 keeps the draws it gave."""
+    def draws(seed):
+        return torch.rand(8, generator=BranchSampler(SamplingParams(do_sample=True, seed=seed)).generator)
+
+    for seed in (0, 5, 2**32 - 1):
+        assert torch.equal(draws(seed), torch.rand(8, generator=torch.Generator().manual_seed(seed)))
+        assert not torch.equal(draws(seed), draws(seed + 2**32))
+        assert not torch.equal(draws(seed), draws(seed + 2**63))
+    assert not torch.equal(draws(2**32), draws(0)) and torch.equal(draws(2**64 - 1), draws(2**64 - 1))

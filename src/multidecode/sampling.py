@@ -46,7 +46,9 @@ from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES
 MAX_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
 SEED_LIMIT = 2**64
-"""Seeds lie in [0, SEED_LIMIT): a branch's draws come from a generator seeded with it."""
+"""Seeds lie in [0, SEED_LIMIT): a branch's draws come from a generator seeded from it (`seeded_generator`)."""
+TORCH_SEED_BITS = 32
+"""The bits of a seed torch's CPU generator (a Mersenne twister) keeps: the low 32, the rest dropped."""
 TINIEST_TEMPERATURE = 1e-30
 """The smallest temperature taken: logits (at most about 1e4 in size) divided by it stay finite in
 float32 (below float32's smallest normal number, 1.2e-38, they reach infinity and the draw fails)."""
@@ -83,9 +85,11 @@ class SamplingParams:
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
             raise InvalidArgument(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}",
                                   "branch i uses seed + i, which must stay in that range too")
+        if self.temperature == 0 and not self.do_sample:  # greedy, as OpenAI's API reads it; no division
+            object.__setattr__(self, "temperature", 1.0)
         if not self.temperature > 0:
-            raise InvalidArgument(f"temperature must be > 0, got {self.temperature}",
-                                  "for greedy decoding leave it out (do_sample=False)")
+            raise InvalidArgument(f"temperature must be > 0 to sample, got {self.temperature}",
+                                  "for greedy decoding give temperature=0 without do_sample=True, or do_sample=False")
         if not TINIEST_TEMPERATURE <= self.temperature < math.inf:  # logits / it overflow float32: no distribution
             raise InvalidArgument(f"temperature {self.temperature} is outside what float32 logits can be divided by",
                                   f"use a temperature from {TINIEST_TEMPERATURE:g} to a finite number, or greedy "
@@ -155,6 +159,30 @@ NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalt
 """The penalties at the value that turns them off."""
 
 
+def mix64(value: int) -> int:
+    """splitmix64's mix of `value` in [0, 2**64): one to one, every input bit moving every output bit."""
+    z = (value + 0x9E3779B97F4A7C15) % SEED_LIMIT
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % SEED_LIMIT
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % SEED_LIMIT
+    return z ^ (z >> 31)
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator drawing from `seed`'s stream (None: from fresh entropy).
+
+    torch's CPU generator keeps only a seed's low 32 bits (`TORCH_SEED_BITS`), so seeds s and
+    s + 2**32 would share a stream. A seed of 2**32 or more is therefore mixed down to 32 bits
+    first (`mix64`), so that its high bits count; a smaller seed is used as it is, giving the draws
+    it always gave. There are 2**32 streams: two seeds share one with a chance of 1 in 2**32.
+    """
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed if seed < 2**TORCH_SEED_BITS else mix64(seed) % 2**TORCH_SEED_BITS)
+    return generator
+
+
 def without_neutral(sampling: Mapping) -> dict:
     """`sampling` without the settings that change no token: do_sample False (greedy, the default),
     a penalty that is off (`NEUTRAL`), an empty logit bias. Two spellings of one decoding,
@@ -207,6 +235,7 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
             any(k in SAMPLING_SWITCHES and v[i] is not None for k, v in sampled.items())
             for i in range(n)
         ]
+    _greedy_at_zero(columns, n)
     seeds = columns.get("seed", [None] * n)
     if all(seed is None for seed in seeds) and any(columns["do_sample"]):
         base = drawn_seed()
@@ -222,6 +251,18 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
     return params
 
 
+def _greedy_at_zero(columns: dict[str, list], n: int) -> None:
+    """A branch at temperature 0 decodes greedily, as OpenAI's API and llama.cpp read it: it samples
+    nothing and has no seed, whatever else it names (`do_sample` too: `complete` samples by default);
+    its penalties and bias stay."""
+    greedy = [isinstance(t, Real) and not isinstance(t, bool) and t == 0 for t in columns.get("temperature", [None] * n)]
+    if any(greedy):
+        columns["do_sample"] = [sample and not zero for sample, zero in zip(columns["do_sample"], greedy)]
+        for key in SAMPLING_SWITCHES:
+            if key in columns:
+                columns[key] = [None if zero else value for value, zero in zip(columns[key], greedy)]
+
+
 class BranchSampler:
     """One branch's sampling state: its parameters, its generator, the tokens it has seen and,
     for a constrained branch, where its grammar stands (`constraints.GrammarState`)."""
@@ -229,13 +270,7 @@ class BranchSampler:
     def __init__(self, params: SamplingParams, context: Sequence[int] = (), grammar: GrammarState | None = None) -> None:
         self.params = params
         self.grammar = grammar
-        self.generator: torch.Generator | None = None
-        if params.do_sample:
-            self.generator = torch.Generator()
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed)
-            else:
-                self.generator.seed()
+        self.generator = seeded_generator(params.seed) if params.do_sample else None
         # Repetition penalty looks at the whole sequence, prompt included, as transformers does;
         # presence and frequency penalties at the generated tokens only, as OpenAI's do.
         self.seen: set[int] = set(context) if params.repetition_penalty not in (None, 1.0) else set()
@@ -276,8 +311,14 @@ def apply_logit_bias(logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits [n, V]; temperature [n, 1]."""
-    return logits / temperature
+    """logits [n, V]; temperature [n, 1]. A row the division carries past float32's range (a tiny
+    temperature after a strong repetition penalty: infinities, whose softmax is no distribution) is
+    divided once its largest logit is taken out: the same distribution, every logit finite or -inf."""
+    out = logits / temperature
+    over = torch.isposinf(out).any(dim=-1, keepdim=True)  # [n, 1]
+    if bool(over.any()):
+        out = torch.where(over, (logits - logits.amax(dim=-1, keepdim=True)) / temperature, out)
+    return out
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

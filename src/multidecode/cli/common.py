@@ -19,7 +19,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
-from ..sampling_keys import SAMPLING_SWITCHES
 from ..user_cache import unwritable
 
 if TYPE_CHECKING:
@@ -95,14 +94,12 @@ def _parse_logit_bias(context, parameter, values: tuple[str, ...]) -> dict[int, 
 
 def sampling_from(options: dict) -> dict:
     """The sampling settings the user gave (a command's keyword arguments from `sampling_options`),
-    as keyword arguments for the library. --temperature 0 is greedy, as OpenAI's servers and
-    llama.cpp read it (the library refuses a temperature of 0): sampling off, the penalties and bias kept."""
+    as keyword arguments for the library (where --temperature 0 is greedy, as OpenAI's servers and
+    llama.cpp read it: sampling off, the penalties and bias kept)."""
     chosen = {k: v for k, v in options.items() if v is not None}
     if chosen.get("temperature", 0) < 0:  # the library's message speaks of do_sample, which no option is
         raise InvalidArgument(f"--temperature must be 0 (greedy) or more, got {chosen['temperature']:g}",
                               "use --temperature 0, or leave it out, for greedy decoding")
-    if chosen.get("temperature") == 0:
-        chosen = {k: v for k, v in chosen.items() if k not in SAMPLING_SWITCHES} | {"do_sample": False}
     return chosen
 
 

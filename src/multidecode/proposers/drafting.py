@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SEED_LIMIT, SamplingParams, warp
+from ..sampling import TORCH_SEED_BITS, SamplingParams, mix64, seeded_generator, warp
 from .base import DraftTree
 
 
@@ -59,14 +59,11 @@ def add_candidates(tree: DraftTree, parent: int, q: torch.Tensor, count: int, ge
 
 
 def draft_seed(seed: int) -> int:
-    """The seed of a branch's draft stream: splitmix64's mix of the branch's seed, one to one over
-    [0, 2**64), so every branch seed has its own valid draft seed, with no small offset between
-    them (an offset c made the draft stream of s the main stream of s + c, and s = 0 would meet
+    """The seed of a branch's draft stream: the low 32 bits of `mix64(seed)`, a whole seed for
+    torch's generator in which every bit of the branch's seed counts, with no small offset between
+    the two (an offset c made the draft stream of s the main stream of s + c, and s = 0 would meet
     branch 1 under seed * m + 1)."""
-    z = (seed + 0x9E3779B97F4A7C15) % SEED_LIMIT
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % SEED_LIMIT
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % SEED_LIMIT
-    return z ^ (z >> 31)
+    return mix64(seed) % 2**TORCH_SEED_BITS
 
 
 def draft_generator(sampling: SamplingParams) -> torch.Generator | None:
@@ -74,9 +71,4 @@ def draft_generator(sampling: SamplingParams) -> torch.Generator | None:
     branch's seed (mixed, so it is not the branch's own stream), else fresh; None for greedy."""
     if not sampling.do_sample:
         return None
-    generator = torch.Generator()
-    if sampling.seed is not None:
-        generator.manual_seed(draft_seed(sampling.seed))
-    else:
-        generator.seed()
-    return generator
+    return seeded_generator(None if sampling.seed is None else draft_seed(sampling.seed))

@@ -45,7 +45,8 @@ it (`constraints`; strict false ignores the schema keywords the engine cannot en
 refusing them); completions take it too. Other servers' ways of asking for structured output
 (vLLM's `guided_json` and kin, llama.cpp's `grammar`, `json_schema` and json_object with a
 "schema": `OTHER_SERVERS_FORMATS`) are refused, saying what to send instead: passed over, they
-would get unconstrained text with a 200. Seeds go up to 2**64 - 1, as the library takes them.
+would get unconstrained text with a 200. Seeds go up to 2**64 - 1, as the library takes them
+(`sampling.seeded_generator`).
 
 Every problem a client can cause raises `BadRequest` (HTTP 400) naming the parameter.
 """

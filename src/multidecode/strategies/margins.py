@@ -430,9 +430,10 @@ class MarginsRun:
         self.sampling = _scalar_sampling(dict(sampling))
         self.classify = classify if classify is not None else YesNoClassifier(scheduler, tokenizer)
         self.prompts = margin_prompts(tokenizer, chunks, question, template=margin_template)
+        # Margin i is seeded seed + i and the answer seed + n: checked here, before any margin runs.
+        *margins, self.answer_sampling = per_branch_sampling(len(chunks) + 1, self.sampling)
         self.margin_run: BranchRun = start_prompts(
-            scheduler, self.prompts, max_new_tokens=max_margin_tokens,
-            sampling=per_branch_sampling(len(chunks), self.sampling), tokenizer=tokenizer, stop=stop)
+            scheduler, self.prompts, max_new_tokens=max_margin_tokens, sampling=margins, tokenizer=tokenizer, stop=stop)
         self.events: Iterator[TokenEvent] = self.margin_run.events
         self.verdicts: list[tuple[bool, float | None]] | None = None
         self.answer_run: BranchRun | None = None
@@ -470,12 +471,9 @@ class MarginsRun:
             texts = self.margin_texts()
             notes = [t for t, (relevant, _) in zip(texts, self.judge()) if relevant]
             ids = answer_prompt(self.tokenizer, self.question, notes, template=self.answer_template)
-            sampling = dict(self.sampling)
-            if sampling.get("seed") is not None:
-                sampling["seed"] += len(self.chunks)  # margins used seed .. seed + n - 1
             self.answer_run = start_prompts(
                 self.scheduler, [ids], max_new_tokens=self.max_new_tokens,
-                sampling=per_branch_sampling(1, sampling), tokenizer=self.tokenizer, stop=self.stop)
+                sampling=[self.answer_sampling], tokenizer=self.tokenizer, stop=self.stop)
         return self.answer_run
 
     def answer_events(self) -> Iterator[TokenEvent]:
