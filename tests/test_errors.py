@@ -614,6 +614,11 @@ REFUSED_CONFIGS = {
                                            tf.Llama4ForCausalLM, "sdpa"), "temperature"),
     "openai-gpt": (lambda: _tiny(tf.OpenAIGPTConfig(**SMALL, n_embd=16, n_layer=1, n_head=2), tf.OpenAIGPTLMHeadModel),
                    "4D mask"),
+    "dory, last_loop": (lambda: _tiny(tf.DoryConfig(**SMALL, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                                    num_key_value_heads=1, head_dim=8, n_input_layers=1,
+                                                    n_output_layers=1, recurrent_kv_cache_mode="last_loop",
+                                                    sliding_window=8), tf.DoryForCausalLM, "sdpa"),
+                        "last_loop"),
 }
 
 
@@ -621,7 +626,8 @@ REFUSED_CONFIGS = {
 @pytest.mark.parametrize("exact", [True, False])
 def test_models_that_read_cache_slots_or_see_ahead_are_refused_in_both_modes(name, exact):
     """Each of these ran as a forest and gave other tokens than alone, silently (GPT-Neo's local
-    layers and Llama 4's attention temperature read cache slots, not positions; BERT as a causal LM
+    layers, Llama 4's attention temperature and Dory's last_loop window read cache slots, not
+    positions; BERT as a causal LM
     attends both ways), or failed inside transformers (OpenAI GPT's own attention): refused, with
     the kernels (exact=True) and without them, since without them is where a refusal's hint leads."""
     make, reason = REFUSED_CONFIGS[name]

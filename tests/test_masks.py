@@ -121,11 +121,36 @@ def test_model_layouts_of_tiny_models():
     from multidecode.models.vetting import mask_layout
 
     def layout(arch):
-        config, _ = ARCHITECTURES[arch]()
-        return mask_layout(config)
+        config, cls = ARCHITECTURES[arch]()
+        return mask_layout(cls(config))
 
     assert layout("llama") == MaskLayout((FULL,) * 3, None, False)
     assert layout("mistral") == MaskLayout((SLIDING,) * 3, 6, False)
     assert layout("gemma3") == MaskLayout((SLIDING, FULL, SLIDING, FULL), 6, True)
     hybrid = layout("qwen2-hybrid")
     assert hybrid.as_dict and hybrid.sliding_window == 6 and set(hybrid.layer_types) == {FULL, SLIDING}
+
+
+def test_a_sliding_window_the_model_never_reads_windows_nothing():
+    """Llama's code never windows: a stray `sliding_window` in its config (Moshi's real config has
+    one, and its code builds full masks too) windowed every layer of the forest, whose tokens then
+    left the model's. The reference is the model's forward over each whole sequence: `generate`
+    is no oracle here, as its cache, built from the config, keeps a window of keys after the prompt."""
+    from tiny_models import ARCHITECTURES
+
+    from multidecode.api import decode
+    from multidecode.models.vetting import mask_layout
+
+    config, cls = ARCHITECTURES["llama"]()
+    config.sliding_window, config._attn_implementation = 4, "sdpa"
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    assert mask_layout(model).layer_types == (FULL,) * config.num_hidden_layers
+    prompt = [(7 * i) % 250 + 3 for i in range(40)]
+    expected = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):  # greedy, each token from a forward over the whole sequence (no cache)
+            expected.append(int(model(torch.tensor([expected])).logits[0, -1].argmax()))
+    assert decode(model, prompt, [[]], max_new_tokens=8, eos_token_id=[])[0] == expected[40:]
+    branches = decode(model, prompt[:30], [prompt[30:], prompt[30:35]], max_new_tokens=8, eos_token_id=[])
+    assert branches[0] == expected[40:]

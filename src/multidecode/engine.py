@@ -141,7 +141,7 @@ class Engine:
         self.model = model
         self.forest = Forest()
         self.cache = SlotCache(capacity)
-        self.layout = mask_layout(model.config)
+        self.layout = mask_layout(model)
         self.max_positions = max_positions(model.config)
         self.positions_note = positions_note(model.config)  # why max_positions is short of the model's, or ""
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -409,13 +409,13 @@ class Engine:
             first = int(seen.to(torch.uint8).argmax())  # the first slot any new node can see
             if first >= WINDOW_MIN_SKIP:
                 start = first  # leading slots nobody here sees: not shown to the model at all
+            # [past + q - start]: the keys' positions (a feed cut into runs placed all its nodes already)
+            key_positions = forest.slot_positions()[start : rows.shape[1]]
             if self.exact:
-                mask, plan = self._exact_inputs(rows[:, start:], positions,
-                                                forest.slot_positions()[start : rows.shape[1]],
-                                                self._parent_rows(nodes))
+                mask, plan = self._exact_inputs(rows[:, start:], positions, key_positions, self._parent_rows(nodes))
             else:
-                mask = build_attention_mask(rows[:, start:], positions, forest.slot_positions()[start:], self.layout,
-                                            self.dtype, self.device)
+                mask = build_attention_mask(rows[:, start:], positions, key_positions, self.layout, self.dtype,
+                                            self.device)
         compiled = compiled_forward(self.model) if self.exact else None
         out = None
         if (compiled is not None and compiled.refused is None and not layers and self._embeds is None

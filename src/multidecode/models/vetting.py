@@ -12,11 +12,14 @@ forward calls the KV cache.
 from __future__ import annotations
 
 import inspect
+import sys
 
 from ..errors import InvalidArgument, UnsupportedModel
 from ..masks import FULL, SLIDING, MaskLayout
 
 SUPPORTED_ATTENTION = ("eager", "sdpa", "multidecode_sdpa", "multidecode_exact")
+WINDOW_MASK_BUILDER = "create_sliding_window_causal_mask"
+"""What transformers' modeling code imports to window a layer's attention (`windows_by_config`)."""
 # Model types whose layers are not all attention, or whose positions are not position ids.
 _REFUSED_TYPES = {
     "rwkv": "recurrent layers",
@@ -83,6 +86,8 @@ def check_supported(model) -> None:
         reason = "an attention temperature computed from cache slots (Llama 4's), not from positions"
     if reason is None and getattr(tconfig, "attention_chunk_size", None):
         reason = "chunked attention"
+    if reason is None and getattr(tconfig, "recurrent_kv_cache_mode", None) == "last_loop":
+        reason = "loops that read the last loop's cache, windowed by cache slot (Dory's last_loop mode)"
     if reason is None:
         odd = sorted(set(_layer_types(tconfig)) - {FULL, SLIDING})
         if odd:
@@ -110,18 +115,32 @@ def _sees_ahead(model, config) -> bool:
                if type(m).__name__.endswith("SelfAttention"))
 
 
-def _layer_types(config) -> list[str]:
+def _layer_types(config, windowed: bool = True) -> list[str]:
+    """Each layer's type: the config's `layer_types`, else all sliding where it names a
+    `sliding_window` that the model reads (`windowed`), else all full."""
     types = getattr(config, "layer_types", None)
     if types is not None:
         return list(types)
     layers = getattr(config, "num_hidden_layers", 1)
-    return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * layers
+    sliding = windowed and getattr(config, "sliding_window", None) is not None
+    return [SLIDING if sliding else FULL] * layers
 
 
-def mask_layout(config) -> MaskLayout:
-    """The masks `config`'s model needs: one tensor, or a dict per layer type for hybrids."""
-    tconfig = text_config(config)
-    types = tuple(_layer_types(tconfig))
+def windows_by_config(model) -> bool:
+    """Whether `model` windows its attention where its config names a `sliding_window` but no
+    `layer_types`. transformers' families that do so build their masks with
+    `WINDOW_MASK_BUILDER`; a family whose modeling code never imports it (Llama, OPT or Moshi given
+    the key; OLMoE, whose flash-attention path alone reads it) attends in full, whatever its config
+    says. A model of code from outside transformers is taken at its config's word."""
+    names = {type(module).__module__ for module in model.modules()}
+    modeling = [sys.modules[name] for name in names if name.startswith("transformers.models.") and name in sys.modules]
+    return not modeling or any(hasattr(module, WINDOW_MASK_BUILDER) for module in modeling)
+
+
+def mask_layout(model) -> MaskLayout:
+    """The masks `model` needs: one tensor, or a dict per layer type for hybrids."""
+    tconfig = text_config(model.config)
+    types = tuple(_layer_types(tconfig, windows_by_config(model)))
     window = getattr(tconfig, "sliding_window", None) if SLIDING in types else None
     return MaskLayout(layer_types=types, sliding_window=window, as_dict=len(set(types)) > 1)
 
