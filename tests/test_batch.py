@@ -254,10 +254,12 @@ def test_settings_that_change_no_token_do_not_change_the_fingerprint():
     as other settings. A seed is a setting even for a greedy job (a line may sample with it)."""
     plain = BatchSettings(questions=("who?",)).fingerprint
     neutral = {"do_sample": False, "repetition_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0,
-               "logit_bias": {}}
+               "logit_bias": {}, "top_k": 0}
     assert BatchSettings(questions=("who?",), sampling=neutral).fingerprint == plain
+    assert BatchSettings(questions=("who?",), sampling={"temperature": 0}).fingerprint == plain
     for other in ({"seed": 5}, {"repetition_penalty": 1.1}, {"do_sample": True}, {"presence_penalty": 0.5},
-                  {"logit_bias": {5: 1.0}}, {"repetition_penalty": [1.0, 1.0]}):
+                  {"logit_bias": {5: 1.0}}, {"repetition_penalty": [1.0, 1.0]}, {"temperature": 0, "seed": 5},
+                  {"temperature": 0, "top_p": 0.5}):
         assert BatchSettings(questions=("who?",), sampling=other).fingerprint != plain, other
 
 
@@ -861,3 +863,106 @@ def test_a_job_that_fails_before_its_first_record_leaves_no_empty_output(model_d
     with pytest.raises(RuntimeError, match="boom"), open_batch(source, kept, BatchSettings()):
         raise RuntimeError("boom")
     assert records(kept)[0]["id"] == "doc-0" and meta_path(kept).exists()
+
+
+# ---------------------------------------------------------------------- resuming the same job only
+def test_a_job_at_auto_does_not_resume_at_the_precision_auto_chose(tmp_path, cache):
+    """At auto a GGUF file keeps its own codes, which --precision int8 re-codes: both were
+    fingerprinted "int8", so a job resumed at the other mixed two models' answers in one output."""
+    from gguf_files import write_tiny_gguf
+
+    from multidecode.models.loading import resolve_precision
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf)  # Q8_0 matrices: auto keeps them as int8 codes
+    assert resolve_precision(gguf).identity == "auto (int8)" and resolve_precision(gguf, "int8").identity == "int8"
+    source = write_lines(tmp_path / "in.jsonl", [{"document": "The cable.", "questions": ["why?"]}] * 2)
+    out = tmp_path / "out.jsonl"
+    base = [source, "-o", out, "--model", gguf, "--max-new-tokens", 2]  # its context: 128 positions
+    assert run(*base, "--precision", "int8").exit_code == 0
+    assert not any(record["error"] for record in records(out))  # answers bind a job to their settings
+    resumed = run(*base)
+    assert resumed.exit_code == 2 and "other settings" in resumed.output and "auto (int8)" in resumed.output
+
+
+def test_a_job_does_not_resume_from_another_input_file(model_dir, tmp_path):
+    """Another input file's lines were matched to these results by line number and taken as done,
+    their answers another document's. An input moved elsewhere still resumes."""
+    first, second = documents(3)[:2], documents(3)[1:]
+    started = write_lines(tmp_path / "a.jsonl", [{k: v for k, v in row.items() if k != "id"} for row in first])
+    other = write_lines(tmp_path / "b.jsonl", [{k: v for k, v in row.items() if k != "id"} for row in second])
+    out = tmp_path / "out.jsonl"
+    assert run(started, "-o", out, "--model", model_dir, "--max-new-tokens", 2).exit_code == 0
+    refused = run(other, "-o", out, "--model", model_dir, "--max-new-tokens", 2)
+    assert refused.exit_code == 2 and f"holds the results of {started}" in refused.output, refused.output
+    moved = started.rename(tmp_path / "moved.jsonl")
+    assert run(moved, "-o", out, "--model", model_dir, "--max-new-tokens", 2).exit_code == 0
+    assert len(records(out)) == 2
+
+
+def test_outputs_that_are_no_file_are_refused_before_anything_is_written(model_dir, tmp_path):
+    """-o /dev/null died in fsync with a traceback, leaving /dev/null.lock and .meta.json behind (a
+    socket stands for the device here: no test writes into /dev); -o - wrote files named '-'."""
+    import socket
+
+    source = write_lines(tmp_path / "in.jsonl", documents(1))
+    special = tmp_path / "socket"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(special))
+        device = run(source, "-o", special, "--model", model_dir)
+    assert device.exit_code == 2 and "not a regular file" in device.output
+    assert not lock_path(special).exists() and not meta_path(special).exists()
+    dash = run(source, "-o", "-", "--model", model_dir)
+    assert dash.exit_code == 2 and "not to standard output" in dash.output
+
+
+def test_a_full_disk_is_an_error_with_a_hint_and_the_job_resumes(model_dir, tmp_path, monkeypatch):
+    """ENOSPC while appending was a traceback; the output keeps what was written, and the same
+    command resumes after the last whole record."""
+    from multidecode.batch import output
+
+    source = write_lines(tmp_path / "in.jsonl", documents(3))
+    out = tmp_path / "out.jsonl"
+    write, appended = os.write, []
+
+    def full_after_one(fd, data):
+        if appended:
+            raise OSError(28, "No space left on device")
+        appended.append(data)
+        return write(fd, data)
+
+    monkeypatch.setattr(output.os, "write", full_after_one)
+    full = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 2, "--forest-tokens", 0)
+    assert full.exit_code == 2 and "No space left on device" in full.output and "rerun the same command" in full.output
+    assert full.exception is None or isinstance(full.exception, SystemExit)
+    monkeypatch.setattr(output.os, "write", write)
+    assert run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 2).exit_code == 0
+    assert sorted(r["id"] for r in records(out)) == [row["id"] for row in documents(3)]
+
+
+def test_a_clash_with_an_unreadable_lines_number_names_the_unreadable_line(model_dir, tmp_path):
+    """Ids 0-4 with line 3 broken: 'id 3 is on lines 3 and 4' pointed at line 4, whose id is right."""
+    source = tmp_path / "in.jsonl"
+    rows = [json.dumps({"id": i, "document": "A line.", "questions": ["why?"]}) for i in range(5)]
+    rows[2] = '{"id": 2, "document": "broken'
+    source.write_text("\n".join(rows) + "\n")
+    result = run(source, "-o", tmp_path / "out.jsonl", "--model", model_dir)
+    assert result.exit_code == 2 and "id 3 is on lines 3 and 4 (line 3's id is its number" in result.output
+    assert "not valid JSON" in result.output and "mend the lines that cannot be read" in result.output
+
+
+def test_sampled_answers_carry_their_seeds(model_dir, tmp_path):
+    """A sampled job without --seed could not be reproduced: its records had no seeds."""
+    source = write_lines(tmp_path / "in.jsonl", documents(1))
+    out = tmp_path / "out.jsonl"
+    assert run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 3, "--temperature", 0.8).exit_code == 0
+    (record,) = records(out)
+    seeds = [a["seed"] for a in record["answers"]]
+    assert all(isinstance(s, int) for s in seeds) and seeds == list(range(seeds[0], seeds[0] + len(seeds)))
+    again = tmp_path / "again.jsonl"
+    assert run(source, "-o", again, "--model", model_dir, "--max-new-tokens", 3, "--temperature", 0.8,
+               "--seed", seeds[0]).exit_code == 0
+    assert [a["answer"] for a in records(again)[0]["answers"]] == [a["answer"] for a in record["answers"]]
+    greedy = tmp_path / "greedy.jsonl"
+    assert run(source, "-o", greedy, "--model", model_dir, "--max-new-tokens", 3).exit_code == 0
+    assert all("seed" not in a for a in records(greedy)[0]["answers"])

@@ -162,7 +162,7 @@ def test_sampled_tokens_stay_inside_the_kept_set():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(temperature=0.0, do_sample=True), dict(temperature=-0.5), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1),
+        dict(temperature=0.0, do_sample=True), dict(temperature=-0.5), dict(top_k=-1), dict(top_k=1.5), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1),
         dict(repetition_penalty=0.0),
         dict(temperature=1e-40), dict(temperature=float("inf")),  # passed, then torch's 'probability tensor contains inf'
     ],
@@ -176,6 +176,8 @@ def test_temperature_zero_is_greedy_as_openai_reads_it():
     """The server and the command line read temperature 0 as greedy; the library refused it, with a
     hint (leave it out) that made `complete` sample at temperature 1."""
     assert SamplingParams(temperature=0) == SamplingParams()
+    assert SamplingParams(do_sample=True, top_k=0) == SamplingParams(do_sample=True)  # off, as in transformers
+    assert per_branch_sampling(1, {"top_k": 0}) == [SamplingParams()]  # and asks for no sampling
     for settings in ({"temperature": 0}, {"temperature": 0, "do_sample": True, "top_p": 0.5, "seed": 3}):
         assert per_branch_sampling(2, settings) == [SamplingParams()] * 2
     mixed = per_branch_sampling(3, {"temperature": [0.7, 0, 1.0], "seed": 10})

@@ -51,6 +51,10 @@ class CacheUnwritable(MultiDecodeError, OSError):
     """The folder for the converted embedded model cannot be written."""
 
 
+class OutputUnwritable(MultiDecodeError, OSError):
+    """A job's output cannot be written (a full disk, lost permissions): what is written stays."""
+
+
 class UnsupportedModel(MultiDecodeError):
     """The model cannot be decoded exactly as a forest (architecture or attention kind)."""
 

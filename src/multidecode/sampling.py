@@ -41,7 +41,7 @@ import torch
 
 from .constraints import GrammarState, mask_logits
 from .errors import InvalidArgument, InvalidInput, is_int
-from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES
+from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES, greedy_temperature
 
 MAX_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
@@ -94,8 +94,11 @@ class SamplingParams:
             raise InvalidArgument(f"temperature {self.temperature} is outside what float32 logits can be divided by",
                                   f"use a temperature from {TINIEST_TEMPERATURE:g} to a finite number, or greedy "
                                   "decoding (do_sample=False) for the arg-max")
+        if is_int(self.top_k) and self.top_k == 0:  # off, as transformers and the server read it
+            object.__setattr__(self, "top_k", None)
         if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
-            raise InvalidArgument(f"top_k must be a positive integer, got {self.top_k!r}", "leave it unset to disable it")
+            raise InvalidArgument(f"top_k must be a positive integer, got {self.top_k!r}", "0, or leaving it unset, "
+                                  "turns it off")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
@@ -155,8 +158,8 @@ def drawn_seed() -> int:
     return secrets.randbits(31)
 
 
-NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-"""The penalties at the value that turns them off."""
+NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_k": 0}
+"""The settings at the value that turns them off."""
 
 
 def mix64(value: int) -> int:
@@ -185,8 +188,13 @@ def seeded_generator(seed: int | None) -> torch.Generator:
 
 def without_neutral(sampling: Mapping) -> dict:
     """`sampling` without the settings that change no token: do_sample False (greedy, the default),
-    a penalty that is off (`NEUTRAL`), an empty logit bias. Two spellings of one decoding,
-    `--temperature 0` and nothing, say, then compare equal."""
+    a penalty or top_k that is off (`NEUTRAL`), an empty logit bias, and temperature 0 (greedy)
+    where no other switch is given (a batch line that samples would sample with those). Two
+    spellings of one decoding, `--temperature 0` and nothing, say, then compare equal."""
+    switches = [key for key in SAMPLING_SWITCHES if key in sampling and key != "temperature"]
+    if greedy_temperature(sampling.get("temperature")) and not switches:
+        sampling = {key: value for key, value in sampling.items() if key not in ("temperature", "do_sample")}
+
     def neutral(key: str, value) -> bool:
         if key == "do_sample":
             return value is False
@@ -228,6 +236,8 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
             columns[key] = [value + i for i in range(n)]
         else:
             columns[key] = [value] * n
+    if "top_k" in columns:  # 0 is off (`SamplingParams`): it asks for no sampling either
+        columns["top_k"] = [None if is_int(k) and k == 0 else k for k in columns["top_k"]]
     sampled = {k: v for k, v in columns.items() if k != "do_sample"}
     if "do_sample" not in columns:
         # Asking for a temperature, top-k/p, min-p or a seed means sampling.
@@ -255,7 +265,7 @@ def _greedy_at_zero(columns: dict[str, list], n: int) -> None:
     """A branch at temperature 0 decodes greedily, as OpenAI's API and llama.cpp read it: it samples
     nothing and has no seed, whatever else it names (`do_sample` too: `complete` samples by default);
     its penalties and bias stay."""
-    greedy = [isinstance(t, Real) and not isinstance(t, bool) and t == 0 for t in columns.get("temperature", [None] * n)]
+    greedy = [greedy_temperature(t) for t in columns.get("temperature", [None] * n)]
     if any(greedy):
         columns["do_sample"] = [sample and not zero for sample, zero in zip(columns["do_sample"], greedy)]
         for key in SAMPLING_SWITCHES:

@@ -2,6 +2,8 @@
 command can read them before torch loads (`multidecode generate --server` decides greedy or
 sampled with them, as `sampling.per_branch_sampling` does)."""
 
+from numbers import Real
+
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "logit_bias", "seed")
 """Every setting `sampling.per_branch_sampling` takes."""
@@ -9,4 +11,11 @@ SAMPLING_SWITCHES = ("temperature", "top_k", "top_p", "min_p", "seed")
 """Settings that turn sampling on where `do_sample` is not given; the rest (penalties, bias) change
 greedy branches' logits too and never turn sampling on by themselves."""
 
-__all__ = ["SAMPLING_KEYS", "SAMPLING_SWITCHES"]
+
+def greedy_temperature(value) -> bool:
+    """Whether a temperature asks for greedy decoding: 0, as OpenAI's API reads it (whatever else
+    is given, `do_sample` too)."""
+    return isinstance(value, Real) and not isinstance(value, bool) and value == 0
+
+
+__all__ = ["SAMPLING_KEYS", "SAMPLING_SWITCHES", "greedy_temperature"]

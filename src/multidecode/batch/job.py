@@ -211,7 +211,8 @@ class BatchJob:
             "id": outcome.item.id,
             "line": outcome.item.line,
             "answers": [{"question": a.question, "answer": a.text, "finish_reason": a.finish_reason,
-                         "tokens": len(a.token_ids), **parsed_field(constraint, a)} for a in answers],
+                         "tokens": len(a.token_ids), **({} if a.seed is None else {"seed": a.seed}),
+                         **parsed_field(constraint, a)} for a in answers],
             "error": None if error is None else _error_record(error),
             "tokens": sum(len(a.token_ids) for a in answers),
             "elapsed_s": round(outcome.elapsed_s, 4),
@@ -250,10 +251,15 @@ def open_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, se
         raise InvalidInput(f"the folder of the output {output_path} does not exist", "create it first")
     if output_path.exists() and os.path.samefile(input_path, output_path):
         raise InvalidInput("the output is the input file", "write results to a new file, such as answers.jsonl")
+    if output_path.exists() and not output_path.is_file():
+        raise InvalidInput(f"the output {output_path} is not a regular file (a device or a pipe)",
+                           "the job appends its results to a file and resumes from it: pass a file name, such as "
+                           "answers.jsonl")
     lines = scan_input(input_path, settings.questions)
     output = OutputFile(output_path)
     try:
         output.check_settings(settings)
+        output.check_input(input_path)
         input_keys = {key for _, key in lines}
         failed = {key for key, failure in output.recorded.items() if failure} if retry_failed else set()
         redo = failed & input_keys  # failures of ids no longer in the input (a line mended with a new id) go too
@@ -291,7 +297,7 @@ def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.Path
     elif model is None:
         name = getattr(decoder.model.config, "name_or_path", None) or getattr(decoder.model.config, "_name_or_path", "")
         model = model_identity(name) if name else type(decoder.model).__name__
-    precision = precision or decoder.memory()["precision"]
+    precision = precision or decoder.memory()["precision_identity"]
     settings = BatchSettings(questions=questions, max_new_tokens=max_new_tokens, stop=stop,
                              sampling=sampling, instruction=instruction, model=model, precision=precision,
                              constraint=constraint)

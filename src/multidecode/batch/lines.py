@@ -249,20 +249,27 @@ def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int,
     ids: dict[str, object] = {}
     repeated: list[str] = []  # keys on more than one line, in the order they were found
     lines: list[tuple[int, str]] = []
+    unusable: dict[int, str] = {}  # line -> why its id could not be read (its number stands for it)
     asked = bool(job_questions)  # whether any line has something to ask
     for number, raw in input_lines(path):
         item = parse_line(raw, number, job_questions)
         asked = asked or not item.nothing_to_ask
+        if item.error is not None and item.id == number:
+            unusable[number] = item.error.message
         on_lines.setdefault(item.key, []).append(number)
         if len(on_lines[item.key]) == 2:
             repeated.append(item.key)
         ids[item.key] = item.id  # as its latest line spells it (7 and "7" are one id)
         lines.append((number, item.key))
     clashes = [f"id {ids[key]!r} is on lines {', '.join(map(str, on_lines[key][:-1]))} and {on_lines[key][-1]}"
+               + "".join(f" (line {n}'s id is its number, as it could not be read: {unusable[n]})"
+                         for n in on_lines[key] if n in unusable)
                for key in repeated]
     if clashes:
         more = f" and {len(clashes) - 3} more" if len(clashes) > 3 else ""
         raise InvalidInput(f"{path} has duplicate ids: {'; '.join(clashes[:3])}{more}",
+                           "give every line its own id (a line without one takes its line number as its id), and "
+                           "mend the lines that cannot be read" if unusable else
                            "give every line its own id (a line without one takes its line number as its id)")
     if not lines:
         raise InvalidInput(f"{path} has no input lines", LINE_HINT)

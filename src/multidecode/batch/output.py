@@ -12,7 +12,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from ..errors import InvalidInput, changed_settings
+from ..errors import InvalidInput, OutputUnwritable, changed_settings
 from .lines import id_key
 from .settings import BatchSettings
 
@@ -127,9 +127,14 @@ class OutputFile:
         except UnicodeEncodeError:  # a lone surrogate from the input: escape everything instead
             data = (json.dumps(record, ensure_ascii=True) + "\n").encode("ascii")
         view = memoryview(data)
-        while view:  # one write in practice
-            view = view[os.write(self.fd, view):]
-        os.fsync(self.fd)
+        try:
+            while view:  # one write in practice
+                view = view[os.write(self.fd, view):]
+            os.fsync(self.fd)
+        except OSError as error:  # a line cut short here is repaired when the job resumes
+            raise OutputUnwritable(f"cannot write {self.path}: {error.strerror or error}",
+                                   "free some space (or mend the cause), then rerun the same command: it "
+                                   "resumes after the last whole record") from error
 
     def drop(self, keys: set[str]) -> None:
         """Replace the output, atomically, with a copy that lacks the records of `keys`."""
@@ -159,6 +164,20 @@ class OutputFile:
                 f" (fingerprint {', '.join(sorted(others))}, these settings are {settings.fingerprint})")
         raise InvalidInput(f"{self.path} holds results made with other settings{said}",
                            "rerun with the settings it was started with, or write these results to a new --output")
+
+    def check_input(self, input_path: Path) -> None:
+        """Refuse to resume from another input file: its lines would be matched to these results by id
+        (or line number) and taken as done. Only while the file the output was started from is still
+        there: an input moved or renamed resumes."""
+        if not self.recorded:
+            return
+        started = None
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # no settings file: nothing to tell
+            named = Path(json.loads(meta_path(self.path).read_text(encoding="utf-8"))["input"])
+            started = named if named.is_file() and not os.path.samefile(named, input_path) else None
+        if started is not None:
+            raise InvalidInput(f"{self.path} holds the results of {started}, not of {input_path}",
+                               f"rerun with {started} to resume it, or write these results to a new --output")
 
     def write_meta(self, settings: BatchSettings, input_path: Path) -> None:
         meta = meta_path(self.path)

@@ -220,9 +220,12 @@ def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, m
 
 
 # ---------------------------------------------------------------------- the command
-def check_where(ray_address: str | None, workers: int | None, compile_step: bool) -> None:
-    """Refuse flags that do not fit where the job runs (here, or on Ray), and say how to install Ray
-    before anything else happens when the job is for it."""
+def check_where(output: str, ray_address: str | None, workers: int | None, compile_step: bool) -> None:
+    """Refuse flags that do not fit where the job writes (a file, not standard output) and runs
+    (here, or on Ray), and say how to install Ray before anything else happens when the job is for it."""
+    if output == "-":
+        raise InvalidInput("batch writes its results to a file, not to standard output: it appends to that file "
+                           "and resumes from it", "pass --output answers.jsonl, and read that file (tail -f follows it)")
     if workers is not None and ray_address is None:
         raise InvalidInput("--workers is for jobs on Ray", "add --ray (a local Ray) or --ray ADDRESS, or leave it out")
     if compile_step and ray_address is not None:
@@ -300,13 +303,13 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     Example:
       multidecode batch calls.jsonl --questions-file questions.txt --output answers.jsonl
     """
-    check_where(ray_address, workers, compile_step)
+    check_where(output, ray_address, workers, compile_step)
     questions, constraint = job_questions(question, questions_file), constraint_from(constraint)
     check_early(max_new_tokens=max_new_tokens, sampling=sampling_from(sampling), stop=stop)
     speculation = speculation_from(speculate, draft_budget)
     settings = BatchSettings(questions=tuple(questions), max_new_tokens=max_new_tokens, stop=tuple(stop),
                              sampling=sampling_from(sampling), model=model_identity(model_name),
-                             precision=resolve_precision(model_name, precision, device).name, constraint=constraint)
+                             precision=resolve_precision(model_name, precision, device).identity, constraint=constraint)
     with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
         announce(job)
         received, totals = [], {}

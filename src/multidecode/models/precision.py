@@ -44,6 +44,14 @@ class Precision:
         return DTYPES.get(self.name, torch.bfloat16)
 
     @property
+    def identity(self) -> str:
+        """The precision as a batch job's settings name it: "auto (int4)" where `auto` kept a GGUF
+        file's own codes, which an explicit int4 or int8 re-codes (other numbers, so a job started
+        at one does not resume at the other); else the name (a float precision computes the same
+        chosen by `auto` or named)."""
+        return f"auto ({self.name})" if self.reason and self.bits else self.name
+
+    @property
     def bits(self) -> int | None:
         """The packed codes' width, None for a float precision."""
         return BITS.get(self.name)
