@@ -361,7 +361,7 @@ def test_the_lock_lives_on_out_lock_survives_the_retry_rewrite_and_dies_with_its
 @pytest.mark.parametrize("case", ["missing input", "input folder", "compressed input", "no lines", "output folder",
                                   "output is input", "missing model", "zero max tokens", "bad temperature",
                                   "empty job question", "not a batch output", "lock not writable",
-                                  "nothing to ask", "a pipe"])
+                                  "nothing to ask", "a question, not questions", "a pipe"])
 def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
     source = write_lines(tmp_path / "in.jsonl", [{"document": "text", "questions": ["why?"]}])
     out = tmp_path / "out.jsonl"
@@ -397,6 +397,9 @@ def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
     elif case == "nothing to ask":  # -q forgotten: every line would fail alike
         write_lines(source, [{"document": "text"}, {"document": "more", "questions": []}])
         needle = "the job has no questions and no line of"
+    elif case == "a question, not questions":  # a dataset's own key: the job-level error said nothing of it
+        write_lines(source, [{"document": "text", "question": "why?"}])
+        needle = 'line 1: the line has no "questions" (it has "question": a list of them goes in "questions")'
     elif case == "a pipe":  # /dev/stdin, <(...) or a fifo: read once to check, it said "no input lines" or hung
         os.mkfifo(tmp_path / "fifo")
         args[0], needle = tmp_path / "fifo", "is a pipe or a device, not a file"

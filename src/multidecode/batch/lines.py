@@ -251,9 +251,11 @@ def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int,
     lines: list[tuple[int, str]] = []
     unusable: dict[int, str] = {}  # line -> why its id could not be read (its number stands for it)
     asked = bool(job_questions)  # whether any line has something to ask
+    first_unasked: InputLine | None = None  # the first line with nothing to ask, whose error says why
     for number, raw in input_lines(path):
         item = parse_line(raw, number, job_questions)
         asked = asked or not item.nothing_to_ask
+        first_unasked = first_unasked or (item if item.nothing_to_ask else None)
         if item.error is not None and item.id == number:
             unusable[number] = item.error.message
         on_lines.setdefault(item.key, []).append(number)
@@ -274,6 +276,7 @@ def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int,
     if not lines:
         raise InvalidInput(f"{path} has no input lines", LINE_HINT)
     if not asked:  # every line would fail alike: the job's mistake, not the lines'
-        raise InvalidInput(f"there is nothing to ask: the job has no questions and no line of {path} has any",
+        example = f" (line {first_unasked.line}: {first_unasked.error.message})" if first_unasked else ""
+        raise InvalidInput(f"there is nothing to ask: the job has no questions and no line of {path} has any{example}",
                            'give the job\'s questions (-q, --questions-file), or a "questions" list on each line')
     return lines
