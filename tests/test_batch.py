@@ -969,3 +969,21 @@ def test_sampled_answers_carry_their_seeds(model_dir, tmp_path):
     greedy = tmp_path / "greedy.jsonl"
     assert run(source, "-o", greedy, "--model", model_dir, "--max-new-tokens", 3).exit_code == 0
     assert all("seed" not in a for a in records(greedy)[0]["answers"])
+
+
+def test_lines_added_during_a_run_leave_it_incomplete_for_the_next(model_dir, tmp_path):
+    """A line appended while the job ran was passed over and the job called complete ("Done", exit
+    0) though the file held a line without a result."""
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    out = tmp_path / "out.jsonl"
+    decoder = multidecode.load(str(model_dir))
+    settings = BatchSettings(max_new_tokens=3, model="tiny", precision="float32")  # as run_batch labels it
+    with open_batch(source, out, settings) as job:
+        with open(source, "a") as handle:
+            handle.write(json.dumps(documents(3)[2]) + "\n")
+        list(job.run(decoder))
+        summary = job.summary()
+    assert (summary.done, summary.remaining, summary.complete) == (2, 1, False)
+    summary = run_batch(decoder, source, out, max_new_tokens=3, model="tiny")
+    assert (summary.skipped, summary.done, summary.complete) == (2, 1, True)
+    assert sorted(by_id(records(out))) == ["doc-0", "doc-1", "doc-2"]

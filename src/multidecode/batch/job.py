@@ -113,6 +113,8 @@ class BatchJob:
         self.earlier_failures = sum(failed and key in input_keys for key, failed in output.recorded.items())
         self.foreign = len(output.recorded.keys() - input_keys)
         self.done = self.failed = self.tokens = 0
+        self.last_line = max((line for line, _ in lines), default=0)  # lines after it came during the run
+        self.appended = 0  # such lines `pending_items` met: left to the next run, so the job is not complete
         self.elapsed_s = 0.0
         self.failures: list[dict] = []
         self._stop = False
@@ -157,10 +159,13 @@ class BatchJob:
 
     def pending_items(self) -> Iterator[InputLine]:
         """The lines still without a record, parsed, in input order; ends early after `stop()`.
-        A line whose id changed since the job was opened is left to the next run."""
+        A line whose id changed since the job was opened, or added since, is left to the next run."""
         for number, raw in input_lines(self.input_path):
             if self._stop:
                 return
+            if number > self.last_line:
+                self.appended += 1
+                continue
             key = self.pending.get(number)
             if key is not None and (item := parse_line(raw, number, self.settings.questions)).key == key:
                 yield item
@@ -222,7 +227,7 @@ class BatchJob:
     def summary(self) -> BatchSummary:
         return BatchSummary(
             input=str(self.input_path), output=str(self.output_path), total=self.total, skipped=self.skipped,
-            retried=self.retried, done=self.done, failed=self.failed, remaining=len(self.pending),
+            retried=self.retried, done=self.done, failed=self.failed, remaining=len(self.pending) + self.appended,
             tokens=self.tokens, elapsed_s=self.elapsed_s, earlier_failures=self.earlier_failures,
             repaired=self.repaired, failures=list(self.failures))
 

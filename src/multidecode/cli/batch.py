@@ -197,8 +197,8 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
             stderr.print(f"    ... and {summary.failed - len(summary.failures)} more (records with an \"error\" "
                          f"in {out})")
     if not summary.complete and not stopped:  # the run read the input to its end: it is not what it was
-        stderr.print(f"[yellow]hint:[/yellow] {escape(summary.input)} changed during the run (the lines left were "
-                     "changed, moved or removed); rerun the same command to answer the input as it is now")
+        stderr.print(f"[yellow]hint:[/yellow] {escape(summary.input)} changed during the run (lines were added, "
+                     "or the lines left changed, moved or removed); rerun the same command to answer the input as it is now")
     failed_in_file = summary.failed + summary.earlier_failures
     if failed_in_file:
         one = failed_in_file == 1
