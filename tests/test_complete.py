@@ -338,3 +338,18 @@ def test_a_tensor_of_ids_is_a_prompt(text_decoder):
 def test_cli_complete_logprobs_need_json(model_dir):
     result = CliRunner().invoke(main, ["complete", "--model", str(model_dir), "-p", "Hi", "--logprobs"])
     assert result.exit_code == 2 and "--logprobs adds to the JSON output" in result.stderr
+
+
+def test_cli_generate_says_the_seed_it_drew(model_dir):
+    """A sampled `generate` without --json never showed the seed it drew, so its text could not be
+    had again; --seed with that seed gives it."""
+    import re
+
+    base = ["generate", "--model", str(model_dir), "-p", "Tell me about cables.", "--max-new-tokens", "6"]
+    drawn = CliRunner().invoke(main, [*base, "--temperature", "0.9"])
+    assert drawn.exit_code == 0, drawn.output
+    (seed,) = re.findall(r", seed (\d+)", drawn.stderr)
+    again = CliRunner().invoke(main, [*base, "--temperature", "0.9", "--seed", seed])
+    assert again.stdout == drawn.stdout
+    greedy = CliRunner().invoke(main, base)
+    assert "seed" not in greedy.stderr

@@ -74,8 +74,9 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, pre
         write_stream(text * echo, ((event.text, event.finish_reason) for event in run.events))
         note_cut_branches(run.branches)
     elapsed = time.perf_counter() - start
-    tokens = run.stats.tokens
-    stderr.print(f"[dim]{tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s)[/dim]")
+    tokens, seed = run.stats.tokens, run.branches[0].seed
+    seeded = f", seed {seed}" if seed is not None else ""  # a drawn one too: --seed it to have the text again
+    stderr.print(f"[dim]{tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s){seeded}[/dim]")
     if show_stats:
         print_stats(run.stats.as_dict())
 
@@ -97,7 +98,7 @@ def on_server(url: str, text: str, no_chat: bool, request: Request, asked: tuple
         written, ended = write_stream(text * echo, ((piece.text, piece.finish_reason)
                                                     for piece in server.pieces(body, chat=chat)))
         note_if_cut(ended == "length" and request.schema is not None and request.parsed(written, ended)["parsed"] is None)
-    server.summarize("", start, show_stats=show_stats)
+    server.summarize("", start, show_stats=show_stats, tail=f", seed {request.seed}" if request.seed is not None else "")
 
 
 def write_stream(head: str, pieces) -> tuple[str, str | None]:
