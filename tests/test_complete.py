@@ -307,6 +307,9 @@ def test_cli_temperature_zero_is_greedy(model_dir):
     zero = CliRunner().invoke(main, ["complete", *base, "--n", "2", "--temperature", "0"])
     assert zero.exit_code == 0, zero.output
     assert [r["token_ids"] for r in json.loads(zero.stdout)] == [r["token_ids"] for r in json.loads(greedy.stdout)]
+    assert [r["seed"] for r in json.loads(zero.stdout)] == [None, None]
+    both = CliRunner().invoke(main, ["complete", *base, "--n", "2", "--greedy", "--temperature", "0"])
+    assert both.exit_code == 0 and both.stdout == greedy.stdout, both.output
     plain = CliRunner().invoke(main, ["generate", *base])
     generated = CliRunner().invoke(main, ["generate", *base, "--temperature", "0", "--top-k", "3"])
     assert generated.exit_code == 0, generated.output

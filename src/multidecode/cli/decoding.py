@@ -23,7 +23,7 @@ from rich.text import Text
 from ..constraints import parsed_field
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_document, check_questions, check_text
-from ..sampling_keys import SAMPLING_SWITCHES
+from ..sampling_keys import SAMPLING_SWITCHES, greedy_temperature
 from .common import (
     check_early,
     constraint_from,
@@ -207,10 +207,11 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     """
     text = read_prompt(prompt, prompt_file)
     chosen = sampling_from(sampling)
-    if greedy and set(chosen) & set(SAMPLING_SWITCHES):
-        flags = ", ".join("--" + k.replace("_", "-") for k in chosen if k in SAMPLING_SWITCHES)
+    switches = [k for k in chosen if k in SAMPLING_SWITCHES and not (k == "temperature" and greedy_temperature(chosen[k]))]
+    if greedy and switches:
+        flags = ", ".join("--" + k.replace("_", "-") for k in switches)
         raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")
-    greedy = greedy or chosen.pop("do_sample", True) is False  # --temperature 0
+    greedy = greedy or greedy_temperature(chosen.get("temperature"))
     if logprobs and not as_json:
         raise InvalidArgument("--logprobs adds to the JSON output", "add --json")
     if server:
