@@ -8,6 +8,7 @@ side raises a `MultiDecodeError` subclass that names the problem.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -646,3 +647,21 @@ def test_the_same_families_configured_to_read_positions_still_run():
         together = multidecode.decode(model, prefix, branches, max_new_tokens=5, eos_token_id=[], exact=False)
         for branch, got in zip(branches, together):
             assert got == reference_generate(model, prefix + branch, max_new_tokens=5, eos_token_id=[NO_EOS])
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly_with_0():
+    """`multidecode ask ... | head -1` exited 1 without a word: rich's console ends a command whose
+    pipe is gone with 1, which a pipeline reads as a failure. Standard output's console ends it with 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from multidecode.cli import common
+
+    assert isinstance(common.stdout, common.Output)
+    code = ("import os\nfrom multidecode.cli.common import Output\nread, write = os.pipe()\nos.close(read)\n"
+            "Output(file=os.fdopen(write, 'w')).print('an answer ' * 10000)\n")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": src})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr

@@ -24,8 +24,19 @@ from ..user_cache import unwritable
 if TYPE_CHECKING:
     from ..speculation import SpeculationSettings, Spelling
 
+class Output(Console):
+    """A console on standard output whose reader may leave (`| head -1`): the command then ends
+    quietly with 0, as `report_errors` ends it when click's own writes find the pipe gone (rich's
+    default is exit 1, which a pipeline reads as a failure)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0)
+
+
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
-stdout = Console(highlight=False, soft_wrap=True)
+stdout = Output(highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------------- options

@@ -13,7 +13,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -25,6 +24,7 @@ from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_document, check_questions, check_text
 from ..sampling_keys import SAMPLING_SWITCHES, greedy_temperature
 from .common import (
+    Output,
     check_early,
     constraint_from,
     counted,
@@ -90,7 +90,7 @@ def show_stream(events: Iterable[TokenEvent], questions: Sequence[str], limit: s
     length an answer cut short reached."""
     board = AnswerBoard(questions, limit)
     if stdout.is_terminal:  # a live board wraps its lines: soft-wrapped (`stdout`), rich would crop them
-        live = Console(file=stdout.file, highlight=False, force_terminal=True)
+        live = Output(file=stdout.file, highlight=False, force_terminal=True)
         with Live(board, console=live, refresh_per_second=12, transient=False):
             for event in events:
                 board.add(event)
