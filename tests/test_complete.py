@@ -356,3 +356,13 @@ def test_cli_generate_says_the_seed_it_drew(model_dir):
     assert again.stdout == drawn.stdout
     greedy = CliRunner().invoke(main, base)
     assert "seed" not in greedy.stderr
+
+
+def test_cli_vote_at_temperature_zero_says_every_trace_is_the_same(model_dir):
+    """`vote --temperature 0 --n 2` gave identical traces and "100% agreement" without a word."""
+    base = ["vote", "--model", str(model_dir), "-q", "What is 2 + 3?", "--max-new-tokens", "4", "--json"]
+    greedy = CliRunner().invoke(main, [*base, "--n", "2", "--temperature", "0"])
+    assert greedy.exit_code == 0 and "every trace will be the same" in greedy.stderr, greedy.output
+    assert len({t["text"] for t in json.loads(greedy.stdout)["traces"]}) == 1
+    sampled = CliRunner().invoke(main, [*base, "--n", "2"])
+    assert sampled.exit_code == 0 and "every trace" not in sampled.stderr

@@ -299,6 +299,9 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
     from ..strategies.vote import tally, vote_prompt, vote_settings
 
     check_text(question, "the question", "write the question to reason about")
+    if n > 1 and greedy_temperature(sampling.get("temperature")):
+        stderr.print("[yellow]note:[/yellow] --temperature 0 is greedy: every trace will be the same, so their vote "
+                     "tells nothing (leave it out to sample at 0.7)")
     constraint = constraint_from(constraint)
     decoder, spec = open_run(model_name, precision, device, speculate, draft_budget, max_new_tokens=max_new_tokens, n=n,
                              sampling=vote_settings(sampling_from(sampling)))
