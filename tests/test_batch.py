@@ -987,3 +987,15 @@ def test_lines_added_during_a_run_leave_it_incomplete_for_the_next(model_dir, tm
     summary = run_batch(decoder, source, out, max_new_tokens=3, model="tiny")
     assert (summary.skipped, summary.done, summary.complete) == (2, 1, True)
     assert sorted(by_id(records(out))) == ["doc-0", "doc-1", "doc-2"]
+
+
+@pytest.mark.parametrize("text", ['[{"document": "a", "questions": ["why?"]},\n {"document": "b"}]\n',
+                                  "document,question\nthe cable,why?\n"])
+def test_an_input_no_line_of_which_can_be_read_is_the_jobs_mistake(model_dir, tmp_path, text):
+    """A JSON array (or a CSV) given as input: the model loaded, every line failed, and the job said
+    "Done" with exit 0."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(text)
+    result = run(source, "-o", tmp_path / "out.jsonl", "--model", model_dir, "-q", "why?")
+    assert result.exit_code == 2 and "can be read as a job's line (line 1:" in result.stderr, result.output
+    assert "one element per line" in result.stderr and not (tmp_path / "out.jsonl").exists()

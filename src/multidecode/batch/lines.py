@@ -53,6 +53,8 @@ class InputLine:
     sampling: dict[str, Any] = field(default_factory=dict, hash=False)
     constraint: Constraint | None = None
     nothing_to_ask: bool = False  # no questions of its own and none from the job (its error says so)
+    unreadable: bool = False  # no JSON object at all (bad JSON, not UTF-8, a list...): its id is its number
+    id_unread: bool = False  # an id given but not usable (or none readable): its number stands for it
 
     @property
     def key(self) -> str:
@@ -129,29 +131,34 @@ def parse_line(raw: bytes, line: int, job_questions: Sequence[str] = ()) -> Inpu
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
         return InputLine(line, line, error=InvalidInput(
-            f"line {line} is not UTF-8 text (bad byte at column {err.start + 1})", "save the input as UTF-8"))
+            f"line {line} is not UTF-8 text (bad byte at column {err.start + 1})", "save the input as UTF-8"),
+            unreadable=True, id_unread=True)
     except ValueError as err:  # JSONDecodeError, or a number too long to read
         why = f"{err.msg}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
-        return InputLine(line, line, error=InvalidInput(f"line {line} is not valid JSON ({why})", LINE_HINT))
+        return InputLine(line, line, error=InvalidInput(f"line {line} is not valid JSON ({why})", LINE_HINT),
+                         unreadable=True, id_unread=True)
     except RecursionError:  # Python's json reads about a thousand levels of nesting
         return InputLine(line, line, error=InvalidInput(f"line {line} is nested too deeply to read",
-                                                        "nest its objects and lists less deeply"))
+                                                        "nest its objects and lists less deeply"),
+                         unreadable=True, id_unread=True)
     if not isinstance(data, dict):
-        return InputLine(line, line, error=InvalidInput(f"line {line} is {_kind(data)}, not a JSON object", LINE_HINT))
+        return InputLine(line, line, error=InvalidInput(f"line {line} is {_kind(data)}, not a JSON object", LINE_HINT),
+                         unreadable=True, id_unread=True)
     misspelt = _misspelt_key(data)
     if misspelt is not None:
         given = data.get("id")
-        ident = given if (isinstance(given, str) and given.strip()) or is_int(given) else line
+        usable = bool((isinstance(given, str) and given.strip()) or is_int(given))
         key, meant = misspelt
-        return InputLine(line, ident, error=InvalidInput(
+        return InputLine(line, given if usable else line, error=InvalidInput(
             f'the line has "{key}", which is not a key a line may have: did you mean "{meant}"?',
-            f'rename it to "{meant}" (other keys are ignored: this one would have been, silently)'))
+            f'rename it to "{meant}" (other keys are ignored: this one would have been, silently)'),
+            id_unread=given is not None and not usable)
     try:
         parsed = LineModel.model_validate(data)
     except ValidationError as err:
         problem = err.errors()[0]
         ident = line if problem["loc"][0] == "id" or data.get("id") is None else data["id"]
-        return InputLine(line, ident, error=_explain(problem, data))
+        return InputLine(line, ident, error=_explain(problem, data), id_unread=problem["loc"][0] == "id")
     ident = line if parsed.id is None else parsed.id
     questions = tuple(job_questions) + tuple(parsed.questions or ())
     if not questions:
@@ -250,14 +257,16 @@ def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int,
     repeated: list[str] = []  # keys on more than one line, in the order they were found
     lines: list[tuple[int, str]] = []
     unusable: dict[int, str] = {}  # line -> why its id could not be read (its number stands for it)
+    unreadable = 0  # lines that are no JSON object at all
     asked = bool(job_questions)  # whether any line has something to ask
     first_unasked: InputLine | None = None  # the first line with nothing to ask, whose error says why
     for number, raw in input_lines(path):
         item = parse_line(raw, number, job_questions)
         asked = asked or not item.nothing_to_ask
         first_unasked = first_unasked or (item if item.nothing_to_ask else None)
-        if item.error is not None and item.id == number:
+        if item.id_unread:
             unusable[number] = item.error.message
+        unreadable += item.unreadable
         on_lines.setdefault(item.key, []).append(number)
         if len(on_lines[item.key]) == 2:
             repeated.append(item.key)
@@ -275,6 +284,10 @@ def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int,
                            "give every line its own id (a line without one takes its line number as its id)")
     if not lines:
         raise InvalidInput(f"{path} has no input lines", LINE_HINT)
+    if unreadable == len(lines):  # a JSON array, a CSV, another format: every line would fail alike
+        first = min(unusable)
+        raise InvalidInput(f"no line of {path} can be read as a job's line (line {first}: {unusable[first]})",
+                           LINE_HINT + " (a JSON array: write one element per line)")
     if not asked:  # every line would fail alike: the job's mistake, not the lines'
         example = f" (line {first_unasked.line}: {first_unasked.error.message})" if first_unasked else ""
         raise InvalidInput(f"there is nothing to ask: the job has no questions and no line of {path} has any{example}",
