@@ -41,7 +41,9 @@ def _generate(*args) -> dict:
 @pytest.mark.parametrize("settings", [
     [], ["--no-chat"], ["--seed", "7", "--temperature", "0.9"], ["--top-k", "5", "--seed", "3"],
     ["--presence-penalty", "1.5", "--logit-bias", "5=3"], ["--stop", "e", "--echo"], ["--speculate", "lookup"],
-], ids=["greedy", "no-chat", "sampled", "top-k", "penalties", "stop-echo", "speculating"])
+    ["--top-k", "0"], ["--temperature", "0", "--top-p", "0.5"],
+], ids=["greedy", "no-chat", "sampled", "top-k", "penalties", "stop-echo", "speculating", "top-k-0-is-off",
+        "temperature-0-is-greedy"])
 def test_a_served_generate_equals_the_local_one(served, model_dir, settings):
     here = _generate("--model", model_dir, "-p", PROMPT, *settings)
     there = _generate("--server", served.url, "-p", PROMPT, *settings)

@@ -175,29 +175,26 @@ def seeded_generator(seed: int | None) -> torch.Generator:
 
     torch's CPU generator keeps only a seed's low 32 bits (`TORCH_SEED_BITS`), so seeds s and
     s + 2**32 would share a stream. A seed of 2**32 or more is therefore mixed down to 32 bits
-    first (`mix64`), so that its high bits count; a smaller seed is used as it is, giving the draws
-    it always gave. There are 2**32 streams: two seeds share one with a chance of 1 in 2**32.
+    first: the high half of `mix64(seed)` (the low half seeds its draft stream,
+    `proposers.drafting.draft_seed`), so that its high bits count; a smaller seed is used as it
+    is, giving the draws it always gave. There are 2**32 streams: two seeds share one with a
+    chance of 1 in 2**32.
     """
     generator = torch.Generator()
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(seed if seed < 2**TORCH_SEED_BITS else mix64(seed) % 2**TORCH_SEED_BITS)
+        generator.manual_seed(seed if seed < 2**TORCH_SEED_BITS else mix64(seed) >> TORCH_SEED_BITS)
     return generator
 
 
 def without_neutral(sampling: Mapping) -> dict:
-    """`sampling` without the settings that change no token: do_sample False (greedy, the default),
-    a penalty or top_k that is off (`NEUTRAL`), an empty logit bias, and temperature 0 (greedy)
-    where no other switch is given (a batch line that samples would sample with those). Two
-    spellings of one decoding, `--temperature 0` and nothing, say, then compare equal."""
-    switches = [key for key in SAMPLING_SWITCHES if key in sampling and key != "temperature"]
-    if greedy_temperature(sampling.get("temperature")) and not switches:
-        sampling = {key: value for key, value in sampling.items() if key not in ("temperature", "do_sample")}
-
+    """`sampling` without the settings that change no token, whatever a batch line adds over them:
+    a penalty or top_k that is off (`NEUTRAL`), an empty logit bias. Two spellings of one decoding,
+    `--repetition-penalty 1` and nothing, say, then compare equal. Greedy spelled out (do_sample
+    False, temperature 0) is kept: a line with sampling settings of its own decodes greedily under
+    it and samples without it."""
     def neutral(key: str, value) -> bool:
-        if key == "do_sample":
-            return value is False
         if key == "logit_bias":
             return isinstance(value, Mapping) and not value
         return key in NEUTRAL and isinstance(value, Real) and not isinstance(value, bool) and value == NEUTRAL[key]
@@ -321,13 +318,15 @@ def apply_logit_bias(logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits [n, V]; temperature [n, 1]. A row the division carries past float32's range (a tiny
-    temperature after a strong repetition penalty: infinities, whose softmax is no distribution) is
-    divided once its largest logit is taken out: the same distribution, every logit finite or -inf."""
+    """logits [n, V]; temperature [n, 1]. A row the division (or a strong repetition penalty before
+    it) carries past float32's range, to infinities whose softmax is no distribution, is divided
+    once its largest logit is taken out, that logit (and its ties) set to 0: the same distribution,
+    every logit finite or -inf."""
     out = logits / temperature
     over = torch.isposinf(out).any(dim=-1, keepdim=True)  # [n, 1]
     if bool(over.any()):
-        out = torch.where(over, (logits - logits.amax(dim=-1, keepdim=True)) / temperature, out)
+        top = logits.amax(dim=-1, keepdim=True)  # [n, 1]
+        out = torch.where(over, torch.where(logits == top, 0.0, (logits - top) / temperature), out)
     return out
 
 

@@ -18,4 +18,11 @@ def greedy_temperature(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and value == 0
 
 
-__all__ = ["SAMPLING_KEYS", "SAMPLING_SWITCHES", "greedy_temperature"]
+def switches_given(settings: dict) -> list[str]:
+    """The `SAMPLING_SWITCHES` that `settings` (one value each) give and that ask for sampling:
+    top_k 0 is off and temperature 0 greedy, so neither does."""
+    return [key for key in SAMPLING_SWITCHES if settings.get(key) is not None
+            and not (key == "top_k" and settings[key] == 0) and not (key == "temperature" and greedy_temperature(settings[key]))]
+
+
+__all__ = ["SAMPLING_KEYS", "SAMPLING_SWITCHES", "greedy_temperature", "switches_given"]

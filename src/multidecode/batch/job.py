@@ -264,8 +264,8 @@ def open_batch(input_path: str | os.PathLike, output_path: str | os.PathLike, se
     output = OutputFile(output_path)
     try:
         output.check_settings(settings)
-        output.check_input(input_path)
         input_keys = {key for _, key in lines}
+        output.check_input(input_path, input_keys)
         failed = {key for key, failure in output.recorded.items() if failure} if retry_failed else set()
         redo = failed & input_keys  # failures of ids no longer in the input (a line mended with a new id) go too
         if failed:

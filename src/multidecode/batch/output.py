@@ -165,18 +165,21 @@ class OutputFile:
         raise InvalidInput(f"{self.path} holds results made with other settings{said}",
                            "rerun with the settings it was started with, or write these results to a new --output")
 
-    def check_input(self, input_path: Path) -> None:
-        """Refuse to resume from another input file: its lines would be matched to these results by id
-        (or line number) and taken as done. Only while the file the output was started from is still
-        there: an input moved or renamed resumes."""
-        if not self.recorded:
+    def check_input(self, input_path: Path, keys: set[str]) -> None:
+        """Refuse to resume from another input file whose ids (`keys`; line numbers where a line has
+        none) have results here: its lines would be taken as done, with the other file's answers.
+        Only while the file the output was started from is still there (an input moved or renamed
+        resumes), and only where ids meet (another file of new ids adds to the output)."""
+        if not keys & self.recorded.keys():
             return
         started = None
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # no settings file: nothing to tell
             named = Path(json.loads(meta_path(self.path).read_text(encoding="utf-8"))["input"])
             started = named if named.is_file() and not os.path.samefile(named, input_path) else None
         if started is not None:
-            raise InvalidInput(f"{self.path} holds the results of {started}, not of {input_path}",
+            shared = len(keys & self.recorded.keys())
+            raise InvalidInput(f"{self.path} holds the results of {started}, not of {input_path}, and {shared} of "
+                               "its ids (line numbers, for lines without one) have results there",
                                f"rerun with {started} to resume it, or write these results to a new --output")
 
     def write_meta(self, settings: BatchSettings, input_path: Path) -> None:

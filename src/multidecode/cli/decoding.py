@@ -22,7 +22,7 @@ from rich.text import Text
 from ..constraints import parsed_field
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_document, check_questions, check_text
-from ..sampling_keys import SAMPLING_SWITCHES, greedy_temperature
+from ..sampling_keys import greedy_temperature, switches_given
 from .common import (
     Output,
     check_early,
@@ -207,7 +207,7 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     """
     text = read_prompt(prompt, prompt_file)
     chosen = sampling_from(sampling)
-    switches = [k for k in chosen if k in SAMPLING_SWITCHES and not (k == "temperature" and greedy_temperature(chosen[k]))]
+    switches = switches_given(chosen)
     if greedy and switches:
         flags = ", ".join("--" + k.replace("_", "-") for k in switches)
         raise InvalidArgument(f"--greedy cannot be combined with {flags}", "drop --greedy to sample")

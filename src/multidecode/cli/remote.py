@@ -19,7 +19,7 @@ import click
 
 from ..constraints import read_schema
 from ..errors import InvalidArgument
-from ..sampling_keys import SAMPLING_SWITCHES, greedy_temperature
+from ..sampling_keys import greedy_temperature, switches_given
 from .common import model_source, print_stats, read_text, stderr
 
 SERVER_HELP = ("Send the work to this running `multidecode serve` (env MULTIDECODE_SERVER) instead of loading "
@@ -53,7 +53,7 @@ def server_url(value: str | None) -> str | None:
 
 class Request:
     """A command's decoding settings as a request body. Settings the protocol has no field for are
-    refused; sampling follows the library's rule (`SAMPLING_SWITCHES` turn it on, else greedy;
+    refused; sampling follows the library's rule (`switches_given` turn it on, else greedy;
     `sample`: on whatever is given, as `complete` does; temperature 0: greedy), with the seed chosen here when none is
     given, so that it can be reported (choice i uses seed + i, as branch i does here)."""
 
@@ -73,8 +73,7 @@ class Request:
         self.body: dict = {"max_tokens": max_new_tokens, "return_token_ids": True, "n": n,
                            "speculate": speculate.mode or "off", **({"stop": list(stop)} if stop else {})}
         self.seed = None
-        sampled = sample or any(key in chosen for key in SAMPLING_SWITCHES)
-        if sampled and not greedy_temperature(chosen.get("temperature")):
+        if (sample or switches_given(chosen)) and not greedy_temperature(chosen.get("temperature")):
             self.seed = chosen.get("seed", random.randrange(2**31))
             self.body |= {"temperature": chosen.get("temperature", 1.0), "seed": self.seed}
             self.body |= {key: chosen[key] for key in ("top_k", "top_p", "min_p") if key in chosen}

@@ -131,8 +131,14 @@ def windows_by_config(model) -> bool:
     `layer_types`. transformers' families that do so build their masks with
     `WINDOW_MASK_BUILDER`; a family whose modeling code never imports it (Llama, OPT or Moshi given
     the key; OLMoE, whose flash-attention path alone reads it) attends in full, whatever its config
-    says. A model of code from outside transformers is taken at its config's word."""
-    names = {type(module).__module__ for module in model.modules()}
+    says. The decoder's modules are asked (`get_decoder`), not a composite's other towers (Moshi's
+    audio codec imports the builder; its decoder does not). A model of code from outside
+    transformers is taken at its config's word."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):  # a model of its own, or one without a decoder part
+        decoder = None
+    names = {type(module).__module__ for module in (decoder if hasattr(decoder, "modules") else model).modules()}
     modeling = [sys.modules[name] for name in names if name.startswith("transformers.models.") and name in sys.modules]
     return not modeling or any(hasattr(module, WINDOW_MASK_BUILDER) for module in modeling)
 
