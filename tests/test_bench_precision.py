@@ -34,8 +34,9 @@ def tiny_gguf(monkeypatch, tmp_path):
 
 
 def quick(path, **settings):
+    settings = {"questions": 2, **settings}
     return run_precision_benchmark(path, precisions_to_run=("float32", "auto"), names=["story"], max_new_tokens=6,
-                                   context_tokens=40, context_new_tokens=4, questions=2, question_tokens=4,
+                                   context_tokens=40, context_new_tokens=4, question_tokens=4,
                                    document="Ann called about a late parcel. Bob sent a new one.",
                                    repeats=1, budget_s=0.01, warmup=False, bandwidth=1e10, **settings)
 
@@ -166,3 +167,11 @@ def test_random_gguf_command_writes_a_file_and_refuses_an_unknown_shape(tmp_path
 def test_measured_bandwidth_is_a_plausible_rate():
     assert 1e8 < measure_bandwidth(repeats=2, size=16 << 20) < 1e13
     assert torch.get_num_threads() >= 1
+
+
+def test_a_run_without_the_questions_case_draws_its_tables(tiny_gguf):
+    """--questions 0 (its help: leave it out) ended in KeyError: 'hf_sequential_auto', the pair of
+    the speculating forest and transformers declared with no transformers method to draw."""
+    result = quick(tiny_gguf, questions=0, with_llama=False, profile=False)
+    assert [row["case"] for row in result["cases"]] == ["story", "context"]
+    assert tables(result) and HF not in result["labels"]

@@ -397,3 +397,23 @@ def test_the_described_tokenizer_is_kept_and_a_damaged_copy_rebuilt(cache, tiny_
     kept.write_bytes(b"not a pickle")  # damaged: read again and kept anew, never trusted
     assert loading.described_tokenizer(described)(text)["input_ids"] == read(text)["input_ids"]
     assert kept.read_bytes() != b"not a pickle"
+
+
+def test_compiled_graphs_are_kept_in_the_user_cache_unless_the_user_chose_a_place(monkeypatch, tmp_path):
+    """torch writes its /tmp default into TORCHINDUCTOR_CACHE_DIR the first time it asks (a load
+    does), and setdefault then kept it: graphs landed in /tmp, not in the user cache as the docs say."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from multidecode import compiled
+
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path / "cache"))
+    for before in (None, default_cache_dir()):
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        compiled.use_inductor_cache()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    compiled.use_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

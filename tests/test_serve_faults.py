@@ -250,6 +250,18 @@ def test_an_unknown_model_is_a_404_and_an_unknown_route_too(server):
 
 
 # ---------------------------------------------------------------------- 2. the API key
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_before_anything_loads(key):
+    """`--api-key "$KEY"` with KEY unset served a 401 to every request, whatever its key."""
+    from click.testing import CliRunner
+
+    from multidecode.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "--api-key", key, "--model", "no/such/model"])
+    assert result.exit_code == 2 and "the API key is empty" in result.stderr, result.output
+    assert "leave --api-key out" in result.stderr
+
+
 def test_the_api_key_guards_every_route_but_health(model_dir):
     with running_server(controlled_loader(model_dir, Control()), api_key="s3cret") as running:
         good_completion(running.client())

@@ -234,8 +234,18 @@ class CompiledForward:
 
 
 def use_inductor_cache() -> None:
-    """Keep inductor's compiled artifacts in multidecode's user cache (unless the user chose a place)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    """Keep inductor's compiled artifacts in multidecode's user cache, unless the user chose a place.
+    torch writes its default (a folder in /tmp) into the variable the first time it asks for it,
+    which a load does: that is no choice, so it is replaced too."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        torchs_own = default_cache_dir()
+    except (ImportError, AttributeError):  # another torch: only an unset variable is ours to fill
+        torchs_own = None
+    if chosen is None or chosen == torchs_own:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
 def compile_forward(model) -> CompiledForward:

@@ -163,7 +163,7 @@ def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None
     return Benchmark(
         name="precision", title=f"precision and llama.cpp on {loaded.path.name}", model=auto.model,
         cases=tuple(cases), reference=None,
-        pairs=tuple((name, LLAMA) for name in plan.labels if name != LLAMA) + ((SPECULATING, HF),),
+        pairs=tuple((name, LLAMA) for name in plan.labels if name != LLAMA) + ((SPECULATING, HF),) * (questions > 0),
         config={"gguf": str(loaded.path), "file_bytes": loaded.path.stat().st_size,
                 "file_tensor_bytes": auto.memory()["file_tensor_bytes"], "precisions": chosen,
                 "bandwidth_bytes_per_s": plan.bandwidth, "loads": loaded.loads,

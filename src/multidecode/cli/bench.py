@@ -145,7 +145,8 @@ PROMPT_TOKENS = click.option("--prompt-tokens", type=int, default=200, show_defa
     click.option("--ks", default="1,2,4,8,16", show_default=True, help="Question counts for the sweep."),
     max_new_tokens(32),
     click.option("--speculate", default=None, metavar="MODE",
-                 help="Also run (e): the forest with every branch speculating (lookup, suffix, lookahead, auto)."),
+                 help="Also run (e): the forest with every branch speculating (any mode of --speculate: lookup, "
+                      "suffix, lookahead, auto, eagle, ...)."),
     sweeps=("ks",), counts=("max_new_tokens",),
 )
 def bench_ask(speculate, **settings):

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
 
-from ..errors import MultiDecodeError
+from ..errors import InvalidArgument, MultiDecodeError
 from ..prompts import has_chat_template
 from ..runtime import ForestRuntime, Job, Limits, Overloaded, TooLarge
 from ..speculation import LEARNED, SpeculationSettings, load_draft, load_heads
@@ -69,6 +69,9 @@ class ServeState:
 
     def __init__(self, name: str, *, api_key: str | None = None,
                  speculate: SpeculationSettings | str | None = None, source: dict | None = None) -> None:
+        if api_key is not None and not api_key.strip():  # every request would get a 401, whatever its key
+            raise InvalidArgument("the API key is empty (was the variable it came from unset?)",
+                                  "give the key clients will send, or leave --api-key out to serve without one")
         self.name, self.api_key = name, api_key
         self.source = dict(source or {})  # how the model was asked for: model, precision, device
         self.speculate = (speculate if isinstance(speculate, SpeculationSettings)
