@@ -19,7 +19,8 @@ forest holds grows with numbers known before the first forward:
 
 `available_bytes` is what the machine can still give: the kernel's MemAvailable (capped by a
 cgroup's limit where one is set, as in containers), free memory on a CUDA device, or the
-`MULTIDECODE_MEMORY` environment variable ("6GB", "512MiB", bytes) where the user sets a budget.
+`MULTIDECODE_MEMORY` environment variable ("6GB", "512MiB", bytes) where the user sets a budget:
+what work may take besides the loaded weights, which are in memory already when it is asked.
 """
 
 from __future__ import annotations
