@@ -85,6 +85,17 @@ class AnswerBoard:
         return Text("\n").join(self.entry(i) for i in range(len(self.questions)))
 
 
+def drain_counting(run, total: int, doing: str, done: str) -> None:
+    """Run `run` to its end, a progress bar on stderr counting its branches as they finish (the
+    output waits for all of them: `--json`, or a vote)."""
+    columns = [TextColumn(doing), BarColumn(), MofNCompleteColumn(), TextColumn(done), TimeElapsedColumn()]
+    with Progress(*columns, console=stderr, transient=True) as bar:
+        task = bar.add_task("", total=total)
+        for event in run.events:
+            if event.finish_reason is not None:
+                bar.advance(task)
+
+
 def show_stream(events: Iterable[TokenEvent], questions: Sequence[str], limit: str = "--max-new-tokens") -> AnswerBoard:
     """Print answers as they are generated; returns the finished board. limit: the option whose
     length an answer cut short reached."""
@@ -232,7 +243,8 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     start = time.perf_counter()
     run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, text, **settings)
     if as_json:
-        done = complete_strategy.completions(run.finish())
+        drain_counting(run, n, "completing", "completions done")
+        done = complete_strategy.completions(run)
         click.echo(json.dumps([{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "seed": c.seed,
                                 "token_ids": c.token_ids, "prompt_tokens": len(c.prompt_ids), **parsed_field(constraint, c),
                                 **scored(c.logprobs if logprobs else None)} for c in done], ensure_ascii=False))
@@ -308,13 +320,7 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
     prompt = vote_prompt(question, constrained=constraint is not None)
     run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, prompt, n=n, max_new_tokens=max_new_tokens,
                          speculate=spec, constraint=constraint, **vote_settings(sampling_from(sampling)))
-    columns = [TextColumn("reasoning"), BarColumn(), MofNCompleteColumn(), TextColumn("traces done"),
-               TimeElapsedColumn()]
-    with Progress(*columns, console=stderr, transient=True) as bar:
-        task = bar.add_task("", total=n)
-        for event in run.events:
-            if event.finish_reason is not None:
-                bar.advance(task)
+    drain_counting(run, n, "reasoning", "traces done")
     result = tally(question, complete_strategy.completions(run))
     if show_stats:
         print_stats(run.stats.as_dict())
