@@ -339,9 +339,8 @@ def memory_report(model, loaded: Loaded | None = None) -> dict:
     dtype = activation_dtype(model)
     formats = dict(Counter((loaded.formats if loaded else {}).values()))
     file_bytes = loaded.file_tensor_bytes if loaded else None
-    name = loaded.precision.name if loaded else str(dtype).removeprefix("torch.")
-    return {"precision": name, "reason": loaded.precision.reason if loaded else "",
-            "precision_identity": loaded.precision.identity if loaded else name,
+    return {"precision": loaded.precision.name if loaded else str(dtype).removeprefix("torch."),
+            "reason": loaded.precision.reason if loaded else "",
             "weights_bytes": packed_bytes(model), "file_tensor_bytes": file_bytes,
             "kv_bytes_per_token": Footprint.of(model).kv_per_slot, "available_bytes": available_bytes(model.device),
             "formats": formats}

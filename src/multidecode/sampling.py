@@ -41,7 +41,7 @@ import torch
 
 from .constraints import GrammarState, mask_logits
 from .errors import InvalidArgument, InvalidInput, is_int
-from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES, greedy_temperature
+from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES, greedy_temperature, switches_given
 
 MAX_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
@@ -233,15 +233,9 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
             columns[key] = [value + i for i in range(n)]
         else:
             columns[key] = [value] * n
-    if "top_k" in columns:  # 0 is off (`SamplingParams`): it asks for no sampling either
-        columns["top_k"] = [None if is_int(k) and k == 0 else k for k in columns["top_k"]]
-    sampled = {k: v for k, v in columns.items() if k != "do_sample"}
     if "do_sample" not in columns:
-        # Asking for a temperature, top-k/p, min-p or a seed means sampling.
-        columns["do_sample"] = [
-            any(k in SAMPLING_SWITCHES and v[i] is not None for k, v in sampled.items())
-            for i in range(n)
-        ]
+        # Asking for a temperature, top-k/p, min-p or a seed means sampling (top_k 0, off, does not).
+        columns["do_sample"] = [bool(switches_given({k: v[i] for k, v in columns.items()})) for i in range(n)]
     _greedy_at_zero(columns, n)
     seeds = columns.get("seed", [None] * n)
     if all(seed is None for seed in seeds) and any(columns["do_sample"]):

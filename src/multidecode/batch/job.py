@@ -302,7 +302,7 @@ def run_batch(decoder, input_path: str | os.PathLike, output_path: str | os.Path
     elif model is None:
         name = getattr(decoder.model.config, "name_or_path", None) or getattr(decoder.model.config, "_name_or_path", "")
         model = model_identity(name) if name else type(decoder.model).__name__
-    precision = precision or decoder.memory()["precision_identity"]
+    precision = precision or (loaded.precision.identity if loaded is not None else decoder.memory()["precision"])
     settings = BatchSettings(questions=questions, max_new_tokens=max_new_tokens, stop=stop,
                              sampling=sampling, instruction=instruction, model=model, precision=precision,
                              constraint=constraint)

@@ -170,14 +170,14 @@ class OutputFile:
         none) have results here: its lines would be taken as done, with the other file's answers.
         Only while the file the output was started from is still there (an input moved or renamed
         resumes), and only where ids meet (another file of new ids adds to the output)."""
-        if not keys & self.recorded.keys():
+        shared = len(keys & self.recorded.keys())
+        if not shared:
             return
         started = None
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # no settings file: nothing to tell
             named = Path(json.loads(meta_path(self.path).read_text(encoding="utf-8"))["input"])
             started = named if named.is_file() and not os.path.samefile(named, input_path) else None
         if started is not None:
-            shared = len(keys & self.recorded.keys())
             raise InvalidInput(f"{self.path} holds the results of {started}, not of {input_path}, and {shared} of "
                                "its ids (line numbers, for lines without one) have results there",
                                f"rerun with {started} to resume it, or write these results to a new --output")

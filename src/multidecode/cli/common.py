@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 from rich.console import Console
@@ -24,15 +24,21 @@ from ..user_cache import unwritable
 if TYPE_CHECKING:
     from ..speculation import SpeculationSettings, Spelling
 
+def reader_left() -> NoReturn:
+    """End the command quietly with 0 once standard output's reader has gone (`| head -1`): it has
+    what it wanted, and nothing is left to flush at exit (the pipe's end points at /dev/null)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(0)
+
+
 class Output(Console):
-    """A console on standard output whose reader may leave (`| head -1`): the command then ends
-    quietly with 0, as `report_errors` ends it when click's own writes find the pipe gone (rich's
-    default is exit 1, which a pipeline reads as a failure)."""
+    """A console on standard output whose reader may leave: `reader_left`, as `report_errors` does
+    when click's own writes find the pipe gone (rich's default is exit 1, which a pipeline reads as
+    a failure)."""
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise SystemExit(0)
+        reader_left()
 
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -556,8 +562,7 @@ def report_errors(function):
         except KeyboardInterrupt:
             stderr.print("[yellow]interrupted[/yellow]")
             raise SystemExit(130) from None
-        except BrokenPipeError:  # the reader has what it wanted: no error, and nothing left to flush at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise SystemExit(0) from None
+        except BrokenPipeError:
+            reader_left()
 
     return wrapper
