@@ -41,9 +41,9 @@ def _generate(*args) -> dict:
 @pytest.mark.parametrize("settings", [
     [], ["--no-chat"], ["--seed", "7", "--temperature", "0.9"], ["--top-k", "5", "--seed", "3"],
     ["--presence-penalty", "1.5", "--logit-bias", "5=3"], ["--stop", "e", "--echo"], ["--speculate", "lookup"],
-    ["--top-k", "0"], ["--temperature", "0", "--top-p", "0.5"],
+    ["--top-k", "0"], ["--temperature", "0", "--top-p", "0.5"], ["--temperature", "1e-7", "--seed", "5"],
 ], ids=["greedy", "no-chat", "sampled", "top-k", "penalties", "stop-echo", "speculating", "top-k-0-is-off",
-        "temperature-0-is-greedy"])
+        "temperature-0-is-greedy", "tiny-temperature-samples"])
 def test_a_served_generate_equals_the_local_one(served, model_dir, settings):
     here = _generate("--model", model_dir, "-p", PROMPT, *settings)
     there = _generate("--server", served.url, "-p", PROMPT, *settings)
@@ -111,6 +111,22 @@ def test_the_commands_sampling_switches_are_the_librarys(option):
     value = {"logit_bias": {1: 1.0}, "top_k": 5, "seed": 1}.get(key, 0.5 if key != "repetition_penalty" else 1.2)
     assert per_branch_sampling(1, {key: value})[0].do_sample == (key in SAMPLING_SWITCHES)
 
+
+
+@pytest.mark.parametrize("temperature", [0, 1e-7, 9e-6, 0.5])
+def test_the_servers_greedy_temperature_is_the_librarys(temperature):
+    """One rule: only temperature 0 is greedy, on the server as in the library and the command (a
+    server that took a tiny temperature as greedy left `generate --server` reporting a seed it never used)."""
+    from local_models import tiny_tokenizer
+
+    from multidecode.serving.protocol import CompletionBody, parse, to_job
+
+    tokenizer = tiny_tokenizer()
+    body = parse(json.dumps({"model": "tiny", "prompt": PROMPT, "temperature": temperature, "seed": 4}).encode(),
+                 "application/json", CompletionBody)
+    served = to_job(body, tokenizer, vocab_size=len(tokenizer), max_positions=None).sampling[0]
+    local = per_branch_sampling(1, {"temperature": temperature, "seed": 4})[0]
+    assert (served.do_sample, served.seed) == (local.do_sample, local.seed) == ((True, 4) if temperature else (False, None))
 
 @pytest.mark.embedded
 def test_the_embedded_models_chat_reply_is_the_same_on_its_server():

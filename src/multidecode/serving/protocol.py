@@ -2,8 +2,9 @@
 
 Two request kinds, as OpenAI's API has them: **completions** (`prompt`: text, token ids, or a
 list of either) and **chat completions** (`messages`, rendered with the tokenizer's chat
-template). Sampling follows OpenAI's defaults: temperature 1 samples, temperature 0 (or below
-`GREEDY_BELOW`) is greedy; choice i samples with seed + i. Our extensions ride in the request
+template). Sampling follows OpenAI's defaults: temperature 1 samples, temperature 0 is greedy (by
+`sampling_keys.greedy_temperature`, the library's and the command line's rule too; any temperature
+above 0 samples); choice i samples with seed + i. Our extensions ride in the request
 body (the openai client's `extra_body`):
 
 - `speculate`: a mode of `speculation.MODES` ("draft" where the server has a draft model) or
@@ -68,11 +69,10 @@ from ..errors import InvalidArgument, MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
 from ..sampling import MAX_BIAS, MAX_PENALTY, SEED_LIMIT, SamplingParams, drawn_seed
+from ..sampling_keys import greedy_temperature
 from ..speculation import LEARNED, SpeculationSettings, speculation_mode
 
 MAX_LOGPROBS = 20
-GREEDY_BELOW = 1e-5
-"""A temperature below this is greedy: dividing logits by it in float32 would overflow."""
 MIN_PENALTY = 0.01
 """repetition_penalty lies in [MIN_PENALTY, 1 / MIN_PENALTY]: past that, penalized logits overflow."""
 
@@ -318,7 +318,7 @@ def _sampling(body: _Body, count: int, vocab_size: int) -> list[SamplingParams]:
         raise BadRequest(f"top_k must be -1 (off) or a positive integer, got {body.top_k}", "top_k")
     top_k = body.top_k if body.top_k and 0 < body.top_k < vocab_size else None  # the whole vocabulary: off
     penalties = _penalties(body, vocab_size)
-    if body.temperature < GREEDY_BELOW:
+    if greedy_temperature(body.temperature):
         return [SamplingParams(**penalties)] * count
     seed = drawn_seed() if body.seed is None else body.seed
     if seed + count - 1 >= SEED_LIMIT:
