@@ -233,6 +233,19 @@ def test_logprobs_are_the_models_own(server):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-5)
 
 
+@pytest.mark.parametrize("asked", [dict(logprobs=1, temperature=0, logit_bias={"7": 100}),
+                                   dict(logprobs=0, temperature=1.5, seed=3)], ids=["biased", "sampled"])
+def test_completions_top_logprobs_hold_the_chosen_token(server, asked):
+    """As OpenAI's: the chosen token's log-probability is always in its entry (up to logprobs + 1), a
+    chosen token outside the model's own top ones too (a bias, a draw)."""
+    lp = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, **asked).choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 6
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob and len(top) <= asked["logprobs"] + 1
+    if asked["logprobs"] == 1:  # token 7 is chosen every step, ranked first by the model on none
+        assert all(len(top) == 2 for top in lp.top_logprobs)
+
+
 DRAGON = {"type": "json_schema", "json_schema": {"name": "dragon", "schema": {"enum": ["🐉 龍"]}}}
 """A reply forced to be '"🐉 龍"': the tiny tokenizer writes each of those characters' bytes as a
 token of its own, none of them UTF-8 alone."""

@@ -967,10 +967,14 @@ def token_entry(tokenizer, event, offset: int) -> TokenLogprob:
 
 def completion_logprobs(entries: list[TokenLogprob]) -> dict:
     """The completions API's log-probabilities (its legacy shape); text_offset: each token's
-    `TokenLogprob.offset`, a character offset into the choice's text."""
+    `TokenLogprob.offset`, a character offset into the choice's text. As OpenAI's, each
+    `top_logprobs` holds the chosen token too, last where it is not among the top ones (up to
+    logprobs + 1 entries); the chat API's stay the top ones only, as OpenAI's do."""
+    def top(e: TokenLogprob) -> dict[str, float]:
+        chosen = () if any(data == e.data for data, _ in e.top) else ((e.data, e.logprob),)
+        return {token_text(data): lp for data, lp in (*e.top, *chosen)}
     return {"tokens": [token_text(e.data) for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(data): lp for data, lp in e.top} for e in entries],
-            "text_offset": [e.offset for e in entries]}
+            "top_logprobs": [top(e) for e in entries], "text_offset": [e.offset for e in entries]}
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
