@@ -166,12 +166,16 @@ def test_one_prompt_and_n_choices(page):
     assert page.locator("#forest .end").count() == 3
 
 
-def test_the_chat_endpoint(page):
+@pytest.mark.parametrize("max_tokens", [2, 5])
+def test_the_chat_endpoint(page, max_tokens):
     page.select_option("#endpoint", "chat")
-    ask(page, DOCUMENT, QUESTIONS, max_tokens=5)
+    ask(page, DOCUMENT, QUESTIONS, max_tokens=max_tokens)
     assert wait_finished(page) == "done"
     assert all(reason in ("stop", "length") for reason in page.locator(".card .finish").all_inner_texts())
     assert page.locator("#forest .end").count() == len(QUESTIONS)
+    # each card counts its tokens, not its chunks (a chat choice ends on a chunk of its own)
+    counts = [int(text.split()[0]) for text in page.locator(".card .count").all_inner_texts()]
+    assert sum(counts) == int(page.inner_text("#s-tokens").split()[0]) and max(counts) <= max_tokens
 
 
 def test_the_api_key_is_sent(browser, model_dir):

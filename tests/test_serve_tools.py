@@ -66,7 +66,9 @@ def test_required_calls_one_of_the_tools(server, stream):
         for chunk in reply:
             for choice in chunk.choices:
                 for call in choice.delta.tool_calls or []:
-                    calls[choice.index] = (call.function.name, call.function.arguments, choice.finish_reason)
+                    calls[choice.index] = (call.function.name, call.function.arguments, None)
+                if choice.finish_reason:  # in a chunk of its own, after the call's
+                    calls[choice.index] = (*calls.get(choice.index, (None, None))[:2], choice.finish_reason)
     else:
         calls = {c.index: (c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments,
                            c.finish_reason) for c in reply.choices}
@@ -75,6 +77,20 @@ def test_required_calls_one_of_the_tools(server, stream):
         if finish == "tool_calls":
             jsonschema.validate(json.loads(arguments), {"get_weather": WEATHER, "get_time": TIME}[name])
 
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
+def test_the_openai_clients_stream_events_see_each_call_end(server, tool_choice):
+    """The openai client's `.stream()` fires `tool_calls.function.arguments.done` (with the whole
+    arguments) only where the finish reason comes in a chunk after the call's, as OpenAI sends it: a
+    "required" call, sent whole with its reason, never had that event."""
+    with server.client().chat.completions.stream(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                                                 max_tokens=80, temperature=0) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion()
+    call = final.choices[0].message.tool_calls[0]
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [(e.name, e.arguments) for e in done] == [(call.function.name, call.function.arguments)]
+    json.loads(call.function.arguments)
 
 def test_tool_choice_none_answers_in_text(server):
     reply = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",

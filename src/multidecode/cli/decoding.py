@@ -69,7 +69,8 @@ class AnswerBoard:
     def add(self, event: TokenEvent) -> bool:
         """Record an event; True when it finished its question."""
         self.texts[event.branch] += event.text
-        self.token_ids[event.branch].append(event.token_id)
+        if event.token_id is not None:  # None: a served chat choice's last chunk, which only ends it
+            self.token_ids[event.branch].append(event.token_id)
         self.reasons[event.branch] = event.finish_reason
         return event.finish_reason is not None
 

@@ -113,10 +113,11 @@ class Request:
 
 @dataclass(frozen=True)
 class Piece:
-    """One streamed token of one choice (a `TokenEvent`'s fields, as the stream carries them)."""
+    """One streamed token of one choice (a `TokenEvent`'s fields, as the stream carries them), or
+    the end of a chat choice (`token_id` None: OpenAI's last chunk, an empty delta with the reason)."""
 
     branch: int
-    token_id: int
+    token_id: int | None
     text: str
     finish_reason: str | None
 
@@ -174,6 +175,8 @@ class Server:
                     last = k == len(ids) - 1
                     yield Piece(choice["index"], token, (text or "") if last else "",
                                 choice.get("finish_reason") if last else None)
+                if not ids and choice.get("finish_reason"):
+                    yield Piece(choice["index"], None, "", choice["finish_reason"])
 
     def summarize(self, what: str, start: float, *, show_stats: bool, tail: str = "") -> None:
         """On stderr: the engine's statistics (with --stats), then what came back (`what`: "3

@@ -385,6 +385,28 @@ class _Reply:
             return None
         return {"tool_calls": [{"index": 0, **self._call(choice, call)}]} if call is not None else {}
 
+    def _ids(self, event, ids: list | None = None) -> dict:
+        """A streamed choice's `token_ids` (`return_token_ids`): the event's token, or `ids`."""
+        return {"token_ids": [event.token_id] if ids is None else ids} if self.body.return_token_ids else {}
+
+    def _chat_items(self, choice: Choice, event, entries: list) -> list[dict]:
+        """A chat stream's choices for a token event: its delta (none where there is nothing to send
+        yet), then, where it ends the choice, OpenAI's last chunk of its own, an empty delta with the
+        reason (the openai client's tool-call events wait for it)."""
+        call = self._ended_call(choice) if event.finish_reason else None
+        delta = self._delta(choice, event, call)
+        if delta is None:
+            return []
+        finish = self._finish(event.finish_reason, call)
+        items = []
+        if finish is None or entries or any(delta.values()):
+            items.append({"index": choice.index, "delta": delta, "logprobs": self._logprobs(entries),
+                          "finish_reason": None, **self._ids(event)})
+        if finish is not None:
+            items.append({"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                          **self._ids(event, [] if items else None)})
+        return items
+
     async def stream(self, queue: asyncio.Queue) -> AsyncIterator[str]:
         finished = False
         include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
@@ -408,19 +430,10 @@ class _Reply:
                     choice, entries = self._take(payload)
                     if not (payload.text or payload.finish_reason or entries or self.body.return_token_ids):
                         continue
-                    if self.chat:
-                        call = self._ended_call(choice) if payload.finish_reason else None
-                        delta = self._delta(choice, payload, call)
-                        if delta is None:
-                            continue
-                        item = {"index": choice.index, "delta": delta, "logprobs": self._logprobs(entries),
-                                "finish_reason": self._finish(payload.finish_reason, call)}
-                    else:
-                        item = {"index": choice.index, "text": payload.text,
-                                "logprobs": self._logprobs(entries), "finish_reason": payload.finish_reason}
-                    if self.body.return_token_ids:
-                        item["token_ids"] = [payload.token_id]
-                    yield _sse({**self._head(True), "choices": [item]})
+                    for item in self._chat_items(choice, payload, entries) if self.chat else [{
+                            "index": choice.index, "text": payload.text, "logprobs": self._logprobs(entries),
+                            "finish_reason": payload.finish_reason, **self._ids(payload)}]:
+                        yield _sse({**self._head(True), "choices": [item]})
                 elif kind == "trace":
                     yield _sse({"id": self.id, "object": "multidecode.trace", **payload})
                 elif kind == "error":
