@@ -65,8 +65,10 @@ def test_one_model_by_its_id_and_health_by_head(server):
     assert model.id == MODEL and model.object == "model"
     with pytest.raises(openai.NotFoundError) as caught:
         server.client().models.retrieve("gpt-5")
-    assert "gpt-5" in assert_error_shape(caught.value.response, 404, "not_found_error")["message"]
-    assert_error_shape(httpx.get(server.url + "/v1/models/org/other-model", timeout=10), 404, "not_found_error")
+    error = assert_error_shape(caught.value.response, 404, "invalid_request_error")
+    assert "gpt-5" in error["message"] and (error["code"], error["param"]) == ("model_not_found", "model")
+    other = assert_error_shape(httpx.get(server.url + "/v1/models/org/other-model", timeout=10), 404)
+    assert other["code"] == "model_not_found"
     head = httpx.head(server.url + "/health", timeout=10)
     assert head.status_code == 200 and head.content == b""
 

@@ -240,10 +240,12 @@ def test_an_unknown_model_is_a_404_and_an_unknown_route_too(server):
     client = server.client()
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gpt-5", prompt="hello", max_tokens=2)
-    assert "gpt-5" in assert_error_shape(caught.value.response, 404, "not_found_error")["message"]
-    with pytest.raises(openai.NotFoundError):
+    error = assert_error_shape(caught.value.response, 404, "invalid_request_error")  # OpenAI's words
+    assert "gpt-5" in error["message"] and (error["code"], error["param"]) == ("model_not_found", "model")
+    with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert_error_shape(httpx.get(server.url + "/v1/nowhere", timeout=10), 404, "not_found_error")
+    assert assert_error_shape(caught.value.response, 404)["code"] == "model_not_found"
+    assert assert_error_shape(httpx.get(server.url + "/v1/nowhere", timeout=10), 404, "invalid_request_error")["code"] is None
     assert_error_shape(httpx.post(server.url + "/v1/embeddings", json={"model": MODEL}, timeout=10), 404)
     assert_error_shape(httpx.get(server.url + "/v1/completions", timeout=10), 405)
     good_completion(client)
@@ -269,7 +271,7 @@ def test_the_api_key_guards_every_route_but_health(model_dir):
         for key in ("wrong", "s3cret-but-longer"):
             with pytest.raises(openai.AuthenticationError) as caught:
                 running.client(api_key=key).completions.create(model=MODEL, prompt="hello", max_tokens=2)
-            assert_error_shape(caught.value.response, 401, "authentication_error")
+            assert assert_error_shape(caught.value.response, 401, "invalid_request_error")["code"] == "invalid_api_key"
             with pytest.raises(openai.AuthenticationError):
                 running.client(api_key=key).models.list()
         routes = [("post", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
@@ -279,7 +281,7 @@ def test_the_api_key_guards_every_route_but_health(model_dir):
                         {"authorization": "Bearer wrong"}, {"authorization": "Bearer"}):
             for method, route, body in routes:
                 response = httpx.request(method, running.url + route, json=body, headers=headers, timeout=10)
-                assert_error_shape(response, 401, "authentication_error")
+                assert assert_error_shape(response, 401, "invalid_request_error")["code"] == "invalid_api_key"
         assert httpx.get(running.url + "/health", timeout=10).status_code == 200
         assert httpx.get(running.url + "/", timeout=10).status_code == 200  # the page: no data, its calls need the key
         assert httpx.get(running.url + "/metrics", headers={"authorization": "Bearer s3cret"},

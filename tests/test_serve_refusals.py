@@ -147,7 +147,7 @@ def test_a_401_says_whether_the_key_is_missing_or_not_accepted(model_dir):
             assert "needs an API key" in message and "not accepted" not in message, (headers, message)
         for key in ("wrong", "s3cret-but-longer", "S3CRET"):
             reply = httpx.get(route, headers={"authorization": f"Bearer {key}"}, timeout=10)
-            message = assert_error_shape(reply, 401, "authentication_error")["message"]
+            message = assert_error_shape(reply, 401, "invalid_request_error")["message"]
             assert "not accepted" in message and "needs an API key" not in message, (key, message)
         assert httpx.get(route, headers={"authorization": "bearer s3cret"}, timeout=10).status_code == 200
 

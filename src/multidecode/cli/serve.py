@@ -30,7 +30,8 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port to listen on (0: any free port).")
 @click.option("--api-key", default=None, envvar="MULTIDECODE_API_KEY", metavar="KEY",
-              help="Require 'Authorization: Bearer KEY' on every route but /health (env MULTIDECODE_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on every route but /health and the live page at / "
+                   "(which holds no data: its requests send the key) (env MULTIDECODE_API_KEY).")
 @click.option("--served-model-name", default=None, metavar="NAME",
               help="The model name clients send (default: the --model argument, or SmolLM2-135M-Instruct).")
 @speculate_options(stats=False, scope="Default for requests that name no mode (default: off).")

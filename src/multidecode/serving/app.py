@@ -159,11 +159,18 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
-        kinds = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
-        codes = {401: "invalid_api_key", 404: "not_found"}
-        return JSONResponse(error_body(str(error.detail), kinds.get(error.status_code, "invalid_request_error"),
-                                       code=codes.get(error.status_code)),
+        # OpenAI's words: every such error is an invalid_request_error, told apart by its code
+        unknown_model = isinstance(error, ModelNotFound)
+        code = "model_not_found" if unknown_model else {401: "invalid_api_key"}.get(error.status_code)
+        return JSONResponse(error_body(str(error.detail), param="model" if unknown_model else None, code=code),
                             status_code=error.status_code, headers=getattr(error, "headers", None))
+
+
+class ModelNotFound(HTTPException):
+    """A 404 for a model this server does not serve (OpenAI's code `model_not_found`, param `model`)."""
+
+    def __init__(self, asked: str, served: str) -> None:
+        super().__init__(404, f"the model {asked!r} does not exist: this server serves {served!r}")
 
 
 def _info_routes(app: FastAPI, state: ServeState) -> None:
@@ -192,7 +199,7 @@ def _info_routes(app: FastAPI, state: ServeState) -> None:
     async def model(request: Request, model_id: str):
         state.authorize(request)
         if model_id != state.name:
-            raise HTTPException(404, f"the model {model_id!r} does not exist: this server serves {state.name!r}")
+            raise ModelNotFound(model_id, state.name)
         return model_object()
 
     @app.get("/metrics")
@@ -226,7 +233,7 @@ def _completion_routes(app: FastAPI, state: ServeState) -> None:
         runtime = state.ready()
         body = parse(await _read_body(request), request.headers.get("content-type"), kind)
         if body.model != state.name:
-            raise HTTPException(404, f"the model {body.model!r} does not exist: this server serves {state.name!r}")
+            raise ModelNotFound(body.model, state.name)
         engine = runtime.engine
         # Tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing.
         job = await asyncio.to_thread(to_job, body, runtime.tokenizer, vocab_size=engine.vocab_size,
