@@ -45,10 +45,15 @@ class Running:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", max_retries=0, **kwargs)
 
     def wait_idle(self, timeout: float = 10.0) -> None:
-        """Until no request is running and the engine has settled its cache."""
-        if not wait_until(lambda: not self.forest.busy and not self.forest.scheduler.works, timeout, every=0.02):
+        """Until no request is running and the engine has settled its cache (it holds the indexed
+        prompt prefixes only: the engine thread settles it right after the last step, later on a
+        loaded machine)."""
+        forest = self.forest
+        if not wait_until(lambda: not forest.busy and not forest.scheduler.works, timeout, every=0.02):
             raise TimeoutError("the server did not go idle")
-        time.sleep(0.1)  # the engine thread settles the cache right after the last step
+        if not wait_until(lambda: forest.engine.forest.num_slots == len(forest.index), timeout, every=0.02):
+            raise TimeoutError(f"the idle server's cache kept {forest.engine.forest.num_slots - len(forest.index)} "
+                               "slots beyond its indexed prefixes")
 
 
 def tiny_loader(folder: Path):

@@ -121,6 +121,24 @@ def test_bad_completion_parameters_raise_bad_request_and_the_next_request_succee
     good_completion(client)
 
 
+@pytest.mark.parametrize("route, field, value", [
+    ("/v1/completions", "n", "2"), ("/v1/completions", "max_tokens", "3"), ("/v1/completions", "max_tokens", 3.0),
+    ("/v1/completions", "temperature", "0"), ("/v1/completions", "stream", "yes"), ("/v1/completions", "stream", 1),
+    ("/v1/completions", "echo", "on"), ("/v1/completions", "prompt", [1, "2"]), ("/v1/chat/completions", "logprobs", "true"),
+    ("/v1/chat/completions", "stream_options", {"include_usage": 1})])
+def test_a_value_of_the_wrong_json_type_is_a_400_naming_it(server, route, field, value):
+    """As OpenAI's API: "n": "2", "stream": 1 or "max_tokens": 3.0 are refused (code invalid_type),
+    not read as 2, true and 3 (a client's bug then answered as if it had meant them)."""
+    body = ({"messages": [{"role": "user", "content": "hi"}], "stream": True} if "chat" in route
+            else {"prompt": "The quick brown fox"})
+    response = httpx.post(server.url + route, json={"model": MODEL, "max_tokens": 3, **body, field: value}, timeout=30)
+    error = assert_error_shape(response, 400, "invalid_request_error")
+    assert error["param"] == field, error
+    if field != "prompt":  # the prompt's forms have a message of their own
+        got = json.dumps(value["include_usage"] if isinstance(value, dict) else value)  # the nested field's own
+        assert error["code"] == "invalid_type" and f"got {got}" in error["message"], error
+    good_completion(server.client())
+
 BAD_CHATS = {
     "empty messages": (dict(messages=[]), "messages"),
     "role": (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages"),

@@ -87,9 +87,13 @@ def _not_a_boolean(value):
 
 
 Int = Annotated[int, BeforeValidator(_not_a_boolean)]
-"""An integer field of a request: any integer (or its text, as pydantic reads it), never a boolean."""
+"""An integer field of a request: a JSON integer (the models are strict, as OpenAI's API is: not
+3.0, not "3"), never a boolean."""
 Float = Annotated[float, BeforeValidator(_not_a_boolean)]
-"""A number field of a request: any number (or its text), never a boolean."""
+"""A number field of a request: a JSON number (not its text), never a boolean."""
+STRICT = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+"""Every request model's: unknown fields allowed (other clients' extensions), and each field of its
+own JSON type, as OpenAI's API takes them ("n": "2" and "stream": 1 are 400s, not 2 and true)."""
 
 
 class BadRequest(MultiDecodeError, ValueError):
@@ -101,7 +105,7 @@ class BadRequest(MultiDecodeError, ValueError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
 
     include_usage: bool = False
 
@@ -109,7 +113,7 @@ class StreamOptions(BaseModel):
 class _Body(BaseModel):
     """Fields both request kinds share."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = STRICT
 
     model: str
     max_tokens: Int | None = Field(None, ge=1)
@@ -157,7 +161,7 @@ class CompletionBody(_Body):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -199,11 +203,20 @@ def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
         if first["loc"][:1] == ("prompt",):  # a union: pydantic names the first of its forms ("prompt.str")
             raise BadRequest(f"prompt must be {PROMPT_FORMS}, got {_json_kind(data.get('prompt'))}", "prompt") from None
         where = ".".join(str(p) for p in first["loc"])
-        raise BadRequest(f"{where}: {first['msg']}" if where else first["msg"],
-                         str(first["loc"][0]) if first["loc"] else None) from None
+        message, code = first["msg"], None
+        if first["type"].endswith("_type"):  # the wrong JSON type: say which came, as OpenAI's 400 does
+            message, code = f"{message}, got {_json_value(first['input'])}", "invalid_type"
+        raise BadRequest(f"{where}: {message}" if where else message, str(first["loc"][0]) if first["loc"] else None,
+                         code) from None
 
 
 PROMPT_FORMS = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+def _json_value(value) -> str:
+    """A value as JSON where it is short and plain ("2", 3.0, true), else what it is (`_json_kind`)."""
+    written = json.dumps(value) if isinstance(value, (bool, int, float, str)) else ""
+    return written if written and len(written) <= 40 else _json_kind(value)
 
 
 def _json_kind(value) -> str:
