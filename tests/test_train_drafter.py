@@ -6,6 +6,7 @@ read, and a work folder of other settings are refused with clear errors."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,68 @@ def test_folders_that_cannot_take_the_results_are_refused_before_the_model_loads
     result = CliRunner().invoke(main, ["train-drafter", "--model", str(tmp_path / "no-model"), option, str(taken)])
     assert result.exit_code == 2, result.output
     assert f"{option} {taken} is a file, not a folder" in result.output and "Traceback" not in result.output
+
+
+def _other_weights(decoder):
+    """A decoder of a model of the same shape with other weights (a fine-tune of the same base)."""
+    import copy
+
+    model = copy.deepcopy(decoder.model)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(torch.randn_like(model.get_input_embeddings().weight))
+    return multidecode.MultiDecoder(model, ByteTokenizer())
+
+
+def test_a_work_folder_or_an_output_of_another_model_is_refused(tmp_path, monkeypatch):
+    """The default work folder is one per model shape: a second model of that shape resumed the
+    first one's answers, trained on text it never wrote, and replaced the first one's head."""
+    monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path / "cache"))
+    decoder, other = _decoder(), _other_weights(_decoder())
+    assert list(train_drafter(decoder, _settings(tmp_path, epochs=1, output=None, work=None)))[-1].phase == "done"
+    with pytest.raises(InvalidArgument, match="holds a head trained for a model of this shape with other weights"):
+        list(train_drafter(other, _settings(tmp_path, epochs=1, output=None, work=None)))
+    list(train_drafter(decoder, _settings(tmp_path, epochs=1)))  # a work folder of its own, named
+    with pytest.raises(InvalidArgument, match="holds the answers of a model of this shape with other weights"):
+        list(train_drafter(other, _settings(tmp_path, epochs=1, output=str(tmp_path / "other-heads"))))
+    model_folder = tmp_path / "model"
+    decoder.model.save_pretrained(model_folder)
+    before = (model_folder / "config.json").read_bytes()
+    with pytest.raises(InvalidArgument, match="not a head this trainer wrote"):  # --output the model's own folder
+        list(train_drafter(decoder, _settings(tmp_path, epochs=1, output=str(model_folder), work=str(tmp_path / "w2"))))
+    assert (model_folder / "config.json").read_bytes() == before
+
+
+def test_the_work_folder_holds_its_answers_to_the_prompts_not_to_their_files_name(tmp_path):
+    """A prompts file rewritten with other prompts resumed the old answers (the file's name was the
+    key), one grown crashed in training; the same prompts under another name were refused."""
+    decoder = _decoder()
+    settings = _settings(tmp_path, epochs=1)
+    list(train_drafter(decoder, settings))
+    copy = tmp_path / "elsewhere" / "copy.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes((tmp_path / "prompts.jsonl").read_bytes())
+    resumed = list(train_drafter(decoder, _settings(tmp_path, epochs=1, prompts=str(copy))))
+    assert all(e.done == e.total for e in resumed if e.phase in ("write", "train"))  # nothing redone
+    Path(settings.prompts).write_text("".join(json.dumps({"prompt": p + " Again."}) + "\n" for p in PROMPTS * 2))
+    with pytest.raises(InvalidArgument, match="answers to other prompts"):
+        list(train_drafter(decoder, settings))
+
+
+def test_an_answer_cut_by_an_interruption_is_written_again_on_a_line_of_its_own(tmp_path):
+    """The next record was appended to the cut line, so its prompt was lost from training; and
+    features were numbered by position, so a prompt redone later shifted every file after it."""
+    decoder = _decoder()
+    settings = _settings(tmp_path, epochs=1)
+    list(train_drafter(decoder, settings))
+    work = Path(settings.work)
+    answers = work / "answers.jsonl"
+    lines = answers.read_text().splitlines(keepends=True)
+    answers.write_text("".join(lines[:2]) + "".join(lines[3:]) + lines[2][:25])  # prompt 2's record last, cut
+    for stale in [*(work / "features").glob("*.pt"), work / "medusa-checkpoint.pt"]:
+        stale.unlink()
+    list(train_drafter(decoder, settings))
+    records = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert sorted(r["i"] for r in records) == list(range(len(PROMPTS)))
+    for record in records:  # each prompt's features hold its own tokens
+        saved = torch.load(work / "features" / f"{record['i']:05d}.pt", weights_only=True)["tokens"].tolist()
+        assert saved == record["prompt"] + record["answer"]

@@ -101,15 +101,22 @@ def check_target(recorded: dict | None, model, what: str) -> None:
     (one published elsewhere) is taken on trust, after its shapes were checked."""
     if not recorded:
         return
+    other = other_target(recorded, model)
+    if other is not None:
+        raise InvalidArgument(f"{what} was trained for {other}", "train a head for this model: multidecode "
+                                                                 "train-drafter --model M")
+
+
+def other_target(recorded: dict, model) -> str | None:
+    """How the target a `fingerprint` records differs from `model` ("another model (its name), not
+    this one (shape)", "a model of this shape with other weights (its name)"), None where it is
+    `model` (at any precision: the probes agree within `PROBE_MATCH`)."""
     if recorded.get("shape") != shape_key(model):
-        raise InvalidArgument(f"{what} was trained for another model ({recorded.get('name') or recorded.get('shape')}), "
-                              f"not this one ({shape_key(model)})",
-                              "train a head for this model: multidecode train-drafter --model M")
+        return f"another model ({recorded.get('name') or recorded.get('shape')}), not this one ({shape_key(model)})"
     mine, theirs = torch.tensor(probe(model)), torch.tensor(recorded.get("probe", []), dtype=torch.float32)
     if theirs.shape != mine.shape or float(torch.cosine_similarity(mine, theirs, dim=0)) < PROBE_MATCH:
-        raise InvalidArgument(f"{what} was trained for a model of this shape with other weights "
-                              f"({recorded.get('name') or 'unnamed'})",
-                              "train a head for this model: multidecode train-drafter --model M")
+        return f"a model of this shape with other weights ({recorded.get('name') or 'unnamed'})"
+    return None
 
 
 def head_dir(model, kind: str) -> Path:

@@ -40,7 +40,7 @@ from ..forest import chain_parents
 from ..prompts import render_prompt, tokenize_prompt
 from ..proposers.drafting import vocabulary_size
 from ..proposers.eagle import EagleHead, head_config
-from ..proposers.heads import fingerprint, head_dir
+from ..proposers.heads import fingerprint, head_dir, other_target
 from ..proposers.medusa import MedusaHeads
 from . import TRAINABLE
 from .features import TOP, Features, load_features
@@ -77,17 +77,21 @@ class DistillSettings:
     output: str | None = None
 
     def training_settings(self) -> dict:
-        """What decides the trained weights (not where they go, nor how often they are saved)."""
-        keep = {k: v for k, v in asdict(self).items() if k not in ("work", "output", "checkpoint_every")}
+        """What decides the trained weights besides the data (not where they go, nor how often they
+        are saved): the work folder's answers are held to their prompts by `data_key`."""
+        keep = {k: v for k, v in asdict(self).items()
+                if k not in ("work", "output", "checkpoint_every", "prompts", "limit")}
         return keep | {"recipe": RECIPE}
 
     def training_key(self) -> str:
         """A hash of `training_settings`: a resumed run must match."""
         return hashlib.sha256(json.dumps(self.training_settings(), sort_keys=True).encode()).hexdigest()[:16]
 
-    def data_key(self) -> str:
-        """A hash of what decides the answers the target writes (shared by every kind trained on them)."""
-        keep = {"prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "limit": self.limit}
+    def data_key(self, prompts: list[str]) -> str:
+        """A hash of what decides the answers the target writes (shared by every kind trained on
+        them): the prompts themselves (not the file's name: a file rewritten or grown is other data)
+        and max_new_tokens. The target is checked apart (`_check_work`)."""
+        keep = {"prompts": prompts, "max_new_tokens": self.max_new_tokens}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -163,14 +167,15 @@ def train_drafter(decoder, settings: DistillSettings) -> Iterator[Progress]:
     prompts = read_prompts(settings.prompts)[: settings.limit]
     output = Path(settings.output) if settings.output else head_dir(model, settings.kind)
     work = Path(settings.work) if settings.work else output.parent / "distill.work"
+    _check_output(output, model)
     work.mkdir(parents=True, exist_ok=True)
-    _check_work(work, settings)
+    _check_work(work, settings, prompts, model)
     started = time.perf_counter()
     yield from write_answers(decoder, prompts, work / "answers.jsonl", settings)
     answers = read_answers(work / "answers.jsonl")
     yield from read_features(model, answers, work / "features")
     token_ids = draft_vocabulary(answers, settings.draft_vocab, model)
-    trainee = new_trainee(settings, model, token_ids, load_features(work / "features", len(answers)))
+    trainee = new_trainee(settings, model, token_ids, load_features(work / "features", [a["i"] for a in answers]))
     log: list[dict] = []
     yield from train_loop(trainee, settings, work / f"{settings.kind}-checkpoint.pt", log)
     seen = sum(len(a["prompt"]) + len(a["answer"]) for a in answers)
@@ -198,23 +203,53 @@ def new_trainee(settings: DistillSettings, model, token_ids: torch.Tensor, data_
     return MedusaTrainee(heads.to(device), data_, settings.batch_positions)
 
 
-def _check_work(work: Path, settings: DistillSettings) -> None:
-    """A work folder's answers belong to one set of data settings (every kind trained there reads
-    them): resuming with others would mix two runs."""
-    stamp = work / "settings.json"
-    key = settings.data_key()
-    if stamp.exists():
-        if json.loads(stamp.read_text()).get("key") != key:
-            raise InvalidArgument(f"the work folder {work} holds answers written with other settings",
-                                  "resume it with the same prompts, limit and max new tokens, or give another "
-                                  "--work folder (or delete it)")
+def _check_work(work: Path, settings: DistillSettings, prompts: list[str], model) -> None:
+    """A work folder's answers belong to one target and one set of prompts (every kind trained
+    there reads them): resuming with another model (the default folder is one per model shape) or
+    other prompts would train a head on text its target never wrote."""
+    stamp, key, fix = work / "settings.json", settings.data_key(prompts), f"give another --work folder (or delete {work})"
+    if not stamp.exists():
+        stamp.write_text(json.dumps({"key": key, "target": fingerprint(model), "settings": asdict(settings)}, indent=2))
         return
-    stamp.write_text(json.dumps({"key": key, "settings": asdict(settings)}, indent=2))
+    try:
+        recorded = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        recorded = None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("target"), dict):
+        raise InvalidArgument(f"the work folder {work} was not made by this trainer, or by an earlier version", fix)
+    other = other_target(recorded["target"], model)
+    if other is not None:
+        raise InvalidArgument(f"the work folder {work} holds the answers of {other}", fix)
+    if recorded.get("key") != key:
+        raise InvalidArgument(f"the work folder {work} holds answers to other prompts (or of another max new tokens)",
+                              f"resume it with the same prompts, in the same order, and max new tokens, or {fix}")
+
+
+def _check_output(output: Path, model) -> None:
+    """Refuse an output folder holding something else than a head for this model: a model's
+    config.json (`--output` naming the model's own folder) or a head trained for another target,
+    which writing there would replace."""
+    path = output / "config.json"
+    if not path.exists():
+        return
+    try:
+        target = json.loads(path.read_text()).get("multidecode_target")
+    except (OSError, ValueError, AttributeError):
+        target = None
+    if not isinstance(target, dict):
+        raise InvalidArgument(f"{output} holds a config.json that is not a head this trainer wrote (a model's folder?)",
+                              "give --output an empty folder or a new one")
+    other = other_target(target, model)
+    if other is not None:
+        raise InvalidArgument(f"{output} holds a head trained for {other}, which this run would replace",
+                              f"give another --output (or delete {output})")
 
 
 # ---------------------------------------------------------------------- 1. write
 def write_answers(decoder, prompts: list[str], path: Path, settings: DistillSettings) -> Iterator[Progress]:
-    """The target's greedy answer to each prompt not answered yet, `batch` at a time, appended."""
+    """The target's greedy answer to each prompt not answered yet, `batch` at a time, appended
+    (after a line an interruption cut short is taken off: its prompt is answered again)."""
+    _drop_cut_line(path)
     done = {a["i"] for a in read_answers(path)}
     todo = [i for i in range(len(prompts)) if i not in done]
     total_tokens = 0
@@ -229,6 +264,16 @@ def write_answers(decoder, prompts: list[str], path: Path, settings: DistillSett
                 total_tokens += len(branch.output.token_ids)
         done.update(chosen)
         yield Progress("write", len(done), len(prompts), {"tokens": total_tokens})
+
+
+def _drop_cut_line(path: Path) -> None:
+    """Truncate `path` after its last whole line (an appended record must not join a cut one)."""
+    if not path.exists():
+        return
+    raw = path.read_bytes()
+    if raw and not raw.endswith(b"\n"):
+        with path.open("r+b") as out:
+            out.truncate(raw.rfind(b"\n") + 1)
 
 
 def read_answers(path: Path) -> list[dict]:
@@ -248,11 +293,12 @@ def read_answers(path: Path) -> list[dict]:
 # ---------------------------------------------------------------------- 2. read
 def read_features(model, answers: list[dict], folder: Path) -> Iterator[Progress]:
     """The target's last hidden state and top-`TOP` next-token probabilities at every position of
-    each prompt and answer, one file per sequence (existing files are kept)."""
+    each prompt and answer, one file per sequence, named by its prompt's index (existing files are
+    kept)."""
     folder.mkdir(parents=True, exist_ok=True)
     engine = Engine(model)
     for n, record in enumerate(answers):
-        path = folder / f"{n:05d}.pt"
+        path = folder / f"{record['i']:05d}.pt"
         if not path.exists():
             tokens = record["prompt"] + record["answer"]
             result = engine.feed(tokens, chain_parents(len(tokens)), logits_for=range(len(tokens)),
@@ -341,6 +387,10 @@ def _resume(path: Path, settings: DistillSettings, module, optimizer, schedule, 
         raise InvalidArgument(f"the work folder holds a {settings.kind} training with other settings ({path})"
                               + (f": {'; '.join(changed)}" if changed else ""),
                               "resume it with the same settings, or give another --work folder (or delete the file)")
+    if state["schedule"].get("total_steps") != schedule.total_steps:  # the data is checked: a damaged work folder
+        raise InvalidArgument(f"the checkpoint {path} was trained over {state['schedule'].get('total_steps')} steps, "
+                              f"this run has {schedule.total_steps}: its features are not the ones it saw",
+                              "delete the checkpoint (the answers and features are kept), or give another --work folder")
     module.load_state_dict(state["module"], strict=False)
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])

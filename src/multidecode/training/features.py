@@ -36,8 +36,10 @@ class Features:
     begins: list[int]
 
 
-def load_features(folder: Path, count: int) -> Features:
-    parts = [torch.load(folder / f"{n:05d}.pt", weights_only=True) for n in range(count)]
+def load_features(folder: Path, indices: list[int]) -> Features:
+    """The features of the sequences of the prompts `indices` (their files: `NNNNN.pt`), joined."""
+    parts = [torch.load(folder / f"{i:05d}.pt", weights_only=True) for i in indices]
+    count = len(parts)
     lengths = [p["features"].shape[0] for p in parts]
     ends = torch.tensor(lengths).cumsum(0)
     last = torch.cat([torch.full((n,), int(e) - 1) for n, e in zip(lengths, ends)])
