@@ -204,6 +204,7 @@ def stored_files(key: str) -> dict[str, str]:
         "another format": json.dumps(kept | {"format": 1}),
         "a bin we do not keep": json.dumps(kept | {"cells": [[5, 128, [1.0]]]}),
         "a timing that is not one": json.dumps(kept | {"cells": [[1, 128, [float("nan")]]]}),
+        "a count past any number": json.dumps(kept).replace('"probed": {"1": 1}', '"probed": {"1": 1e400}'),
         "a prior that is not a table": json.dumps(kept | {"prior": {"sizes": [1, 1], "contexts": [0],
                                                                      "seconds": [[1.0, 1.0]]}}),
     }

@@ -540,7 +540,7 @@ def read_curve(path: Path, key: str) -> LearnedCurve | None:
     (another format, model or set of bins: not trusted, so rebuilt)."""
     try:
         curve = LearnedCurve.from_dict(json.loads(path.read_text(encoding="utf-8")), key)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError):  # 1e400: an overflow
         return None
     curve.path = path
     return curve
