@@ -113,6 +113,21 @@ def test_completions_run_in_waves_with_the_same_tokens(exact_decoder, monkeypatc
     assert waves[0].stats["tokens"] == sum(len(c.token_ids) for c in waves)
 
 
+def test_waves_hold_each_completion_to_its_own_constraint(model_dir, monkeypatch):
+    """A list of one constraint per completion was handed whole to every wave, which refused it
+    ("12 constraints for 6 branches"): each wave takes its completions' own."""
+    from multidecode.strategies.complete import prompt_ids
+
+    decoder = multidecode.load(str(model_dir), precision="float32")
+    settings = dict(n=12, seed=1, max_new_tokens=8, regex=[r"(yes|no)", r"[0-9]{3}"] * 6)
+    monkeypatch.delenv(memory.ENVIRONMENT, raising=False)
+    together = decoder.complete("Answer:", **settings)
+    need = memory_need(decoder.scheduler().engine, len(prompt_ids(decoder.tokenizer, "Answer:")), [0] * 6, 8, 0).total
+    monkeypatch.setenv(memory.ENVIRONMENT, str(int(need / memory.HEADROOM) + 1))  # six at a time
+    waves = decoder.complete("Answer:", **settings)
+    assert [c.text for c in waves] == [c.text for c in together]
+    assert all(c.text in ("yes", "no") for c in waves[::2]) and all(c.text.isdigit() for c in waves[1::2])
+
 def test_later_waves_keep_the_budget_the_first_was_sized_by(exact_decoder, monkeypatch):
     """The memory a wave frees stays with the process (its allocator keeps it), so the machine's
     free memory reads lower after the first wave: the later waves must not be refused for it."""

@@ -26,6 +26,7 @@ from ..branches import (
     token_ids,
 )
 from ..branches import start as start_branches
+from ..constraints import per_branch
 from ..engine import Engine
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..memory import budget_bytes, most_branches
@@ -128,19 +129,22 @@ class Waves:
 
     def _next(self, offset: int) -> BranchRun:
         sampling = self.sampling[offset : offset + self.size]
+        settings = dict(self.settings)
+        if isinstance(settings.get("constraint"), (list, tuple)):  # one per completion: this wave's
+            settings["constraint"] = settings["constraint"][offset : offset + self.size]
         if not self.runs:
             spec = self.settings.get("speculate")
             # room for every wave: the prompt, its last token fed again, a wave's branches
             self.scheduler.engine.reserve(len(self.prompt) + 1 + self.size * (
                 self.settings["max_new_tokens"] + (spec.size if isinstance(spec, Speculation) else 0)))
             run = start_branches(self.scheduler, self.prompt, [[]] * len(sampling), sampling=sampling,
-                                 prompt_owner=self._keeper, **self.settings)
+                                 prompt_owner=self._keeper, **settings)
         else:
             self.scheduler.free_retired()  # the wave before's slots, before this one's need is counted
             end = self.runs[0][1].group.prompt_ends[0]
             run = start_branches(self.scheduler, self.prompt[-1:], [[]] * len(sampling), sampling=sampling,
                                  under=self.scheduler.engine.forest.parents[end], cached=self.prompt[:-1],
-                                 **self.settings)
+                                 **settings)
         self.runs.append((offset, run))
         return run
 
@@ -202,6 +206,7 @@ def start(scheduler: Scheduler, tokenizer, prompt: str | Sequence[int], *, n: in
     budget = budget_bytes(engine.device)
     size = wave_size(engine, len(ids), n, max_new_tokens, 0 if spec is None else spec.size, budget=budget)
     if size < n:  # too many to hold at once: in waves, each completion still drawn with its own seed
+        settings["constraint"] = per_branch(n, constraint) if isinstance(constraint, (list, tuple)) else constraint
         return Waves(scheduler, ids, params, size, budget=budget, **settings)
     return start_prompts(scheduler, [ids] * n, sampling=params, memory_budget=budget, **settings)
 
