@@ -308,6 +308,11 @@ def test_library_errors_name_the_problem():
         decoder.ask("routers and cables " * 100, ["why?"])
     with pytest.raises(multidecode.InvalidInput, match="unknown sampling"):
         decoder.ask("text", ["why?"], temprature=0.5)
+    for only_complete in ({"n": 2}, {"sample": True}):  # was a TypeError: generate passes both itself
+        with pytest.raises(multidecode.InvalidArgument, match=f"one completion and takes no {next(iter(only_complete))}="):
+            decoder.generate("text", **only_complete)
+        with pytest.raises(multidecode.InvalidArgument, match="one completion"):
+            decoder.stream_generate("text", **only_complete)
     with pytest.raises(multidecode.PromptTooLong, match="more than the model's 64"):  # not NotEnoughMemory
         decoder.generate("text", max_new_tokens=10**12)
     with pytest.raises(multidecode.PromptTooLong, match="more than the model's 64"):

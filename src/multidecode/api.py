@@ -61,6 +61,16 @@ from .strategies.complete import Completion
 from .strategies.vote import Vote
 
 
+def _one_completion(settings: dict) -> None:
+    """Refuse what only `complete` takes on `generate` (it passes n=1 and sample=False itself: the
+    keywords collided in a TypeError)."""
+    hints = {"n": "use complete(prompt, n=...) for several completions",
+             "sample": "pass do_sample=True (or temperature=, top_p=, seed=) to sample it"}
+    for name, hint in hints.items():
+        if name in settings:
+            raise InvalidArgument(f"generate makes one completion and takes no {name}=", hint)
+
+
 class MultiDecoder:
     """A causal LM and its tokenizer, decoded as forests over one shared KV cache.
 
@@ -210,6 +220,7 @@ class MultiDecoder:
         token's log-probability under the model (`.logprobs`, their sum `.logprob`) and the k
         likeliest tokens at each step (`.top_logprobs`; 0: none), as its events do.
         """
+        _one_completion(sampling)
         return _complete.complete(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
                                   stop=stop, chat=chat, sample=False, speculate=self.speculation(speculate),
                                   eos_token_id=eos_token_id, constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), logprobs=logprobs, **sampling)[0]
@@ -218,6 +229,7 @@ class MultiDecoder:
                         chat: bool | None = None, stop: Sequence[str] = (), eos_token_id=None, constraint=None, json_schema=None, regex=None, grammar=None,
                         logprobs: int | None = None, **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s as `generate` produces them."""
+        _one_completion(sampling)
         return _complete.stream(self.scheduler(), self.tokenizer, prompt, n=1, max_new_tokens=max_new_tokens,
                                 stop=stop, chat=chat, sample=False, speculate=self.speculation(speculate),
                                 eos_token_id=eos_token_id, constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), logprobs=logprobs, **sampling)
