@@ -158,7 +158,27 @@ def test_a_request_that_cannot_fit_is_refused_before_it_runs(exact_decoder, monk
     monkeypatch.setenv(memory.ENVIRONMENT, str(int(one * 3 / memory.HEADROOM)))
     with pytest.raises(NotEnoughMemory, match="branches") as caught:  # questions do not run in waves
         exact_decoder.start([PROMPT + [1, 2, 3]] * 200, max_new_tokens=8)
-    assert "at most" in caught.value.hint
+    assert "any " in caught.value.hint and " of these branches fit at once" in caught.value.hint
+
+
+def test_the_branches_a_refusal_says_fit_do_fit(exact_decoder, monkeypatch):
+    """The count was worked out at the mean suffix length, rounded down: asking for that many was
+    refused again, with the same count. Now it is what the longest of them need."""
+    import re
+
+    prompts = [PROMPT + [1 + (i + j) % 50 for j in range(i % 7)] for i in range(40)]  # own suffixes of 0-6 tokens
+    engine = exact_decoder.scheduler().engine
+    checked = 0
+    for share in (0.2, 0.35, 0.5, 0.65, 0.8):
+        whole = memory_need(engine, len(PROMPT), [i % 7 for i in range(40)], 8, 0).total
+        monkeypatch.setenv(memory.ENVIRONMENT, str(int(share * whole / memory.HEADROOM)))
+        with pytest.raises(NotEnoughMemory) as caught:
+            exact_decoder.start(prompts, max_new_tokens=8)
+        fit = int(re.search(r"any ([\d,]+) of these", caught.value.hint)[1].replace(",", ""))
+        longest = sorted(prompts, key=len, reverse=True)[:fit]
+        exact_decoder.start(longest, max_new_tokens=8)  # not refused
+        checked += 1
+    assert checked == 5
 
 
 def test_the_cli_says_what_does_not_fit(model_dir, monkeypatch):

@@ -231,10 +231,10 @@ def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[in
     need = memory_need(engine, prefix_length, suffix_lengths, max_new_tokens, draft)
     if need.total <= budget:
         return
-    each = sum(suffix_lengths) // len(suffix_lengths)
-    fit = most_branches(lambda w: memory_need(engine, prefix_length, [each] * w, max_new_tokens, draft).total
+    longest = sorted(suffix_lengths, reverse=True)  # any `fit` of them fit: the longest `fit` do
+    fit = most_branches(lambda w: memory_need(engine, prefix_length, longest[:w], max_new_tokens, draft).total
                         <= budget, len(suffix_lengths))
-    hint = (f"at most {fit:,} such branches fit at once: split the work" if fit else
+    hint = (f"any {fit:,} of these branches fit at once: split the work" if fit else
             "lower max_new_tokens or shorten the prompts")
     count = len(suffix_lengths)
     branches = f"{count:,} branch" if count == 1 else f"{count:,} branches"
