@@ -94,6 +94,25 @@ def test_a_wide_forest_forward_is_cut_and_gives_the_same_logits(exact_decoder, m
     assert torch.equal(whole, cut)
 
 
+def test_a_long_prompt_is_read_in_pieces_under_a_budget(exact_decoder, monkeypatch):
+    """MULTIDECODE_MEMORY capped the cache and the logits, but a prompt was read in one forward
+    whatever its scratch (446 MB for a 3,500-token prompt under a 150 MB budget): a forward's
+    scratch is now held to a share of the budget, the prompt read in pieces, with the same tokens,
+    and a request counts its prompt's scratch, cut."""
+    prompt = [(7 * i) % 250 + 1 for i in range(300)]
+    monkeypatch.delenv(memory.ENVIRONMENT, raising=False)
+    whole = exact_decoder.generate(prompt, max_new_tokens=4, speculate=None)
+    footprint = Footprint.of(exact_decoder.model)
+    row = 300 * footprint.per_row_slot + footprint.per_row + footprint.per_kept_row
+    assert memory_need(exact_decoder.scheduler().engine, 300, [0], 4, 0).scratch >= 300 * row - 300 * footprint.per_kept_row
+    budget = int(20 * row / (memory.HEADROOM * memory.SCRATCH_SHARE))  # about 20 rows a forward
+    monkeypatch.setenv(memory.ENVIRONMENT, str(budget))
+    assert 15 <= footprint.rows_per_forward(300) <= 25
+    cut = exact_decoder.generate(prompt, max_new_tokens=4, speculate=None)
+    assert cut.token_ids == whole.token_ids
+    assert cut.stats["forward_passes"] >= whole.stats["forward_passes"] + 10
+    assert memory_need(exact_decoder.scheduler().engine, 300, [0], 4, 0).scratch <= memory.forward_bytes() + row
+
 def test_completions_run_in_waves_with_the_same_tokens(exact_decoder, monkeypatch):
     settings = dict(n=12, max_new_tokens=6, temperature=0.9, seed=7)
     monkeypatch.delenv(memory.ENVIRONMENT, raising=False)
@@ -189,6 +208,17 @@ def test_the_cli_says_what_does_not_fit(model_dir, monkeypatch):
     assert "error:" in result.output and "is available" in result.output and "Traceback" not in result.output
 
 
+def least_budget(fits, monkeypatch) -> int:
+    """The least MULTIDECODE_MEMORY under which `fits()` (the budget caps a forward's scratch too,
+    so what fits is not what a need measured without the variable says)."""
+    low, high = 1, 1 << 40
+    while low < high:
+        middle = (low + high) // 2
+        monkeypatch.setenv(memory.ENVIRONMENT, str(middle))
+        low, high = (low, middle) if fits() else (middle + 1, high)
+    return low
+
+
 def test_the_cli_runs_waves(model_dir, monkeypatch):
     runner = CliRunner()
     args = ["complete", "--model", str(model_dir), "-p", "hi", "--n", "6", "--max-new-tokens", "3", "--seed", "3", "--json"]
@@ -198,8 +228,9 @@ def test_the_cli_runs_waves(model_dir, monkeypatch):
     decoder = multidecode.load(str(model_dir), device="cpu")
     engine = decoder.scheduler().engine
     prompt = multidecode.strategies.complete.prompt_ids(decoder.tokenizer, "hi")
-    budget = memory_need(engine, len(prompt), [0] * 2, 3, 0).total
-    monkeypatch.setenv(memory.ENVIRONMENT, str(int(budget / memory.HEADROOM) + 1))
+    monkeypatch.setenv(memory.ENVIRONMENT, str(least_budget(lambda: wave_size(engine, len(prompt), 6, 3, 0) >= 2,
+                                                            monkeypatch)))
+    assert wave_size(engine, len(prompt), 6, 3, 0) == 2
     waves = runner.invoke(main, args)
     assert waves.exit_code == 0, waves.output
     assert "in 3 waves of up to 2" in waves.stderr

@@ -342,18 +342,22 @@ class Engine:
                 trunk += 1
             plain = forest.is_plain_continuation(nodes[:trunk])
             if plain and trunk == len(nodes) and (trunk == 1 or trunk >= TRUNK_MIN_LENGTH):
-                return [("plain", 0, trunk)]
+                return self._pieces("plain", 0, trunk, kept_share)
             if plain and trunk >= TRUNK_MIN_LENGTH:
-                plan.append(("plain", 0, trunk))
+                plan += self._pieces("plain", 0, trunk, kept_share)
                 start = trunk
         spans = chain_spans(forest, nodes, start) if self.apart is not False else None
         if spans is not None and (self.apart or self.prefers_apart(
             [b - a for a, b in spans], [forest.parents[nodes[a]] for a, b in spans]
         )):
             return plan + [("apart", a, b) for a, b in spans]
-        # a wide forest runs in pieces whose scratch fits (rows see the pieces before theirs)
-        step = self.footprint.rows_per_forward(forest.num_slots, kept_share)
-        return plan + [("forest", a, min(a + step, len(nodes))) for a in range(start, len(nodes), step)]
+        return plan + self._pieces("forest", start, len(nodes), kept_share)
+
+    def _pieces(self, kind: str, start: int, end: int, kept_share: float) -> list[tuple[str, int, int]]:
+        """Forwards of `kind` over nodes[start:end] whose scratch fits (`Footprint.rows_per_forward`):
+        a long prompt, a wide forest in pieces, each seeing the pieces before it."""
+        step = self.footprint.rows_per_forward(self.forest.num_slots, kept_share)
+        return [(kind, a, min(a + step, end)) for a in range(start, end, step)]
 
     def prefers_apart(self, lengths: Sequence[int], parents: int | Sequence[int] = ROOT) -> bool:
         """Whether running chains of `lengths` (chain i under `parents[i]`, or all under one

@@ -13,9 +13,10 @@ forest holds grows with numbers known before the first forward:
   held up to three times while the step's rows are gathered and chosen from; **per branch** bookkeeping (its sampler, its
   output, Python objects) adds a few kilobytes.
 - **forward scratch**: a forward's masks, attention scores and activations grow with its rows
-  times its slots. The engine cuts a wide forward into pieces (`Footprint.rows_per_forward`) so
-  that the scratch stays under `FORWARD_BYTES`, and a batch-invariant forward gives the same
-  logits cut or not.
+  times its slots. The engine cuts a wide forward, a long prompt's too, into pieces
+  (`Footprint.rows_per_forward`) so that the scratch stays under `forward_bytes` (`FORWARD_BYTES`,
+  or a share of a `MULTIDECODE_MEMORY` budget), and a batch-invariant forward gives the same
+  logits cut or not. A request counts the scratch of its widest forward: its prompt's, cut.
 
 `available_bytes` is what the machine can still give: the kernel's MemAvailable (capped by a
 cgroup's limit where one is set, as in containers), free memory on a CUDA device, or the
@@ -36,6 +37,9 @@ from .errors import InvalidArgument, NotEnoughMemory
 
 FORWARD_BYTES = 1 << 30
 """Scratch one forward may use (masks, scores, activations); wider forwards are cut."""
+SCRATCH_SHARE = 0.25
+"""The share of a `MULTIDECODE_MEMORY` budget one forward's scratch may take (the rest holds the
+cache and the logits): under a budget of 100 MB a long prompt is read in pieces of 21 MB."""
 BRANCH_BYTES = 16 << 10
 """Bookkeeping per branch: its sampler and generator, output, context and Python objects."""
 SLOT_OVERHEAD = 160
@@ -116,9 +120,9 @@ class Footprint:
 
     def rows_per_forward(self, slots: int, kept_share: float = 1.0) -> int:
         """The most rows (at least one) a forward over `slots` slots may take for its scratch to
-        stay under `FORWARD_BYTES`, when `kept_share` of its rows return logits."""
+        stay under `forward_bytes()`, when `kept_share` of its rows return logits."""
         row = slots * self.per_row_slot + self.per_row + kept_share * self.per_kept_row
-        return max(1, int(FORWARD_BYTES // row))
+        return max(1, int(forward_bytes() // row))
 
     def group_bytes(self, *, slots_before: int, prompt_slots: int, branches: int, branch_slots: int,
                     rows_per_branch: int = 1, cache_slots: int | None = None) -> Need:
@@ -133,9 +137,23 @@ class Footprint:
             kv=(new_slots if cache_slots is None else cache_slots) * self.kv_per_slot + new_slots * SLOT_OVERHEAD,
             rows=branches * slots,
             logits=LOGITS_COPIES * branches * rows_per_branch * self.logits_row + branches * BRANCH_BYTES,
-            scratch=min(FORWARD_BYTES, slots * self.per_row_slot + self.per_row + self.per_kept_row),
+            scratch=self.scratch_bytes(slots, max(prompt_slots, branches * rows_per_branch)),
             slots=new_slots,
         )
+
+
+    def scratch_bytes(self, slots: int, rows: int) -> int:
+        """The scratch of the widest forward of a request: `rows` rows over `slots` slots (its
+        prompt's, or a step's), cut to `forward_bytes()` (a piece holds one row at least)."""
+        row = slots * self.per_row_slot + self.per_row + self.per_kept_row
+        return min(max(forward_bytes(), row), max(1, rows) * row)
+
+
+def forward_bytes() -> int:
+    """The scratch one forward may use: `FORWARD_BYTES`, or `SCRATCH_SHARE` of a budget the user
+    sets (`MULTIDECODE_MEMORY` caps the work's scratch too, not only its cache)."""
+    limit = os.environ.get(ENVIRONMENT)
+    return min(FORWARD_BYTES, int(parse_bytes(limit) * HEADROOM * SCRATCH_SHARE)) if limit else FORWARD_BYTES
 
 
 @dataclass(frozen=True)
@@ -274,5 +292,5 @@ def _cgroup_room() -> int | None:
     return None
 
 
-__all__ = ["ENVIRONMENT", "FORWARD_BYTES", "Footprint", "Need", "NotEnoughMemory", "available_bytes", "budget_bytes", "check_budget",
-           "measure_bandwidth", "most_branches", "parse_bytes", "resident_bytes"]
+__all__ = ["ENVIRONMENT", "FORWARD_BYTES", "Footprint", "Need", "NotEnoughMemory", "available_bytes", "budget_bytes",
+           "check_budget", "forward_bytes", "measure_bandwidth", "most_branches", "parse_bytes", "resident_bytes"]

@@ -145,12 +145,14 @@ class ForestRuntime:
         return Reservation(job.reserved_tokens, job.branches, self.job_bytes(job))
 
     def job_bytes(self, job: Job) -> int:
-        """The bytes a job will need (see `memory`), its prompts counted whole (a shared prefix
-        or a cached one needs less: this errs on the safe side)."""
+        """The bytes a job will hold (see `memory`), its prompts counted whole (a shared prefix
+        or a cached one needs less: this errs on the safe side). A forward's scratch is not a
+        job's: the forest runs one forward at a time, for every job, cut to `memory.forward_bytes`."""
         draft = getattr(job.speculate, "size", None) or 0
-        return self.engine.footprint.group_bytes(
+        need = self.engine.footprint.group_bytes(
             slots_before=0, prompt_slots=sum(map(len, job.prompts)), branches=job.branches,
-            branch_slots=job.max_new_tokens + draft, rows_per_branch=1 + draft).total
+            branch_slots=job.max_new_tokens + draft, rows_per_branch=1 + draft)
+        return need.total - need.scratch
 
     def cancel(self, job: Job) -> None:
         """Stop a job (its client went away): its branches are pruned at the next step."""
