@@ -143,6 +143,28 @@ def test_the_classifier_is_replaceable_and_feeds_the_answer(decoder, result):
     assert out.stats["relevance"] == {}  # a plain callable runs no model
 
 
+def test_an_answer_over_too_many_relevant_notes_keeps_the_most_relevant_that_fit(model_dir_of):
+    """Every margin's prompt fit, but the answer's, over every relevant note, did not: the whole
+    call raised PromptTooLong after the margins were written, with a hint to split the document.
+    The answer is now written from the most relevant notes that fit, and says which were left out."""
+    decoder = multidecode.load(str(model_dir_of(256)))
+    document = "\n\n".join(f"Part {i}. The quick brown fox jumps over the lazy dog near the routers and cables."
+                             for i in range(12))
+
+    def scores(question, notes):  # all relevant, the later chunks more so
+        return [1.0 + i for i in range(len(notes))]
+
+    out = decoder.margins(document, "Who called?", chunk_tokens=60, max_margin_tokens=40, max_new_tokens=8,
+                          classify=scores)
+    relevant, held = out.relevant, [m for m in out.margins if m.in_answer]
+    assert out.left_out and held and len(held) + len(out.left_out) == len(relevant)
+    assert min(m.relevance_score for m in held) > max(m.relevance_score for m in out.left_out)
+    assert out.answer_prompt_ids == wim.answer_prompt(decoder.tokenizer, "Who called?", [m.text for m in held])
+    assert len(out.answer_prompt_ids) + 8 - 1 <= 256 and out.stats["answer"]["notes"] == len(held)
+    assert out.answer_token_ids == alone(decoder, out.answer_prompt_ids, 8)
+    wider = [m for m in out.left_out if m.relevance_score == min(m.relevance_score for m in out.left_out)]
+    assert len(wim.answer_prompt(decoder.tokenizer, "Who called?", [m.text for m in held + wider])) + 7 > 256
+
 def test_chunks_do_not_see_each_other(decoder):
     chunks = ["The router is old and the light is red.", "The cable is red.", "The ticket is open."]
     changed = chunks[:2] + ["Something else entirely, about foxes and dogs."]

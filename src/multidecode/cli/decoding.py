@@ -417,7 +417,8 @@ def result_json(result: margins_strategy.Margins) -> dict:
         "answer_token_ids": result.answer_token_ids,
         "margins": [
             {"chunk": m.chunk_index, "span": list(m.span), "margin": m.text,
-             "relevant": m.relevant, "relevance_score": m.relevance_score, "finish_reason": m.finish_reason,
+             "relevant": m.relevant, "relevance_score": m.relevance_score, "in_answer": m.in_answer,
+             "finish_reason": m.finish_reason,
              "token_ids": m.token_ids, "prompt_tokens": len(m.prompt_ids)}
             for m in result.margins
         ],
@@ -488,6 +489,10 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
         f"[dim]{len(result.margins)} margins ({kept} relevant) and the answer in {elapsed:.1f} s, "
         f"{passes} forward passes[/dim]"
     )
+    if result.left_out:
+        stderr.print(f"[yellow]note:[/yellow] the answer was written from the {kept - len(result.left_out)} most "
+                     f"relevant notes: {len(result.left_out)} more did not fit in the model's window (raise "
+                     "--threshold or lower --max-margin-tokens to keep fewer, shorter notes)")
 
 
 __all__ = ["ask", "beam", "complete", "margins", "vote"]

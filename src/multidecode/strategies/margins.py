@@ -34,7 +34,8 @@ import torch
 
 from ..branches import BranchRun, TokenEvent, check_fits, prompt_feed, start_prompts, token_ids
 from ..engine import FeedResult
-from ..errors import InvalidArgument, InvalidInput, as_list, check_positive
+from ..errors import InvalidArgument, InvalidInput, PromptTooLong, as_list, check_positive
+from ..memory import most_branches
 from ..prompts import check_document, check_text, render_prompt, share_prefix, tokenize_prompt
 from ..sampling import per_branch_sampling
 from ..scheduler import Feed, Scheduler, Settled, Work, new_scheduler
@@ -104,6 +105,8 @@ class Margin:
     the note was generated from (greedy generation from it alone gives token_ids).
     relevance_score: the classifier's score (for the default, log P(yes) - log P(no)); None when
     the note was set aside unclassified because it says nothing relevant (or is empty).
+    in_answer: whether the answer's prompt holds the note: every relevant one, but where together
+    they would not fit in the model's window, the most relevant that do (`Margins.left_out`).
     """
 
     chunk_index: int
@@ -115,6 +118,7 @@ class Margin:
     finish_reason: str
     relevant: bool
     relevance_score: float | None
+    in_answer: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,11 @@ class Margins:
     @property
     def relevant(self) -> list[Margin]:
         return [m for m in self.margins if m.relevant]
+
+    @property
+    def left_out(self) -> list[Margin]:
+        """Relevant margins the answer's prompt could not hold (the model's window was full)."""
+        return [m for m in self.margins if m.relevant and not m.in_answer]
 
 
 # ---------------------------------------------------------------------- chunks
@@ -437,6 +446,7 @@ class MarginsRun:
         self.events: Iterator[TokenEvent] = self.margin_run.events
         self.verdicts: list[tuple[bool, float | None]] | None = None
         self.answer_run: BranchRun | None = None
+        self.in_answer: list[int] = []  # the margins the answer is written from (`answer_notes`)
         self.stats: dict = {}
 
     # -- margins
@@ -468,13 +478,39 @@ class MarginsRun:
     # -- the answer
     def start_answer(self) -> BranchRun:
         if self.answer_run is None:
+            self.in_answer = self.answer_notes()
             texts = self.margin_texts()
-            notes = [t for t, (relevant, _) in zip(texts, self.judge()) if relevant]
-            ids = answer_prompt(self.tokenizer, self.question, notes, template=self.answer_template)
+            ids = answer_prompt(self.tokenizer, self.question, [texts[i] for i in self.in_answer],
+                                template=self.answer_template)
             self.answer_run = start_prompts(
                 self.scheduler, [ids], max_new_tokens=self.max_new_tokens,
                 sampling=[self.answer_sampling], tokenizer=self.tokenizer, stop=self.stop)
         return self.answer_run
+
+    def answer_notes(self) -> list[int]:
+        """The margins the answer is written from, in document order: every relevant one, or, where
+        their prompt would not fit in the model's window with `max_new_tokens`, the most relevant
+        that do (hundreds of relevant notes outgrow a window that holds every chunk)."""
+        texts, verdicts = self.margin_texts(), self.judge()
+        relevant = [i for i, (yes, _) in enumerate(verdicts) if yes]
+        limit = self.scheduler.engine.max_positions
+        if limit is None:
+            return relevant
+        ranked = sorted(relevant, key=lambda i: -verdicts[i][1])  # the most relevant first
+
+        def fits(k: int) -> bool:
+            ids = answer_prompt(self.tokenizer, self.question, [texts[i] for i in sorted(ranked[:k])],
+                                template=self.answer_template)
+            return len(ids) + self.max_new_tokens - 1 <= limit
+
+        if fits(len(ranked)):
+            return relevant
+        held = most_branches(fits, len(ranked))
+        if not held:
+            raise PromptTooLong(f"the answer's prompt does not hold even the most relevant note in the model's "
+                                f"{limit} positions, with max_new_tokens {self.max_new_tokens}",
+                                "lower max_margin_tokens (shorter notes) or max_new_tokens")
+        return sorted(ranked[:held])
 
     def answer_events(self) -> Iterator[TokenEvent]:
         """The final answer's tokens as they are generated (judging the margins first)."""
@@ -487,12 +523,12 @@ class MarginsRun:
         answer = self.start_answer().finish().branches[0]
         margins = [
             Margin(c.index, c.span, c.text, text, list(b.output.token_ids), self.prompts[i],
-                   b.output.finish_reason, relevant, score)
+                   b.output.finish_reason, relevant, score, i in self.in_answer)
             for i, (c, b, text, (relevant, score)) in enumerate(
                 zip(self.chunks, self.margin_run.branches, texts, verdicts))
         ]
         stats = {"margins": self.margin_run.stats.as_dict(), "relevance": self.stats.get("relevance", {}),
-                 "answer": self.answer_run.stats.as_dict()}
+                 "answer": self.answer_run.stats.as_dict() | {"notes": len(self.in_answer)}}
         return Margins(self.question, self.document, margins, answer.output.text.strip(),
                        list(answer.output.token_ids), self.answer_run.prompts[0],
                        answer.output.finish_reason, stats)
