@@ -62,10 +62,11 @@ def tiny_loader(folder: Path):
 
 @contextmanager
 def running_server(loader, *, name: str = MODEL, api_key: str | None = None, limits: Limits | None = None,
-                   background: bool = False, drain_timeout: float = 5.0, speculate=None, source: dict | None = None):
+                   background: bool = False, drain_timeout: float = 5.0, speculate=None, source: dict | None = None,
+                   allowed_origins=("*",)):
     """Serve `loader()`'s model on a free port until the block ends (speculate: the server's own;
     source: how the model was asked for, as `multidecode serve` reports it in /v1/models)."""
-    state = ServeState(name, api_key=api_key, speculate=speculate, source=source)
+    state = ServeState(name, api_key=api_key, speculate=speculate, source=source, allowed_origins=allowed_origins)
     port = free_port()
     server = DrainingServer(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"),
                             state, drain_timeout=drain_timeout)

@@ -40,6 +40,7 @@ from serving import (
     controlled_loader,
     free_port,
     running_server,
+    tiny_loader,
     wait_until,
 )
 
@@ -268,6 +269,29 @@ def test_an_unknown_model_is_a_404_and_an_unknown_route_too(server):
     assert_error_shape(httpx.get(server.url + "/v1/completions", timeout=10), 405)
     good_completion(client)
 
+
+def test_a_page_on_another_origin_may_call_the_api_as_the_origins_allow(model_dir):
+    """A browser's chat front end on another origin could not call the server (no CORS: its
+    preflight got a 405), as it calls OpenAI's, vLLM's or llama.cpp's; `--allowed-origin` names
+    the pages that may, and the API key still guards the routes."""
+    page = {"origin": "http://localhost:3000"}
+    preflight = page | {"access-control-request-method": "POST",
+                        "access-control-request-headers": "authorization,content-type"}
+    with running_server(tiny_loader(model_dir), api_key="s3cret") as running:
+        asked = httpx.options(running.url + "/v1/chat/completions", headers=preflight, timeout=10)
+        assert asked.status_code == 200 and asked.headers["access-control-allow-origin"] == "*"
+        assert "authorization" in asked.headers["access-control-allow-headers"].lower()
+        listed = httpx.get(running.url + "/v1/models", headers=page | {"authorization": "Bearer s3cret"}, timeout=10)
+        assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"
+        assert httpx.get(running.url + "/v1/models", headers=page, timeout=10).status_code == 401
+    with running_server(tiny_loader(model_dir), allowed_origins=["http://localhost:3000"]) as running:
+        assert httpx.options(running.url + "/v1/completions", headers=preflight, timeout=10).status_code == 200
+        other = preflight | {"origin": "http://elsewhere.example"}
+        assert "access-control-allow-origin" not in httpx.options(running.url + "/v1/completions", headers=other,
+                                                                  timeout=10).headers
+    with running_server(tiny_loader(model_dir), allowed_origins=()) as running:
+        assert "access-control-allow-origin" not in httpx.get(running.url + "/v1/models", headers=page,
+                                                              timeout=10).headers
 
 # ---------------------------------------------------------------------- 2. the API key
 @pytest.mark.parametrize("key", ["", "  "])

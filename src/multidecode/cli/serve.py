@@ -32,6 +32,9 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
 @click.option("--api-key", default=None, envvar="MULTIDECODE_API_KEY", metavar="KEY",
               help="Require 'Authorization: Bearer KEY' on every route but /health and the live page at / "
                    "(which holds no data: its requests send the key) (env MULTIDECODE_API_KEY).")
+@click.option("--allowed-origin", "allowed_origins", multiple=True, default=("*",), show_default=True, metavar="ORIGIN",
+              help="A web page's origin whose scripts may call the API (CORS), e.g. http://localhost:3000; "
+                   "repeat for several, 'none' for no page but this server's own.")
 @click.option("--served-model-name", default=None, metavar="NAME",
               help="The model name clients send (default: the --model argument, or SmolLM2-135M-Instruct).")
 @speculate_options(stats=False, scope="Default for requests that name no mode (default: off).")
@@ -62,7 +65,7 @@ DEFAULTS = {f.name: f.default for f in fields(Limits)}
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), help="debug logs every step.")
 @report_errors
-def serve(model_name, precision, device, host, port, api_key, served_model_name, speculate, draft_budget,
+def serve(model_name, precision, device, host, port, api_key, allowed_origins, served_model_name, speculate, draft_budget,
           max_live_tokens, max_branches, prefix_cache_tokens, max_running, gather, gather_s, prefill_chunk,
           prefill_stretch, threads, compile_step, drain_timeout, log_level):
     """Serve the model over HTTP with OpenAI's API; concurrent requests decode as one forest.
@@ -89,7 +92,8 @@ def serve(model_name, precision, device, host, port, api_key, served_model_name,
     logging.basicConfig(level=log_level.upper(), format="%(message)s", datefmt="[%X]",
                         handlers=[RichHandler(console=stderr, show_path=False)])
     name = served_model_name or model_name or EMBEDDED_NAME
-    state = ServeState(name, api_key=api_key, speculate=settings,
+    state = ServeState(name, api_key=api_key, speculate=settings, allowed_origins=[
+                           o for o in allowed_origins if o.lower() != "none"],
                        source={"model": model_source(model_name), "precision": precision or "auto"})
     def loader():
         model, tokenizer = load_model_and_tokenizer(model_name, precision=precision, device=device)

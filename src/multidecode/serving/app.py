@@ -24,7 +24,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from importlib import resources
 
 from fastapi import FastAPI, Request
@@ -32,6 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import InvalidArgument, MultiDecodeError
 from ..prompts import has_chat_template
@@ -68,11 +69,13 @@ class ServeState:
     the speculation requests get unless they ask for their own (`SpeculationSettings`, or a mode)."""
 
     def __init__(self, name: str, *, api_key: str | None = None,
-                 speculate: SpeculationSettings | str | None = None, source: dict | None = None) -> None:
+                 speculate: SpeculationSettings | str | None = None, source: dict | None = None,
+                 allowed_origins: Sequence[str] = ("*",)) -> None:
         if api_key is not None and not api_key.strip():  # every request would get a 401, whatever its key
             raise InvalidArgument("the API key is empty (was the variable it came from unset?)",
                                   "give the key clients will send, or leave --api-key out to serve without one")
         self.name, self.api_key = name, api_key
+        self.allowed_origins = tuple(allowed_origins)  # the web pages whose scripts may call it (CORS)
         self.source = dict(source or {})  # how the model was asked for: model, precision, device
         self.speculate = (speculate if isinstance(speculate, SpeculationSettings)
                           else SpeculationSettings.parse(speculate))
@@ -135,6 +138,10 @@ def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="multidecode", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     app.add_middleware(_ServerErrors)
+    if state.allowed_origins:  # a browser's page on another origin (a chat front end) may call the API, as
+        # OpenAI's, vLLM's and llama.cpp's servers let it; the API key still guards what it guards
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
     _error_handlers(app)
     _info_routes(app, state)
     _completion_routes(app, state)
