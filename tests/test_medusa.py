@@ -168,6 +168,9 @@ def test_heads_for_another_model_or_a_broken_folder_are_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(InvalidArgument, match="config.json"):
         MedusaHeads.load(tmp_path / "empty")
+    (tmp_path / "empty" / "config.json").write_text("[]")  # was "missing list indices must be integers"
+    with pytest.raises(InvalidArgument, match="holds a JSON list, not an object of settings"):
+        MedusaHeads.load(tmp_path / "empty")
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(InvalidArgument, match="medusa_lm_head"):
         MedusaHeads.load(tmp_path / "empty")

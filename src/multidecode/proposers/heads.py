@@ -133,12 +133,16 @@ def read_config(folder: Path, what: str) -> dict:
     """A head folder's config.json, refused with a message when missing or not JSON."""
     path = Path(folder) / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise InvalidArgument(f"{what}: no config.json in {folder}",
                               "point at the folder that holds the head's config.json and weights") from None
     except json.JSONDecodeError as err:
         raise InvalidArgument(f"{what}: {path} is not JSON ({err})", "rewrite or replace the file") from None
+    if not isinstance(config, dict):  # `[]` read as a head's settings failed with "list indices must be integers"
+        raise InvalidArgument(f"{what}: {path} holds a JSON {type(config).__name__}, not an object of settings",
+                              "rewrite or replace the file")
+    return config
 
 
 def folder_kind(folder: str | Path, unread: str | None = "medusa") -> str | None:
