@@ -141,7 +141,6 @@ class Footprint:
             slots=new_slots,
         )
 
-
     def scratch_bytes(self, slots: int, rows: int) -> int:
         """The scratch of the widest forward of a request: `rows` rows over `slots` slots (its
         prompt's, or a step's), cut to `forward_bytes()` (a piece holds one row at least)."""
