@@ -48,12 +48,21 @@ class Running:
         """Until no request is running and the engine has settled its cache (it holds the indexed
         prompt prefixes only: the engine thread settles it right after the last step, later on a
         loaded machine)."""
+        from multidecode.runtime import forest_runtime
+
         forest = self.forest
+
+        def settled() -> bool:  # compacted to the indexed prefixes, and renumbered where that is due
+            nodes = forest.engine.forest
+            due = len(nodes) > max(nodes.num_slots, forest_runtime.RENUMBER_FACTOR * max(nodes.num_slots,
+                                                                                         forest_runtime.MIN_RENUMBER))
+            return nodes.num_slots == len(forest.index) and not due
+
         if not wait_until(lambda: not forest.busy and not forest.scheduler.works, timeout, every=0.02):
             raise TimeoutError("the server did not go idle")
-        if not wait_until(lambda: forest.engine.forest.num_slots == len(forest.index), timeout, every=0.02):
+        if not wait_until(settled, timeout, every=0.02):
             raise TimeoutError(f"the idle server's cache kept {forest.engine.forest.num_slots - len(forest.index)} "
-                               "slots beyond its indexed prefixes")
+                               "slots beyond its indexed prefixes, or was not renumbered")
 
 
 def tiny_loader(folder: Path):
