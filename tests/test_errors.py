@@ -620,6 +620,25 @@ REFUSED_CONFIGS = {
                                            tf.Llama4ForCausalLM, "sdpa"), "temperature"),
     "openai-gpt": (lambda: _tiny(tf.OpenAIGPTConfig(**SMALL, n_embd=16, n_layer=1, n_head=2), tf.OpenAIGPTLMHeadModel),
                    "4D mask"),
+    "bigbird, bidirectional": (lambda: _tiny(tf.BigBirdConfig(**SMALL, hidden_size=16, intermediate_size=32,
+                                                              num_hidden_layers=1, num_attention_heads=2,
+                                                              attention_type="original_full", sep_token_id=3),
+                                             tf.BigBirdForCausalLM), "bidirectional"),
+    "megatron-bert, bidirectional": (lambda: _tiny(tf.MegatronBertConfig(**SMALL, hidden_size=16, intermediate_size=32,
+                                                                         num_hidden_layers=1, num_attention_heads=2),
+                                                   tf.MegatronBertForCausalLM), "bidirectional"),
+    "rembert, bidirectional": (lambda: _tiny(tf.RemBertConfig(**SMALL, hidden_size=16, input_embedding_size=16,
+                                                              output_embedding_size=16, intermediate_size=32,
+                                                              num_hidden_layers=1, num_attention_heads=2),
+                                             tf.RemBertForCausalLM), "bidirectional"),
+    "reformer, hashed": (lambda: _tiny(tf.ReformerConfig(**SMALL, hidden_size=16, attention_head_size=8,
+                                                         num_attention_heads=2, feed_forward_size=32,
+                                                         axial_pos_embds=False, max_position_embeddings=64,
+                                                         attn_layers=["local", "lsh"], is_decoder=True,
+                                                         local_attn_chunk_length=8, lsh_attn_chunk_length=8),
+                                       tf.ReformerModelWithLMHead), "hashed and chunked"),
+    "xlm, own mask": (lambda: _tiny(tf.XLMConfig(**SMALL, emb_dim=16, n_layers=1, n_heads=2, causal=True),
+                                    tf.XLMWithLMHeadModel), "mask from lengths"),
     "dory, last_loop": (lambda: _tiny(tf.DoryConfig(**SMALL, hidden_size=16, intermediate_size=32, num_attention_heads=2,
                                                     num_key_value_heads=1, head_dim=8, n_input_layers=1,
                                                     n_output_layers=1, recurrent_kv_cache_mode="last_loop",
@@ -633,8 +652,9 @@ REFUSED_CONFIGS = {
 def test_models_that_read_cache_slots_or_see_ahead_are_refused_in_both_modes(name, exact):
     """Each of these ran as a forest and gave other tokens than alone, silently (GPT-Neo's local
     layers, Llama 4's attention temperature and Dory's last_loop window read cache slots, not
-    positions; BERT as a causal LM
-    attends both ways), or failed inside transformers (OpenAI GPT's own attention): refused, with
+    positions; BERT, BigBird, MegatronBERT and RemBERT as causal LMs without `is_decoder` attend
+    both ways), or failed inside transformers (OpenAI GPT's and XLM's own attention, Reformer's
+    hashed buckets): refused, with
     the kernels (exact=True) and without them, since without them is where a refusal's hint leads."""
     make, reason = REFUSED_CONFIGS[name]
     with pytest.raises(multidecode.UnsupportedModel, match=reason):

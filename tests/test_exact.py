@@ -491,3 +491,35 @@ def test_a_model_with_attention_sinks_is_refused_as_not_bit_exact_and_exact_with
     config._attn_implementation = "eager"
     torch.manual_seed(1234)
     _refused_then_exact_without_the_kernels(tf.GraniteSWAForCausalLM(config).eval(), "sinks", max_new_tokens=10)
+
+
+LATENT_ATTENTION = {  # dense multi-head latent attention: values of 8 columns beside keys of 16
+    "minicpm3": lambda: (tf.MiniCPM3Config(**COMMON, **{**ROPE, "num_key_value_heads": 4}, q_lora_rank=16,
+                                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+                         tf.MiniCPM3ForCausalLM),
+    "deepseek_v3": lambda: (tf.DeepseekV3Config(**COMMON, **{**ROPE, "num_key_value_heads": 4}, first_k_dense_replace=3,
+                                                q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                                                qk_rope_head_dim=8, v_head_dim=8),
+                            tf.DeepseekV3ForCausalLM),
+}
+
+
+@pytest.mark.parametrize("arch", LATENT_ATTENTION)
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_latent_attention_whose_values_are_narrower_than_its_keys_runs_exactly(arch, precision):
+    """MiniCPM3's and DeepSeek-V3's attention (multi-head latent attention) gives values narrower
+    than keys; the attention kernel takes one head dim, and the default (exact) path stopped in a
+    bare RuntimeError from it. Values are widened with zeros for the kernel and its output cut back:
+    every node of a random forest equals its path alone bit for bit, and greedy branches equal
+    transformers' `generate` through the same kernels."""
+    config, model_class = LATENT_ATTENTION[arch]()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(1234)
+    model = model_class(config).eval().to(PRECISIONS[precision])
+    exact.use_exact_kernels(model)
+    bad, fed = differing(model, seed=0)
+    assert fed and not bad, f"{len(bad)} of {fed} nodes differ from their paths alone"
+    prefix, branches = [1, 17, 29, 44, 5], [[7, 8], [9]]
+    got = decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[])
+    for branch, ids in zip(branches, got):
+        assert ids == reference_generate(model, prefix + branch, max_new_tokens=8, eos_token_id=[NO_EOS])

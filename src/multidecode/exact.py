@@ -270,8 +270,14 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     """
     if kwargs.get("s_aux") is not None:
         raise NotBitExact("the model's attention has sinks (a learned logit per head beside the keys), which the "
-                          "exact attention kernel does not take", "pass exact=False (in float32 a forest is still exact "
-                          "to the token)")
+                          "exact attention kernel does not take", own_kernels_hint(query.dtype))
+    width = value.shape[-1]
+    if width != key.shape[-1]:  # multi-head latent attention: values narrower than keys
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        query, key, value = _one_head_dim(query, key, value)
+        out, _ = exact_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                                 forest_plan, forest_units, **kwargs)
+        return out[..., :width], None
     if forest_units is not None:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         return kernels.attention(query, key, value, forest_units["slots"], forest_units["rows"],
@@ -289,6 +295,16 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         plan = _sequence_plan(mask, where, query.shape[2], key.shape[2])
         outs.append(_attend(query[b:b + 1], key[b:b + 1], value[b:b + 1], mask, plan, scaling, kwargs.get("softcap")))
     return torch.cat(outs), None
+
+
+def _one_head_dim(query, key, value):
+    """query, key and value widened to one head dim, as the attention kernel takes them. Models
+    with multi-head latent attention (DeepSeek-V3, MiniCPM3) give values narrower than keys: the
+    narrower side gets columns of zeros, which add exactly nothing to a dot product or to a weighted
+    sum, and each output column is a sum of its own, so the caller cuts the output back to the
+    values' width and every row and branch is computed as it would be alone."""
+    wide = max(key.shape[-1], value.shape[-1])
+    return tuple(torch.nn.functional.pad(x, (0, wide - x.shape[-1])) for x in (query, key, value))
 
 
 def _sequence_plan(mask, query_positions, rows_count: int, keys: int) -> ExactPlan:
@@ -515,7 +531,7 @@ def use_exact_kernels(model) -> Swapped:
         if float_products and device.type == "cpu" and not kernels.native():
             raise NotBitExact(f"exact float products need multidecode's compiled kernels: {kernels.status().reason}",
                                    "install a C++ compiler (g++) and run `python -m multidecode.kernels`, or load the "
-                                   "model at precision int8 or int4, or with exact=False")
+                                   f"model at precision int8 or int4; or {own_kernels_hint(dtype)}")
         _check_every_product_is_exact(model)
         register()
         model.set_attn_implementation(NAME)
@@ -580,23 +596,23 @@ def hold_exact_kernels(model) -> Callable[[], None]:
 def _check_every_product_is_exact(model) -> None:
     """Refuse a model with matrices that no exact kernel multiplies, or attention layers that
     bypass the attention interface (counted in one probe forward of two tokens)."""
+    dtype = next(model.parameters()).dtype
     covered = {id(m.weight) for m in model.modules() if isinstance(m, (ExactLinear, nn.Embedding))}
     stray = [name for name, p in model.named_parameters() if p.dim() >= 2 and id(p) not in covered]
     if stray:
         raise NotBitExact(f"{', '.join(stray[:3])} {'is' if len(stray) == 1 else 'are'} multiplied by torch's own "
                                "kernels (not a linear layer), whose reduction order multidecode does not fix",
-                               "load the model with exact=False (exact to the token, not the bit)")
+                               own_kernels_hint(dtype))
     calls, told = _attention_calls(model)
     layers = getattr(model.config.get_text_config(), "num_hidden_layers", calls)
     if calls < layers:
         raise NotBitExact(f"{layers - calls} of the model's {layers} attention layers do not go through "
                                "transformers' attention interface, so they cannot take the exact kernel",
-                               "load the model with exact=False (exact to the token, not the bit)")
+                               own_kernels_hint(dtype))
     if told < calls:
         raise NotBitExact(f"{calls - told} of the model's {calls} attention calls do not receive the keyword "
                           "arguments given to its forward (its decoder layers do not pass them on), so a forest's "
-                          "attention plan cannot reach them", "load the model with exact=False: exact to the token, not the "
-                          "bit (the forest then reaches attention as a mask)")
+                          "attention plan cannot reach them", own_kernels_hint(dtype) + " (the forest then reaches attention as a mask)")
 
 
 _PROBE_KWARG = "multidecode_probe"
@@ -643,6 +659,23 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, eager_mask)
 
 
+def own_kernels_exactness(dtype: torch.dtype) -> str:
+    """What a forest on the model's own kernels (`exact=False`) promises at `dtype`, in words:
+    exact to the token in float32; in a half precision its masked forward rounds otherwise than a
+    branch alone, and a near-tie can break the other way (docs/design.md)."""
+    if dtype == torch.float32:
+        return "exact to the token, not the bit"
+    name = str(dtype).removeprefix("torch.")
+    return f"in {name} a near-tie can break otherwise than for a branch alone; in float32 it is exact to the token"
+
+
+def own_kernels_hint(dtype: torch.dtype) -> str:
+    """The remedy a refusal of the exact kernels names: the model's own kernels, in float32 where
+    only there they keep a branch's tokens."""
+    where = "" if dtype == torch.float32 else " in float32"
+    return f"load the model{where} with exact=False ({own_kernels_exactness(dtype)})"
+
+
 def is_exact(model) -> bool:
     """Whether `model` runs on the exact kernels (its attention, and no linear layer left on torch's)."""
     if getattr(model.config, "_attn_implementation", None) != NAME:
@@ -651,5 +684,6 @@ def is_exact(model) -> bool:
 
 
 __all__ = ["BLOCK", "NAME", "ExactActivation", "ExactLinear", "ExactPlan", "ExactRMSNorm", "RowTiledNorm", "Swapped",
-           "chain_plan", "exact_attention", "exact_kernels", "forest_plan", "is_exact", "one_row_plan", "plan_attention", "plan_tensors",
+           "chain_plan", "exact_attention", "exact_kernels", "forest_plan", "is_exact", "one_row_plan", "own_kernels_exactness",
+           "own_kernels_hint", "plan_attention", "plan_tensors",
            "register", "torch_rms_norm", "use_exact_kernels"]

@@ -471,6 +471,7 @@ def load_decoder(model_name: str | None, precision: str | None, device: str | No
     from .. import kernels
     from ..api import load
     from ..errors import NotBitExact
+    from ..exact import own_kernels_exactness
     from ..models.loading import resolve_device
 
     on_cpu = resolve_device(device).type == "cpu"  # a GPU's exact path is torch's (kernels.in_row_tiles)
@@ -484,10 +485,11 @@ def load_decoder(model_name: str | None, precision: str | None, device: str | No
     with stderr.status(message):
         try:
             decoder = load(model_name, precision=precision, device=device, exact=exact, compile=compile and exact)
-        except NotBitExact as err:  # said once, then the model's own kernels: exact to the token
-            stderr.print(f"[yellow]note:[/yellow] {escape(err.message)}; running on the model's own kernels "
-                         "(output exact to the token, not the bit)")
+        except NotBitExact as err:  # said once, then the model's own kernels
             decoder = load(model_name, precision=precision, device=device, exact=False)
+            exactness = own_kernels_exactness(next(decoder.model.parameters()).dtype)
+            stderr.print(f"[yellow]note:[/yellow] {escape(err.message)}; running on the model's own kernels "
+                         f"({exactness})")
     label = escape(_model_label(decoder, model_name))
     stderr.print(f"[dim]Loaded {label} in {time.perf_counter() - start:.1f} s[/dim]")
     return decoder

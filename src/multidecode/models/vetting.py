@@ -40,6 +40,8 @@ _REFUSED_TYPES = {
     "bloom": "ALiBi positions (computed from cache order, not position ids)",
     "mpt": "ALiBi positions (computed from cache order, not position ids)",
     "openai-gpt": "an attention of its own that cannot take a 4D mask",
+    "xlm": "an attention of its own that builds its mask from lengths and cannot take a 4D mask",
+    "reformer": "hashed and chunked attention (tokens grouped by their order in the input, not by position)",
 }
 
 
@@ -107,12 +109,15 @@ def check_supported(model) -> None:
 
 def _sees_ahead(model, config) -> bool:
     """Whether a BERT-family model loaded as a causal LM without `is_decoder` attends both ways
-    (its self-attention is then not causal: transformers only warns). Other configs that say
-    `is_decoder=False` (GPT-NeoX's) still attend causally, so the layers are asked."""
+    (its self-attention is then not causal, or its layers build a bidirectional mask: transformers
+    only warns). Other configs that say `is_decoder=False` (GPT-NeoX's) still attend causally, so
+    the layers are asked: BERT's say `is_causal`, BigBird's, MegatronBERT's and RemBERT's
+    `is_decoder`."""
     if getattr(config, "is_decoder", None) is not False:
         return False
-    return any(getattr(m, "is_causal", None) is False for m in model.modules()
-               if type(m).__name__.endswith("SelfAttention"))
+    return any(getattr(m, "is_decoder", None) is False
+               or (getattr(m, "is_causal", None) is False and type(m).__name__.endswith("SelfAttention"))
+               for m in model.modules())
 
 
 def _layer_types(config, windowed: bool = True) -> list[str]:
