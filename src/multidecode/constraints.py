@@ -7,8 +7,8 @@ measurements, in docs/structured.md) into a **matcher** at the grammar's start (
 constrained branch holds its own copy of it, a `GrammarState`, which follows the branch's tokens
 (`sampling.BranchSampler.observe`) and says which tokens may come next: the branch's **mask**.
 
-Decoding. The masks of every constrained row are filled in one call (llguidance computes them in
-parallel) and applied in one `masked_fill` (`mask_logits`), after the repetition penalty and
+Decoding. The masks of every constrained row are filled row by row on the calling thread (a
+parallel fill measured slower here) and applied in one `torch.where` (`mask_logits`), after the repetition penalty and
 before temperature, top-k, top-p and min-p, so a constrained branch draws from the model's
 distribution renormalised over the tokens its grammar allows. When the grammar is complete only
 the eos token is allowed (finish reason "stop"); a branch that reaches max_new_tokens first ends
