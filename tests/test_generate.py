@@ -111,6 +111,8 @@ def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, mon
     (["--draft-model", "a", "--draft-skip-layers", "1"], "both name a draft"),
     (["--speculate", "lookahead", "--lookahead", "7,5"], "is not three integers"),
     (["--speculate", "lookahead", "--lookahead", "0,5,7"], "need W >= 1"),
+    # a window of 1e20 was built token by token before any check: the run stalled, its memory grew
+    (["--speculate", "lookahead", "--lookahead", "99999999999999999999,5,7"], "tokens a step, past 65536"),
     (["--speculate", "lookup", "--lookahead", "7,5,7"], "--lookahead sets lookahead decoding"),
 ])
 def test_cli_bad_speculation_settings_exit_2_before_loading(model_dir, extra, message):

@@ -66,6 +66,9 @@ DEFAULT_BUDGET = 8
 
 AUTO_MAX_DRAFT = 16
 """In "auto", the most draft nodes a branch proposes per step (the cost model keeps fewer)."""
+MAX_LOOKAHEAD_NODES = 1 << 16
+"""The most tokens a lookahead step may feed per branch ((W + G) x (N - 1)): its window is built
+before the memory check, and a larger one only stalls the run."""
 
 OFF = ("off", "none")
 """Names that mean no speculation, beside None."""
@@ -488,6 +491,10 @@ def lookahead_settings(value: str | Sequence[int], spelling: Spelling = PYTHON) 
     if window < 1 or ngram < 2 or guesses < 0:
         raise InvalidArgument(f"{spelling.lookahead} {value}: need W >= 1, N >= 2 and G >= 0",
                               f"write e.g. {spelling.lookahead} 7,5,7")
+    if (window + guesses) * (ngram - 1) > MAX_LOOKAHEAD_NODES:  # built before any memory check could see it
+        raise InvalidArgument(f"{spelling.lookahead} {value}: (W + G) x (N - 1) = {(window + guesses) * (ngram - 1)} "
+                              f"tokens a step, past {MAX_LOOKAHEAD_NODES}",
+                              f"lookahead pays at a few dozen tokens a step: write e.g. {spelling.lookahead} 7,5,7")
     return window, ngram, guesses
 
 
