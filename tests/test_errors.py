@@ -548,6 +548,18 @@ def test_a_huge_n_is_checked_at_once(model_dir):
                        "seed must be an integer from 0 to 2**64 - 1")
 
 
+@pytest.mark.parametrize(("args", "needle"), [
+    (["complete", "-p", "hi", "-n"], "n 100000000000000000000 is past 2**63 - 1"),
+    (["vote", "-q", "hi", "-n"], "n 100000000000000000000 is past 2**63 - 1"),
+    (["beam", "-p", "hi", "-b"], "num_beams 100000000000000000000 is past 2**63 - 1"),
+    (["generate", "-p", "hi", "--top-k"], "top_k must be a positive integer below 2**63"),
+])
+def test_counts_past_what_a_list_or_int64_holds_are_named(model_dir, args, needle):
+    """Counts of 2**63 or more passed the checks and ended in an OverflowError traceback (a list
+    of settings per branch, torch's int64 top-k)."""
+    assert_clean_error(run(args[0], "--model", model_dir, *args[1:], 10**20, "--max-new-tokens", 2), needle)
+
+
 def test_greedy_and_sampling_flags_together_are_refused(model_dir):
     assert_clean_error(run("complete", "--model", model_dir, "-p", "hi", "--greedy", "--temperature", 0.5),
                        "--greedy cannot be combined with --temperature")

@@ -94,10 +94,16 @@ def as_list(items):
         return items
 
 
+COUNT_LIMIT = 2**63
+"""Counts (branches, beams, tokens) stay below it: Python's lists and torch's int64 stop there."""
+
+
 def check_positive(name: str, value) -> None:
-    """Refuse anything but a positive integer for the setting `name`."""
+    """Refuse anything but a positive integer (below `COUNT_LIMIT`) for the setting `name`."""
     if not is_int(value) or value < 1:
         raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", "use 1 or more")
+    if value >= COUNT_LIMIT:
+        raise InvalidArgument(f"{name} {value} is past 2**63 - 1, the most any count can be", "use a smaller number")
 
 
 def check_counts(what: str, counts, hint: str) -> None:

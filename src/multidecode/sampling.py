@@ -40,7 +40,7 @@ from numbers import Real
 import torch
 
 from .constraints import GrammarState, mask_logits
-from .errors import InvalidArgument, InvalidInput, is_int
+from .errors import COUNT_LIMIT, InvalidArgument, InvalidInput, is_int
 from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES, greedy_temperature, switches_given
 
 MAX_PENALTY = 2.0
@@ -96,8 +96,8 @@ class SamplingParams:
                                   "decoding (do_sample=False) for the arg-max")
         if is_int(self.top_k) and self.top_k == 0:  # off, as transformers and the server read it
             object.__setattr__(self, "top_k", None)
-        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
-            raise InvalidArgument(f"top_k must be a positive integer, got {self.top_k!r}", "0, or leaving it unset, "
+        if self.top_k is not None and (not is_int(self.top_k) or not 1 <= self.top_k < COUNT_LIMIT):
+            raise InvalidArgument(f"top_k must be a positive integer below 2**63, got {self.top_k!r}", "0, or leaving it unset, "
                                   "turns it off")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
