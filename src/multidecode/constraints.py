@@ -8,9 +8,9 @@ constrained branch holds its own copy of it, a `GrammarState`, which follows the
 (`sampling.BranchSampler.observe`) and says which tokens may come next: the branch's **mask**.
 
 Decoding. The masks of every constrained row are filled row by row on the calling thread (a
-parallel fill measured slower here) and applied in one `torch.where` (`mask_logits`), after the repetition penalty and
-before temperature, top-k, top-p and min-p, so a constrained branch draws from the model's
-distribution renormalised over the tokens its grammar allows. When the grammar is complete only
+parallel fill measured slower here) and applied in one `torch.where` (`mask_logits`), after the
+repetition penalty and before temperature, top-k, top-p and min-p, so a constrained branch draws
+from the model's distribution renormalised over the tokens its grammar allows. When the grammar is complete only
 the eos token is allowed (finish reason "stop"); a branch that reaches max_new_tokens first ends
 with "length" and what it produced. The reference this equals, token for token (greedy) and in
 distribution (sampling), is the plain loop: the model on the whole sequence, mask, choose.

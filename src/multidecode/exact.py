@@ -612,7 +612,7 @@ def _check_every_product_is_exact(model) -> None:
     if told < calls:
         raise NotBitExact(f"{calls - told} of the model's {calls} attention calls do not receive the keyword "
                           "arguments given to its forward (its decoder layers do not pass them on), so a forest's "
-                          "attention plan cannot reach them", own_kernels_hint(dtype) + " (the forest then reaches attention as a mask)")
+                          "attention plan cannot reach them", own_kernels_hint(dtype) + "; the forest then reaches attention as a mask")
 
 
 _PROBE_KWARG = "multidecode_probe"
