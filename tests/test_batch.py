@@ -75,6 +75,15 @@ def test_a_run_writes_one_complete_record_per_line(model_dir, tmp_path):
     assert meta["fingerprint"] == settings.fingerprint and meta["settings"]["max_new_tokens"] == 6
 
 
+def test_the_summary_of_a_short_run_reads_as_english(model_dir, tmp_path):
+    """One line was "all 1 line ... are in", and a run under half a second "0 s"."""
+    source = write_lines(tmp_path / "in.jsonl", [{"document": "The modem light is red.", "questions": ["colour?"]}])
+    result = run(source, "--output", tmp_path / "out.jsonl", "--model", model_dir, "--max-new-tokens", 2)
+    assert result.exit_code == 0, result.output
+    assert "Done: the only line of" in result.stderr and " is in " in result.stderr, result.stderr
+    assert re.search(r"tokens generated in \d+\.\d s ", result.stderr), result.stderr
+
+
 def test_job_questions_come_first_and_a_line_adds_its_own(model_dir, tmp_path):
     questions = tmp_path / "questions.txt"
     questions.write_text("what broke?\n\nwho called?\n")

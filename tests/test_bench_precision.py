@@ -20,7 +20,7 @@ from multidecode.bench.precision import (
 )
 from multidecode.bench.results import tables
 from multidecode.cli import main
-from multidecode.errors import InvalidArgument
+from multidecode.errors import InvalidArgument, InvalidInput
 from multidecode.memory import measure_bandwidth
 from multidecode.models.packed import step_bytes
 from multidecode.models.precision import parse_all
@@ -160,8 +160,19 @@ def test_random_gguf_command_writes_a_file_and_refuses_an_unknown_shape(tmp_path
     result = CliRunner().invoke(main, ["bench", "random-gguf", str(tmp_path / "t.gguf"), "--shape", "tiny"])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "t.gguf").stat().st_size > 0
+    assert "parameters" in result.output and "0.00B" not in result.output  # a tiny model's count, not 0.00B
     result = CliRunner().invoke(main, ["bench", "random-gguf", str(tmp_path / "u.gguf"), "--shape", "huge"])
     assert result.exit_code == 2 and "unknown shape" in result.output
+
+
+def test_random_gguf_refuses_a_path_it_cannot_write_naming_it(tmp_path):
+    """A missing folder ended in a FileNotFoundError traceback from deep inside the GGUF writer."""
+    result = CliRunner().invoke(main, ["bench", "random-gguf", str(tmp_path / "no/such/t.gguf"), "--shape", "tiny"])
+    assert result.exit_code != 0 and "does not exist" in result.output and "hint:" in result.output, result.output
+    assert not isinstance(result.exception, FileNotFoundError), result.exception
+    with pytest.raises(InvalidInput, match="is a folder"):
+        write_random_gguf(tmp_path, shape="tiny")
+    assert not list(tmp_path.rglob("*.partial"))
 
 
 def test_measured_bandwidth_is_a_plausible_rate():

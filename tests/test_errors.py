@@ -103,9 +103,10 @@ def test_prompt_plus_new_tokens_past_the_model_positions(model_dir, tmp_path):
 def test_a_negative_temperature_on_the_command_line_speaks_of_the_option(doc):
     """Its hint said 'do_sample=False; on the command line, --temperature 0': Python's words to a
     command-line user."""
-    result = run("ask", "--document", doc, "-q", "why?", "--temperature", "-1")
-    assert_clean_error(result, "--temperature must be 0 (greedy) or more, got -1")
-    assert "do_sample" not in result.output + result.stderr
+    for value in ("-1", "nan"):  # nan passed the check and reached the library's do_sample hint
+        result = run("ask", "--document", doc, "-q", "why?", "--temperature", value)
+        assert_clean_error(result, f"--temperature must be 0 (greedy) or more, got {value}")
+        assert "do_sample" not in result.output + result.stderr
 
 
 def test_missing_model_path(doc, tmp_path):
@@ -292,7 +293,15 @@ def test_bad_sampling_settings(model_dir, doc):
     assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--temperature", -1),
                        "--temperature must be 0 (greedy) or more")  # (0 is greedy here, as on the server)
     assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--top-p", 1.5),
-                       "top_p must be in (0, 1]")
+                       "top_p must be in (0, 1]", "hint: 1, or leaving it unset, turns it off")
+    assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--min-p", 1.5),
+                       "min_p must be in [0, 1]", "hint: 0, or leaving it unset, turns it off")
+
+
+def test_the_temperature_help_says_what_a_sampling_command_samples_at():
+    """complete and vote sample by default, yet their help said --temperature "turns sampling on"."""
+    for command, default in (("complete", "default 1;"), ("vote", "default 0.7;"), ("ask", "turns sampling on")):
+        assert default in " ".join(run(command, "--help").output.split()), command
 
 
 def test_library_errors_name_the_problem():
@@ -304,8 +313,9 @@ def test_library_errors_name_the_problem():
         decoder.ask("text", [])
     with pytest.raises(multidecode.InvalidInput, match="one string"):
         decoder.ask("text", "why?")
-    with pytest.raises(multidecode.PromptTooLong, match="at most 64 positions"):
+    with pytest.raises(multidecode.PromptTooLong, match="at most 64 positions") as caught:
         decoder.ask("routers and cables " * 100, ["why?"])
+    assert "margins" in caught.value.hint  # the strategy made for documents longer than the window
     with pytest.raises(multidecode.InvalidInput, match="unknown sampling"):
         decoder.ask("text", ["why?"], temprature=0.5)
     for only_complete in ({"n": 2}, {"sample": True}):  # was a TypeError: generate passes both itself
@@ -313,8 +323,9 @@ def test_library_errors_name_the_problem():
             decoder.generate("text", **only_complete)
         with pytest.raises(multidecode.InvalidArgument, match="one completion"):
             decoder.stream_generate("text", **only_complete)
-    with pytest.raises(multidecode.PromptTooLong, match="more than the model's 64"):  # not NotEnoughMemory
+    with pytest.raises(multidecode.PromptTooLong, match="more than the model's 64") as caught:  # not NotEnoughMemory
         decoder.generate("text", max_new_tokens=10**12)
+    assert "never fed back" in caught.value.message  # prompt + new - 1 positions read as an off-by-one
     with pytest.raises(multidecode.PromptTooLong, match="more than the model's 64"):
         decoder.complete("text", n=2, max_new_tokens=10**12)
     with torch.no_grad():
@@ -576,6 +587,13 @@ def test_greedy_and_sampling_flags_together_are_refused(model_dir):
 ])
 def test_bench_settings_are_checked_before_the_run(args, needle, tmp_path):
     assert_clean_error(run("bench", *args, "--output", tmp_path / "out", "--model", tmp_path / "no-model"), needle)
+
+
+def test_demo_settings_are_checked_before_the_model_loads(tmp_path):
+    """demo --max-new-tokens 0 loaded the model and printed its header before it was refused."""
+    result = run("demo", "--max-new-tokens", 0, "--model", tmp_path / "no-model")
+    assert_clean_error(result, "max_new_tokens must be a positive integer")
+    assert "no-model" not in result.output and "support-call" not in result.output
 
 
 def test_bench_output_that_is_a_file(tmp_path):

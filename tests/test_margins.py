@@ -299,6 +299,13 @@ def test_cli_human_output_and_stdin(model_dir):
     assert not any("--max-new-tokens" in line for line in chunks)
 
 
+def test_cli_counts_one_margin_in_the_singular(model_dir):
+    result = invoke("--model", model_dir, "-d", "-", "-q", QUESTION, "--max-margin-tokens", 2, "--max-new-tokens", 2,
+                    stdin="A short note.")
+    assert result.exit_code == 0, result.output
+    assert "1 margin (" in result.stderr and "1 margins" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("args, needle", [
     (["-q", ""], "no question"),
     ([], "no question"),

@@ -180,6 +180,25 @@ def test_a_request_that_cannot_fit_is_refused_before_it_runs(exact_decoder, monk
     assert "any " in caught.value.hint and " of these branches fit at once" in caught.value.hint
 
 
+def test_a_draft_budget_too_large_to_fit_is_named_as_the_cause(exact_decoder, monkeypatch):
+    """One branch whose draft tree alone overflows the budget was told to lower max_new_tokens or
+    shorten the prompts, neither of which was the cause."""
+    from multidecode.speculation import SpeculationSettings
+
+    engine = exact_decoder.scheduler().engine
+    plain = memory_need(engine, len(PROMPT), [3], 8, 0).total
+    monkeypatch.setenv(memory.ENVIRONMENT, str(int(plain * 2 / memory.HEADROOM)))
+    with pytest.raises(NotEnoughMemory) as caught:
+        exact_decoder.start([PROMPT + [1, 2, 3]], max_new_tokens=8,
+                            speculate=SpeculationSettings("lookup", budget=100_000))
+    assert "lower the draft budget" in caught.value.hint and "100,000 draft tokens" in caught.value.hint
+    monkeypatch.setenv(memory.ENVIRONMENT, "10kB")  # not even the branch alone fits: the old advice stands
+    with pytest.raises(NotEnoughMemory) as caught:
+        exact_decoder.start([PROMPT + [1, 2, 3]], max_new_tokens=8,
+                            speculate=SpeculationSettings("lookup", budget=100_000))
+    assert "draft" not in caught.value.hint and "lower max_new_tokens" in caught.value.hint
+
+
 def test_the_branches_a_refusal_says_fit_do_fit(exact_decoder, monkeypatch):
     """The count was worked out at the mean suffix length, rounded down: asking for that many was
     refused again, with the same count. Now it is what the longest of them need."""

@@ -276,6 +276,9 @@ def test_cache_clear_asks_first(cache, tiny_gguf):
     name = copies(cache)[0]
     refused = cli("clear", input="n\n")
     assert refused.exit_code != 0 and name in refused.output and copies(cache) == [name]
+    assert "Nothing removed" in refused.output and "--yes" in refused.output  # was click's bare "Aborted!"
+    unanswered = cli("clear", input="")  # no terminal to answer at: a script that forgot --yes
+    assert unanswered.exit_code != 0 and "--yes" in unanswered.output and copies(cache) == [name]
     accepted = cli("clear", input="y\n")
     assert accepted.exit_code == 0 and copies(cache) == []
 

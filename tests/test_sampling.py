@@ -165,11 +165,19 @@ def test_sampled_tokens_stay_inside_the_kept_set():
         dict(temperature=0.0, do_sample=True), dict(temperature=-0.5), dict(top_k=-1), dict(top_k=1.5), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1),
         dict(repetition_penalty=0.0),
         dict(temperature=1e-40), dict(temperature=float("inf")),  # passed, then torch's 'probability tensor contains inf'
+        dict(temperature=float("nan"), do_sample=True),
     ],
 )
 def test_bad_sampling_params_raise(kwargs):
     with pytest.raises(InvalidArgument):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_that_is_no_number_is_not_told_about_greedy_decoding():
+    """nan was 'temperature must be > 0 to sample', with a hint on how to decode greedily."""
+    with pytest.raises(InvalidArgument, match="temperature must be a number, got nan") as caught:
+        SamplingParams(do_sample=True, temperature=float("nan"))
+    assert "do_sample" not in caught.value.hint
 
 
 def test_temperature_zero_is_greedy_as_openai_reads_it():

@@ -204,12 +204,13 @@ def check_fits(engine: Engine, prompt_lengths: Sequence[int], max_new_tokens: in
     if longest > limit:
         raise PromptTooLong(
             f"the prompt is {longest} tokens long but the model takes at most {limit} positions{note}",
-            "shorten the document (or prompt), or split it into chunks",
+            "shorten the document (or prompt), or split it into chunks: margins (`multidecode margins`) reads a "
+            "long document chunk by chunk",
         )
     if longest + max_new_tokens - 1 > limit:
         raise PromptTooLong(
             f"the prompt is {longest} tokens and max_new_tokens is {max_new_tokens}: {longest + max_new_tokens - 1} "
-            f"positions, more than the model's {limit}{note}",
+            f"positions (the last new token is never fed back), more than the model's {limit}{note}",
             f"lower max_new_tokens to {limit - longest + 1} or shorten the document (or prompt)",
             fits=limit - longest + 1,
         )
@@ -234,7 +235,9 @@ def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[in
     longest = sorted(suffix_lengths, reverse=True)  # any `fit` of them fit: the longest `fit` do
     fit = most_branches(lambda w: memory_need(engine, prefix_length, longest[:w], max_new_tokens, draft).total
                         <= budget, len(suffix_lengths))
+    undrafted = draft and memory_need(engine, prefix_length, longest[:1], max_new_tokens, 0).total <= budget
     hint = (f"any {fit:,} of these branches fit at once: split the work" if fit else
+            f"lower the draft budget (each branch holds {draft:,} draft tokens a step)" if undrafted else
             "lower max_new_tokens or shorten the prompts")
     count = len(suffix_lengths)
     branches = f"{count:,} branch" if count == 1 else f"{count:,} branches"

@@ -87,6 +87,8 @@ class SamplingParams:
                                   "branch i uses seed + i, which must stay in that range too")
         if self.temperature == 0 and not self.do_sample:  # greedy, as OpenAI's API reads it; no division
             object.__setattr__(self, "temperature", 1.0)
+        if math.isnan(self.temperature):
+            raise InvalidArgument("temperature must be a number, got nan", "0.7 samples, for example; 0 is greedy")
         if not self.temperature > 0:
             raise InvalidArgument(f"temperature must be > 0 to sample, got {self.temperature}",
                                   "for greedy decoding give temperature=0 without do_sample=True, or do_sample=False")
@@ -100,9 +102,13 @@ class SamplingParams:
             raise InvalidArgument(f"top_k must be a positive integer below 2**63, got {self.top_k!r}", "0, or leaving it unset, "
                                   "turns it off")
         if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}",
+                                  "1, or leaving it unset, turns it off; 0.9 samples from the likeliest tokens "
+                                  "that make up 90% of the probability")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}",
+                                  "0, or leaving it unset, turns it off; 0.05 drops tokens under 5% of the "
+                                  "likeliest one's probability")
         if self.repetition_penalty is not None and not self.repetition_penalty > 0:
             raise InvalidArgument(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):

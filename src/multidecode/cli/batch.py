@@ -51,6 +51,9 @@ PLAIN_EVERY_S = 10.0
 
 # ---------------------------------------------------------------------- progress
 def _duration(seconds: float) -> str:
+    """A wall time as a person reads it: "0.4 s", "12 s", "3 min 05 s", "2 h 10 min"."""
+    if seconds < 9.95:
+        return f"{seconds:.1f} s"
     seconds = round(seconds)
     if seconds < 60:
         return f"{seconds} s"
@@ -172,7 +175,8 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
     out = escape(summary.output)
     finished = summary.total - summary.remaining
     if summary.complete:
-        head = f"[green]Done:[/green] all {counted(summary.total, 'line')} of {escape(summary.input)} are in {out}"
+        every = "the only line" if summary.total == 1 else f"all {counted(summary.total, 'line')}"
+        head = f"[green]Done:[/green] {every} of {escape(summary.input)} {'is' if summary.total == 1 else 'are'} in {out}"
     else:
         head = (f"[yellow]{'Stopped' if stopped else 'Ended'}:[/yellow] {finished} of {summary.total} lines "
                 f"are in {out}, {summary.remaining} to go")

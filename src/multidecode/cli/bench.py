@@ -12,7 +12,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import InvalidArgument, InvalidInput
-from .common import check_writable_folder, load_decoder, model_options, report_errors, spelling, stderr, stdout
+from .common import (
+    check_writable_folder,
+    human_size,
+    load_decoder,
+    model_options,
+    report_errors,
+    spelling,
+    stderr,
+    stdout,
+)
 
 
 def parse_counts(text: str, flag: str) -> tuple[int, ...]:
@@ -473,8 +482,8 @@ def bench_random_gguf(path, shape, quant, seed):
     with stderr.status(f"writing {path}...") as status:
         written = write_random_gguf(path, shape=shape, quant=quant, seed=seed,
                                     progress=lambda message: status.update(f"writing {path}... {escape(message)}"))
-    stdout.print(f"wrote {written['path']}: {written['parameters'] / 1e9:.2f}B parameters, "
-                 f"{written['file_bytes'] / 1e9:.2f} GB, in {written['seconds']:.0f} s")
+    stdout.print(f"wrote {written['path']}: {written['parameters']:,} parameters, "
+                 f"{human_size(written['file_bytes'])}, in {written['seconds']:.1f} s")
 
 
 @bench.command("structured")

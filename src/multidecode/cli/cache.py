@@ -9,7 +9,7 @@ import json
 import click
 from rich.markup import escape
 
-from .common import counted, report_errors, stderr, stdout
+from .common import counted, human_size, report_errors, stderr, stdout
 
 
 @click.group()
@@ -70,8 +70,14 @@ def clear(names, yes):
     size = sum(e.bytes for e in chosen)
     if not yes:
         listing = "\n".join(f"  {e.name} ({human_size(e.bytes)})" for e in chosen)
-        click.confirm(f"Remove from {cache_dir()}:\n{listing}\nfreeing {human_size(size)}?", abort=True,
-                      err=True)
+        try:
+            confirmed = click.confirm(f"Remove from {cache_dir()}:\n{listing}\nfreeing {human_size(size)}?", err=True)
+        except click.Abort:  # no answer to read: stdin closed, or ^C
+            stderr.print()
+            confirmed = False
+        if not confirmed:
+            stderr.print("Nothing removed (--yes clears without asking).")
+            raise SystemExit(1)
     removed, busy = clear_cache(chosen)
     for e in removed:
         stdout.print(f"removed {escape(e.name)} ({human_size(e.bytes)})")
@@ -79,12 +85,3 @@ def clear(names, yes):
         doing = "building them" if e.kind == "kernels" else "converting it"
         stderr.print(f"[yellow]skipped[/yellow] {escape(e.name)}: another process is {doing}")
     stdout.print(f"Freed {human_size(sum(e.bytes for e in removed))}.")
-
-
-def human_size(count: int) -> str:
-    """Bytes as B, KB, MB, GB (powers of 1000, as disk tools and file managers show them)."""
-    units = ("B", "KB", "MB", "GB", "TB")
-    value, unit = float(count), 0
-    while value >= 1000 and unit < len(units) - 1:
-        value, unit = value / 1000, unit + 1
-    return f"{count} B" if unit == 0 else f"{value:.1f} {units[unit]}"

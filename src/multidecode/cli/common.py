@@ -66,7 +66,7 @@ COMPILE_HELP = ("Run the forward compiled (torch.compile): the same bits, a shor
 
 
 SAMPLING_OPTIONS = (
-    ("--temperature", float, "Sampling temperature (turns sampling on)."),
+    ("--temperature", float, "Sampling temperature (turns sampling on; 0 is greedy)."),
     ("--top-k", int, "Sample from the k most likely tokens."),
     ("--top-p", float, "Sample from the smallest set reaching this probability."),
     ("--min-p", float, "Drop tokens less likely than min-p times the top token."),
@@ -78,15 +78,17 @@ SAMPLING_OPTIONS = (
 """The sampling options but --logit-bias: (option, type, help)."""
 
 
-def sampling_options(command):
+def sampling_options(command, temperature: str | None = None):
     """--temperature, --top-k, --top-p, --min-p, --seed (any of them turns sampling on), and the
     penalties and bias, which apply to greedy decoding too: --repetition-penalty,
-    --presence-penalty, --frequency-penalty, --logit-bias TOKEN=BIAS (repeatable)."""
+    --presence-penalty, --frequency-penalty, --logit-bias TOKEN=BIAS (repeatable). temperature:
+    --temperature's help where the command samples by default (what it samples at)."""
     command = click.option(
         "--logit-bias", multiple=True, metavar="TOKEN=BIAS", callback=_parse_logit_bias,
         help="Add BIAS (-100 to 100) to token id TOKEN's logit before choosing (repeatable); +100 all but forces "
              "the token, -100 bans it. Applies to greedy too.")(command)
     for name, kind, text in reversed(SAMPLING_OPTIONS):
+        text = temperature if name == "--temperature" and temperature else text
         command = click.option(name, type=kind, default=None, help=text)(command)
     return command
 
@@ -114,7 +116,7 @@ def sampling_from(options: dict) -> dict:
     as keyword arguments for the library (where --temperature 0 is greedy, as OpenAI's servers and
     llama.cpp read it: sampling off, the penalties and bias kept)."""
     chosen = {k: v for k, v in options.items() if v is not None}
-    if chosen.get("temperature", 0) < 0:  # the library's message speaks of do_sample, which no option is
+    if not chosen.get("temperature", 0) >= 0:  # (nan too) the library's message speaks of do_sample, no option's
         raise InvalidArgument(f"--temperature must be 0 (greedy) or more, got {chosen['temperature']:g}",
                               "use --temperature 0, or leave it out, for greedy decoding")
     return chosen
@@ -323,12 +325,14 @@ def stop_option(what: str):
                         help=f"Stop {what} at this string (repeatable; a newline: --stop $'\\n' in bash).")
 
 
-def decoding_options(speculate: str | None = None):
-    """What every decoding command takes: the model's options, the sampling options, the
-    speculation options (--speculate defaulting to `speculate`) and the constraint options."""
+def decoding_options(speculate: str | None = None, temperature: str | None = None):
+    """What every decoding command takes: the model's options, the sampling options (with
+    --temperature's help `temperature` where the command samples by default), the speculation
+    options (--speculate defaulting to `speculate`) and the constraint options."""
 
     def add(command):
-        return model_options(sampling_options(speculate_options(speculate)(constraint_options(command))))
+        options = sampling_options(speculate_options(speculate)(constraint_options(command)), temperature)
+        return model_options(options)
 
     return add
 
@@ -389,6 +393,15 @@ def check_writable_folder(path: str | os.PathLike, option: str) -> None:
 def counted(n: int, noun: str, nouns: str | None = None) -> str:
     """"1 line", "3 lines": a count with its noun in the right number (`nouns`: a plural not in -s)."""
     return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"
+
+
+def human_size(count: int) -> str:
+    """Bytes as B, KB, MB, GB (powers of 1000, as disk tools and file managers show them)."""
+    units = ("B", "KB", "MB", "GB", "TB")
+    value, unit = float(count), 0
+    while value >= 1000 and unit < len(units) - 1:
+        value, unit = value / 1000, unit + 1
+    return f"{count} B" if unit == 0 else f"{value:.1f} {units[unit]}"
 
 
 # ---------------------------------------------------------------------- inputs

@@ -204,7 +204,7 @@ def ask_on_server(url: str, text: str, questions: list[str], request: Request, a
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--greedy", is_flag=True, help="Greedy decoding (all n completions are then identical).")
 @stop_option("a completion")
-@decoding_options()
+@decoding_options(temperature="Sampling temperature (default 1; 0 is greedy, as --greedy).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of completions.")
 @click.option("--logprobs", is_flag=True, help="With --json: each completion's token log-probabilities "
               "(\"logprobs\") and their sum (\"logprob\"), to rank completions by.")
@@ -301,7 +301,7 @@ def complete_on_server(url: str, text: str, no_chat: bool, request: Request, ask
 @click.option("--question", "-q", required=True, metavar="TEXT", help="The question to reason about.")
 @click.option("--n", "-n", "n", type=int, default=8, show_default=True, help="Number of reasoning traces.")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@decoding_options()
+@decoding_options(temperature="Sampling temperature (default 0.7; 0 is greedy: every trace the same).")
 @click.option("--show-traces", is_flag=True, help="Print every trace, not only the answers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the vote as JSON.")
 @report_errors
@@ -486,8 +486,8 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
     kept = sum(m.relevant for m in result.margins)
     passes = sum(s.get("forward_passes", 0) for s in result.stats.values())
     stderr.print(
-        f"[dim]{len(result.margins)} margins ({kept} relevant) and the answer in {elapsed:.1f} s, "
-        f"{passes} forward passes[/dim]"
+        f"[dim]{counted(len(result.margins), 'margin')} ({kept} relevant) and the answer in {elapsed:.1f} s, "
+        f"{counted(passes, 'forward pass', 'forward passes')}[/dim]"
     )
     if result.left_out:
         stderr.print(f"[yellow]note:[/yellow] the answer was written from the {kept - len(result.left_out)} most "

@@ -7,7 +7,7 @@ import time
 import click
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .common import load_decoder, model_options, report_errors, stderr, stdout
+from .common import check_early, load_decoder, model_options, report_errors, stderr, stdout
 from .decoding import show_stream
 
 
@@ -23,6 +23,7 @@ def demo(max_new_tokens, no_compare, model_name, precision, device):
     from ..data import sample_document, sample_questions
     from ..models.reading import quiet_transformers
 
+    check_early(max_new_tokens=max_new_tokens)  # before the model loads and the header is printed
     decoder = load_decoder(model_name, precision, device)
     document, questions = sample_document(), sample_questions()
     prompts = decoder.question_prompts(document, questions)

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InvalidInput
+
 STD = 0.02
 """The standard deviation of every random matrix weight (Llama's initializer range)."""
 CHUNK_VALUES = 1 << 23
@@ -152,6 +154,10 @@ def write_random_gguf(path: str | os.PathLike, *, shape: str = "llama-3.2-1b", q
     say = progress or (lambda message: None)
     started = time.perf_counter()
     path = Path(path)
+    if not path.parent.is_dir():
+        raise InvalidInput(f"the folder of {path} does not exist", "create it first, or write the file elsewhere")
+    if path.is_dir():
+        raise InvalidInput(f"{path} is a folder", "pass a file name, such as random.gguf")
     partial = path.with_name(path.name + ".partial")
     writer = gguf.GGUFWriter(str(partial), "llama")
     _add_metadata(writer, gguf, dims, name=f"random-{shape}-{quant}", quant=quant)

@@ -40,7 +40,7 @@ from ..forest import chain_parents
 from ..prompts import render_prompt, tokenize_prompt
 from ..proposers.drafting import vocabulary_size
 from ..proposers.eagle import EagleHead, head_config
-from ..proposers.heads import fingerprint, head_dir, other_target
+from ..proposers.heads import fingerprint, folder_kind, head_dir, other_target
 from ..proposers.medusa import MedusaHeads
 from . import TRAINABLE
 from .features import TOP, Features, load_features
@@ -167,7 +167,7 @@ def train_drafter(decoder, settings: DistillSettings) -> Iterator[Progress]:
     prompts = read_prompts(settings.prompts)[: settings.limit]
     output = Path(settings.output) if settings.output else head_dir(model, settings.kind)
     work = Path(settings.work) if settings.work else output.parent / "distill.work"
-    _check_output(output, model)
+    _check_output(output, model, settings.kind)
     work.mkdir(parents=True, exist_ok=True)
     _check_work(work, settings, prompts, model)
     started = time.perf_counter()
@@ -225,10 +225,11 @@ def _check_work(work: Path, settings: DistillSettings, prompts: list[str], model
                               f"resume it with the same prompts, in the same order, and max new tokens, or {fix}")
 
 
-def _check_output(output: Path, model) -> None:
-    """Refuse an output folder holding something else than a head for this model: a model's
-    config.json (`--output` naming the model's own folder) or a head trained for another target,
-    which writing there would replace."""
+def _check_output(output: Path, model, kind: str) -> None:
+    """Refuse an output folder holding something else than a `kind` head for this model: a model's
+    config.json (`--output` naming the model's own folder), a head trained for another target,
+    which writing there would replace, or a head of another kind, whose weights would be left
+    beside the new head's."""
     path = output / "config.json"
     if not path.exists():
         return
@@ -242,6 +243,11 @@ def _check_output(output: Path, model) -> None:
     other = other_target(target, model)
     if other is not None:
         raise InvalidArgument(f"{output} holds a head trained for {other}, which this run would replace",
+                              f"give another --output (or delete {output})")
+    held = folder_kind(output)
+    if held != kind:
+        raise InvalidArgument(f"{output} holds {held} weights and this run writes {kind} weights, which would be left "
+                              "beside them",
                               f"give another --output (or delete {output})")
 
 
