@@ -251,24 +251,29 @@ def test_without_ray_installed_it_says_how_to_install_it(monkeypatch, tmp_path):
 
 
 @pytest.mark.ray
-def test_an_unreachable_address_fails_fast_with_a_clear_message(tmp_path):
-    pytest.importorskip("ray")
+def test_an_unreachable_address_fails_fast_with_a_clear_message(tmp_path, monkeypatch):
+    """Fast without a clock: Ray's own connect retries for minutes, so the refusal must come from
+    the bounded probe (`CONNECT_TIMEOUT_S`) before `ray.init` is ever called. (A wall-time bound
+    here failed on a loaded machine: importing Ray alone took 12 s.)"""
+    ray = pytest.importorskip("ray")
+
+    def never(*args, **kwargs):
+        raise AssertionError("ray.init was called: the address was not probed first")
+
+    monkeypatch.setattr(ray, "init", never)
     source = write_lines(tmp_path / "in.jsonl", documents(1))
-    started = time.perf_counter()
     result = CliRunner().invoke(main, ["batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--ray", "127.0.0.1:1",
                                        "--workers", "3"])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert "no Ray cluster answers at 127.0.0.1:1" in result.stderr and "ray start --head" in result.stderr
-    assert time.perf_counter() - started < 10 and not (tmp_path / "out.jsonl").exists()  # no empty output left
+    assert not (tmp_path / "out.jsonl").exists()  # no empty output left
     for address, error, needle in [("127.0.0.1:1", RayUnavailable, "no Ray cluster answers at 127.0.0.1:1"),
                                    ("ray://127.0.0.1:1", RayUnavailable, "no Ray cluster answers"),
                                    ("nonsense", InvalidArgument, "is not a Ray address"),
                                    ("host:port", InvalidArgument, "is not a Ray address")]:
-        started = time.perf_counter()
         with pytest.raises(error) as caught:
             next(ray_outcomes(iter([]), settings=BatchSettings(), address=address))
         assert needle in caught.value.message and caught.value.hint, address
-        assert time.perf_counter() - started < 10, address
 
 
 def test_errors_cross_processes_with_their_type_message_and_hint():
