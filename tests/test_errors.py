@@ -304,6 +304,57 @@ def test_the_temperature_help_says_what_a_sampling_command_samples_at():
         assert default in " ".join(run(command, "--help").output.split()), command
 
 
+def test_every_error_the_library_raises_is_exported_by_the_package():
+    """multidecode.NotBitExact (named in MultiDecoder's docstring) and MissingExtra raised AttributeError."""
+    import inspect
+
+    from multidecode import errors
+
+    defined = {name for name, value in vars(errors).items()
+               if inspect.isclass(value) and issubclass(value, errors.MultiDecodeError)}
+    assert defined <= set(multidecode.__all__), defined - set(multidecode.__all__)
+    assert all(getattr(multidecode, name) is getattr(errors, name) for name in defined)
+
+
+def test_text_without_a_tokenizer_is_refused_naming_the_fix():
+    """MultiDecoder(model, None) took token ids, but text ended in "'NoneType' object is not callable"."""
+    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), None)
+    for call in (lambda: decoder.generate("hi"), lambda: decoder.complete("hi", n=2),
+                 lambda: decoder.ask("a document", ["why?"])):
+        with pytest.raises(multidecode.InvalidArgument, match="no tokenizer, so it cannot read text") as caught:
+            call()
+        assert "token ids" in caught.value.hint
+    assert decoder.generate([1, 2, 3], max_new_tokens=2).token_ids  # ids need no tokenizer
+
+
+def test_vote_refuses_logprobs_it_would_drop():
+    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
+    with pytest.raises(multidecode.InvalidArgument, match="vote keeps no log-probabilities") as caught:
+        decoder.vote("why?", n=2, max_new_tokens=2, logprobs=1)
+    assert "complete(" in caught.value.hint
+
+
+def test_start_given_text_or_one_prompt_says_what_it_takes():
+    """start("hello") said "prompt 0 must be a sequence of token ids, got 'h'": the text cut into letters."""
+    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
+    with pytest.raises(multidecode.InvalidInput, match="got text") as caught:
+        decoder.start("hello", max_new_tokens=2)
+    assert "generate" in caught.value.hint
+    with pytest.raises(multidecode.InvalidInput, match="got one prompt's token ids") as caught:
+        decoder.start([1, 2, 3], max_new_tokens=2)
+    assert "start([ids])" in caught.value.hint
+    assert len(decoder.start([[1, 2, 3]], max_new_tokens=2).branches) == 1
+
+
+@pytest.mark.parametrize("settings", [dict(max_ngram=0), dict(min_ngram=3, max_ngram=2), dict(min_ngram=1.5),
+                                      dict(max_matches=0)])
+def test_prompt_lookup_settings_are_checked_with_a_hint(settings):
+    """PromptLookup(max_ngram=0) raised a bare ValueError; max_matches=0 was taken."""
+    with pytest.raises(multidecode.InvalidArgument) as caught:
+        multidecode.PromptLookup(**settings)
+    assert caught.value.hint
+
+
 def test_library_errors_name_the_problem():
     """The same checks hold for library callers, as typed exceptions."""
     decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
@@ -316,8 +367,10 @@ def test_library_errors_name_the_problem():
     with pytest.raises(multidecode.PromptTooLong, match="at most 64 positions") as caught:
         decoder.ask("routers and cables " * 100, ["why?"])
     assert "margins" in caught.value.hint  # the strategy made for documents longer than the window
-    with pytest.raises(multidecode.InvalidInput, match="unknown sampling"):
+    with pytest.raises(multidecode.InvalidInput, match="unknown setting.s. temprature: neither an argument"):
         decoder.ask("text", ["why?"], temprature=0.5)
+    with pytest.raises(multidecode.InvalidInput, match="speculate: neither an argument of this call nor a sampling"):
+        decoder.margins("text", "why?", speculate="lookup")  # was called an unknown *sampling* setting
     for only_complete in ({"n": 2}, {"sample": True}):  # was a TypeError: generate passes both itself
         with pytest.raises(multidecode.InvalidArgument, match=f"one completion and takes no {next(iter(only_complete))}="):
             decoder.generate("text", **only_complete)

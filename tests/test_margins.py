@@ -267,6 +267,32 @@ def test_a_seed_too_large_for_the_answer_is_refused_before_any_margin_is_written
     assert len(result.margins) == 2 and result.answer_finish_reason in ("length", "stop")
 
 
+@pytest.mark.parametrize("settings, said", [
+    (dict(margin_template="no placeholders"), "has no {chunk}, so the model would never see it"),
+    (dict(margin_template="{chunk} {foo}"), "names {foo}, which it is not given"),
+    (dict(margin_template='JSON {"a": 1} {chunk}'), 'names {"a"}'),
+    (dict(margin_template="{chunk} }"), "is not a format string"),
+    (dict(margin_template=None), "must be a string, got NoneType"),
+    (dict(answer_template="{notes} {bogus}"), "answer_template names {bogus}"),
+    (dict(answer_template="{question} only"), "has no {notes}"),
+])
+def test_templates_that_cannot_carry_their_text_are_refused(decoder, settings, said):
+    """A margin template without {chunk} ran, writing every margin without the document; a stray
+    field or a JSON brace was a KeyError from str.format, None an AttributeError."""
+    with pytest.raises(InvalidArgument) as caught:
+        decoder.margins(DOCUMENT, QUESTION, max_margin_tokens=2, max_new_tokens=2, **settings)
+    assert said in caught.value.message and caught.value.hint
+    assert decoder.margins(DOCUMENT, QUESTION, chunk_tokens=200, max_margin_tokens=2, max_new_tokens=2,
+                           margin_template="{chunk}", answer_template="{notes}").answer is not None
+
+
+def test_a_relevance_template_without_its_note_is_refused(decoder):
+    from multidecode.strategies.margins import YesNoClassifier
+
+    with pytest.raises(InvalidArgument, match="has no {note}"):
+        YesNoClassifier(decoder, template="Is it relevant to {question}?")
+
+
 # ---------------------------------------------------------------------- the command
 def invoke(*args, stdin=None):
     return CliRunner().invoke(main, ["margins", *map(str, args)], input=stdin)

@@ -85,6 +85,18 @@ def test_a_hub_id_neither_cached_nor_reachable_fails_fast(monkeypatch, tmp_path)
     assert "hub is unreachable" in result.output + result.stderr
 
 
+def test_loading_hints_speak_to_a_python_caller_too(monkeypatch):
+    """load()'s hints spoke only of options (--device cpu, leave --model out) to Python callers."""
+    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(multidecode.ModelNotFound) as caught:
+        multidecode.load("someorg/not-cached-anywhere")
+    assert "load()" in caught.value.hint
+    if not torch.cuda.is_available():
+        with pytest.raises(multidecode.InvalidArgument) as caught:
+            multidecode.load(device="cuda")
+        assert "device='cpu'" in caught.value.hint
+
+
 class _Interrupted(Exception):
     pass
 

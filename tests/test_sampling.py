@@ -173,6 +173,11 @@ def test_bad_sampling_params_raise(kwargs):
         SamplingParams(**kwargs)
 
 
+def test_a_temperature_of_none_is_the_default_as_in_generate():
+    """SamplingParams(temperature=None) was a TypeError; generate(temperature=None) the default."""
+    assert SamplingParams(do_sample=True, temperature=None, seed=1) == SamplingParams(do_sample=True, seed=1)
+
+
 def test_a_temperature_that_is_no_number_is_not_told_about_greedy_decoding():
     """nan was 'temperature must be > 0 to sample', with a hint on how to decode greedily."""
     with pytest.raises(InvalidArgument, match="temperature must be a number, got nan") as caught:

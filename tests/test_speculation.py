@@ -44,10 +44,11 @@ from multidecode.api import start_forest
 from multidecode.cache import SlotLayer
 from multidecode.cost import CostCurve
 from multidecode.engine import Engine
+from multidecode.errors import InvalidArgument
 from multidecode.proposers import BranchContext, DraftTree, Proposer
 from multidecode.sampling import SamplingParams
 from multidecode.scheduler import CompactionPolicy
-from multidecode.speculation import Speculation
+from multidecode.speculation import Speculation, build_speculation
 
 
 # ---------------------------------------------------------------------- test proposers
@@ -75,6 +76,16 @@ class Oracle(Proposer):
                 draft.add(3 + (token - 2) % (self.vocab - 3), parent)  # a wrong guess first (never eos or pad)
             parent = draft.add(token, parent)
         return draft
+
+
+def test_a_proposer_without_propose_is_refused_when_given():
+    """It was taken as speculate= and failed at the first step with a bare NotImplementedError."""
+    class Unfinished(Proposer):
+        name = "unfinished"
+
+    with pytest.raises(InvalidArgument, match="Unfinished defines no propose method") as caught:
+        build_speculation(Unfinished(), torch.float32)
+    assert "propose(context, budget)" in caught.value.hint
 
 
 class Garbage(Proposer):

@@ -31,7 +31,7 @@ def test_modes_and_their_details_parse():
 
 @pytest.mark.parametrize("arguments, message", [
     (dict(mode="hydra"), "unknown speculation mode"),
-    (dict(mode="off", budget=4), "draft_budget needs speculation, and speculate is 'off'"),
+    (dict(mode="off", budget=4), "^budget needs speculation, and speculate is 'off'"),  # parse's own name, not draft_budget
     (dict(mode="lookup", skip_layers="1"), "but speculate is 'lookup'"),
     (dict(mode="lookup", lookahead="7,5,7"), "lookahead sets lookahead decoding"),
     (dict(mode="lookahead", lookahead="7,5"), "is not three integers"),
@@ -47,6 +47,15 @@ def test_modes_and_their_details_parse():
 def test_bad_settings_are_refused_in_python_terms(arguments, message):
     with pytest.raises(InvalidArgument, match=message):
         SpeculationSettings.parse(**arguments)
+
+
+def test_the_examples_in_the_hints_are_python_too():
+    """The hints wrote examples as options ("write e.g. lookahead 7,5,7") to Python callers."""
+    for arguments, example in ((dict(mode="lookahead", lookahead="0,5,7"), "lookahead='7,5,7'"),
+                               (dict(mode="draft", skip_layers="1-x"), "skip_layers='4,6,8-12'")):
+        with pytest.raises(InvalidArgument) as caught:
+            SpeculationSettings.parse(**arguments)
+        assert example in caught.value.hint, caught.value.hint
 
 
 def test_a_proposer_must_be_one_and_a_self_draft_must_skip_a_layer():

@@ -30,7 +30,7 @@ from .compiled import compile_forward
 from .constraints import Constraint, constraint_of
 from .cost import CostCurve, LearnedCurve
 from .engine import Engine
-from .errors import InvalidArgument, UnsupportedModel, as_list
+from .errors import InvalidArgument, InvalidInput, UnsupportedModel, as_list, is_int
 from .exact import hold_exact_kernels, is_exact
 from .memory import Footprint, activation_dtype, available_bytes
 from .models.loading import Loaded, load_model
@@ -197,6 +197,11 @@ class MultiDecoder:
         logprobs: each event's token log-probability and the `logprobs` likeliest (see `TokenEvent`).
         """
         prompts = as_list(prompts)
+        if isinstance(prompts, (str, bytes)):
+            raise InvalidInput("start takes prompts as token ids (a list of lists of ints), got text",
+                               "for text use generate, complete or ask; or tokenize it: [tokenizer(text)['input_ids']]")
+        if isinstance(prompts, list) and prompts and all(is_int(t) for t in prompts):
+            raise InvalidInput("start takes a list of prompts, got one prompt's token ids", "wrap it: start([ids])")
         return start_prompts(self.scheduler(), prompts, max_new_tokens=max_new_tokens,
                              sampling=per_branch_sampling(len(prompts), sampling), tokenizer=self.tokenizer,
                              stop=stop, eos_token_id=eos_token_id, speculate=self.speculation(speculate),
@@ -243,7 +248,8 @@ class MultiDecoder:
             instruction: str | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None, **sampling) -> list[Answer]:
         """Answer every question about `document` in one MultiDecode pass.
 
-        Greedy by default; each answer equals greedy generation from its `.prompt_ids` alone.
+        Greedy by default; each answer equals greedy generation from its `.prompt_ids` alone (on
+        the exact kernels, the default; with exact=False in float32 only: see the README).
         Sampling settings (`do_sample`, `temperature`, `top_k`, `top_p`, `min_p`,
         `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `seed`) take
         one value or one per question; the penalties and the bias apply to greedy answers too. speculate: every
@@ -294,7 +300,8 @@ class MultiDecoder:
              **sampling) -> Vote:
         """n sampled reasoning traces in one forest, an answer extracted from each, and the majority.
         extract: text -> answer (default: an "Answer:" line, else the last number or line; a trace
-        held to a constraint is its answer whole, see `strategies.vote`)."""
+        held to a constraint is its answer whole, see `strategies.vote`). Other keywords are
+        `complete`'s (chat, stop, sampling), but logprobs."""
         return _vote.vote(self.scheduler(), self.tokenizer, question, n=n, max_new_tokens=max_new_tokens,
                           extract=extract, speculate=self.speculation(speculate), constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)
 

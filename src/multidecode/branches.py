@@ -237,7 +237,8 @@ def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[in
                         <= budget, len(suffix_lengths))
     undrafted = draft and memory_need(engine, prefix_length, longest[:1], max_new_tokens, 0).total <= budget
     hint = (f"any {fit:,} of these branches fit at once: split the work" if fit else
-            f"lower the draft budget (each branch holds {draft:,} draft tokens a step)" if undrafted else
+            f"lower the draft budget or turn speculation off (each branch holds {draft:,} draft tokens a step)"
+            if undrafted else
             "lower max_new_tokens or shorten the prompts")
     count = len(suffix_lengths)
     branches = f"{count:,} branch" if count == 1 else f"{count:,} branches"

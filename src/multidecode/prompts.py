@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import InvalidInput
+from .errors import InvalidArgument, InvalidInput
 
 DEFAULT_INSTRUCTION = "Answer in one short sentence."
 
@@ -62,8 +62,16 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def require_tokenizer(tokenizer) -> None:
+    """Refuse text where there is no tokenizer to read it (a decoder built without one)."""
+    if tokenizer is None:
+        raise InvalidArgument("this decoder has no tokenizer, so it cannot read text",
+                              "pass token ids instead, or build it with one: MultiDecoder(model, tokenizer)")
+
+
 def render_prompt(tokenizer, user_message: str, *, system: str | None = None) -> str:
     """The text a chat model sees for one user turn (chat template when available)."""
+    require_tokenizer(tokenizer)
     if has_chat_template(tokenizer):
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": user_message})
@@ -80,6 +88,7 @@ def question_message(document: str, question: str, instruction: str | None = DEF
 
 def tokenize_prompt(tokenizer, text: str) -> list[int]:
     """Token ids of a whole rendered prompt. Chat-templated text carries its own special tokens."""
+    require_tokenizer(tokenizer)
     special = not has_chat_template(tokenizer)
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 

@@ -85,6 +85,8 @@ class SamplingParams:
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
             raise InvalidArgument(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}",
                                   "branch i uses seed + i, which must stay in that range too")
+        if self.temperature is None:  # unset, as generate(temperature=None) and transformers read it
+            object.__setattr__(self, "temperature", 1.0)
         if self.temperature == 0 and not self.do_sample:  # greedy, as OpenAI's API reads it; no division
             object.__setattr__(self, "temperature", 1.0)
         if math.isnan(self.temperature):
@@ -219,8 +221,9 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
     """
     unknown = set(sampling) - set(SAMPLING_KEYS)
     if unknown:
-        raise InvalidInput(f"unknown sampling setting(s): {', '.join(sorted(unknown))}",
-                           f"use {', '.join(SAMPLING_KEYS)}")
+        raise InvalidInput(f"unknown setting(s) {', '.join(sorted(unknown))}: neither an argument of this call nor a "
+                           "sampling setting", f"the call's arguments are in its docstring; the sampling settings are "
+                           f"{', '.join(SAMPLING_KEYS)}")
     columns: dict[str, list] = {}
     for key, value in sampling.items():
         per_branch = isinstance(value, (list, tuple))

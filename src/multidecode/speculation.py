@@ -99,6 +99,10 @@ class Speculation:
         if not isinstance(self.proposer, Proposer):
             raise InvalidArgument(f"a Speculation needs a Proposer, got {type(self.proposer).__name__}",
                                   "use multidecode.proposers.lookup.PromptLookup() or a subclass of Proposer")
+        kind = type(self.proposer)
+        if kind.propose is Proposer.propose and kind.propose_many is Proposer.propose_many:
+            raise InvalidArgument(f"the proposer {kind.__name__} defines no propose method",
+                                  "a Proposer subclass defines propose(context, budget) -> DraftTree")
         if self.budget is not None:
             check_positive("the draft budget", self.budget)
         check_positive("max_draft", self.max_draft)
@@ -299,11 +303,16 @@ class Spelling:
 
     mode: str = "speculate={!r}"
     current: str = "speculate is {!r}"
-    budget: str = "draft_budget"
+    budget: str = "budget"  # by default as `SpeculationSettings` names its fields
     lookahead: str = "lookahead"
     draft_model: str = "draft_model"
-    skip_layers: str = "draft_skip_layers"
-    head: str = "draft_head"
+    skip_layers: str = "skip_layers"
+    head: str = "head"
+    assign: str = "{}={!r}"
+
+    def example(self, name: str, value: str) -> str:
+        """How to write the setting `name` (one of the fields) at `value`: lookahead='7,5,7', --lookahead 7,5,7."""
+        return self.assign.format(name, value)
 
     def setting(self, mode: str) -> str:
         """How to write the mode setting `mode`: speculate='lookup', --speculate lookup."""
@@ -413,8 +422,8 @@ class SpeculationSettings:
         and "draft" without a draft model."""
         if self.mode == "draft" and not self.own_draft and draft is None:
             raise InvalidArgument(f"{spelling.setting('draft')} needs a draft model",
-                                  f"add {spelling.draft_model}, or {spelling.skip_layers} auto to draft with the "
-                                  "model itself")
+                                  f"add {spelling.draft_model}, or {spelling.example(spelling.skip_layers, 'auto')} to "
+                                  "draft with the model itself")
         if self.mode not in (None, "auto") and dtype is not None and dtype not in EXACT_DTYPES and not exact:
             raise inexact(self.mode, dtype)
 
@@ -487,14 +496,14 @@ def lookahead_settings(value: str | Sequence[int], spelling: Spelling = PYTHON) 
         window, ngram, guesses = (int(part) for part in parts)
     except (ValueError, TypeError):
         raise InvalidArgument(f"{spelling.lookahead} {value!r} is not three integers W,N,G",
-                              f"write e.g. {spelling.lookahead} 7,5,7") from None
+                              f"write e.g. {spelling.example(spelling.lookahead, '7,5,7')}") from None
     if window < 1 or ngram < 2 or guesses < 0:
         raise InvalidArgument(f"{spelling.lookahead} {value}: need W >= 1, N >= 2 and G >= 0",
-                              f"write e.g. {spelling.lookahead} 7,5,7")
+                              f"write e.g. {spelling.example(spelling.lookahead, '7,5,7')}")
     if (window + guesses) * (ngram - 1) > MAX_LOOKAHEAD_NODES:  # built before any memory check could see it
         raise InvalidArgument(f"{spelling.lookahead} {value}: (W + G) x (N - 1) = {(window + guesses) * (ngram - 1)} "
                               f"tokens a step, past {MAX_LOOKAHEAD_NODES}",
-                              f"lookahead pays at a few dozen tokens a step: write e.g. {spelling.lookahead} 7,5,7")
+                              f"lookahead pays at a few dozen tokens a step: write e.g. {spelling.example(spelling.lookahead, '7,5,7')}")
     return window, ngram, guesses
 
 
@@ -505,7 +514,7 @@ def skip_layer_list(value: str | Sequence[int], spelling: Spelling = PYTHON) -> 
     if not isinstance(value, str):
         if not value:
             raise InvalidArgument(f"{spelling.skip_layers} names no layer, so the draft would be the target itself",
-                                  f"name the layers to skip, e.g. {spelling.skip_layers} 4,6,8-12, or auto")
+                                  f"name the layers to skip, e.g. {spelling.example(spelling.skip_layers, '4,6,8-12')}, or auto")
         if all(is_int(v) for v in value):
             return tuple(int(v) for v in value)
         value = ",".join(map(str, value))
@@ -514,7 +523,7 @@ def skip_layer_list(value: str | Sequence[int], spelling: Spelling = PYTHON) -> 
                   for first, dash, last in (part.strip().partition("-") for part in value.split(","))]
     except ValueError:
         raise InvalidArgument(f"{spelling.skip_layers} {value!r} is not a list of layer numbers",
-                              f"write e.g. {spelling.skip_layers} 4,6,8-12, or auto") from None
+                              f"write e.g. {spelling.example(spelling.skip_layers, '4,6,8-12')}, or auto") from None
     for first, last in ranges:
         if last < first:
             raise InvalidArgument(f"{spelling.skip_layers} {value!r} has a range that runs backwards ({first}-{last})",

@@ -163,7 +163,7 @@ class OutputFile:
         said = (f": {'; '.join(differences)}" if differences else
                 f" (fingerprint {', '.join(sorted(others))}, these settings are {settings.fingerprint})")
         raise InvalidInput(f"{self.path} holds results made with other settings{said}",
-                           "rerun with the settings it was started with, or write these results to a new --output")
+                           "rerun with the settings it was started with, or write these results to a new output file")
 
     def check_input(self, input_path: Path, keys: set[str]) -> None:
         """Refuse to resume from another input file whose ids (`keys`; line numbers where a line has

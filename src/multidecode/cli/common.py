@@ -129,7 +129,7 @@ def spelling() -> Spelling:
 
     return Spelling(mode="--speculate {}", current="--speculate is {}", budget="--draft-budget",
                     lookahead="--lookahead", draft_model="--draft-model", skip_layers="--draft-skip-layers",
-                    head="--draft-head")
+                    head="--draft-head", assign="{} {}")
 
 
 class LateHelp(click.Option):

@@ -36,10 +36,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise InvalidArgument(f"device {device!r} is not supported", "use cpu, cuda or cuda:N")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise InvalidArgument(f"device {device!r} was asked for, but this torch has no usable CUDA",
-                              "use --device cpu, or install a CUDA build of torch on a machine with a GPU")
+                              "use the CPU (device='cpu', --device cpu), or install a CUDA build of torch on a machine with a GPU")
     if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
         raise InvalidArgument(f"there is no {device} (this machine has {torch.cuda.device_count()} CUDA devices)",
-                              "use cuda:0 or leave --device unset")
+                              "use cuda:0, or leave the device unset")
     return resolved
 
 
@@ -264,7 +264,7 @@ def _hub_kwargs(repo_id: str) -> dict:
     if not _hub_reachable():
         raise ModelNotFound(
             f"{repo_id!r} is not a local path, is not in the local Hugging Face cache, and the hub is unreachable",
-            "pass a local model folder or .gguf file, or leave --model out for the embedded model",
+            "pass a local model folder or .gguf file, or name no model (load(), no --model) for the embedded one",
         )
     return {}
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import InvalidArgument, check_positive, is_int
 from .base import BranchContext, DraftTree, Proposer
 
 PRIORS = {1: 0.1, 2: 0.25, 3: 0.45}
@@ -38,8 +39,10 @@ class PromptLookup(Proposer):
     name = "lookup"
 
     def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 3) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        if not (is_int(min_ngram) and is_int(max_ngram) and 1 <= min_ngram <= max_ngram):
+            raise InvalidArgument(f"PromptLookup needs 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram!r}, "
+                                  f"max_ngram={max_ngram!r}", "the defaults are min_ngram=1, max_ngram=3")
+        check_positive("max_matches", max_matches)
         if max_matches < 1:
             raise ValueError("max_matches must be at least 1")
         self.max_ngram, self.min_ngram, self.max_matches = max_ngram, min_ngram, max_matches

@@ -30,7 +30,7 @@ from ..constraints import per_branch
 from ..engine import Engine
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..memory import budget_bytes, most_branches
-from ..prompts import has_chat_template, render_prompt, tokenize_prompt
+from ..prompts import has_chat_template, render_prompt, require_tokenizer, tokenize_prompt
 from ..sampling import SamplingParams, check_vocabulary, per_branch_sampling
 from ..scheduler import Scheduler
 from ..speculation import Speculation, build_speculation
@@ -66,6 +66,7 @@ def prompt_ids(tokenizer, prompt: str | Sequence[int], *, chat: bool | None = No
     if isinstance(prompt, str):
         if not prompt.strip():
             raise InvalidInput("the prompt is empty", "pass some text to complete")
+        require_tokenizer(tokenizer)
         if chat is not None and not isinstance(chat, bool):
             raise InvalidArgument(f"chat must be True, False or None, got {chat!r}",
                                   "None (the default) uses the chat template where the tokenizer has one")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
@@ -384,6 +385,7 @@ class YesNoClassifier:
 
     def __init__(self, source, tokenizer=None, *, template: str = RELEVANCE_TEMPLATE,
                  yes: Sequence[str] = YES_WORDS, no: Sequence[str] = NO_WORDS) -> None:
+        check_template(template, "the relevance template", "note")
         self.source, self.template = source, template
         self.tokenizer = tokenizer if tokenizer is not None else source.tokenizer
         yes_ids, no_ids = word_token_ids(self.tokenizer, yes), word_token_ids(self.tokenizer, no)
@@ -542,6 +544,25 @@ def check_threshold(threshold) -> None:
                               "give a log-odds of yes over no, e.g. 0 (yes at least as likely as no)")
 
 
+def check_template(template, name: str, needed: str, optional: str = "question") -> None:
+    """Refuse a prompt template that is no string, names a field other than `{needed}` and
+    `{optional}`, or lacks `{needed}` (the text it exists to carry); a literal brace is `{{`."""
+    if not isinstance(template, str):
+        raise InvalidArgument(f"{name} must be a string, got {type(template).__name__}",
+                              f"write the prompt with {{{needed}}} where the text goes")
+    try:
+        fields = {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
+    except ValueError as err:  # a lone { or }
+        raise InvalidArgument(f"{name} is not a format string ({err})", "write a literal brace as {{ or }}") from None
+    unknown = sorted(fields - {needed, optional})
+    if unknown:
+        raise InvalidArgument(f"{name} names {', '.join('{' + f + '}' for f in unknown)}, which it is not given",
+                              f"use {{{needed}}} and {{{optional}}} only, and write a literal brace as {{{{ or }}}}")
+    if needed not in fields:
+        raise InvalidArgument(f"{name} has no {{{needed}}}, so the model would never see it",
+                              f"put {{{needed}}} where the text goes")
+
+
 def start(scheduler: Scheduler, tokenizer, document: str | Sequence[str], question: str, *, chunk_tokens: int = 300,
           max_margin_tokens: int = 48, max_new_tokens: int = 64, classify: Classifier | None = None,
           threshold: float = 0.0, margin_template: str = MARGIN_TEMPLATE, answer_template: str = ANSWER_TEMPLATE,
@@ -564,6 +585,8 @@ def start(scheduler: Scheduler, tokenizer, document: str | Sequence[str], questi
     check_positive("chunk_tokens", chunk_tokens)
     check_positive("max_margin_tokens", max_margin_tokens)
     check_threshold(threshold)
+    check_template(margin_template, "margin_template", "chunk")
+    check_template(answer_template, "answer_template", "notes")
     text, chunks = make_chunks(tokenizer, document, chunk_tokens)
     return MarginsRun(scheduler, tokenizer, text, chunks, question, max_margin_tokens=max_margin_tokens,
                       max_new_tokens=max_new_tokens, classify=classify, threshold=threshold,

@@ -166,7 +166,12 @@ def counted(answer):
 def vote(scheduler: Scheduler, tokenizer, question: str, *, n: int = 8, max_new_tokens: int = 256,
          extract: Callable[[str], str | None] | None = None, instruction: str | None = INSTRUCTION,
          **settings) -> Vote:
-    """Sample n traces for `question` in one forest and vote on their extracted answers (see `tally`)."""
+    """Sample n traces for `question` in one forest and vote on their extracted answers (see `tally`);
+    `settings` are `complete`'s (speculate, constraint, chat, stop, sampling) but logprobs, which no
+    `Trace` keeps."""
+    if settings.get("logprobs") is not None:
+        raise InvalidArgument("vote keeps no log-probabilities, so it takes no logprobs=",
+                              "use complete(prompt, n=..., logprobs=k) to rank the traces by them")
     if extract is not None and not callable(extract):
         raise InvalidArgument(f"extract must be a function from a trace's text to its answer, got {extract!r}",
                               "pass e.g. extract=lambda text: text.split()[-1], or none for the default")
