@@ -4,6 +4,8 @@ the result, the per-step figures and the same-precision check."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -14,6 +16,7 @@ from multidecode.bench.precision import (
     HF,
     LLAMA,
     SPECULATING,
+    FileAtPrecisions,
     check_same_precision,
     ours,
     run_precision_benchmark,
@@ -70,6 +73,25 @@ def test_every_case_reports_steps_per_token_and_resident_weights(tiny_gguf):
         assert questions["steps"][LLAMA]["weights_bytes"] > 0
     else:
         assert questions["skipped"][LLAMA] == llamacpp.missing()
+
+
+def test_a_llama_cpp_that_dies_on_this_cpu_is_skipped_saying_why(tiny_gguf, monkeypatch):
+    """A llama-cpp-python built for AMX, on a VM whose CPU reports AMX but does not enable it, died
+    of SIGILL in the warm-up (`tilezero`), ending the benchmark's own process: every measurement
+    was lost, with no word why. It is tried in a child first and left out, saying how to rebuild it."""
+    real = importlib.util.find_spec  # installed or not, llama-cpp-python is found: the trial decides
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else real(name, *a))
+    llamacpp.runs_here.cache_clear()
+    monkeypatch.setattr(llamacpp, "TRIAL", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    loaded = FileAtPrecisions.of(tiny_gguf, ["float32"], threads=1)  # what the benchmark loads first
+    assert loaded.llama is None and "died of SIGILL" in loaded.llama_missing
+    assert "CMAKE_ARGS" in loaded.llama_missing and "GGML_NATIVE=OFF" in loaded.llama_missing
+    for trial, said in (("raise SystemExit('no such tensor')", "llama.cpp could not run tiny.gguf (no such tensor)"),
+                        ("pass", None)):
+        llamacpp.runs_here.cache_clear()
+        monkeypatch.setattr(llamacpp, "TRIAL", trial)
+        assert llamacpp.missing(True, tiny_gguf) == said
+    llamacpp.runs_here.cache_clear()
 
 
 def test_methods_left_out_are_said(tiny_gguf):

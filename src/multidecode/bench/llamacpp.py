@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,13 +23,42 @@ BATCH = 512
 """Tokens per `llama_decode` call while reading prompts (llama.cpp's own default)."""
 
 
-def missing(wanted: bool = True) -> str | None:
-    """Why llama.cpp does not run here (None: it does); `wanted` False: left out by the user."""
+PORTABLE_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
+                  "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+                  '-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" '
+                  "pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python")
+"""A llama.cpp build for the instruction sets named, not all the CPU reports: AMX, which a VM may
+report and not enable (an Intel Xeon, model 207, here: `tilezero` died of SIGILL), left out."""
+TRIAL = ("import sys; from multidecode.bench.llamacpp import LlamaCpp; "
+         "LlamaCpp(sys.argv[1], threads=1, context=64, sequences=1).generate([[1, 2, 3]], max_new_tokens=2, eos_ids=[])")
+"""A child's two-token run of a GGUF file in llama.cpp (`runs_here`)."""
+
+
+def missing(wanted: bool = True, gguf: str | Path | None = None) -> str | None:
+    """Why llama.cpp does not run here (None: it does); `wanted` False: left out by the user. With
+    a `gguf` file, llama.cpp must also run it in a child process first (`runs_here`)."""
     if not wanted:
         return "left out (--no-llama)"
     if importlib.util.find_spec("llama_cpp") is None:
         return f"llama-cpp-python is not installed: {INSTALL}"
-    return None
+    return None if gguf is None else runs_here(str(gguf))
+
+
+@functools.cache
+def runs_here(gguf: str) -> str | None:
+    """Why llama.cpp cannot run `gguf` on this machine (None: it ran two tokens), tried in a child
+    process: a llama.cpp built for instructions the CPU reports but does not run (AMX tiles in a
+    VM that does not enable them) dies of SIGILL, which would end the benchmark's own process
+    and lose its measurements."""
+    child = subprocess.run([sys.executable, "-c", TRIAL, gguf], capture_output=True, text=True, check=False)
+    if child.returncode == 0:
+        return None
+    if child.returncode < 0:
+        name = signal.Signals(-child.returncode).name
+        return (f"llama.cpp died of {name} on this machine (built for instructions this CPU reports but does not "
+                f"run, such as AMX in a VM): rebuild it for named ones, {PORTABLE_BUILD}")
+    last = (child.stderr.strip().splitlines() or ["no message"])[-1]
+    return f"llama.cpp could not run {Path(gguf).name} ({last})"
 
 
 class LlamaCpp:
@@ -167,4 +200,4 @@ def _quiet(level, text, data) -> None:
     """llama.cpp's log callback: say nothing (the library never prints)."""
 
 
-__all__ = ["INSTALL", "LlamaCpp", "Picker", "json_schema_grammar", "llama_run", "missing"]
+__all__ = ["INSTALL", "LlamaCpp", "Picker", "json_schema_grammar", "llama_run", "missing", "runs_here"]

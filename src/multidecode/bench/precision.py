@@ -83,7 +83,7 @@ class FileAtPrecisions:
             loads[name] = {"load_s": round(time.perf_counter() - start, 2), "rss_growth_bytes": resident_bytes() - before}
             return made
 
-        missing, llama = llamacpp.missing(with_llama), None
+        missing, llama = llamacpp.missing(with_llama, path), None
         if missing is None:
             llama = timed(LLAMA, lambda: llamacpp.LlamaCpp(path, threads=threads))
             loads[LLAMA]["weights_bytes"] = llama.weights_bytes

@@ -117,7 +117,7 @@ def startup_benchmark(path: str | None, *, threads: int = 2, repeats: int = 3, w
                     where["cache"] = None
         return each
 
-    skip = llamacpp.missing(with_llama)
+    skip = llamacpp.missing(with_llama, gguf)
     resident = ServerProcess.multidecode("resident", Path(gguf).stem, model=path, threads=threads)
 
     def methods(is_cold: bool) -> tuple[Method, ...]:

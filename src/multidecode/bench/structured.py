@@ -179,7 +179,7 @@ def structured_benchmark(decoder, *, documents: int = 6, max_new_tokens: int = 3
     wide = [prompts[i % len(prompts)] for i in range(branches)]
     jumping, masked = Constraint.json_schema(schema), Constraint.json_schema(schema, jump_forward=False)
     valid, validated_with = validator(schema)
-    llama_skip = llamacpp.missing(with_llama) or (None if gguf else "no GGUF file of this model (--model FILE.gguf)")
+    llama_skip = llamacpp.missing(with_llama, gguf) or (None if gguf else "no GGUF file of this model (--model FILE.gguf)")
     llama = _Llama(gguf, schema, setup, max_new_tokens, skip=llama_skip, warm=prompts[0][:8])
     outlines_skip = outlines_missing()
     masks = outlines_masks(setup, schema) if outlines_skip is None else None  # (d) generate with outlines' masks
