@@ -327,6 +327,20 @@ def test_text_without_a_tokenizer_is_refused_naming_the_fix():
     assert decoder.generate([1, 2, 3], max_new_tokens=2).token_ids  # ids need no tokenizer
 
 
+def test_a_model_or_a_switch_of_the_wrong_type_is_named():
+    """load(5) was "'5' is not a local path ... the hub is unreachable" after a network probe;
+    exact="no" ran as True; decode("gpt2", ...) was told to pass a tokenizer second."""
+    with pytest.raises(multidecode.InvalidArgument, match="load takes a model's name or path, got int"):
+        multidecode.load(5)
+    for call in (lambda: multidecode.load(exact="no"), lambda: multidecode.load(compile=1),
+                 lambda: multidecode.decode(_tiny_llama(400), [1, 2], [[3]], max_new_tokens=1, exact="x")):
+        with pytest.raises(multidecode.InvalidArgument, match="must be True or False"):
+            call()
+    with pytest.raises(multidecode.InvalidArgument, match="got the name 'gpt2'") as caught:
+        multidecode.decode("gpt2", [1, 2], [[3]], max_new_tokens=1)
+    assert "multidecode.load('gpt2')" in caught.value.hint
+
+
 def test_vote_refuses_logprobs_it_would_drop():
     decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
     with pytest.raises(multidecode.InvalidArgument, match="vote keeps no log-probabilities") as caught:

@@ -334,3 +334,20 @@ def test_a_model_that_gives_a_width_per_layer_as_a_list_is_accounted_and_exact()
     together = multidecode.decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[])
     for branch, got in zip(branches, together):
         assert got == reference_generate(model, prefix + branch, max_new_tokens=8, eos_token_id=[NO_EOS])
+
+
+def test_a_job_no_request_could_make_is_refused_when_made():
+    """Job(prompts=[]) was a ValueError from min() when admitted, a Job without sampling an
+    IndexError in its sink; now both are named, and no sampling means greedy."""
+    from multidecode.errors import InvalidArgument, InvalidInput
+    from multidecode.sampling import SamplingParams
+
+    for prompts in ([], [[]], [PROMPT, []]):
+        with pytest.raises(InvalidInput, match="at least one prompt"):
+            Job(prompts=prompts, max_new_tokens=3)
+    with pytest.raises(InvalidArgument, match="max_new_tokens must be a positive integer"):
+        Job(prompts=[PROMPT], max_new_tokens=0)
+    with pytest.raises(InvalidArgument, match="a job of 2 prompts has 1 sampling settings"):
+        Job(prompts=[PROMPT, PROMPT], max_new_tokens=3, sampling=[SamplingParams()])
+    assert Job(prompts=[PROMPT, PROMPT], max_new_tokens=3).sampling == [SamplingParams()] * 2
+

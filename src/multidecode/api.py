@@ -20,6 +20,7 @@ with or without speculation.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,7 @@ from .compiled import compile_forward
 from .constraints import Constraint, constraint_of
 from .cost import CostCurve, LearnedCurve
 from .engine import Engine
-from .errors import InvalidArgument, InvalidInput, UnsupportedModel, as_list, is_int
+from .errors import InvalidArgument, InvalidInput, UnsupportedModel, as_list, check_flag, is_int
 from .exact import hold_exact_kernels, is_exact
 from .memory import Footprint, activation_dtype, available_bytes
 from .models.loading import Loaded, load_model
@@ -92,6 +93,7 @@ class MultiDecoder:
     def __init__(self, model, tokenizer, *, exact: bool = True, compaction: CompactionPolicy | None = None,
                  cost: CostCurve | LearnedCurve | None = None, draft=None, loaded: Loaded | None = None) -> None:
         check_supported(model)
+        check_flag("exact", exact)
         # The release runs once: at close(), or when the decoder is collected (it holds the model, not the decoder).
         self._kernels = weakref.finalize(self, hold_exact_kernels(model)) if exact else None
         self.model = model
@@ -340,6 +342,12 @@ def load(model: str | None = None, *, precision: str | None = None, dtype=None, 
         cache for later processes). A model the compiled step cannot run exactly runs eagerly
         (`compiled.compiled_forward(model).refused` says why). Needs exact=True.
     """
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise InvalidArgument(f"load takes a model's name or path, got {type(model).__name__}",
+                              "pass a local folder, a .gguf file or a hub id, or nothing for the embedded model; "
+                              "a model object goes to MultiDecoder(model, tokenizer)")
+    check_flag("exact", exact)
+    check_flag("compile", compile)
     if compile and not exact:
         raise InvalidArgument("compile=True needs exact=True (the compiled step runs on the exact kernels)",
                               "drop compile=True, or keep exact=True")
@@ -398,6 +406,7 @@ def stream_decode(
     given in the settings runs on the kernels the model had when it was built. The sampling
     settings are `decode`'s (greedy where none is given), or `sampling=`, a `SamplingParams` per
     branch."""
+    check_flag("exact", exact)
     refuse_unknown(settings, SAMPLING_KEYS)
     if "sampling" in settings and (both := [key for key in SAMPLING_KEYS if key in settings]):
         raise InvalidArgument(f"sampling= and {', '.join(both)} were both given", "give the settings one way: "

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import InvalidArgument, InvalidInput
+from .errors import InvalidArgument, InvalidInput, check_flag
 
 if TYPE_CHECKING:
     import torch
@@ -90,9 +90,8 @@ class Constraint:
     def json_schema(cls, schema: dict | bool | str, *, strict: bool = True, jump_forward: bool = True) -> Constraint:
         """Output that parses as JSON and validates against `schema` (a dict, a boolean schema or
         JSON text; see `read_schema`)."""
-        for name, flag in (("strict", strict), ("jump_forward", jump_forward)):
-            if not isinstance(flag, bool):
-                raise InvalidArgument(f"{name} must be True or False, got {flag!r}")
+        check_flag("strict", strict)
+        check_flag("jump_forward", jump_forward)
         return cls("json_schema", _schema_json(read_schema(schema)), strict, jump_forward)
 
     @classmethod

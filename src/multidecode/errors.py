@@ -106,6 +106,12 @@ def check_positive(name: str, value) -> None:
         raise InvalidArgument(f"{name} {value} is past 2**63 - 1, the most any count can be", "use a smaller number")
 
 
+def check_flag(name: str, value) -> None:
+    """Refuse anything but True or False for the switch `name` ("no" is a true string)."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be True or False, got {value!r}", f"pass {name}=True or {name}=False")
+
+
 def check_counts(what: str, counts, hint: str) -> None:
     """Refuse a list of counts with one that is not a positive integer."""
     if any(not is_int(k) or k < 1 for k in counts):

@@ -40,7 +40,7 @@ from numbers import Real
 import torch
 
 from .constraints import GrammarState, mask_logits
-from .errors import COUNT_LIMIT, InvalidArgument, InvalidInput, is_int
+from .errors import COUNT_LIMIT, InvalidArgument, InvalidInput, check_flag, is_int
 from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES, greedy_temperature, switches_given
 
 MAX_PENALTY = 2.0
@@ -76,8 +76,7 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.do_sample, bool):
-            raise InvalidArgument(f"do_sample must be True or False, got {self.do_sample!r}")
+        check_flag("do_sample", self.do_sample)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):

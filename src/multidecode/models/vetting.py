@@ -12,6 +12,7 @@ forward calls the KV cache.
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 
 from ..errors import InvalidArgument, UnsupportedModel
@@ -54,9 +55,13 @@ def check_is_model(model) -> None:
     anything reads its config."""
     if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
         what = "None" if model is None else type(model).__name__
-        hint = ("pass the model first, then its tokenizer: MultiDecoder(model, tokenizer)"
-                if hasattr(model, "encode") or hasattr(model, "convert_tokens_to_ids") else
-                "load one with multidecode.load(...) or transformers' AutoModelForCausalLM.from_pretrained(...)")
+        if isinstance(model, (str, os.PathLike)):  # a name (a str has an `encode` too)
+            what = f"the name {str(model)!r}"
+            hint = f"load it first: multidecode.load({str(model)!r}) is the decoder, its .model the model"
+        elif hasattr(model, "encode") or hasattr(model, "convert_tokens_to_ids"):
+            hint = "pass the model first, then its tokenizer: MultiDecoder(model, tokenizer)"
+        else:
+            hint = "load one with multidecode.load(...) or transformers' AutoModelForCausalLM.from_pretrained(...)"
         raise InvalidArgument(f"the model must be a transformers causal LM (a PreTrainedModel), got {what}", hint)
 
 

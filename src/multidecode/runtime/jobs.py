@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import MultiDecodeError
+from ..errors import InvalidArgument, InvalidInput, MultiDecodeError, check_positive
 from ..memory import gigabytes
 from ..prompts import common_prefix_length
 from ..sampling import SamplingParams
@@ -135,6 +135,19 @@ class Job:
     steps: int = 0
     prefilled: bool = False  # its prompts all fed and indexed (a long one takes several steps)
     reservation: Reservation = NOTHING  # what it holds, from its submission to its end
+
+    def __post_init__(self) -> None:
+        """Refuse a job no request could make (no prompt; settings for other branches), before it
+        is queued: an empty job failed deep in the forest. No sampling is greedy for every branch."""
+        if not self.prompts or not all(len(p) for p in self.prompts):
+            raise InvalidInput("a job needs at least one prompt, each of at least one token",
+                               "pass prompts as a list of token-id lists")
+        check_positive("max_new_tokens", self.max_new_tokens)
+        if not self.sampling:
+            self.sampling = [SamplingParams()] * len(self.prompts)
+        elif len(self.sampling) != len(self.prompts):
+            raise InvalidArgument(f"a job of {len(self.prompts)} prompts has {len(self.sampling)} sampling settings",
+                                  "give one SamplingParams per prompt, or none for greedy decoding")
 
     @property
     def branches(self) -> int:
