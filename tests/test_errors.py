@@ -563,7 +563,7 @@ def test_token_ids_may_be_tensors():
     ({"seed": "3"}, "seed must be an integer"),
     ({"temperature": "0.7"}, "temperature must be a number"),
     ({"do_sample": "yes"}, "do_sample must be True or False"),
-    ({"top_k": 2.5}, "top_k must be a positive integer"),
+    ({"top_k": 2.5}, r"top_k must be 0 \(off\) or a positive integer"),
 ])
 def test_sampling_settings_of_the_wrong_kind_are_named(settings, needle):
     with pytest.raises(multidecode.InvalidArgument, match=needle):
@@ -630,7 +630,7 @@ def test_a_huge_n_is_checked_at_once(model_dir):
     (["complete", "-p", "hi", "-n"], "n 100000000000000000000 is past 2**63 - 1"),
     (["vote", "-q", "hi", "-n"], "n 100000000000000000000 is past 2**63 - 1"),
     (["beam", "-p", "hi", "-b"], "num_beams 100000000000000000000 is past 2**63 - 1"),
-    (["generate", "-p", "hi", "--top-k"], "top_k must be a positive integer below 2**63"),
+    (["generate", "-p", "hi", "--top-k"], "top_k must be 0 (off) or a positive integer below 2**63"),
 ])
 def test_counts_past_what_a_list_or_int64_holds_are_named(model_dir, args, needle):
     """Counts of 2**63 or more passed the checks and ended in an OverflowError traceback (a list

@@ -173,6 +173,15 @@ def test_bad_sampling_params_raise(kwargs):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [dict(do_sample=True, temperature="hot"), dict(repetition_penalty=0.0),
+                                    dict(do_sample=True, top_k=-1), dict(top_p=2.0), dict(min_p=1.5)])
+def test_every_refused_setting_has_a_hint(kwargs):
+    """A string temperature and repetition_penalty=0 were refused with no hint at all."""
+    with pytest.raises(InvalidArgument) as caught:
+        SamplingParams(**kwargs)
+    assert caught.value.hint
+
+
 def test_a_temperature_of_none_is_the_default_as_in_generate():
     """SamplingParams(temperature=None) was a TypeError; generate(temperature=None) the default."""
     assert SamplingParams(do_sample=True, temperature=None, seed=1) == SamplingParams(do_sample=True, seed=1)

@@ -80,7 +80,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
-                raise InvalidArgument(f"{name} must be a number, got {value!r}")
+                raise InvalidArgument(f"{name} must be a number, got {value!r}", "pass it as a float, or leave it unset")
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
             raise InvalidArgument(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}",
                                   "branch i uses seed + i, which must stay in that range too")
@@ -100,8 +100,8 @@ class SamplingParams:
         if is_int(self.top_k) and self.top_k == 0:  # off, as transformers and the server read it
             object.__setattr__(self, "top_k", None)
         if self.top_k is not None and (not is_int(self.top_k) or not 1 <= self.top_k < COUNT_LIMIT):
-            raise InvalidArgument(f"top_k must be a positive integer below 2**63, got {self.top_k!r}", "0, or leaving it unset, "
-                                  "turns it off")
+            raise InvalidArgument(f"top_k must be 0 (off) or a positive integer below 2**63, got {self.top_k!r}",
+                                  "0, or leaving it unset, turns it off")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}",
                                   "1, or leaving it unset, turns it off; 0.9 samples from the likeliest tokens "
@@ -111,7 +111,8 @@ class SamplingParams:
                                   "0, or leaving it unset, turns it off; 0.05 drops tokens under 5% of the "
                                   "likeliest one's probability")
         if self.repetition_penalty is not None and not self.repetition_penalty > 0:
-            raise InvalidArgument(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidArgument(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                  "1 (or leaving it unset) turns it off; above 1 penalizes repeats, e.g. 1.2")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
@@ -234,7 +235,7 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
             columns[key] = list(value)
         elif key == "seed" and value is not None:
             if not is_int(value):
-                raise InvalidArgument(f"seed must be an integer, got {value!r}")
+                raise InvalidArgument(f"seed must be an integer, got {value!r}", "for example seed=0")
             if 0 <= value < SEED_LIMIT <= value + n - 1:  # the seed itself is fine; the last branch's is not
                 raise InvalidArgument(f"seed {value} gives the last of {n} branches the seed {value} + {n - 1}, past "
                                       "2**64 - 1 (branch i is seeded seed + i)", f"use a seed of at most 2**64 - {n}")
