@@ -318,7 +318,7 @@ def test_every_error_the_library_raises_is_exported_by_the_package():
 
 def test_text_without_a_tokenizer_is_refused_naming_the_fix():
     """MultiDecoder(model, None) took token ids, but text ended in "'NoneType' object is not callable"."""
-    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), None)
+    decoder = _small_decoder(tokenizer=None)
     for call in (lambda: decoder.generate("hi"), lambda: decoder.complete("hi", n=2),
                  lambda: decoder.ask("a document", ["why?"])):
         with pytest.raises(multidecode.InvalidArgument, match="no tokenizer, so it cannot read text") as caught:
@@ -342,7 +342,7 @@ def test_a_model_or_a_switch_of_the_wrong_type_is_named():
 
 
 def test_vote_refuses_logprobs_it_would_drop():
-    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
+    decoder = _small_decoder()
     with pytest.raises(multidecode.InvalidArgument, match="vote keeps no log-probabilities") as caught:
         decoder.vote("why?", n=2, max_new_tokens=2, logprobs=1)
     assert "complete(" in caught.value.hint
@@ -350,7 +350,7 @@ def test_vote_refuses_logprobs_it_would_drop():
 
 def test_start_given_text_or_one_prompt_says_what_it_takes():
     """start("hello") said "prompt 0 must be a sequence of token ids, got 'h'": the text cut into letters."""
-    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
+    decoder = _small_decoder()
     with pytest.raises(multidecode.InvalidInput, match="got text") as caught:
         decoder.start("hello", max_new_tokens=2)
     assert "generate" in caught.value.hint
@@ -371,7 +371,7 @@ def test_prompt_lookup_settings_are_checked_with_a_hint(settings):
 
 def test_library_errors_name_the_problem():
     """The same checks hold for library callers, as typed exceptions."""
-    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
+    decoder = _small_decoder()
     with pytest.raises(multidecode.InvalidInput, match="document is empty"):
         decoder.ask("", ["why?"])
     with pytest.raises(multidecode.InvalidInput, match="no questions"):
@@ -441,7 +441,7 @@ def test_arguments_of_the_wrong_kind_are_named_not_taken(tmp_path):
     is empty" for 5, ". holds no config.json" for load(""))."""
     from multidecode.batch import BatchSettings, open_batch
 
-    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
+    decoder = _small_decoder()
     with pytest.raises(multidecode.InvalidArgument, match="chat must be True, False or None"):
         decoder.generate("text", max_new_tokens=2, chat="x")
     with pytest.raises(multidecode.InvalidArgument, match="instruction must be text, got int"):
@@ -471,7 +471,7 @@ def test_questions_and_prompts_may_come_as_any_sequence_or_iterable():
     error; a generator of prompts, 'object of type generator has no len()'."""
     import numpy as np
 
-    decoder = multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64), tiny_tokenizer())
+    decoder = _small_decoder()
     questions = ["why?", "who?"]
     expected = [a.text for a in decoder.ask("text", questions, max_new_tokens=3)]
     for given in ((q for q in questions), map(str.strip, questions), np.array(questions), tuple(questions)):
@@ -525,6 +525,16 @@ def _tiny_llama(vocab_size: int = 64, **config):
     config = tf.LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                             num_attention_heads=2, num_key_value_heads=1, **config)
     return tf.LlamaForCausalLM(config).eval()
+
+
+_KEEP = object()
+
+
+def _small_decoder(tokenizer=_KEEP):
+    """A decoder of a one-layer Llama of 400 tokens and 64 positions, with the tiny byte tokenizer
+    unless another (or None) is given."""
+    return multidecode.MultiDecoder(_tiny_llama(400, max_position_embeddings=64),
+                                    tiny_tokenizer() if tokenizer is _KEEP else tokenizer)
 
 
 def test_a_model_whose_forward_takes_no_position_ids_is_refused():

@@ -71,7 +71,6 @@ def require_tokenizer(tokenizer) -> None:
 
 def render_prompt(tokenizer, user_message: str, *, system: str | None = None) -> str:
     """The text a chat model sees for one user turn (chat template when available)."""
-    require_tokenizer(tokenizer)
     if has_chat_template(tokenizer):
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": user_message})

@@ -84,9 +84,9 @@ class SamplingParams:
         if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
             raise InvalidArgument(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}",
                                   "branch i uses seed + i, which must stay in that range too")
-        if self.temperature is None:  # unset, as generate(temperature=None) and transformers read it
-            object.__setattr__(self, "temperature", 1.0)
-        if self.temperature == 0 and not self.do_sample:  # greedy, as OpenAI's API reads it; no division
+        # None: unset, as generate(temperature=None) and transformers read it; 0 without do_sample:
+        # greedy, as OpenAI's API reads it (no division)
+        if self.temperature is None or self.temperature == 0 and not self.do_sample:
             object.__setattr__(self, "temperature", 1.0)
         if math.isnan(self.temperature):
             raise InvalidArgument("temperature must be a number, got nan", "0.7 samples, for example; 0 is greedy")

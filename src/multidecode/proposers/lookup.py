@@ -43,8 +43,6 @@ class PromptLookup(Proposer):
             raise InvalidArgument(f"PromptLookup needs 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram!r}, "
                                   f"max_ngram={max_ngram!r}", "the defaults are min_ngram=1, max_ngram=3")
         check_positive("max_matches", max_matches)
-        if max_matches < 1:
-            raise ValueError("max_matches must be at least 1")
         self.max_ngram, self.min_ngram, self.max_matches = max_ngram, min_ngram, max_matches
 
     def propose(self, context: BranchContext, budget: int) -> DraftTree:
