@@ -25,6 +25,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+# Threads that wait for work sleep rather than spin, set before torch loads OpenMP (it reads this
+# once). The tests at all of the machine's threads run beside the other worker's: spinning, each
+# barrier of theirs waited on threads the other worker kept off the cores, and those tests ran 15
+# times slower than at one thread. What each thread computes is unchanged (the kernels split work
+# the same way whatever the wait), so only the time changes. Set in the environment, it reaches the
+# workers and the servers, Ray workers and benchmark children the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 from local_models import tiny_model_folder
