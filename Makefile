@@ -62,20 +62,20 @@ test-browser: setup
 # The engine on an older transformers: 5.23 renamed forward's `past_key_values` to `cache` (the old
 # name goes in 5.40), and the engine passes whichever the model takes. This runs the oracle tier
 # (forest = sequential decoding on every architecture and attention) on the last release before
-# the rename, in a venv of its own.
+# the rename: that release alone, in a folder of its own put ahead of .venv's packages, so torch and
+# the rest are .venv's and nothing is installed twice (transformers checks at import that the
+# packages it needs are versions it takes).
 TRANSFORMERS_BEFORE ?= 5.22.2
 BEFORE := .venv-transformers-$(TRANSFORMERS_BEFORE)
 
-$(BEFORE)/.installed: pyproject.toml
-	test -x $(BEFORE)/bin/python || $(PYTHON) -m venv $(BEFORE)
-	$(BEFORE)/bin/python -m pip install -q --upgrade pip
-	$(BEFORE)/bin/python -m pip install -q torch==2.13.0
-	$(BEFORE)/bin/python -m pip install -q -e '.[test]' 'transformers==$(TRANSFORMERS_BEFORE)'
+$(BEFORE)/.installed: $(STAMP)
+	rm -rf $(BEFORE)
+	$(BIN)/python -m pip install -q --no-deps --target $(BEFORE) 'transformers==$(TRANSFORMERS_BEFORE)'
 	touch $@
 
-test-transformers-before: $(BEFORE)/.installed
-	@$(BEFORE)/bin/python -c "$(VERSIONS)"
-	$(BEFORE)/bin/python -m pytest -q -n 2 -m "not slow" tests/test_exactness.py tests/test_engine_window.py
+test-transformers-before: kernels $(BEFORE)/.installed
+	@PYTHONPATH=$(CURDIR)/$(BEFORE) $(BIN)/python -c "$(VERSIONS)"
+	PYTHONPATH=$(CURDIR)/$(BEFORE) $(BIN)/python -m pytest -q -n 2 -m "not slow" tests/test_exactness.py tests/test_engine_window.py
 
 # What a test run runs on: Python, torch and transformers (each test target says it first).
 VERSIONS := import platform, torch, transformers; print(f'testing on Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}')
