@@ -44,7 +44,7 @@ test-exact-avx2: versions
 test: versions
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not browser"
 
-# The loop tier: everything but the slow statistical tests and the embedded model's (about three minutes).
+# The loop tier: everything but the slow statistical tests and the embedded model's (three to five minutes).
 test-fast: versions
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not embedded and not browser"
 
