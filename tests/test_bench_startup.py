@@ -10,18 +10,16 @@ from multidecode.bench.results import tables
 from multidecode.bench.startup import LLAMA, MD, MD_COMMAND, MD_SERVED, run_startup_benchmark
 from multidecode.kernels.build import KERNELS_FOLDER
 from multidecode.models.random_gguf import write_random_gguf
-from multidecode.user_cache import cache_dir
 
 
 @pytest.mark.slow
-def test_cold_and_warm_starts_report_each_wait(monkeypatch, tmp_path):
-    # The test's own cache holds the compiled kernels, as a user's does after setup: without them
-    # every process of the run (the cold ones, the server) compiled them again, 30 s each.
-    kernels.status()
-    (tmp_path / "cache").mkdir()
-    if (built := cache_dir() / KERNELS_FOLDER).exists():
-        (tmp_path / "cache" / KERNELS_FOLDER).symlink_to(built)
-    monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path / "cache"))
+def test_cold_and_warm_starts_report_each_wait(cache, tmp_path):
+    # The test's cache holds the compiled kernels `cache` loaded, as a user's does after setup:
+    # without them every process of the run (the cold ones, the server) compiled them again, 30 s each.
+    library = kernels.status().library  # <real cache>/kernels/<build>/<library>
+    if library is not None:
+        cache.mkdir()
+        (cache / KERNELS_FOLDER).symlink_to(library.parent.parent)
     path = write_random_gguf(tmp_path / "tiny.gguf", shape="tiny")["path"]
     result = run_startup_benchmark(str(path), threads=1, repeats=1, with_llama=False)
     cold, warm = result["starts"]
