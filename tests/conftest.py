@@ -16,6 +16,8 @@ Fixtures:
   `model_dir` with `model_dir_of(n)` and says why.
 - `cache`: a model cache folder of the test's own (MULTIDECODE_CACHE points at it), for the tests
   that load or convert GGUF files: the user's cache is never read or written.
+- `server`: `multidecode serve` of the module's `model_dir`, one per test module (`serving.Running`).
+- `embedded_decoder`: the embedded model (`multidecode.load()`), loaded once per test module.
 """
 
 from __future__ import annotations
@@ -93,7 +95,15 @@ def model_dir(model_dir_of) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_server(model_dir):
+def embedded_decoder():
+    """The embedded model (`multidecode.load()`), loaded once per test module."""
+    import multidecode
+
+    return multidecode.load()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
     """`multidecode serve` of the tiny model, one per test module (`serving.Running`)."""
     from serving import running_server, tiny_loader
 

@@ -344,24 +344,19 @@ def test_facade_and_cli(model_dir):
 
 
 # ---------------------------------------------------------------------- the embedded model
-@pytest.fixture(scope="module")
-def embedded():
-    return multidecode.load()
-
-
 @pytest.mark.embedded
 @pytest.mark.xdist_group("embedded")
 @pytest.mark.parametrize("settings", [(4, 1.0, False, 4), (3, 0.5, True, 2)], ids=str)
-def test_embedded_model_matches_generate(embedded, settings):
+def test_embedded_model_matches_generate(embedded_decoder, settings):
     """SmolLM2-135M-Instruct, a short chat prompt, 16 new tokens: the beams and their scores equal
     generate's; some beams end on eos before others."""
     num_beams, lp, early, r = settings
-    run = beam_module.search(embedded.scheduler(), embedded.tokenizer, "Name one colour of the sky.",
+    run = beam_module.search(embedded_decoder.scheduler(), embedded_decoder.tokenizer, "Name one colour of the sky.",
                              num_beams=num_beams, max_new_tokens=16,
                              length_penalty=lp, early_stopping=early, num_return_sequences=r)
-    eos = sorted(embedded.eos_ids)
-    assert_same(run, _generate(embedded.model, run.prompt_ids, num_beams, 16, lp, early, r, eos))
-    assert all(b.text == embedded.tokenizer.decode(b.token_ids, skip_special_tokens=True) for b in run.beams)
+    eos = sorted(embedded_decoder.eos_ids)
+    assert_same(run, _generate(embedded_decoder.model, run.prompt_ids, num_beams, 16, lp, early, r, eos))
+    assert all(b.text == embedded_decoder.tokenizer.decode(b.token_ids, skip_special_tokens=True) for b in run.beams)
     if r == 4:
         assert any(b.finish_reason == "stop" for b in run.beams)
         assert len({len(b.token_ids) for b in run.beams}) > 1
@@ -369,15 +364,17 @@ def test_embedded_model_matches_generate(embedded, settings):
 
 @pytest.mark.embedded
 @pytest.mark.xdist_group("embedded")
-def test_equal_scores_rank_as_generate_ranks_them(embedded):
+def test_equal_scores_rank_as_generate_ranks_them(embedded_decoder):
     """The 4-bit model gives two finished hypotheses exactly equal scores on this prompt: they rank
     as generate's merge ranks them (one topk over the kept and the new), so the best beam is its
     best beam (a sort of the finished list kept the older first, and returned another best)."""
-    run = beam_module.search(embedded.scheduler(), embedded.tokenizer, "Say hi in one word.", num_beams=3,
-                             max_new_tokens=12, length_penalty=1.0, early_stopping=False, num_return_sequences=3)
+    run = beam_module.search(embedded_decoder.scheduler(), embedded_decoder.tokenizer, "Say hi in one word.",
+                             num_beams=3, max_new_tokens=12, length_penalty=1.0, early_stopping=False,
+                             num_return_sequences=3)
     scores = [b.score for b in run.beams]
     assert len(set(scores)) < len(scores)  # the tie this case is about
-    assert_same(run, _generate(embedded.model, run.prompt_ids, 3, 12, 1.0, False, 3, sorted(embedded.eos_ids)))
+    eos = sorted(embedded_decoder.eos_ids)
+    assert_same(run, _generate(embedded_decoder.model, run.prompt_ids, 3, 12, 1.0, False, 3, eos))
 
 
 # ---------------------------------------------------------------------- the benchmark

@@ -26,11 +26,6 @@ QUESTIONS = (DATA / "support_call_questions.txt").read_text().splitlines()
 SHORT = DOCUMENT[: DOCUMENT.index("Priya: That is helpful")]  # ~400 tokens: enough for the cheaper checks
 
 
-@pytest.fixture(scope="module")
-def decoder():
-    return multidecode.load()
-
-
 def generate_alone(decoder, prompt_ids, max_new_tokens):
     with torch.inference_mode():
         out = decoder.model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
@@ -38,27 +33,27 @@ def generate_alone(decoder, prompt_ids, max_new_tokens):
     return out[0, len(prompt_ids):].tolist()
 
 
-def test_ask_equals_sequential_generation(decoder):
+def test_ask_equals_sequential_generation(embedded_decoder):
     """Every answer is what greedy generation from its own whole prompt gives when run alone."""
     questions = QUESTIONS[:4]
-    answers = decoder.ask(DOCUMENT, questions, max_new_tokens=24)
+    answers = embedded_decoder.ask(DOCUMENT, questions, max_new_tokens=24)
     assert [a.question for a in answers] == questions
     for answer in answers:
-        assert answer.token_ids == generate_alone(decoder, answer.prompt_ids, 24)
-        text = decoder.tokenizer.decode(answer.token_ids, skip_special_tokens=True)
+        assert answer.token_ids == generate_alone(embedded_decoder, answer.prompt_ids, 24)
+        text = embedded_decoder.tokenizer.decode(answer.token_ids, skip_special_tokens=True)
         assert answer.text == text
     assert any(a.finish_reason == "stop" for a in answers)
 
 
-def test_the_embedded_model_answers_from_the_document(decoder):
+def test_the_embedded_model_answers_from_the_document(embedded_decoder):
     """A sanity check of the demo: the model reads the document (not an exactness claim)."""
-    name, ticket = decoder.ask(DOCUMENT, [QUESTIONS[0], QUESTIONS[7]], max_new_tokens=20)
+    name, ticket = embedded_decoder.ask(DOCUMENT, [QUESTIONS[0], QUESTIONS[7]], max_new_tokens=20)
     assert "Okafor" in name.text
     assert "48213" in ticket.text
 
 
-def test_the_default_precision_keeps_the_files_codes_within_a_quarter_of_its_bytes(decoder):
-    memory = decoder.memory()
+def test_the_default_precision_keeps_the_files_codes_within_a_quarter_of_its_bytes(embedded_decoder):
+    memory = embedded_decoder.memory()
     assert memory["precision"] == "int4" and "4-bit codes" in memory["reason"]
     assert memory["formats"]["Q4_1 kept as 4-bit codes"] == 210 and memory["formats"]["Q8_0 kept as 8-bit codes"] == 1
     assert memory["weights_bytes"] <= 1.25 * memory["file_tensor_bytes"]
@@ -72,10 +67,10 @@ def test_the_float_precisions_answer_from_the_document_too(precision):
     assert "Okafor" in name.text
 
 
-def test_prompt_ids_are_the_whole_prompt_tokenized(decoder):
+def test_prompt_ids_are_the_whole_prompt_tokenized(embedded_decoder):
     """Splitting never changes ids: prefix + suffix is exactly the tokenization of the whole prompt,
     and the shared prefix holds the whole document (so it is stored once)."""
-    tok = decoder.tokenizer
+    tok = embedded_decoder.tokenizer
     cases = [
         (DOCUMENT, QUESTIONS),
         ("The meeting is at 10 a.m. in room 4", ["When?", "Where is it?", "Who will be there?"]),
@@ -94,10 +89,10 @@ def test_prompt_ids_are_the_whole_prompt_tokenized(decoder):
         tok("seeing", add_special_tokens=False)["input_ids"]
 
 
-def test_stream_events_rebuild_the_answers(decoder):
+def test_stream_events_rebuild_the_answers(embedded_decoder):
     questions = QUESTIONS[:3]
-    events = list(decoder.stream(SHORT, questions, max_new_tokens=16))
-    answers = decoder.ask(SHORT, questions, max_new_tokens=16)
+    events = list(embedded_decoder.stream(SHORT, questions, max_new_tokens=16))
+    answers = embedded_decoder.ask(SHORT, questions, max_new_tokens=16)
     for i, answer in enumerate(answers):
         mine = [e for e in events if e.branch == i]
         assert [e.token_id for e in mine] == answer.token_ids
@@ -106,16 +101,16 @@ def test_stream_events_rebuild_the_answers(decoder):
         assert mine[-1].finish_reason == answer.finish_reason
 
 
-def test_stop_strings_cut_the_text(decoder):
-    answers = decoder.ask(SHORT, QUESTIONS[:2], max_new_tokens=24, stop=[" is"])
+def test_stop_strings_cut_the_text(embedded_decoder):
+    answers = embedded_decoder.ask(SHORT, QUESTIONS[:2], max_new_tokens=24, stop=[" is"])
     for answer in answers:
         assert " is" not in answer.text
         assert answer.finish_reason == "stop"
 
 
-def test_seeded_sampling_is_reproducible(decoder):
-    first = decoder.ask(SHORT, QUESTIONS[:2], max_new_tokens=8, temperature=0.8, seed=7)
-    again = decoder.ask(SHORT, QUESTIONS[:2], max_new_tokens=8, temperature=0.8, seed=7)
+def test_seeded_sampling_is_reproducible(embedded_decoder):
+    first = embedded_decoder.ask(SHORT, QUESTIONS[:2], max_new_tokens=8, temperature=0.8, seed=7)
+    again = embedded_decoder.ask(SHORT, QUESTIONS[:2], max_new_tokens=8, temperature=0.8, seed=7)
     assert [a.token_ids for a in first] == [a.token_ids for a in again]
 
 

@@ -119,10 +119,10 @@ def test_the_servers_greedy_temperature_is_the_librarys(temperature):
     server that took a tiny temperature as greedy left `generate --server` reporting a seed it never used)."""
     from local_models import tiny_tokenizer
 
-    from multidecode.serving.protocol import CompletionBody, parse, to_job
+    from multidecode.serving.protocol import CompletionBody, parse_body, to_job
 
     tokenizer = tiny_tokenizer()
-    body = parse(json.dumps({"model": "tiny", "prompt": PROMPT, "temperature": temperature, "seed": 4}).encode(),
+    body = parse_body(json.dumps({"model": "tiny", "prompt": PROMPT, "temperature": temperature, "seed": 4}).encode(),
                  "application/json", CompletionBody)
     served = to_job(body, tokenizer, vocab_size=len(tokenizer), max_positions=None).sampling[0]
     local = per_branch_sampling(1, {"temperature": temperature, "seed": 4})[0]

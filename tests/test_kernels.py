@@ -173,7 +173,7 @@ def test_rows_are_quantized_alike_at_every_level_and_by_the_torch_path(generator
 def test_the_layout_reads_back_the_weights_it_packed(generator, form):
     packed, scales, weights = random_codes(generator, 45, 96, form)
     ids = torch.tensor([0, 15, 16, 31, 44])
-    assert torch.equal(portable.rows_of(packed, scales, ids, 96, 8 if form == 8 else 4), weights[ids])
+    assert torch.equal(portable.unpack_rows(packed, scales, ids, 96, 8 if form == 8 else 4), weights[ids])
 
 
 @pytest.mark.parametrize("rows", [1, 7, 70])
@@ -191,7 +191,7 @@ def test_centred_codes_give_the_bits_of_the_same_codes_with_their_lows_kept(gene
         assert torch.equal(kernels.qlinear(x, *centred, 50, 4, isa=isa), kernels.qlinear(x, *kept, 50, 4, isa=isa))
     assert torch.equal(portable.qlinear(x, *centred, 50, 4), portable.qlinear(x, *kept, 50, 4))
     ids = torch.arange(50)
-    assert torch.equal(portable.rows_of(*centred, ids, 192, 4), portable.rows_of(*kept, ids, 192, 4))
+    assert torch.equal(portable.unpack_rows(*centred, ids, 192, 4), portable.unpack_rows(*kept, ids, 192, 4))
 
 
 # ---------------------------------------------------------------------------------- attention
@@ -293,10 +293,10 @@ def test_a_build_folder_without_its_finished_mark_is_not_trusted(tmp_path, monke
     from multidecode.kernels import build
 
     monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path))
-    build.folder().mkdir(parents=True)
+    build.build_folder().mkdir(parents=True)
     build.library_path().write_bytes(b"half a library")
     assert not build.built()
-    (build.folder() / build.DONE).write_text(build.key())
+    (build.build_folder() / build.DONE).write_text(build.key())
     assert build.built()
 
 

@@ -378,10 +378,10 @@ def test_benchmark_structure_and_plot(decoder, tmp_path):
 @pytest.mark.embedded
 @pytest.mark.xdist_group("embedded")
 def test_embedded_margins_equal_sequential_generation():
-    from multidecode.bench.margins import sample_document
+    from multidecode.bench.margins import meeting_minutes
 
     decoder = multidecode.load()
-    document = sample_document()
+    document = meeting_minutes()
     document = document[: document.index("Helen Marsh: Thank you, Victor.")]  # ~700 tokens
     out = decoder.margins(document, "How many bacteriological samples were taken?", chunk_tokens=250,
                       max_margin_tokens=12, max_new_tokens=12)

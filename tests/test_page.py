@@ -45,12 +45,6 @@ def browser():
         browser.close()
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with running_server(tiny_loader(model_dir)) as running:
-        yield running
-
-
 def open_page(browser, url: str, model: str | None = MODEL):
     """A fresh tab on the page; JavaScript errors and requests leaving the server are recorded."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})

@@ -12,21 +12,15 @@ import httpx
 import openai
 import pytest
 import torch
-from serving import MODEL, assert_error_shape, chat_prompt_ids, running_server, tiny_loader, wait_until
+from serving import MODEL, assert_error_shape, chat_prompt_ids, tiny_loader, wait_until
 
 from multidecode.prompts import common_prefix_length
 from multidecode.runtime import ForestRuntime, Job, Limits
 from multidecode.sampling import SamplingParams
-from multidecode.serving.protocol import token_bytes, token_text
+from multidecode.serving.protocol import openai_token, token_bytes
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Question: what is the answer?"
 DOCUMENT = "Here is a document about support calls, routers, cables and tickets. " * 3
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with running_server(tiny_loader(model_dir)) as running:
-        yield running
 
 
 def _greedy_reference(running, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -335,7 +329,7 @@ def test_the_embedded_tokenizers_token_bytes_rebuild_the_text():
     text = "Reply with only this emoji: 🐉 (龍)"
     pieces = [token_bytes(tokenizer, t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
     assert b"".join(pieces) == text.encode()
-    assert "bytes:\\x20\\xf0\\x9f" in [token_text(p) for p in pieces]  # the space and the dragon's first bytes
+    assert "bytes:\\x20\\xf0\\x9f" in [openai_token(p) for p in pieces]  # the space and the dragon's first bytes
     assert token_bytes(tokenizer, tokenizer.eos_token_id) == tokenizer.eos_token.encode()
 
 

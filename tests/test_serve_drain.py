@@ -27,7 +27,7 @@ from multidecode.runtime import ForestRuntime, Job, Limits, Overloaded
 from multidecode.runtime.jobs import NOTHING
 from multidecode.sampling import SamplingParams
 from multidecode.serving.app import ServeState
-from multidecode.serving.launch import SHUTDOWN_GRACE_S, ServerProcess, run
+from multidecode.serving.launch import SHUTDOWN_GRACE_S, ServerProcess, serve_until_stopped
 
 BODY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 240, "temperature": 0}
 MARGIN_S = 3.0
@@ -114,7 +114,8 @@ def test_a_negative_drain_timeout_is_refused_before_the_port_is_bound(drain_time
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(InvalidArgument) as caught:
-            run(ServeState(MODEL), lambda: loaded.append(1), port=taken.getsockname()[1], drain_timeout=drain_timeout)
+            serve_until_stopped(ServeState(MODEL), lambda: loaded.append(1), port=taken.getsockname()[1],
+                                drain_timeout=drain_timeout)
     assert "--drain-timeout" in caught.value.message and caught.value.hint and not loaded
 
 
@@ -122,7 +123,7 @@ DRAINING_SERVER = """
 import functools, math, sys, time
 from multidecode.models.loading import load_model_and_tokenizer
 from multidecode.serving.app import ServeState
-from multidecode.serving.launch import run
+from multidecode.serving.launch import serve_until_stopped
 
 def loader():
     model, tokenizer = load_model_and_tokenizer(sys.argv[1])
@@ -138,7 +139,7 @@ def loader():
     model.forward = slow
     return model, tokenizer
 
-run(ServeState("tiny"), loader, port=int(sys.argv[2]), drain_timeout=2.0, log_level="warning")
+serve_until_stopped(ServeState("tiny"), loader, port=int(sys.argv[2]), drain_timeout=2.0, log_level="warning")
 """
 
 

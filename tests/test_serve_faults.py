@@ -225,12 +225,12 @@ def test_messages_the_chat_template_refuses_are_a_400_naming_messages():
     message, Mistral's on two user turns in a row): the client's to fix, not a server error."""
     from local_models import tiny_tokenizer
 
-    from multidecode.serving.protocol import BadRequest, ChatBody, parse, to_job
+    from multidecode.serving.protocol import BadRequest, ChatBody, parse_body, to_job
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
                                "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    body = parse(json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
+    body = parse_body(json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}).encode(),
         "application/json", ChatBody)
     with pytest.raises(BadRequest, match="chat template cannot render these messages: System role not supported") as caught:
@@ -710,12 +710,12 @@ def test_a_request_past_a_window_short_of_the_models_own_says_why():
     with the model card."""
     from local_models import tiny_tokenizer
 
-    from multidecode.serving.protocol import BadRequest, CompletionBody, parse, to_job
+    from multidecode.serving.protocol import BadRequest, CompletionBody, parse_body, to_job
 
     tokenizer = tiny_tokenizer()
     note = " (its longrope rotary embedding switches at position 24)"
     for asked in ({"max_tokens": 30}, {}):
-        body = parse(json.dumps({"model": MODEL, "prompt": "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+        body = parse_body(json.dumps({"model": MODEL, "prompt": "a b c d e f g h i j k l m n o p q r s t u v w x y z",
                                  **asked}).encode(), "application/json", CompletionBody)
         with pytest.raises(BadRequest, match="context window of 24 tokens.*longrope|window is 24 tokens.*longrope"):
             to_job(body, tokenizer, vocab_size=len(tokenizer), max_positions=24, window_note=note)

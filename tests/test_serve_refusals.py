@@ -28,11 +28,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max
 COMPLETION = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 3}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_server):
-    return tiny_server
-
-
 def post(server, body: dict, route: str = "/v1/chat/completions") -> httpx.Response:
     return httpx.post(server.url + route, json=body, timeout=30)
 

@@ -17,11 +17,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 SETTINGS = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"40": 2.0, "41": -3.0})
 
 
-@pytest.fixture(scope="module")
-def server(tiny_server):
-    return tiny_server
-
-
 def expected_text(server, prompt_ids: list[int], max_tokens: int, **settings) -> str:
     bias = {int(k): v for k, v in settings.pop("logit_bias", {}).items()}
     tokens = reference(server.forest.model, prompt_ids, SamplingParams(logit_bias=bias, **settings), max_tokens,

@@ -25,11 +25,6 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "ticket", "schema": SCH
 MESSAGES = [{"role": "user", "content": "Give me the ticket as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_server):
-    return tiny_server
-
-
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -27,11 +27,6 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_server):
-    return tiny_server
-
-
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -232,7 +227,7 @@ def test_a_template_that_renders_calls_gets_them_and_the_tool_call_id(model_dir)
     take them) and a tool result's `tool_call_id`, with the content as it came."""
     from local_models import tiny_tokenizer
 
-    from multidecode.serving.protocol import ChatBody, parse, to_job
+    from multidecode.serving.protocol import ChatBody, parse_body, to_job
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = (
@@ -240,7 +235,7 @@ def test_a_template_that_renders_calls_gets_them_and_the_tool_call_id(model_dir)
         "{% for c in m.tool_calls or [] %}<call {{ c.id }}>{{ c.function.name }} {{ c.function.arguments | tojson }}"
         "{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
         "<|im_start|>assistant\n")
-    body = parse(json.dumps({"model": MODEL, "messages": HISTORY, "max_tokens": 2}).encode(), "application/json",
+    body = parse_body(json.dumps({"model": MODEL, "messages": HISTORY, "max_tokens": 2}).encode(), "application/json",
                  ChatBody)
     job = to_job(body, tokenizer, vocab_size=len(tokenizer), max_positions=None)
     text = tokenizer.decode(job.prompts[0])

@@ -36,7 +36,7 @@ from speculation_cases import (
 from tiny_models import combos, tiny_model
 
 from multidecode.proposers import UNDER_LEAF, BranchContext, DraftTree
-from multidecode.proposers.suffix import ROOT, SuffixProposer, SuffixStore, shared_store
+from multidecode.proposers.suffix import TRIE_ROOT, SuffixProposer, SuffixStore, shared_store
 from multidecode.scheduler import CompactionPolicy
 from multidecode.speculation import Speculation
 
@@ -54,7 +54,7 @@ def substring_counts(sequences, depth: int) -> Counter:
 
 def trie(store: SuffixStore) -> dict[tuple[int, ...], int]:
     """path -> node id of every node below the root."""
-    out, stack = {}, [((), ROOT)]
+    out, stack = {}, [((), TRIE_ROOT)]
     while stack:
         path, node = stack.pop()
         for token, child in store.children(node):
@@ -68,7 +68,7 @@ def check(store: SuffixStore, sequences) -> None:
     nodes = trie(store)
     expected = substring_counts(sequences, store.max_depth)
     assert {path: store._count[n] for path, n in nodes.items()} == expected
-    for node in [ROOT, *nodes.values()]:
+    for node in [TRIE_ROOT, *nodes.values()]:
         assert store._cont[node] == sum(store._count[c] for _, c in store.children(node))
     assert store.nodes == len(expected)
     assert store.tokens == sum(len(s) for s in sequences)
@@ -139,7 +139,7 @@ def test_forgetting_takes_back_exactly_one_sequence_and_reuses_its_nodes():
         store.forget(seq)
         del seqs[seq]
         check(store, seqs.values())
-    assert store.nodes == store.tokens == 0 and not store._more and not list(store.children(ROOT))
+    assert store.nodes == store.tokens == 0 and not store._more and not list(store.children(TRIE_ROOT))
     assert len(store._free) == allocated - 1
     store.add([rng.randrange(5) for _ in range(20)])
     assert store._top == allocated  # freed ids were reused

@@ -19,7 +19,7 @@ from tiny_models import tiny_model
 import multidecode
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument
-from multidecode.proposers.heads import folder_kind
+from multidecode.speculation import folder_mode
 from multidecode.training.distill import DistillSettings, read_prompts, train_drafter
 
 PROMPTS = [f"Tell me about the number {i}." for i in range(6)]
@@ -171,7 +171,7 @@ def test_a_work_folder_or_an_output_of_another_model_is_refused(tmp_path, monkey
     medusa = tmp_path / "heads"  # a Medusa head of this model: an EAGLE head would be written beside it
     with pytest.raises(InvalidArgument, match="holds medusa weights and this run writes eagle weights"):
         list(train_drafter(decoder, _settings(tmp_path, epochs=1, kind="eagle")))
-    assert folder_kind(medusa) == "medusa" and not list(medusa.glob("eagle*"))
+    assert folder_mode(medusa) == "medusa" and not list(medusa.glob("eagle*"))
 
 
 def test_the_work_folder_holds_its_answers_to_the_prompts_not_to_their_files_name(tmp_path):

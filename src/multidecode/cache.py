@@ -50,6 +50,11 @@ class SlotLayer(CacheLayerMixin):
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
 
+    @property
+    def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers, [1, heads, capacity, head_dim] each, used slots or not."""
+        return self._k, self._v
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self._allocate(max(self.capacity, key_states.shape[-2]), key_states, value_states)

@@ -217,8 +217,8 @@ class CompiledForward:
     def __call__(self, input_ids, position_ids, mask, cache, logits_to_keep, units, cache_argument: str):
         torch._dynamo.maybe_mark_dynamic(cache.slots, 0)
         for layer in cache.layers:  # the capacity grows by doubling: one graph for all of them
-            torch._dynamo.maybe_mark_dynamic(layer._k, 2)
-            torch._dynamo.maybe_mark_dynamic(layer._v, 2)
+            for buffer in layer.kv_buffers:
+                torch._dynamo.maybe_mark_dynamic(buffer, 2)
         if self.refused is not None:
             raise CompileRefused(self.refused)
         try:

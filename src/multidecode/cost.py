@@ -384,7 +384,7 @@ def fit_table(prior: CostCurve, cells: dict[tuple[int, int], list[float]], key: 
     """
     logs = {cell: (math.log(statistics.median(samples)), len(samples)) for cell, samples in cells.items()}
     row_effect, context_effect = median_polish(logs)
-    rows, contexts = spread(row_effect, len(ROW_BINS)), spread(context_effect, len(CONTEXT_BINS))
+    rows, contexts = spread_over_bins(row_effect, len(ROW_BINS)), spread_over_bins(context_effect, len(CONTEXT_BINS))
     base = prior_table(prior)
     table = []
     for c in range(len(CONTEXT_BINS)):
@@ -436,7 +436,7 @@ def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
     return ordered[-1][0]
 
 
-def spread(effects: dict[int, float], bins: int) -> list[float]:
+def spread_over_bins(effects: dict[int, float], bins: int) -> list[float]:
     """Effects known at some bin indices -> one per bin: interpolated between them, the nearest
     past them, 0 where none is known."""
     if not effects:

@@ -57,13 +57,12 @@ from torch import nn
 
 from . import kernels
 from .errors import NotBitExact
+from .kernels.portable import BLOCK
 from .models.vetting import check_is_model, check_supported
 
 NAME = "multidecode_exact"
 PROBE = "multidecode_exact_probe"
 """The attention name of the one forward `use_exact_kernels` counts attention calls in."""
-BLOCK = 64
-"""Positions per block: every block is reduced as a [BLOCK]-long run, whatever the path's length."""
 MAX_GROUP_ROWS = 64
 """At most this many query rows share one unit (a long prompt's blocks are read by hundreds of
 rows: they are cut into groups; a row's arithmetic does not depend on the others in its unit)."""

@@ -40,8 +40,10 @@ so explicit speculation is refused there and "auto" does not speculate.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -52,7 +54,7 @@ from .proposers.base import Proposer
 from .proposers.draft import DraftModel, check_same_tokenizer
 from .proposers.eagle import Eagle, EagleHead
 from .proposers.eagle3 import Eagle3Head
-from .proposers.heads import folder_kind, head_dir, shape_key, shipped_head_dir
+from .proposers.heads import head_dir, shape_key, shipped_head_dir
 from .proposers.lookahead import Lookahead
 from .proposers.lookup import PromptLookup
 from .proposers.medusa import Medusa, MedusaHeads
@@ -133,6 +135,7 @@ class ProposerMode:
     the model's checkpoint). shipped_with_model: its head comes in the model's own checkpoint, not
     in a folder of its own. takes_draft: besides a learned head, it drafts with what `draft=`
     carries (the decoder's draft model for "draft", the learned heads found for the model for "auto").
+    needs_draft: it cannot run without a draft model (one its settings name, or the decoder's).
     """
 
     name: str
@@ -142,6 +145,7 @@ class ProposerMode:
     heads: tuple[type, ...] = ()
     shipped_with_model: bool = False
     takes_draft: bool = False
+    needs_draft: bool = False
 
     @property
     def learned(self) -> bool:
@@ -202,7 +206,8 @@ PROPOSERS = (
     ProposerMode("lookup", PromptLookup, "prompt lookup"),
     ProposerMode("suffix", SuffixProposer, "what this process saw before"),
     ProposerMode("lookahead", Lookahead, "Jacobi window"),
-    ProposerMode("draft", DraftModel, "a draft model", make=draft_model_proposer, takes_draft=True),
+    ProposerMode("draft", DraftModel, "a draft model", make=draft_model_proposer, takes_draft=True,
+                 needs_draft=True),
     ProposerMode("medusa", Medusa, "Medusa heads trained by train-drafter", heads=(MedusaHeads,)),
     ProposerMode("eagle", Eagle, "an EAGLE head trained by train-drafter", heads=(EagleHead, Eagle3Head)),
     ProposerMode("mtp", Mtp, "the multi-token-prediction layer in the model's checkpoint", heads=(MtpHead,),
@@ -217,6 +222,21 @@ LEARNED = tuple(mode.name for mode in PROPOSERS if mode.learned)
 """The modes that draft with a learned head."""
 SHIPPED_WITH_MODEL = tuple(mode.name for mode in PROPOSERS if mode.shipped_with_model)
 """The learned modes whose head comes in the model's own checkpoint, not from a folder of its own."""
+FOLDER_HEADS = tuple(name for name in LEARNED if name not in SHIPPED_WITH_MODEL)
+"""The learned modes whose head is a folder of its own (`--draft-head`, what train-drafter writes)."""
+
+
+def folder_mode(folder: str | Path, unread: str | None = FOLDER_HEADS[0]) -> str | None:
+    """The learned mode a head's folder is for: the first of `FOLDER_HEADS` whose head class
+    `reads` its config.json. A folder without a readable config (or one that is not a JSON object)
+    is `unread`'s: by default the first such mode's, whose loading then says what is wrong."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return unread
+    if not isinstance(config, dict):
+        return unread
+    return next((name for name in FOLDER_HEADS if PROPOSER_MODES[name].heads[0].reads(config)), unread)
 MODES_HELP = ", ".join(f"{mode.name} ({mode.summary})" for mode in PROPOSERS) + " or off"
 """The modes as the command line's --speculate help lists them."""
 
@@ -336,7 +356,7 @@ class SpeculationSettings:
     with the target itself, these layers skipped, or "auto" to choose them by measured
     acceptance. Either one implies mode "draft"; with neither, "draft" uses the caller's draft
     model (`MultiDecoder(draft=...)`). head: the folder of a learned head (implies its kind,
-    "medusa" or "eagle", read from its config: `heads.folder_kind`); without it the head is looked
+    one of `FOLDER_HEADS`, read from its config: `folder_mode`); without it the head is looked
     up for the model (`load_heads`).
     """
 
@@ -367,12 +387,12 @@ class SpeculationSettings:
         if drafting and mode in (None, "auto"):
             mode = "draft"
         if head is not None and mode in (None, "auto"):
-            mode = folder_kind(head)  # the head's own kind: an EAGLE head's folder means "eagle"
+            mode = folder_mode(head)  # the head's own kind: an EAGLE head's folder means "eagle"
         if head is not None and (mode not in LEARNED or mode in SHIPPED_WITH_MODEL):
             raise InvalidArgument(f"{spelling.head} names a learned head, but {spelling.is_set(mode)}"
                                   + (" (whose layers come in the model's own checkpoint)" if mode in LEARNED else ""),
-                                  f"use {spelling.setting('medusa')} or {spelling.setting('eagle')}")
-        if head is not None and (kind := folder_kind(head, unread=None)) not in (None, mode):
+                                  "use " + " or ".join(spelling.setting(name) for name in FOLDER_HEADS))
+        if head is not None and (kind := folder_mode(head, unread=None)) not in (None, mode):
             raise InvalidArgument(f"{spelling.head} {head} holds a {kind} head, but {spelling.is_set(mode)}",
                                   f"use {spelling.setting(kind)}, or leave the mode out: the head's folder says its kind")
         if budget is not None:
@@ -399,6 +419,11 @@ class SpeculationSettings:
         return self.mode is None
 
     @property
+    def needs_draft(self) -> bool:
+        """Whether the mode cannot run without a draft model (`ProposerMode.needs_draft`)."""
+        return self.mode is not None and PROPOSER_MODES[self.mode].needs_draft
+
+    @property
     def own_draft(self) -> bool:
         """Whether these settings name their own draft (a model to load, or a self-draft)."""
         return self.draft_model is not None or self.skip_layers is not None
@@ -408,20 +433,20 @@ class SpeculationSettings:
         mode = speculation_mode(mode)
         if mode is None:
             return SpeculationSettings()
+        drafts = PROPOSER_MODES[mode].needs_draft
         return SpeculationSettings.parse(mode, budget=self.budget,
                                          lookahead=self.lookahead if mode == "lookahead" else None,
-                                         draft_model=self.draft_model if mode == "draft" else None,
-                                         skip_layers=self.skip_layers if mode == "draft" else None,
-                                         head=self.head if mode in LEARNED and mode not in SHIPPED_WITH_MODEL
-                                         else None)
+                                         draft_model=self.draft_model if drafts else None,
+                                         skip_layers=self.skip_layers if drafts else None,
+                                         head=self.head if mode in FOLDER_HEADS else None)
 
     def check(self, dtype: torch.dtype | None = None, *, draft=None, exact: bool = False,
               spelling: Spelling = PYTHON) -> None:
         """Refuse, before anything loads, what cannot run: explicit speculation in a dtype where
         it cannot be exact (unless the model's forwards are `exact`; no dtype: not known yet),
         and "draft" without a draft model."""
-        if self.mode == "draft" and not self.own_draft and draft is None:
-            raise InvalidArgument(f"{spelling.setting('draft')} needs a draft model",
+        if self.needs_draft and not self.own_draft and draft is None:
+            raise InvalidArgument(f"{spelling.setting(self.mode)} needs a draft model",
                                   f"add {spelling.draft_model}, or {spelling.example(spelling.skip_layers, 'auto')} to "
                                   "draft with the model itself")
         if self.mode not in (None, "auto") and dtype is not None and dtype not in EXACT_DTYPES and not exact:

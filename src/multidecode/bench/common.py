@@ -19,7 +19,7 @@ from ..prompts import common_prefix_length
 from ..proposers.suffix import SuffixProposer, SuffixStore
 from ..speculation import Speculation, auto_proposer
 
-Progress = Callable[[str], None]
+Say = Callable[[str], None]
 PREFILL, DECODE = "prefill", "decode"
 
 
@@ -169,7 +169,7 @@ class Measurement:
                                                        "decode_ms_per_step")}
 
 
-def summarize(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter]]) -> Measurement:
+def median_measurement(method: str, runs: Sequence[tuple[float, RunOutput, ForwardCounter]]) -> Measurement:
     """The median-time run (the faster of the middle two for an even count), every run's time kept;
     all must give the same answers."""
     for _, out, _ in runs[1:]:
@@ -201,7 +201,7 @@ def measure_together(runs: dict[str, Callable[[ForwardCounter], RunOutput]], mod
             done[name].append((wall, out, counter))
             spent += wall
         rounds += 1
-    return {name: summarize(name, results) for name, results in done.items()}
+    return {name: median_measurement(name, results) for name, results in done.items()}
 
 
 def combine_sequential(method: str, parts: Sequence[Measurement]) -> Measurement:

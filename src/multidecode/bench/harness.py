@@ -15,8 +15,8 @@ from ..models.reading import quiet_transformers
 from .common import (
     ForwardCounter,
     Measurement,
-    Progress,
     RunOutput,
+    Say,
     check_identical,
     combine_sequential,
     measure_together,
@@ -131,7 +131,7 @@ class Benchmark:
     shuffle: int | None = None
 
 
-def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | None = None) -> dict:
+def run(bench: Benchmark, *, threads: int | None = None, progress: Say | None = None) -> dict:
     """Warm up, measure every case, check identical answers (`AnswersDiffer`), return the JSON-ready result."""
     say = progress or (lambda message: None)
     started = time.perf_counter()
@@ -173,12 +173,12 @@ def run(bench: Benchmark, *, threads: int | None = None, progress: Progress | No
 def runs(declare: Callable[..., Benchmark]) -> Callable[..., dict]:
     """`run(declare(decoder, **settings))`: a declared benchmark's measuring function."""
     @functools.wraps(declare)
-    def measure(decoder, *, threads: int | None = None, progress: Progress | None = None, **settings) -> dict:
+    def measure(decoder, *, threads: int | None = None, progress: Say | None = None, **settings) -> dict:
         return run(declare(decoder, **settings), threads=threads, progress=progress)
     return measure
 
 
-def _measure_case(bench: Benchmark, case: Case, done_parts: dict, order, say: Progress) -> dict:
+def _measure_case(bench: Benchmark, case: Case, done_parts: dict, order, say: Say) -> dict:
     """The case's row: its methods measured (inside its context) and compared, and its report."""
     skipped = {m.name: m.skip for m in case.methods if m.skip is not None}
     live = [m for m in case.methods if m.skip is None]
@@ -194,7 +194,7 @@ def _measure_case(bench: Benchmark, case: Case, done_parts: dict, order, say: Pr
     return row | ({"skipped": skipped} if skipped else {})
 
 
-def _measurements(bench: Benchmark, case: Case, live: list[Method], done_parts: dict, order, say: Progress) -> dict:
+def _measurements(bench: Benchmark, case: Case, live: list[Method], done_parts: dict, order, say: Say) -> dict:
     """Every live method measured: parts once each, solo methods in rounds of their own, the rest interleaved."""
     got: dict[str, Measurement] = {}
     for m in live:
@@ -210,7 +210,7 @@ def _measurements(bench: Benchmark, case: Case, live: list[Method], done_parts: 
     return {m.name: got[m.name] for m in live}
 
 
-def _say(case: Case, got: dict[str, Measurement], say: Progress) -> None:
+def _say(case: Case, got: dict[str, Measurement], say: Say) -> None:
     where = ", ".join(f"{k}={v}" for k, v in case.params.items())
     for m in case.methods:
         if m.name in got:
@@ -241,7 +241,7 @@ def _model(bench: Benchmark, method: Method):
     return None if method.model is OUTSIDE_TORCH else method.model
 
 
-def _part(bench: Benchmark, method: Method, part: Part, done: dict, say: Progress) -> Measurement:
+def _part(bench: Benchmark, method: Method, part: Part, done: dict, say: Say) -> Measurement:
     key = (method.name, part.key)
     if key not in done:
         done[key] = measure_together({method.name: part.run}, _model(bench, method), repeats=1)[method.name]

@@ -20,7 +20,7 @@ LABELS = {
 SAMPLE_QUESTION = "Why did the backup pump at the Hillcrest booster station fail to start in August?"
 
 
-def sample_document() -> str:
+def meeting_minutes() -> str:
     """The long sample document: minutes of a water board meeting (about 3,500 tokens)."""
     return data.text("water_board_meeting.txt")
 
@@ -92,7 +92,7 @@ run_margins_benchmark = runs(margins_benchmark)
 def _chunks(tokenizer, document: str | None, question: str | None, chunks: int, chunk_tokens: int):
     """Every chunk of the document (default: the sample), which must give `chunks`, and the question."""
     if document is None:
-        document, question = sample_document(), question or SAMPLE_QUESTION
+        document, question = meeting_minutes(), question or SAMPLE_QUESTION
     if question is None:
         raise InvalidArgument("a document was given without a question", "pass question=...")
     if not is_int(chunks) or chunks < 1:

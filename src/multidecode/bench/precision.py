@@ -23,7 +23,7 @@ from . import llamacpp
 from .common import (
     AnswersDiffer,
     Measurement,
-    Progress,
+    Say,
     Setup,
     auto_over,
     excerpt_prompt,
@@ -72,7 +72,7 @@ class FileAtPrecisions:
 
     @classmethod
     def of(cls, path: str | os.PathLike, chosen: Sequence[str], *, threads: int, with_llama: bool = True,
-           progress: Progress | None = None) -> FileAtPrecisions:
+           progress: Say | None = None) -> FileAtPrecisions:
         from ..api import load
 
         say, loads, decoders, path = progress or (lambda message: None), {}, {}, Path(path)
@@ -176,7 +176,7 @@ def precision_benchmark(loaded: FileAtPrecisions, *, names: Sequence[str] | None
 
 
 def run_precision_benchmark(path: str | os.PathLike, *, precisions_to_run: Sequence[str] = DEFAULT_PRECISIONS,
-                            threads: int | None = None, with_llama: bool = True, progress: Progress | None = None,
+                            threads: int | None = None, with_llama: bool = True, progress: Say | None = None,
                             **settings) -> dict:
     """The GGUF file at `path` loaded at each precision (and in llama.cpp), `precision_benchmark` measured on it."""
     chosen = parse_all(precisions_to_run, torch.device("cpu"))

@@ -21,7 +21,7 @@ from ..prompts import common_prefix_length
 from ..runtime import Limits
 from ..serving.client import StreamedRequest, drive, openai_module, stream_completion
 from ..serving.launch import ServerFailed, ServerProcess, stopped_on_sigterm
-from .common import Progress, RunOutput, ratio, spread
+from .common import RunOutput, Say, ratio, spread
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Plot, Target, Unavailable, run
 from .results import CHARTS, Chart, Column, Line, Panel, Table
 
@@ -412,7 +412,7 @@ def serve_benchmark(*, model: str | None = None, requests: int = 32, concurrency
     )
 
 
-def run_serve_benchmark(*, progress: Progress | None = None, **settings) -> dict:
+def run_serve_benchmark(*, progress: Say | None = None, **settings) -> dict:
     """`serve_benchmark(**settings)` measured, every server stopped on the way out; `ServerFailed` where one fails."""
     with contextlib.ExitStack() as kept, stopped_on_sigterm():
         (progress or (lambda message: None))("building the load")

@@ -16,7 +16,7 @@ from ..proposers.draft import DraftModel
 from ..proposers.lookahead import Lookahead
 from ..proposers.self_draft import choose_skip, decoder_layers
 from ..proposers.suffix import SuffixStore
-from ..speculation import SpeculationSettings, learned_kind
+from ..speculation import LEARNED, PROPOSER_MODES, SpeculationSettings, learned_kind
 from ..strategies.complete import prompt_ids
 from .common import ForwardCounter, RunOutput, Setup, auto_over, fresh, hf_sequential, suffix_over, trim_at_eos
 from .harness import Benchmark, Case, Method, Plot, Runner, Target, runs
@@ -27,12 +27,11 @@ OURS_PLAIN, OURS_LOOKUP, OURS_AUTO = "multidecode_plain", "multidecode_lookup", 
 OURS_LOOKAHEAD, OURS_LOOKAHEAD_FIT = "multidecode_lookahead", "multidecode_lookahead_fit"
 OURS_SUFFIX, OURS_DRAFT = "multidecode_suffix", "multidecode_draft"
 OURS_SUFFIX_2ND, OURS_AUTO_2ND = "multidecode_suffix_2nd", "multidecode_auto_2nd"
-OURS_MEDUSA, OURS_EAGLE, OURS_AUTO_TOKENS = "multidecode_medusa", "multidecode_eagle", "multidecode_auto_tokens"
-OURS_MTP = "multidecode_mtp"
+OURS_AUTO_TOKENS = "multidecode_auto_tokens"
 OURS_AUTO_MEASURED, OURS_AUTO_QUICK = "multidecode_auto_measured", "multidecode_auto_quick"
 COST_METHODS = (OURS_AUTO_MEASURED, OURS_AUTO_QUICK)
 """auto on other cost curves (`compare_cost`): on a full measurement, and from a fresh probe learning as it runs."""
-LEARNED_METHODS = {"medusa": OURS_MEDUSA, "eagle": OURS_EAGLE, "mtp": OURS_MTP}
+LEARNED_METHODS = {name: f"multidecode_{name}" for name in LEARNED}
 """A learned head's kind -> its method, measured where the model has such a head."""
 HF_METHODS = {GREEDY: 0, LOOKUP_3: 3, LOOKUP_10: 10}
 """transformers' prompt-lookup methods -> prompt_lookup_num_tokens (0: plain greedy)."""
@@ -50,12 +49,11 @@ LABELS = {
     OURS_DRAFT: ("MultiDecode draft model = self-draft", "MD draft"),
     OURS_SUFFIX_2ND: ("MultiDecode suffix, second pass", "MD suffix 2nd"),
     OURS_AUTO_2ND: ("MultiDecode auto, second pass", "MD auto 2nd"),
-    OURS_MEDUSA: ("MultiDecode speculate='medusa' (heads from train-drafter)", "MD medusa"),
-    OURS_EAGLE: ("MultiDecode speculate='eagle' (head from train-drafter)", "MD eagle"),
-    OURS_MTP: ("MultiDecode speculate='mtp' (the checkpoint's MTP layer)", "MD mtp"),
     OURS_AUTO_TOKENS: ("MultiDecode auto without the learned heads, first pass", "MD auto tokens"),
     OURS_AUTO_MEASURED: ("MultiDecode auto on a full measurement of the cost curve", "MD auto measured"),
     OURS_AUTO_QUICK: ("MultiDecode auto from a fresh probe of the cost curve, learning as it runs", "MD auto quick"),
+    **{method: (f"MultiDecode speculate={name!r} ({PROPOSER_MODES[name].summary})", f"MD {name}")
+       for name, method in LEARNED_METHODS.items()},
 }
 LOOKAHEAD_FLOOR = 0.95
 """lade's best against plain greedy on these workloads here (0.51-0.95x), held on every workload."""

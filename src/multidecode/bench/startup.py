@@ -22,7 +22,7 @@ from pathlib import Path
 from ..serving.launch import ServerProcess
 from ..user_cache import cache_dir
 from . import llamacpp
-from .common import Progress, RunOutput
+from .common import RunOutput, Say
 from .harness import OUTSIDE_TORCH, Benchmark, Case, Method, Target, run
 from .results import Column, Table
 
@@ -160,7 +160,7 @@ def _ready(server: ServerProcess):
         yield
 
 
-def run_startup_benchmark(path: str | None, *, progress: Progress | None = None, **settings) -> dict:
+def run_startup_benchmark(path: str | None, *, progress: Say | None = None, **settings) -> dict:
     """`startup_benchmark` measured (each run its own process: no model is loaded here)."""
     return run(startup_benchmark(path, **settings), progress=progress)
 

@@ -62,7 +62,7 @@ def check_run(output: str, threads: int | None, stem: str | None = None) -> None
         raise InvalidArgument(f"--threads must be 1 or more, got {threads}", "or leave it unset")
 
 
-def check_counts(**counts: int) -> None:
+def check_flag_counts(**counts: int) -> None:
     """Refuse a count below 1 (--max-new-tokens 0, --repeats 0) before the model loads."""
     for name, value in counts.items():
         if value < 1:
@@ -70,7 +70,7 @@ def check_counts(**counts: int) -> None:
             raise InvalidArgument(f"{flag} must be 1 or more, got {value}", f"use {flag} 1 or more")
 
 
-def check_budget(budget: float, example: int) -> None:
+def check_seconds_budget(budget: float, example: int) -> None:
     if budget <= 0:
         raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}",
                               f"for example --budget {example}")
@@ -129,7 +129,7 @@ def bench_command(name: str, *options, sweeps: tuple[str, ...] = (), counts: tup
         @functools.wraps(prepare)
         def command(output, stem, repeats, threads, model_name, precision, device, **own):
             check_run(output, threads, stem)
-            check_counts(repeats=repeats, **{k: own[k] for k in counts if own[k] is not None})
+            check_flag_counts(repeats=repeats, **{k: own[k] for k in counts if own[k] is not None})
             call = prepare(**{**own, **{k: parse_counts(own[k], "--" + k.replace("_", "-")) for k in sweeps}})
             decoder = load_decoder(model_name, precision, device)
             run_and_report(name, lambda progress: call(decoder, repeats=repeats, threads=threads, progress=progress),
@@ -226,7 +226,7 @@ def bench_speculate(workloads, max_new_tokens, budget, compare_cost):
 
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     choose(names)
-    check_budget(budget, 90)
+    check_seconds_budget(budget, 90)
     return functools.partial(run_speculate_benchmark, names=names, max_new_tokens=max_new_tokens, budget_s=budget,
                              compare_cost=compare_cost)
 
@@ -252,7 +252,7 @@ def bench_batch(workload, forest_tokens, budget, **settings):
     from ..bench import run_batch_benchmark, run_merged_benchmark
 
     if budget is not None:
-        check_budget(budget, 300)
+        check_seconds_budget(budget, 300)
     if forest_tokens is not None and workload == "similar":
         raise InvalidArgument("--forest-tokens is for --workload merged", "leave it out, or use --workload merged")
     if forest_tokens is not None and forest_tokens < 0:
@@ -319,7 +319,7 @@ def bench_serve(model_name, requests, concurrency, shared, rate, max_tokens, pro
              "concurrency": None if concurrency is None else parse_counts(concurrency, "--concurrency"),
              "shared": None if shared is None else parse_shares(shared)}
     load = {**(QUICK if quick else GRID), **{k: v for k, v in given.items() if v is not None}}
-    check_counts(requests=load["requests"], max_tokens=load["max_tokens"], prompt_tokens=load["prompt_tokens"],
+    check_flag_counts(requests=load["requests"], max_tokens=load["max_tokens"], prompt_tokens=load["prompt_tokens"],
                  transformers_requests=settings["transformers_requests"])
     if not rate > 0:
         raise InvalidArgument(f"--rate must be positive, got {rate}", "for example --rate 8, or --rate inf")
@@ -356,7 +356,7 @@ def bench_unrelated(requests, prompt_tokens, steps, warmup, seed, threads, model
     from ..bench.unrelated import run_unrelated
 
     levels, lengths = parse_counts(requests, "--requests"), parse_counts(prompt_tokens, "--prompt-tokens")
-    check_counts(steps=steps)
+    check_flag_counts(steps=steps)
     if warmup < 0:
         raise InvalidArgument(f"--warmup must be 0 or more, got {warmup}", "use --warmup 0 or more")
     check_run(output, threads, stem)
@@ -410,11 +410,11 @@ def bench_precision(model_name, precisions, workloads, max_new_tokens, context_t
     if names:
         choose(names)
     check_run(output, threads, stem)
-    check_counts(repeats=repeats, context_new_tokens=context_new_tokens, question_tokens=question_tokens,
+    check_flag_counts(repeats=repeats, context_new_tokens=context_new_tokens, question_tokens=question_tokens,
                  **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}))
-    check_budget(budget, 60)
+    check_seconds_budget(budget, 60)
     if document_tokens is not None:
-        check_counts(document_tokens=document_tokens)
+        check_flag_counts(document_tokens=document_tokens)
     if context_tokens < 0 or questions < 0:
         raise InvalidArgument("--context-tokens and --questions must be 0 or more", "0 leaves that case out")
     path = model_name or embedded_gguf()
@@ -440,7 +440,7 @@ def bench_startup(model_name, threads, repeats, with_llama, output, stem):
     from ..bench.startup import run_startup_benchmark
 
     check_run(output, threads, stem)
-    check_counts(repeats=repeats)
+    check_flag_counts(repeats=repeats)
     run_and_report("startup", lambda progress: run_startup_benchmark(
         model_name, threads=threads, repeats=repeats, with_llama=with_llama, progress=progress), output, stem)
 
@@ -512,7 +512,7 @@ def bench_structured(documents, max_new_tokens, mask_tokens, with_llama, quick, 
     from ..models.converted import embedded_gguf
 
     check_run(output, threads, stem)
-    check_counts(repeats=repeats, documents=documents, max_new_tokens=max_new_tokens, mask_tokens=mask_tokens)
+    check_flag_counts(repeats=repeats, documents=documents, max_new_tokens=max_new_tokens, mask_tokens=mask_tokens)
     settings = {"documents": documents, "max_new_tokens": max_new_tokens, "mask_tokens": mask_tokens,
                 "repeats": repeats} | (QUICK if quick else {})
     gguf = embedded_gguf() if model_name is None else model_name if model_name.endswith(".gguf") else None

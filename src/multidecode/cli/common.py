@@ -152,6 +152,14 @@ def _speculate_help(scope: str) -> str:
         " " + scope if scope else "")
 
 
+def _draft_head_help() -> str:
+    from ..speculation import FOLDER_HEADS
+
+    return ("A learned head's folder to draft with (Medusa's layout, or an EAGLE head); default: the head "
+            f"`multidecode train-drafter` trained for this model. Implies --speculate {' or '.join(FOLDER_HEADS)}, "
+            "whichever the head is.")
+
+
 @dataclass(frozen=True)
 class SpeculateOptions:
     """The speculation options as given (`speculation_from` parses and checks them)."""
@@ -181,10 +189,8 @@ def speculate_options(default: str | None = None, *, stats: bool = True, scope: 
                                    "draft acceptance and budget on stderr.")(command)
         command = click.option("--lookahead", default=None, metavar="W,N,G",
                                help="Lookahead settings: window, n-gram size, guesses (default 7,5,7).")(command)
-        command = click.option("--draft-head", default=None, metavar="DIR",
-                               help="A learned head's folder to draft with (Medusa's layout, or an EAGLE head); "
-                                    "default: the head `multidecode train-drafter` trained for this model. Implies "
-                                    "--speculate medusa or eagle, whichever the head is.")(command)
+        command = click.option("--draft-head", default=None, metavar="DIR", cls=LateHelp,
+                               late_help=_draft_head_help)(command)
         command = click.option("--draft-skip-layers", default=None, metavar="LIST|auto",
                                help="Draft with the model itself, skipping these layers (e.g. 4,6,8-12), or "
                                     "'auto' to pick them by measured acceptance. Implies --speculate draft.")(command)

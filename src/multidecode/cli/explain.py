@@ -75,7 +75,7 @@ def _unwritable(output: str, err: OSError, folder: Path | None = None) -> Invali
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Longest answer, in tokens.")
 @speculate_options(None, stats=False, scope=f"Any mode that drafts; default: lookup (a --draft-head, --draft-model or "
                                             f"--draft-skip-layers implies its own); --draft-budget defaults to "
-                                            f"{_explain.DEFAULT_BUDGET} here, so the picture stays readable.")
+                                            f"{_explain.EXPLAIN_BUDGET} here, so the picture stays readable.")
 @click.option("--step", type=int, default=None, metavar="N",
               help="The step to draw (2 or later; default: the one that shows verification best).")
 @click.option("--output", "-o", default="explain_step.png", show_default=True, metavar="PNG",
@@ -100,7 +100,7 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
                               "step 1 feeds the prompts; leave --step unset to pick the step that shows most")
     path = check_output(output)
     decoder, spec = open_run(model_name, precision, device, speculate,
-                             _explain.DEFAULT_BUDGET if draft_budget is None else draft_budget,
+                             _explain.EXPLAIN_BUDGET if draft_budget is None else draft_budget,
                              max_new_tokens=max_new_tokens)
     label = Path(model_name).name if model_name else "SmolLM2-135M-Instruct"
     with stderr.status("Decoding and drawing..."):

@@ -77,7 +77,7 @@ def serve(model_name, precision, device, host, port, api_key, allowed_origins, s
     from ..compiled import compile_forward
     from ..models.loading import load_model_and_tokenizer
     from ..serving.app import ServeState
-    from ..serving.launch import run
+    from ..serving.launch import serve_until_stopped
 
     limits = Limits(max_live_tokens=max_live_tokens, max_branches=max_branches,
                     prefix_cache_tokens=prefix_cache_tokens, max_running=max_running, gather=gather, gather_s=gather_s,
@@ -101,7 +101,7 @@ def serve(model_name, precision, device, host, port, api_key, allowed_origins, s
             compile_forward(model)
         return model, tokenizer
 
-    run(state, loader, host=host, port=port,
+    serve_until_stopped(state, loader, host=host, port=port,
         limits=limits, drain_timeout=drain_timeout, log_level=log_level,
         on_listening=lambda url: stderr.print(f"Serving {escape(name)} on {url} (loading the model; /health says "
                                               f"when ready). Commands reach it with --server {url} (or "

@@ -29,7 +29,7 @@ Drawing uses matplotlib's Agg canvas (no window, no global state). Nothing here 
 
 from .draw import draw, save, shown
 from .record import (
-           DEFAULT_BUDGET,
+           EXPLAIN_BUDGET,
            Explanation,
            explain,
            explain_prompts,
@@ -40,5 +40,5 @@ from .record import (
 )
 from .step import FedNode, Lane, StepCounts, StepView
 
-__all__ = ["DEFAULT_BUDGET", "Explanation", "FedNode", "Lane", "StepCounts", "StepView", "draw", "explain", "explain_prompts",
+__all__ = ["EXPLAIN_BUDGET", "Explanation", "FedNode", "Lane", "StepCounts", "StepView", "draw", "explain", "explain_prompts",
            "sample_excerpt", "sample_questions", "save", "shown", "summarize", "token_text"]

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 DEFAULT_QUESTIONS = 3
 """Questions of the sample transcript asked by default (a picture with more lanes gets crowded)."""
 
-DEFAULT_BUDGET = 4
+EXPLAIN_BUDGET = 4
 """Draft nodes per branch per step by default: enough for a tree, few enough to read."""
 
 @dataclass
@@ -54,7 +54,7 @@ def sample_questions(count: int = DEFAULT_QUESTIONS) -> list[str]:
 
 
 def explain(decoder, *, document: str | None = None, questions: Sequence[str] | None = None,
-            max_new_tokens: int = 32, speculate="lookup", draft_budget: int | None = DEFAULT_BUDGET,
+            max_new_tokens: int = 32, speculate="lookup", draft_budget: int | None = EXPLAIN_BUDGET,
             step: int | None = None, cost: CostCurve | None = None, model_label: str | None = None,
             figsize: tuple[float, float] = (14.0, 7.0), dpi: int = 120) -> Explanation:
     """Answer `questions` about `document` (default: an excerpt of the sample transcript and three
@@ -84,7 +84,7 @@ def explain(decoder, *, document: str | None = None, questions: Sequence[str] | 
 
 
 def explain_prompts(model, prompts: Sequence[Sequence[int]], *, tokenizer=None, labels: Sequence[str] | None = None,
-                    max_new_tokens: int = 32, speculate="lookup", draft_budget: int | None = DEFAULT_BUDGET,
+                    max_new_tokens: int = 32, speculate="lookup", draft_budget: int | None = EXPLAIN_BUDGET,
                     step: int | None = None, cost: CostCurve | None = None, eos_token_id=None,
                     model_label: str | None = None, figsize: tuple[float, float] = (14.0, 7.0),
                     dpi: int = 120) -> Explanation:

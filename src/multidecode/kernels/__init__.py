@@ -53,7 +53,7 @@ from collections.abc import Callable
 import torch
 
 from . import portable
-from .build import Built, load
+from .build import Built, load_library
 
 PORTABLE, AVX2, AVX512, AVX512_VNNI = 0, 1, 2, 3
 LEVELS = {PORTABLE: "portable C", AVX2: "AVX2", AVX512: "AVX-512", AVX512_VNNI: "AVX-512 VNNI"}
@@ -73,7 +73,7 @@ def status(*, build: bool = True, progress: Callable[[str], None] | None = None)
     progress: told what is happening when a build starts (the CLI shows it)."""
     global _loaded
     if _loaded is None or (_loaded.library is None and build and not _loaded.reason.startswith("compiling")):
-        outcome = load(build=build, progress=progress)
+        outcome = load_library(build=build, progress=progress)
         if outcome.library is not None:
             _register_fakes()
         if outcome.library is not None or build:

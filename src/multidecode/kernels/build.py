@@ -9,7 +9,7 @@ sources, the flags and the torch version: a changed source or another torch buil
 built library is loaded straight from its file (milliseconds). `make setup` builds it
 (`python -m multidecode.kernels`), so no command waits for a compiler.
 
-Where there is no compiler (or the build fails), `load` returns None and says why, and the
+Where there is no compiler (or the build fails), `load_library` returns None and says why, and the
 package runs on the portable torch path (`kernels.portable`).
 
 `-ffp-contract=off` keeps the compiler from fusing a multiply and an add into one fma where the
@@ -46,7 +46,7 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 
 @dataclass(frozen=True)
 class Built:
-    """The outcome of `load`: the library's path, or why there is none."""
+    """The outcome of `load_library`: the library's path, or why there is none."""
 
     library: Path | None
     reason: str = ""
@@ -63,12 +63,12 @@ def key() -> str:
     return digest.hexdigest()[:16]
 
 
-def folder() -> Path:
+def build_folder() -> Path:
     return cache_dir() / KERNELS_FOLDER / key()
 
 
 def library_path() -> Path:
-    return folder() / f"{NAME}.so"
+    return build_folder() / f"{NAME}.so"
 
 
 def built() -> bool:
@@ -83,7 +83,7 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 
 
-def load(*, build: bool = True, progress: Callable[[str], None] | None = None) -> Built:
+def load_library(*, build: bool = True, progress: Callable[[str], None] | None = None) -> Built:
     """Load the compiled kernels into this process (building them first where `build` and they
     are not built yet). Returns where the library is, or, with `library` None, why there is none.
     progress: told what is happening before a build starts (a build takes a minute)."""
@@ -125,4 +125,4 @@ def _build(path: Path, progress: Callable[[str], None] | None) -> Built:
     return Built(path)
 
 
-__all__ = ["BUILD_LOCK", "KERNELS_FOLDER", "Built", "built", "folder", "key", "library_path", "load"]
+__all__ = ["BUILD_LOCK", "KERNELS_FOLDER", "Built", "build_folder", "built", "key", "library_path", "load_library"]

@@ -1,6 +1,6 @@
 """The packed weights' layout, and the kernels' definitions in torch: the portable path.
 
-**Layout** (`pack`, `rows_of`): a weight of N outputs by K inputs, K in groups of 32, is cut
+**Layout** (`pack`, `unpack_rows`): a weight of N outputs by K inputs, K in groups of 32, is cut
 into panels of 16 outputs. Per panel and group, 64-byte chunks hold 4 bytes per output (lane):
 for 4-bit codes (0..15), chunk c's byte 4l + b holds the codes of inputs 32g + 8c + b (low half)
 and 32g + 8c + 4 + b (high half), 4 chunks; for 8-bit codes (-127..127, signed bytes), chunk c's
@@ -28,8 +28,10 @@ from __future__ import annotations
 import torch
 
 GROUP = 32
+"""Weights per group (a GGUF block: every 4- and 8-bit GGUF format this reads has 32-weight groups)."""
 LANES = 16
 BLOCK = 64
+"""Positions per attention block: every block is reduced as a [BLOCK]-long run, whatever the path's length."""
 ROWS_AT_ONCE = 64
 """Rows the portable products take at once (their float32 partials are [groups, rows, N])."""
 PARTIALS_AT_ONCE = 1 << 21
@@ -77,7 +79,7 @@ def _step_and_low(steps: torch.Tensor, bits: int, kept: int) -> tuple[torch.Tens
     return step, steps[..., 1, :] if kept == 2 else -8 * step  # centred codes: low = -8 step, exact
 
 
-def rows_of(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, inner: int, bits: int) -> torch.Tensor:
+def unpack_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, inner: int, bits: int) -> torch.Tensor:
     """[len(ids), inner] float32: the weights of output rows `ids`, read back out of the layout."""
     groups, kept = inner // GROUP, halves(packed, scales, inner, bits)
     panel, lane = ids // LANES, ids % LANES
@@ -239,4 +241,4 @@ def _combine(outs, high, starts, counts, pair_index, max_partials: int) -> torch
     return torch.where(total > 0, value / total.clamp(min=torch.finfo(torch.float32).tiny), 0)
 
 
-__all__ = ["attention", "pack", "qlinear", "quantize_rows", "rows_of", "unpacked"]
+__all__ = ["attention", "pack", "qlinear", "quantize_rows", "unpack_rows", "unpacked"]

@@ -32,10 +32,7 @@ from torch import nn
 
 from .. import kernels
 from ..errors import UnsupportedModel
-from ..kernels.portable import pack, rows_of
-
-GROUP = 32
-"""Weights per group (a GGUF block: every 4- and 8-bit GGUF format this reads has 32-weight groups)."""
+from ..kernels.portable import GROUP, pack, unpack_rows
 
 
 @dataclass
@@ -111,7 +108,7 @@ class PackedLinear(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), in_features] float32: the weights of output rows `ids` ([n] long), read back."""
-        return rows_of(self.codes, self.scales, ids.to(self.codes.device), self.in_features, self.bits)
+        return unpack_rows(self.codes, self.scales, ids.to(self.codes.device), self.in_features, self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.qlinear(x, self.codes, self.scales, self.out_features, self.bits, self.bias)
@@ -207,7 +204,7 @@ def pack_model(model: nn.Module, bits: int, dtype: torch.dtype = torch.bfloat16)
     """Replace every linear layer (and GPT-2's Conv1D) of `model` whose weight can be packed with
     a `PackedLinear` of `bits`-bit codes, and the input embedding with a `PackedEmbedding` (sharing
     the LM head's codes where the two are tied). Returns what each weight became, by name."""
-    tied = _tied(model)
+    tied = tied_embeddings(model)
     kept = f"{str(dtype).removeprefix('torch.')}, {NOT_PACKED}"  # what a weight no packed kernel takes stays as
     report: dict[str, str] = {}
     heads: dict[int, PackedLinear] = {}  # id(weight) -> its packed linear
@@ -243,9 +240,12 @@ def pack_model(model: nn.Module, bits: int, dtype: torch.dtype = torch.bfloat16)
     return report
 
 
-def _tied(model: nn.Module) -> bool:
-    out = model.get_output_embeddings()
-    return out is not None and getattr(out, "weight", None) is model.get_input_embeddings().weight
+def tied_embeddings(model: nn.Module) -> bool:
+    """Whether the output head reads the input embeddings' weights (once packed: the embedding's head)."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if isinstance(inp, PackedEmbedding):
+        return inp.head[0] is out
+    return out is not None and inp is not None and getattr(out, "weight", None) is getattr(inp, "weight", None)
 
 
 def _weight_object(module: nn.Module):
@@ -261,5 +261,6 @@ def _linear_weight(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
-__all__ = ["GROUP", "Codes", "PackedEmbedding", "PackedLinear", "linear_of", "pack_model", "packable", "packed_bytes",
-           "packed_linears", "quantize", "step_bytes", "weight_count", "weights_precision"]
+__all__ = ["GROUP", "Codes", "PackedEmbedding", "PackedLinear", "linear_of", "pack_model", "packable",
+           "packed_bytes", "packed_linears", "quantize", "step_bytes", "tied_embeddings", "weight_count",
+           "weights_precision"]

@@ -53,8 +53,8 @@ from .heads import (
     load_checked,
     on_device_of,
     read_config,
+    read_state_dict,
     read_tensors,
-    read_weights,
     write_head,
 )
 from .medusa import output_rows
@@ -110,6 +110,13 @@ class EagleHead(nn.Module):
     def draft_vocab_size(self) -> int:
         return len(self.token_ids)
 
+    @staticmethod
+    def reads(config: dict) -> bool:
+        """Whether a head folder's config may be an EAGLE head's: any (ours, the EAGLE project's,
+        EAGLE-3's and speculators' configs share no key), so its row comes after the other learned
+        heads' and `load` says what is wrong with a folder that is no head at all."""
+        return True
+
     def bind(self, model) -> EagleHead:
         """Check the head fits `model` (and was trained for it); tie its LM head to the target's
         rows of the draft vocabulary and keep the target's embeddings for its inputs."""
@@ -150,7 +157,7 @@ class EagleHead(nn.Module):
         config = read_config(folder, what)
         if "eagle" in config:
             return cls._load_ours(folder, config)
-        tensors = read_weights(folder, WEIGHT_FILES, what)
+        tensors = read_state_dict(folder, WEIGHT_FILES, what)
         if "speculators_model_type" in config or any(k.startswith("midlayer.") for k in tensors):
             return Eagle3Head.load(folder)
         if "fc.weight" in tensors and any(k.startswith("layers.0.") for k in tensors):

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..errors import InvalidArgument
 from ..models.vetting import cache_argument
-from .heads import causal_mask, check_head_fits, load_checked, on_device_of, read_config, read_weights
+from .heads import causal_mask, check_head_fits, load_checked, on_device_of, read_config, read_state_dict
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 """Where a published head keeps its weights, in the order they are looked for."""
@@ -183,7 +183,7 @@ class Eagle3Head(nn.Module):
 
         folder, what = Path(folder), "the EAGLE-3 head"
         config = read_config(folder, what)
-        tensors = read_weights(folder, WEIGHT_FILES, what)
+        tensors = read_state_dict(folder, WEIGHT_FILES, what)
         aux = None
         if "speculators_model_type" in config:
             kind = config["speculators_model_type"]

@@ -145,24 +145,12 @@ def read_config(folder: Path, what: str) -> dict:
     return config
 
 
-def folder_kind(folder: str | Path, unread: str | None = "medusa") -> str | None:
-    """The learned mode a head's folder is for, read from its config.json: "medusa" where it is in
-    Medusa's layout (published heads and ours name `medusa_num_heads`), else "eagle" (ours, the
-    EAGLE project's, EAGLE-3's, speculators'). A folder whose config cannot be read is `unread`'s:
-    by default Medusa's, whose loading then says what is wrong with it."""
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return unread
-    return "medusa" if not isinstance(config, dict) or "medusa_num_heads" in config else "eagle"
-
-
 def read_tensors(folder: Path, stem: str, what: str) -> dict[str, torch.Tensor]:
     """The tensors of `<stem>.safetensors` (or `<stem>.pt`, a torch state dict) in `folder`."""
-    return read_weights(folder, (f"{stem}.safetensors", f"{stem}.pt"), what)
+    return read_state_dict(folder, (f"{stem}.safetensors", f"{stem}.pt"), what)
 
 
-def read_weights(folder: Path, names: tuple[str, ...], what: str) -> dict[str, torch.Tensor]:
+def read_state_dict(folder: Path, names: tuple[str, ...], what: str) -> dict[str, torch.Tensor]:
     """The tensors of the first of the files `names` (safetensors, or a pickled torch state dict)
     that `folder` holds."""
     folder = Path(folder)

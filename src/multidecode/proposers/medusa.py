@@ -84,6 +84,11 @@ class MedusaHeads(nn.Module):
     def draft_vocab_size(self) -> int:
         return self.vocab_size if self.token_ids is None else len(self.token_ids)
 
+    @staticmethod
+    def reads(config: dict) -> bool:
+        """Whether a head folder's config is in Medusa's layout (published heads and ours name `medusa_num_heads`)."""
+        return "medusa_num_heads" in config
+
     def bind(self, model) -> MedusaHeads:
         """Check these heads fit `model` (and were trained for it), and read its LM head rows."""
         check_head_fits(model, self.hidden_size, self.vocab_size, self.target, "medusa")

@@ -53,7 +53,7 @@ from torch import nn
 
 from ..errors import InvalidArgument, UnsupportedModel, is_int
 from ..exact import ExactActivation, ExactLinear, ExactRMSNorm, RowTiledNorm
-from ..models.packed import PackedEmbedding, PackedLinear, packed_bytes
+from ..models.packed import PackedEmbedding, PackedLinear, packed_bytes, tied_embeddings
 from ..models.vetting import text_config
 
 MAX_DRAFT_LENGTH = 8
@@ -151,7 +151,7 @@ def self_draft(model, skip_layers: Sequence[int]):
     draft.load_state_dict({key: own[source] for key, source in sources.items()}, strict=True, assign=True)
     _share_remaining_tensors(model, draft, renamed)
 
-    if model.get_output_embeddings() is not None and _tied(model) != _tied(draft):
+    if model.get_output_embeddings() is not None and tied_embeddings(model) != tied_embeddings(draft):
         raise UnsupportedModel(f"{type(model).__name__}'s tied embeddings came apart in the draft", "report this")
     draft.generation_config = copy.deepcopy(model.generation_config)
     return draft
@@ -286,13 +286,6 @@ def _share_remaining_tensors(model, draft, renamed) -> None:
     left = [key for key, t in [*draft.named_parameters(), *draft.named_buffers()] if t.is_meta]
     if left:
         raise UnsupportedModel(f"the draft's {', '.join(left[:3])} could not be shared with the target", "report this")
-
-
-def _tied(model) -> bool:
-    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    if isinstance(inp, PackedEmbedding):
-        return inp.head[0] is out
-    return out is not None and inp is not None and getattr(out, "weight", None) is getattr(inp, "weight", None)
 
 
 # ---------------------------------------------------------------------- choosing the layers

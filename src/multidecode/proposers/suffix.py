@@ -79,7 +79,7 @@ MAX_TOKENS = 1_000_000
 MAX_KIND = 8
 """Draft nodes are labelled (`DraftTree.kinds`) with min(match length, MAX_KIND)."""
 
-ROOT = 0
+TRIE_ROOT = 0
 """The trie root's node id."""
 
 
@@ -164,7 +164,7 @@ class SuffixStore:
         active, created = record.active, 0
         for token in tokens:
             grown = []
-            for parent in (ROOT, *active[: depth - 1]):
+            for parent in (TRIE_ROOT, *active[: depth - 1]):
                 if toks[parent] == token:
                     node = kids[parent]
                 else:
@@ -238,8 +238,8 @@ class SuffixStore:
             yield from children.items()
 
     def node(self, path: Sequence[int]) -> int:
-        """The trie node of `path` (at most D tokens; ROOT for none), or -1 if it never occurred."""
-        node = ROOT
+        """The trie node of `path` (at most D tokens; TRIE_ROOT for none), or -1 if it never occurred."""
+        node = TRIE_ROOT
         for token in path:
             node = self.child(node, token)
             if node < 0:
@@ -279,7 +279,7 @@ class SuffixStore:
         start = 0
         while start < upto and not (trim and self.nodes <= self.max_nodes and self.tokens - start <= self.max_tokens):
             end = min(start + depth, n)
-            parent = ROOT
+            parent = TRIE_ROOT
             for j in range(start, end):
                 token = tokens[j]
                 node = self.child(parent, token)

@@ -48,7 +48,7 @@ from .protocol import (
     completion_logprobs,
     echo_texts,
     error_body,
-    parse,
+    parse_body,
     to_job,
     token_entry,
     tool_choice,
@@ -167,13 +167,13 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
         # OpenAI's words: every such error is an invalid_request_error, told apart by its code
-        unknown_model = isinstance(error, ModelNotFound)
+        unknown_model = isinstance(error, ModelNotServed)
         code = "model_not_found" if unknown_model else {401: "invalid_api_key"}.get(error.status_code)
         return JSONResponse(error_body(str(error.detail), param="model" if unknown_model else None, code=code),
                             status_code=error.status_code, headers=getattr(error, "headers", None))
 
 
-class ModelNotFound(HTTPException):
+class ModelNotServed(HTTPException):
     """A 404 for a model this server does not serve (OpenAI's code `model_not_found`, param `model`)."""
 
     def __init__(self, asked: str, served: str) -> None:
@@ -206,7 +206,7 @@ def _info_routes(app: FastAPI, state: ServeState) -> None:
     async def model(request: Request, model_id: str):
         state.authorize(request)
         if model_id != state.name:
-            raise ModelNotFound(model_id, state.name)
+            raise ModelNotServed(model_id, state.name)
         return model_object()
 
     @app.get("/metrics")
@@ -238,9 +238,9 @@ def _completion_routes(app: FastAPI, state: ServeState) -> None:
     async def _serve(request: Request, kind):
         state.authorize(request)
         runtime = state.ready()
-        body = parse(await _read_body(request), request.headers.get("content-type"), kind)
+        body = parse_body(await _read_body(request), request.headers.get("content-type"), kind)
         if body.model != state.name:
-            raise ModelNotFound(body.model, state.name)
+            raise ModelNotServed(body.model, state.name)
         engine = runtime.engine
         # Tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing.
         job = await asyncio.to_thread(to_job, body, runtime.tokenizer, vocab_size=engine.vocab_size,

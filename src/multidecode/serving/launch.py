@@ -1,7 +1,7 @@
 """Starting the server: the listening socket, the model loading behind it, and draining on SIGTERM.
 
-`run` is what `multidecode serve` (and the serve benchmark, through that command) calls: it binds
-the address first, so that a port out of range, in use or not this machine's is a clear error
+`serve_until_stopped` is what `multidecode serve` (and the serve benchmark, through that command)
+calls: it binds the address first, so that a port out of range, in use or not this machine's is a clear error
 before anything loads; then the model loads in the background while /health answers 503, and
 uvicorn serves until a signal. The first SIGTERM (or Ctrl-C) drains: new requests get 503 while
 running ones have up to `drain_timeout` seconds to finish; those still running or waiting then are
@@ -118,9 +118,9 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(state: ServeState, loader: Callable[[], tuple], *, host: str = "127.0.0.1", port: int = 8000,
-        limits: Limits | None = None, drain_timeout: float = 30.0, log_level: str = "info",
-        on_listening: Callable[[str], None] | None = None) -> None:
+def serve_until_stopped(state: ServeState, loader: Callable[[], tuple], *, host: str = "127.0.0.1",
+                        port: int = 8000, limits: Limits | None = None, drain_timeout: float = 30.0,
+                        log_level: str = "info", on_listening: Callable[[str], None] | None = None) -> None:
     """Serve `state` on `host`:`port` until a signal (see the module notes). loader: returns the
     model and its tokenizer, called in the background; on_listening: called with the address's
     URL once it is bound (with the real port when `port` is 0). Raises the loading error where the
@@ -262,4 +262,4 @@ def stopped_on_sigterm():
 
 
 __all__ = ["SHUTDOWN_GRACE_S", "DrainingServer", "ServerFailed", "ServerProcess", "bind", "check_drain_timeout",
-           "free_port", "run", "stopped_on_sigterm"]
+           "free_port", "serve_until_stopped", "stopped_on_sigterm"]

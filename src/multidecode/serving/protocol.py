@@ -70,7 +70,7 @@ from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
 from ..sampling import MAX_BIAS, MAX_PENALTY, SEED_LIMIT, SamplingParams, drawn_seed
 from ..sampling_keys import greedy_temperature
-from ..speculation import LEARNED, SpeculationSettings, speculation_mode
+from ..speculation import LEARNED, PROPOSER_MODES, SpeculationSettings, speculation_mode
 
 MAX_LOGPROBS = 20
 MIN_PENALTY = 0.01
@@ -180,7 +180,7 @@ TOO_DEEP = ("the body is not valid JSON for this server: its arrays or objects a
             "(a request needs a few levels; flatten it)")
 
 
-def parse(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
+def parse_body(raw: bytes, content_type: str | None, kind: type[_Body]) -> _Body:
     """The request body, checked: JSON of the right shape, or `BadRequest`."""
     if content_type is None or content_type.split(";")[0].strip().lower() != "application/json":
         raise BadRequest(f"the body must be JSON (Content-Type: application/json), got {content_type or 'none'}",
@@ -860,8 +860,8 @@ def _speculation(requested: str | None, default: SpeculationSettings | None, has
         mode = speculation_mode(requested)
     except InvalidArgument as error:
         raise BadRequest(f"speculate: {error}", "speculate") from None
-    if mode == "draft" and not has_draft:
-        raise BadRequest("speculate 'draft' needs a draft model, and this server has none (start it with "
+    if mode is not None and PROPOSER_MODES[mode].needs_draft and not has_draft:
+        raise BadRequest(f"speculate {mode!r} needs a draft model, and this server has none (start it with "
                          "--draft-model or --draft-skip-layers)", "speculate")
     if mode in LEARNED and mode != default.mode:  # its head is loaded once, when the server starts
         raise BadRequest(f"speculate {mode!r} drafts with a learned head, and this server did not load one "
@@ -963,7 +963,7 @@ def _bytes_of(tokenizer) -> Callable[[int], bytes]:
     return lambda token_id: reader.decode_bytes([token_id])
 
 
-def token_text(data: bytes) -> str:
+def openai_token(data: bytes) -> str:
     """A token as OpenAI names it in logprobs: its text where its bytes are UTF-8 on their own,
     else "bytes:" and each byte as \\xNN (part of a character)."""
     try:
@@ -985,8 +985,8 @@ def completion_logprobs(entries: list[TokenLogprob]) -> dict:
     logprobs + 1 entries); the chat API's stay the top ones only, as OpenAI's do."""
     def top(e: TokenLogprob) -> dict[str, float]:
         chosen = () if any(data == e.data for data, _ in e.top) else ((e.data, e.logprob),)
-        return {token_text(data): lp for data, lp in (*e.top, *chosen)}
-    return {"tokens": [token_text(e.data) for e in entries], "token_logprobs": [e.logprob for e in entries],
+        return {openai_token(data): lp for data, lp in (*e.top, *chosen)}
+    return {"tokens": [openai_token(e.data) for e in entries], "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [top(e) for e in entries], "text_offset": [e.offset for e in entries]}
 
 
@@ -994,12 +994,29 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
     """The chat API's log-probabilities: each token's bytes are its own, so that joined they are
     the content's UTF-8 (with the end-of-sequence token's name last, where one ended it)."""
     def item(data: bytes, lp: float) -> dict:
-        return {"token": token_text(data), "logprob": lp, "bytes": list(data)}
+        return {"token": openai_token(data), "logprob": lp, "bytes": list(data)}
     return {"content": [{**item(e.data, e.logprob), "top_logprobs": [item(d, lp) for d, lp in e.top]}
                         for e in entries],
             "refusal": None}
 
 
-__all__ = ["BadRequest", "Call", "ChatBody", "Choice", "CompletionBody", "TokenLogprob", "ToolChoice", "chat_logprobs",
-           "completion_logprobs", "echo_texts", "error_body", "parse", "to_job", "token_bytes", "token_entry",
-           "token_text", "tool_choice", "usage_dict"]
+__all__ = [
+    "BadRequest",
+    "Call",
+    "ChatBody",
+    "Choice",
+    "CompletionBody",
+    "TokenLogprob",
+    "ToolChoice",
+    "chat_logprobs",
+    "completion_logprobs",
+    "echo_texts",
+    "error_body",
+    "openai_token",
+    "parse_body",
+    "to_job",
+    "token_bytes",
+    "token_entry",
+    "tool_choice",
+    "usage_dict",
+]

@@ -42,13 +42,13 @@ from ..sampling import per_branch_sampling
 from ..scheduler import Feed, Scheduler, Settled, Work, new_scheduler
 from ..stopping import stop_strings_of
 
-NOTHING = "Nothing relevant."
+NOTHING_RELEVANT = "Nothing relevant."
 """What a margin says when its chunk holds nothing about the question (the prompt asks for it)."""
 
 MARGIN_TEMPLATE = (
     "Question: {question}\n\nBelow is one part of a long document. Write a short note with the facts from "
     "this part that help answer the question. If this part says nothing about the question, write "
-    f"'{NOTHING}'\n\n\"\"\"\n{{chunk}}\n\"\"\""
+    f"'{NOTHING_RELEVANT}'\n\n\"\"\"\n{{chunk}}\n\"\"\""
 )
 """The user message for one chunk. Everything before `{chunk}` (the question and the instruction)
 is common to all chunks, so it is prefilled once and each chunk's branch holds only its own text."""
@@ -79,7 +79,7 @@ _LEVELS = (_PARAGRAPH, _LINE, _SENTENCE, _WORD)
 _SENTENCE_LEVEL = 3  # levels below this (paragraph, line, sentence) always split
 CHUNK_FILL = 0.7
 """A chunk ends at the strongest boundary that leaves it at least this full (of chunk_tokens)."""
-_NOTHING = re.compile(r"^\W*(nothing\b|none\W*$|n/?a\W*$|not relevant|no relevant)|nothing relevant", re.IGNORECASE)
+_SAYS_NOTHING = re.compile(r"^\W*(nothing\b|none\W*$|n/?a\W*$|not relevant|no relevant)|nothing relevant", re.IGNORECASE)
 
 
 # ---------------------------------------------------------------------- results
@@ -307,7 +307,7 @@ def margin_prompts(tokenizer, chunks: Sequence[Chunk | str], question: str, *,
 def says_nothing(note: str) -> bool:
     """True for a note that is empty, says 'nothing relevant' anywhere, starts with 'nothing',
     'not relevant' or 'no relevant', or is just 'none' or 'n/a'."""
-    return not note.strip() or bool(_NOTHING.search(note.strip()))
+    return not note.strip() or bool(_SAYS_NOTHING.search(note.strip()))
 
 
 def answer_prompt(tokenizer, question: str, notes: Sequence[str], *, template: str = ANSWER_TEMPLATE) -> list[int]:

@@ -141,7 +141,7 @@ def tally(question: str, done: Sequence[Completion], extract: Callable[[str], st
     `extract_answer`, by its 'Answer:' line alone where max_new_tokens cut it short."""
     def answer(c: Completion) -> str | None:
         if extract is not None:
-            return counted(extract(c.text))
+            return as_vote(extract(c.text))
         if c.matched is not None:
             return constrained_answer(c)
         return extract_answer(c.text, marked_only=c.finish_reason == "length")
@@ -152,7 +152,7 @@ def tally(question: str, done: Sequence[Completion], extract: Callable[[str], st
     return Vote(question, next(iter(ranked), None), ranked, traces)
 
 
-def counted(answer):
+def as_vote(answer):
     """An extractor's answer as a vote: it must be hashable (text, a number) or None (no answer)."""
     try:
         hash(answer)

@@ -40,14 +40,12 @@ from ..forest import chain_parents
 from ..prompts import render_prompt, tokenize_prompt
 from ..proposers.drafting import vocabulary_size
 from ..proposers.eagle import EagleHead, head_config
-from ..proposers.heads import fingerprint, folder_kind, head_dir, other_target
+from ..proposers.heads import fingerprint, head_dir, other_target
 from ..proposers.medusa import MedusaHeads
+from ..speculation import folder_mode
 from . import TRAINABLE
 from .features import TOP, Features, load_features
 from .trainees import EagleTrainee, MedusaTrainee
-
-KINDS = TRAINABLE
-
 
 RECIPE = 2
 """What the trainees learn (2: the EAGLE head reads whole sequences, prompt first): a checkpoint of
@@ -149,8 +147,8 @@ def _prompt_of(record) -> str | None:
 
 def check_model(model, kind: str) -> None:
     """Refuse a kind this trainer does not make, or a model without what the kind reads."""
-    if kind not in KINDS:
-        raise InvalidArgument(f"cannot train a {kind!r} drafter yet", f"use --kind {' or '.join(KINDS)}")
+    if kind not in TRAINABLE:
+        raise InvalidArgument(f"cannot train a {kind!r} drafter yet", f"use --kind {' or '.join(TRAINABLE)}")
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if getattr(model.config, "hidden_size", None) is None or head is None:
         raise InvalidArgument(f"{kind} heads read the model's last hidden state and share its LM head, and this "
@@ -244,7 +242,7 @@ def _check_output(output: Path, model, kind: str) -> None:
     if other is not None:
         raise InvalidArgument(f"{output} holds a head trained for {other}, which this run would replace",
                               f"give another --output (or delete {output})")
-    held = folder_kind(output)
+    held = folder_mode(output)
     if held != kind:
         raise InvalidArgument(f"{output} holds {held} weights and this run writes {kind} weights, which would be left "
                               "beside them",
