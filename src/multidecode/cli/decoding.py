@@ -113,6 +113,24 @@ def show_stream(events: Iterable[TokenEvent], questions: Sequence[str], limit: s
     return board
 
 
+def stream_run(run, labels: Sequence[str]) -> int:
+    """A local run's answers printed as they are generated (`show_stream`), those cut short
+    noted; returns the tokens generated."""
+    board = show_stream(run.events, labels)
+    note_cut_branches(run.branches)
+    return sum(map(len, board.token_ids))
+
+
+def summarize_run(run, what: str, generated: int, start: float, *, show_stats: bool, how: str) -> None:
+    """On stderr, after a local run: its statistics (with --stats), then what came back (`what`:
+    "3 answers"), its `generated` tokens, the seconds since `start` and the rate, and `how`."""
+    elapsed = time.perf_counter() - start
+    if show_stats:
+        print_stats(run.stats.as_dict())
+    stderr.print(f"[dim]{what}, {counted(generated, 'token')} in {elapsed:.1f} s "
+                 f"({generated / elapsed:.1f} tokens/s), {how}[/dim]")
+
+
 def gather_questions(question: Sequence[str], questions_file: str | None) -> list[str]:
     questions = list(question)
     if questions_file:
@@ -162,16 +180,9 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
         click.echo(json.dumps(rows, ensure_ascii=False))
         generated = sum(len(a.token_ids) for a in answers)
     else:
-        board = show_stream(run.events, questions)
-        generated = sum(map(len, board.token_ids))
-        note_cut_branches(run.branches)
-    elapsed = time.perf_counter() - start
-    if show_stats:
-        print_stats(run.stats.as_dict())
-    stderr.print(
-        f"[dim]{counted(len(questions), 'answer')}, {counted(generated, 'token')} in {elapsed:.1f} s "
-        f"({generated / elapsed:.1f} tokens/s), one shared pass[/dim]"
-    )
+        generated = stream_run(run, questions)
+    summarize_run(run, counted(len(questions), 'answer'), generated, start, show_stats=show_stats,
+                  how="one shared pass")
 
 
 def ask_on_server(url: str, text: str, questions: list[str], request: Request, asked: tuple, *, as_json: bool,
@@ -253,16 +264,10 @@ def complete(prompt, prompt_file, no_chat, n, max_new_tokens, greedy, stop, mode
     else:
         labels = [f"completion {i + 1}" + (f" (seed {params.seed})" if params.do_sample else "")
                   for i, params in enumerate(run.sampling)]
-        board = show_stream(run.events, labels)
-        generated = sum(map(len, board.token_ids))
-        note_cut_branches(run.branches)
-    elapsed = time.perf_counter() - start
-    if show_stats:
-        print_stats(run.stats.as_dict())
+        generated = stream_run(run, labels)
     waves = len(run.runs) if isinstance(run, Waves) else 1
     how = "one prefill" if waves == 1 else f"in {waves} waves of up to {run.size} (all at once would not fit in memory)"
-    stderr.print(f"[dim]{counted(n, 'completion')}, {counted(generated, 'token')} in {elapsed:.1f} s "
-                 f"({generated / elapsed:.1f} tokens/s), {how}[/dim]")
+    summarize_run(run, counted(n, 'completion'), generated, start, show_stats=show_stats, how=how)
 
 
 def scored(logprobs: list[float] | None) -> dict:
