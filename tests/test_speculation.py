@@ -11,6 +11,7 @@ leaves a slot behind) make these comparisons fail.
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -86,6 +87,42 @@ def test_a_proposer_without_propose_is_refused_when_given():
     with pytest.raises(InvalidArgument, match="Unfinished defines no propose method") as caught:
         build_speculation(Unfinished(), torch.float32)
     assert "propose(context, budget)" in caught.value.hint
+
+
+class Handmade(Proposer):
+    """Returns the same tree, built by hand, every step."""
+
+    name = "handmade"
+
+    def __init__(self, draft: DraftTree) -> None:
+        self.draft = draft
+
+    def propose(self, context: BranchContext, budget: int) -> DraftTree:
+        return self.draft
+
+
+@pytest.mark.parametrize("draft, needle", [
+    (DraftTree(tokens=[5], parents=[-1], kinds=[0], priors=[0.5]), None),  # well formed: decodes
+    (DraftTree(tokens=[5, 6], parents=[1, -1], kinds=[0, 0], priors=[0.5, 0.5]),
+     "node 0's parent 1 is neither UNDER_LEAF (-1) nor an earlier node"),  # was an IndexError in depths()
+    (DraftTree(tokens=[5, 6], parents=[-1], kinds=[0, 0], priors=[0.5, 0.5]), "its lists differ in length"),
+    (DraftTree(tokens=[5], parents=[-1]), "0 kinds, 0 priors"),
+    (DraftTree(tokens=[5.5], parents=[-1], kinds=[0], priors=[0.5]), "token 5.5 is not a whole-number id"),
+    (DraftTree(side_tokens=[4, 5], side_parents=[-1, 2]), "side node 1's parent 2"),
+    (DraftTree(tokens=[VOCAB], parents=[-1], kinds=[0], priors=[0.5]), f"outside the model's vocabulary of {VOCAB}"),
+])
+def test_a_malformed_draft_is_refused_naming_its_proposer(draft, needle):
+    """A tree built by hand is checked like one built by `add`: a parent that is not an earlier
+    node, lists of different lengths, a token that is no id, or one outside the vocabulary."""
+    model = tiny_model("llama", "sdpa")
+    if needle is None:
+        assert multidecode.decode(model, [1, 2, 3], [[4]], max_new_tokens=3, speculate=Handmade(draft)) == \
+            multidecode.decode(model, [1, 2, 3], [[4]], max_new_tokens=3)
+        return
+    assert draft.problem() is not None or "vocabulary" in needle
+    with pytest.raises(InvalidArgument, match=re.escape(needle)) as caught:
+        multidecode.decode(model, [1, 2, 3], [[4]], max_new_tokens=3, speculate=Handmade(draft))
+    assert "'handmade'" in caught.value.message
 
 
 class Garbage(Proposer):

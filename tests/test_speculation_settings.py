@@ -35,6 +35,8 @@ def test_modes_and_their_details_parse():
     (dict(mode="lookup", skip_layers="1"), "but speculate is 'lookup'"),
     (dict(mode="lookup", lookahead="7,5,7"), "lookahead sets lookahead decoding"),
     (dict(mode="lookahead", lookahead="7,5"), "is not three integers"),
+    (dict(mode="lookahead", lookahead="1,2,1"), "W=1 with N=2 leaves no lookahead window"),  # was refused at the run
+    (dict(mode="lookahead", lookahead="7,5,0"), "need W >= 1, N >= 2 and G >= 1"),  # was refused at the run
     (dict(mode="draft", skip_layers="1-x"), "not a list of layer numbers"),
     (dict(mode="draft", skip_layers="5-2"), r"runs backwards \(5-2\).*2-5"),  # was (): the target as its own draft
     (dict(mode="draft", skip_layers="1-"), "not a list of layer numbers"),  # was (1,)

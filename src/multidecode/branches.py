@@ -611,11 +611,15 @@ def with_forced(draft: DraftTree, forced: Sequence[int]) -> DraftTree:
 
 
 def checked_draft(draft, spec: Speculation, vocab_size: int | None) -> DraftTree:
-    """A proposer's answer, refused with a message naming the proposer unless it is a `DraftTree`
-    of token ids the model knows (a bad id would otherwise fail deep inside the forward)."""
+    """A proposer's answer, refused with a message naming the proposer unless it is a well-formed
+    `DraftTree` (`DraftTree.problem`) of token ids the model knows (a bad id would otherwise fail
+    deep inside the forward)."""
     if not isinstance(draft, DraftTree):
         raise InvalidArgument(f"proposer {spec.proposer.name!r} returned {type(draft).__name__}, not a DraftTree",
                               "return a multidecode.proposers.DraftTree from propose()")
+    if (problem := draft.problem()) is not None:
+        raise InvalidArgument(f"proposer {spec.proposer.name!r} returned a malformed DraftTree: {problem}",
+                              "build drafts with DraftTree.add (or add_path), which keeps parents before children")
     tokens = draft.tokens + draft.side_tokens
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in tokens):
         bad = next(t for t in tokens if not 0 <= t < vocab_size)

@@ -55,7 +55,7 @@ from .proposers.draft import DraftModel, check_same_tokenizer
 from .proposers.eagle import Eagle, EagleHead
 from .proposers.eagle3 import Eagle3Head
 from .proposers.heads import head_dir, shape_key, shipped_head_dir
-from .proposers.lookahead import Lookahead
+from .proposers.lookahead import Lookahead, window_problem
 from .proposers.lookup import PromptLookup
 from .proposers.medusa import Medusa, MedusaHeads
 from .proposers.mixture import Mixture
@@ -515,15 +515,15 @@ def choose_draft_layers(settings: SpeculationSettings, model, tokenizer, *, samp
 
 
 def lookahead_settings(value: str | Sequence[int], spelling: Spelling = PYTHON) -> tuple[int, int, int]:
-    """'W,N,G' (or three ints) as (window >= 1, n-gram size >= 2, guesses >= 0)."""
+    """'W,N,G' (or three ints) as (window, n-gram size, guesses), checked as `Lookahead` checks them."""
     try:
         parts = value.split(",") if isinstance(value, str) else list(value)
         window, ngram, guesses = (int(part) for part in parts)
     except (ValueError, TypeError):
         raise InvalidArgument(f"{spelling.lookahead} {value!r} is not three integers W,N,G",
                               f"write e.g. {spelling.example(spelling.lookahead, '7,5,7')}") from None
-    if window < 1 or ngram < 2 or guesses < 0:
-        raise InvalidArgument(f"{spelling.lookahead} {value}: need W >= 1, N >= 2 and G >= 0",
+    if (problem := window_problem(window, ngram, guesses)) is not None:
+        raise InvalidArgument(f"{spelling.lookahead} {value}: {problem}",
                               f"write e.g. {spelling.example(spelling.lookahead, '7,5,7')}")
     if (window + guesses) * (ngram - 1) > MAX_LOOKAHEAD_NODES:  # built before any memory check could see it
         raise InvalidArgument(f"{spelling.lookahead} {value}: (W + G) x (N - 1) = {(window + guesses) * (ngram - 1)} "

@@ -100,6 +100,23 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def problem(self) -> str | None:
+        """What makes this not a draft tree (for one built by hand rather than by `add`), or None:
+        every node needs a whole-number token, a kind and a prior, and a parent that is
+        `UNDER_LEAF` or an earlier node (side nodes: an earlier side node)."""
+        nodes, sides = len(self.tokens), len(self.side_tokens)
+        if not len(self.parents) == len(self.kinds) == len(self.priors) == nodes or len(self.side_parents) != sides:
+            return (f"its lists differ in length ({nodes} tokens, {len(self.parents)} parents, {len(self.kinds)} "
+                    f"kinds, {len(self.priors)} priors; {sides} side tokens, {len(self.side_parents)} side parents)")
+        bad = next((t for t in self.tokens + self.side_tokens if isinstance(t, bool) or not isinstance(t, int)), None)
+        if bad is not None:
+            return f"token {bad!r} is not a whole-number id"
+        for what, parents in (("node", self.parents), ("side node", self.side_parents)):
+            for i, parent in enumerate(parents):
+                if not (isinstance(parent, int) and UNDER_LEAF <= parent < i):
+                    return f"{what} {i}'s parent {parent!r} is neither UNDER_LEAF ({UNDER_LEAF}) nor an earlier {what}"
+        return None
+
     def add(self, token: int, parent: int = UNDER_LEAF, *, kind: int = 0, prior: float = 0.5) -> int:
         """Append a node; returns its index."""
         if not UNDER_LEAF <= parent < len(self.tokens):

@@ -154,6 +154,16 @@ class _State:
     collected: int = 0  # n-grams collected from the window
 
 
+def window_problem(window: int, ngram: int, guesses: int) -> str | None:
+    """What is wrong with a lookahead window W, n-gram size N and guesses G (whole numbers), or
+    None: the one rule `Lookahead` and the settings parsed before any model loads both apply."""
+    if window < 1 or ngram < 2 or guesses < 1:
+        return f"need W >= 1, N >= 2 and G >= 1 (window, n-gram size, guesses), got W={window}, N={ngram}, G={guesses}"
+    if window == 1 and ngram == 2:
+        return "W=1 with N=2 leaves no lookahead window (only the newest token): widen the window or lengthen the n-grams"
+    return None
+
+
 class Lookahead(Proposer):
     """Lookahead decoding as a proposer (see the module notes).
 
@@ -173,14 +183,10 @@ class Lookahead(Proposer):
         given = {"window": window, "ngram": ngram, "guesses": guesses, "max_keys": max_keys}
         if not all(map(is_int, given.values())):
             raise InvalidArgument(f"Lookahead takes whole numbers, got {given}", "e.g. Lookahead(window=7, ngram=5, guesses=7)")
-        if window < 1 or ngram < 2:
-            raise InvalidArgument(f"Lookahead needs window >= 1 and ngram >= 2, got window={window}, ngram={ngram}",
-                                  "the defaults are window=7, ngram=5")
-        if window == 1 and ngram == 2:
-            raise InvalidArgument("window=1 with ngram=2 leaves no lookahead window (only the newest token)",
-                                  "widen the window or lengthen the n-grams")
-        if guesses < 1:
-            raise InvalidArgument(f"guesses must be at least 1, got {guesses}")
+        problem = window_problem(window, ngram, guesses)
+        if problem is not None:
+            raise InvalidArgument(f"Lookahead(window={window}, ngram={ngram}, guesses={guesses}): {problem}",
+                                  "the defaults are window=7, ngram=5, guesses=7")
         if max_keys < 1:
             raise InvalidArgument(f"max_keys must be at least 1, got {max_keys}")
         self.window, self.ngram, self.guesses = window, ngram, guesses
