@@ -250,7 +250,7 @@ def test_a_job_wide_logit_bias_outside_the_vocabulary_is_a_job_error(model_dir, 
     out = tmp_path / "out.jsonl"
     result = run(source, "-q", "who?", "--model", model_dir, "--max-new-tokens", "2", "-o", out,
                  "--logit-bias", "999999=5")
-    assert result.exit_code == 2 and "logit_bias of the job names token id 999999" in result.stderr
+    assert result.exit_code == 2 and "--logit-bias of the job names token id 999999" in result.stderr
     assert not out.exists() or records(out) == []
     assert run(source, "-q", "who?", "--model", model_dir, "--max-new-tokens", "2", "-o", out,
                "--logit-bias", "5=5").exit_code == 0
@@ -392,7 +392,7 @@ def test_problems_with_the_job_exit_2_with_a_hint(model_dir, tmp_path, case):
     elif case == "missing model":
         args[4], needle = tmp_path / "no-model", "does not exist"
     elif case == "zero max tokens":
-        args, needle = args + ["--max-new-tokens", 0], "max_new_tokens must be a positive integer"
+        args, needle = args + ["--max-new-tokens", 0], "--max-new-tokens must be a positive integer"
     elif case == "bad temperature":
         args, needle = args + ["--temperature", -0.5], "--temperature must be 0 (greedy) or more"
     elif case == "empty job question":
@@ -997,6 +997,7 @@ def test_lines_added_during_a_run_leave_it_incomplete_for_the_next(model_dir, tm
         list(job.run(decoder))
         summary = job.summary()
     assert (summary.done, summary.remaining, summary.complete) == (2, 1, False)
+    assert summary.total == summary.skipped + summary.done + summary.remaining == 3  # was 2 lines of which 1 to go
     summary = run_batch(decoder, source, out, max_new_tokens=3, model="tiny")
     assert (summary.skipped, summary.done, summary.complete) == (2, 1, True)
     assert sorted(by_id(records(out))) == ["doc-0", "doc-1", "doc-2"]

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,7 +214,7 @@ def test_sliding_chunked_and_bidirectional_models_are_refused():
 def test_non_positive_max_new_tokens(model_dir, doc, value):
     assert_clean_error(
         run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--max-new-tokens", value),
-        "max_new_tokens must be a positive integer",
+        "--max-new-tokens must be a positive integer",  # the option, not the library's name for it
     )
 
 
@@ -293,9 +296,9 @@ def test_bad_sampling_settings(model_dir, doc):
     assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--temperature", -1),
                        "--temperature must be 0 (greedy) or more")  # (0 is greedy here, as on the server)
     assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--top-p", 1.5),
-                       "top_p must be in (0, 1]", "hint: 1, or leaving it unset, turns it off")
+                       "--top-p must be in (0, 1]", "hint: 1, or leaving it unset, turns it off")
     assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--min-p", 1.5),
-                       "min_p must be in [0, 1]", "hint: 0, or leaving it unset, turns it off")
+                       "--min-p must be in [0, 1]", "hint: 0, or leaving it unset, turns it off")
 
 
 def test_the_temperature_help_says_what_a_sampling_command_samples_at():
@@ -609,7 +612,7 @@ def test_a_device_that_cannot_be_used(model_dir, doc, device, needle):
 
 def test_a_seed_out_of_range(model_dir, doc):
     assert_clean_error(run("ask", "--model", model_dir, "--document", doc, "-q", "why?", "--seed", 2**70),
-                       "seed must be an integer from 0 to 2**64 - 1")
+                       "--seed must be an integer from 0 to 2**64 - 1")
 
 
 def test_text_with_a_lone_surrogate_is_refused():
@@ -633,14 +636,14 @@ def test_a_huge_n_is_checked_at_once(model_dir):
     """The early check reads the settings once, not once per completion: n = 10^8 whose last seed
     overflows is refused in a moment (it built 10^8 settings first, for minutes)."""
     assert_clean_error(run("complete", "--model", model_dir, "-p", "hi", "-n", 10**8, "--seed", 2**64 - 2),
-                       "seed must be an integer from 0 to 2**64 - 1")
+                       "--seed must be an integer from 0 to 2**64 - 1")
 
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["complete", "-p", "hi", "-n"], "n 100000000000000000000 is past 2**63 - 1"),
     (["vote", "-q", "hi", "-n"], "n 100000000000000000000 is past 2**63 - 1"),
-    (["beam", "-p", "hi", "-b"], "num_beams 100000000000000000000 is past 2**63 - 1"),
-    (["generate", "-p", "hi", "--top-k"], "top_k must be 0 (off) or a positive integer below 2**63"),
+    (["beam", "-p", "hi", "-b"], "--num-beams 100000000000000000000 is past 2**63 - 1"),
+    (["generate", "-p", "hi", "--top-k"], "--top-k must be 0 (off) or a positive integer below 2**63"),
 ])
 def test_counts_past_what_a_list_or_int64_holds_are_named(model_dir, args, needle):
     """Counts of 2**63 or more passed the checks and ended in an OverflowError traceback (a list
@@ -669,7 +672,7 @@ def test_bench_settings_are_checked_before_the_run(args, needle, tmp_path):
 def test_demo_settings_are_checked_before_the_model_loads(tmp_path):
     """demo --max-new-tokens 0 loaded the model and printed its header before it was refused."""
     result = run("demo", "--max-new-tokens", 0, "--model", tmp_path / "no-model")
-    assert_clean_error(result, "max_new_tokens must be a positive integer")
+    assert_clean_error(result, "--max-new-tokens must be a positive integer")
     assert "no-model" not in result.output and "support-call" not in result.output
 
 
@@ -779,6 +782,39 @@ def test_the_same_families_configured_to_read_positions_still_run():
         together = multidecode.decode(model, prefix, branches, max_new_tokens=5, eos_token_id=[], exact=False)
         for branch, got in zip(branches, together):
             assert got == reference_generate(model, prefix + branch, max_new_tokens=5, eos_token_id=[NO_EOS])
+
+
+def _command(*arguments: str, **popen) -> subprocess.CompletedProcess:
+    """`python -m multidecode ARGUMENTS` in a process of its own, this checkout's source first."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return subprocess.run([sys.executable, "-m", "multidecode", *arguments], text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": src}, **popen)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("arguments", [("--help",), ("cache", "list")])
+def test_standard_output_that_cannot_be_written_is_an_error_line(arguments, cache):
+    """`> /dev/full` (a full disk) ended every command, --help too, with an OSError's traceback."""
+    with open("/dev/full", "w") as full:
+        done = _command(*arguments, stdout=full, stderr=subprocess.PIPE)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "cannot write the output: No space left on device" in done.stderr
+
+
+@pytest.mark.xdist_group("cli")
+def test_a_reader_of_standard_error_that_leaves_does_not_end_the_work(model_dir, tmp_path):
+    """`multidecode batch ... 2>&1 | head -1` ended the job with status 1 before it began: the line
+    that said the model had loaded found the pipe gone (rich's default). The job now goes on quietly."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "document": f"Caller {i} asked about a cable."}) + "\n"
+                              for i in "ab"))
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as gone:
+        done = _command("batch", str(source), "-q", "Who called?", "-o", str(out), "--model", str(model_dir),
+                        "--max-new-tokens", "3", stdout=subprocess.PIPE, stderr=gone)
+    assert done.returncode == 0
+    assert len(out.read_text().splitlines()) == 2
 
 
 def test_a_reader_that_leaves_ends_the_command_quietly_with_0():

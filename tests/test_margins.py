@@ -335,7 +335,7 @@ def test_cli_counts_one_margin_in_the_singular(model_dir):
 @pytest.mark.parametrize("args, needle", [
     (["-q", ""], "no question"),
     ([], "no question"),
-    (["-q", QUESTION, "--chunk-tokens", 0], "chunk_tokens"),
+    (["-q", QUESTION, "--chunk-tokens", 0], "--chunk-tokens"),
 ])
 def test_cli_errors(model_dir, tmp_path, args, needle):
     path = tmp_path / "doc.txt"

@@ -97,6 +97,22 @@ def test_loading_hints_speak_to_a_python_caller_too(monkeypatch):
         assert "device='cpu'" in caught.value.hint
 
 
+def test_a_folder_without_a_tokenizer_is_named_with_what_transformers_missed(tmp_path, capfd, caplog):
+    """The error kept transformers' first line only ("Couldn't instantiate the backend tokenizer
+    from one of:"), which ends at a colon, and a deprecation warning of ours reached stderr."""
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1,
+                                                    "num_attention_heads": 2, "intermediate_size": 32,
+                                                    "vocab_size": 64}))
+    with pytest.raises(multidecode.ModelNotFound) as caught:
+        multidecode.load(str(folder))
+    message = caught.value.message
+    assert "\n" not in message and not message.rstrip().endswith(":"), message
+    assert "tokenizer" in message and "serialization file" in message
+    assert "torch_dtype" not in capfd.readouterr().err + caplog.text  # where transformers' logger writes
+
+
 class _Interrupted(Exception):
     pass
 

@@ -218,8 +218,8 @@ def test_cli_options_reach_every_branch(model_dir):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--presence-penalty", "3"], "presence_penalty must be in [-2, 2]"),
-    (["--frequency-penalty", "-2.5"], "frequency_penalty must be in [-2, 2]"),
+    (["--presence-penalty", "3"], "--presence-penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "-2.5"], "--frequency-penalty must be in [-2, 2]"),
     (["--logit-bias", "5"], "is not TOKEN=BIAS"),
     (["--logit-bias", "x=1"], "is not TOKEN=BIAS"),
     (["--logit-bias", "5=101"], "[-100, 100]"),

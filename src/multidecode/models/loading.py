@@ -195,7 +195,7 @@ def _folder_dtype(folder, kwargs: dict) -> torch.dtype | None:
 
     with quiet_transformers(), loading_errors(folder):
         config = AutoConfig.from_pretrained(folder, **kwargs)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(config, "dtype", None)  # transformers reads an older file's torch_dtype into it
     if isinstance(dtype, str):
         dtype = precision.DTYPES.get(dtype)
     return dtype if isinstance(dtype, torch.dtype) else None

@@ -62,7 +62,7 @@ def loading_errors(model):
         hint = "pass a local Hugging Face model folder, a .gguf file, or nothing for the embedded model"
         if str(model).lower().endswith(".gguf"):  # a header or a tensor that ends early: most often a cut download
             hint = f"{model} may be cut short or damaged (a download that did not finish?): fetch it again; or " + hint
-        raise ModelNotFound(f"could not load a causal language model from {model}: {first_line(err)}", hint) from err
+        raise ModelNotFound(f"could not load a causal language model from {model}: {in_one_line(err)}", hint) from err
 
 
 def sdpa_or_eager(build: Callable[[str], T]) -> T:
@@ -83,12 +83,16 @@ def from_pretrained(auto_class, folder, dtype, kwargs):
     except ValueError as err:
         if "Unrecognized configuration class" in str(err) or "does not recognize" in str(err):
             raise UnsupportedModel(
-                f"{folder} is not a causal language model: {first_line(err)}",
+                f"{folder} is not a causal language model: {in_one_line(err)}",
                 "MultiDecode needs a decoder-only model (AutoModelForCausalLM)",
             ) from err
         raise
 
 
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+def in_one_line(err: BaseException, limit: int = 400) -> str:
+    """An error's message on one line for an `error:` line: its lines joined (transformers often
+    says what is missing only after a first line ending in a colon), cut at `limit` characters."""
+    text = " ".join(str(err).split())
+    if not text:
+        return type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
