@@ -139,7 +139,8 @@ def loader():
     model.forward = slow
     return model, tokenizer
 
-serve_until_stopped(ServeState("tiny"), loader, port=int(sys.argv[2]), drain_timeout=2.0, log_level="warning")
+serve_until_stopped(ServeState("tiny"), loader, port=int(sys.argv[2]), drain_timeout=float(sys.argv[3]),
+                    log_level="warning")
 """
 
 
@@ -147,7 +148,7 @@ serve_until_stopped(ServeState("tiny"), loader, port=int(sys.argv[2]), drain_tim
 def test_a_served_process_exits_soon_after_its_drain_deadline(model_dir):
     """The real thing: uvicorn's signal handler in a process of its own, a stream of 240 tokens
     (12 s at least) running when SIGTERM comes."""
-    command = [sys.executable, "-c", DRAINING_SERVER, str(model_dir), "{port}"]
+    command = [sys.executable, "-c", DRAINING_SERVER, str(model_dir), "{port}", "2.0"]
     with ServerProcess("drain", command, env={"OMP_NUM_THREADS": "1"}) as server:
         server.wait_ready(120)
         with httpx.stream("POST", server.url + "/v1/completions", json={**BODY, "stream": True},
@@ -160,3 +161,23 @@ def test_a_served_process_exits_soon_after_its_drain_deadline(model_dir):
         assert_ended_by_the_drain(events)
         assert server.process.wait(2.0 + MARGIN_S) == 0, server.log_tail()
         assert time.monotonic() - signalled < 2.0 + MARGIN_S
+
+
+@pytest.mark.slow
+def test_a_second_signal_ends_the_running_requests_and_exits_at_once(model_dir):
+    """The second SIGTERM went to uvicorn, which waited out its graceful shutdown (5 s) while the
+    engine decoded on, and cut the streams without a word: now they get the shutting-down error,
+    and the process exits long before its drain deadline (60 s here)."""
+    command = [sys.executable, "-c", DRAINING_SERVER, str(model_dir), "{port}", "60"]
+    with ServerProcess("drain", command, env={"OMP_NUM_THREADS": "1"}) as server:
+        server.wait_ready(120)
+        with httpx.stream("POST", server.url + "/v1/completions", json={**BODY, "stream": True},
+                          timeout=30) as response:
+            lines = response.iter_lines()
+            events = events_of(next(lines) for _ in range(2))
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            server.process.send_signal(signal.SIGTERM)
+            events += events_of(lines)
+        assert_ended_by_the_drain(events)
+        assert server.process.wait(MARGIN_S) == 0, server.log_tail()

@@ -156,6 +156,25 @@ def _cut_calls(server, tool_choice, max_tokens: int, stream: bool) -> tuple[list
     return list(calls.values()), finish, content
 
 
+@pytest.mark.parametrize("max_tokens", [80, 4], ids=["whole", "cut"])
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
+def test_a_streamed_call_carries_every_token_id_and_logprob_of_the_reply(server, tool_choice, max_tokens):
+    """A "required" call is sent when it ends: its stream carried the ids and logprobs of the last
+    token only (1 of 19), as they were held back with the call."""
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice, "temperature": 0,
+            "max_tokens": max_tokens, "return_token_ids": True, "logprobs": True, "top_logprobs": 1}
+    whole = httpx.post(server.url + "/v1/chat/completions", timeout=30, json=body).json()["choices"][0]
+    ids, entries = [], []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30, json=body | {"stream": True}) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    ids += choice.get("token_ids", [])
+                    entries += (choice["logprobs"] or {}).get("content") or []
+    assert ids == whole["token_ids"] and len(ids) > 1
+    assert entries == whole["logprobs"]["content"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_required_call_cut_off_by_max_tokens_has_the_name_and_the_arguments_so_far(server, stream):
     """Cut after each token in turn: no call until the function's name is whole, then that name and

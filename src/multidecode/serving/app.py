@@ -405,20 +405,24 @@ class _Reply:
 
     def _chat_items(self, choice: Choice, event, entries: list) -> list[dict]:
         """A chat stream's choices for a token event: its delta (none where there is nothing to send
-        yet), then, where it ends the choice, OpenAI's last chunk of its own, an empty delta with the
-        reason (the openai client's tool-call events wait for it)."""
+        yet; a "required" call's carries the token ids and logprobs held back with it), then, where
+        it ends the choice, OpenAI's last chunk of its own, an empty delta with the reason (the
+        openai client's tool-call events wait for it)."""
         call = self._ended_call(choice) if event.finish_reason else None
         delta = self._delta(choice, event, call)
         if delta is None:
             return []
+        ids = None  # the event's token
+        if self.tool is not None and not self.tool.named:  # a "required" call, held back to its end
+            entries, ids = choice.logprobs, list(choice.token_ids)  # every token's, sent with it
         finish = self._finish(event.finish_reason, call)
         items = []
         if finish is None or entries or any(delta.values()):
             items.append({"index": choice.index, "delta": delta, "logprobs": self._logprobs(entries),
-                          "finish_reason": None, **self._ids(event)})
+                          "finish_reason": None, **self._ids(event, ids)})
         if finish is not None:
             items.append({"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": finish,
-                          **self._ids(event, [] if items else None)})
+                          **self._ids(event, [] if items else ids)})
         return items
 
     async def stream(self, queue: asyncio.Queue) -> AsyncIterator[str]:

@@ -43,6 +43,9 @@ log = logging.getLogger("multidecode.serving")
 SHUTDOWN_GRACE_S = 5.0
 """Past the drain deadline, how long the requests ended then have to send their last words (an
 error event, a 503), and uvicorn's connections to close, before the server stops regardless."""
+ENDING_S = 1.0
+"""After a second signal, how long the requests it ended have to send their error event before the
+server exits, open connections or not."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -59,6 +62,9 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         forest = self.serve_state.runtime
+        if forest is not None and (forest.draining or self.should_exit) and not self.force_exit:
+            threading.Thread(target=self._exit_now, args=(forest,), daemon=True).start()  # a second signal
+            return
         if forest is None or forest.draining or self.should_exit:
             super().handle_exit(sig, frame)
             return
@@ -75,6 +81,15 @@ class DrainingServer(uvicorn.Server):
             forest.cancel_all(Overloaded.shutting_down("the server", "retry against another replica"))
             _idle_within(forest, SHUTDOWN_GRACE_S)
         self.should_exit = True
+
+
+    def _exit_now(self, forest: ForestRuntime) -> None:
+        """A second signal: what runs is ended at once, given `ENDING_S` to say so to its client, and
+        uvicorn exits without waiting for open connections (for SIGTERM it would wait out
+        `timeout_graceful_shutdown`, the engine decoding all the while)."""
+        forest.cancel_all(Overloaded.shutting_down("the server", "retry against another replica"))
+        _idle_within(forest, ENDING_S)
+        self.should_exit = self.force_exit = True
 
 
 def _idle_within(forest: ForestRuntime, seconds: float) -> bool:
