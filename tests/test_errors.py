@@ -833,3 +833,19 @@ def test_a_reader_that_leaves_ends_the_command_quietly_with_0():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False,
                           env={**os.environ, "PYTHONPATH": src})
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_only_a_leading_setting_of_the_command_is_written_as_its_option():
+    """The option's name stands for the library's at the head of an error (the user typed the
+    option); a message that only starts with the same word, or a setting the command lacks, stays."""
+    import click
+
+    from multidecode.cli.common import in_option_terms
+
+    command = click.Command("c", params=[click.Option(["--max-new-tokens"]), click.Option(["-q", "--question"])])
+    with click.Context(command):
+        assert in_option_terms("max_new_tokens must be a positive integer, got 0") == \
+            "--max-new-tokens must be a positive integer, got 0"
+        assert in_option_terms("question 1 is empty") == "question 1 is empty"
+        assert in_option_terms("top_k must be 0 (off)") == "top_k must be 0 (off)"
+    assert in_option_terms("max_new_tokens must be a positive integer") == "max_new_tokens must be a positive integer"

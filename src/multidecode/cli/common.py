@@ -598,6 +598,8 @@ def in_option_terms(message: str) -> str:
     integer") named as the running command's option (--max-new-tokens), where it is one."""
     context = click.get_current_context(silent=True)
     name = message.split(" ", 1)[0]
+    if "_" not in name and not message[len(name):].startswith(" must "):
+        return message  # "question 2 is empty" speaks of a question, not of the option
     for param in context.command.params if context is not None else ():
         if param.name == name and isinstance(param, click.Option):
             flag = next((opt for opt in param.opts if opt.startswith("--")), None)
