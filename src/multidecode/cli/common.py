@@ -626,8 +626,5 @@ def report_errors(function):
             raise SystemExit(130) from None
         except BrokenPipeError:
             reader_left()
-        except OSError as err:
-            end_if_output_failed(err)
-            raise
 
     return wrapper

@@ -1,8 +1,8 @@
 """Starting the server: the listening socket, the model loading behind it, and draining on SIGTERM.
 
 `serve_until_stopped` is what `multidecode serve` (and the serve benchmark, through that command)
-calls: it binds the address first, so that a port out of range, in use or not this machine's is a clear error
-before anything loads; then the model loads in the background while /health answers 503, and
+calls: it binds the address first, so that a port out of range, in use or not this machine's is a
+clear error before anything loads; then the model loads in the background while /health answers 503, and
 uvicorn serves until a signal. The first SIGTERM (or Ctrl-C) drains: new requests get 503 while
 running ones have up to `drain_timeout` seconds to finish; those still running or waiting then are
 ended with the shutting-down error (a stream gets its error event and `data: [DONE]`, a plain
@@ -78,18 +78,22 @@ class DrainingServer(uvicorn.Server):
         decoding them to their last token), and given `SHUTDOWN_GRACE_S` to say so to its client."""
         if not _idle_within(forest, self.drain_timeout):
             log.warning("drain timeout: ending %d request(s) still running or waiting", forest.busy)
-            forest.cancel_all(Overloaded.shutting_down("the server", "retry against another replica"))
-            _idle_within(forest, SHUTDOWN_GRACE_S)
+            _end_running(forest, SHUTDOWN_GRACE_S)
         self.should_exit = True
-
 
     def _exit_now(self, forest: ForestRuntime) -> None:
         """A second signal: what runs is ended at once, given `ENDING_S` to say so to its client, and
         uvicorn exits without waiting for open connections (for SIGTERM it would wait out
         `timeout_graceful_shutdown`, the engine decoding all the while)."""
-        forest.cancel_all(Overloaded.shutting_down("the server", "retry against another replica"))
-        _idle_within(forest, ENDING_S)
+        _end_running(forest, ENDING_S)
         self.should_exit = self.force_exit = True
+
+
+def _end_running(forest: ForestRuntime, seconds: float) -> None:
+    """End every running or waiting job with the shutting-down error, and give them up to `seconds`
+    to say so to their clients."""
+    forest.cancel_all(Overloaded.shutting_down("the server", "retry against another replica"))
+    _idle_within(forest, seconds)
 
 
 def _idle_within(forest: ForestRuntime, seconds: float) -> bool:
