@@ -570,7 +570,7 @@ def test_speculation_gives_the_same_records_and_is_not_a_setting(model_dir, tmp_
     assert {record["settings"] for record in plain.values()} == {settings.fingerprint}
     metas = [json.loads(meta_path(tmp_path / f"{name}.jsonl").read_text()) for name in ("plain", "suffix", "shared")]
     assert metas[0]["settings"] == metas[1]["settings"] == metas[2]["settings"]
-    assert set(metas[0]) == {"format", "fingerprint", "settings", "input", "multidecode"}
+    assert set(metas[0]) == {"format", "fingerprint", "settings", "input", "inputs", "multidecode"}
     assert "speculat" not in json.dumps(metas[0]["settings"])
 
 
@@ -914,6 +914,23 @@ def test_a_job_does_not_resume_from_another_input_file(model_dir, tmp_path):
     more = write_lines(tmp_path / "c.jsonl", documents(4)[3:])
     assert run(more, "-o", out, "--model", model_dir, "--max-new-tokens", 2).exit_code == 0
     assert len(records(out)) == 3
+
+
+def test_a_file_of_new_ids_resumes_as_one_of_the_outputs_inputs(model_dir, tmp_path):
+    """A second input that added its ids to an output could not resume there afterwards: the
+    output was taken for the first file's alone, and the second's own results for the first's."""
+    first = write_lines(tmp_path / "a.jsonl", documents(2))
+    second = write_lines(tmp_path / "b.jsonl", documents(4)[2:])
+    out = tmp_path / "out.jsonl"
+    for source in (first, second, second, first):
+        ran = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 2)
+        assert ran.exit_code == 0, ran.output
+    assert len(records(out)) == 4
+    meta = json.loads(meta_path(out).read_text())
+    assert meta["input"] == str(first.resolve()) and meta["inputs"] == [str(first.resolve()), str(second.resolve())]
+    third = write_lines(tmp_path / "c.jsonl", documents(4)[1:2])  # one of the first file's ids: still refused
+    refused = run(third, "-o", out, "--model", model_dir, "--max-new-tokens", 2)
+    assert refused.exit_code == 2 and "holds the results of" in refused.output, refused.output
 
 
 def test_outputs_that_are_no_file_are_refused_before_anything_is_written(model_dir, tmp_path):

@@ -168,29 +168,38 @@ class OutputFile:
     def check_input(self, input_path: Path, keys: set[str]) -> None:
         """Refuse to resume from another input file whose ids (`keys`; line numbers where a line has
         none) have results here: its lines would be taken as done, with the other file's answers.
-        Only while the file the output was started from is still there (an input moved or renamed
-        resumes), and only where ids meet (another file of new ids adds to the output)."""
+        Only while a file that wrote here is still there (an input moved or renamed resumes), and only
+        where ids meet (another file of new ids adds to the output, and resumes as one of its inputs)."""
         shared = len(keys & self.recorded.keys())
-        if not shared:
+        inputs = self._inputs()
+        if not shared or any(path.is_file() and os.path.samefile(path, input_path) for path in inputs):
             return
-        started = None
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # no settings file: nothing to tell
-            named = Path(json.loads(meta_path(self.path).read_text(encoding="utf-8"))["input"])
-            started = named if named.is_file() and not os.path.samefile(named, input_path) else None
+        started = next((path for path in inputs if path.is_file()), None)
         if started is not None:
             raise InvalidInput(f"{self.path} holds the results of {started}, not of {input_path}, and {shared} of "
                                "its ids (line numbers, for lines without one) have results there",
                                f"rerun with {started} to resume it, or write these results to a new --output")
 
+    def _inputs(self) -> list[Path]:
+        """The input files that wrote here, as the settings file names them (none without one)."""
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            meta = json.loads(meta_path(self.path).read_text(encoding="utf-8"))
+            return [Path(name) for name in meta.get("inputs", [meta["input"]])]
+        return []
+
     def write_meta(self, settings: BatchSettings, input_path: Path) -> None:
-        meta = meta_path(self.path)
+        """The settings file: these settings, the input the output was started from ("input") and
+        every input that has written here since ("inputs"), each one resuming as its own."""
+        meta, inputs = meta_path(self.path), self._inputs()
+        known = any(path.is_file() and os.path.samefile(path, input_path) for path in inputs)
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            if json.loads(meta.read_text(encoding="utf-8")).get("fingerprint") == settings.fingerprint:
+            if json.loads(meta.read_text(encoding="utf-8")).get("fingerprint") == settings.fingerprint and known:
                 return
         from ..version import __version__
 
+        inputs = [str(path) for path in inputs] + ([] if known else [str(input_path.resolve())])
         data = {"format": FORMAT, "fingerprint": settings.fingerprint, "settings": settings.as_dict(),
-                "input": str(input_path.resolve()), "multidecode": __version__}
+                "input": inputs[0], "inputs": inputs, "multidecode": __version__}
         _replace(meta, [(json.dumps(data, ensure_ascii=False, indent=2) + "\n").encode("utf-8")])
 
     def discard(self) -> None:
