@@ -27,7 +27,7 @@ from click.testing import CliRunner
 import multidecode
 from multidecode.batch import BatchSettings, InputLine, open_batch, run_batch
 from multidecode.batch.merged import LineOutcome
-from multidecode.batch.ray import ErrorInfo, RayUnavailable, RayWorkers, WorkersLost, ray_outcomes
+from multidecode.batch.ray import ErrorInfo, RayUnavailable, RayWorkers, Worker, WorkersLost, ray_outcomes
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument, InvalidInput, MissingExtra, ModelNotFound
 
@@ -305,6 +305,7 @@ class FakeRay:
         self.exceptions = self
         self.queued = []  # (actor, ref, call)
         self.values = {}
+        self.arguments = []  # what each actor was started with
 
     def is_initialized(self):
         return True  # RayWorkers then starts no Ray of its own
@@ -317,6 +318,7 @@ class FakeRay:
 
         class Actor:
             def __init__(self, *args):
+                ray.arguments.append(args)
                 self.dead = False
                 self.ready = SimpleNamespace(remote=lambda: ray.call(self, "ready", None))
                 self.answer = SimpleNamespace(remote=lambda item: ray.call(self, "answer", item))
@@ -378,3 +380,18 @@ def test_workers_that_cannot_start_stop_the_job(monkeypatch):
         list(pool.outcomes(lines))
     assert "RuntimeError: no device here" in caught.value.message and "rerun" in caught.value.hint
     assert pool.lost == pool.started == MAX_FAILED_STARTS + 1  # the last failure finds no worker left
+
+
+def test_the_forest_budget_reaches_every_worker(monkeypatch, model_dir):
+    """--forest-tokens, --forest-branches and --prefill-chunk were left out of what a Ray worker
+    was started with: each ran the default forest, silently."""
+    fake = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    forest = {"forest_tokens": 0, "forest_branches": 3, "prefill_chunk": 16}
+    with RayWorkers(settings=BatchSettings(), workers=2, forest=forest):
+        assert [args[-1] for args in fake.arguments] == [forest, forest]
+    worker = Worker(str(model_dir), None, "cpu", BatchSettings(), forest=forest)
+    assert worker.failed is None, worker.failed
+    limits = worker.answerer.runtime.limits
+    assert (limits.max_live_tokens, limits.max_branches, limits.prefill_chunk) == (0, 3, 16)
+    worker.answerer.close()

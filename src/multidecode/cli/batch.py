@@ -211,16 +211,16 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
 
 
 def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, model_name, precision, device,
-           speculation):
-    """The job's outcomes from Ray workers (`multidecode.batch.ray`), with a status line while
-    Ray starts and the workers load the model."""
+           speculation, forest: dict):
+    """The job's outcomes from Ray workers (`multidecode.batch.ray`), each with the `forest` budget,
+    with a status line while Ray starts and the workers load the model."""
     from ..batch.ray import ray_outcomes
 
     where = "a local Ray" if address == "local" else escape(address)
     stderr.print(f"[dim]Starting {counted(workers, 'worker')} on {where}...[/dim]")
     return ray_outcomes(job.pending_items(), settings=settings, model=model_name, precision=precision, device=device,
                         speculate=speculation, address=None if address == "local" else address,
-                        workers=workers, stopping=lambda: job.stopping)
+                        workers=workers, forest=forest, stopping=lambda: job.stopping)
 
 
 # ---------------------------------------------------------------------- the command
@@ -317,18 +317,17 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
         announce(job)
         received, totals = [], {}
+        forest = {"forest_tokens": forest_tokens, "forest_branches": forest_branches, "prefill_chunk": prefill_chunk}
         if job.pending:
             try:  # Ctrl-C while the model loads (or Ray connects) stops the job as one in progress would
                 if ray_address is None:
                     decoder = load_decoder(model_name, precision, device, compile=compile_step)
-                    results = job.run(decoder, speculate=prepare_speculation(decoder, speculation),
-                                      forest_tokens=forest_tokens, forest_branches=forest_branches,
-                                      prefill_chunk=prefill_chunk)
+                    results = job.run(decoder, speculate=prepare_speculation(decoder, speculation), **forest)
                     if compile_step:
                         results = say_if_not_compiled(results, decoder.model)
                 else:
                     results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, precision,
-                                                device, speculation))
+                                                device, speculation, forest))
             except KeyboardInterrupt:
                 received = [signal.SIGINT]
             else:
