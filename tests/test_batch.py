@@ -603,7 +603,9 @@ def test_the_command_speculates_and_resumes_with_another_mode(model_dir, tmp_pat
     result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 6, "--speculate", "lookup", "--json",
                  "--stats")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["done"] == 2 and "speculate=lookup" in result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["done"] == 2 and "speculate=lookup" in result.stderr
+    assert f"answered in this run: {summary['forward_passes']} forwards" in result.stderr  # the forest's, not summed
     assert run(source, "-o", plain, "--model", model_dir, "--max-new-tokens", 6).exit_code == 0
     assert results(records(out)) == results(records(plain))
     # nothing left to do: no stats to print, and a bad mode is refused before the job is opened

@@ -20,7 +20,7 @@ from pacers import FixedPacer
 from tiny_models import ARCHITECTURES, EOS, MAIN_ARCHITECTURES
 
 from multidecode import MultiDecoder, memory
-from multidecode.batch import BatchSettings, merged, open_batch, parse_line
+from multidecode.batch import BatchSettings, merged, open_batch, parse_line, total_stats
 from multidecode.batch.merged import ForestAnswerer, LineOutcome, answer_merged
 from multidecode.runtime import Admission, Limits, Reservation, TooLarge
 
@@ -126,15 +126,19 @@ def test_a_merged_job_writes_the_same_records_as_one_line_at_a_time(tmp_path):
                               for i in lines(7)))
     settings = BatchSettings(max_new_tokens=5, model="tiny")
 
+    forwards = {}  # forest_tokens -> (the forests' forwards, each line's summed)
+
     def run(out, forest_tokens):
         with open_batch(source, out, settings) as job:
-            for _ in job.run(decoder, forest_tokens=forest_tokens):
-                pass
+            results = list(job.run(decoder, forest_tokens=forest_tokens))
             assert job.summary().complete
+            forwards[forest_tokens] = (job.summary().forward_passes, total_stats(r.stats for r in results)["forward_passes"])
         return {r["id"]: {k: v for k, v in r.items() if k != "elapsed_s"}
                 for r in map(json.loads, out.read_text().splitlines())}
 
     assert run(tmp_path / "merged.jsonl", 4096) == run(tmp_path / "one.jsonl", 0)
+    # a forward counts once, however many lines it carried (--stats summed the lines' own)
+    assert forwards[0][0] == forwards[0][1] and 0 < forwards[4096][0] < forwards[4096][1] / 2, forwards
 
 
 def test_stop_lets_the_lines_in_flight_finish_and_a_rerun_completes(tmp_path):

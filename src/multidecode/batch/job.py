@@ -50,7 +50,9 @@ class LineResult:
 
 def total_stats(stats: Iterable[Mapping]) -> dict:
     """Several runs' decode stats (`LineResult.stats`) as one: counts summed, ratios of the sums.
-    Totals may be totalled again, so a long job can keep one running total instead of every line's."""
+    Totals may be totalled again, so a long job can keep one running total instead of every line's.
+    Lines that shared a forest count each shared forward once per line ("forward_passes" here: the
+    forwards each line took part in); `BatchSummary.forward_passes` is the forests' own count."""
     stats = [s for s in stats if s]
     total = {key: sum(s.get(key, 0) for s in stats)
              for key in ("steps", "forward_passes", "tokens", "drafted", "accepted", "steps_speculating")}
@@ -70,7 +72,8 @@ class BatchSummary:
     already in the output when the run began. retried: failed records removed to be done again
     (retry_failed). done: lines finished in this run, failed: how many of those failed. remaining:
     lines still without a record.
-    earlier_failures: failed records from earlier runs that stay (not retried).
+    earlier_failures: failed records from earlier runs that stay (not retried). forward_passes: the
+    forwards this run's forests made (a forward that carried several lines counts once).
     """
 
     input: str
@@ -86,6 +89,7 @@ class BatchSummary:
     earlier_failures: int
     repaired: bool
     failures: list[dict] = field(default_factory=list)
+    forward_passes: int = 0
 
     complete = property(lambda self: self.remaining == 0)
     tokens_per_s = property(lambda self: self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0)
@@ -118,6 +122,7 @@ class BatchJob:
         self.appended = 0  # such lines `pending_items` met: left to the next run, so the job is not complete
         self.elapsed_s = 0.0
         self.failures: list[dict] = []
+        self._forest_forwards: dict[str, int] = {}  # forest name -> its forwards (`LineOutcome.forest`)
         self._stop = False
         self._crashes, self._last_crash = 0, None
 
@@ -183,6 +188,9 @@ class BatchJob:
                     continue
                 record = self._record(outcome)
                 self._output.append(record)
+                if outcome.forest is not None:
+                    name, forwards = outcome.forest
+                    self._forest_forwards[name] = max(forwards, self._forest_forwards.get(name, 0))
                 del self.pending[outcome.item.line]
                 self.done, self.tokens = self.done + 1, self.tokens + record["tokens"]
                 if record["error"] is not None:
@@ -230,7 +238,8 @@ class BatchJob:
             input=str(self.input_path), output=str(self.output_path), total=self.total + self.appended,
             skipped=self.skipped, retried=self.retried, done=self.done, failed=self.failed,
             remaining=len(self.pending) + self.appended, tokens=self.tokens, elapsed_s=self.elapsed_s,
-            earlier_failures=self.earlier_failures, repaired=self.repaired, failures=list(self.failures))
+            earlier_failures=self.earlier_failures, repaired=self.repaired, failures=list(self.failures),
+            forward_passes=sum(self._forest_forwards.values()))
 
 
 def _error_record(err) -> dict:

@@ -24,6 +24,7 @@ share the chat template's opening tokens, computed once.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -53,12 +54,15 @@ steps. A positive value paces it as a server does."""
 class LineOutcome:
     """How a batch line ended, before it is recorded: its answers, or the error that stopped it
     (`BatchJob.record` turns it into the line's record). elapsed_s runs from its submission to its
-    end (in a merged forest that includes the steps it shared)."""
+    end (in a merged forest that includes the steps it shared). forest: the forest that answered it
+    (a name of its own) and the forward passes that forest had made when the line ended, so a job's
+    forwards are the last count of each forest, however many lines shared them."""
 
     item: InputLine
     answers: tuple[Answer, ...] = ()
     error: BaseException | None = None
     elapsed_s: float = 0.0
+    forest: tuple[str, int] | None = None
 
 
 @dataclass
@@ -91,6 +95,11 @@ class ForestAnswerer:
                         oversized_runs_alone=True, prefill_chunk=prefill_chunk)
         self.runtime = ForestRuntime(decoder.model, decoder.tokenizer, limits=limits, compaction=decoder.compaction,
                                      cost=decoder.cost).start()
+        self.name = uuid.uuid4().hex  # tells its forest from a Ray worker's, or another run's
+
+    def forest(self) -> tuple[str, int]:
+        """This answerer's name and its forest's forward passes so far (`LineOutcome.forest`)."""
+        return self.name, self.runtime.engine.stats.forward_passes
 
     def prepare(self, item: InputLine) -> Ticket | LineOutcome:
         """Tokenize a line's prompts; a line that cannot run comes back as its failed `LineOutcome`."""
@@ -120,10 +129,11 @@ class ForestAnswerer:
             kind, value = message
             if kind == "done":
                 answers = answers_of(questions, ticket.job.work.branches, ticket.prompts, value.stats)
-                future.set_result(LineOutcome(item, tuple(answers), elapsed_s=time.perf_counter() - started))
+                future.set_result(LineOutcome(item, tuple(answers), elapsed_s=time.perf_counter() - started,
+                                              forest=self.forest()))
             elif kind == "error":
                 future.set_result(LineOutcome(item, error=_in_the_jobs_words(value),
-                                              elapsed_s=time.perf_counter() - started))
+                                              elapsed_s=time.perf_counter() - started, forest=self.forest()))
 
         ticket.job.sink = sink
         try:
