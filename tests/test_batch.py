@@ -258,18 +258,32 @@ def test_a_job_wide_logit_bias_outside_the_vocabulary_is_a_job_error(model_dir, 
 
 
 def test_settings_that_change_no_token_do_not_change_the_fingerprint():
-    """A repetition penalty of 1, presence and frequency penalties of 0, top_k 0 and an empty logit
-    bias decode as nothing does, whatever a line adds: resuming with them was refused as other
+    """A repetition penalty of 1, presence and frequency penalties of 0, top_k 0, top_p 1, min_p 0
+    and a logit bias of zeros decode as nothing does, whatever a line adds: resuming with them was refused as other
     settings. A seed is a setting even for a greedy job (a line may sample with it), and so is
     greedy spelled out (temperature 0, do_sample False): a line with sampling settings of its own
     decodes greedily under it and samples without it, so the two jobs' answers differ."""
     plain = BatchSettings(questions=("who?",)).fingerprint
     neutral = {"repetition_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "top_k": 0}
     assert BatchSettings(questions=("who?",), sampling=neutral).fingerprint == plain
+    neutral = {"top_p": 1.0, "min_p": 0, "logit_bias": {5: 0.0, 7: 0}}
+    assert BatchSettings(questions=("who?",), sampling=neutral).fingerprint == plain
     for other in ({"seed": 5}, {"repetition_penalty": 1.1}, {"do_sample": True}, {"presence_penalty": 0.5},
-                  {"logit_bias": {5: 1.0}}, {"repetition_penalty": [1.0, 1.0]}, {"temperature": 0},
+                  {"logit_bias": {5: 1.0}}, {"logit_bias": {5: 0.0, 7: -1.0}}, {"top_p": 0.99}, {"min_p": 0.01}, {"repetition_penalty": [1.0, 1.0]}, {"temperature": 0},
                   {"do_sample": False}):
         assert BatchSettings(questions=("who?",), sampling=other).fingerprint != plain, other
+
+
+def test_more_new_tokens_than_the_model_has_positions_is_a_job_error(model_dir, tmp_path):
+    """Every line failed (PromptTooLong, or at 10**12 a TooLarge of millions of GB) and the run
+    exited 0; no document can fit, so the job stops before any line."""
+    source = write_lines(tmp_path / "in.jsonl", documents(2))
+    out = tmp_path / "out.jsonl"
+    for max_new_tokens in (256, 10**12):  # the tiny model has 256 positions
+        result = run(source, "--model", model_dir, "--max-new-tokens", max_new_tokens, "-o", out)
+        assert result.exit_code == 2 and "the model has 256 positions" in result.stderr, result.output
+        assert "--max-new-tokens well below 256" in result.stderr and not out.exists()
+    assert run(source, "--model", model_dir, "--max-new-tokens", 2, "-o", out).exit_code == 0
 
 
 def test_parse_line_words_each_problem_in_the_format_s_terms():

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..constraints import Constraint
 from ..errors import InvalidArgument, InvalidInput, check_positive
+from ..models.vetting import max_positions
 from ..sampling import check_vocabulary, per_branch_sampling, without_neutral
 from ..strategies.ask import check_questions
 
@@ -62,10 +63,15 @@ class BatchSettings:
             raise InvalidArgument(f"constraint must be a multidecode Constraint, got {type(self.constraint).__name__}")
 
     def check_model(self, model) -> None:
-        """Refuse what `model` would make every line fail with: a logit bias on a token id it does
-        not have (a job error, before any line runs)."""
+        """Refuse what `model` would make every line fail with (a job error, before any line runs):
+        a logit bias on a token id it does not have, more new tokens than it has positions."""
         check_vocabulary(per_branch_sampling(1, dict(self.sampling)), model.get_input_embeddings().num_embeddings,
                          whose="the job")
+        positions = max_positions(model.config)
+        if positions is not None and self.max_new_tokens >= positions:
+            raise InvalidArgument(f"max_new_tokens is {self.max_new_tokens}, and the model has {positions:,} positions "
+                                  "for a prompt and its answer: no line would fit",
+                                  f"lower --max-new-tokens well below {positions:,}, leaving room for the documents")
 
     def as_dict(self) -> dict:
         return {"model": self.model, "precision": self.precision, "questions": list(self.questions),
