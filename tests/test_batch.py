@@ -640,6 +640,23 @@ def broken(model_dir):
     return decoder
 
 
+def test_a_command_that_errors_stop_says_what_it_did(model_dir, tmp_path, monkeypatch):
+    """A run ended by repeated unexpected errors printed the error alone: no summary on stderr, and
+    nothing on stdout under --json. A job error before any line (a bad setting) stays one line."""
+    import multidecode.cli.batch as command
+
+    monkeypatch.setattr(command, "load_decoder", lambda *args, **kwargs: broken(model_dir))
+    source = write_lines(tmp_path / "in.jsonl", documents(8))
+    result = run(source, "-o", tmp_path / "out.jsonl", "--model", model_dir, "--forest-tokens", 0, "--json")
+    assert result.exit_code == 1 and "5 unexpected errors in a row" in result.stderr, result.output
+    assert "Stopped: 5 of 8 lines are in" in result.stderr and "RuntimeError: CUDA error" in result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["done"], summary["failed"], summary["remaining"], summary["stopped"]) == (5, 5, 3, True)
+    assert summary["error"]["type"] == "BatchAborted" and "--retry-failed" in summary["error"]["hint"]
+    refused = run(source, "-o", tmp_path / "other.jsonl", "--model", model_dir, "--max-new-tokens", 999, "--json")
+    assert refused.exit_code == 2 and refused.stdout == "" and "Stopped" not in refused.stderr
+
+
 def test_unexpected_errors_are_recorded_and_too_many_in_a_row_stop_the_job(model_dir, tmp_path):
     rows = documents(10)
     rows[3] = {"id": "bad", "document": ""}  # input errors do not count as crashes

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..batch import BatchJob, BatchSettings, BatchSummary, LineResult, model_identity, open_batch, total_stats
 from ..batch.merged import FOREST_BRANCHES, FOREST_TOKENS, PREFILL_CHUNK
-from ..errors import InvalidInput
+from ..errors import InvalidInput, MultiDecodeError
 from ..models.loading import resolve_precision
 from .common import (
     COMPILE_HELP,
@@ -331,7 +331,12 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
             except KeyboardInterrupt:
                 received = [signal.SIGINT]
             else:
-                received, totals = follow(job, results)
+                try:
+                    received, totals = follow(job, results)
+                except MultiDecodeError as error:  # after lines were done: say what was, then the error
+                    if job.summary().done:
+                        conclude_aborted(job.summary(), error, as_json=as_json)
+                    raise
         summary = job.summary()
     conclude(summary, stopped=bool(received) and not summary.complete, signal_number=received[0] if received else 0,
              totals=totals if show_stats else None, as_json=as_json)
@@ -364,6 +369,16 @@ def follow(job: BatchJob, results) -> tuple[list[int], dict]:
     except KeyboardInterrupt:
         received = received or [signal.SIGINT]
     return received, totals
+
+
+def conclude_aborted(summary: BatchSummary, error: MultiDecodeError, *, as_json: bool) -> None:
+    """The summary of a run that an error ended after lines were done (the output unwritable, repeated
+    unexpected errors, every Ray worker lost): on stderr, and with --json on stdout with the error;
+    the error's own line and exit status follow."""
+    print_summary(summary, stopped=True)
+    if as_json:
+        said = {"type": type(error).__name__, "message": error.message, "hint": error.hint}
+        click.echo(json.dumps(summary.as_dict() | {"stopped": True, "error": said}, ensure_ascii=False))
 
 
 def conclude(summary: BatchSummary, *, stopped: bool, signal_number: int, totals: dict | None, as_json: bool) -> None:
