@@ -657,6 +657,20 @@ def test_a_command_that_errors_stop_says_what_it_did(model_dir, tmp_path, monkey
     assert refused.exit_code == 2 and refused.stdout == "" and "Stopped" not in refused.stderr
 
 
+def test_ctrl_c_while_the_model_loads_leaves_no_output(model_dir, tmp_path, monkeypatch):
+    """It left an empty OUT.jsonl and its settings file behind (harmless to resume, but litter)."""
+    import multidecode.cli.batch as command
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "load_decoder", interrupted)
+    out = tmp_path / "out.jsonl"
+    result = run(write_lines(tmp_path / "in.jsonl", documents(2)), "-o", out, "--model", model_dir)
+    assert result.exit_code == 130 and "run the same command again" in result.stderr, result.output
+    assert not out.exists() and not meta_path(out).exists()
+
+
 def test_unexpected_errors_are_recorded_and_too_many_in_a_row_stop_the_job(model_dir, tmp_path):
     rows = documents(10)
     rows[3] = {"id": "bad", "document": ""}  # input errors do not count as crashes

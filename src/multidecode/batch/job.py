@@ -141,8 +141,7 @@ class BatchJob:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        if kind is not None:  # failed before its first record: nothing of it stays
-            self._output.discard()
+        self._output.discard()  # ended before its first record (failed, or stopped while loading): nothing stays
         self.close()
 
     def run(self, decoder, *, speculate=None, forest_tokens: int = FOREST_TOKENS,
