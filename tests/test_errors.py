@@ -664,9 +664,59 @@ def test_greedy_and_sampling_flags_together_are_refused(model_dir):
     (["margins", "--repeats", "0"], "--repeats must be 1 or more"),
     (["beam", "--precision", "fp8"], "unknown precision 'fp8'"),
     (["ask", "--dtype", "float16"], "float16 has no fast kernels on a CPU"),
+    (["beam", "--beams", "1,4"], "--beams needs 2 beams or more each, got 1,4"),
+    (["speculate", "--budget", "nan"], "--budget must be a positive number of seconds, got nan"),
 ])
 def test_bench_settings_are_checked_before_the_run(args, needle, tmp_path):
-    assert_clean_error(run("bench", *args, "--output", tmp_path / "out", "--model", tmp_path / "no-model"), needle)
+    """... and a refused run leaves no --output folder behind (the folder was made first)."""
+    out = tmp_path / "out" / "deep"
+    assert_clean_error(run("bench", *args, "--output", out, "--model", tmp_path / "no-model"), needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_startup_refuses_a_model_that_is_no_gguf_file_before_any_process(tmp_path):
+    """It started its processes, and their failure came back as a RuntimeError traceback."""
+    text = tmp_path / "model.txt"
+    text.write_text("not a model")
+    for model, needle in ((tmp_path / "none.gguf", "the path does not exist"), (text, "is not a GGUF file")):
+        assert_clean_error(run("bench", "startup", "--model", model, "--no-llama", "--repeats", 1, "--output",
+                               tmp_path / "out"), needle)
+
+
+def test_bench_redraw_draws_every_result_it_can_and_names_the_rest(tmp_path):
+    """It stopped at the first file that was not a result, and a damaged one ended in a traceback."""
+    import json
+    import shutil
+
+    shipped = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench_sample.json"
+    good = Path(shutil.copy(shipped, tmp_path / "a_good.json"))
+    damaged = tmp_path / "b_damaged.json"
+    damaged.write_text(json.dumps({**json.loads(shipped.read_text()), "metadata": None}))
+    blocked = Path(shutil.copy(shipped, tmp_path / "c_blocked.json"))
+    (tmp_path / "c_blocked.md").mkdir()
+    result = run("bench", "redraw", damaged, good, blocked)
+    assert_clean_error(result, "b_damaged.json is not a multidecode benchmark result (AttributeError",
+                       "c_blocked.json: cannot write", "Is a directory")
+    assert "wrote" in result.stdout and (tmp_path / "a_good.md").is_file()
+
+
+def test_a_finished_bench_run_whose_files_cannot_be_written_keeps_its_result(tmp_path, capsys):
+    """Its files written at the end of a run that may take an hour: a path taken by a folder ended
+    in a traceback; the JSON is kept (or printed) and the error says where."""
+    import json
+
+    from multidecode.cli.bench import run_and_report
+
+    shipped = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench_sample.json"
+    result = json.loads(shipped.read_text())
+    (tmp_path / "bench_sample.md").mkdir()
+    with pytest.raises(multidecode.InvalidInput, match="cannot write .*bench_sample.md") as caught:
+        run_and_report("sample", lambda progress: result, tmp_path, None)
+    assert f"the result is in {tmp_path / 'bench_sample.json'}" in caught.value.hint
+    (tmp_path / "other.json").mkdir()
+    with pytest.raises(multidecode.InvalidInput, match="cannot write .*other.json") as caught:
+        run_and_report("sample", lambda progress: result, tmp_path, "other")
+    assert "printed above as JSON" in caught.value.hint and json.loads(capsys.readouterr().out) == result
 
 
 def test_demo_settings_are_checked_before_the_model_loads(tmp_path):

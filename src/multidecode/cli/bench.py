@@ -54,12 +54,13 @@ def run_options(command):
 
 def check_run(output: str, threads: int | None, stem: str | None = None) -> None:
     """Refuse settings every benchmark would trip on, before the model loads and the run starts
-    (a run can take many minutes: its results must have somewhere to go)."""
-    check_writable_folder(output, "--output")
+    (a run can take many minutes: its results must have somewhere to go). Call it after the
+    command's own checks: it makes the folder, which a refused run should not leave behind."""
     if stem is not None and (not stem.strip() or Path(stem).name != stem or stem in (".", "..")):
         raise InvalidArgument(f"--stem {stem!r} is not a file name", "give a name without folders; --output says where")
     if threads is not None and threads < 1:
         raise InvalidArgument(f"--threads must be 1 or more, got {threads}", "or leave it unset")
+    check_writable_folder(output, "--output")
 
 
 def check_flag_counts(**counts: int) -> None:
@@ -71,7 +72,7 @@ def check_flag_counts(**counts: int) -> None:
 
 
 def check_seconds_budget(budget: float, example: int) -> None:
-    if budget <= 0:
+    if not budget > 0:  # nan too
         raise InvalidArgument(f"--budget must be a positive number of seconds, got {budget}",
                               f"for example --budget {example}")
 
@@ -102,7 +103,16 @@ def run_and_report(name: str, runner, output: str, stem: str | None, *, as_json:
             status.update(f"benchmarking {name}... {escape(message)}")
 
         result = runner(progress)
-    paths = write_results(result, Path(output), stem=stem)
+    try:
+        paths = write_results(result, Path(output), stem=stem)
+    except OSError as err:  # after the whole run: nothing of it is lost
+        written = Path(output) / f"{stem or 'bench_' + result['benchmark']}.json"
+        if written.is_file() and err.filename != str(written):
+            kept = f"the result is in {written}: free that path, then `multidecode bench redraw {written}`"
+        else:
+            click.echo(json.dumps(result, indent=2))
+            kept = "the result is printed above as JSON: save it as a .json file and `multidecode bench redraw` it"
+        raise InvalidInput(f"cannot write {err.filename}: {err.strerror or err}", kept) from None
     console = stderr if as_json else stdout
     print_tables(result, console=console)
     said = findings(result)
@@ -128,9 +138,9 @@ def bench_command(name: str, *options, sweeps: tuple[str, ...] = (), counts: tup
     def declare(prepare):
         @functools.wraps(prepare)
         def command(output, stem, repeats, threads, model_name, precision, device, **own):
-            check_run(output, threads, stem)
             check_flag_counts(repeats=repeats, **{k: own[k] for k in counts if own[k] is not None})
             call = prepare(**{**own, **{k: parse_counts(own[k], "--" + k.replace("_", "-")) for k in sweeps}})
+            check_run(output, threads, stem)  # last: it makes the folder
             decoder = load_decoder(model_name, precision, device)
             run_and_report(name, lambda progress: call(decoder, repeats=repeats, threads=threads, progress=progress),
                            output, stem)
@@ -183,13 +193,17 @@ def bench_sample(**settings):
 
 @bench_command(
     "beam",
-    click.option("--num-beams", type=int, default=4, show_default=True, help="Beams at the main point."),
-    click.option("--beams", default="2,4,8", show_default=True, help="Beam counts for the sweep."),
-    max_new_tokens(32), PROMPT_TOKENS, sweeps=("beams",), counts=("num_beams", "max_new_tokens", "prompt_tokens"),
+    click.option("--num-beams", type=click.IntRange(min=2), default=4, show_default=True, help="Beams at the main point."),
+    click.option("--beams", default="2,4,8", show_default=True, help="Beam counts for the sweep (2 or more each)."),
+    max_new_tokens(32), PROMPT_TOKENS, sweeps=("beams",), counts=("max_new_tokens", "prompt_tokens"),
 )
 def bench_beam(beams, **settings):
     """Beam search: transformers' generate(num_beams=B) against beams as one tree (identical results asserted)."""
     from ..bench import run_beam_benchmark
+
+    if min(beams) < 2:  # one beam is greedy: generate gives no sequence scores to compare
+        raise InvalidArgument(f"--beams needs 2 beams or more each, got {','.join(map(str, beams))}",
+                              "for example --beams 2,4,8; one beam is greedy decoding, which bench ask measures")
 
     return functools.partial(run_beam_benchmark, beams_sweep=beams, **settings)
 
@@ -409,14 +423,14 @@ def bench_precision(model_name, precisions, workloads, max_new_tokens, context_t
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     if names:
         choose(names)
-    check_run(output, threads, stem)
     check_flag_counts(repeats=repeats, context_new_tokens=context_new_tokens, question_tokens=question_tokens,
-                 **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}))
+                      **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}))
     check_seconds_budget(budget, 60)
     if document_tokens is not None:
         check_flag_counts(document_tokens=document_tokens)
     if context_tokens < 0 or questions < 0:
         raise InvalidArgument("--context-tokens and --questions must be 0 or more", "0 leaves that case out")
+    check_run(output, threads, stem)
     path = model_name or embedded_gguf()
     run_and_report("precision", lambda progress: run_precision_benchmark(
         path, precisions_to_run=chosen, threads=threads, with_llama=with_llama, progress=progress, names=names,
@@ -439,8 +453,8 @@ def bench_startup(model_name, threads, repeats, with_llama, output, stem):
     the whole `multidecode generate` command, against llama.cpp on the same file; each run its own process."""
     from ..bench.startup import run_startup_benchmark
 
-    check_run(output, threads, stem)
     check_flag_counts(repeats=repeats)
+    check_run(output, threads, stem)
     run_and_report("startup", lambda progress: run_startup_benchmark(
         model_name, threads=threads, repeats=repeats, with_llama=with_llama, progress=progress), output, stem)
 
@@ -453,14 +467,23 @@ def bench_redraw(results):
     change to how results are drawn: docs/results stays in step with the code)."""
     from ..bench.results import redraw
 
-    for path in results:
+    failed = []
+    for path in results:  # every file that can be drawn is, whatever the others are
         try:
             written_paths = redraw(path)
-        except (ValueError, KeyError, TypeError) as err:  # not JSON, or not a benchmark's result
-            raise InvalidInput(f"{path} is not a multidecode benchmark result ({type(err).__name__}: {err})",
-                               "give the .json file a `multidecode bench` run wrote") from None
+        except OSError as err:
+            failed.append(f"{path}: cannot write {err.filename or ''} ({err.strerror or err})")
+            continue
+        except (ValueError, LookupError, TypeError, AttributeError, ArithmeticError) as err:  # not JSON, not a result
+            failed.append(f"{path} is not a multidecode benchmark result ({type(err).__name__}: {err})")
+            continue
         for written in written_paths:
             stdout.print(f"wrote {escape(str(written))}")
+    if failed:
+        for line in failed[:-1]:
+            stderr.print(f"[bold red]error:[/bold red] {escape(line)}")
+        raise InvalidInput(failed[-1], "give the .json files `multidecode bench` runs wrote, where their .md and "
+                                       ".png can be written beside them")
 
 
 @bench.command("random-gguf")
@@ -511,8 +534,8 @@ def bench_structured(documents, max_new_tokens, mask_tokens, with_llama, quick, 
     from ..bench.structured import QUICK, run_structured_benchmark
     from ..models.converted import embedded_gguf
 
-    check_run(output, threads, stem)
     check_flag_counts(repeats=repeats, documents=documents, max_new_tokens=max_new_tokens, mask_tokens=mask_tokens)
+    check_run(output, threads, stem)
     settings = {"documents": documents, "max_new_tokens": max_new_tokens, "mask_tokens": mask_tokens,
                 "repeats": repeats} | (QUICK if quick else {})
     gguf = embedded_gguf() if model_name is None else model_name if model_name.endswith(".gguf") else None
