@@ -45,6 +45,8 @@ def ask_benchmark(decoder, *, document: str | None = None, questions: Sequence[s
     if not isinstance(speculate, SpeculationSettings):
         speculate = SpeculationSettings.parse(speculate)
     speculate.check(decoder.model.dtype, draft=decoder.draft, exact=is_exact(decoder.model))
+    if not speculate.off:
+        decoder.speculation(speculate)  # a learned mode without its head is refused here, before the warm-up
     all_ks = sorted({int(k) for k in ks} | {len(questions)})
     pool = questions + list(extra_questions or ())  # then the whole list again, until there are enough
     pool = [pool[i % len(pool)] for i in range(max(all_ks))]

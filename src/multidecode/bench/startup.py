@@ -99,8 +99,9 @@ def startup_benchmark(path: str | None, *, threads: int = 2, repeats: int = 3, w
     """Cold and warm starts of MultiDecode (the library, and the command) and llama.cpp on `path`
     (None: the embedded model, whose file llama.cpp reads)."""
     from ..models.converted import embedded_gguf
+    from ..models.loading import gguf_file
 
-    gguf = str(path or embedded_gguf())
+    gguf = str(gguf_file(path) if path else embedded_gguf())  # refused here, before any process starts
     where = {"cache": None}
 
     def environment() -> dict:

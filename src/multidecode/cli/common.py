@@ -6,6 +6,7 @@ progress and status to stderr, so `--json` output can be piped.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -414,11 +415,16 @@ def check_early(*, max_new_tokens: int | None = None, n: int = 1, sampling: dict
 
 def check_writable_folder(path: str | os.PathLike, option: str) -> None:
     """Refuse, before a long run, the folder it writes to at its end: a file in its place, or a
-    place where the folder cannot be made or written (made here if missing)."""
+    place where the folder cannot be made or written. Tried by making it, and what was made here is
+    removed again: the run makes it when it writes, and a run refused later leaves nothing behind."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise InvalidArgument(f"{option} {path} is a file, not a folder", "name a folder")
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
     err = unwritable(folder)
+    for made in missing:
+        with contextlib.suppress(OSError):
+            made.rmdir()
     if err is not None:
         raise InvalidInput(f"cannot write {option} {path}: {err.strerror or err}", "name a folder you can write to")
 

@@ -114,7 +114,7 @@ def _is_gguf(model) -> bool:
 
 def _described(model) -> Path:
     """The described copy (config, tokenizer, tensor directory) of a GGUF model (None: the embedded one)."""
-    return embedded_copy(described=True) if model is None else gguf_copy(_gguf_file(str(model)), described=True)
+    return embedded_copy(described=True) if model is None else gguf_copy(gguf_file(str(model)), described=True)
 
 
 def _load_gguf(model, chosen: precision.Precision, keep_widths: bool) -> Loaded:
@@ -123,7 +123,7 @@ def _load_gguf(model, chosen: precision.Precision, keep_widths: bool) -> Loaded:
     from .gguf import load_packed
     from .tensor_directory import TensorDirectory
 
-    path = embedded_gguf() if model is None else _gguf_file(str(model))
+    path = embedded_gguf() if model is None else gguf_file(str(model))
     source = "embedded" if model is None else str(path)
     if chosen.bits is None:
         loaded = _float_folder(embedded_copy() if model is None else gguf_copy(path), {}, chosen, source)
@@ -201,7 +201,8 @@ def _folder_dtype(folder, kwargs: dict) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def _gguf_file(name: str) -> Path:
+def gguf_file(name: str) -> Path:
+    """`name` as a GGUF file's path; `ModelNotFound` where it is a folder, missing, or not GGUF."""
     path = Path(name).expanduser()
     if path.is_dir():
         raise ModelNotFound(f"{path} is a folder, not a .gguf file", "name the .gguf file itself, or a model folder "
@@ -234,7 +235,7 @@ def locate(name: str) -> tuple[str, dict]:
                 f"{path} is a file but not a .gguf model",
                 "pass a Hugging Face model folder or a .gguf file",
             )
-        return str(gguf_copy(_gguf_file(name))), {}
+        return str(gguf_copy(gguf_file(name))), {}
     refuse_missing_path(name)
     return name, _hub_kwargs(name)
 
