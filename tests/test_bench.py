@@ -234,3 +234,23 @@ def test_the_committed_results_tables_are_what_the_code_draws_from_their_json():
     stale = [str(path.relative_to(root)) for path in results
              if markdown(json.loads(path.read_text(encoding="utf-8"))) != path.with_suffix(".md").read_text(encoding="utf-8")]
     assert not stale, f"redraw these: multidecode bench redraw {' '.join(stale)}"
+
+
+def test_tables_printed_to_a_file_keep_every_figure():
+    """Redirected to a log, rich drew the tables 80 columns wide and cut the figures ("150…"); the
+    serve tables on stderr were almost all ellipses. Off a terminal they are the markdown file's lines."""
+    import io
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from multidecode.bench.results import markdown
+    from multidecode.cli.bench import print_tables
+
+    result = json.loads((Path(__file__).resolve().parents[1] / "docs" / "results" / "bench_serve.json").read_text())
+    log = io.StringIO()
+    print_tables(result, console=Console(file=log, width=80, soft_wrap=True))
+    printed = log.getvalue()
+    assert "…" not in printed and "..." not in printed
+    table_lines = [line for line in markdown(result).splitlines() if line.startswith("|")]
+    assert table_lines and all(line in printed.splitlines() for line in table_lines)

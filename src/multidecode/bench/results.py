@@ -186,11 +186,16 @@ def markdown(result: dict) -> str:
     lines = [(f"Measured {meta['date']} on {machine_label(result)}, torch {meta['torch']}, transformers "
               f"{meta['transformers']}; load average at start {loads[0]}, at end {loads[1]}."), *findings(result)]
     for table in tables(result):
-        align = ["---" if i < table.lead or not any(c[i][:1].isdigit() for c in table.rows) else "---:"
-                 for i in range(len(table.header))]
-        lines += ["", f"**{table.title}**", "", "| " + " | ".join(table.header) + " |", "|" + "|".join(align) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in table.rows]
+        lines += ["", f"**{table.title}**", "", *markdown_table(table)]
     return "\n".join(lines) + "\n"
+
+
+def markdown_table(table: TextTable) -> list[str]:
+    """A table's lines in markdown: its header, the alignment row (numbers to the right), its rows."""
+    align = ["---" if i < table.lead or not any(c[i][:1].isdigit() for c in table.rows) else "---:"
+             for i in range(len(table.header))]
+    return ["| " + " | ".join(table.header) + " |", "|" + "|".join(align) + "|",
+            *("| " + " | ".join(row) + " |" for row in table.rows)]
 
 
 def plot(result: dict, path: str | Path) -> Path:

@@ -78,17 +78,23 @@ def check_seconds_budget(budget: float, example: int) -> None:
 
 
 def print_tables(result: dict, *, console=None) -> None:
-    """The result's tables (the same as its markdown file), drawn with rich on `console` (default stdout)."""
-    from ..bench.results import tables
+    """The result's tables (the same as its markdown file), drawn with rich on `console` (default
+    stdout) where it is a terminal; elsewhere (a log, a pipe) as markdown, whose lines rich neither
+    cuts to 80 columns nor wraps, so every figure reaches the file whole."""
+    from ..bench.results import markdown_table, tables
 
+    console = console or stdout
     for text in tables(result):
+        if not console.is_terminal:
+            console.print("\n".join([text.title, *markdown_table(text), ""]), markup=False)
+            continue
         table = Table(title=text.title, title_justify="left")
         for i, column in enumerate(text.header):
             table.add_column(escape(column), justify="left" if i < text.lead else "right",
                              min_width=16 if i == 0 else None)
         for row in text.rows:
             table.add_row(*(escape(c).replace("**no**", "[red]no[/red]") for c in row))
-        (console or stdout).print(table)
+        console.print(table)
 
 
 def run_and_report(name: str, runner, output: str, stem: str | None, *, as_json: bool = False) -> None:
