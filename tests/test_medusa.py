@@ -174,6 +174,16 @@ def test_heads_for_another_model_or_a_broken_folder_are_refused(tmp_path):
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(InvalidArgument, match="medusa_lm_head"):
         MedusaHeads.load(tmp_path / "empty")
+    # a config that disagrees with the weights, a draft vocabulary past the model's: were torch tracebacks
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    MedusaHeads(hidden, vocab, 2, target=fingerprint(model)).save(tmp_path / "edited")
+    config = json.loads((tmp_path / "edited" / "config.json").read_text())
+    (tmp_path / "edited" / "config.json").write_text(json.dumps({**config, "hidden_size": hidden + 32}))
+    with pytest.raises(InvalidArgument, match="file of the Medusa heads in .* does not match its config"):
+        MedusaHeads.load(tmp_path / "edited")
+    past = MedusaHeads(hidden, vocab, 2, token_ids=torch.tensor([0, 5, vocab + 7]), target=fingerprint(model))
+    with pytest.raises(InvalidArgument, match=f"draft vocabulary names token id {vocab + 7}, outside the model's"):
+        past.bind(model)
 
 
 def test_speculate_medusa_finds_the_heads_trained_for_the_model(tmp_path, monkeypatch):

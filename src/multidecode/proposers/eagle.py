@@ -120,7 +120,7 @@ class EagleHead(nn.Module):
     def bind(self, model) -> EagleHead:
         """Check the head fits `model` (and was trained for it); tie its LM head to the target's
         rows of the draft vocabulary and keep the target's embeddings for its inputs."""
-        check_head_fits(model, self.hidden_size, self.vocab_size, self.target, "eagle")
+        check_head_fits(model, self.hidden_size, self.vocab_size, self.target, "eagle", token_ids=self.token_ids)
         on_device_of(self, model)
         rows = output_rows(model, self.token_ids.cpu())  # [V', hidden]
         with torch.no_grad():

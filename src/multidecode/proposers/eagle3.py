@@ -145,7 +145,7 @@ class Eagle3Head(nn.Module):
     def bind(self, model) -> Eagle3Head:
         """Check the head fits `model` (its widths and vocabulary) and read the target's embeddings."""
         check_head_fits(model, self.target_hidden_size, self.vocab_size, None, "eagle", what="the EAGLE-3 head",
-                        fix="use a head published for this model")
+                        fix="use a head published for this model", token_ids=self.token_ids)
         hidden = self.target_hidden_size
         if self.embed_tokens is None and model.get_input_embeddings().embedding_dim != self.hidden_size:
             raise InvalidArgument(f"the EAGLE-3 head is {self.hidden_size} wide and has no embeddings of its own, "

@@ -58,15 +58,20 @@ def fingerprint(model) -> dict:
 
 
 def check_head_fits(model, hidden_size: int, vocab_size: int, recorded: dict | None, kind: str, *,
-                    what: str | None = None, fix: str | None = None) -> None:
-    """Refuse a head of `kind` (named `what`) made for other widths than `model`'s, or trained for
-    another model; `fix`: what to do instead (default: train one)."""
+                    what: str | None = None, fix: str | None = None, token_ids: torch.Tensor | None = None) -> None:
+    """Refuse a head of `kind` (named `what`) made for other widths than `model`'s, trained for
+    another model, or whose draft vocabulary (`token_ids`, target ids) names an id outside the
+    model's; `fix`: what to do instead (default: train one)."""
     what = what or f"the {kind} head"
     hidden, vocab = getattr(model.config.get_text_config(), "hidden_size", None), vocabulary_size(model)
+    fix = fix or f"train one for this model: multidecode train-drafter --kind {kind}"
     if hidden != hidden_size or vocab != vocab_size:
         raise InvalidArgument(f"{what} is for hidden size {hidden_size} and a vocabulary of {vocab_size}, "
-                              f"the model has {hidden} and {vocab}",
-                              fix or f"train one for this model: multidecode train-drafter --kind {kind}")
+                              f"the model has {hidden} and {vocab}", fix)
+    if token_ids is not None and len(token_ids) and not 0 <= int(token_ids.min()) <= int(token_ids.max()) < vocab:
+        outside = next(int(t) for t in token_ids if not 0 <= int(t) < vocab)
+        raise InvalidArgument(f"{what}'s draft vocabulary names token id {outside}, outside the model's "
+                              f"vocabulary of {vocab}", fix)
     check_target(recorded, model, what)
 
 

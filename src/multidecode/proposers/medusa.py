@@ -38,7 +38,7 @@ from ..errors import InvalidArgument
 from ..models.packed import PackedLinear
 from .base import UNDER_LEAF, BranchContext, DraftTree, Proposer
 from .drafting import add_candidates, draft_distribution, draft_generator
-from .heads import check_head_fits, on_device_of, read_config, read_tensors, write_head
+from .heads import check_head_fits, load_checked, on_device_of, read_config, read_tensors, write_head
 
 WEIGHTS = "medusa_lm_head"
 """The stem of a Medusa head's weights file, as the Medusa project names it."""
@@ -91,7 +91,7 @@ class MedusaHeads(nn.Module):
 
     def bind(self, model) -> MedusaHeads:
         """Check these heads fit `model` (and were trained for it), and read its LM head rows."""
-        check_head_fits(model, self.hidden_size, self.vocab_size, self.target, "medusa")
+        check_head_fits(model, self.hidden_size, self.vocab_size, self.target, "medusa", token_ids=self.token_ids)
         on_device_of(self, model)
         if self.projections is None and self.shared is None:
             ids = self.token_ids if self.token_ids is not None else torch.arange(self.vocab_size)
@@ -141,7 +141,7 @@ class MedusaHeads(nn.Module):
         module = cls(hidden, vocab, heads, num_layers=layers, token_ids=tensors.pop("token_ids", None),
                      own_projection=own, target=config.get("multidecode_target"))
         state = {_module_key(k, layers): v for k, v in tensors.items()}
-        missing, unexpected = module.load_state_dict(state, strict=False)
+        missing, unexpected = load_checked(module, state, f"the file of {what} in {folder}")
         missing = [k for k in missing if k != "token_ids"]  # given to the constructor
         if missing or unexpected:
             raise InvalidArgument(f"{what} in {folder} do not match their config "
