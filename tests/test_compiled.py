@@ -174,6 +174,24 @@ def test_a_model_on_another_device_is_refused_at_once():
         compiled.uncompile(model)
 
 
+def test_inductors_note_on_mixed_half_precisions_is_not_printed():
+    """compile=True at int8 and int4 printed inductor's "bf16 and fp16 are mixed in the scheduler
+    node" on stderr: the library prints nothing. Other warnings still pass."""
+    import warnings
+
+    model = exact_model("llama", "sdpa", "float32").to("meta")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.resetwarnings()  # no filter of pytest's: only what compiling installs
+            warnings.simplefilter("always")
+            compiled.compile_forward(model)
+            for text in ("bf16 and fp16 are mixed in the scheduler node", "something else"):
+                warnings.warn_explicit(text, UserWarning, "cpp.py", 1, module="torch._inductor.codegen.cpp")
+        assert [str(w.message) for w in seen] == ["something else"]
+    finally:
+        compiled.uncompile(model)
+
+
 def test_load_with_compile_gives_the_same_tokens(tmp_path):
     folder = str(tiny_model_folder(tmp_path / "model"))
 

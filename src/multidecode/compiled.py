@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 import weakref
 
 import torch
@@ -257,6 +258,10 @@ def compile_forward(model) -> CompiledForward:
         raise ValueError("a compiled forward needs the model on multidecode's exact kernels (load it with exact=True)")
     if model not in _compiled:
         use_inductor_cache()
+        # inductor's note on a graph that mixes bfloat16 and float16 (the packed kernels' activations and
+        # steps): code generation's business, not the user's, and the library prints nothing
+        warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node",
+                                category=UserWarning, module=r"torch\._inductor")
         _compiled[model] = CompiledForward(model)
     return _compiled[model]
 
