@@ -53,4 +53,10 @@ def main(device: str = "cuda") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    where = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+    if len(sys.argv) > 2 or not where.startswith(("cuda", "cpu")):
+        sys.exit("usage: python docs/cuda_exactness.py [cuda|cpu]")
+    if where.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("no CUDA device here (torch.cuda.is_available() is False): run it on a machine with a GPU, "
+                 "or `python docs/cuda_exactness.py cpu` for the same cases on the CPU")
+    main(where)

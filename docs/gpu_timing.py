@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -95,8 +96,18 @@ def time_all(shape: str, folder: str, device: str = "cuda", steps: int = 32) -> 
             del decoder
 
 
+USAGE = "usage: python docs/gpu_timing.py shape SHAPE | time SHAPE MODEL [DEVICE [STEPS]]"
+
 if __name__ == "__main__":
-    if sys.argv[1] == "shape":
-        write_shape(sys.argv[2])
+    command, arguments = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else (None, [])
+    if command == "shape" and len(arguments) == 1:
+        write_shape(arguments[0])
+    elif command == "time" and 2 <= len(arguments) <= 4 and (len(arguments) < 4 or arguments[3].isdigit()):
+        if arguments[2:3] in ([], ["cuda"]) and not torch.cuda.is_available():
+            sys.exit("no CUDA device here (torch.cuda.is_available() is False): time on a machine with a GPU, "
+                     "or name the device: ... time SHAPE MODEL cpu")
+        if not (Path(arguments[0]) / "config.json").is_file():
+            sys.exit(f"{arguments[0]} holds no shape (config.json): write it first with `shape {arguments[0]}`")
+        time_all(*arguments[:3], *[int(a) for a in arguments[3:4]])
     else:
-        time_all(sys.argv[2], sys.argv[3], *sys.argv[4:5], *[int(a) for a in sys.argv[5:6]])
+        sys.exit(USAGE)
