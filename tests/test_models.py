@@ -173,3 +173,22 @@ def test_a_gguf_file_loads_by_path():
     decoder = multidecode.load(str(converted.embedded_gguf()))
     (answer,) = decoder.ask("The ticket number is 48213.", ["What is the ticket number?"], max_new_tokens=12)
     assert "48213" in answer.text
+
+
+def test_a_models_display_name_is_what_it_was_made_from():
+    """Results and explanations named the embedded model "SmolLM2-135M-Instruct-described" (its
+    config's folder in the user cache), and a GGUF file's copy "gguf-<stem>-<hash>"."""
+    from types import SimpleNamespace
+
+    from multidecode.models.converted import model_display_name
+
+    def named(name, model_type="llama"):
+        return SimpleNamespace(config=SimpleNamespace(_name_or_path=name, model_type=model_type))
+
+    cache = "/root/.cache/multidecode"
+    assert model_display_name(named(f"{cache}/SmolLM2-135M-Instruct-described")) == "SmolLM2-135M-Instruct"
+    assert model_display_name(named(f"{cache}/SmolLM2-135M-Instruct-float32")) == "SmolLM2-135M-Instruct"
+    assert model_display_name(named(f"{cache}/gguf-Llama-3.2-1B.Q4_0-0123456789ab-described")) == "Llama-3.2-1B.Q4_0"
+    assert model_display_name(named("HuggingFaceTB/SmolLM2-360M")) == "SmolLM2-360M"
+    assert model_display_name(named("/models/my-model")) == "my-model"
+    assert model_display_name(named("")) == "llama"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.converted import model_display_name
 from ..models.packed import weight_count, weights_precision
 
 TITLE_SIZE, NOTE_SIZE = 9, 7
@@ -28,7 +29,7 @@ def environment(model=None, *, launched: dict | None = None) -> dict:
     facts = dict(launched or {})
     if model is not None:
         param = next(model.parameters())
-        facts = {"model": model_name(model), "model_type": getattr(model.config, "model_type", None),
+        facts = {"model": model_display_name(model), "model_type": getattr(model.config, "model_type", None),
                  "parameters": weight_count(model),  # packed weights included
                  "dtype": weights_precision(model),  # what the weights are held as ("int4", "bfloat16", ...)
                  "compute_dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
@@ -38,11 +39,6 @@ def environment(model=None, *, launched: dict | None = None) -> dict:
             "python": platform.python_version(), "platform": platform.platform(),
             "threads": facts.get("threads") or torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "load_average_at_start": load_average(), "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
-
-
-def model_name(model) -> str:
-    name = str(getattr(model.config, "name_or_path", "") or getattr(model, "name_or_path", ""))
-    return (Path(name).name if os.path.sep in name else name) or type(model).__name__
 
 
 def load_average() -> list[float] | None:

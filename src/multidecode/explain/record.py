@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +18,7 @@ from ..cost import CostCurve
 from ..data import sample_excerpt
 from ..errors import InvalidArgument, InvalidInput, is_int
 from ..forest import ROOT
+from ..models.converted import model_display_name
 from ..prompts import check_document, check_questions
 from ..sampling import per_branch_sampling
 from ..scheduler import Scheduler, StepTrace, new_scheduler
@@ -125,7 +125,7 @@ def _explain(model, begin, *, compaction, cost, tokenizer, labels, speculate, dr
                            "ask about text the answers quote or raise max_new_tokens"
                            + (", or use speculate='lookup' (auto drafts only where it pays)" if spec.auto else ""))
     view.steps = total
-    label = model_label or _model_name(scheduler.engine.model)
+    label = model_label or model_display_name(scheduler.engine.model)
     summary = summarize(view, run.stats, model=label, speculate=spec)
     title = _title(view, label, spec, what)
     figure = draw(view, title=title, figsize=figsize, dpi=dpi)
@@ -265,12 +265,6 @@ def token_text(tokenizer, ids: Sequence[int]) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=False)
     except TypeError:
         return tokenizer.decode(list(ids))
-
-
-def _model_name(model) -> str:
-    config = model.config
-    name = Path(str(getattr(config, "_name_or_path", "") or "")).name
-    return name or getattr(config, "model_type", type(model).__name__)
 
 
 def summarize(view: StepView, stats: DecodeStats, *, model: str, speculate: Speculation) -> dict:

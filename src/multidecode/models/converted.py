@@ -108,6 +108,20 @@ def gguf_copy_name(gguf: Path, identity: GGUFIdentity | None = None) -> str:
     return f"gguf-{stem}-{identity.key[:12]}"
 
 
+def model_display_name(model) -> str:
+    """A model's name for people (results, explanations): its folder's or hub id's last part, and
+    for a copy in the user cache the name of what it was made from (the embedded model's, a GGUF
+    file's stem), not the cache's folder name; else its model type."""
+    config = model.config
+    name = Path(str(getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "") or "")).name
+    name = name.removesuffix(DESCRIBED)
+    embedded = EMBEDDED_COPY.removesuffix("-float32")
+    if name in (EMBEDDED_COPY, embedded):
+        return embedded
+    copied = re.fullmatch(r"gguf-(.+)-[0-9a-f]{12}", name)  # `gguf_copy_name`'s
+    return (copied.group(1) if copied else name) or getattr(config, "model_type", None) or type(model).__name__
+
+
 def embedded_copy(*, convert: bool = True, described: bool = False) -> Path | None:
     """The float32 safetensors copy of the embedded model, converted on first use (described:
     its config and tokenizer only). Its name is fixed (`EMBEDDED_COPY`): reinstalling the package
