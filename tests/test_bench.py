@@ -10,7 +10,7 @@ from byte_tokenizer import ByteTokenizer
 from tiny_models import EOS, reference_generate, tiny_model
 
 from multidecode import MultiDecoder
-from multidecode.bench import AnswersDiffer, run_ask_benchmark, write_results
+from multidecode.bench import AnswersDiffer, run_ask_benchmark, tables, write_results
 from multidecode.bench.common import (
     ForwardCounter,
     cache_bytes,
@@ -129,6 +129,8 @@ def test_ask_with_speculation_adds_method_e_with_identical_answers(decoder):
                 "warmup": False}
     plain = run_ask_benchmark(decoder, **settings)
     assert "multidecode_speculate" not in plain["main"]["methods"]
+    header = tables(plain)[0].header  # no column of (e)'s speed-up over (d) without an (e): it was there, empty
+    assert "speed-up over (a) one by one" in header and not any("over (d)" in h for h in header), header
     assert not any(t["name"].startswith("(e)") for t in plain["targets"])
     ready = run_ask_benchmark(decoder, **settings, speculate="lookup")
     assert ready["answers_identical"] and ready["config"]["speculate"] == "lookup"

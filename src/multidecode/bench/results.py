@@ -322,8 +322,9 @@ def figure_tables(result: dict) -> list[TextTable]:
     """The main case (or every case) with a row per method; a summary row per sweep point."""
     layout, rows = result["layout"], rows_of(result)
     short, params = layout["short"], layout["params"]
-    slows = list(dict.fromkeys(slow for _, slow in layout["pairs"]))
     fasts = list(dict.fromkeys(fast for fast, _ in layout["pairs"]))
+    slows = [slow for slow in dict.fromkeys(slow for _, slow in layout["pairs"])  # a column only where it has a figure
+             if any(speedup(row, fast, slow) for row in rows for fast in fasts)]
 
     def method_rows(row: dict, lead: list[str]) -> list[list[str]]:
         return [lead + [result["labels"][name]] + [fmt(figure(m, c), FIGURES[c][1]) for c in layout["columns"]]

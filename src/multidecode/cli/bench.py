@@ -167,7 +167,8 @@ PROMPT_TOKENS = click.option("--prompt-tokens", type=int, default=200, show_defa
 
 @bench_command(
     "ask",
-    click.option("--ks", default="1,2,4,8,16", show_default=True, help="Question counts for the sweep."),
+    click.option("--ks", default="1,2,4,8,16", show_default=True,
+                 help="Question counts for the sweep (the main point, all 8 of the sample call's questions, runs too)."),
     max_new_tokens(32),
     click.option("--speculate", default=None, metavar="MODE",
                  help="Also run (e): the forest with every branch speculating (any mode of --speculate: lookup, "
