@@ -301,7 +301,7 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
 
     --speculate makes answers come faster, never different, so a job may resume with another
     mode. suffix (or auto) drafts from the answers to the earlier documents of the job, which
-    pays on many similar documents. --stats prints this run's forwards and drafts, summed.
+    pays on many similar documents. --stats prints this run's forwards (a shared one once) and drafts.
 
     \b
     Example:
@@ -331,12 +331,7 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
             except KeyboardInterrupt:
                 received = [signal.SIGINT]
             else:
-                try:
-                    received, totals = follow(job, results)
-                except MultiDecodeError as error:  # after lines were done: say what was, then the error
-                    if job.summary().done:
-                        conclude_aborted(job.summary(), error, as_json=as_json)
-                    raise
+                received, totals = follow(job, results, as_json=as_json)
         summary = job.summary()
     conclude(summary, stopped=bool(received) and not summary.complete, signal_number=received[0] if received else 0,
              totals=totals if show_stats else None, as_json=as_json)
@@ -355,10 +350,10 @@ def job_questions(question: tuple[str, ...], questions_file: str | None) -> list
     return questions
 
 
-def follow(job: BatchJob, results) -> tuple[list[int], dict]:
+def follow(job: BatchJob, results, *, as_json: bool) -> tuple[list[int], dict]:
     """Show each result as it comes, with a progress bar, until the job ends or is stopped.
     Returns the signals received (the first stops the job gracefully) and this run's decode
-    stats, summed."""
+    stats, summed. An error that ends the run after lines were done comes after what they were."""
     received: list[int] = []
     totals: dict = {}
     try:
@@ -368,6 +363,10 @@ def follow(job: BatchJob, results) -> tuple[list[int], dict]:
                 view.advance(result)
     except KeyboardInterrupt:
         received = received or [signal.SIGINT]
+    except MultiDecodeError as error:
+        if job.summary().done:
+            conclude_aborted(job.summary(), error, as_json=as_json)
+        raise
     return received, totals
 
 
