@@ -255,6 +255,14 @@ def test_a_job_wide_logit_bias_outside_the_vocabulary_is_a_job_error(model_dir, 
     assert run(source, "-q", "who?", "--model", model_dir, "--max-new-tokens", "2", "-o", out,
                "--logit-bias", "5=5").exit_code == 0
     assert all(record["error"] is None for record in records(out))
+    # a line's own bias: that line's failure, its questions numbered as the line numbers them (was "branch 0")
+    line = {"id": "own", "document": "The modem light is red.", "questions": ["what colour?", "why?"],
+            "sampling": {"logit_bias": [None, None, {"999999": 5}]}}  # after the job's -q question
+    write_lines(source, [*documents(2), line])
+    assert run(source, "-q", "who?", "--model", model_dir, "--max-new-tokens", "2", "-o", out,
+               "--logit-bias", "5=5").exit_code == 0
+    error = by_id(records(out))["own"]["error"]
+    assert error["message"].startswith("logit_bias of question 3 names token id"), error
 
 
 def test_settings_that_change_no_token_do_not_change_the_fingerprint():

@@ -152,9 +152,11 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...] | None:
     return tuple(sorted((int(t), float(v)) for t, v in pairs)) or None
 
 
-def check_vocabulary(params: Sequence[SamplingParams], vocab_size: int, *, whose: str = "branch {}") -> None:
-    """Refuse a logit bias on a token id the model does not have; whose: how to name the i-th params."""
-    for i, p in enumerate(params):
+def check_vocabulary(params: Sequence[SamplingParams], vocab_size: int, *, whose: str = "branch {}",
+                     first: int = 0) -> None:
+    """Refuse a logit bias on a token id the model does not have; whose: how to name the params
+    numbered from `first` (a batch line's questions count from 1)."""
+    for i, p in enumerate(params, start=first):
         bad = [t for t, _ in p.logit_bias or () if t >= vocab_size]
         if bad:
             raise InvalidArgument(f"logit_bias of {whose.format(i)} names token id {bad[0]}, outside the model's "

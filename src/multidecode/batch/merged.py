@@ -32,7 +32,7 @@ from typing import Self
 
 from ..errors import PromptTooLong
 from ..runtime import ForestRuntime, Job, Limits, TooLarge
-from ..sampling import per_branch_sampling
+from ..sampling import check_vocabulary, per_branch_sampling
 from ..strategies.ask import Answer, answers_of, question_prompts
 from .lines import InputLine
 
@@ -110,6 +110,8 @@ class ForestAnswerer:
             prompts = question_prompts(self.decoder.tokenizer, item.document, item.questions,
                                        instruction=settings.instruction)
             sampling = per_branch_sampling(len(prompts), {**settings.sampling, **item.sampling})
+            check_vocabulary(sampling, self.decoder.model.get_input_embeddings().num_embeddings, whose="question {}",
+                             first=1)  # as the line numbers its questions, not as the runtime its branches
         except Exception as error:  # noqa: BLE001 - recorded as the line's failure
             return LineOutcome(item, error=error)
         job = Job(prompts=prompts, max_new_tokens=settings.max_new_tokens, sampling=sampling, stop=settings.stop,
