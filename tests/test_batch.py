@@ -32,6 +32,7 @@ from multidecode.batch import (
     run_batch,
 )
 from multidecode.cli import main
+from multidecode.sampling import per_branch_sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTIDECODE = Path(sys.executable).with_name("multidecode")
@@ -266,18 +267,19 @@ def test_a_job_wide_logit_bias_outside_the_vocabulary_is_a_job_error(model_dir, 
 
 
 def test_settings_that_change_no_token_do_not_change_the_fingerprint():
-    """A repetition penalty of 1, presence and frequency penalties of 0, top_k 0, top_p 1, min_p 0
-    and a logit bias of zeros decode as nothing does, whatever a line adds: resuming with them was refused as other
+    """A repetition penalty of 1, presence and frequency penalties of 0, top_k 0 and a logit bias of
+    zeros decode as nothing does, whatever a line adds: resuming with them was refused as other
     settings. A seed is a setting even for a greedy job (a line may sample with it), and so is
     greedy spelled out (temperature 0, do_sample False): a line with sampling settings of its own
     decodes greedily under it and samples without it, so the two jobs' answers differ."""
     plain = BatchSettings(questions=("who?",)).fingerprint
     neutral = {"repetition_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "top_k": 0}
     assert BatchSettings(questions=("who?",), sampling=neutral).fingerprint == plain
-    neutral = {"top_p": 1.0, "min_p": 0, "logit_bias": {5: 0.0, 7: 0}}
-    assert BatchSettings(questions=("who?",), sampling=neutral).fingerprint == plain
+    assert BatchSettings(questions=("who?",), sampling={"logit_bias": {5: 0.0, 7: 0}}).fingerprint == plain
+    # top_p 1 and min_p 0 cut nothing but ask for sampling, which the plain job does not do
+    assert [p.do_sample for p in per_branch_sampling(1, {"top_p": 1.0})] == [True]
     for other in ({"seed": 5}, {"repetition_penalty": 1.1}, {"do_sample": True}, {"presence_penalty": 0.5},
-                  {"logit_bias": {5: 1.0}}, {"logit_bias": {5: 0.0, 7: -1.0}}, {"top_p": 0.99}, {"min_p": 0.01}, {"repetition_penalty": [1.0, 1.0]}, {"temperature": 0},
+                  {"logit_bias": {5: 1.0}}, {"logit_bias": {5: 0.0, 7: -1.0}}, {"top_p": 1.0}, {"min_p": 0}, {"repetition_penalty": [1.0, 1.0]}, {"temperature": 0},
                   {"do_sample": False}):
         assert BatchSettings(questions=("who?",), sampling=other).fingerprint != plain, other
 

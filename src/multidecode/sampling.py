@@ -168,9 +168,9 @@ def drawn_seed() -> int:
     return secrets.randbits(31)
 
 
-NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_k": 0, "top_p": 1.0,
-           "min_p": 0.0}
-"""The settings at the value that turns them off (`_cut` reads a top_p of 1 and a min_p of 0 as none)."""
+NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_k": 0}
+"""The settings at the value that turns them off. Not a top_p of 1 or a min_p of 0: cutting nothing,
+they still ask for sampling (`switches_given`), which a job without them would not do."""
 
 
 def mix64(value: int) -> int:
@@ -201,8 +201,8 @@ def seeded_generator(seed: int | None) -> torch.Generator:
 
 def without_neutral(sampling: Mapping) -> dict:
     """`sampling` without the settings that change no token, whatever a batch line adds over them:
-    a penalty, top_k, top_p or min_p that is off (`NEUTRAL`), a logit bias of zeros (adding 0 to a
-    logit leaves its bits). Two spellings of one decoding,
+    a penalty or top_k that is off (`NEUTRAL`), a logit bias of zeros (adding 0 to a logit leaves
+    its bits). Two spellings of one decoding,
     `--repetition-penalty 1` and nothing, say, then compare equal. Greedy spelled out (do_sample
     False, temperature 0) is kept: a line with sampling settings of its own decodes greedily under
     it and samples without it."""
