@@ -103,7 +103,7 @@ if __name__ == "__main__":
     if command == "shape" and len(arguments) == 1:
         write_shape(arguments[0])
     elif command == "time" and 2 <= len(arguments) <= 4 and (len(arguments) < 4 or arguments[3].isdigit()):
-        if arguments[2:3] in ([], ["cuda"]) and not torch.cuda.is_available():
+        if (arguments[2:3] or ["cuda"])[0].startswith("cuda") and not torch.cuda.is_available():
             sys.exit("no CUDA device here (torch.cuda.is_available() is False): time on a machine with a GPU, "
                      "or name the device: ... time SHAPE MODEL cpu")
         if not (Path(arguments[0]) / "config.json").is_file():

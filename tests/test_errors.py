@@ -713,10 +713,12 @@ def test_a_finished_bench_run_whose_files_cannot_be_written_keeps_its_result(tmp
     with pytest.raises(multidecode.InvalidInput, match="cannot write .*bench_sample.md") as caught:
         run_and_report("sample", lambda progress: result, tmp_path, None)
     assert f"the result is in {tmp_path / 'bench_sample.json'}" in caught.value.hint
-    (tmp_path / "other.json").mkdir()
-    with pytest.raises(multidecode.InvalidInput, match="cannot write .*other.json") as caught:
+    (tmp_path / "other.json").mkdir()  # the JSON itself cannot be written: printed, and nothing half-written stays
+    with pytest.raises(multidecode.InvalidInput, match="cannot write the result in") as caught:
         run_and_report("sample", lambda progress: result, tmp_path, "other")
     assert "printed above as JSON" in caught.value.hint and json.loads(capsys.readouterr().out) == result
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_sample.json", "bench_sample.md", "bench_sample.png",
+                                                          "other.json"]
 
 
 def test_demo_settings_are_checked_before_the_model_loads(tmp_path):

@@ -257,11 +257,23 @@ def _bars(ax, panel: Panel, chart: Chart) -> None:
 
 def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None) -> list[Path]:
     """Write `<stem>.json`, `.png` and `.md` (stem: `bench_<benchmark>`) in `out_dir`; returns the paths."""
+    path = write_json(result, out_dir, stem=stem)
+    return [path, *redraw(path)]
+
+
+def write_json(result: dict, out_dir: str | Path, *, stem: str | None = None) -> Path:
+    """Write the result's `<stem>.json` in `out_dir` whole or not at all (a temporary file renamed
+    over it: a full disk leaves no cut-short result that reads as written); returns its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{stem or 'bench_' + result['benchmark']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return [path, *redraw(path)]
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        partial.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
 
 
 def redraw(path: str | Path) -> list[Path]:

@@ -86,7 +86,7 @@ def print_tables(result: dict, *, console=None) -> None:
     console = console or stdout
     for text in tables(result):
         if not console.is_terminal:
-            console.print("\n".join([text.title, *markdown_table(text), ""]), markup=False)
+            console.print("\n".join([text.title, *markdown_table(text), ""]), markup=False, soft_wrap=True, crop=False)
             continue
         table = Table(title=text.title, title_justify="left")
         for i, column in enumerate(text.header):
@@ -100,7 +100,7 @@ def print_tables(result: dict, *, console=None) -> None:
 def run_and_report(name: str, runner, output: str, stem: str | None, *, as_json: bool = False) -> None:
     """Run one benchmark with progress on stderr, write its files, then print its tables, its
     findings and the files' paths (on stderr with `as_json`, which prints the result on stdout)."""
-    from ..bench.results import findings, write_results
+    from ..bench.results import findings, redraw, write_json
 
     start = time.perf_counter()
     with stderr.status(f"benchmarking {name}...") as status:
@@ -109,16 +109,19 @@ def run_and_report(name: str, runner, output: str, stem: str | None, *, as_json:
             status.update(f"benchmarking {name}... {escape(message)}")
 
         result = runner(progress)
+    try:  # after the whole run: nothing of it is lost
+        path = write_json(result, Path(output), stem=stem)
+    except OSError as err:
+        click.echo(json.dumps(result, indent=2))
+        raise InvalidInput(f"cannot write the result in {output}: {err.strerror or err}",
+                           "it is printed above as JSON: save it as a .json file and `multidecode bench redraw` it"
+                           ) from None
     try:
-        paths = write_results(result, Path(output), stem=stem)
-    except OSError as err:  # after the whole run: nothing of it is lost
-        written = Path(output) / f"{stem or 'bench_' + result['benchmark']}.json"
-        if written.is_file() and err.filename != str(written):
-            kept = f"the result is in {written}: free that path, then `multidecode bench redraw {written}`"
-        else:
-            click.echo(json.dumps(result, indent=2))
-            kept = "the result is printed above as JSON: save it as a .json file and `multidecode bench redraw` it"
-        raise InvalidInput(f"cannot write {err.filename}: {err.strerror or err}", kept) from None
+        paths = [path, *redraw(path)]
+    except OSError as err:
+        raise InvalidInput(f"cannot write {err.filename or 'the table and plot beside ' + str(path)}: "
+                           f"{err.strerror or err}",
+                           f"the result is in {path}: free that path, then `multidecode bench redraw {path}`") from None
     console = stderr if as_json else stdout
     print_tables(result, console=console)
     said = findings(result)
@@ -479,7 +482,8 @@ def bench_redraw(results):
         try:
             written_paths = redraw(path)
         except OSError as err:
-            failed.append(f"{path}: cannot write {err.filename or ''} ({err.strerror or err})")
+            verb = "read" if err.filename == str(path) else "write"
+            failed.append(f"{path}: cannot {verb} {err.filename or ''} ({err.strerror or err})")
             continue
         except (ValueError, LookupError, TypeError, AttributeError, ArithmeticError) as err:  # not JSON, not a result
             failed.append(f"{path} is not a multidecode benchmark result ({type(err).__name__}: {err})")
