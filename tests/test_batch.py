@@ -988,6 +988,7 @@ def test_a_file_of_new_ids_resumes_as_one_of_the_outputs_inputs(model_dir, tmp_p
     third = write_lines(tmp_path / "c.jsonl", documents(4)[1:2])  # one of the first file's ids: still refused
     refused = run(third, "-o", out, "--model", model_dir, "--max-new-tokens", 2)
     assert refused.exit_code == 2 and "holds the results of" in refused.output, refused.output
+    assert "a.jsonl" in refused.stderr and "b.jsonl" in refused.stderr  # the records do not say which one wrote them
 
 
 def test_outputs_that_are_no_file_are_refused_before_anything_is_written(model_dir, tmp_path):

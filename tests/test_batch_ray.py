@@ -387,10 +387,10 @@ def test_the_forest_budget_reaches_every_worker(monkeypatch, model_dir):
     was started with: each ran the default forest, silently."""
     fake = FakeRay()
     monkeypatch.setitem(sys.modules, "ray", fake)
-    forest = {"forest_tokens": 0, "forest_branches": 3, "prefill_chunk": 16}
-    with RayWorkers(settings=BatchSettings(), workers=2, forest=forest):
-        assert [args[-1] for args in fake.arguments] == [forest, forest]
-    worker = Worker(str(model_dir), None, "cpu", BatchSettings(), forest=forest)
+    budget = {"forest_tokens": 0, "forest_branches": 3, "prefill_chunk": 16}
+    with RayWorkers(settings=BatchSettings(), workers=2, **budget):
+        assert [args[-1] for args in fake.arguments] == [budget, budget]
+    worker = Worker(str(model_dir), None, "cpu", BatchSettings(), forest_budget=budget)
     assert worker.failed is None, worker.failed
     limits = worker.answerer.runtime.limits
     assert (limits.max_live_tokens, limits.max_branches, limits.prefill_chunk) == (0, 3, 16)

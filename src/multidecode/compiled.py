@@ -251,7 +251,8 @@ def use_inductor_cache() -> None:
 
 def compile_forward(model) -> CompiledForward:
     """Run `model`'s engine forwards compiled from now on (the model must be on the exact kernels:
-    `load` puts it there). Compiles on the first forward that can use it. Idempotent."""
+    `load` puts it there). Compiles on the first forward that can use it. Idempotent. Adds one
+    process-wide warnings filter, for inductor's note on mixed half precisions alone."""
     from .exact import is_exact
 
     if not is_exact(model):

@@ -122,7 +122,7 @@ class BatchJob:
         self.appended = 0  # such lines `pending_items` met: left to the next run, so the job is not complete
         self.elapsed_s = 0.0
         self.failures: list[dict] = []
-        self._forest_forwards: dict[str, int] = {}  # forest name -> its forwards (`LineOutcome.forest`)
+        self._forest_forwards: dict[str, int] = {}  # forest name -> its forwards (`LineOutcome.forest_forwards`)
         self._stop = False
         self._crashes, self._last_crash = 0, None
 
@@ -187,8 +187,8 @@ class BatchJob:
                     continue
                 record = self._record(outcome)
                 self._output.append(record)
-                if outcome.forest is not None:
-                    name, forwards = outcome.forest
+                if outcome.forest_forwards is not None:
+                    name, forwards = outcome.forest_forwards
                     self._forest_forwards[name] = max(forwards, self._forest_forwards.get(name, 0))
                 del self.pending[outcome.item.line]
                 self.done, self.tokens = self.done + 1, self.tokens + record["tokens"]

@@ -54,15 +54,15 @@ steps. A positive value paces it as a server does."""
 class LineOutcome:
     """How a batch line ended, before it is recorded: its answers, or the error that stopped it
     (`BatchJob.record` turns it into the line's record). elapsed_s runs from its submission to its
-    end (in a merged forest that includes the steps it shared). forest: the forest that answered it
-    (a name of its own) and the forward passes that forest had made when the line ended, so a job's
-    forwards are the last count of each forest, however many lines shared them."""
+    end (in a merged forest that includes the steps it shared). forest_forwards: the forest that
+    answered it (a name of its own) and the forward passes that forest had made when the line ended,
+    so a job's forwards are the last count of each forest, however many lines shared them."""
 
     item: InputLine
     answers: tuple[Answer, ...] = ()
     error: BaseException | None = None
     elapsed_s: float = 0.0
-    forest: tuple[str, int] | None = None
+    forest_forwards: tuple[str, int] | None = None
 
 
 @dataclass
@@ -97,8 +97,8 @@ class ForestAnswerer:
                                      cost=decoder.cost).start()
         self.name = uuid.uuid4().hex  # tells its forest from a Ray worker's, or another run's
 
-    def forest(self) -> tuple[str, int]:
-        """This answerer's name and its forest's forward passes so far (`LineOutcome.forest`)."""
+    def forward_count(self) -> tuple[str, int]:
+        """This answerer's name and its forest's forward passes so far (`LineOutcome.forest_forwards`)."""
         return self.name, self.runtime.engine.stats.forward_passes
 
     def prepare(self, item: InputLine) -> Ticket | LineOutcome:
@@ -132,10 +132,10 @@ class ForestAnswerer:
             if kind == "done":
                 answers = answers_of(questions, ticket.job.work.branches, ticket.prompts, value.stats)
                 future.set_result(LineOutcome(item, tuple(answers), elapsed_s=time.perf_counter() - started,
-                                              forest=self.forest()))
+                                              forest_forwards=self.forward_count()))
             elif kind == "error":
                 future.set_result(LineOutcome(item, error=_in_the_jobs_words(value),
-                                              elapsed_s=time.perf_counter() - started, forest=self.forest()))
+                                              elapsed_s=time.perf_counter() - started, forest_forwards=self.forward_count()))
 
         ticket.job.sink = sink
         try:

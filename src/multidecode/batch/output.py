@@ -174,17 +174,17 @@ class OutputFile:
         inputs = self._inputs()
         if not shared or any(path.is_file() and os.path.samefile(path, input_path) for path in inputs):
             return
-        started = next((path for path in inputs if path.is_file()), None)
-        if started is not None:
-            raise InvalidInput(f"{self.path} holds the results of {started}, not of {input_path}, and {shared} of "
-                               "its ids (line numbers, for lines without one) have results there",
-                               f"rerun with {started} to resume it, or write these results to a new --output")
+        present = [str(path) for path in inputs if path.is_file()]  # records do not say which one wrote them
+        if present:
+            raise InvalidInput(f"{self.path} holds the results of {' and '.join(present)}, not of {input_path}, and "
+                               f"{shared} of its ids (line numbers, for lines without one) have results there",
+                               f"rerun with {' or '.join(present)} to resume it, or write these results to a new --output")
 
     def _inputs(self) -> list[Path]:
         """The input files that wrote here, as the settings file names them (none without one)."""
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
             meta = json.loads(meta_path(self.path).read_text(encoding="utf-8"))
-            return [Path(name) for name in meta.get("inputs", [meta["input"]])]
+            return [Path(name) for name in (meta["inputs"] if "inputs" in meta else [meta["input"]])]
         return []
 
     def write_meta(self, settings: BatchSettings, input_path: Path) -> None:

@@ -32,6 +32,7 @@ from .common import (
     constraint_from,
     counted,
     decoding_options,
+    in_option_terms,
     load_decoder,
     prepare_speculation,
     print_stats,
@@ -211,16 +212,17 @@ def print_summary(summary: BatchSummary, *, stopped: bool) -> None:
 
 
 def on_ray(job: BatchJob, settings: BatchSettings, address: str, workers: int, model_name, precision, device,
-           speculation, forest: dict):
-    """The job's outcomes from Ray workers (`multidecode.batch.ray`), each with the `forest` budget,
-    with a status line while Ray starts and the workers load the model."""
+           speculation, budget: dict):
+    """The job's outcomes from Ray workers (`multidecode.batch.ray`), each with the forest `budget`
+    (`ray_outcomes`' forest_tokens, forest_branches and prefill_chunk), with a status line while
+    Ray starts and the workers load the model."""
     from ..batch.ray import ray_outcomes
 
     where = "a local Ray" if address == "local" else escape(address)
     stderr.print(f"[dim]Starting {counted(workers, 'worker')} on {where}...[/dim]")
     return ray_outcomes(job.pending_items(), settings=settings, model=model_name, precision=precision, device=device,
                         speculate=speculation, address=None if address == "local" else address,
-                        workers=workers, forest=forest, stopping=lambda: job.stopping)
+                        workers=workers, stopping=lambda: job.stopping, **budget)
 
 
 # ---------------------------------------------------------------------- the command
@@ -317,17 +319,17 @@ def batch(input_path, output, questions_file, question, max_new_tokens, stop, re
     with open_batch(input_path, output, settings, retry_failed=retry_failed) as job:
         announce(job)
         received, totals = [], {}
-        forest = {"forest_tokens": forest_tokens, "forest_branches": forest_branches, "prefill_chunk": prefill_chunk}
+        budget = {"forest_tokens": forest_tokens, "forest_branches": forest_branches, "prefill_chunk": prefill_chunk}
         if job.pending:
             try:  # Ctrl-C while the model loads (or Ray connects) stops the job as one in progress would
                 if ray_address is None:
                     decoder = load_decoder(model_name, precision, device, compile=compile_step)
-                    results = job.run(decoder, speculate=prepare_speculation(decoder, speculation), **forest)
+                    results = job.run(decoder, speculate=prepare_speculation(decoder, speculation), **budget)
                     if compile_step:
                         results = say_if_not_compiled(results, decoder.model)
                 else:
                     results = job.record(on_ray(job, settings, ray_address, workers or 2, model_name, precision,
-                                                device, speculation, forest))
+                                                device, speculation, budget))
             except KeyboardInterrupt:
                 received = [signal.SIGINT]
             else:
@@ -374,10 +376,11 @@ def conclude_aborted(summary: BatchSummary, error: MultiDecodeError, *, as_json:
     """The summary of a run that an error ended after lines were done (the output unwritable, repeated
     unexpected errors, every Ray worker lost): on stderr, and with --json on stdout with the error;
     the error's own line and exit status follow."""
-    print_summary(summary, stopped=True)
+    stopped = not summary.complete  # the errors may have struck the last lines: then the job is done
+    print_summary(summary, stopped=stopped)
     if as_json:
-        said = {"type": type(error).__name__, "message": error.message, "hint": error.hint}
-        click.echo(json.dumps(summary.as_dict() | {"stopped": True, "error": said}, ensure_ascii=False))
+        said = {"type": type(error).__name__, "message": in_option_terms(error.message), "hint": error.hint}
+        click.echo(json.dumps(summary.as_dict() | {"stopped": stopped, "error": said}, ensure_ascii=False))
 
 
 def conclude(summary: BatchSummary, *, stopped: bool, signal_number: int, totals: dict | None, as_json: bool) -> None:

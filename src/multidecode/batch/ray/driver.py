@@ -13,7 +13,7 @@ from typing import Any, Self
 from ...errors import check_positive
 from ..job import BatchAborted
 from ..lines import InputLine
-from ..merged import LineOutcome
+from ..merged import FOREST_BRANCHES, FOREST_TOKENS, PREFILL_CHUNK, LineOutcome
 from ..settings import BatchSettings
 from .connect import connect, import_ray
 from .errors import ErrorInfo
@@ -85,14 +85,15 @@ class RayWorkers:
     how many actors; cpus_per_worker: the CPUs each reserves (and its torch threads);
     gpus_per_worker: the GPUs each reserves (default: 1 when device is "cuda..." or, with no
     device, when the cluster has GPUs, as `load` picks cuda where there is one; else 0).
-    forest: each worker's forest budget, as `ForestAnswerer` takes it (forest_tokens,
-    forest_branches, prefill_chunk; default: its defaults).
+    forest_tokens, forest_branches, prefill_chunk: each worker's forest budget, as `ForestAnswerer`
+    takes it (as `BatchJob.run` does locally).
     """
 
     def __init__(self, *, settings: BatchSettings, model: str | None = None, precision: str | None = None,
                  device: str | None = None, speculate=None, prepare: Callable | None = None,
                  address: str | None = None, workers: int = 2, lines_per_worker: int = LINES_PER_WORKER,
-                 cpus_per_worker: int = 1, gpus_per_worker: float | None = None, forest: dict | None = None) -> None:
+                 cpus_per_worker: int = 1, gpus_per_worker: float | None = None, forest_tokens: int = FOREST_TOKENS,
+                 forest_branches: int = FOREST_BRANCHES, prefill_chunk: int = PREFILL_CHUNK) -> None:
         check_positive("workers", workers)
         check_positive("lines_per_worker", lines_per_worker)
         check_positive("cpus_per_worker", cpus_per_worker)
@@ -114,7 +115,8 @@ class RayWorkers:
                 gpus_per_worker = 1 if cuda else 0
             if model is not None and Path(model).expanduser().exists():  # the same file for every worker
                 model = str(Path(model).expanduser().resolve())
-            self._arguments = (model, precision, device, settings, speculate, prepare, cpus_per_worker, forest)
+            budget = {"forest_tokens": forest_tokens, "forest_branches": forest_branches, "prefill_chunk": prefill_chunk}
+            self._arguments = (model, precision, device, settings, speculate, prepare, cpus_per_worker, budget)
             self._actor_class = self.ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
                                                 max_concurrency=lines_per_worker + 1)(Worker)
             for _ in range(workers):
@@ -288,14 +290,16 @@ def _describe(why) -> str:
 def ray_outcomes(items: Iterable[InputLine], *, settings: BatchSettings, model: str | None = None,
                  precision: str | None = None, device: str | None = None, speculate=None, prepare: Callable | None = None,
                  address: str | None = None, workers: int = 2, lines_per_worker: int = LINES_PER_WORKER,
-                 cpus_per_worker: int = 1, gpus_per_worker: float | None = None, forest: dict | None = None,
+                 cpus_per_worker: int = 1, gpus_per_worker: float | None = None, forest_tokens: int = FOREST_TOKENS,
+                 forest_branches: int = FOREST_BRANCHES, prefill_chunk: int = PREFILL_CHUNK,
                  stopping: Callable[[], bool] = lambda: False) -> Iterator[LineOutcome]:
     """Each line's `LineOutcome` from Ray workers, as lines finish, for `BatchJob.record` (see the
     module notes; the arguments are `RayWorkers`'). Connects and starts the workers on the first
     `next()`, and stops them (and a Ray it started) when exhausted or closed."""
     with RayWorkers(settings=settings, model=model, precision=precision, device=device, speculate=speculate,
                     prepare=prepare, address=address, workers=workers, lines_per_worker=lines_per_worker,
-                    cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker, forest=forest) as pool:
+                    cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker, forest_tokens=forest_tokens,
+                    forest_branches=forest_branches, prefill_chunk=prefill_chunk) as pool:
         yield from pool.outcomes(items, stopping=stopping)
 
 

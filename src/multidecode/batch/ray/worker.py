@@ -18,12 +18,13 @@ from .errors import ErrorInfo
 
 class Worker:
     """What each Ray actor runs: the model, loaded once, and a `ForestAnswerer` whose forest
-    every concurrent `answer` call joins (`forest`: its budget, as `ForestAnswerer` takes it). Never
+    every concurrent `answer` call joins (`forest_budget`: its keywords forest_tokens,
+    forest_branches and prefill_chunk, as `ForestAnswerer` takes them). Never
     raises: a failed load is reported by `ready`."""
 
     def __init__(self, model: str | None, precision: str | None, device: str | None, settings: BatchSettings,
                  speculate=None, prepare: Callable | None = None, threads: int | None = None,
-                 forest: dict | None = None) -> None:
+                 forest_budget: dict | None = None) -> None:
         self.answerer: ForestAnswerer | None = None
         self.failed: ErrorInfo | None = None
         self._lock = threading.Lock()
@@ -39,7 +40,7 @@ class Worker:
             decoder = load(model, precision=precision, device=device)
             if prepare is not None:
                 speculate = prepare(decoder, speculate)
-            self.answerer = ForestAnswerer(decoder, settings, speculate=speculate, **(forest or {}))
+            self.answerer = ForestAnswerer(decoder, settings, speculate=speculate, **(forest_budget or {}))
         except Exception as error:  # noqa: BLE001 - reported to the driver by ready()
             self.failed = self._info(error)
 
