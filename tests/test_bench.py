@@ -120,8 +120,9 @@ def test_bad_arguments(decoder):
     # a learned mode without its head: refused as the benchmark is declared, not after its warm-up (a minute)
     from multidecode.bench.ask import ask_benchmark
 
-    with pytest.raises(InvalidArgument, match="no eagle head was trained"):
+    with pytest.raises(InvalidArgument, match="no eagle head was trained") as refused:
         ask_benchmark(decoder, document=DOCUMENT, questions=QUESTIONS, speculate="eagle")
+    assert "SpeculationSettings.parse('eagle', head=DIR) in Python" in refused.value.hint  # as the README spells it
 
 
 def test_ask_with_speculation_adds_method_e_with_identical_answers(decoder):

@@ -496,7 +496,7 @@ def load_heads(settings: SpeculationSettings, model):
     raise InvalidArgument(f"no {kind} head was trained for this model ({shape_key(model)})",
                           f"train one: multidecode train-drafter --model M --kind {kind} "
                           "(or name a head's folder: --draft-head DIR on ask, generate, complete, vote, batch, explain and serve; "
-                          "SpeculationSettings(head=...) in Python)")
+                          f"SpeculationSettings.parse('{kind}', head=DIR) in Python)")
 
 
 def choose_draft_layers(settings: SpeculationSettings, model, tokenizer, *, sample_ids=None) -> SpeculationSettings:
