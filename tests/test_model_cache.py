@@ -236,6 +236,7 @@ def test_cache_list_shows_each_copy_and_the_cost_curves(cache, tiny_gguf):
     assert model["kind"] == "model" and model["source"] == str(tiny_gguf.resolve()) and model["state"] == "current"
     assert model["manifest"]["dtype"] == "float32" and model["created"] == model["manifest"]["created"]
     assert model["bytes"] == sum(p.stat().st_size for p in (cache / name).iterdir())
+    assert model["weights"] == {"float32": sum(p.stat().st_size for p in (cache / name).glob("*.safetensors"))}
     assert listed["total_bytes"] == sum(e["bytes"] for e in listed["entries"])
     assert by_name["costs"]["kind"] == "costs" and by_name["notes.txt"]["kind"] == "other"
 

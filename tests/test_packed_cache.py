@@ -13,8 +13,10 @@ import os
 
 import pytest
 import torch
+from click.testing import CliRunner
 from gguf_files import write_tiny_gguf
 
+from multidecode.cli import main
 from multidecode.models import converted, gguf, loading, packed, packed_cache
 from multidecode.models.tensor_directory import TensorDirectory
 
@@ -85,6 +87,11 @@ def test_each_precision_keeps_its_own_file(cache, tmp_path, conversions):
     assert torch.equal(load(path)[1], own) and torch.equal(load(path, "int8")[1], int8)
     assert conversions == []
     assert torch.equal(int8, fresh(tmp_path, path, "int8"))
+    # `cache list` shows them apart (it showed one row of their sum): a line of weights by precision
+    (entry,) = [e for e in converted.cache_entries() if e.name.endswith("-described")]
+    assert list(entry.weights) == ["auto", "int8"] and all(size > 0 for size in entry.weights.values())
+    listed = CliRunner().invoke(main, ["cache", "list"])
+    assert listed.exit_code == 0 and "weights: auto " in listed.output and ", int8 " in listed.output, listed.output
 
 
 # ---------------------------------------------------------------------- never trusted when stale

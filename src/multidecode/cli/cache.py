@@ -49,6 +49,9 @@ def list_(as_json):
         stdout.print(escape(line(row)))
         if entry.source:  # a line of its own: a path is too long for a column
             stdout.print(f"[dim]    from {escape(entry.source)}[/dim]")
+        if entry.weights:  # each precision asked for keeps its own copy of the weights
+            held = ", ".join(f"{name} {human_size(size)}" for name, size in entry.weights.items())
+            stdout.print(f"[dim]    weights: {escape(held)}[/dim]")
     stdout.print(escape(line(rows[-1])))
 
 

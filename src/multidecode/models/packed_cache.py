@@ -36,11 +36,11 @@ from types import ModuleType
 import torch
 
 from ..version import __version__
-from .converted import gguf_identity
+from .converted import PACKED_PREFIX, gguf_identity
 
 FORMAT = 1
 """The packed file's own layout (its tensor names and metadata): bump it when they change."""
-PREFIX, SUFFIX = "packed-", ".safetensors"
+PREFIX, SUFFIX = PACKED_PREFIX, ".safetensors"
 _TEMPORARY = ".packed-"
 
 log = logging.getLogger("multidecode.models")
