@@ -29,6 +29,7 @@ cost in the forward. Both sides are measured, never assumed:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import itertools
 import json
@@ -48,7 +49,7 @@ import torch
 from .engine import Engine, time_forwards
 from .forest import ROOT
 from .models.packed import weight_count, weights_precision
-from .user_cache import cache_dir
+from .user_cache import cache_dir, replace_atomically
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 """Tokens per forward timed by `measure_cost`; larger forwards are extrapolated linearly."""
@@ -549,13 +550,9 @@ def read_curve(path: Path, key: str) -> LearnedCurve | None:
 def write_atomically(path: Path, data: dict) -> None:
     """Write `data` as JSON to `path` through a temporary file (a reader never sees half a file);
     a folder that cannot be written loses only the saving."""
-    try:
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(data), encoding="utf-8")
-        os.replace(partial, path)
-    except OSError:
-        pass
+        replace_atomically(path, [json.dumps(data).encode("utf-8")], durable=False)  # saved while decoding
 
 
 def cost_curve(model, *, folder: Path | None = None, measure: bool = True,

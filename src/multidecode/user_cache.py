@@ -1,12 +1,16 @@
-"""Where multidecode keeps files between runs: converted models and measured forward costs.
+"""Where multidecode keeps files between runs (converted models, measured forward costs), and how
+a file it keeps is written: whole or not at all (`replace_atomically`).
 
 `cache_dir()` is `$MULTIDECODE_CACHE`, else `$XDG_CACHE_HOME/multidecode`, else `~/.cache/multidecode`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -29,3 +33,34 @@ def unwritable(folder: Path) -> OSError | None:
     except OSError as err:
         return err
     return None
+
+
+def replace_atomically(path: Path, chunks: Iterable[bytes], *, durable: bool = True) -> None:
+    """Write a file whole or not at all: a temporary file beside it, renamed over it (its mode
+    kept); a failure leaves the old file and no temporary one. durable: the file and its folder
+    fsync-ed, so a crash keeps it too (off for what is cheaply made again, written while decoding)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.writelines(chunks)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        with contextlib.suppress(OSError):
+            shutil.copymode(path, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_folder(path.parent)
+
+
+def fsync_folder(path: Path) -> None:
+    """fsync a folder, so that a file made or renamed in it survives a crash (where the platform can)."""
+    with contextlib.suppress(OSError):  # not every platform can open a folder
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-from collections.abc import Iterable
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
 from ..errors import InvalidInput, OutputUnwritable, changed_settings
+from ..user_cache import fsync_folder, replace_atomically
 from .lines import id_key
 from .settings import BatchSettings
 
@@ -67,7 +66,7 @@ class OutputFile:
         self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
         if created:
             self.created = True
-            _fsync_dir(self.path.parent)
+            fsync_folder(self.path.parent)
 
     def _scan(self) -> tuple[dict[str, bool], set[str], bool]:
         """Read every record; truncate a cut-short last line (a whole record that lacks only its
@@ -139,7 +138,7 @@ class OutputFile:
     def drop(self, keys: set[str]) -> None:
         """Replace the output, atomically, with a copy that lacks the records of `keys`."""
         with open(self.path, "rb") as handle:
-            _replace(self.path, (raw for raw in handle
+            replace_atomically(self.path, (raw for raw in handle
                                  if (record := _parse_record(raw)) is None or id_key(record["id"]) not in keys))
         os.close(self.fd)
         self._open()
@@ -154,12 +153,10 @@ class OutputFile:
         others = self.fingerprints - {settings.fingerprint}
         if not others:
             return
-        differences: list[str] = []
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            meta = json.loads(meta_path(self.path).read_text(encoding="utf-8"))
-            if meta.get("fingerprint") in others:
-                stored, current = meta.get("settings", {}), settings.as_dict()
-                differences = changed_settings(stored, current)
+        meta, differences = self._settings_file(), []
+        if meta.get("fingerprint") in others:
+            with contextlib.suppress(AttributeError):
+                differences = changed_settings(meta.get("settings", {}), settings.as_dict())
         said = (f": {'; '.join(differences)}" if differences else
                 f" (fingerprint {', '.join(sorted(others))}, these settings are {settings.fingerprint})")
         raise InvalidInput(f"{self.path} holds results made with other settings{said}",
@@ -172,7 +169,7 @@ class OutputFile:
         where ids meet (another file of new ids adds to the output, and resumes as one of its inputs)."""
         shared = len(keys & self.recorded.keys())
         inputs = self._inputs()
-        if not shared or any(path.is_file() and os.path.samefile(path, input_path) for path in inputs):
+        if not shared or _among(input_path, inputs):
             return
         present = [str(path) for path in inputs if path.is_file()]  # records do not say which one wrote them
         if present:
@@ -180,27 +177,34 @@ class OutputFile:
                                f"{shared} of its ids (line numbers, for lines without one) have results there",
                                f"rerun with {' or '.join(present)} to resume it, or write these results to a new --output")
 
-    def _inputs(self) -> list[Path]:
-        """The input files that wrote here, as the settings file names them (none without one)."""
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+    def _settings_file(self) -> dict:
+        """What the settings file holds ({} where there is none, or it is not a JSON object)."""
+        with contextlib.suppress(OSError, ValueError):
             meta = json.loads(meta_path(self.path).read_text(encoding="utf-8"))
+            return meta if isinstance(meta, dict) else {}
+        return {}
+
+    def _inputs(self, meta: dict | None = None) -> list[Path]:
+        """The input files that wrote here, as the settings file (`meta`, default: read) names them."""
+        meta = self._settings_file() if meta is None else meta
+        with contextlib.suppress(KeyError, TypeError):
             return [Path(name) for name in (meta["inputs"] if "inputs" in meta else [meta["input"]])]
         return []
 
     def write_meta(self, settings: BatchSettings, input_path: Path) -> None:
         """The settings file: these settings, the input the output was started from ("input") and
         every input that has written here since ("inputs"), each one resuming as its own."""
-        meta, inputs = meta_path(self.path), self._inputs()
-        known = any(path.is_file() and os.path.samefile(path, input_path) for path in inputs)
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            if json.loads(meta.read_text(encoding="utf-8")).get("fingerprint") == settings.fingerprint and known:
-                return
+        meta = self._settings_file()
+        inputs = self._inputs(meta)
+        known = _among(input_path, inputs)
+        if meta.get("fingerprint") == settings.fingerprint and known:
+            return
         from ..version import __version__
 
         inputs = [str(path) for path in inputs] + ([] if known else [str(input_path.resolve())])
         data = {"format": FORMAT, "fingerprint": settings.fingerprint, "settings": settings.as_dict(),
                 "input": inputs[0], "inputs": inputs, "multidecode": __version__}
-        _replace(meta, [(json.dumps(data, ensure_ascii=False, indent=2) + "\n").encode("utf-8")])
+        replace_atomically(meta_path(self.path), [(json.dumps(data, ensure_ascii=False, indent=2) + "\n").encode("utf-8")])
 
     def discard(self) -> None:
         """Remove the output and its settings file where this opening made the output and nothing was
@@ -219,6 +223,11 @@ class OutputFile:
             os.close(self.fd)
             self.fd = -1
         self.lock.release()
+
+
+def _among(path: Path, inputs: list[Path]) -> bool:
+    """Whether `path` is one of `inputs` (the same file, by any name)."""
+    return any(other.is_file() and os.path.samefile(other, path) for other in inputs)
 
 
 def _parse_record(raw: bytes) -> dict | None:
@@ -247,29 +256,3 @@ def _cut_short(raw: bytes) -> bool:
     except ValueError:
         return True
     return False
-
-
-def _replace(path: Path, chunks: Iterable[bytes]) -> None:
-    """Write a file atomically: a temporary file beside it, fsync-ed, renamed over it, the folder fsync-ed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.writelines(chunks)
-            handle.flush()
-            os.fsync(handle.fileno())
-        with contextlib.suppress(OSError):
-            shutil.copymode(path, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every platform can open a folder
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -16,6 +16,7 @@ import torch
 
 from ..models.converted import model_display_name
 from ..models.packed import weight_count, weights_precision
+from ..user_cache import replace_atomically
 
 TITLE_SIZE, NOTE_SIZE = 9, 7
 
@@ -262,17 +263,12 @@ def write_results(result: dict, out_dir: str | Path, *, stem: str | None = None)
 
 
 def write_json(result: dict, out_dir: str | Path, *, stem: str | None = None) -> Path:
-    """Write the result's `<stem>.json` in `out_dir` whole or not at all (a temporary file renamed
-    over it: a full disk leaves no cut-short result that reads as written); returns its path."""
+    """Write the result's `<stem>.json` in `out_dir` whole or not at all (a full disk leaves no
+    cut-short result that reads as written); returns its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{stem or 'bench_' + result['benchmark']}.json"
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        partial.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    replace_atomically(path, [(json.dumps(result, indent=2) + "\n").encode("utf-8")])
     return path
 
 

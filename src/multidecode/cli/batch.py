@@ -388,7 +388,7 @@ def conclude(summary: BatchSummary, *, stopped: bool, signal_number: int, totals
     stopped, 1 when lines are left undone."""
     print_summary(summary, stopped=stopped)
     if totals and totals.get("runs"):  # the forests' forwards, each once, not each line's summed
-        forwards = summary.forward_passes or totals["forward_passes"]
+        forwards = summary.forward_passes
         print_stats(totals | {"forward_passes": forwards, "tokens_per_forward": totals["tokens"] / max(1, forwards)},
                     lead=f"{counted(totals['runs'], 'line')} answered in this run: ")
     if as_json:

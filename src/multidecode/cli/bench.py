@@ -54,8 +54,8 @@ def run_options(command):
 
 def check_run(output: str, threads: int | None, stem: str | None = None) -> None:
     """Refuse settings every benchmark would trip on, before the model loads and the run starts
-    (a run can take many minutes: its results must have somewhere to go). Call it after the
-    command's own checks: it makes the folder, which a refused run should not leave behind."""
+    (a run can take many minutes: its results must have somewhere to go); the folder is tried, not
+    left made."""
     if stem is not None and (not stem.strip() or Path(stem).name != stem or stem in (".", "..")):
         raise InvalidArgument(f"--stem {stem!r} is not a file name", "give a name without folders; --output says where")
     if threads is not None and threads < 1:
@@ -149,7 +149,7 @@ def bench_command(name: str, *options, sweeps: tuple[str, ...] = (), counts: tup
         def command(output, stem, repeats, threads, model_name, precision, device, **own):
             check_flag_counts(repeats=repeats, **{k: own[k] for k in counts if own[k] is not None})
             call = prepare(**{**own, **{k: parse_counts(own[k], "--" + k.replace("_", "-")) for k in sweeps}})
-            check_run(output, threads, stem)  # last: it makes the folder
+            check_run(output, threads, stem)
             decoder = load_decoder(model_name, precision, device)
             run_and_report(name, lambda progress: call(decoder, repeats=repeats, threads=threads, progress=progress),
                            output, stem)

@@ -40,7 +40,7 @@ from .converted import PACKED_PREFIX, gguf_identity
 
 FORMAT = 1
 """The packed file's own layout (its tensor names and metadata): bump it when they change."""
-PREFIX, SUFFIX = PACKED_PREFIX, ".safetensors"
+SUFFIX = ".safetensors"
 _TEMPORARY = ".packed-"
 
 log = logging.getLogger("multidecode.models")
@@ -95,7 +95,7 @@ class PackedFile:
 
     @property
     def path(self) -> Path:
-        return self.folder / f"{PREFIX}{self.variant}-{self.key[:24]}{SUFFIX}"
+        return self.folder / f"{PACKED_PREFIX}{self.variant}-{self.key[:24]}{SUFFIX}"
 
     def read(self) -> PackedWeights | None:
         """The packed weights kept here, memory-mapped; None where there are none, or none to trust
@@ -150,7 +150,7 @@ class PackedFile:
     def remove_others(self) -> None:
         """Remove this variant's other files (for an older GGUF file or layout) and the temporary
         files a killed write left (writes hold the copy's lock: none is under way)."""
-        for path in [*self.folder.glob(f"{PREFIX}{self.variant}-*{SUFFIX}"), *self.folder.glob(f"{_TEMPORARY}*.tmp")]:
+        for path in [*self.folder.glob(f"{PACKED_PREFIX}{self.variant}-*{SUFFIX}"), *self.folder.glob(f"{_TEMPORARY}*.tmp")]:
             if path != self.path:
                 with contextlib.suppress(OSError):
                     path.unlink()

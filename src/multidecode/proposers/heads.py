@@ -68,9 +68,9 @@ def check_head_fits(model, hidden_size: int, vocab_size: int, recorded: dict | N
     if hidden != hidden_size or vocab != vocab_size:
         raise InvalidArgument(f"{what} is for hidden size {hidden_size} and a vocabulary of {vocab_size}, "
                               f"the model has {hidden} and {vocab}", fix)
-    if token_ids is not None and len(token_ids) and not 0 <= int(token_ids.min()) <= int(token_ids.max()) < vocab:
-        outside = next(int(t) for t in token_ids if not 0 <= int(t) < vocab)
-        raise InvalidArgument(f"{what}'s draft vocabulary names token id {outside}, outside the model's "
+    outside = [] if token_ids is None else token_ids[(token_ids < 0) | (token_ids >= vocab)].tolist()
+    if outside:
+        raise InvalidArgument(f"{what}'s draft vocabulary names token id {outside[0]}, outside the model's "
                               f"vocabulary of {vocab}", fix)
     check_target(recorded, model, what)
 
