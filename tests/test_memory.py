@@ -291,7 +291,12 @@ def test_a_job_reserves_its_common_prefix_once_and_its_refusals_name_no_driver(e
         runtime.submit(job)
     assert "18 cache tokens" in caught.value.message and "server" not in str(caught.value)
     assert "max_tokens" not in str(caught.value)
+    assert "branches" not in caught.value.message  # under that limit: only the one it is over is named
     assert (caught.value.need.tokens, caught.value.limit.tokens) == (18, 10) and not caught.value.over_bytes
+    wide = ForestRuntime(exact_decoder.model, None, limits=Limits(max_live_tokens=1000, max_branches=1))
+    with pytest.raises(TooLarge) as caught:
+        wide.submit(job)
+    assert caught.value.message == "the job needs 2 branches, over the runtime's limit of 1", caught.value.message
 
 
 def test_a_model_whose_layers_differ_in_width_is_accounted_layer_by_layer():

@@ -104,6 +104,13 @@ BAD_COMPLETIONS = {
     "stop": (dict(stop=[""]), "stop"),
     "many branches": (dict(n=100000), "n"),
     "many prompts": (dict(prompt=["fox"] * 100, n=3), "n"),
+    "many prompts, one each": (dict(prompt=["fox"] * 300), "prompt"),
+    "many questions": (dict(extra_body={"questions": ["why?"] * 300}), "questions"),
+    "window in a question": (dict(extra_body={"questions": ["why?", "The quick brown fox jumps over the lazy dog. " * 40]}),
+                             "questions"),
+    "window in the document": (dict(prompt="The quick brown fox jumps over the lazy dog. " * 40,
+                                    extra_body={"questions": ["why?"]}), "prompt"),
+    "temperature too small to divide by": (dict(temperature=1e-40), "temperature"),
     "unsupported": (dict(suffix="!"), "suffix"),
     "echo with logprobs": (dict(echo=True, logprobs=2), "echo"),
     "logit_bias": (dict(logit_bias={"99999": 5}), "logit_bias"),
@@ -125,7 +132,7 @@ def test_bad_completion_parameters_raise_bad_request_and_the_next_request_succee
 @pytest.mark.parametrize("route, field, value", [
     ("/v1/completions", "n", "2"), ("/v1/completions", "max_tokens", "3"), ("/v1/completions", "max_tokens", 3.0),
     ("/v1/completions", "temperature", "0"), ("/v1/completions", "stream", "yes"), ("/v1/completions", "stream", 1),
-    ("/v1/completions", "echo", "on"), ("/v1/completions", "prompt", [1, "2"]), ("/v1/chat/completions", "logprobs", "true"),
+    ("/v1/completions", "echo", "on"), ("/v1/completions", "max_tokens", True), ("/v1/completions", "seed", False), ("/v1/completions", "prompt", [1, "2"]), ("/v1/chat/completions", "logprobs", "true"),
     ("/v1/chat/completions", "stream_options", {"include_usage": 1})])
 def test_a_value_of_the_wrong_json_type_is_a_400_naming_it(server, route, field, value):
     """As OpenAI's API: "n": "2", "stream": 1 or "max_tokens": 3.0 are refused (code invalid_type),
@@ -349,10 +356,14 @@ def test_past_the_admission_cap_requests_get_503_with_retry_after(model_dir):
             assert int(caught.value.response.headers["retry-after"]) >= 1
             return error
 
-        for n, max_tokens in ((3, 200), (4, 1), (1, 300)):  # could never fit: 604 tokens; 4 branches; the window
-            with pytest.raises(openai.BadRequestError) as caught:
+        for n, max_tokens, param in ((3, 200, "max_tokens"), (4, 1, "n"), (1, 300, "max_tokens")):
+            with pytest.raises(openai.BadRequestError) as caught:  # could never fit: 604 tokens; 4 branches; the window
                 create(n, max_tokens)
-            assert_error_shape(caught.value.response, 400, "invalid_request_error")
+            error = assert_error_shape(caught.value.response, 400, "invalid_request_error")
+            assert error["param"] == param, error
+            if n == 3:  # over the token limit alone, which the message names (not the branches)
+                assert "604 cache tokens, over this server's limit of 600" in error["message"], error
+                assert "branches" not in error["message"], error
 
         control.delay = 0.02  # 200 steps: 4 s, far longer than the checks below
         first = create(2, 200, stream=True)  # 404 tokens, 2 branches
@@ -719,3 +730,20 @@ def test_a_request_past_a_window_short_of_the_models_own_says_why():
                                  **asked}).encode(), "application/json", CompletionBody)
         with pytest.raises(BadRequest, match="context window of 24 tokens.*longrope|window is 24 tokens.*longrope"):
             to_job(body, tokenizer, vocab_size=len(tokenizer), max_positions=24, window_note=note)
+
+
+def test_refusals_caused_by_questions_name_the_question_and_a_tiny_temperature_says_what_to_send(server):
+    """A question that overflows the window is named (not "the prompt", which is the short document);
+    so is a list of questions past the branch cap; a temperature too small to divide logits by is
+    refused as the temperature's, pointing at 0 (greedy), not at the library's do_sample."""
+    long_question = "The quick brown fox jumps over the lazy dog. " * 40
+    body = {"model": MODEL, "prompt": "The doc.", "max_tokens": 2, "questions": ["why?", long_question]}
+    error = assert_error_shape(httpx.post(server.url + "/v1/completions", json=body, timeout=30), 400)
+    assert error["param"] == "questions" and "the document with question 2 is" in error["message"], error
+    error = assert_error_shape(httpx.post(server.url + "/v1/completions", json=body | {"questions": ["q"] * 300},
+                                          timeout=30), 400)
+    assert error["param"] == "questions" and "300 questions, each a branch" in error["message"], error
+    error = assert_error_shape(httpx.post(server.url + "/v1/completions", json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 1e-40}, timeout=30), 400)
+    assert error["param"] == "temperature" and "0 decodes greedily" in error["message"], error
+    assert "do_sample" not in error["message"], error

@@ -167,6 +167,29 @@ def test_serve_refuses_a_bad_precision_or_device_before_saying_where_it_listens(
     assert result.exit_code == 2 and message in result.output and "Serving" not in result.output
 
 
+@pytest.mark.parametrize("make, message", [(lambda tmp: tmp / "missing", "the path does not exist"),
+                                           (lambda tmp: tmp, "holds no config.json"),
+                                           (lambda tmp: tmp / "notes.txt", "is a file but not a .gguf model")])
+def test_serve_refuses_a_model_path_that_holds_no_model_before_saying_where_it_listens(tmp_path, make, message):
+    (tmp_path / "notes.txt").write_text("not a model")
+    result = CliRunner().invoke(main, ["serve", "--port", "0", "--model", str(make(tmp_path))])
+    assert result.exit_code == 2 and message in result.output and "Serving" not in result.output, result.output
+
+
+@pytest.mark.parametrize("origin", ["localhost:3000", "http://localhost:3000/app", "ftp://example.org", "notanorigin"])
+def test_serve_refuses_an_allowed_origin_no_browser_sends_before_saying_where_it_listens(origin):
+    result = CliRunner().invoke(main, ["serve", "--port", "0", "--allowed-origin", origin])
+    assert result.exit_code == 2 and "is not an origin a browser sends" in result.output, result.output
+    assert "Serving" not in result.output and "http://localhost:3000" in result.output
+
+
+def test_allowed_origins_are_kept_as_browsers_send_them():
+    from multidecode.serving.app import ServeState
+
+    state = ServeState("m", allowed_origins=["*", "http://localhost:3000/", "https://chat.example.org:8443"])
+    assert state.allowed_origins == ("*", "http://localhost:3000", "https://chat.example.org:8443")
+
+
 def test_serve_refuses_an_address_of_another_machine():
     result = CliRunner().invoke(main, ["serve", "--host", "192.0.2.1", "--port", "0"])  # TEST-NET-1: never ours
     assert result.exit_code == 2 and "cannot listen on 192.0.2.1" in result.output

@@ -75,7 +75,7 @@ def serve(model_name, precision, device, host, port, api_key, allowed_origins, s
     Extensions in the request body: speculate, use_beam_search, questions.
     """
     from ..compiled import compile_forward
-    from ..models.loading import load_model_and_tokenizer
+    from ..models.loading import load_model_and_tokenizer, refuse_unreadable
     from ..serving.app import ServeState
     from ..serving.launch import serve_until_stopped
 
@@ -95,6 +95,9 @@ def serve(model_name, precision, device, host, port, api_key, allowed_origins, s
     state = ServeState(name, api_key=api_key, speculate=settings, allowed_origins=[
                            o for o in allowed_origins if o.lower() != "none"],
                        source={"model": model_source(model_name), "precision": precision or "auto"})
+    if model_name is not None:  # before the server says where it listens: the model loads behind that
+        refuse_unreadable(model_name)
+
     def loader():
         model, tokenizer = load_model_and_tokenizer(model_name, precision=precision, device=device)
         if compile_step:

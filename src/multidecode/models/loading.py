@@ -218,6 +218,19 @@ def gguf_file(name: str) -> Path:
 def locate(name: str) -> tuple[str, dict]:
     """What `from_pretrained` reads for `name`: a model folder (a .gguf file's converted copy) or a
     hub id, and the keyword arguments it needs; `ModelNotFound` where there is nothing to read."""
+    refuse_unreadable(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path), {}
+    if path.is_file():
+        return str(gguf_copy(gguf_file(name))), {}
+    return name, _hub_kwargs(name)
+
+
+def refuse_unreadable(name: str) -> None:
+    """`ModelNotFound` where `name` can be seen to hold no model without reading one: empty, a
+    folder without config.json, a file that is no GGUF file, a path where nothing is. Cheap enough
+    for a command to check before it starts anything (a server, before it listens)."""
     if not str(name).strip():  # Path("") is the working folder
         raise ModelNotFound("the model name is empty",
                             "give a model folder, a .gguf file or a hub id (none: the embedded model)")
@@ -228,16 +241,15 @@ def locate(name: str) -> tuple[str, dict]:
                 f"{path} holds no config.json, so it is not a Hugging Face model folder",
                 "name the folder that holds config.json and the weights (--model on the command line)",
             )
-        return str(path), {}
-    if path.is_file():
+    elif path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelNotFound(
                 f"{path} is a file but not a .gguf model",
                 "pass a Hugging Face model folder or a .gguf file",
             )
-        return str(gguf_copy(gguf_file(name))), {}
-    refuse_missing_path(name)
-    return name, _hub_kwargs(name)
+        gguf_file(name)
+    else:
+        refuse_missing_path(name)
 
 
 def refuse_missing_path(name: str) -> None:

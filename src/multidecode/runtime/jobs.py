@@ -81,9 +81,11 @@ class TooLarge(MultiDecodeError, ValueError):
         if self.over_bytes:
             message = (f"{subject} needs about {gigabytes(need.bytes)} ({need.bytes:,} bytes), over the "
                        f"{gigabytes(limit.bytes)} {holder} may use")
-        else:
-            message = (f"{subject} needs {need.tokens} cache tokens and {need.branches} branches, over {holder}'s "
-                       f"limits of {limit.tokens} tokens and {limit.branches} branches")
+        else:  # only the limits it is over
+            over = [f"{need.tokens} cache tokens, over {holder}'s limit of {limit.tokens}"] * (need.tokens > limit.tokens)
+            over += [f"{need.branches} branches, over {holder}'s limit of {limit.branches}"] * (
+                need.branches > limit.branches)
+            message = f"{subject} needs " + " and ".join(over)
         super().__init__(message, hint or "give it fewer branches or fewer new tokens")
 
     @property

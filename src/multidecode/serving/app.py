@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from importlib import resources
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -75,7 +76,7 @@ class ServeState:
             raise InvalidArgument("the API key is empty (was the variable it came from unset?)",
                                   "give the key clients will send, or leave --api-key out to serve without one")
         self.name, self.api_key = name, api_key
-        self.allowed_origins = tuple(allowed_origins)  # the web pages whose scripts may call it (CORS)
+        self.allowed_origins = tuple(map(_checked_origin, allowed_origins))  # pages whose scripts may call it (CORS)
         self.source = dict(source or {})  # how the model was asked for: model, precision, device
         self.speculate = (speculate if isinstance(speculate, SpeculationSettings)
                           else SpeculationSettings.parse(speculate))
@@ -131,6 +132,19 @@ class ServeState:
         if not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise HTTPException(401, "the API key sent is not accepted by this server: send the key it was started "
                                      "with (--api-key)")
+
+
+def _checked_origin(origin: str) -> str:
+    """`origin` as CORS compares it (scheme://host[:port], or "*": any page), refused where it could
+    never equal a page's origin (a browser sends exactly that form): "localhost:3000" would be
+    taken, and every call from that page refused."""
+    parts = urlsplit(origin) if origin != "*" else None
+    if parts is not None and (parts.scheme not in ("http", "https") or not parts.hostname
+                              or origin.rstrip("/") != f"{parts.scheme}://{parts.netloc}"):
+        raise InvalidArgument(f"allowed origin {origin!r} is not an origin a browser sends",
+                              "write scheme://host[:port] with no path, e.g. http://localhost:3000 (or * for any "
+                              "page, none for no other page)")
+    return origin.rstrip("/")
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -269,7 +283,9 @@ def _in_this_servers_words(refusal: TooLarge | Overloaded) -> MultiDecodeError:
         hint = "lower max_tokens, n or the number of questions"
         if not refusal.over_bytes:
             hint += ", or start the server with larger limits"
-        return BadRequest(str(refusal.reworded(hint, subject="the request", holder="this server")), "max_tokens")
+        branches_alone = not refusal.over_bytes and refusal.need.tokens <= refusal.limit.tokens
+        return BadRequest(str(refusal.reworded(hint, subject="the request", holder="this server")),
+                          "n" if branches_alone else "max_tokens")
     if refusal.draining:
         return Overloaded.shutting_down("the server", "retry against another replica")
     return Overloaded.at_capacity(refusal.held, "the server")

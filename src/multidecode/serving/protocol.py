@@ -61,14 +61,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..constraints import Constraint, compile_for_branches, token_bytes_reader
 from ..errors import InvalidArgument, MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
-from ..sampling import MAX_BIAS, MAX_PENALTY, SEED_LIMIT, SamplingParams, drawn_seed
+from ..sampling import MAX_BIAS, MAX_PENALTY, SEED_LIMIT, TINIEST_TEMPERATURE, SamplingParams, drawn_seed
 from ..sampling_keys import greedy_temperature
 from ..speculation import LEARNED, PROPOSER_MODES, SpeculationSettings, speculation_mode
 
@@ -80,9 +80,18 @@ MIN_PENALTY = 0.01
 def _not_a_boolean(value):
     """Refuse true and false where a number is expected: pydantic would take them as 1 and 0, and
     `"max_tokens": true` would be answered as if the client had meant a number."""
-    if isinstance(value, bool):
-        raise PydanticCustomError("bool_not_number", "a number is expected, got {value}",
-                                  {"value": json.dumps(value)})
+    if isinstance(value, bool):  # a "_type" error: refused as the wrong type (code invalid_type), naming it
+        raise PydanticCustomError("bool_not_number_type", "a number is expected")
+    return value
+
+
+def _divisible_temperature(value: float) -> float:
+    """Refuse a temperature above 0 too small to divide float32 logits by (they would overflow: no
+    distribution is left to sample); 0 is greedy decoding, which is what such a value comes close to."""
+    if 0 < value < TINIEST_TEMPERATURE:
+        raise PydanticCustomError("temperature_too_small",
+                                  f"{{value}} is too small to divide float32 logits by (the smallest is "
+                                  f"{TINIEST_TEMPERATURE:g}); 0 decodes greedily", {"value": repr(value)})
     return value
 
 
@@ -118,7 +127,7 @@ class _Body(BaseModel):
     model: str
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)  # chat's newer name; taken by completions too
-    temperature: Float = Field(1.0, ge=0, le=2)
+    temperature: Annotated[Float, AfterValidator(_divisible_temperature)] = Field(1.0, ge=0, le=2)
     top_p: Float = Field(1.0, gt=0, le=1)
     top_k: Int | None = None
     min_p: Float = Field(0.0, ge=0, le=1)
@@ -536,11 +545,19 @@ def _question_prompts(tokenizer, document: str, questions: Sequence[str], *, cha
             for q in questions]
 
 
-def _check_branches(count: int, max_branches: int | None) -> None:
-    """Refuse a request of more branches than the server ever runs, before building them."""
-    if max_branches is not None and count > max_branches:
-        raise BadRequest(f"the request needs {count} branches, over this server's limit of {max_branches} "
-                         "(n times the prompts, or the questions)", "n", "too_many_branches")
+def _check_branches(body: _Body, prompts: int, max_branches: int | None) -> None:
+    """Refuse a request of more branches than the server ever runs, before building them: a branch
+    per question, or n per prompt (`prompts`: how many the request holds), naming what to lower."""
+    questions = body.questions is not None
+    count = len(body.questions) if questions else prompts * body.n
+    if max_branches is None or count <= max_branches:
+        return
+    if questions:
+        made, param = f"{count} questions, each a branch", "questions"
+    else:
+        made, param = f"{count} branches (n={body.n} for each of {prompts} prompts)", "n" if body.n > 1 else "prompt"
+    raise BadRequest(f"the request needs {made}, over this server's limit of {max_branches} branches", param,
+                     "too_many_branches")
 
 
 def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None, window_note: str = "",
@@ -556,7 +573,7 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
     _unsupported(body)
     chat = isinstance(body, ChatBody)
     _check_echo(body)
-    _check_branches(len(body.questions) if body.questions is not None else body.n, max_branches)
+    _check_branches(body, 1, max_branches)
     tool = tool_choice(body)
     prompts = _prompts(body, tokenizer, vocab_size, chat=chat, max_branches=max_branches, tool=tool)
     max_tokens = _max_tokens(body, prompts, max_positions, window_note, chat=chat)
@@ -826,7 +843,7 @@ def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branche
         tools = body.tools if tool is not None else None
         return [_chat_prompt(tokenizer, messages, tools)] * body.n
     texts = _text_prompts(tokenizer, body, vocab_size)
-    _check_branches(len(texts) * body.n, max_branches)
+    _check_branches(body, len(texts), max_branches)
     return [p for p in texts for _ in range(body.n)]
 
 
@@ -839,8 +856,14 @@ def _max_tokens(body: _Body, prompts: list[list[int]], max_positions: int | None
     longest = max(map(len, prompts))
     if max_positions is not None:
         if longest >= max_positions:
-            raise BadRequest(f"the prompt is {longest} tokens, but the model's context window is {max_positions} "
-                             f"tokens{window_note}", "messages" if chat else "prompt", "context_length_exceeded")
+            document = "messages" if chat else "prompt"
+            what, param = "the prompt", document
+            if body.questions is not None:  # the question that overflows, unless the document alone does
+                index = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+                what = f"the document with question {index + 1}"
+                param = "questions" if min(map(len, prompts)) < max_positions else document
+            raise BadRequest(f"{what} is {longest} tokens, but the model's context window is {max_positions} "
+                             f"tokens{window_note}", param, "context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(default, max_positions - longest)
         elif longest + max_tokens > max_positions:
