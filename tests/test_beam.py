@@ -14,6 +14,7 @@ tests show the comparison fails when the score rule or the mask is wrong.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import itertools
 import json
@@ -211,6 +212,24 @@ def test_one_beam_is_greedy(arch, attn):
     for early in (True, False, "never"):
         run = ours(arch, attn, PROMPT, (1, 1.0, early, 1), eos)
         assert [b.token_ids for b in run.beams] == [greedy]
+
+
+def test_one_beam_breaks_equal_logits_as_greedy_search_does():
+    """bfloat16 and 4-bit logits often tie exactly at the top: greedy search takes the lowest id
+    (`argmax`), and one beam must too (a topk over the scores returned either). Here every step
+    ties two tokens at the top: rows a and b of the LM head are one vector, a+1 and b+1 its negative."""
+    base = tiny_model("llama", "sdpa")
+    for a, b in ((4, 200), (77, 130), (250, 3)):
+        model = copy.deepcopy(base)
+        head = model.get_output_embeddings().weight
+        with torch.no_grad():
+            direction = torch.randn(head.shape[1], generator=torch.Generator().manual_seed(a)) * 3
+            head.zero_()
+            head[a] = head[b] = direction
+            head[a + 1] = head[b + 1] = -direction
+        greedy = reference_generate(model, PROMPT, max_new_tokens=6)
+        assert set(greedy) <= {min(a, b), min(a, b) + 1}
+        assert run_beam_search(model, PROMPT, num_beams=1, max_new_tokens=6).beams[0].token_ids == greedy
 
 
 # ---------------------------------------------------------------------- one tree, compacted

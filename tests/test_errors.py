@@ -419,6 +419,27 @@ def test_what_is_not_a_model_is_named_as_such():
         multidecode.load("/nonexistent/model", precision="bf16", dtype=torch.bfloat16)
 
 
+def test_a_model_without_weights_is_named_as_such():
+    """A model built under torch.device("meta") failed inside transformers ("Tensor.item() cannot be
+    called on meta tensors"), or inside multidecode with exact=False ("Cannot copy out of meta tensor")."""
+    with torch.device("meta"):
+        model = _tiny_llama(400)
+    for call in (lambda: multidecode.decode(model, [1, 2], [[3]], max_new_tokens=2),
+                 lambda: multidecode.decode(model, [1, 2], [[3]], max_new_tokens=2, exact=False),
+                 lambda: multidecode.MultiDecoder(model, None)):
+        with pytest.raises(multidecode.InvalidArgument, match="weights are on the meta device") as caught:
+            call()
+        assert "load its weights first" in caught.value.hint
+
+
+def test_decode_takes_branches_from_a_generator():
+    """A generator of branches failed with "object of type 'generator' has no len()" (ask takes one)."""
+    model = _tiny_llama(400)
+    branches = [[3], [4, 5], []]
+    assert multidecode.decode(model, [1, 2], (b for b in branches), max_new_tokens=3) == \
+        multidecode.decode(model, [1, 2], branches, max_new_tokens=3)
+
+
 def test_token_level_settings_are_checked_before_the_prompt_is_read():
     """`stream_decode` passed a misspelt setting on to an internal function ('admit() got an
     unexpected keyword argument'), and a logprobs out of range failed inside torch's topk after the

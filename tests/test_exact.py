@@ -474,12 +474,24 @@ def _refused_then_exact_without_the_kernels(model, reason: str, *, max_new_token
     exact=False), put back as it was, and with exact=False each branch equals `generate` alone."""
     with pytest.raises(NotBitExact, match=reason) as refused:
         decode(model, [1, 5, 6, 7], [[], [10, 11]], max_new_tokens=4, eos_token_id=[])
-    assert "exact=False" in refused.value.hint
+    assert "decode(..., exact=False)" in refused.value.hint  # the call's own argument: decode loads nothing
     assert not exact.is_exact(model)  # put back as it was
     prefix, branches = [1, 5, 6, 7, 8, 9], [[], [10, 11], [12]]
     together = decode(model, prefix, branches, max_new_tokens=max_new_tokens, eos_token_id=[], exact=False)
     for branch, got in zip(branches, together):
         assert got == reference_generate(model, prefix + branch, max_new_tokens=max_new_tokens, eos_token_id=[NO_EOS])
+
+
+def test_a_model_whose_attention_bypasses_the_interface_is_refused_in_silence(capfd):
+    """Falcon's layers compute attention themselves: the probe that finds them changed the model's
+    attention implementation, and transformers logged a line to stderr on each change (the library
+    prints nothing); the refusal alone says why, and exact=False gives each branch its tokens."""
+    config = tf.FalconConfig(**COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             new_decoder_architecture=False, multi_query=True, alibi=False)
+    torch.manual_seed(1234)
+    _refused_then_exact_without_the_kernels(tf.FalconForCausalLM(config).eval(), "attention interface",
+                                            max_new_tokens=6)
+    assert capfd.readouterr() == ("", "")
 
 
 def test_a_model_with_attention_sinks_is_refused_as_not_bit_exact_and_exact_without_the_kernels():

@@ -74,6 +74,26 @@ def test_speculation_never_changes_ask_complete_or_vote(decoder):
     assert decoder.vote("What is 2 + 2?", n=3, max_new_tokens=10, seed=1, speculate="auto").traces == votes.traces
 
 
+@pytest.mark.xdist_group("cli")
+def test_every_strategy_takes_the_ids_that_end_a_branch(decoder):
+    """eos_token_id was taken by generate, complete and vote, refused by ask and stream as an
+    unknown setting and a TypeError in beam_search. Each answer ends at the first id given, as the
+    same question's generate does; [] runs to max_new_tokens."""
+    questions = ["What colour is the cable?", "Is the ticket open?"]
+    free = decoder.ask(DOCUMENT, questions, max_new_tokens=12, eos_token_id=[])
+    assert all(len(a.token_ids) == 12 for a in free)
+    stop_at = free[0].token_ids[3]  # an id the first answer holds: it ends there
+    answers = decoder.ask(DOCUMENT, questions, max_new_tokens=12, eos_token_id=stop_at)
+    streamed = list(decoder.stream(DOCUMENT, questions, max_new_tokens=12, eos_token_id=stop_at))
+    for i, answer in enumerate(answers):
+        alone = decoder.generate(answer.prompt_ids, max_new_tokens=12, eos_token_id=stop_at, speculate=None)
+        assert answer.token_ids == alone.token_ids
+        assert [e.token_id for e in streamed if e.branch == i] == answer.token_ids
+    assert answers[0].token_ids[-1] == stop_at and answers[0].finish_reason == "stop"
+    beams = decoder.beam_search(DOCUMENT, num_beams=2, max_new_tokens=8, eos_token_id=[])
+    assert all(len(b.token_ids) == 8 for b in beams)
+
+
 # ---------------------------------------------------------------------- the CLI
 @pytest.mark.xdist_group("cli")
 def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, monkeypatch):

@@ -312,6 +312,22 @@ def test_decode_seeds_branch_i_with_seed_plus_i():
         assert out[i] == run([branch], [params])[0]
 
 
+@pytest.mark.xdist_group("sampling")
+def test_decode_reads_sampling_settings_as_stream_decode_does():
+    """A temperature and a seed ask for sampling in decode as in stream_decode (decode passed
+    do_sample=False always, and decoded greedily whatever was asked); do_sample=False still wins."""
+    from multidecode.api import stream_decode
+
+    model = tiny_model(ARCH, ATTN)
+    branches, asked = [[3], TARGET], dict(max_new_tokens=STEPS, eos_token_id=256, temperature=1.5, seed=3)
+    greedy = multidecode.decode(model, PREFIX, branches, max_new_tokens=STEPS, eos_token_id=256)
+    sampled = multidecode.decode(model, PREFIX, branches, **asked)
+    streamed = [[e.token_id for e in stream_decode(model, PREFIX, branches, **asked) if e.branch == b] for b in (0, 1)]
+    assert sampled == streamed == multidecode.decode(model, PREFIX, branches, do_sample=True, **asked)
+    assert sampled != greedy
+    assert multidecode.decode(model, PREFIX, branches, do_sample=False, **asked) == greedy
+
+
 # ---------------------------------------------------------------------- distribution
 def expected_first_token_probs(logits: np.ndarray, temperature: float, top_k, top_p) -> np.ndarray:
     """The distribution generate samples from, computed independently in float64 numpy."""

@@ -81,6 +81,10 @@ def test_a_proposer_must_be_one_and_a_self_draft_must_skip_a_layer():
             build_speculation(value, torch.float32)
         assert "subclass of multidecode.Proposer" in refused.value.hint
     model = tiny_model("llama", "sdpa")
+    for draft in (model, self_draft(model, [1])):  # its repr was the message: every layer, kilobytes of it
+        with pytest.raises(InvalidArgument, match=r"got a model \(LlamaForCausalLM\)") as refused:
+            build_speculation(draft, torch.float32)
+        assert len(refused.value.message) < 100 and "DraftModel(model)" in refused.value.hint
     with pytest.raises(InvalidArgument, match="names no layer"):
         SpeculationSettings.parse("draft", skip_layers=[])
     with pytest.raises(InvalidArgument, match="7, 8, 9, 10, 11 and 95 more are not layer indices"):

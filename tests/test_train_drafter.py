@@ -130,6 +130,21 @@ def test_bad_prompts_a_model_without_an_lm_head_and_other_settings_are_refused(t
     assert result.exit_code != 0 and "line 2" in result.output and "Traceback" not in result.output
 
 
+def test_prompts_past_the_models_positions_are_left_out_and_named(tmp_path):
+    """A prompt longer than the model's positions (the shipped set reaches about 1,100 tokens; a
+    model may take 512) stopped the whole run with the document advice of `ask`. Those that do not
+    fit, with their answers, are left out and named by number; none fitting is refused."""
+    prompts = tmp_path / "long.jsonl"
+    long_prompt = "the long one " * 40  # about 520 byte tokens: past the tiny model's 512 positions
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [*PROMPTS[:3], long_prompt, *PROMPTS[3:]]))
+    events = list(train_drafter(_decoder(), _settings(tmp_path, prompts=str(prompts), epochs=1)))
+    assert events[-1].info["left_out"] == [4]
+    assert json.loads((tmp_path / "heads" / "training.json").read_text())["left_out"] == [4]
+    prompts.write_text(json.dumps({"prompt": long_prompt}) + "\n")
+    with pytest.raises(InvalidArgument, match="none of the 1 prompts fits the model's 512 positions"):
+        list(train_drafter(_decoder(), _settings(tmp_path / "again", prompts=str(prompts), epochs=1)))
+
+
 @pytest.mark.parametrize("option", ["--output", "--work"])
 def test_folders_that_cannot_take_the_results_are_refused_before_the_model_loads(tmp_path, option):
     """--output (or --work) naming a file failed with a traceback, and for --output only after the

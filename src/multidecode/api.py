@@ -37,7 +37,7 @@ from .memory import Footprint, activation_dtype, available_bytes
 from .models.loading import Loaded, load_model
 from .models.packed import packed_bytes
 from .models.precision import parse as parse_precision
-from .models.vetting import check_supported
+from .models.vetting import check_has_weights, check_is_model, check_supported
 from .sampling import per_branch_sampling
 from .sampling_keys import SAMPLING_KEYS
 from .scheduler import CompactionPolicy, Scheduler, new_scheduler
@@ -93,6 +93,7 @@ class MultiDecoder:
     def __init__(self, model, tokenizer, *, exact: bool = True, compaction: CompactionPolicy | None = None,
                  cost: CostCurve | LearnedCurve | None = None, draft=None, loaded: Loaded | None = None) -> None:
         check_supported(model)
+        check_has_weights(model)
         check_flag("exact", exact)
         # The release runs once: at close(), or when the decoder is collected (it holds the model, not the decoder).
         self._kernels = weakref.finalize(self, hold_exact_kernels(model)) if exact else None
@@ -247,7 +248,8 @@ class MultiDecoder:
         return _ask.question_prompts(self.tokenizer, document, questions, instruction=instruction)
 
     def ask(self, document: str, questions: Sequence[str], *, max_new_tokens: int = 48, stop: Sequence[str] = (),
-            instruction: str | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None, **sampling) -> list[Answer]:
+            instruction: str | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
+            eos_token_id=None, **sampling) -> list[Answer]:
         """Answer every question about `document` in one MultiDecode pass.
 
         Greedy by default; each answer equals greedy generation from its `.prompt_ids` alone (on
@@ -257,19 +259,22 @@ class MultiDecoder:
         one value or one per question; the penalties and the bias apply to greedy answers too. speculate: every
         question's branch carries its own draft tree ("lookup", "auto", ...). json_schema, regex,
         grammar, constraint: one for every answer, or a list of one per question (None: free).
+        eos_token_id: the ids that end an answer (default: the model's; [] never stops early).
         """
         return _ask.ask(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
                         stop=stop, instruction=instruction, speculate=self.speculation(speculate),
-                        constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)
+                        constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar),
+                        eos_token_id=eos_token_id, **sampling)
 
     def stream(self, document: str, questions: Sequence[str], *, max_new_tokens: int = 48,
                stop: Sequence[str] = (), instruction: str | None = None, speculate=None, constraint=None, json_schema=None, regex=None, grammar=None,
-               **sampling) -> Iterator[TokenEvent]:
+               eos_token_id=None, **sampling) -> Iterator[TokenEvent]:
         """`TokenEvent`s (branch = question index) as `ask` answers; inputs are checked and the
         prompts prefilled before this returns."""
         return _ask.stream(self.scheduler(), self.tokenizer, document, questions, max_new_tokens=max_new_tokens,
                            stop=stop, instruction=instruction, speculate=self.speculation(speculate),
-                           constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar), **sampling)
+                           constraint=constraint_of(constraint, json_schema=json_schema, regex=regex, grammar=grammar),
+                           eos_token_id=eos_token_id, **sampling)
 
     # ------------------------------------------------------------------ parallel completions
     def complete(self, prompt: str | Sequence[int], *, n: int = 1, max_new_tokens: int = 64,
@@ -310,13 +315,15 @@ class MultiDecoder:
     # ------------------------------------------------------------------ beam search
     def beam_search(self, prompt: str | Sequence[int], *, num_beams: int, max_new_tokens: int,
                     length_penalty: float = 1.0, early_stopping: bool | str = False,
-                    num_return_sequences: int = 1, chat: bool | None = None) -> list[Beam]:
+                    num_return_sequences: int = 1, chat: bool | None = None, eos_token_id=None) -> list[Beam]:
         """Beam search with beams as branches of one tree, best first; sequences equal transformers'
         `generate(num_beams=...)` and scores equal its `sequences_scores` to float32 rounding.
-        num_beams=1 is greedy search, as in transformers."""
+        num_beams=1 is greedy search, as in transformers. eos_token_id: the ids that end a beam
+        (default: the model's; [] never stops early)."""
         return _beam.beam_search(self.scheduler(), self.tokenizer, prompt, num_beams=num_beams,
                                  max_new_tokens=max_new_tokens, length_penalty=length_penalty,
-                                 early_stopping=early_stopping, num_return_sequences=num_return_sequences, chat=chat)
+                                 early_stopping=early_stopping, num_return_sequences=num_return_sequences, chat=chat,
+                                 eos_token_id=eos_token_id)
 
     # ------------------------------------------------------------------ writing in the margins
     def margins(self, document: str | Sequence[str], question: str, *, chunk_tokens: int = 300, **settings):
@@ -408,12 +415,16 @@ def stream_decode(
     branch."""
     check_flag("exact", exact)
     refuse_unknown(settings, SAMPLING_KEYS)
+    if isinstance(branch_ids, Iterator):  # a generator is read once, here: its length is the branch count
+        branch_ids = list(branch_ids)
     if "sampling" in settings and (both := [key for key in SAMPLING_KEYS if key in settings]):
         raise InvalidArgument(f"sampling= and {', '.join(both)} were both given", "give the settings one way: "
                               "sampling= (a SamplingParams per branch), or the settings by name")
     if "sampling" not in settings:
         asked = {key: settings.pop(key) for key in SAMPLING_KEYS if key in settings}
         settings["sampling"] = per_branch_sampling(len(branch_ids), asked)
+    check_is_model(model)
+    check_has_weights(model)
     given_engine = settings.get("engine") is not None  # an engine built earlier keeps the kernels it found
     release = hold_exact_kernels(model) if exact and not given_engine else None  # it checks the model first
     if release is None:
@@ -460,8 +471,8 @@ def decode(
     *,
     max_new_tokens: int,
     eos_token_id: int | Sequence[int] | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
@@ -478,7 +489,10 @@ def decode(
 ) -> list[list[int]]:
     """Generate from `prefix_ids + branch_ids[i]` for every i at once; returns each branch's new ids.
 
-    Greedy (do_sample=False) output equals per-branch `model.generate(..., do_sample=False)`,
+    It samples where do_sample=True or a sampling setting is given (a temperature other than 0,
+    top_k, top_p, min_p or a seed), as `stream_decode` and `MultiDecoder.generate` read them;
+    do_sample=False decodes greedily whatever else is given, as `generate` does.
+    Greedy output equals per-branch `model.generate(..., do_sample=False)`,
     eos included, for a generation config that adds no logits processors of its own
     (`repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, ...): settings are never read
     from the model's generation config, only its eos ids. With sampling and a seed, branch i draws
@@ -498,6 +512,8 @@ def decode(
     sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                     repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                     frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed)
+    sampling = {key: value for key, value in sampling.items() if value is not None}  # only what was given
+    branch_ids = list(branch_ids) if isinstance(branch_ids, Iterator) else branch_ids  # counted, then read
     out: list[list[int]] = [[] for _ in branch_ids]
     for event in stream_decode(model, prefix_ids, branch_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                                speculate=speculate, cost=cost, exact=exact, tokenizer=tokenizer, constraint=constraint,

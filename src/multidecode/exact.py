@@ -58,6 +58,7 @@ from torch import nn
 from . import kernels
 from .errors import NotBitExact
 from .kernels.portable import BLOCK
+from .models.reading import quiet_transformers
 from .models.vetting import check_is_model, check_supported
 
 NAME = "multidecode_exact"
@@ -496,7 +497,7 @@ class Swapped:
     def restore(self, model) -> None:
         for parent, name, layer in self.layers:
             setattr(parent, name, layer)
-        model.set_attn_implementation(self.attention)
+        _set_attention(model, self.attention)
 
 
 def use_exact_kernels(model) -> Swapped:
@@ -533,7 +534,7 @@ def use_exact_kernels(model) -> Swapped:
                                    f"model at precision int8 or int4; or {own_kernels_hint(dtype)}")
         _check_every_product_is_exact(model)
         register()
-        model.set_attn_implementation(NAME)
+        _set_attention(model, NAME)
     except BaseException:
         change.restore(model)
         raise
@@ -639,14 +640,22 @@ def _attention_calls(model) -> tuple[int, int]:
     AttentionInterface.register(PROBE, counting)
     AttentionMaskInterface.register(PROBE, eager_mask)
     before = getattr(model.config, "_attn_implementation", None) or "eager"
-    model.set_attn_implementation(PROBE)
+    _set_attention(model, PROBE)
     try:
         device = next(model.parameters()).device
         with torch.inference_mode():
             model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=False, **{_PROBE_KWARG: marker})
     finally:
-        model.set_attn_implementation(before)
+        _set_attention(model, before)
     return len(calls), len(told)
+
+
+def _set_attention(model, name: str) -> None:
+    """`model`'s attention implementation set to `name`, transformers silent (a model whose layers
+    bypass the attention interface, Falcon's, logs a warning on every change; the probe that finds
+    such layers refuses them in words of its own)."""
+    with quiet_transformers(loading=False):
+        model.set_attn_implementation(name)
 
 
 def register() -> None:
@@ -670,9 +679,11 @@ def own_kernels_exactness(dtype: torch.dtype) -> str:
 
 def own_kernels_hint(dtype: torch.dtype) -> str:
     """The remedy a refusal of the exact kernels names: the model's own kernels, in float32 where
-    only there they keep a branch's tokens."""
+    only there they keep a branch's tokens; named as each entry point takes it (a model the user
+    holds is not loaded again)."""
     where = "" if dtype == torch.float32 else " in float32"
-    return f"load the model{where} with exact=False ({own_kernels_exactness(dtype)})"
+    return (f"run it{where} with exact=False, on the model's own kernels ({own_kernels_exactness(dtype)}): "
+            "load(..., exact=False), MultiDecoder(model, tokenizer, exact=False) or decode(..., exact=False)")
 
 
 def is_exact(model) -> bool:

@@ -248,7 +248,12 @@ def speculation_mode(value) -> str | None:
     if value is None or value is False:
         return None
     if not isinstance(value, str):
-        raise InvalidArgument(f"speculate={value!r} is neither a mode's name nor a proposer",
+        if hasattr(value, "config") and callable(getattr(value, "forward", None)):  # a model: its repr is its layers
+            raise InvalidArgument(f"speculate= got a model ({type(value).__name__}), not a mode or a proposer",
+                                  "a model drafts as DraftModel(model) (self_draft(model, layers) too), or give it "
+                                  "as the decoder's draft=model with speculate='draft'")
+        shown = repr(value) if len(repr(value)) <= 80 else f"a {type(value).__name__}"
+        raise InvalidArgument(f"speculate={shown} is neither a mode's name nor a proposer",
                               f"use one of {', '.join(MODES)}, off, or a proposer of your own: a subclass of "
                               "multidecode.Proposer (its propose and observe)")
     mode = value.strip().lower()

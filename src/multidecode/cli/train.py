@@ -61,6 +61,10 @@ def train_drafter(model_name, precision, device, kind, prompts, heads, draft_voc
     result = _show(events)
     stderr.print(f"[bold]The {kind} head was written to {escape(result['folder'])}[/bold] in {result['seconds']:.0f} s "
                  f"({result['tokens']:,} tokens seen)")
+    if left_out := result.get("left_out"):
+        shown = ", ".join(map(str, left_out[:8])) + (f" and {len(left_out) - 8} more" if len(left_out) > 8 else "")
+        stderr.print(f"[yellow]note:[/yellow] {len(left_out)} prompts did not fit the model's positions with "
+                     f"--max-new-tokens {max_new_tokens}, and were left out (prompts {shown})")
     if "mean_accepted" in result:
         stderr.print(f"Held out: a chain of the heads' guesses is accepted for {result['mean_accepted']:.2f} tokens on "
                      f"average; head top-1 agreement {', '.join(f'{v:.0%}' for v in result['head_top1'])}")

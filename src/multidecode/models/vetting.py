@@ -65,6 +65,17 @@ def check_is_model(model) -> None:
         raise InvalidArgument(f"the model must be a transformers causal LM (a PreTrainedModel), got {what}", hint)
 
 
+def check_has_weights(model) -> None:
+    """Refuse a model built without its weights (under torch.device("meta")) before it decodes:
+    it fails deep inside torch otherwise. Not part of `check_supported`: loading vets such a
+    skeleton before it reads the weights."""
+    if any(p.is_meta for p in model.parameters()):
+        raise InvalidArgument("the model's weights are on the meta device: it was built without them, so there "
+                              "is nothing to compute with",
+                              "load its weights first (from_pretrained, or to_empty(device='cpu') then "
+                              "load_state_dict)")
+
+
 def check_supported(model) -> None:
     """Raise `UnsupportedModel` unless `model` can be decoded as a forest exactly."""
     check_is_model(model)

@@ -48,13 +48,14 @@ def question_prompts(tokenizer, document: str, questions: Sequence[str], *, inst
 
 def start(scheduler: Scheduler, tokenizer, document: str, questions: Sequence[str], *, max_new_tokens: int,
           stop: Sequence[str] = (), instruction: str | None = None, speculate=None, constraint=None,
-          **sampling) -> BranchRun:
+          eos_token_id=None, **sampling) -> BranchRun:
     """Admit one branch per question to `scheduler` and prefill them (see `branches.start`).
-    constraint: one `constraints.Constraint` for every answer, or a list of one per question."""
+    constraint: one `constraints.Constraint` for every answer, or a list of one per question;
+    eos_token_id: the ids that end an answer (default: the model's)."""
     prompts = question_prompts(tokenizer, document, questions, instruction=instruction)
     return start_prompts(scheduler, prompts, max_new_tokens=max_new_tokens,
                          sampling=per_branch_sampling(len(prompts), sampling), tokenizer=tokenizer, stop=stop,
-                         speculate=speculate, constraint=constraint)
+                         speculate=speculate, constraint=constraint, eos_token_id=eos_token_id)
 
 
 def stream(scheduler: Scheduler, tokenizer, document: str, questions: Sequence[str], **settings) -> Iterator[TokenEvent]:

@@ -154,9 +154,16 @@ class BeamWork(Work):
         vocab = log_probs.shape[-1]
         log_probs = log_probs.expand(B, vocab) if log_probs.shape[0] == 1 else log_probs  # [B, V]
         # The K best (beam, token) pairs over all beams: scores [B] + log_probs [B, V], flattened to
-        # one row, as transformers selects them (the same call, so equal scores tie alike).
-        top_scores, top_index = torch.topk((log_probs + self.scores[:, None]).reshape(1, -1), k=K)
-        top_scores, top_index = top_scores[0], top_index[0]  # [K], [K]
+        # one row, as transformers selects them (the same call, so equal scores tie alike). One beam
+        # is greedy search, as `generate` runs it: the arg-max of the logits, the lowest id among
+        # equal ones (which bfloat16 and 4-bit logits often hold; topk returns either).
+        scores = (log_probs + self.scores[:, None]).reshape(1, -1)  # [1, B * V]
+        if B == 1:
+            top_index = torch.sort(result.logits[-1].to("cpu", torch.float32), descending=True, stable=True)[1][:K]
+            top_scores = scores[0, top_index]  # [K]
+        else:
+            top_scores, top_index = torch.topk(scores, k=K)
+            top_scores, top_index = top_scores[0], top_index[0]  # [K], [K]
         sources = (top_index // vocab).tolist()
         tokens = (top_index % vocab).tolist()
         at_max = self.cur_len + 1 >= self.max_length

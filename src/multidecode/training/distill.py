@@ -37,6 +37,7 @@ from .. import data
 from ..engine import Engine
 from ..errors import InvalidArgument, changed_settings
 from ..forest import chain_parents
+from ..models.vetting import max_positions
 from ..prompts import render_prompt, tokenize_prompt
 from ..proposers.drafting import vocabulary_size
 from ..proposers.eagle import EagleHead, head_config
@@ -162,7 +163,8 @@ def train_drafter(decoder, settings: DistillSettings) -> Iterator[Progress]:
     the last one ("done") carries the head's folder and its measured acceptance."""
     model = decoder.model
     check_model(model, settings.kind)
-    prompts = read_prompts(settings.prompts)[: settings.limit]
+    prompts, left_out = fitting_prompts(decoder, read_prompts(settings.prompts)[: settings.limit],
+                                        settings.max_new_tokens)
     output = Path(settings.output) if settings.output else head_dir(model, settings.kind)
     work = Path(settings.work) if settings.work else output.parent / "distill.work"
     _check_output(output, model, settings.kind)
@@ -177,12 +179,30 @@ def train_drafter(decoder, settings: DistillSettings) -> Iterator[Progress]:
     log: list[dict] = []
     yield from train_loop(trainee, settings, work / f"{settings.kind}-checkpoint.pt", log)
     seen = sum(len(a["prompt"]) + len(a["answer"]) for a in answers)
-    summary = {"prompts": len(prompts), "tokens": seen, "answer_tokens": sum(len(a["answer"]) for a in answers),
+    summary = {"prompts": len(prompts), "left_out": left_out, "tokens": seen,
+               "answer_tokens": sum(len(a["answer"]) for a in answers),
                "seconds": round(time.perf_counter() - started, 1), "settings": asdict(settings), "log": log}
     trainee.head.save(output, extra={"training": {k: v for k, v in summary.items() if k != "log"}})
     (output / "training.json").write_text(json.dumps(summary, indent=2))
     yield Progress("done", 1, 1, {"folder": str(output), **(log[-1] if log else {}), "tokens": seen,
-                                  "seconds": summary["seconds"]})
+                                  "seconds": summary["seconds"], "left_out": left_out})
+
+
+def fitting_prompts(decoder, prompts: list[str], max_new_tokens: int) -> tuple[list[str], list[int]]:
+    """The prompts that fit the model's positions with an answer of `max_new_tokens` (read back
+    whole: every token fed), and the numbers (from 1, in the prompts' order) of those left out: a
+    prompt set written for long windows (the shipped one reaches about 1,100 tokens) still trains
+    a model of 512 positions on what fits. None fitting is refused."""
+    limit = max_positions(decoder.model.config)
+    if limit is None:
+        return prompts, []
+    fits = [len(tokenize_prompt(decoder.tokenizer, render_prompt(decoder.tokenizer, p))) + max_new_tokens <= limit
+            for p in prompts]
+    if not any(fits):
+        raise InvalidArgument(f"none of the {len(prompts)} prompts fits the model's {limit} positions with "
+                              f"{max_new_tokens} new tokens", "lower --max-new-tokens, or give --prompts FILE with "
+                              "shorter prompts")
+    return [p for p, fit in zip(prompts, fits) if fit], [i for i, fit in enumerate(fits, 1) if not fit]
 
 
 def new_trainee(settings: DistillSettings, model, token_ids: torch.Tensor, data_: Features):
