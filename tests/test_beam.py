@@ -227,9 +227,11 @@ def test_one_beam_breaks_equal_logits_as_greedy_search_does():
             head.zero_()
             head[a] = head[b] = direction
             head[a + 1] = head[b + 1] = -direction
-        greedy = reference_generate(model, PROMPT, max_new_tokens=6)
-        assert set(greedy) <= {min(a, b), min(a, b) + 1}
-        assert run_beam_search(model, PROMPT, num_beams=1, max_new_tokens=6).beams[0].token_ids == greedy
+        for eos in ([NO_EOS], [NO_EOS, 10, 11, 12]):  # 3 eos ids or more: 4 candidates, a topk picked the second
+            greedy = reference_generate(model, PROMPT, max_new_tokens=6, eos_token_id=eos)
+            assert set(greedy) <= {min(a, b), min(a, b) + 1}
+            found = run_beam_search(model, PROMPT, num_beams=1, max_new_tokens=6, eos_token_id=eos)
+            assert found.beams[0].token_ids == greedy
 
 
 # ---------------------------------------------------------------------- one tree, compacted

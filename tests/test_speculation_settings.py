@@ -180,7 +180,8 @@ def test_serve_refuses_a_model_path_that_holds_no_model_before_saying_where_it_l
     assert result.exit_code == 2 and message in result.output and "Serving" not in result.output, result.output
 
 
-@pytest.mark.parametrize("origin", ["localhost:3000", "http://localhost:3000/app", "ftp://example.org", "notanorigin"])
+@pytest.mark.parametrize("origin", ["localhost:3000", "http://localhost:3000/app", "https://*.example.org",
+                                    "http://user@localhost:3000", "http://localhost:abc", "notanorigin"])
 def test_serve_refuses_an_allowed_origin_no_browser_sends_before_saying_where_it_listens(origin):
     result = CliRunner().invoke(main, ["serve", "--port", "0", "--allowed-origin", origin])
     assert result.exit_code == 2 and "is not an origin a browser sends" in result.output, result.output
@@ -190,8 +191,11 @@ def test_serve_refuses_an_allowed_origin_no_browser_sends_before_saying_where_it
 def test_allowed_origins_are_kept_as_browsers_send_them():
     from multidecode.serving.app import ServeState
 
-    state = ServeState("m", allowed_origins=["*", "http://localhost:3000/", "https://chat.example.org:8443"])
-    assert state.allowed_origins == ("*", "http://localhost:3000", "https://chat.example.org:8443")
+    sent = ["*", "null", "http://localhost:3000/", "https://chat.example.org:8443", "HTTP://LocalHost:80",
+            "https://a.example:443", "http://[::1]:3000", "chrome-extension://abcdef", "tauri://localhost"]
+    assert ServeState("m", allowed_origins=sent).allowed_origins == (
+        "*", "null", "http://localhost:3000", "https://chat.example.org:8443", "http://localhost", "https://a.example",
+        "http://[::1]:3000", "chrome-extension://abcdef", "tauri://localhost")
 
 
 def test_serve_refuses_an_address_of_another_machine():

@@ -134,17 +134,31 @@ class ServeState:
                                      "with (--api-key)")
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def _checked_origin(origin: str) -> str:
-    """`origin` as CORS compares it (scheme://host[:port], or "*": any page), refused where it could
-    never equal a page's origin (a browser sends exactly that form): "localhost:3000" would be
-    taken, and every call from that page refused."""
-    parts = urlsplit(origin) if origin != "*" else None
-    if parts is not None and (parts.scheme not in ("http", "https") or not parts.hostname
-                              or origin.rstrip("/") != f"{parts.scheme}://{parts.netloc}"):
+    """`origin` as a browser sends it in its Origin header, which CORS compares exactly: "*" (any
+    page), "null" (a file:// page, a sandboxed frame), or scheme://host[:port] in lower case without
+    a default port (http://LocalHost:80 is sent as http://localhost). One no browser could send
+    ("localhost:3000", a path, a user, a wildcard host) is refused: it would be taken, and every call
+    from the page it meant refused."""
+    if origin in ("*", "null"):
+        return origin
+    parts = urlsplit(origin.strip().rstrip("/"))
+    try:
+        port = parts.port
+    except ValueError:  # a port that is no number
+        port = None
+        parts = parts._replace(netloc="")
+    if (not parts.scheme or not parts.hostname or parts.path or parts.query or parts.fragment
+            or "@" in parts.netloc or "*" in parts.netloc):
         raise InvalidArgument(f"allowed origin {origin!r} is not an origin a browser sends",
                               "write scheme://host[:port] with no path, e.g. http://localhost:3000 (or * for any "
                               "page, none for no other page)")
-    return origin.rstrip("/")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    shown = port is not None and port != DEFAULT_PORTS.get(parts.scheme)
+    return f"{parts.scheme}://{host}" + (f":{port}" if shown else "")
 
 
 def create_app(state: ServeState) -> FastAPI:

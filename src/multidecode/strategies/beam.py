@@ -30,8 +30,9 @@ sum in a different order), which is why tests compare sequences exactly and scor
 `generate` also applies the processors in the model's generation config (repetition_penalty,
 no_repeat_ngram_size, ...); this search applies none, so the equality holds for configs that set
 none (or when `generate` is given neutral values for them). For num_beams=1 `generate` runs greedy
-search, and so does this: the search then stops at the first finished hypothesis, whatever
-`early_stopping` says (its score is still the beam score).
+search, and so does this: each step's one candidate is the arg-max of the logits (the lowest id
+among equal ones, which bfloat16 and 4-bit logits often hold), and the search stops at the first
+finished hypothesis, whatever `early_stopping` says (its score is still the beam score).
 """
 
 from __future__ import annotations
@@ -158,9 +159,9 @@ class BeamWork(Work):
         # is greedy search, as `generate` runs it: the arg-max of the logits, the lowest id among
         # equal ones (which bfloat16 and 4-bit logits often hold; topk returns either).
         scores = (log_probs + self.scores[:, None]).reshape(1, -1)  # [1, B * V]
-        if B == 1:
-            top_index = torch.sort(result.logits[-1].to("cpu", torch.float32), descending=True, stable=True)[1][:K]
-            top_scores = scores[0, top_index]  # [K]
+        if B == 1:  # its one candidate: a hit ends the search, else it runs on
+            top_index = result.logits[-1].float().argmax().view(1).cpu()  # [1]: the first of equal maxima
+            top_scores = scores[0, top_index]  # [1]
         else:
             top_scores, top_index = torch.topk(scores, k=K)
             top_scores, top_index = top_scores[0], top_index[0]  # [K], [K]
