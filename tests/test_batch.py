@@ -490,7 +490,7 @@ def test_other_settings_are_refused(model_dir, tmp_path):
     before = out.read_bytes()
     result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 4, "-q", "who?")
     assert result.exit_code == 2, result.output
-    assert "other settings" in result.stderr and "max_new_tokens was 3, now 4" in result.stderr
+    assert "other settings" in result.stderr and "--max-new-tokens was 3, now 4" in result.stderr  # in the command's words
     assert 'questions was [], now ["who?"]' in result.stderr
     # without the settings file, the fingerprints in the records still refuse it
     meta_path(out).unlink()

@@ -195,7 +195,22 @@ def test_a_majority_is_not_a_tie():
     done = [multidecode.Completion(i, text, [], "stop", i, []) for i, text in
             enumerate(["Answer: 5", "Answer: 7", "So the answer is: Answer: 7"])]
     result = tally("q", done)
-    assert result.answer == "7" and result.tied == []
+    assert result.answer == "7" and result.tied == [] and result.is_majority
+
+
+def test_the_most_common_answer_of_a_minority_is_not_called_a_majority(monkeypatch):
+    """The command called 1 of 4 traces a "Majority answer: 50 (25% of traces)" (the others found none;
+    here 2 of 5 say 50, the rest one answer each)."""
+    from multidecode.cli import decoding
+
+    done = [multidecode.Completion(i, text, [], "stop", i, []) for i, text in
+            enumerate(["Answer: 50", "Answer: 7", "Answer: 50", "Answer: 8", "Answer: 9"])]
+    result = tally("q", done)
+    assert result.answer == "50" and not result.is_majority
+    lines = []
+    monkeypatch.setattr(decoding.stdout, "print", lambda *a, **k: lines.append(str(a[0]) if a else ""))
+    decoding.show_vote(result, 5)
+    assert "Most common answer (no majority): [bold]50[/bold] (2 of 5 traces, 40%)" in lines
 
 
 def test_a_trace_cut_at_max_new_tokens_votes_only_with_its_answer_line():

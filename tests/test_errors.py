@@ -100,7 +100,7 @@ def test_prompt_plus_new_tokens_past_the_model_positions(model_dir, tmp_path):
     mid_doc = tmp_path / "mid.txt"
     mid_doc.write_text("routers " * 20)
     result = run("ask", "--model", model_dir, "--document", mid_doc, "-q", "why?", "--max-new-tokens", 90)
-    assert_clean_error(result, "lower max_new_tokens")
+    assert_clean_error(result, "lower --max-new-tokens to")  # the option, as the command spells it
 
 
 def test_a_negative_temperature_on_the_command_line_speaks_of_the_option(doc):

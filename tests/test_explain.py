@@ -197,6 +197,7 @@ def test_token_text_made_visible():
     assert shown(" name\n", 10) == "␣name⏎"
     assert shown("  ", 10) == "␣␣"
     assert shown(" understanding", 8) == "␣unders…"
+    assert shown("\x04a\x7f", 12) == "\\x04a\\x7f"  # no font draws a control character: matplotlib warned of it
 
 
 # ---------------------------------------------------------------------- the command

@@ -114,10 +114,11 @@ def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, mon
     assert "Measuring what a forward costs" in human.stderr
     assert list(tmp_path.glob("costs/*.json"))  # measured once, kept for the next run
     prompt_file = tmp_path / "prompt.txt"
-    prompt_file.write_text("hello, the router is old", encoding="utf-8")
-    from_file = runner.invoke(main, ["generate", "--model", str(model_dir), "--prompt-file", str(prompt_file),
-                                     "--max-new-tokens", "10", "--json"])
-    assert json.loads(from_file.stdout.strip().splitlines()[-1])["token_ids"] == expected.token_ids
+    for ending in ("", "\n", "\r\n"):  # a file's last line break (echo's, an editor's) is not the prompt's
+        prompt_file.write_bytes(f"hello, the router is old{ending}".encode())
+        from_file = runner.invoke(main, ["generate", "--model", str(model_dir), "--prompt-file", str(prompt_file),
+                                         "--max-new-tokens", "10", "--json"])
+        assert json.loads(from_file.stdout.strip().splitlines()[-1])["token_ids"] == expected.token_ids, ending
 
 
 @pytest.mark.xdist_group("cli")

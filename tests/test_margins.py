@@ -267,6 +267,29 @@ def test_a_seed_too_large_for_the_answer_is_refused_before_any_margin_is_written
     assert len(result.margins) == 2 and result.answer_finish_reason in ("length", "stop")
 
 
+def test_settings_the_window_cannot_hold_are_refused_before_any_margin_naming_the_one_to_lower(decoder, model_dir):
+    """A margin past the window was refused as "max_new_tokens is 8000" (the margins' own setting,
+    under the answer's name), a chunk past it with the advice to use margins, and an answer that no
+    notes could fit only after every margin was written."""
+    judged = []
+    classify = lambda question, notes: judged.append(notes) or [1.0] * len(notes)
+    with pytest.raises(multidecode.PromptTooLong) as caught:
+        decoder.margins(DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=600, max_new_tokens=2, classify=classify)
+    assert "max_margin_tokens is 600" in caught.value.message and "lower max_margin_tokens to" in caught.value.hint
+    with pytest.raises(multidecode.PromptTooLong) as caught:
+        decoder.margins(["A short chunk.", "The router is old. " * 150], QUESTION, max_margin_tokens=2,
+                        max_new_tokens=2, classify=classify)
+    assert "chunk 2's margin prompt" in caught.value.message and "lower chunk_tokens" in caught.value.hint and "multidecode margins" not in caught.value.hint
+    with pytest.raises(multidecode.PromptTooLong) as caught:
+        decoder.margins(DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=2, max_new_tokens=510, classify=classify)
+    assert "the answer's prompt takes at least" in caught.value.message and "lower max_new_tokens" in caught.value.hint
+    assert not judged
+    result = invoke("--model", model_dir, "-d", "-", "-q", QUESTION, "--max-margin-tokens", 600,
+                    stdin=DOCUMENT)
+    assert result.exit_code == 2 and "--max-margin-tokens is 600" in result.stderr, result.stderr
+    assert "lower --max-margin-tokens to" in result.stderr  # the hint in the command's words too
+
+
 @pytest.mark.parametrize("settings, said", [
     (dict(margin_template="no placeholders"), "has no {chunk}, so the model would never see it"),
     (dict(margin_template="{chunk} {foo}"), "names {foo}, which it is not given"),

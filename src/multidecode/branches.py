@@ -236,7 +236,8 @@ def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[in
     fit = most_branches(lambda w: memory_need(engine, prefix_length, longest[:w], max_new_tokens, draft).total
                         <= budget, len(suffix_lengths))
     undrafted = not fit and draft and memory_need(engine, prefix_length, longest[:1], max_new_tokens, 0).total <= budget
-    hint = (f"any {fit:,} of these branches fit at once: split the work" if fit else
+    at_once = f"any {fit:,} of these branches fit at once" if fit > 1 else "one of these branches fits at a time"
+    hint = (f"{at_once}: split the work" if fit else
             f"lower the draft budget or turn speculation off (each branch holds {draft:,} draft tokens a step)"
             if undrafted else
             "lower max_new_tokens or shorten the prompts")

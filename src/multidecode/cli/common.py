@@ -10,6 +10,7 @@ import contextlib
 import errno
 import functools
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -386,7 +387,7 @@ def print_stats(stats: dict, lead: str = "") -> None:
     line = f"{lead}{stats.get('forward_passes', 0)} forwards, {stats.get('tokens_per_forward', 0):.2f} tokens per forward"
     if stats.get("speculate"):
         acceptance = stats.get("acceptance")
-        line += (f"; speculate={stats['speculate']}: {stats.get('drafted', 0)} draft tokens fed, "
+        line += (f"; speculate={stats['speculate']}: {counted(stats.get('drafted', 0), 'draft token')} fed, "
                  f"{stats.get('accepted', 0)} accepted"
                  + (f" ({acceptance:.0%})" if acceptance is not None else "")
                  + f", {stats.get('mean_draft_budget', 0):.1f} per step on average,"
@@ -479,11 +480,13 @@ def read_text(path: str, what: str = "document") -> str:
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    """The prompt from exactly one of --prompt TEXT and --prompt-file FILE."""
+    """The prompt from exactly one of --prompt TEXT and --prompt-file FILE; a file's last line
+    break is not part of it (editors and `echo` end every file with one: it would change the
+    prompt's ids, and in a chat template the answer), as `-p` gives none."""
     if (prompt is None) == (prompt_file is None):
         raise InvalidInput("give the prompt as --prompt TEXT or --prompt-file FILE (one of them)",
                            "for example --prompt 'Write a haiku about the sea.'")
-    text = prompt if prompt is not None else read_text(prompt_file, "prompt")
+    text = prompt if prompt is not None else read_text(prompt_file, "prompt").removesuffix("\n").removesuffix("\r")
     if not text.strip():  # said before the model loads, as the library would say it after
         raise InvalidInput("the prompt is empty", "pass some text to complete")
     return text
@@ -492,7 +495,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 def prompt_options(command):
     """--prompt, --prompt-file, --no-chat."""
     command = click.option("--no-chat", is_flag=True, help="Use the raw text, without the chat template.")(command)
-    command = click.option("--prompt-file", metavar="FILE", help="Read the prompt from a file ('-' for stdin).")(command)
+    command = click.option("--prompt-file", metavar="FILE", help="Read the prompt from a file ('-' for stdin; its last line break is left out).")(command)
     return click.option("--prompt", "-p", metavar="TEXT", help="The prompt.")(command)
 
 
@@ -600,17 +603,23 @@ def _model_label(decoder, model_name) -> str:
 
 # ---------------------------------------------------------------------- errors
 def in_option_terms(message: str) -> str:
-    """A library error's `message` with its leading setting ("max_new_tokens must be a positive
-    integer") named as the running command's option (--max-new-tokens), where it is one."""
+    """A library error's `message` (or hint) in the running command's words: each setting with an
+    underscore that is one of its options ("lower max_new_tokens to 247") as that option
+    (--max-new-tokens), and a leading one-word setting where the message says it "must" be
+    something ("temperature must be ..."; "question 2 is empty" speaks of a question)."""
     context = click.get_current_context(silent=True)
+    flags = {param.name: next((o for o in param.opts if o.startswith("--")), None)
+             for param in (context.command.params if context is not None else ()) if isinstance(param, click.Option)}
+    message = SETTING_NAME.sub(lambda m: flags.get(m.group(0)) or m.group(0), message)
     name = message.split(" ", 1)[0]
-    if "_" not in name and not message[len(name):].startswith(" must "):
-        return message  # "question 2 is empty" speaks of a question, not of the option
-    for param in context.command.params if context is not None else ():
-        if param.name == name and isinstance(param, click.Option):
-            flag = next((opt for opt in param.opts if opt.startswith("--")), None)
-            return flag + message[len(name):] if flag else message
+    if message[len(name):].startswith(" must ") and flags.get(name):
+        return flags[name] + message[len(name):]
     return message
+
+
+SETTING_NAME = re.compile(r"(?<![\w.=-])[a-z]+(?:_[a-z]+)+(?![\w(=])")
+"""A Python setting's name in prose (max_new_tokens), not in code: not after a dot or before a
+parenthesis or an equals sign (SpeculationSettings.parse(...), head=DIR)."""
 
 
 def report_errors(function):
@@ -625,7 +634,7 @@ def report_errors(function):
         except MultiDecodeError as err:
             stderr.print(f"[bold red]error:[/bold red] {escape(in_option_terms(err.message))}")
             if err.hint:
-                stderr.print(f"[yellow]hint:[/yellow] {escape(err.hint)}")
+                stderr.print(f"[yellow]hint:[/yellow] {escape(in_option_terms(err.hint))}")
             raise SystemExit(err.exit_code) from None
         except KeyboardInterrupt:
             stderr.print("[yellow]interrupted[/yellow]")

@@ -343,6 +343,12 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
             stdout.print(f"[bold]trace {i + 1}[/bold] (seed {trace.seed}) -> {escape(repr(trace.answer))}")
             stdout.print(trace.text.strip(), markup=False)
             stdout.print()
+    note_cut_branches(run.branches)
+    show_vote(result, n)
+
+
+def show_vote(result, n: int) -> None:
+    """The votes as a table, and the answer: a majority, the most common of a minority, or a tie."""
     table = Table(title=f"{n} traces", title_justify="left")
     table.add_column("answer")
     table.add_column("votes", justify="right")
@@ -352,14 +358,15 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
     if missing:
         table.add_row("[dim](no answer found)[/dim]", str(missing))
     stdout.print(table)
-    note_cut_branches(run.branches)
     if result.answer is None:
         stdout.print("No trace gave an answer.")
     elif result.tied:
         stdout.print(f"No majority: a tie between {escape(', '.join(result.tied))} "
                      f"({result.counts[result.answer]} of {len(result.traces)} traces each)")
     else:
-        stdout.print(f"Majority answer: [bold]{escape(result.answer)}[/bold] ({result.agreement:.0%} of traces)")
+        count, total = result.counts[result.answer], len(result.traces)
+        label = "Majority answer" if result.is_majority else "Most common answer (no majority)"
+        stdout.print(f"{label}: [bold]{escape(result.answer)}[/bold] ({count} of {total} traces, {count / total:.0%})")
 
 
 def parse_early_stopping(value: str) -> bool | str:
@@ -408,7 +415,7 @@ def beam(prompt, prompt_file, no_chat, num_beams, max_new_tokens, length_penalty
             stdout.print("   " + escape(b.text.strip()).replace("\n", "\n   "))
     stats = run.stats
     stderr.print(
-        f"[dim]{num_beams} beams, {run.steps} steps in {elapsed:.1f} s; {stats.forward_passes} forward passes, "
+        f"[dim]{counted(num_beams, 'beam')}, {counted(run.steps, 'step')} in {elapsed:.1f} s; {stats.forward_passes} forward passes, "
         f"peak {stats.peak_slots} cache slots for a {len(run.prompt_ids)}-token prompt, "
         f"{stats.compactions} compactions[/dim]"
     )
@@ -445,7 +452,7 @@ def verdicts_table(run: margins_strategy.MarginsRun, verdicts) -> Table:
 @click.command()
 @click.option("--document", "-d", required=True, metavar="FILE",
               help="The document, a UTF-8 text file ('-' for stdin).")
-@click.option("--question", "-q", default=None, metavar="TEXT", help="The question the margins are about.")
+@click.option("--question", "-q", default=None, metavar="TEXT", help="The question the margins are about (required).")
 @click.option("--chunk-tokens", type=int, default=300, show_default=True,
               help="Tokens per chunk at most; chunks end at paragraphs, lines or sentences.")
 @click.option("--max-margin-tokens", type=int, default=48, show_default=True, help="Longest margin, in tokens.")

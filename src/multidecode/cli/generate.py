@@ -18,6 +18,7 @@ import click
 from ..constraints import parsed_field
 from .common import (
     constraint_from,
+    counted,
     decoding_options,
     note_cut_branches,
     note_if_cut,
@@ -76,7 +77,7 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, pre
     elapsed = time.perf_counter() - start
     tokens, seed = run.stats.tokens, run.branches[0].seed
     seeded = f", seed {seed}" if seed is not None else ""  # a drawn one too: --seed it to have the text again
-    stderr.print(f"[dim]{tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s){seeded}[/dim]")
+    stderr.print(f"[dim]{counted(tokens, 'token')} in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s){seeded}[/dim]")
     if show_stats:
         print_stats(run.stats.as_dict())
 

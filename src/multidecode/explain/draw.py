@@ -9,6 +9,8 @@ Drawing uses matplotlib's Agg canvas (no window, no global state).
 from __future__ import annotations
 
 import textwrap
+import unicodedata
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +33,7 @@ EMPTY_COLOUR = "#eef0f3"
 
 def shown(text: str, limit: int) -> str:
     """A token's text made visible: spaces at its ends as ␣, newlines as ⏎, cut to `limit` chars."""
-    text = text.replace("\r", "").replace("\t", "⇥").replace("\n", "⏎")
+    text = _printable(text.replace("\r", "").replace("\t", "⇥").replace("\n", "⏎"))
     stripped = text.strip(" ")
     if stripped != text:
         lead = len(text) - len(text.lstrip(" "))
@@ -40,8 +42,13 @@ def shown(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _printable(text: str) -> str:
+    """Control characters (a byte token's 0x04) written as an escape, \\x04: no font draws them."""
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" else c for c in text)
+
+
 def _flat(text: str) -> str:
-    return " ".join(text.replace("\n", " ⏎ ").split())
+    return _printable(" ".join(text.replace("\n", " ⏎ ").split()))
 
 
 def _wrap(text: str, width: int, lines: int, *, keep: str = "start") -> str:
@@ -78,7 +85,9 @@ def save(figure: Figure, path: str | Path, *, dpi: int | None = None) -> Path:
     """Write the figure as a PNG (parent folders created); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=dpi or figure.dpi, format="png", facecolor="white")
+    with warnings.catch_warnings():  # a glyph the font lacks (a rare script) is drawn as a box, not said
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        figure.savefig(path, dpi=dpi or figure.dpi, format="png", facecolor="white")
     return path
 
 

@@ -443,6 +443,7 @@ class MarginsRun:
         self.prompts = margin_prompts(tokenizer, chunks, question, template=margin_template)
         # Margin i is seeded seed + i and the answer seed + n: checked here, before any margin runs.
         *margins, self.answer_sampling = per_branch_sampling(len(chunks) + 1, self.sampling)
+        self._check_fits(max_margin_tokens)
         self.margin_run: BranchRun = start_prompts(
             scheduler, self.prompts, max_new_tokens=max_margin_tokens, sampling=margins, tokenizer=tokenizer, stop=stop)
         self.events: Iterator[TokenEvent] = self.margin_run.events
@@ -450,6 +451,29 @@ class MarginsRun:
         self.answer_run: BranchRun | None = None
         self.in_answer: list[int] = []  # the margins the answer is written from (`answer_notes`)
         self.stats: dict = {}
+
+    def _check_fits(self, max_margin_tokens: int) -> None:
+        """Refuse, before any margin is written, a chunk's margin prompt that does not fit the
+        model's positions with `max_margin_tokens`, and an answer that could not fit with
+        `max_new_tokens` whatever the notes (its prompt with one empty note), each naming the
+        setting to lower (the forest's own check would say max_new_tokens for either)."""
+        limit = self.scheduler.engine.max_positions
+        if limit is None:
+            return
+        longest = max(range(len(self.prompts)), key=lambda i: len(self.prompts[i]))
+        length = len(self.prompts[longest])
+        if length + max_margin_tokens - 1 > limit:
+            room = limit - length + 1
+            raise PromptTooLong(f"chunk {longest + 1}'s margin prompt is {length} tokens and max_margin_tokens is "
+                                f"{max_margin_tokens}: more than the model's {limit} positions",
+                                f"lower max_margin_tokens to {room}, or chunk_tokens" if room > 0 else
+                                "lower chunk_tokens (or pass shorter chunks)", fits=max(room, 0) or None)
+        least = min(len(answer_prompt(self.tokenizer, self.question, notes, template=self.answer_template))
+                    for notes in ([], [""]))
+        if least + self.max_new_tokens - 1 > limit:
+            raise PromptTooLong(f"the answer's prompt takes at least {least} tokens and max_new_tokens is "
+                                f"{self.max_new_tokens}: more than the model's {limit} positions",
+                                f"lower max_new_tokens to {limit - least + 1} at most", fits=limit - least + 1)
 
     # -- margins
     def margin_texts(self) -> list[str]:

@@ -66,6 +66,11 @@ class Vote:
         return leaders if len(leaders) > 1 else []
 
     @property
+    def is_majority(self) -> bool:
+        """Whether more than half of all traces gave `answer` (else it is only the most common)."""
+        return self.answer is not None and 2 * self.counts[self.answer] > len(self.traces)
+
+    @property
     def agreement(self) -> float:
         """Share of all traces that gave the majority answer."""
         return self.counts.get(self.answer, 0) / len(self.traces) if self.answer is not None else 0.0
