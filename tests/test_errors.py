@@ -110,6 +110,10 @@ def test_a_negative_temperature_on_the_command_line_speaks_of_the_option(doc):
         result = run("ask", "--document", doc, "-q", "why?", "--temperature", value)
         assert_clean_error(result, f"--temperature must be 0 (greedy) or more, got {value}")
         assert "do_sample" not in result.output + result.stderr
+    for value in ("inf", "1e-40"):  # past what float32 logits can be divided by: the library's do_sample hint too
+        result = run("ask", "--document", doc, "-q", "why?", "--temperature", value)
+        assert_clean_error(result, f"--temperature {value} cannot divide float32 logits", "--temperature 0")
+        assert "do_sample" not in result.output + result.stderr
 
 
 def test_missing_model_path(doc, tmp_path):

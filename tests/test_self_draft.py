@@ -300,3 +300,14 @@ def test_layers_that_depend_on_their_index_are_refused():
         self_draft(model, [0])
     torch.testing.assert_close(logits(self_draft(model, [2])), logits_with_identity_layers(model, [2]),
                                rtol=0, atol=1e-5)
+
+
+def test_the_command_names_its_option_for_layers_the_model_lacks(model_dir):
+    """The command said "skip_layers 5 is not layer indices", the Python argument's name."""
+    from click.testing import CliRunner
+
+    from multidecode.cli import main
+
+    result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "-p", "hi", "--max-new-tokens", "2",
+                                       "--draft-skip-layers", "5"])
+    assert result.exit_code == 2 and "--draft-skip-layers 5 is not layer indices" in result.stderr, result.output

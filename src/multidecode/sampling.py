@@ -41,7 +41,7 @@ import torch
 
 from .constraints import GrammarState, mask_logits
 from .errors import COUNT_LIMIT, InvalidArgument, InvalidInput, check_flag, is_int
-from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES, greedy_temperature, switches_given
+from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES, TINIEST_TEMPERATURE, greedy_temperature, switches_given
 
 MAX_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
@@ -49,9 +49,6 @@ SEED_LIMIT = 2**64
 """Seeds lie in [0, SEED_LIMIT): a branch's draws come from a generator seeded from it (`seeded_generator`)."""
 TORCH_SEED_BITS = 32
 """The bits of a seed torch's CPU generator (a Mersenne twister) keeps: the low 32, the rest dropped."""
-TINIEST_TEMPERATURE = 1e-30
-"""The smallest temperature taken: logits (at most about 1e4 in size) divided by it stay finite in
-float32 (below float32's smallest normal number, 1.2e-38, they reach infinity and the draw fails)."""
 MAX_BIAS = 100.0
 """A logit bias lies in [-MAX_BIAS, MAX_BIAS] (OpenAI's range): +100 all but forces a token, -100 bans it."""
 

@@ -10,6 +10,9 @@ SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetit
 SAMPLING_SWITCHES = ("temperature", "top_k", "top_p", "min_p", "seed")
 """Settings that turn sampling on where `do_sample` is not given; the rest (penalties, bias) change
 greedy branches' logits too and never turn sampling on by themselves."""
+TINIEST_TEMPERATURE = 1e-30
+"""The smallest temperature taken: logits (at most about 1e4 in size) divided by it stay finite in
+float32 (below float32's smallest normal number, 1.2e-38, they reach infinity and the draw fails)."""
 
 
 def greedy_temperature(value) -> bool:
@@ -25,4 +28,4 @@ def switches_given(settings: dict) -> list[str]:
             and not (key == "top_k" and settings[key] == 0) and not (key == "temperature" and greedy_temperature(settings[key]))]
 
 
-__all__ = ["SAMPLING_KEYS", "SAMPLING_SWITCHES", "greedy_temperature", "switches_given"]
+__all__ = ["SAMPLING_KEYS", "SAMPLING_SWITCHES", "TINIEST_TEMPERATURE", "greedy_temperature", "switches_given"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import math
 import os
 import re
 import sys
@@ -22,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
+from ..sampling_keys import TINIEST_TEMPERATURE
 from ..user_cache import unwritable
 
 if TYPE_CHECKING:
@@ -145,9 +147,13 @@ def sampling_from(options: dict) -> dict:
     as keyword arguments for the library (where --temperature 0 is greedy, as OpenAI's servers and
     llama.cpp read it: sampling off, the penalties and bias kept)."""
     chosen = {k: v for k, v in options.items() if v is not None}
-    if not chosen.get("temperature", 0) >= 0:  # (nan too) the library's message speaks of do_sample, no option's
-        raise InvalidArgument(f"--temperature must be 0 (greedy) or more, got {chosen['temperature']:g}",
+    temperature = chosen.get("temperature", 0)
+    if not temperature >= 0:  # (nan too) the library's message speaks of do_sample, no option's
+        raise InvalidArgument(f"--temperature must be 0 (greedy) or more, got {temperature:g}",
                               "use --temperature 0, or leave it out, for greedy decoding")
+    if 0 < temperature < TINIEST_TEMPERATURE or temperature == math.inf:  # logits / it: no distribution left
+        raise InvalidArgument(f"--temperature {temperature:g} cannot divide float32 logits (from "
+                              f"{TINIEST_TEMPERATURE:g} to a finite number)", "use --temperature 0 for greedy decoding")
     return chosen
 
 
@@ -610,6 +616,9 @@ def in_option_terms(message: str) -> str:
     context = click.get_current_context(silent=True)
     flags = {param.name: next((o for o in param.opts if o.startswith("--")), None)
              for param in (context.command.params if context is not None else ()) if isinstance(param, click.Option)}
+    for field in ("draft_model", "skip_layers"):  # speculation's settings, named otherwise by the options
+        if (flag := getattr(spelling(), field)) in flags.values():
+            flags.setdefault(field, flag)
     message = SETTING_NAME.sub(lambda m: flags.get(m.group(0)) or m.group(0), message)
     name = message.split(" ", 1)[0]
     if message[len(name):].startswith(" must ") and flags.get(name):
