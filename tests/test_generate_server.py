@@ -88,6 +88,57 @@ def test_a_server_that_cannot_give_the_asked_tokens_is_refused(served, args, mes
     assert message in result.output and "hint:" in result.output and "Traceback" not in result.output
 
 
+def test_precisions_and_devices_are_compared_in_any_spelling(served):
+    """A server reports its precision canonical (auto); --precision AUTO or --device CPU is that one,
+    not a mismatch, and an unknown name is said to be unknown."""
+    assert _generate("--server", served.url, "-p", PROMPT, "--precision", "AUTO", "--device", "CPU")["token_ids"]
+    result = CliRunner().invoke(main, ["generate", "--server", served.url, "-p", PROMPT, "--precision", "bogus"])
+    assert result.exit_code == 2 and "unknown precision 'bogus'" in result.output, result.output
+
+
+def test_a_blank_server_variable_is_no_server(model_dir, monkeypatch):
+    """MULTIDECODE_SERVER=" " (a variable set from an empty one, with a space) was an AttributeError."""
+    monkeypatch.setenv("MULTIDECODE_SERVER", " ")
+    result = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "-p", PROMPT, "--max-new-tokens", "3"])
+    assert result.exit_code == 0 and "on the server" not in result.stderr, result.output
+
+
+def test_a_negative_top_k_is_refused_here_and_on_the_way_to_a_server(served, model_dir):
+    """-1 turned sampling on through a server (where it means off) and was refused here."""
+    for where in (["--model", str(model_dir)], ["--server", served.url]):
+        result = CliRunner().invoke(main, ["generate", *where, "-p", PROMPT, "--top-k", "-1"])
+        assert result.exit_code == 2 and "--top-k must be 0 (off) or a positive integer" in result.output, where
+
+
+@pytest.mark.parametrize("health, models", [
+    (b"<html>hello</html>", b""),  # a web server
+    (b"", b'{"object": "list", "data": [{"id": "llama", "object": "model"}]}'),  # another OpenAI-compatible server
+    (b'{"status": "ok"}', b'[1, 2]'),
+])
+def test_a_server_that_is_not_multidecodes_is_named_as_such(health, models):
+    """Its /health or /v1/models read as JSON failed with a traceback, and another OpenAI-compatible
+    server answered with text and no token ids: an empty line and "0 tokens", or a KeyError."""
+    import http.server
+    import threading
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = health if self.path == "/health" else models
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other) as other:
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        result = CliRunner().invoke(main, ["generate", "--server", f"127.0.0.1:{other.server_port}", "-p", PROMPT])
+        other.shutdown()
+    assert result.exit_code == 2 and "is not multidecode serve" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
 def test_no_server_at_the_address_is_a_clear_error():
     result = CliRunner().invoke(main, ["generate", "--server", "http://127.0.0.1:1", "-p", PROMPT])
     assert result.exit_code == 2 and "no server answers at http://127.0.0.1:1" in result.output

@@ -432,3 +432,19 @@ def test_an_idle_server_renumbers_its_forest_and_still_hits_the_cache(server, mo
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, n=2, seed=1)
     assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
     assert [c.text for c in again.choices] == [c.text for c in first.choices]
+
+
+def test_a_prompt_and_its_tokens_fill_the_window_as_the_library_fills_it(server):
+    """A prompt of P tokens takes P + max_tokens - 1 positions (the last new token is never fed
+    back), as the library counts them: the server refused the last token that fits, one short of
+    the same command run locally."""
+    window = server.forest.model.config.max_position_embeddings
+    prompt = [5 + i % 200 for i in range(window - 6)]
+    fits = window - len(prompt) + 1
+    for speculate in (None, "lookup"):
+        reply = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=fits, temperature=0,
+                                                   extra_body={"speculate": speculate, "return_token_ids": True})
+        expected = _greedy_reference(server, prompt, fits)
+        assert reply.choices[0].model_extra["token_ids"] == expected, speculate
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=fits + 1, temperature=0)

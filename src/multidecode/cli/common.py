@@ -151,6 +151,9 @@ def sampling_from(options: dict) -> dict:
     if not temperature >= 0:  # (nan too) the library's message speaks of do_sample, no option's
         raise InvalidArgument(f"--temperature must be 0 (greedy) or more, got {temperature:g}",
                               "use --temperature 0, or leave it out, for greedy decoding")
+    if chosen.get("top_k", 0) < 0:  # -1 is "off" to some servers: here it is refused, as the library refuses it
+        raise InvalidArgument(f"--top-k must be 0 (off) or a positive integer, got {chosen['top_k']}",
+                              "leave it out, or give 0, to sample from the whole vocabulary")
     if 0 < temperature < TINIEST_TEMPERATURE or temperature == math.inf:  # logits / it: no distribution left
         raise InvalidArgument(f"--temperature {temperature:g} cannot divide float32 logits (from "
                               f"{TINIEST_TEMPERATURE:g} to a finite number)", "use --temperature 0 for greedy decoding")

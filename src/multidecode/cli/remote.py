@@ -20,7 +20,7 @@ import click
 from ..constraints import read_schema
 from ..errors import InvalidArgument
 from ..sampling_keys import greedy_temperature, switches_given
-from .common import model_source, print_stats, read_text, stderr
+from .common import counted, model_source, print_stats, read_text, stderr
 
 SERVER_HELP = ("Send the work to this running `multidecode serve` (env MULTIDECODE_SERVER) instead of loading "
                "the model here: the same tokens, without the wait for torch and the model. Its API key: env "
@@ -29,7 +29,14 @@ SERVER_HELP = ("Send the work to this running `multidecode serve` (env MULTIDECO
 
 def server_option(command):
     """--server URL (env MULTIDECODE_SERVER), as `server_url` reads it."""
-    return click.option("--server", default=None, envvar="MULTIDECODE_SERVER", metavar="URL", help=SERVER_HELP)(command)
+    return click.option("--server", default=None, envvar="MULTIDECODE_SERVER", metavar="URL", help=SERVER_HELP,
+                        callback=_read_server_url)(command)
+
+
+def _read_server_url(context, parameter, value: str | None) -> str | None:
+    """--server blank (a variable set from an empty one) is no server, as `server_url` reads it;
+    any other value is checked by the command (its errors said as every command's are)."""
+    return value if value is not None and value.strip() else None
 
 
 def server_url(value: str | None) -> str | None:
@@ -140,9 +147,13 @@ class Server:
         if model_name is not None and model_name != self.served.id and model_source(model_name) != has_model:
             raise InvalidArgument(f"the server at {url} serves {has_model or self.served.id}, not {model_name}",
                                   "drop --model to use the server's, or drop --server to load it here")
+        if precision is not None:  # its aliases (fp32, BF16) read as the server reads them: torch, only here
+            from ..models.precision import parse
+
+            precision = parse(precision)
         for option, asked, has in (("--precision", precision, self.served.source.get("precision")),
                                    ("--device", device, self.served.source.get("device"))):
-            if asked is not None and asked != has:
+            if asked is not None and not _same_setting(asked, has):
                 raise InvalidArgument(f"the server at {url} runs {option} {has or '(not said)'}, not {asked}",
                                       f"drop {option} to use the server's, or drop --server to load the model here")
 
@@ -183,8 +194,15 @@ class Server:
         answers"), its tokens and seconds since `start`, and from which server."""
         if show_stats and self.stats:
             print_stats(self.stats)
-        stderr.print(f"[dim]{what}{', ' * bool(what)}{self.usage.get('completion_tokens', 0)} tokens in "
+        stderr.print(f"[dim]{what}{', ' * bool(what)}{counted(self.usage.get('completion_tokens', 0), 'token')} in "
                      f"{time.perf_counter() - start:.2f} s on the server at {self.url} ({self.served.id}){tail}[/dim]")
+
+
+def _same_setting(asked: str, has: str | None) -> bool:
+    """Whether a precision or device asked for is the server's, in any case; a device by its kind
+    too ("cuda" is the server's "cuda:0")."""
+    asked, has = asked.strip().lower(), (has or "").lower()
+    return has == asked or has.startswith(asked + ":")
 
 
 __all__ = ["Piece", "Request", "Server", "server_option"]

@@ -94,7 +94,7 @@ def serve(model_name, precision, device, host, port, api_key, allowed_origins, s
     name = served_model_name or model_name or EMBEDDED_NAME
     state = ServeState(name, api_key=api_key, speculate=settings, allowed_origins=[
                            o for o in allowed_origins if o.lower() != "none"],
-                       source={"model": model_source(model_name), "precision": precision or "auto"})
+                       source={"model": model_source(model_name), "precision": canonical_precision(precision)})
     if model_name is not None:  # before the server says where it listens: the model loads behind that
         refuse_unreadable(model_name)
 
@@ -109,6 +109,14 @@ def serve(model_name, precision, device, host, port, api_key, allowed_origins, s
         on_listening=lambda url: stderr.print(f"Serving {escape(name)} on {url} (loading the model; /health says "
                                               f"when ready). Commands reach it with --server {url} (or "
                                               f"export MULTIDECODE_SERVER={url})"))
+
+
+def canonical_precision(precision: str | None) -> str:
+    """The precision as /v1/models tells it to clients (fp32 as float32, None as auto), so that a
+    command's --precision, in any spelling, is compared with it."""
+    from ..models import precision as precisions
+
+    return precisions.parse(precision)
 
 
 def check_precision_and_device(precision: str | None, device: str | None) -> None:

@@ -850,23 +850,24 @@ def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branche
 def _max_tokens(body: _Body, prompts: list[list[int]], max_positions: int | None, window_note: str, *,
                 chat: bool) -> int:
     """The tokens to generate: as asked, or a default that fits the model's window (window_note: why
-    that window is short of the model's own, or "")."""
+    that window is short of the model's own, or ""). A prompt of P tokens takes P + max_tokens - 1
+    positions (the last new token is never fed back), as the library and `generate` count them."""
     default = 16 if not chat else 256
     max_tokens = body.max_completion_tokens or body.max_tokens
     longest = max(map(len, prompts))
     if max_positions is not None:
-        if longest >= max_positions:
+        if longest > max_positions:
             document = "messages" if chat else "prompt"
             what, param = "the prompt", document
             if body.questions is not None:  # the question that overflows, unless the document alone does
                 index = max(range(len(prompts)), key=lambda i: len(prompts[i]))
                 what = f"the document with question {index + 1}"
-                param = "questions" if min(map(len, prompts)) < max_positions else document
+                param = "questions" if min(map(len, prompts)) <= max_positions else document
             raise BadRequest(f"{what} is {longest} tokens, but the model's context window is {max_positions} "
                              f"tokens{window_note}", param, "context_length_exceeded")
         if max_tokens is None:
-            max_tokens = min(default, max_positions - longest)
-        elif longest + max_tokens > max_positions:
+            max_tokens = min(default, max_positions - longest + 1)
+        elif longest + max_tokens - 1 > max_positions:
             named = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
             raise BadRequest(f"the prompt ({longest} tokens) plus {named} ({max_tokens}) is over the model's "
                              f"context window of {max_positions} tokens{window_note}", named, "context_length_exceeded")

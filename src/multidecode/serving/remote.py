@@ -52,7 +52,7 @@ def wait_ready(url: str, *, timeout_s: float = READY_S, on_wait: Callable[[], No
 def _health(url: str) -> str:
     """What /health says: "ok", or (503) "loading", "draining" or "failed"."""
     try:
-        return json.load(_open(url, "/health", None, None, timeout=10.0)).get("status", "ok")
+        return _object(url, "/health", _open(url, "/health", None, None, timeout=10.0).read()).get("status", "ok")
     except Refused as refused:
         if refused.status != 503:
             raise
@@ -60,17 +60,39 @@ def _health(url: str) -> str:
 
 
 def served_model(url: str, *, api_key: str | None = None) -> ServedModel:
-    """The model the server at `url` serves (its first, where it lists several)."""
-    listing = json.load(_open(url, "/v1/models", None, api_key, timeout=10.0))
+    """The model the server at `url` serves (its first, where it lists several); a server that is
+    not `multidecode serve` (another OpenAI-compatible one sends no token ids) is refused."""
+    listing = _object(url, "/v1/models", _open(url, "/v1/models", None, api_key, timeout=10.0).read())
     models = listing.get("data") or []
     if not models:
         raise InvalidArgument(f"the server at {url} lists no model", "start it with a model: multidecode serve")
-    return ServedModel(url, models[0]["id"], models[0].get("multidecode") or {})
+    if not isinstance(models[0], dict) or not isinstance(models[0].get("multidecode"), dict) or "id" not in models[0]:
+        raise _not_ours(url, "/v1/models")
+    return ServedModel(url, models[0]["id"], models[0]["multidecode"])
 
 
 def complete(served: ServedModel, body: dict, *, chat: bool, api_key: str | None = None) -> dict:
     """One request's whole answer (`body` without "model" and "stream": they are set here)."""
-    return json.load(_open(served.url, _route(chat), {**body, "model": served.id, "stream": False}, api_key))
+    route = _route(chat)
+    return _object(served.url, route, _open(served.url, route, {**body, "model": served.id, "stream": False},
+                                            api_key).read())
+
+
+def _object(url: str, route: str, raw: bytes) -> dict:
+    """A reply's JSON object; anything else is a server that is not `multidecode serve`."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise _not_ours(url, route)
+    return value
+
+
+def _not_ours(url: str, route: str) -> InvalidArgument:
+    return InvalidArgument(f"the server at {url} is not multidecode serve (its {route} is not multidecode's)",
+                           "point --server (or MULTIDECODE_SERVER) at `multidecode serve`, or drop it to load the "
+                           "model here")
 
 
 def stream(served: ServedModel, body: dict, *, chat: bool, api_key: str | None = None) -> Iterator[dict]:
@@ -85,7 +107,7 @@ def stream(served: ServedModel, body: dict, *, chat: bool, api_key: str | None =
             data = line[5:].strip()
             if data == b"[DONE]":
                 return
-            chunk = json.loads(data)
+            chunk = _object(served.url, _route(chat), data)
             if "error" in chunk:
                 raise _refused(served.url, chunk)
             yield chunk
@@ -108,6 +130,8 @@ def _open(url: str, route: str, body: dict | None, api_key: str | None, timeout:
         try:
             reply = json.load(error)
         except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
             reply = {"error": {"message": f"HTTP {error.code} {error.reason}"}}
         raise _refused(url, reply, error.code, key_sent=bool(api_key)) from None
     except (urllib.error.URLError, OSError) as error:
