@@ -274,6 +274,17 @@ def test_a_schema_holds_the_served_output_as_it_holds_the_local_one(served, mode
     assert here["finish_reason"] == "stop" and isinstance(here["parsed"]["ok"], bool)
 
 
+def test_a_number_an_eos_ended_is_whole_with_stop_strings_too(served, model_dir, tmp_path):
+    """With --stop, the client could not tell an eos from a stop string, and gave "parsed": null
+    where the local run gave the number: the server names its eos ids, and the last token id says."""
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps({"type": "integer", "minimum": 10, "maximum": 99}), encoding="utf-8")
+    asked = ("-p", PROMPT, "--json-schema", path, "--max-new-tokens", "8", "--stop", "zzz")
+    here, there = _generate("--model", model_dir, *asked), _generate("--server", served.url, *asked)
+    assert here["finish_reason"] == "stop" and isinstance(here["parsed"], int)
+    assert (there["token_ids"], there["parsed"]) == (here["token_ids"], here["parsed"])
+
+
 @pytest.mark.parametrize("schema", [
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
     {"type": "integer", "minimum": 1000000},

@@ -201,7 +201,7 @@ def ask_on_server(url: str, text: str, questions: list[str], request: Request, a
         seeds = request.seeds(len(questions))
         click.echo(json.dumps([{"question": q, "answer": c["text"], "finish_reason": c["finish_reason"], "seed": seed,
                                 "token_ids": c["token_ids"], "prompt_tokens": len(c["prompt_token_ids"]),
-                                **request.parsed(c["text"], c["finish_reason"])}
+                                **request.parsed(c["text"], c["finish_reason"], server.ended_by_eos(c))}
                                for q, c, seed in zip(questions, choices, seeds, strict=True)], ensure_ascii=False))
     else:
         show_stream(server.pieces(body, chat=True), questions)
@@ -294,7 +294,8 @@ def complete_on_server(url: str, text: str, no_chat: bool, request: Request, ask
         choices = server.whole(body, chat=chat)
         click.echo(json.dumps([{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
                                 "seed": seed, "token_ids": c["token_ids"], "prompt_tokens": len(c["prompt_token_ids"]),
-                                **request.parsed(c["text"], c["finish_reason"]), **scored(token_logprobs(c))}
+                                **request.parsed(c["text"], c["finish_reason"], server.ended_by_eos(c)),
+                                **scored(token_logprobs(c))}
                                for c, seed in zip(choices, seeds, strict=True)], ensure_ascii=False))
     else:
         labels = [f"completion {i + 1}" + (f" (seed {seed})" if seed is not None else "") for i, seed in enumerate(seeds)]

@@ -94,7 +94,8 @@ def on_server(url: str, text: str, no_chat: bool, request: Request, asked: tuple
         click.echo(json.dumps({"text": text * echo + choice["text"], "finish_reason": choice["finish_reason"],
                                "token_ids": choice["token_ids"], "prompt_tokens": len(choice["prompt_token_ids"]),
                                "seed": request.seed, "stats": server.stats, "server": url,
-                               **request.parsed(choice["text"], choice["finish_reason"])}, ensure_ascii=False))
+                               **request.parsed(choice["text"], choice["finish_reason"], server.ended_by_eos(choice))},
+                              ensure_ascii=False))
     else:
         written, ended = write_stream(text * echo, ((piece.text, piece.finish_reason)
                                                     for piece in server.pieces(body, chat=chat)))

@@ -101,13 +101,14 @@ class Request:
         """The seed each of `count` choices drew with (choice i: seed + i; None when greedy)."""
         return [None if self.seed is None else self.seed + i for i in range(count)]
 
-    def parsed(self, text: str, finish_reason: str | None) -> dict:
+    def parsed(self, text: str, finish_reason: str | None, ended_by_eos: bool | None = None) -> dict:
         """{"parsed": the JSON value} where a schema holds the output, null where it was cut short,
         as the library reads it (`Completion.parsed`: the grammar matched whole). The server says
         only "stop" or "length", so it is read from the text: a value that closes itself (an
         object, an array, a string, true, false, null) is whole once it parses, even where the
         eos after it was cut at max_tokens; a bare number could have gone on ("100" of "1000"),
-        so it is whole only where an eos ended it: "stop" with no stop string that could have."""
+        so it is whole only where an eos ended it (`ended_by_eos`, from the reply's last token id
+        where the server names its eos ids; else "stop" with no stop string that could have)."""
         if self.schema is None:
             return {}
         try:
@@ -115,7 +116,9 @@ class Request:
         except ValueError:  # cut short of its end, by max_tokens or a stop string
             return {"parsed": None}
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return {"parsed": value if not number or (finish_reason == "stop" and not self.stop) else None}
+        if ended_by_eos is None:
+            ended_by_eos = finish_reason == "stop" and not self.stop
+        return {"parsed": value if not number or ended_by_eos else None}
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,14 @@ class Server:
             if asked is not None and not _same_setting(asked, has):
                 raise InvalidArgument(f"the server at {url} runs {option} {has or '(not said)'}, not {asked}",
                                       f"drop {option} to use the server's, or drop --server to load the model here")
+
+    def ended_by_eos(self, choice: dict) -> bool | None:
+        """Whether an eos id ended a whole reply's `choice` (its last token id one of the ids the
+        server names), None where the server names none."""
+        eos = self.served.source.get("eos_token_ids")
+        if eos is None:
+            return None
+        return choice["finish_reason"] == "stop" and bool(choice.get("token_ids")) and choice["token_ids"][-1] in eos
 
     @property
     def chat_template(self) -> bool:

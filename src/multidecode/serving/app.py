@@ -99,6 +99,7 @@ class ServeState:
                     draft = load_heads(self.speculate, model)
                 self.source |= {"device": str(model.device), "chat_template": has_chat_template(tokenizer)}
                 self.runtime = ForestRuntime(model, tokenizer, limits=limits, cost=cost, draft=draft).start()
+                self.source["eos_token_ids"] = sorted(self.runtime.eos)  # a client reads why a reply ended
                 log.info("model %s ready", self.name)
             except BaseException as error:  # reported by /health and by every request
                 self.load_error = error
