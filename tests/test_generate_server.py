@@ -12,7 +12,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from serving import running_server, tiny_loader
+from serving import MODEL, running_server, tiny_loader
 
 from multidecode.cli import main
 from multidecode.cli.common import SAMPLING_OPTIONS, model_source
@@ -94,6 +94,14 @@ def test_precisions_and_devices_are_compared_in_any_spelling(served):
     assert _generate("--server", served.url, "-p", PROMPT, "--precision", "AUTO", "--device", "CPU")["token_ids"]
     result = CliRunner().invoke(main, ["generate", "--server", served.url, "-p", PROMPT, "--precision", "bogus"])
     assert result.exit_code == 2 and "unknown precision 'bogus'" in result.output, result.output
+
+
+def test_a_folder_here_named_as_the_served_model_is_that_folder(served, tmp_path, monkeypatch):
+    """--model tiny, where ./tiny is another model folder, was taken as the server's model "tiny"."""
+    (tmp_path / MODEL).mkdir()
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["generate", "--server", served.url, "-p", PROMPT, "--model", MODEL])
+    assert result.exit_code == 2 and "serves" in result.output, result.output
 
 
 def test_a_blank_server_variable_is_no_server(model_dir, monkeypatch):

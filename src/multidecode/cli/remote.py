@@ -14,6 +14,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import click
 
@@ -147,7 +148,9 @@ class Server:
         self.stats: dict | None = None  # the last reply's engine statistics
         self.usage: dict = {}
         has_model = self.served.source.get("model")
-        if model_name is not None and model_name != self.served.id and model_source(model_name) != has_model:
+        named = model_source(model_name)  # a path that exists here is that folder, whatever the server is called
+        by_name = model_name == self.served.id and not Path(model_name or "").expanduser().exists()
+        if model_name is not None and not by_name and named != has_model:
             raise InvalidArgument(f"the server at {url} serves {has_model or self.served.id}, not {model_name}",
                                   "drop --model to use the server's, or drop --server to load it here")
         if precision is not None:  # its aliases (fp32, BF16) read as the server reads them: torch, only here
