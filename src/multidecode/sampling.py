@@ -41,7 +41,14 @@ import torch
 
 from .constraints import GrammarState, mask_logits
 from .errors import COUNT_LIMIT, InvalidArgument, InvalidInput, check_flag, is_int
-from .sampling_keys import SAMPLING_KEYS, SAMPLING_SWITCHES, TINIEST_TEMPERATURE, greedy_temperature, switches_given
+from .sampling_keys import (
+    SAMPLING_KEYS,
+    SAMPLING_SWITCHES,
+    TINIEST_TEMPERATURE,
+    divides_logits,
+    greedy_temperature,
+    switches_given,
+)
 
 MAX_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
@@ -90,7 +97,7 @@ class SamplingParams:
         if not self.temperature > 0:
             raise InvalidArgument(f"temperature must be > 0 to sample, got {self.temperature}",
                                   "for greedy decoding give temperature=0 without do_sample=True, or do_sample=False")
-        if not TINIEST_TEMPERATURE <= self.temperature < math.inf:  # logits / it overflow float32: no distribution
+        if not divides_logits(self.temperature):  # logits / it overflow float32: no distribution
             raise InvalidArgument(f"temperature {self.temperature} is outside what float32 logits can be divided by",
                                   f"use a temperature from {TINIEST_TEMPERATURE:g} to a finite number, or greedy "
                                   "decoding (do_sample=False) for the arg-max")

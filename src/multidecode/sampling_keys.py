@@ -15,6 +15,12 @@ TINIEST_TEMPERATURE = 1e-30
 float32 (below float32's smallest normal number, 1.2e-38, they reach infinity and the draw fails)."""
 
 
+def divides_logits(temperature: float) -> bool:
+    """Whether float32 logits can be divided by `temperature` and still give a distribution: from
+    `TINIEST_TEMPERATURE` to a finite number (the library's, the server's and the command's rule)."""
+    return TINIEST_TEMPERATURE <= temperature < float("inf")
+
+
 def greedy_temperature(value) -> bool:
     """Whether a temperature asks for greedy decoding: 0, as OpenAI's API reads it (whatever else
     is given, `do_sample` too)."""
@@ -28,4 +34,4 @@ def switches_given(settings: dict) -> list[str]:
             and not (key == "top_k" and settings[key] == 0) and not (key == "temperature" and greedy_temperature(settings[key]))]
 
 
-__all__ = ["SAMPLING_KEYS", "SAMPLING_SWITCHES", "TINIEST_TEMPERATURE", "greedy_temperature", "switches_given"]
+__all__ = ["SAMPLING_KEYS", "SAMPLING_SWITCHES", "TINIEST_TEMPERATURE", "divides_logits", "greedy_temperature", "switches_given"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import math
 import os
 import re
 import sys
@@ -23,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
-from ..sampling_keys import TINIEST_TEMPERATURE
+from ..sampling_keys import TINIEST_TEMPERATURE, divides_logits
 from ..user_cache import unwritable
 
 if TYPE_CHECKING:
@@ -154,7 +153,7 @@ def sampling_from(options: dict) -> dict:
     if chosen.get("top_k", 0) < 0:  # -1 is "off" to some servers: here it is refused, as the library refuses it
         raise InvalidArgument(f"--top-k must be 0 (off) or a positive integer, got {chosen['top_k']}",
                               "leave it out, or give 0, to sample from the whole vocabulary")
-    if 0 < temperature < TINIEST_TEMPERATURE or temperature == math.inf:  # logits / it: no distribution left
+    if temperature > 0 and not divides_logits(temperature):  # logits / it: no distribution left
         raise InvalidArgument(f"--temperature {temperature:g} cannot divide float32 logits (from "
                               f"{TINIEST_TEMPERATURE:g} to a finite number)", "use --temperature 0 for greedy decoding")
     return chosen

@@ -83,7 +83,7 @@ def serve(model_name, precision, device, host, port, api_key, allowed_origins, s
                     prefix_cache_tokens=prefix_cache_tokens, max_running=max_running, gather=gather, gather_s=gather_s,
                     prefill_chunk=prefill_chunk, prefill_stretch=prefill_stretch)
     check_limits(limits, threads)
-    check_precision_and_device(precision, device)
+    canonical = check_precision_and_device(precision, device)
     settings = speculation_from(speculate, draft_budget)
     if threads is not None:
         import torch
@@ -94,7 +94,7 @@ def serve(model_name, precision, device, host, port, api_key, allowed_origins, s
     name = served_model_name or model_name or EMBEDDED_NAME
     state = ServeState(name, api_key=api_key, speculate=settings, allowed_origins=[
                            o for o in allowed_origins if o.lower() != "none"],
-                       source={"model": model_source(model_name), "precision": canonical_precision(precision)})
+                       source={"model": model_source(model_name), "precision": canonical})
     if model_name is not None:  # before the server says where it listens: the model loads behind that
         refuse_unreadable(model_name)
 
@@ -111,21 +111,16 @@ def serve(model_name, precision, device, host, port, api_key, allowed_origins, s
                                               f"export MULTIDECODE_SERVER={url})"))
 
 
-def canonical_precision(precision: str | None) -> str:
-    """The precision as /v1/models tells it to clients (fp32 as float32, None as auto), so that a
-    command's --precision, in any spelling, is compared with it."""
-    from ..models import precision as precisions
-
-    return precisions.parse(precision)
-
-
-def check_precision_and_device(precision: str | None, device: str | None) -> None:
+def check_precision_and_device(precision: str | None, device: str | None) -> str:
     """Refuse an unknown precision or device, or one this machine cannot run, before the server
-    says where it listens (the model loads behind it)."""
+    says where it listens (the model loads behind it); returns the precision's canonical name (fp32
+    as float32, None as auto), as /v1/models tells clients, who compare theirs with it."""
     from ..models import precision as precisions
     from ..models.loading import resolve_device
 
-    precisions.check(precisions.parse(precision), resolve_device(device))
+    canonical = precisions.parse(precision)
+    precisions.check(canonical, resolve_device(device))
+    return canonical
 
 
 def check_limits(limits: Limits, threads: int | None) -> None:

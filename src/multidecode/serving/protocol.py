@@ -68,8 +68,8 @@ from ..constraints import Constraint, compile_for_branches, token_bytes_reader
 from ..errors import InvalidArgument, MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
-from ..sampling import MAX_BIAS, MAX_PENALTY, SEED_LIMIT, TINIEST_TEMPERATURE, SamplingParams, drawn_seed
-from ..sampling_keys import greedy_temperature
+from ..sampling import MAX_BIAS, MAX_PENALTY, SEED_LIMIT, SamplingParams, drawn_seed
+from ..sampling_keys import TINIEST_TEMPERATURE, divides_logits, greedy_temperature
 from ..speculation import LEARNED, PROPOSER_MODES, SpeculationSettings, speculation_mode
 
 MAX_LOGPROBS = 20
@@ -88,7 +88,7 @@ def _not_a_boolean(value):
 def _divisible_temperature(value: float) -> float:
     """Refuse a temperature above 0 too small to divide float32 logits by (they would overflow: no
     distribution is left to sample); 0 is greedy decoding, which is what such a value comes close to."""
-    if 0 < value < TINIEST_TEMPERATURE:
+    if value > 0 and not divides_logits(value):  # (the field's bounds keep it at 2 or below)
         raise PydanticCustomError("temperature_too_small",
                                   f"{{value}} is too small to divide float32 logits by (the smallest is "
                                   f"{TINIEST_TEMPERATURE:g}); 0 decodes greedily", {"value": repr(value)})

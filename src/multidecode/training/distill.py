@@ -188,6 +188,11 @@ def train_drafter(decoder, settings: DistillSettings) -> Iterator[Progress]:
                                   "seconds": summary["seconds"], "left_out": left_out})
 
 
+def _target_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt's ids as the target reads it (in its chat template, where it has one)."""
+    return tokenize_prompt(tokenizer, render_prompt(tokenizer, prompt))
+
+
 def fitting_prompts(decoder, prompts: list[str], max_new_tokens: int) -> tuple[list[str], list[int]]:
     """The prompts that fit the model's positions with an answer of `max_new_tokens` (read back
     whole: every token fed), and the numbers (from 1, in the prompts' order) of those left out: a
@@ -196,8 +201,7 @@ def fitting_prompts(decoder, prompts: list[str], max_new_tokens: int) -> tuple[l
     limit = max_positions(decoder.model.config)
     if limit is None:
         return prompts, []
-    fits = [len(tokenize_prompt(decoder.tokenizer, render_prompt(decoder.tokenizer, p))) + max_new_tokens <= limit
-            for p in prompts]
+    fits = [len(_target_ids(decoder.tokenizer, p)) + max_new_tokens <= limit for p in prompts]
     if not any(fits):
         raise InvalidArgument(f"none of the {len(prompts)} prompts fits the model's {limit} positions with "
                               f"{max_new_tokens} new tokens", "lower --max-new-tokens, or give --prompts FILE with "
@@ -280,7 +284,7 @@ def write_answers(decoder, prompts: list[str], path: Path, settings: DistillSett
     yield Progress("write", len(done), len(prompts))
     for start in range(0, len(todo), settings.batch):
         chosen = todo[start : start + settings.batch]
-        ids = [tokenize_prompt(decoder.tokenizer, render_prompt(decoder.tokenizer, prompts[i])) for i in chosen]
+        ids = [_target_ids(decoder.tokenizer, prompts[i]) for i in chosen]
         run = decoder.start(ids, max_new_tokens=settings.max_new_tokens).finish()
         with path.open("a", encoding="utf-8") as out:
             for i, prompt, branch in zip(chosen, ids, run.branches):
