@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 
 
 def reference(model, prompt: list[int], params: SamplingParams, steps: int, eos=()) -> list[int]:

@@ -29,7 +29,7 @@ from tiny_models import NO_EOS, VOCAB, reference_generate, tiny_model
 
 from multidecode.api import start_forest
 from multidecode.cost import CostCurve
-from multidecode.sampling import SamplingParams, per_branch_sampling
+from multidecode.sampling_params import SamplingParams, per_branch_sampling
 
 FLAT = CostCurve.from_relative({1: 1.0, 2: 1.02, 64: 1.5, 512: 4.0})
 """A GPU-like cost curve: extra rows are nearly free, so "auto" drafts whatever has a chance."""

@@ -32,7 +32,7 @@ from multidecode.batch import (
     run_batch,
 )
 from multidecode.cli import main
-from multidecode.sampling import per_branch_sampling
+from multidecode.sampling_params import per_branch_sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTIDECODE = Path(sys.executable).with_name("multidecode")

@@ -30,7 +30,7 @@ from multidecode.cost import (
     probe_due,
 )
 from multidecode.engine import Engine, time_forwards
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 
 CHANCES = [0.9, 0.6, 0.3, 0.2, 0.1, 0.1, 0.1]
 """A draft whose first guesses are good and whose tail is not: how much of it pays depends on the curve."""

@@ -17,7 +17,7 @@ import multidecode
 from multidecode import kernels
 from multidecode.api import start_forest
 from multidecode.cost import measure_cost
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 from multidecode.strategies.beam import run_beam_search
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

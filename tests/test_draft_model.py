@@ -77,7 +77,7 @@ def test_the_draft_cache_is_rolled_back_with_the_target():
     proposer = DraftModel(draft, width=2, sure=0.9, confidence=0.0)
     forest = multidecode.api.start_forest(
         model, PREFIX, BRANCHES, max_new_tokens=STEPS, eos_token_id=[NO_EOS],
-        sampling=[multidecode.sampling.SamplingParams()] * len(BRANCHES), speculate=Speculation(proposer, budget=6))
+        sampling=[multidecode.sampling_params.SamplingParams()] * len(BRANCHES), speculate=Speculation(proposer, budget=6))
     checked = 0
     for _ in forest.events:
         for b in forest.branches:

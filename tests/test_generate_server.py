@@ -16,8 +16,7 @@ from serving import MODEL, running_server, tiny_loader
 
 from multidecode.cli import main
 from multidecode.cli.common import SAMPLING_OPTIONS, model_source
-from multidecode.sampling import per_branch_sampling
-from multidecode.sampling_keys import SAMPLING_SWITCHES
+from multidecode.sampling_params import SAMPLING_SWITCHES, per_branch_sampling
 
 pytestmark = pytest.mark.xdist_group("cli")
 
@@ -117,6 +116,19 @@ def test_a_negative_top_k_is_refused_here_and_on_the_way_to_a_server(served, mod
         result = CliRunner().invoke(main, ["generate", *where, "-p", PROMPT, "--top-k", "-1"])
         assert result.exit_code == 2 and "--top-k must be 0 (off) or a positive integer" in result.output, where
 
+
+
+@pytest.mark.parametrize("args", [["--max-new-tokens", "0"], ["--top-p", "2"], ["--seed", "-5"], ["--min-p", "1.5"],
+                                  ["--repetition-penalty", "0"], ["--presence-penalty", "3"], ["--logit-bias", "5=200"]])
+def test_a_setting_refused_here_is_refused_in_the_same_words_on_the_way_to_a_server(served, model_dir, args):
+    """They reached the server and came back as its fields ("max_tokens: Input should be greater
+    than or equal to 1" for --max-new-tokens 0)."""
+    said = []
+    for where in (["--model", str(model_dir)], ["--server", served.url]):
+        result = CliRunner().invoke(main, ["generate", *where, "-p", PROMPT, *args])
+        assert result.exit_code == 2, result.output
+        said.append([line for line in result.output.splitlines() if line.startswith(("error:", "hint:"))])
+    assert said[0] == said[1] and said[0], said
 
 @pytest.mark.parametrize("health, models", [
     (b"<html>hello</html>", b""),  # a web server

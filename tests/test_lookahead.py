@@ -50,7 +50,7 @@ from multidecode.proposers.lookahead import (
     side_count,
     side_window,
 )
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 from multidecode.scheduler import CompactionPolicy
 from multidecode.speculation import Speculation
 

@@ -261,7 +261,7 @@ def test_the_cli_runs_waves(model_dir, monkeypatch):
 # ---------------------------------------------------------------------- the runtime's admission
 def test_the_runtime_admits_by_bytes(exact_decoder):
     from multidecode.runtime.forest_runtime import ForestRuntime
-    from multidecode.sampling import per_branch_sampling
+    from multidecode.sampling_params import per_branch_sampling
 
     def job(branches: int) -> Job:
         return Job(prompts=[PROMPT] * branches, max_new_tokens=16, sampling=per_branch_sampling(branches, {}))
@@ -345,7 +345,7 @@ def test_a_job_no_request_could_make_is_refused_when_made():
     """Job(prompts=[]) was a ValueError from min() when admitted, a Job without sampling an
     IndexError in its sink; now both are named, and no sampling means greedy."""
     from multidecode.errors import InvalidArgument, InvalidInput
-    from multidecode.sampling import SamplingParams
+    from multidecode.sampling_params import SamplingParams
 
     for prompts in ([], [[]], [PROMPT, []]):
         with pytest.raises(InvalidInput, match="at least one prompt"):

@@ -24,13 +24,8 @@ from multidecode.batch import run_batch
 from multidecode.cli import main
 from multidecode.errors import InvalidArgument, InvalidInput
 from multidecode.proposers import BranchContext, DraftTree, Proposer
-from multidecode.sampling import (
-    BranchSampler,
-    SamplingParams,
-    choose_tokens,
-    per_branch_sampling,
-    process_logits,
-)
+from multidecode.sampling import BranchSampler, choose_tokens, process_logits
+from multidecode.sampling_params import SamplingParams, per_branch_sampling
 from multidecode.speculation import Speculation
 
 PREFIX = [17, 33, 95, 4, 250, 61, 78, 140, 17, 33]

@@ -25,7 +25,7 @@ from multidecode.branches import admit
 from multidecode.cli import main
 from multidecode.runtime import ForestRuntime, Job, Limits
 from multidecode.runtime.pacing import MIN_PIECE, PACE_EVERY, PacedStep, PrefillPacer
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 from multidecode.scheduler import new_scheduler
 
 GREEDY = SamplingParams()

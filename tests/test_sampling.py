@@ -27,9 +27,9 @@ from multidecode.sampling import (
     apply_top_k,
     apply_top_p,
     choose_tokens,
-    per_branch_sampling,
     process_logits,
 )
+from multidecode.sampling_params import per_branch_sampling
 
 VOCAB = 50
 ROWS = 6
@@ -276,7 +276,7 @@ def test_a_seed_list_with_gaps_gives_every_sampled_branch_a_seed_it_reports():
     """seed=[5, None, None]: the branches left unseeded draw seeds of their own, so each reports the
     seed that reproduces it (the gaps sampled from a seed no one saw, and reported None, as greedy);
     a greedy branch keeps none."""
-    from multidecode.sampling import per_branch_sampling
+    from multidecode.sampling_params import per_branch_sampling
 
     params = per_branch_sampling(3, {"seed": [5, None, None], "do_sample": [True, True, False], "temperature": 0.9})
     assert params[0].seed == 5 and isinstance(params[1].seed, int) and params[2].seed is None
@@ -461,7 +461,7 @@ def warp_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 # ---------------------------------------------------------------------- seeds at the edge of their range
 def test_a_seed_too_large_for_the_last_branch_names_the_seed_given():
     """seed=2**64 - 1 with two branches said 'got 18446744073709551616', a seed nobody passed."""
-    from multidecode.sampling import per_branch_sampling
+    from multidecode.sampling_params import per_branch_sampling
 
     with pytest.raises(InvalidArgument, match=r"seed 18446744073709551615 gives the last of 2 branches the seed "
                                               r"18446744073709551615 \+ 1"):
@@ -486,7 +486,7 @@ def test_draft_streams_take_every_seed_and_are_no_other_branchs_stream():
 
 
 def test_the_tiniest_temperature_taken_still_draws():
-    from multidecode.sampling import TINIEST_TEMPERATURE
+    from multidecode.sampling_params import TINIEST_TEMPERATURE
 
     logits = random_logits(9) * 3000  # logits of size 1e4 at most
     sampler = BranchSampler(SamplingParams(do_sample=True, temperature=TINIEST_TEMPERATURE, seed=1))

@@ -16,7 +16,7 @@ from multidecode.cost import CostCurve
 from multidecode.engine import Engine
 from multidecode.forest import EVERYONE, ROOT, Forest, unchanged_prefix
 from multidecode.proposers.lookup import PromptLookup
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 from multidecode.scheduler import CompactionPolicy, Feed, Scheduler, Settled, Work
 from multidecode.speculation import Speculation
 from multidecode.stopping import StopRule

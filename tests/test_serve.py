@@ -16,7 +16,7 @@ from serving import MODEL, assert_error_shape, chat_prompt_ids, tiny_loader, wai
 
 from multidecode.prompts import common_prefix_length
 from multidecode.runtime import ForestRuntime, Job, Limits
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 from multidecode.serving.protocol import openai_token, token_bytes
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Question: what is the answer?"

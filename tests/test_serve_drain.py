@@ -25,7 +25,7 @@ from serving import MODEL, Control, assert_error_shape, controlled_loader, runni
 from multidecode.errors import InvalidArgument
 from multidecode.runtime import ForestRuntime, Job, Limits, Overloaded
 from multidecode.runtime.jobs import NOTHING
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 from multidecode.serving.app import ServeState
 from multidecode.serving.launch import SHUTDOWN_GRACE_S, ServerProcess, serve_until_stopped
 

@@ -46,7 +46,7 @@ from serving import (
 
 from multidecode.runtime import Job, Limits
 from multidecode.runtime.jobs import NOTHING
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 from multidecode.serving.launch import ServerProcess
 
 MULTIDECODE = Path(sys.executable).with_name("multidecode")

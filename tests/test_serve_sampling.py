@@ -11,7 +11,7 @@ import torch
 from penalty_reference import reference
 from serving import MODEL
 
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 SETTINGS = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"40": 2.0, "41": -3.0})

@@ -47,7 +47,7 @@ from multidecode.cost import CostCurve
 from multidecode.engine import Engine
 from multidecode.errors import InvalidArgument
 from multidecode.proposers import BranchContext, DraftTree, Proposer
-from multidecode.sampling import SamplingParams
+from multidecode.sampling_params import SamplingParams
 from multidecode.scheduler import CompactionPolicy
 from multidecode.speculation import Speculation, build_speculation
 

@@ -38,8 +38,7 @@ from .models.loading import Loaded, load_model
 from .models.packed import packed_bytes
 from .models.precision import parse as parse_precision
 from .models.vetting import check_has_weights, check_is_model, check_supported
-from .sampling import per_branch_sampling
-from .sampling_keys import SAMPLING_KEYS
+from .sampling_params import SAMPLING_KEYS, per_branch_sampling
 from .scheduler import CompactionPolicy, Scheduler, new_scheduler
 from .speculation import (
     LEARNED,

@@ -40,7 +40,8 @@ from .models.vetting import positions_note
 from .prompts import share_prefix
 from .proposers import UNDER_LEAF, BranchContext, DraftTree
 from .proposers.mixture import Mixture
-from .sampling import BranchSampler, SamplingParams, check_vocabulary
+from .sampling import BranchSampler
+from .sampling_params import SamplingParams, check_vocabulary
 from .scheduler import Feed, Scheduler, Settled, Work
 from .speculation import Speculation, build_speculation
 from .stopping import LENGTH, BranchOutput, StopRule, eos_ids_of, stop_strings_of

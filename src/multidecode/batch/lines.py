@@ -13,7 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictIn
 
 from ..constraints import BEST_EFFORT_HINT, Constraint
 from ..errors import InvalidArgument, InvalidInput, MultiDecodeError, is_int
-from ..sampling import per_branch_sampling
+from ..sampling_params import per_branch_sampling
 from ..strategies.ask import check_document
 
 LINE_HINT = 'each line must be one JSON object, e.g. {"id": "call-1", "document": "...", "questions": ["..."]}'

@@ -32,7 +32,7 @@ from typing import Self
 
 from ..errors import PromptTooLong
 from ..runtime import ForestRuntime, Job, Limits, TooLarge
-from ..sampling import check_vocabulary, per_branch_sampling
+from ..sampling_params import check_vocabulary, per_branch_sampling
 from ..strategies.ask import Answer, answers_of, question_prompts
 from .lines import InputLine
 

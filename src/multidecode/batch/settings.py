@@ -18,7 +18,7 @@ from typing import Any
 from ..constraints import Constraint
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..models.vetting import max_positions
-from ..sampling import check_vocabulary, per_branch_sampling, without_neutral
+from ..sampling_params import check_vocabulary, per_branch_sampling, without_neutral
 from ..strategies.ask import check_questions
 
 

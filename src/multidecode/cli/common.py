@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
-from ..sampling_keys import TINIEST_TEMPERATURE, divides_logits
+from ..sampling_params import TINIEST_TEMPERATURE, divides_logits
 from ..user_cache import unwritable
 
 if TYPE_CHECKING:
@@ -409,7 +409,7 @@ def check_early(*, max_new_tokens: int | None = None, n: int = 1, sampling: dict
                 stop=()) -> None:
     """Check settings before the model loads (which can take minutes), so a typo fails at once."""
     from ..errors import check_positive, is_int
-    from ..sampling import per_branch_sampling
+    from ..sampling_params import per_branch_sampling
     from ..stopping import stop_strings_of
 
     if max_new_tokens is not None:

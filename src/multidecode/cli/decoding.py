@@ -22,7 +22,7 @@ from rich.text import Text
 from ..constraints import parsed_field
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..prompts import check_document, check_questions, check_text
-from ..sampling_keys import greedy_temperature, switches_given
+from ..sampling_params import greedy_temperature, switches_given
 from .common import (
     Output,
     check_early,

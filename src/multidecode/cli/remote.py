@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -19,8 +18,8 @@ from pathlib import Path
 import click
 
 from ..constraints import read_schema
-from ..errors import InvalidArgument
-from ..sampling_keys import greedy_temperature, switches_given
+from ..errors import InvalidArgument, check_positive
+from ..sampling_params import per_branch_sampling
 from .common import counted, model_source, print_stats, read_text, stderr
 
 SERVER_HELP = ("Send the work to this running `multidecode serve` (env MULTIDECODE_SERVER) instead of loading "
@@ -61,8 +60,10 @@ def server_url(value: str | None) -> str | None:
 
 class Request:
     """A command's decoding settings as a request body. Settings the protocol has no field for are
-    refused; sampling follows the library's rule (`switches_given` turn it on, else greedy;
-    `sample`: on whatever is given, as `complete` does; temperature 0: greedy), with the seed chosen here when none is
+    refused; the rest are checked and read by the library's `per_branch_sampling`, so a value the
+    command refuses here is refused in the same words (not as the server's field), and sampling
+    follows the library's rule (a sampling setting turns it on, else greedy; `sample`: on whatever
+    is given, as `complete` does; temperature 0: greedy), with the seed chosen here when none is
     given, so that it can be reported (choice i uses seed + i, as branch i does here)."""
 
     def __init__(self, max_new_tokens: int, stop, chosen: dict, speculate, draft_budget, constraint, *,
@@ -78,13 +79,17 @@ class Request:
             if given:
                 raise InvalidArgument(f"{', '.join(given)} cannot be sent to a server ({why})",
                                       "drop it, or drop --server (and MULTIDECODE_SERVER) to run here")
+        check_positive("max_new_tokens", max_new_tokens)
+        # the library's checks and rule (greedy or sampled, the seed drawn where none is given), so
+        # the server is sent only what this command would run here
+        params = per_branch_sampling(n, ({"do_sample": True} if sample else {}) | chosen)[0]
         self.body: dict = {"max_tokens": max_new_tokens, "return_token_ids": True, "n": n,
                            "speculate": speculate.mode or "off", **({"stop": list(stop)} if stop else {})}
-        self.seed = None
-        if (sample or switches_given(chosen)) and not greedy_temperature(chosen.get("temperature")):
-            self.seed = chosen.get("seed", random.randrange(2**31))
-            self.body |= {"temperature": chosen.get("temperature", 1.0), "seed": self.seed}
-            self.body |= {key: chosen[key] for key in ("top_k", "top_p", "min_p") if key in chosen}
+        self.seed = params.seed if params.do_sample else None
+        if params.do_sample:
+            self.body |= {"temperature": params.temperature, "seed": self.seed}
+            self.body |= {key: getattr(params, key) for key in ("top_k", "top_p", "min_p")
+                          if getattr(params, key) is not None}
         else:
             self.body["temperature"] = 0
         self.body |= {key: chosen[key] for key in ("repetition_penalty", "presence_penalty", "frequency_penalty")

@@ -20,7 +20,7 @@ from ..errors import InvalidArgument, InvalidInput, is_int
 from ..forest import ROOT
 from ..models.converted import model_display_name
 from ..prompts import check_document, check_questions
-from ..sampling import per_branch_sampling
+from ..sampling_params import per_branch_sampling
 from ..scheduler import Scheduler, StepTrace, new_scheduler
 from ..speculation import Speculation, build_speculation
 from ..strategies import ask as ask_strategy

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 UNDER_LEAF = -1
 """`DraftTree.parents` value of a node that hangs directly under the branch's newest token."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import TORCH_SEED_BITS, SamplingParams, mix64, seeded_generator, warp
+from ..sampling import TORCH_SEED_BITS, mix64, seeded_generator, warp
+from ..sampling_params import SamplingParams
 from .base import DraftTree
 
 

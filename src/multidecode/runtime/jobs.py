@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidArgument, InvalidInput, MultiDecodeError, check_positive
 from ..memory import gigabytes
 from ..prompts import common_prefix_length
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Two request kinds, as OpenAI's API has them: **completions** (`prompt`: text, token ids, or a
 list of either) and **chat completions** (`messages`, rendered with the tokenizer's chat
 template). Sampling follows OpenAI's defaults: temperature 1 samples, temperature 0 is greedy (by
-`sampling_keys.greedy_temperature`, the library's and the command line's rule too; any temperature
+`sampling_params.greedy_temperature`, the library's and the command line's rule too; any temperature
 above 0 samples); choice i samples with seed + i. Our extensions ride in the request
 body (the openai client's `extra_body`):
 
@@ -68,8 +68,16 @@ from ..constraints import Constraint, compile_for_branches, token_bytes_reader
 from ..errors import InvalidArgument, MultiDecodeError, is_int
 from ..prompts import has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
-from ..sampling import MAX_BIAS, MAX_PENALTY, SEED_LIMIT, SamplingParams, drawn_seed
-from ..sampling_keys import TINIEST_TEMPERATURE, divides_logits, greedy_temperature
+from ..sampling_params import (
+    MAX_BIAS,
+    MAX_PENALTY,
+    SEED_LIMIT,
+    TINIEST_TEMPERATURE,
+    SamplingParams,
+    divides_logits,
+    drawn_seed,
+    greedy_temperature,
+)
 from ..speculation import LEARNED, PROPOSER_MODES, SpeculationSettings, speculation_mode
 
 MAX_LOGPROBS = 20

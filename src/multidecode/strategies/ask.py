@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ..branches import BranchRun, TokenEvent, start_prompts
 from ..errors import InvalidArgument, as_list
 from ..prompts import check_document, check_questions, question_message, render_prompt, tokenize_prompt
-from ..sampling import per_branch_sampling
+from ..sampling_params import per_branch_sampling
 from ..scheduler import Scheduler
 
 

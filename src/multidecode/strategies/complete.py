@@ -31,7 +31,7 @@ from ..engine import Engine
 from ..errors import InvalidArgument, InvalidInput, check_positive
 from ..memory import budget_bytes, most_branches
 from ..prompts import has_chat_template, render_prompt, require_tokenizer, tokenize_prompt
-from ..sampling import SamplingParams, check_vocabulary, per_branch_sampling
+from ..sampling_params import SamplingParams, check_vocabulary, per_branch_sampling
 from ..scheduler import Scheduler
 from ..speculation import Speculation, build_speculation
 

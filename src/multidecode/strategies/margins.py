@@ -38,7 +38,7 @@ from ..engine import FeedResult
 from ..errors import InvalidArgument, InvalidInput, PromptTooLong, as_list, check_positive
 from ..memory import most_branches
 from ..prompts import check_document, check_text, render_prompt, share_prefix, tokenize_prompt
-from ..sampling import per_branch_sampling
+from ..sampling_params import per_branch_sampling
 from ..scheduler import Feed, Scheduler, Settled, Work, new_scheduler
 from ..stopping import stop_strings_of
 
