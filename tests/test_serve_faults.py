@@ -732,6 +732,22 @@ def test_a_request_past_a_window_short_of_the_models_own_says_why():
             to_job(body, tokenizer, vocab_size=len(tokenizer), max_positions=24, window_note=note)
 
 
+def test_questions_that_all_overflow_a_window_the_document_fits_are_named():
+    """Where every question overflowed, the short document was blamed (param "prompt")."""
+    from local_models import tiny_tokenizer
+
+    from multidecode.serving.protocol import BadRequest, CompletionBody, parse_body, to_job
+
+    tokenizer = tiny_tokenizer()
+    long_question = "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2
+    for questions, param in (([long_question, long_question[::-1]], "questions"), (["why?", "how?"], "prompt")):
+        document = "The doc." if param == "questions" else long_question
+        body = parse_body(json.dumps({"model": MODEL, "prompt": document, "questions": questions}).encode(),
+                          "application/json", CompletionBody)
+        with pytest.raises(BadRequest, match="context window is 24 tokens") as refused:
+            to_job(body, tokenizer, vocab_size=len(tokenizer), max_positions=24, window_note="")
+        assert refused.value.param == param, (questions, refused.value.param)
+
 def test_refusals_caused_by_questions_name_the_question_and_a_tiny_temperature_says_what_to_send(server):
     """A question that overflows the window is named (not "the prompt", which is the short document);
     so is a list of questions past the branch cap; a temperature too small to divide logits by is

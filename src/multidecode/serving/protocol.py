@@ -66,7 +66,7 @@ from pydantic_core import PydanticCustomError
 
 from ..constraints import Constraint, compile_for_branches, token_bytes_reader
 from ..errors import InvalidArgument, MultiDecodeError, is_int
-from ..prompts import has_chat_template, question_message, tokenize_prompt
+from ..prompts import common_prefix_length, has_chat_template, question_message, tokenize_prompt
 from ..runtime import Job
 from ..sampling_params import (
     MAX_BIAS,
@@ -870,7 +870,9 @@ def _max_tokens(body: _Body, prompts: list[list[int]], max_positions: int | None
             if body.questions is not None:  # the question that overflows, unless the document alone does
                 index = max(range(len(prompts)), key=lambda i: len(prompts[i]))
                 what = f"the document with question {index + 1}"
-                param = "questions" if min(map(len, prompts)) <= max_positions else document
+                # the document sits in the prompts' shared prefix (of two or more: one prompt is all prefix)
+                document_fits = len(prompts) > 1 and common_prefix_length(prompts) < max_positions
+                param = "questions" if document_fits or min(map(len, prompts)) <= max_positions else document
             raise BadRequest(f"{what} is {longest} tokens, but the model's context window is {max_positions} "
                              f"tokens{window_note}", param, "context_length_exceeded")
         if max_tokens is None:
