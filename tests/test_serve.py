@@ -5,6 +5,7 @@ concurrent requests share forwards, prompts hit the prefix cache, and the extens
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -448,3 +449,25 @@ def test_a_prompt_and_its_tokens_fill_the_window_as_the_library_fills_it(server)
         assert reply.choices[0].model_extra["token_ids"] == expected, speculate
     with pytest.raises(openai.BadRequestError, match="context window"):
         server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=fits + 1, temperature=0)
+
+
+def test_the_traces_texts_join_into_the_prompt(server, model_dir):
+    """The live page's forest showed a character split over tokens as U+FFFD pieces ("Caf� 日��"):
+    each traced node decoded alone. Along the prompt's path the traced texts now join into the
+    prompt, and no node shows a piece of a character."""
+    from transformers import AutoTokenizer
+
+    prompt = "Café 日本語 🎉, ok"
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True, "trace": True}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    nodes = {n: (parent, text) for e in events if e.get("object") == "multidecode.trace"
+             for n, parent, text, kind in e["nodes"] if kind == "prompt"}
+    path, node = [], max(nodes)  # the prompt's last token
+    while node in nodes:
+        path.append(nodes[node][1])
+        node = nodes[node][0]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert not any("\ufffd" in text for text in path), path
+    assert "".join(reversed(path)) == tokenizer.decode(tokenizer(prompt)["input_ids"]), path
+    assert len(tokenizer("日", add_special_tokens=False)["input_ids"]) > 1  # split over tokens: the case tested

@@ -9,7 +9,16 @@ from __future__ import annotations
 import pytest
 
 from multidecode.errors import InvalidArgument
-from multidecode.stopping import LENGTH, STOP, BranchOutput, StopRule, eos_ids_of, stop_strings_of
+from multidecode.stopping import (
+    CHARACTER_TOKENS,
+    LENGTH,
+    STOP,
+    BranchOutput,
+    StopRule,
+    added_texts,
+    eos_ids_of,
+    stop_strings_of,
+)
 
 EOS = 0
 
@@ -17,6 +26,9 @@ EOS = 0
 class ByteTokenizer:
     def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) -> str:
         return bytes(i for i in ids if not (skip_special_tokens and i == EOS)).decode("utf-8", errors="replace")
+
+    def batch_decode(self, rows, **how) -> list[str]:
+        return [self.decode(ids, **how) for ids in rows]
 
 
 def feed(text: str, *, stop=(), max_new_tokens: int = 100, eos_at: int | None = None):
@@ -101,3 +113,26 @@ def test_a_finished_branch_takes_no_more_tokens():
     out, _ = feed("ab", max_new_tokens=1)
     with pytest.raises(RuntimeError):
         out.accept(ord("c"))
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "byte-level BPE"])
+def test_a_forest_nodes_texts_join_into_each_paths_text(tokenizer):
+    """Each node's text read from its few ancestors: along every path of a forest (two paths that
+    part inside a character, each with characters of 2 to 4 bytes) they join into the path's text, and
+    no node shows a piece of a character (U+FFFD), as the live page showed them when each token was
+    decoded alone."""
+    if tokenizer == "bytes":
+        tok, encode = ByteTokenizer(), lambda text: list(text.encode("utf-8"))
+    else:
+        from local_models import tiny_tokenizer
+
+        tok = tiny_tokenizer()
+        encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    shared, parts = "Café 日", ("本語 🎉 done", "é ü 𝄞 ok")
+    for part in parts:
+        path = encode(shared + part)
+        windows = [path[max(0, i - CHARACTER_TOKENS):i + 1] for i in range(len(path))]
+        texts = added_texts(tok, windows)
+        assert "".join(texts) == shared + part, texts
+        assert not any("\ufffd" in text for text in texts), texts
+    assert len(encode("日")) > 1  # the characters are split over tokens: the case being tested

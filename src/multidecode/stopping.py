@@ -11,6 +11,7 @@ until it is known not to be one, so a streamed answer never shows text the final
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -89,6 +90,30 @@ class TextStream:
         self._prefix = self._read = len(self.ids)
         return after[len(before) :]
 
+
+CHARACTER_TOKENS = 4
+"""The most tokens one character can be split over: UTF-8 takes at most 4 bytes, one a token at the least."""
+
+
+def added_texts(tokenizer, windows: Sequence[Sequence[int]]) -> list[str]:
+    """The text each window's last token adds to the tokens before it (`windows`: up to
+    `CHARACTER_TOKENS` ancestors, then the token): a character split over tokens comes whole with the
+    token that completes it, and a token that ends inside one adds nothing yet, so the texts of a
+    path's tokens join into its text, whatever the path (a forest's node knows only its ancestors,
+    not the linear stream `TextStream` reads). Special tokens are kept: this is for showing tokens."""
+    def decode(rows):
+        return tokenizer.batch_decode(rows, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    befores, afters = decode([w[:-1] for w in windows]), decode([list(w) for w in windows])
+    texts = []
+    for before, after in zip(befores, afters):
+        if after.endswith("\ufffd"):  # ends inside a character: the token that completes it shows it
+            texts.append("")
+            continue
+        # what the tokens before it showed: the text both share (not a character they left open,
+        # whose U+FFFD the completed character replaces; pieces of one the window starts inside stay)
+        texts.append(after[len(os.path.commonprefix([before, after])):])
+    return texts
 
 class BranchOutput:
     """The tokens and text of one branch as it grows, and why it stopped."""
