@@ -186,3 +186,68 @@ def test_the_api_key_is_sent(browser, model_dir):
         assert page.inner_text("#model-name") == MODEL
         assert not page.problems
         page.context.close()
+
+
+def sent_bodies(page) -> list[dict]:
+    """The JSON bodies the page posts from now on."""
+    import json
+
+    bodies: list[dict] = []
+    page.on("request", lambda request: request.method == "POST" and bodies.append(json.loads(request.post_data)))
+    return bodies
+
+
+def test_any_temperature_and_n_are_sent_and_a_hidden_modes_fields_hold_nothing_back(page):
+    """Temperature 0.75 was refused by the browser (steps of 0.1), n past 64 too (the server takes
+    up to --max-branches), and an n the browser refused in the hidden mode silently kept the other
+    mode's Run from sending anything."""
+    bodies = sent_bodies(page)
+    page.click("#mode-n")
+    page.fill("#n", "100")
+    page.fill("#prompt", "The quick brown fox")
+    page.fill("#max-tokens", "1")
+    page.fill("#temperature", "0.75")
+    page.click("#run")
+    assert wait_finished(page) == "done", page.inner_text("#error")
+    assert bodies[-1]["n"] == 100 and bodies[-1]["temperature"] == 0.75
+    page.fill("#n", "0")  # out of range, in the mode about to be hidden
+    page.click("#mode-questions")
+    ask(page, DOCUMENT, QUESTIONS, max_tokens=2)
+    assert wait_finished(page) == "done", page.inner_text("#error")
+    assert bodies[-1]["questions"] == QUESTIONS and "n" not in bodies[-1]
+
+
+def test_speculate_off_is_sent_and_the_servers_default_is_left_to_it(page):
+    """"off" was left out of the request, so a server started with --speculate speculated."""
+    bodies = sent_bodies(page)
+    for choice, sent in (("off", "off"), ("", None)):
+        page.select_option("#speculate", choice)
+        ask(page, DOCUMENT, QUESTIONS[:1], max_tokens=2)
+        assert wait_finished(page) == "done", page.inner_text("#error")
+        assert bodies[-1].get("speculate") == sent, bodies[-1]
+
+
+def test_each_run_asks_the_model_served_now(page):
+    """The page read /v1/models once: after a restart under another name every run was a 404 until
+    the tab was reloaded, under a green badge with the old name."""
+    bodies = sent_bodies(page)
+    page.route("**/v1/models", lambda route: route.fulfill(
+        status=200, content_type="application/json",
+        body='{"object": "list", "data": [{"id": "renamed", "object": "model"}]}'))
+    ask(page, DOCUMENT, QUESTIONS[:1], max_tokens=2)
+    assert wait_finished(page) == "error"  # this server serves MODEL, not "renamed": its 404, in its words
+    assert bodies[-1]["model"] == "renamed" and "does not exist" in page.inner_text("#error")
+    assert page.inner_text("#model-name") == "renamed"
+    page.unroute("**/v1/models")
+    ask(page, DOCUMENT, QUESTIONS[:1], max_tokens=2)
+    assert wait_finished(page) == "done", page.inner_text("#error")
+    assert bodies[-1]["model"] == MODEL and page.inner_text("#model-name") == MODEL
+
+
+def test_an_api_key_a_header_cannot_carry_is_named(page):
+    """A key with a curly quote made fetch throw: the page said the server was unreachable."""
+    page.fill("#api-key", "s\u00e9same\u2019")
+    ask(page, DOCUMENT, QUESTIONS[:1], max_tokens=2)
+    assert wait_finished(page) == "error"
+    assert "API key holds a character" in page.inner_text("#error")
+    assert page.inner_text("#model-name") == "API key unusable"

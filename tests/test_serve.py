@@ -53,7 +53,7 @@ def test_health_models_and_metrics(server):
 
 def test_one_model_by_its_id_and_health_by_head(server):
     """GET /v1/models/{id} is the model's object as the list has it (an unknown id a 404 in OpenAI's
-    shape); HEAD /health answers as GET does, without a body (a load balancer's probe)."""
+    shape); HEAD /health and HEAD / answer as GET does, without a body (a load balancer's probe)."""
     model = server.client().models.retrieve(MODEL)
     listed = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
     assert httpx.get(server.url + f"/v1/models/{MODEL}", timeout=10).json() == listed
@@ -64,8 +64,9 @@ def test_one_model_by_its_id_and_health_by_head(server):
     assert "gpt-5" in error["message"] and (error["code"], error["param"]) == ("model_not_found", "model")
     other = assert_error_shape(httpx.get(server.url + "/v1/models/org/other-model", timeout=10), 404)
     assert other["code"] == "model_not_found"
-    head = httpx.head(server.url + "/health", timeout=10)
-    assert head.status_code == 200 and head.content == b""
+    for route in ("/health", "/"):  # the page too: uptime monitors probe with HEAD (it was a 405)
+        head = httpx.head(server.url + route, timeout=10)
+        assert head.status_code == 200 and head.content == b"", route
 
 
 def test_greedy_completion_equals_transformers_generate_and_streaming_equals_whole(server):

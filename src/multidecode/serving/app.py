@@ -245,7 +245,7 @@ def _info_routes(app: FastAPI, state: ServeState) -> None:
         registry.register(_Collector(state))
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])  # HEAD: an uptime monitor's probe
     async def page(request: Request):
         # The page itself holds no data (every route it calls needs the key), so it is served
         # without one: a browser cannot send a header when it opens a page.
