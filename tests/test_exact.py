@@ -535,3 +535,23 @@ def test_latent_attention_whose_values_are_narrower_than_its_keys_runs_exactly(a
     got = decode(model, prefix, branches, max_new_tokens=8, eos_token_id=[])
     for branch, ids in zip(branches, got):
         assert ids == reference_generate(model, prefix + branch, max_new_tokens=8, eos_token_id=[NO_EOS])
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_a_packed_model_left_with_no_parameters_decodes_exactly(precision):
+    """OLMo's norms have no weights: packed, the model holds only buffers, and every read of its
+    dtype or device from its first parameter stopped with a bare StopIteration."""
+    from multidecode.models.packed import pack_model
+
+    torch.manual_seed(0)
+    model = tf.OlmoForCausalLM(tf.OlmoConfig(**COMMON, **ROPE)).eval()
+    pack_model(model, PRECISIONS[precision], torch.bfloat16)
+    model.to(torch.bfloat16)
+    assert not list(model.parameters())  # the case being tested
+    exact.use_exact_kernels(model)
+    for seed in range(2):
+        bad, fed = differing(model, seed=seed)
+        assert fed and not bad, f"seed {seed}: {len(bad)} of {fed} nodes differ from their paths alone"
+    prefix, branches = [5, 6, 7], [[8], [9, 10], [11, 12, 13]]
+    together = decode(model, prefix, branches, max_new_tokens=6, eos_token_id=[])
+    assert together == [decode(model, prefix + b, [[]], max_new_tokens=6, eos_token_id=[])[0] for b in branches]

@@ -67,6 +67,7 @@ import weakref
 
 import torch
 
+from .models.packed import weights_device
 from .user_cache import cache_dir
 
 OPTIONS = {"emulate_precision_casts": True}
@@ -202,7 +203,7 @@ class CompiledForward:
 
     def __init__(self, model) -> None:
         self.model = model
-        device = next(model.parameters()).device
+        device = weights_device(model)
         self.refused: str | None = None if device.type == "cpu" else (
             f"the compiled step is built and checked on the CPU only, and this model is on {device}")
         self.key = f"model {next(_numbers)}"  # keeps this model's graphs its own

@@ -48,7 +48,7 @@ import torch
 
 from .engine import Engine, time_forwards
 from .forest import ROOT
-from .models.packed import weight_count, weights_precision
+from .models.packed import activation_dtype, weight_count, weights_device, weights_precision
 from .user_cache import cache_dir, replace_atomically
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -116,12 +116,11 @@ def model_key(model) -> str:
     """What a cost curve depends on: the model's shape, dtype, weights' precision (int4 and int8
     codes are buffers, not parameters, and compute in the same dtype, yet time differently),
     device, attention kernel, torch version and thread count."""
-    param = next(model.parameters())
-    device = param.device
+    device = weights_device(model)
     facts = {
         "config": model.config.to_json_string(use_diff=False),
         "parameters": weight_count(model),
-        "dtype": str(param.dtype),
+        "dtype": str(activation_dtype(model)),
         "weights": weights_precision(model),
         "device": f"{device.type}:{device_name(device)}",
         "attention": getattr(model.config, "_attn_implementation", None),
@@ -569,7 +568,7 @@ def cost_curve(model, *, folder: Path | None = None, measure: bool = True,
         curve = read_curve(path, key)
         if curve is None and not measure:
             return None
-        curve = curve or LearnedCurve(key, class_prior(next(model.parameters()).device), path=path)
+        curve = curve or LearnedCurve(key, class_prior(weights_device(model)), path=path)
         _CURVES[key] = curve
         atexit.register(curve.save)
     if measure and not curve.probe_ran and not curve.complete:
@@ -591,7 +590,7 @@ def probe_due(model, *, folder: Path | None = None) -> bool:
 def quick_curve(model, *, budget_s: float = PROBE_BUDGET_S) -> LearnedCurve:
     """A new curve of `model` from its machine class's prior and one probe, in memory only (nothing
     read or written): what a first run here starts from (for benchmarks and what-if studies)."""
-    curve = LearnedCurve(model_key(model), class_prior(next(model.parameters()).device))
+    curve = LearnedCurve(model_key(model), class_prior(weights_device(model)))
     probe_cost(curve, model, budget_s)
     return curve
 

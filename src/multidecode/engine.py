@@ -53,6 +53,7 @@ from .exact import ExactPlan, is_exact, plan_attention, plan_tensors
 from .forest import EVERYONE, ROOT, Forest, chain_parents, unchanged_prefix
 from .masks import build_attention_mask
 from .memory import Footprint, Need
+from .models.packed import activation_dtype, weights_device
 from .models.vetting import cache_argument, check_supported, mask_layout, max_positions, positions_note
 
 APART_MIN_MEAN_LENGTH = 64
@@ -146,8 +147,8 @@ class Engine:
         self.positions_note = positions_note(model.config)  # why max_positions is short of the model's, or ""
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.stats = EngineStats()
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.device = weights_device(model)
+        self.dtype = activation_dtype(model)
         self.cache_argument = cache_argument(model)  # "cache" or "past_key_values", by transformers version
         self.exact = is_exact(model)  # batch-invariant forwards (see `exact`)
         self.footprint = Footprint.of(model)  # bytes per slot, per logits row, per forward row

@@ -58,6 +58,7 @@ from torch import nn
 from . import kernels
 from .errors import NotBitExact
 from .kernels.portable import BLOCK
+from .models.packed import activation_dtype, weights_device
 from .models.reading import quiet_transformers
 from .models.vetting import check_is_model, check_supported
 
@@ -510,7 +511,7 @@ def use_exact_kernels(model) -> Swapped:
     stacked experts, say), or attention layers that do not go through transformers' attention
     interface (`NotBitExact`). Returns what changed (`Swapped.restore` puts it back)."""
     check_supported(model)
-    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    dtype, device = activation_dtype(model), weights_device(model)
     if dtype not in (torch.float32, torch.bfloat16):
         raise NotBitExact(f"the exact kernels compute in float32 and bfloat16, and this model is in "
                           f"{str(dtype).removeprefix('torch.')}",
@@ -596,7 +597,7 @@ def hold_exact_kernels(model) -> Callable[[], None]:
 def _check_every_product_is_exact(model) -> None:
     """Refuse a model with matrices that no exact kernel multiplies, or attention layers that
     bypass the attention interface (counted in one probe forward of two tokens)."""
-    dtype = next(model.parameters()).dtype
+    dtype = activation_dtype(model)
     covered = {id(m.weight) for m in model.modules() if isinstance(m, (ExactLinear, nn.Embedding))}
     stray = [name for name, p in model.named_parameters() if p.dim() >= 2 and id(p) not in covered]
     if stray:
@@ -642,7 +643,7 @@ def _attention_calls(model) -> tuple[int, int]:
     before = getattr(model.config, "_attn_implementation", None) or "eager"
     _set_attention(model, PROBE)
     try:
-        device = next(model.parameters()).device
+        device = weights_device(model)
         with torch.inference_mode():
             model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=False, **{_PROBE_KWARG: marker})
     finally:

@@ -50,6 +50,7 @@ import torch
 from . import data
 from .errors import InvalidArgument, check_positive, is_int
 from .models.loading import load_model_and_tokenizer
+from .models.packed import weights_device
 from .proposers.base import Proposer
 from .proposers.draft import DraftModel, check_same_tokenizer
 from .proposers.eagle import Eagle, EagleHead
@@ -475,7 +476,7 @@ def load_draft(settings: SpeculationSettings, model, tokenizer):
     or the target with `skip_layers` skipped (sharing its weights; "auto" chooses them first,
     see `choose_draft_layers`)."""
     if settings.draft_model is not None:
-        device = next(model.parameters()).device
+        device = weights_device(model)
         draft, draft_tokenizer = load_model_and_tokenizer(settings.draft_model, precision=model.dtype, device=device,
                                                           exact=False)
         check_same_tokenizer(tokenizer, draft_tokenizer)

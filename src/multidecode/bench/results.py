@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..models.converted import model_display_name
-from ..models.packed import weight_count, weights_precision
+from ..models.packed import activation_dtype, weight_count, weights_device, weights_precision
 from ..user_cache import replace_atomically
 
 TITLE_SIZE, NOTE_SIZE = 9, 7
@@ -29,11 +29,10 @@ def environment(model=None, *, launched: dict | None = None) -> dict:
 
     facts = dict(launched or {})
     if model is not None:
-        param = next(model.parameters())
         facts = {"model": model_display_name(model), "model_type": getattr(model.config, "model_type", None),
                  "parameters": weight_count(model),  # packed weights included
                  "dtype": weights_precision(model),  # what the weights are held as ("int4", "bfloat16", ...)
-                 "compute_dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device),
+                 "compute_dtype": str(activation_dtype(model)).removeprefix("torch."), "device": str(weights_device(model)),
                  "attn_implementation": getattr(model.config, "_attn_implementation", None)}
     return {"model": None, "dtype": None, "device": None, **facts, "torch": torch.__version__,
             "transformers": transformers.__version__, "multidecode": __version__,

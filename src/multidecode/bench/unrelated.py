@@ -12,6 +12,7 @@ import torch
 
 from ..engine import Engine
 from ..errors import InvalidArgument, check_positive
+from ..models.packed import weights_device
 from ..models.vetting import cache_argument
 from .common import AnswersDiffer, RunOutput
 from .harness import Benchmark, Case, Method, runs
@@ -58,7 +59,7 @@ class Step:
 
         r, p = len(prompts), len(prompts[0])
         self.model, self.tokens = model, list(tokens)
-        self.device = next(model.parameters()).device
+        self.device = weights_device(model)
         # one forest of R roots; each prompt prefilled apart (its own forward), then steps are planned as usual
         self.forest = Engine(model, capacity=r * p + r, apart=True)
         self.roots_last = [self.forest.feed_chain(q, logits=False, owner=i).nodes[-1] for i, q in enumerate(prompts)]

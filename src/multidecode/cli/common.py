@@ -549,8 +549,10 @@ def load_decoder(model_name: str | None, precision: str | None, device: str | No
         try:
             decoder = load(model_name, precision=precision, device=device, exact=exact, compile=compile and exact)
         except NotBitExact as err:  # said once, then the model's own kernels
+            from ..models.packed import activation_dtype
+
             decoder = load(model_name, precision=precision, device=device, exact=False)
-            exactness = own_kernels_exactness(next(decoder.model.parameters()).dtype)
+            exactness = own_kernels_exactness(activation_dtype(decoder.model))
             stderr.print(f"[yellow]note:[/yellow] {escape(err.message)}; running on the model's own kernels "
                          f"({exactness})")
     label = escape(_model_label(decoder, model_name))
@@ -597,11 +599,11 @@ def first_read_seconds(size: int) -> float:
 
 
 def _model_label(decoder, model_name) -> str:
-    from ..models.packed import NOT_PACKED
+    from ..models.packed import NOT_PACKED, weights_device
 
     config = decoder.model.config
     name = model_name or "SmolLM2-135M-Instruct (embedded)"
-    device = next(decoder.model.parameters()).device
+    device = weights_device(decoder.model)
     memory = decoder.memory()  # at auto "auto (int4)": the file's codes, not --precision int4's re-coding
     precision = f"auto ({memory['precision']})" if memory["reason"] else memory["precision"]  # a reason: auto chose
     floats = sum(n for became, n in memory["formats"].items() if NOT_PACKED in became)  # widths no group divides

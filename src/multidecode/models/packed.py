@@ -25,6 +25,7 @@ symmetric for 8), for `precision="int4"` / `"int8"` on a model loaded from float
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +184,23 @@ def weight_count(model: nn.Module) -> int:
                                                              for m in packed_linears(model))
 
 
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model computes in: its parameters', or, where it has none (every matrix packed,
+    and norms without weights, as OLMo's), its packed layers' activation dtype."""
+    for parameter in model.parameters():
+        return parameter.dtype
+    for layer in packed_linears(model):
+        return layer.dtype
+    raise UnsupportedModel("the model holds no weights: no parameters and no packed layers", "load a model's weights")
+
+
+def weights_device(model: nn.Module) -> torch.device:
+    """Where the model's weights are: its parameters', or its buffers' where every matrix is packed
+    (codes are buffers) and nothing else has a parameter."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor.device
+    raise UnsupportedModel("the model holds no weights: no parameters and no buffers", "load a model's weights")
+
 def weights_precision(model: nn.Module) -> str:
     """What the model's weights are held as: "int4", "int8" (or "int4+int8" for a GGUF file whose
     tensors keep their own widths) where any are packed, else the parameters' dtype ("float32", ...).
@@ -192,7 +210,7 @@ def weights_precision(model: nn.Module) -> str:
     bits = sorted({m.bits for m in packed_linears(model)})
     if bits:
         return "+".join(f"int{b}" for b in bits)
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
+    return str(activation_dtype(model)).removeprefix("torch.")
 
 
 # ---------------------------------------------------------------------- packing a model loaded from floats

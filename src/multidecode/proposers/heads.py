@@ -23,6 +23,7 @@ import torch
 
 from .. import data
 from ..errors import InvalidArgument
+from ..models.packed import weights_device
 from ..user_cache import cache_dir
 from .drafting import vocabulary_size
 
@@ -77,7 +78,7 @@ def check_head_fits(model, hidden_size: int, vocab_size: int, recorded: dict | N
 
 def on_device_of(head: torch.nn.Module, model) -> None:
     """Move a head to the device its target computes on (keeping the head's own dtype)."""
-    head.to(next(model.parameters()).device)
+    head.to(weights_device(model))
 
 
 def causal_mask(config, embeds: torch.Tensor, cache, position_ids: torch.Tensor | None):

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument, UnsupportedModel
+from ..models.packed import weights_device
 from .drafting import vocabulary_size
 from .eagle import Eagle
 from .heads import causal_mask, check_head_fits
@@ -138,7 +139,7 @@ class MtpHead(nn.Module):
             raise InvalidArgument(f"the MTP layers of {name} could not be read: {str(error).splitlines()[0]}",
                                   "load the model from a checkpoint that keeps them (config.json and "
                                   "*.safetensors as published)") from None
-        return cls(mtp.to(next(model.parameters()).device).eval()).bind(model)
+        return cls(mtp.to(weights_device(model)).eval()).bind(model)
 
     def bind(self, model) -> MtpHead:
         """Check the layer belongs to `model` (its widths) and read the target's embeddings through it."""

@@ -53,7 +53,7 @@ from torch import nn
 
 from ..errors import InvalidArgument, UnsupportedModel, is_int
 from ..exact import ExactActivation, ExactLinear, ExactRMSNorm, RowTiledNorm
-from ..models.packed import PackedEmbedding, PackedLinear, packed_bytes, tied_embeddings
+from ..models.packed import PackedEmbedding, PackedLinear, packed_bytes, tied_embeddings, weights_device
 from ..models.vetting import text_config
 
 MAX_DRAFT_LENGTH = 8
@@ -417,7 +417,7 @@ def _sample(sample_ids, model) -> list[torch.Tensor]:
     if not rows or not all(is_int(t) and 0 <= t < vocab for r in rows for t in r):
         raise InvalidArgument("sample_ids must be token ids (one sequence or several) within the vocabulary",
                               "pass e.g. tokenizer(text).input_ids for a few hundred tokens of typical text")
-    device = next(model.parameters()).device
+    device = weights_device(model)
     return [torch.tensor([r], device=device) for r in rows]
 
 

@@ -37,6 +37,7 @@ from .. import data
 from ..engine import Engine
 from ..errors import InvalidArgument, changed_settings
 from ..forest import chain_parents
+from ..models.packed import weights_device
 from ..models.vetting import max_positions
 from ..prompts import render_prompt, tokenize_prompt
 from ..proposers.drafting import vocabulary_size
@@ -212,7 +213,7 @@ def fitting_prompts(decoder, prompts: list[str], max_new_tokens: int) -> tuple[l
 def new_trainee(settings: DistillSettings, model, token_ids: torch.Tensor, data_: Features):
     """The trainee of `settings.kind`: fresh heads bound to `model`, over `data_`; their starting
     weights drawn from `settings.seed` (an EAGLE layer's are random), so a run is repeatable."""
-    device = next(model.parameters()).device
+    device = weights_device(model)
     if settings.kind == "eagle":
         with torch.random.fork_rng(devices=[]):  # the caller's global generator is left as it was
             torch.manual_seed(settings.seed)
