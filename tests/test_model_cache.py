@@ -204,6 +204,20 @@ def test_a_cache_that_cannot_be_written_is_named(monkeypatch, tmp_path, tiny_ggu
         load(tiny_gguf)
 
 
+def test_a_full_disk_under_the_float32_copy_is_named(cache, tiny_gguf, monkeypatch):
+    """safetensors says a full disk with an error of its own, not an OSError: it was a traceback."""
+    import safetensors
+    import transformers.modeling_utils
+
+    def full(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    with pytest.raises(CacheUnwritable, match="cannot write the float32 copy of tiny.gguf.*No space left") as caught:
+        load(tiny_gguf)
+    assert "MULTIDECODE_CACHE" in caught.value.hint and copies(cache) == []
+
+
 def test_a_broken_gguf_is_not_found_and_leaves_nothing(cache, tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
@@ -421,3 +435,22 @@ def test_compiled_graphs_are_kept_in_the_user_cache_unless_the_user_chose_a_plac
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     compiled.use_inductor_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_a_cache_this_user_cannot_write_is_listed(cache, monkeypatch):
+    """Listing opened each build's lock to append to it: a read-only cache (or root's) was a traceback."""
+    import builtins
+
+    kernels = kernel_builds(cache, "a" * 16)
+    (kernels / ("a" * 16) / BUILD_LOCK).write_text("")  # as every build leaves it
+    opened = builtins.open
+
+    def read_only(file, mode="r", *args, **kwargs):
+        if str(file).startswith(str(cache)) and any(c in mode for c in "wax+"):
+            raise OSError(30, "Read-only file system", str(file))
+        return opened(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", read_only)
+    result = cli("list", "--json")
+    assert result.exit_code == 0, result.output
+    assert [e["state"] for e in json.loads(result.output)["entries"]] == ["1 build"]

@@ -162,13 +162,17 @@ def test_a_file_written_for_another_key_is_not_read(cache, tmp_path, conversions
     assert torch.equal(load(path)[1], expected) and conversions
 
 
-def test_a_cache_that_cannot_be_written_costs_speed_not_the_model(cache, tmp_path, conversions, caplog):
+@pytest.mark.parametrize("error", ["os", "safetensors"])
+def test_a_cache_that_cannot_be_written_costs_speed_not_the_model(cache, tmp_path, conversions, caplog, error):
+    """safetensors says a full disk with an error of its own, not an OSError: it was a traceback."""
     import safetensors.torch
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
 
     def full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+        if error == "os":
+            raise OSError(28, "No space left on device")
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING, logger="multidecode.models"):
         patch.setattr(safetensors.torch, "save_file", full)

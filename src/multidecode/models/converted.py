@@ -268,11 +268,13 @@ def _unwritable(gguf: Path, folder: Path, *, described: bool = False):
     """Turn an OSError while writing the cache into `CacheUnwritable` (errors reading the GGUF
     file are `ModelNotFound` already, from `loading_errors`); described: the copy is its config
     and tokenizer only (a few MB), not the float32 weights."""
+    from safetensors import SafetensorError  # safetensors' own I/O errors (a full disk) are not OSErrors
+
     try:
         yield
     except MultiDecodeError:
         raise
-    except OSError as err:
+    except (OSError, SafetensorError) as err:
         what, room = (("config and tokenizer", "a few MB") if described else
                       ("float32 copy", "room for 4 bytes per parameter"))
         raise CacheUnwritable(f"cannot write the {what} of {gguf.name} to {folder}: {in_one_line(err)}",
@@ -280,16 +282,17 @@ def _unwritable(gguf: Path, folder: Path, *, described: bool = False):
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path, *, wait: bool = True):
+def _exclusive(lock_path: Path, *, wait: bool = True, create: bool = True):
     """Hold an exclusive lock on `lock_path` (so that concurrent first runs convert only once, and
     `clear_cache` leaves a conversion in progress alone). Yields whether the lock is held: with
-    wait=False, False at once where another process holds it."""
+    wait=False, False at once where another process holds it. create=False: the file is there and
+    only read (a lock is taken through any open file: a cache this user cannot write is listed too)."""
     try:
         import fcntl
     except ImportError:  # not POSIX: the atomic rename alone keeps the copy whole
         yield True
         return
-    with open(lock_path, "a") as handle:
+    with open(lock_path, "a" if create else "r") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -460,7 +463,7 @@ def _held(lock: Path) -> bool:
     """Whether another process holds the lock file `lock` (one that is not there is not held)."""
     if not lock.is_file():
         return False
-    with _exclusive(lock, wait=False) as held:
+    with _exclusive(lock, wait=False, create=False) as held:
         return not held
 
 

@@ -124,6 +124,7 @@ class PackedFile:
     def write(self, weights: PackedWeights) -> Path | None:
         """Write `weights` here atomically (a temporary file, flushed, renamed) and remove this
         variant's older files; None where the cache cannot be written."""
+        from safetensors import SafetensorError  # safetensors' own I/O errors (a full disk) are not OSErrors
         from safetensors.torch import save_file
 
         metadata = {"format": str(FORMAT), "key": self.key, "packed": json.dumps(weights.packed),
@@ -137,7 +138,7 @@ class PackedFile:
             with open(temporary, "rb+") as written:
                 os.fsync(written.fileno())
             os.replace(temporary, self.path)
-        except OSError as err:
+        except (OSError, SafetensorError) as err:
             log.warning("cannot keep the packed weights in %s (%s); the next load packs them again", self.folder, err)
             return None
         finally:
