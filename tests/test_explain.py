@@ -235,9 +235,10 @@ def test_the_command_writes_a_png(tiny, tmp_path):
     (["--speculate", "off"], "has no draft tokens to draw"),
     (["--step", 1], "--step must be 2 or more"),
     (["--step", 99], "no step 99"),
-    (["--draft-budget", 0], "draft budget must be a positive integer"),
+    (["--draft-budget", 0], "--draft-budget must be a positive integer"),
     (["--output", "picture.jpg"], "does not end in .png"),
     (["--output", "."], "is a folder"),
+    (["--output", ""], "--output is empty"),
 ])
 def test_the_command_refuses_bad_input(tiny, tmp_path, args, needle):
     folder, document = tiny
@@ -288,3 +289,29 @@ def test_the_command_draws_a_learned_head_named_by_its_folder(tiny, tmp_path):
                  "--output", tmp_path / "step.png", "--json", "--draft-head", tmp_path / "heads")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["drafted"] > 0
+
+
+class AllRight(Proposer):
+    """The target's own continuation, every token of it."""
+
+    name = "all-right"
+
+    def propose(self, context: BranchContext, budget: int) -> DraftTree:
+        done = context.tokens[context.prompt_length :]
+        draft = DraftTree()
+        parents = []
+        for token in FUTURE[tuple(context.tokens[: context.prompt_length])][len(done) :][:budget]:
+            parents.append(draft.add(token, *parents[-1:]))
+        return draft
+
+
+def test_a_branch_that_ends_on_a_draft_it_accepted_gains_no_next_token():
+    """A draft that guessed the eos a branch then ended on was drawn rejected, beside a "next token"
+    box holding the same eos, and the step said one token more was emitted than was."""
+    future = FUTURE[tuple(PROMPTS[1])]
+    end = next(i for i in range(6, NEW) if future[i] not in future[:i])  # an eos first generated after step 1
+    settings = {"speculate": Speculation(AllRight(), budget=4), "eos_token_id": [future[end]]}
+    views = [run_explain(**settings, step=step).view for step in range(2, run_explain(**settings).view.steps + 1)]
+    lane = next(lane for view in views for lane in view.lanes if lane.branch == 1 and lane.finished)
+    assert lane.finished and lane.accepted and lane.accepted[-1].token == future[end]
+    assert lane.next_token is None and lane.gained == len(lane.accepted)

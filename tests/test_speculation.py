@@ -219,6 +219,20 @@ def test_the_oracle_is_accepted_in_full_and_the_forward_count_is_predicted(budge
     assert forest.stats.acceptance == 1.0
 
 
+@pytest.mark.parametrize("budget", [4, 40])
+def test_a_draft_that_guesses_the_eos_a_branch_ends_on_is_accepted(budget):
+    """The oracle's drafts, every one right, the last an eos: each counts as accepted (a right
+    guess of the token a branch ends on was counted, and drawn by `explain`, as rejected)."""
+    full = hash_expected(HASH_PREFIX, [[]], 30)[0]
+    end = next(i for i in range(6, 30) if full[i] not in full[:i])  # an eos first generated there
+    eos = {full[end]}
+    expected = hash_expected(HASH_PREFIX, [[]], 30, eos)
+    assert expected[0] == full[:end + 1]
+    forest = run(HashLM(), HASH_PREFIX, [[]], speculate=Speculation(Oracle({tuple(HASH_PREFIX): expected[0]}),
+                                                                   budget=budget), max_new_tokens=30, eos=eos)
+    assert outputs(forest) == expected
+    assert forest.stats.drafted == forest.stats.accepted > 0
+
 def test_garbage_is_rejected_and_leaves_no_trace():
     """Every garbage draft node is taken back: the cache ends holding exactly the prompt and each
     branch's fed tokens, as without speculation."""

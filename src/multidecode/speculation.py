@@ -402,7 +402,7 @@ class SpeculationSettings:
             raise InvalidArgument(f"{spelling.head} {head} holds a {kind} head, but {spelling.is_set(mode)}",
                                   f"use {spelling.setting(kind)}, or leave the mode out: the head's folder says its kind")
         if budget is not None:
-            check_positive("the draft budget", budget)
+            check_positive(spelling.budget, budget)
         if mode is None:
             given = spelling.budget if budget is not None else spelling.lookahead if lookahead is not None else None
             if given:

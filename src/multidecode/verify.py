@@ -76,7 +76,8 @@ def walk(
         once the branch has finished (the walk stops there, as sequential decoding would).
     drawn[b][row]: the candidates under that row of branch b, if they were drawn from a known
         distribution (see the module notes); used by sampled branches only.
-    Returns, per branch, the rows of its accepted path (its head first).
+    Returns, per branch, the rows of its accepted path (its head first); a draft child that guessed
+    the token a branch ended on is on it (the draft was right, though nothing follows it).
 
     Branches are walked in rounds, one token per live branch per round, so the draws of each
     round are made together (`choose_tokens` vectorises the processors across branches).
@@ -96,14 +97,14 @@ def walk(
                              [drawn[b] if drawn else {} for b in live])
         going = []
         for b, token in zip(live, tokens):
-            if not emit(b, token, current[b]):
-                continue
+            goes_on = emit(b, token, current[b])
             child = children[b].get(current[b], {}).get(token)
             if child is None:
                 continue
-            current[b] = child
+            current[b] = child  # the draft guessed it: accepted, the token that ends a branch too
             paths[b].append(child)
-            going.append(b)
+            if goes_on:
+                going.append(b)
         live = going
     return paths
 

@@ -41,10 +41,12 @@ def check_output(output: str) -> Path:
     nothing), or a scratch file is created and removed in the nearest folder that exists (`save`
     creates the missing ones).
     """
+    if not output.strip():
+        raise InvalidArgument("--output is empty", "name a PNG file, e.g. --output step.png")
     path = Path(output)
     if path.is_dir():
         raise InvalidArgument(f"--output {output} is a folder", "name a PNG file, e.g. --output step.png")
-    if path.suffix.lower() != ".png":
+    if not path.name.lower().endswith(".png"):  # (".png" alone is a name with no suffix to pathlib)
         raise InvalidArgument(f"--output {output} does not end in .png", "the picture is written as a PNG")
     folder = next(p for p in path.absolute().parents if p.exists())
     try:

@@ -277,7 +277,8 @@ def _draw_fed(canvas: _Canvas, lane: Lane, top: float, places: dict[int, tuple[i
                     lw=2.4 if n.status == "accepted" else 1.2)
     last = ([n.node for n in lane.accepted] or [lane.nodes[0].node])[-1]
     nx, ny = _HEAD_X + dx * next_place[0], top + next_place[1] + 0.5
-    canvas.line(at[last][0] + node_w / 2, at[last][1], nx - node_w / 2, ny, colour="#333333", lw=1.2, style="--")
+    if lane.next_token is not None:
+        canvas.line(at[last][0] + node_w / 2, at[last][1], nx - node_w / 2, ny, colour="#333333", lw=1.2, style="--")
     fits = canvas.chars(node_w, 8, "monospace")
     for n in lane.nodes:
         x, yc = at[n.node]
@@ -285,13 +286,15 @@ def _draw_fed(canvas: _Canvas, lane: Lane, top: float, places: dict[int, tuple[i
                    edge="#1f2937" if n.status == "head" else "none", lw=1.0)
         canvas.text(x, yc, shown(n.text, fits), color="white", fontsize=8, weight="bold", family="monospace")
         canvas.text(x, yc + _NODE_H / 2 + 0.03, f"p{n.position}", fontsize=6, va="top", color=_GREY)
-    canvas.box(nx - node_w / 2, nx + node_w / 2, ny - _NODE_H / 2, ny + _NODE_H / 2, face="white", edge="#333333",
-               style="--", lw=1.1)
-    canvas.text(nx, ny, shown(lane.next_text, fits), color="#111827", fontsize=8, weight="bold", family="monospace")
-    gained = len(lane.accepted) + 1
-    caption = f"next · +{gained}" + (" · done" if lane.finished else "")
+    if lane.next_token is None:  # it ended on its last accepted draft: the caption goes beside that
+        nx, ny = at[last][0] + node_w, at[last][1]
+    else:
+        canvas.box(nx - node_w / 2, nx + node_w / 2, ny - _NODE_H / 2, ny + _NODE_H / 2, face="white", edge="#333333",
+                   style="--", lw=1.1)
+        canvas.text(nx, ny, shown(lane.next_text, fits), color="#111827", fontsize=8, weight="bold", family="monospace")
+    caption = ("next · " if lane.next_token is not None else "") + f"+{lane.gained}" + (" · done" if lane.finished else "")
     canvas.text(nx, ny + _NODE_H / 2 + 0.03, caption, fontsize=6, va="top",
-                color=STATUS_COLOURS["accepted"] if gained > 1 else _GREY)
+                color=STATUS_COLOURS["accepted"] if lane.gained > 1 else _GREY)
 
 
 def _span(start: int, count: int) -> str:

@@ -121,7 +121,7 @@ def _explain(model, begin, *, compaction, cost, tokenizer, labels, speculate, dr
         raise InvalidArgument(f"the run took {total} step{'s' * (total != 1)}, so there is no step {step}",
                               f"pick a step from 2 to {total}" if total >= 2 else "raise max_new_tokens")
     if step is None and (view is None or not any(lane.drafts for lane in view.lanes)):
-        raise InvalidInput(f"no step of this run fed a draft token ({total} steps, speculate={spec.name})",
+        raise InvalidInput(f"no step of this run fed a draft token ({total} step{'s' * (total != 1)}, speculate={spec.name})",
                            "ask about text the answers quote or raise max_new_tokens"
                            + (", or use speculate='lookup' (auto drafts only where it pays)" if spec.auto else ""))
     view.steps = total
@@ -232,9 +232,11 @@ def _view(trace: StepTrace, group: BranchGroup, lanes: dict[int, list[int]], tok
         tail = path[prefix_length:branch.prompt_length]
         answer = path[branch.prompt_length:-1]
         label = labels[index] if labels is not None and index < len(labels) else f"branch {index + 1}"
-        next_token = branch.output.token_ids[-1]
+        guessed = sum(n.status == "accepted" for n in fed)  # tokens it got beyond them: the target's next one
+        next_token = branch.output.token_ids[-1] if len(branch.output.token_ids) - len(answer) - 1 > guessed else None
         out.append(Lane(index, label, tail, token_text(tokenizer, tail), answer, token_text(tokenizer, answer), fed,
-                        next_token, token_text(tokenizer, [next_token]), branch.output.finished))
+                        next_token, "" if next_token is None else token_text(tokenizer, [next_token]),
+                        branch.output.finished))
     rows = [n for lane in out for n in lane.nodes]
     visible = torch.zeros(len(rows), forest.num_slots, dtype=torch.bool)  # [rows, slots]
     for i, row in enumerate(rows):
@@ -281,7 +283,7 @@ def summarize(view: StepView, stats: DecodeStats, *, model: str, speculate: Spec
             "rejected": len(lane.rejected),
             "side_nodes": len(lane.side),
             "accepted_text": "".join(n.text for n in lane.accepted),
-            "next_token": {"token_id": lane.next_token, "text": lane.next_text},
+            "next_token": None if lane.next_token is None else {"token_id": lane.next_token, "text": lane.next_text},
             "positions": [min(n.position for n in lane.nodes), max(n.position for n in lane.nodes)],
             "prompt_tail_tokens": len(lane.tail),
             "answer_tokens_before": len(lane.answer),
@@ -313,11 +315,11 @@ def _title(view: StepView, model: str, spec: Speculation, what: str) -> str:
     rejected = sum(r.status == "rejected" for r in rows)
     budget = "chosen by cost" if spec.auto else f"at most {spec.size} per branch"
     side = sum(r.status == "side" for r in rows)
-    lanes = len(view.lanes)
+    lanes, gained = len(view.lanes), sum(lane.gained for lane in view.lanes)
     return (f"One verification step of {what}, speculate={spec.name}, on {model}: step {view.step} of {view.steps}\n"
             f"{lanes} branch{'es' * (lanes != 1)} in one forward, {accepted + rejected} draft tokens ({budget})"
             + (f" and {side} side nodes (fed for their logits only)" if side else "")
-            + f": {accepted} accepted, {rejected} rejected, so {accepted + lanes} tokens emitted")
+            + f": {accepted} accepted, {rejected} rejected, so {gained} token{'s' * (gained != 1)} emitted")
 
 
 __all__ = ["Explanation", "explain", "explain_prompts", "sample_excerpt", "sample_questions", "summarize", "token_text"]

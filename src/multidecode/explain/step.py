@@ -33,7 +33,8 @@ class FedNode:
 @dataclass
 class Lane:
     """One branch in the step: what it held before (its own prompt tail, its answer so far), the
-    nodes it fed (head first, then its draft tree depth-first), and the target's next token."""
+    nodes it fed (head first, then its draft tree depth-first), and the target's next token (None
+    where the branch ended on a draft it accepted: the token it ended on was fed as that draft)."""
 
     branch: int
     label: str
@@ -42,7 +43,7 @@ class Lane:
     answer: list[int]
     answer_text: str
     nodes: list[FedNode]
-    next_token: int
+    next_token: int | None
     next_text: str
     finished: bool
 
@@ -54,6 +55,11 @@ class Lane:
     @property
     def accepted(self) -> list[FedNode]:
         return [n for n in self.nodes if n.status == "accepted"]
+
+    @property
+    def gained(self) -> int:
+        """The tokens the branch got this step: its accepted drafts, and the target's next token."""
+        return len(self.accepted) + (self.next_token is not None)
 
     @property
     def rejected(self) -> list[FedNode]:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument, UnsupportedModel
+from ..models.converted import model_display_name
 from ..models.packed import weights_device
 from .drafting import vocabulary_size
 from .eagle import Eagle
@@ -120,7 +121,7 @@ class MtpHead(nn.Module):
         Raises `InvalidArgument` for a model whose config names none, or whose files lack them."""
         name = str(getattr(model.config, "_name_or_path", "") or "")
         if not mtp_layers(model):
-            raise InvalidArgument(f"{name or type(model).__name__} has no multi-token-prediction layers "
+            raise InvalidArgument(f"{model_display_name(model)} has no multi-token-prediction layers "
                                   "(its config names none)",
                                   "speculate with eagle or medusa and a head trained for it "
                                   "(multidecode train-drafter), or with auto")
