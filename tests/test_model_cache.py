@@ -454,3 +454,24 @@ def test_a_cache_this_user_cannot_write_is_listed(cache, monkeypatch):
     result = cli("list", "--json")
     assert result.exit_code == 0, result.output
     assert [e["state"] for e in json.loads(result.output)["entries"]] == ["1 build"]
+
+
+def test_the_embedded_copy_follows_the_installed_file(cache, tmp_path, monkeypatch, conversions):
+    """Its name is fixed, so a package upgrade with other weights kept the old copy: float32 ran the
+    weights the package no longer had, and `cache list` said "embedded". A reinstall (a new mtime,
+    the same bytes) still costs no conversion."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    installed = write_tiny_gguf(tmp_path / "a" / "SmolLM2.gguf")
+    monkeypatch.setattr(converted, "embedded_gguf", lambda: installed)
+    converted.embedded_copy()
+    os.utime(installed, ns=(time.time_ns(), time.time_ns() + 10**9))  # reinstalled: a new mtime only
+    converted.embedded_copy()
+    assert conversions == [converted.EMBEDDED_COPY]
+    upgraded = write_tiny_gguf(tmp_path / "b" / "SmolLM2.gguf", seed=7)
+    monkeypatch.setattr(converted, "embedded_gguf", lambda: upgraded)
+    (entry,) = [e for e in json.loads(cli("list", "--json").output)["entries"] if e["name"] == converted.EMBEDDED_COPY]
+    assert entry["state"] == "source changed"
+    copy = converted.embedded_copy()
+    assert conversions == [converted.EMBEDDED_COPY] * 2
+    manifest = json.loads((copy / converted.MANIFEST).read_text())
+    assert manifest["header_sha256"] == converted.gguf_identity(upgraded).header_sha256

@@ -130,8 +130,19 @@ def embedded_copy(*, convert: bool = True, described: bool = False) -> Path | No
     gives its file a new mtime but not new weights, and must not cost a new conversion."""
     if described:
         return _converted(EMBEDDED_COPY.removesuffix("-float32") + DESCRIBED, embedded_gguf, convert=convert,
-                          write=_describe_gguf)
-    return _converted(EMBEDDED_COPY, embedded_gguf, convert=convert)
+                          write=_describe_gguf, current=_embedded_weights)
+    return _converted(EMBEDDED_COPY, embedded_gguf, convert=convert, current=_embedded_weights)
+
+
+def _embedded_weights(copy: Path) -> bool:
+    """Whether the embedded copy at `copy` was made from the embedded file installed now: its
+    manifest's size and header hash (not its mtime, which a reinstall changes; a package upgrade
+    with other weights changes the rest). A copy without a manifest is taken as it is."""
+    manifest = _read_manifest(copy / MANIFEST)
+    if manifest is None:
+        return True
+    identity = gguf_identity(embedded_gguf())
+    return (manifest.get("size"), manifest.get("header_sha256")) == (identity.size, identity.header_sha256)
 
 
 def gguf_copy(gguf: str | os.PathLike, *, convert: bool = True, described: bool = False) -> Path | None:
@@ -148,18 +159,23 @@ def gguf_copy(gguf: str | os.PathLike, *, convert: bool = True, described: bool 
     return _converted(name, lambda: gguf, convert=convert, write=_describe_gguf if described else _convert_gguf)
 
 
-def _converted(name: str, source, *, convert: bool, write=None) -> Path | None:
+def _converted(name: str, source, *, convert: bool, write=None, current=None) -> Path | None:
     """The complete converted copy `name` in the cache folder; else, with `convert`, convert the
     GGUF file that `source()` names into it (`write(gguf, target)`: the float32 conversion by
-    default), once, under the copy's lock."""
+    default), once, under the copy's lock. current(target): whether a complete copy is still the
+    source's (a fixed name, as the embedded model's, says nothing of it); a stale one is replaced."""
     target = cache_dir() / name
-    if (target / _COMPLETE).is_file():
+
+    def complete() -> bool:
+        return (target / _COMPLETE).is_file() and (current is None or current(target))
+
+    if complete():
         return target
     if not convert:
         return None
     gguf = source()
     with _unwritable(gguf, target.parent, described=write is _describe_gguf), locked_copy(name):
-        if not (target / _COMPLETE).is_file():  # another process may have finished meanwhile
+        if not complete():  # another process may have finished meanwhile
             for partial in target.parent.glob(f"{_PARTIAL}{name}-*"):  # left by a killed conversion
                 shutil.rmtree(partial, ignore_errors=True)
             (write or _convert_gguf)(gguf, target)
@@ -469,6 +485,9 @@ def _held(lock: Path) -> bool:
 
 def _model_state(name: str, manifest: dict | None, source: str | None) -> str:
     if name.startswith(EMBEDDED_COPY.removesuffix("-float32")):
+        with contextlib.suppress(ModelNotFound, OSError):  # (no package installed: said as embedded)
+            if not _embedded_weights(cache_dir() / name):
+                return "source changed"
         return "embedded"
     if not source or not Path(source).is_file():
         return "source missing"
