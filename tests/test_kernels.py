@@ -289,15 +289,21 @@ def test_a_cache_folder_that_cannot_be_written_means_no_build_and_says_why(tmp_p
 
 def test_a_build_folder_without_its_finished_mark_is_not_trusted(tmp_path, monkeypatch):
     """A build that stopped half-way (no `built` mark beside the library) is built again, never
-    loaded; the mark is written last."""
+    loaded; the mark is written last, naming the library's digest, so a library cut short or
+    overwritten after it was marked (a power cut, a disk error: loading a truncated library killed
+    the process with SIGBUS) is built again too, as is one marked before marks named digests."""
     from multidecode.kernels import build
 
     monkeypatch.setenv("MULTIDECODE_CACHE", str(tmp_path))
     build.build_folder().mkdir(parents=True)
-    build.library_path().write_bytes(b"half a library")
+    build.library_path().write_bytes(b"a whole library")
     assert not build.built()
-    (build.build_folder() / build.DONE).write_text(build.key())
+    (build.build_folder() / build.DONE).write_text(build.key())  # an older mark: no digest
+    assert not build.built()
+    build._mark_built(build.library_path())
     assert build.built()
+    build.library_path().write_bytes(b"a whole libr")  # cut short since
+    assert not build.built()
 
 
 # ---------------------------------------------------------------------- row tiles (the GPU's exact path)

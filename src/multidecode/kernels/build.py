@@ -72,10 +72,30 @@ def library_path() -> Path:
 
 
 def built() -> bool:
-    """Whether this build's library is there and finished: a build that stopped half-way leaves
-    no mark beside it, and is built again rather than loaded."""
-    path = library_path()
-    return path.exists() and (path.parent / DONE).exists()
+    """Whether this build's library is there, finished and whole: a build that stopped half-way
+    leaves no mark beside it, and a library cut short or overwritten since (its mark names its
+    SHA-256) is built again rather than loaded (loading a truncated library kills the process)."""
+    path, mark = library_path(), library_path().parent / DONE
+    try:
+        return mark.read_text(encoding="utf-8").split() == [key(), _digest(path)]
+    except OSError:
+        return False
+
+
+def _digest(path: Path) -> str:
+    """The SHA-256 of the file at `path` (a few milliseconds for the library's 2 MB)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _mark_built(path: Path) -> None:
+    """Write the library's mark (the build key and the library's digest) once the library is on
+    disk for good: flushed first, the mark written whole (a temporary file renamed)."""
+    with open(path, "rb+") as library:
+        os.fsync(library.fileno())
+    mark = path.parent / DONE
+    partial = mark.with_name(f".{DONE}.{os.getpid()}")
+    partial.write_text(f"{key()}\n{_digest(path)}\n", encoding="utf-8")
+    os.replace(partial, mark)
 
 
 def compiler() -> str | None:
@@ -110,7 +130,8 @@ def _build(path: Path, progress: Callable[[str], None] | None) -> Built:
         return Built(None, f"the kernels cannot be built in {path.parent} ({err}); set MULTIDECODE_CACHE to a "
                            "folder you can write to")
     with FileLock(str(path.parent / BUILD_LOCK)):
-        if not (path.parent / DONE).exists():
+        if not built():
+            path.unlink(missing_ok=True)  # one cut short: the builder would take it as up to date
             if progress is not None:
                 progress("Compiling multidecode's kernels for this CPU (once, about a minute)")
             try:
@@ -119,7 +140,7 @@ def _build(path: Path, progress: Callable[[str], None] | None) -> Built:
                                 build_directory=str(path.parent), is_python_module=False, verbose=False)
             except (RuntimeError, OSError, ImportError) as err:  # a compiler that fails: the portable path
                 return Built(None, f"compiling the kernels failed ({str(err).strip().splitlines()[-1][:200]})")
-            (path.parent / DONE).write_text(key(), encoding="utf-8")
+            _mark_built(path)
             return Built(path)
     torch.ops.load_library(str(path))
     return Built(path)
