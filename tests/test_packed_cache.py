@@ -215,3 +215,17 @@ def test_the_directory_honours_the_files_alignment(tmp_path):
 def test_the_embedded_models_directory_read_from_the_header_is_gguf_pys():
     path = converted.embedded_gguf()
     assert TensorDirectory.read(path) == TensorDirectory.read_with_gguf(path)
+
+
+@pytest.mark.parametrize("damaged, precision", [("gguf-tensors.json", None), ("config.json", None),
+                                                ("model.safetensors", "float32"), ("config.json", "float32")])
+def test_a_damaged_copy_is_made_again(cache, tmp_path, damaged, precision):
+    """A copy cut short under its completion mark (a power cut after the rename) was a traceback on
+    every later run, or an error blaming the GGUF file ("fetch it again")."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    expected = load(path, precision)[1]
+    copy = converted.gguf_copy(path, described=precision is None, convert=False)
+    whole = (copy / damaged).read_bytes()
+    (copy / damaged).write_bytes(whole[:20])
+    assert torch.equal(load(path, precision)[1], expected)
+    assert (copy / damaged).read_bytes() == whole  # made again

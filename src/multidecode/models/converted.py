@@ -159,6 +159,20 @@ def gguf_copy(gguf: str | os.PathLike, *, convert: bool = True, described: bool 
     return _converted(name, lambda: gguf, convert=convert, write=_describe_gguf if described else _convert_gguf)
 
 
+def discard_copies(gguf: Path | None) -> bool:
+    """Remove the cache copies of the GGUF file `gguf` (None: the embedded model's), each under
+    its lock; returns whether there were any (a load that failed on one makes it again)."""
+    try:
+        copies = [embedded_copy(convert=False, described=d) if gguf is None else
+                  gguf_copy(gguf, convert=False, described=d) for d in (False, True)]
+    except (ModelNotFound, OSError):  # no file to have copies of: nothing of the cache's to blame
+        return False
+    copies = [c for c in copies if c is not None]
+    for copy in copies:
+        with locked_copy(copy.name):
+            shutil.rmtree(copy, ignore_errors=True)
+    return bool(copies)
+
 def _converted(name: str, source, *, convert: bool, write=None, current=None) -> Path | None:
     """The complete converted copy `name` in the cache folder; else, with `convert`, convert the
     GGUF file that `source()` names into it (`write(gguf, target)`: the float32 conversion by

@@ -9,6 +9,7 @@ the forest's sdpa kernel (`attention.use_forest_sdpa`).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +20,12 @@ from ..attention import use_forest_sdpa
 from ..errors import InvalidArgument, ModelNotFound
 from ..exact import use_exact_kernels
 from . import precision
-from .converted import embedded_copy, embedded_gguf, gguf_copy
+from .converted import discard_copies, embedded_copy, embedded_gguf, gguf_copy
 from .packed import pack_model
 from .reading import from_pretrained, loading_errors, quiet_transformers
 from .vetting import check_supported
+
+log = logging.getLogger("multidecode.models")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -72,12 +75,10 @@ def load_model(model: str | os.PathLike | None = None, *, precision_name=None, d
     faster on long prompts, exact to the token.
     """
     torch_device = resolve_device(device)
-    chosen = resolve_precision(model, precision_name, torch_device)
-    keep_widths = precision.parse(precision_name) == "auto"  # each GGUF tensor at its own width
     if _is_gguf(model):
-        loaded = _load_gguf(model, chosen, keep_widths)
+        loaded = _load_gguf(model, precision_name, torch_device)
     else:
-        loaded = _load_folder(str(model), chosen)
+        loaded = _load_folder(str(model), resolve_precision(model, precision_name, torch_device))
     lm = loaded.model
     lm.to(torch_device)
     lm.eval()
@@ -117,12 +118,30 @@ def _described(model) -> Path:
     return embedded_copy(described=True) if model is None else gguf_copy(gguf_file(str(model)), described=True)
 
 
-def _load_gguf(model, chosen: precision.Precision, keep_widths: bool) -> Loaded:
+def _load_gguf(model, precision_name, device: torch.device) -> Loaded:
     """A GGUF file (None: the embedded model's) at a packed precision, read straight from the
-    file (keep_widths: each tensor at its own width), or at a float one through its float32 copy."""
+    file (at `auto` each tensor at its own width), or at a float one through its float32 copy.
+    Where the load fails with copies of the file in the cache (one cut short by a power cut, or
+    removed by a `cache clear` under way), they are made again and the load tried once more: a
+    copy is the cache's to mend, and what fails after that is the file's."""
+    from safetensors import SafetensorError
+
+    path = None if model is None else gguf_file(str(model))  # (one that is no GGUF file: refused here)
+    try:
+        return _load_gguf_once(model, precision_name, device)
+    except (ModelNotFound, OSError, ValueError, SafetensorError) as err:
+        if not discard_copies(path):
+            raise
+        log.warning("a cache copy of %s did not load (%s): made again", model or "the embedded model", err)
+        return _load_gguf_once(model, precision_name, device)
+
+
+def _load_gguf_once(model, precision_name, device: torch.device) -> Loaded:
     from .gguf import load_packed
     from .tensor_directory import TensorDirectory
 
+    chosen = resolve_precision(model, precision_name, device)
+    keep_widths = precision.parse(precision_name) == "auto"  # each GGUF tensor at its own width
     path = embedded_gguf() if model is None else gguf_file(str(model))
     source = "embedded" if model is None else str(path)
     if chosen.bits is None:
