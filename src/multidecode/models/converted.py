@@ -243,6 +243,9 @@ def _write_atomically(target: Path, gguf: Path, identity: GGUFIdentity, parts, *
         for part in parts:
             part.save_pretrained(tmp)
         _write_manifest(tmp / MANIFEST, gguf, identity, target.name, dtype=dtype)
+        for file in tmp.iterdir():  # on disk before the mark says the copy is whole
+            with open(file, "rb") as written:
+                os.fsync(written.fileno())
         (tmp / _COMPLETE).write_text(f"converted from {gguf}\n")
         if target.exists():  # an incomplete copy left by an older, interrupted layout
             shutil.rmtree(target)
