@@ -229,3 +229,22 @@ def test_a_damaged_copy_is_made_again(cache, tmp_path, damaged, precision):
     (copy / damaged).write_bytes(whole[:20])
     assert torch.equal(load(path, precision)[1], expected)
     assert (copy / damaged).read_bytes() == whole  # made again
+
+
+def test_a_copy_cleared_while_it_loads_is_made_again(cache, tmp_path, monkeypatch):
+    """`cache clear` in another process between a load's lookup of the float32 copy and its read:
+    the load failed with transformers' "Repo id must be in the form ...", blaming the GGUF file."""
+    import shutil
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    expected = load(path, "float32")[1]
+    real, cleared = loading._float_folder, []
+
+    def cleared_first(folder, *args):
+        if not cleared:
+            cleared.append(folder)
+            shutil.rmtree(folder)
+        return real(folder, *args)
+
+    monkeypatch.setattr(loading, "_float_folder", cleared_first)
+    assert torch.equal(load(path, "float32")[1], expected) and cleared

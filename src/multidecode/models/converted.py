@@ -159,19 +159,23 @@ def gguf_copy(gguf: str | os.PathLike, *, convert: bool = True, described: bool 
     return _converted(name, lambda: gguf, convert=convert, write=_describe_gguf if described else _convert_gguf)
 
 
-def discard_copies(gguf: Path | None) -> bool:
-    """Remove the cache copies of the GGUF file `gguf` (None: the embedded model's), each under
-    its lock; returns whether there were any (a load that failed on one makes it again)."""
+def cache_copies(gguf: Path | None) -> list[Path]:
+    """The complete cache copies of the GGUF file `gguf` (None: the embedded model's) there now."""
     try:
         copies = [embedded_copy(convert=False, described=d) if gguf is None else
                   gguf_copy(gguf, convert=False, described=d) for d in (False, True)]
-    except (ModelNotFound, OSError):  # no file to have copies of: nothing of the cache's to blame
-        return False
-    copies = [c for c in copies if c is not None]
-    for copy in copies:
+    except (ModelNotFound, OSError):  # no file to have copies of
+        return []
+    return [c for c in copies if c is not None]
+
+
+def discard_copies(gguf: Path | None) -> None:
+    """Remove the cache copies of `gguf` (see `cache_copies`), each under its lock (a load that
+    failed on one makes it again)."""
+    for copy in cache_copies(gguf):
         with locked_copy(copy.name):
             shutil.rmtree(copy, ignore_errors=True)
-    return bool(copies)
+
 
 def _converted(name: str, source, *, convert: bool, write=None, current=None) -> Path | None:
     """The complete converted copy `name` in the cache folder; else, with `convert`, convert the

@@ -20,7 +20,7 @@ from ..attention import use_forest_sdpa
 from ..errors import InvalidArgument, ModelNotFound
 from ..exact import use_exact_kernels
 from . import precision
-from .converted import discard_copies, embedded_copy, embedded_gguf, gguf_copy
+from .converted import cache_copies, discard_copies, embedded_copy, embedded_gguf, gguf_copy
 from .packed import pack_model
 from .reading import from_pretrained, loading_errors, quiet_transformers
 from .vetting import check_supported
@@ -127,11 +127,13 @@ def _load_gguf(model, precision_name, device: torch.device) -> Loaded:
     from safetensors import SafetensorError
 
     path = None if model is None else gguf_file(str(model))  # (one that is no GGUF file: refused here)
+    had_copies = bool(cache_copies(path))
     try:
         return _load_gguf_once(model, precision_name, device)
     except (ModelNotFound, OSError, ValueError, SafetensorError) as err:
-        if not discard_copies(path):
+        if not had_copies:  # it failed making them: the file's fault, said as it is
             raise
+        discard_copies(path)
         log.warning("a cache copy of %s did not load (%s): made again", model or "the embedded model", err)
         return _load_gguf_once(model, precision_name, device)
 
