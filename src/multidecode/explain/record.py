@@ -232,11 +232,9 @@ def _view(trace: StepTrace, group: BranchGroup, lanes: dict[int, list[int]], tok
         tail = path[prefix_length:branch.prompt_length]
         answer = path[branch.prompt_length:-1]
         label = labels[index] if labels is not None and index < len(labels) else f"branch {index + 1}"
-        guessed = sum(n.status == "accepted" for n in fed)  # tokens it got beyond them: the target's next one
-        next_token = branch.output.token_ids[-1] if len(branch.output.token_ids) - len(answer) - 1 > guessed else None
+        next_token, next_text = _next_token(tokenizer, branch.output.token_ids, len(answer), fed)
         out.append(Lane(index, label, tail, token_text(tokenizer, tail), answer, token_text(tokenizer, answer), fed,
-                        next_token, "" if next_token is None else token_text(tokenizer, [next_token]),
-                        branch.output.finished))
+                        next_token, next_text, branch.output.finished))
     rows = [n for lane in out for n in lane.nodes]
     visible = torch.zeros(len(rows), forest.num_slots, dtype=torch.bool)  # [rows, slots]
     for i, row in enumerate(rows):
@@ -258,6 +256,14 @@ def _view(trace: StepTrace, group: BranchGroup, lanes: dict[int, list[int]], tok
     return StepView(trace.step, prefix_length, token_text(tokenizer, group.prefix_ids), forest.num_slots, out,
                     visible, slot_branch)
 
+
+def _next_token(tokenizer, token_ids: Sequence[int], answered: int, fed: Sequence[FedNode]) -> tuple[int | None, str]:
+    """The target's next token after a lane's accepted drafts, and its text: the branch's last,
+    where it got more tokens this step than it accepted (`answered`: its answer before the step,
+    less the head); (None, "") where it ended on a draft it accepted."""
+    if len(token_ids) - answered - 1 > sum(n.status == "accepted" for n in fed):
+        return token_ids[-1], token_text(tokenizer, token_ids[-1:])
+    return None, ""
 
 def token_text(tokenizer, ids: Sequence[int]) -> str:
     """The text of `ids` as the tokenizer writes it (special tokens kept); ids without one."""
