@@ -15,8 +15,10 @@ A cache file is trusted only when it is the one the load would write:
   source of the modules that make its bytes (the layout, the codes, the reading), so that a
   changed file or a changed layout is rebuilt, never read;
 - it is written to a temporary file, flushed to disk and renamed into place, so a file under its
-  name is whole; one that does not open (truncated, overwritten: safetensors checks that its header
-  and its size agree) or lacks a tensor is rebuilt.
+  name is whole; one that does not open (truncated, or a header overwritten: safetensors checks
+  that its header and its size agree) or lacks a tensor is rebuilt. Bytes overwritten in place
+  within the tensors (a disk error, a stray write) are not seen: checking them would read the
+  whole file on every load, which the mapping is there to avoid (`multidecode cache clear` mends it).
 
 Failing to write the file (a read-only cache) costs the next load its speed, never its model.
 """
