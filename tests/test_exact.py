@@ -548,6 +548,11 @@ def test_a_packed_model_left_with_no_parameters_decodes_exactly(precision):
     pack_model(model, PRECISIONS[precision], torch.bfloat16)
     model.to(torch.bfloat16)
     assert not list(model.parameters())  # the case being tested
+    from multidecode.memory import Footprint
+
+    config = model.config  # the memory budget counts its KV at the dtype it computes in (float32 was said)
+    kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    assert Footprint.of(model).kv_per_slot == 2 * config.num_hidden_layers * kv_heads * head_dim * 2
     exact.use_exact_kernels(model)
     for seed in range(2):
         bad, fed = differing(model, seed=seed)

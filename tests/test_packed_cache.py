@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from gguf_files import write_tiny_gguf
 
 from multidecode.cli import main
+from multidecode.errors import InvalidArgument
 from multidecode.models import converted, gguf, loading, packed, packed_cache
 from multidecode.models.tensor_directory import TensorDirectory
 
@@ -248,3 +249,14 @@ def test_a_copy_cleared_while_it_loads_is_made_again(cache, tmp_path, monkeypatc
 
     monkeypatch.setattr(loading, "_float_folder", cleared_first)
     assert torch.equal(load(path, "float32")[1], expected) and cleared
+
+
+def test_a_users_error_mends_nothing_in_the_cache(cache, tmp_path):
+    """An unknown precision (an InvalidArgument, a ValueError) was taken for a damaged copy: every
+    copy of the model was removed, to be converted again by the next run."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    load(path, "float32")
+    before = sorted(p.name for p in converted.cache_dir().iterdir())
+    with pytest.raises(InvalidArgument, match="int3"):
+        load(path, "int3")
+    assert sorted(p.name for p in converted.cache_dir().iterdir()) == before

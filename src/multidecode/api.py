@@ -33,9 +33,9 @@ from .cost import CostCurve, LearnedCurve
 from .engine import Engine
 from .errors import InvalidArgument, InvalidInput, UnsupportedModel, as_list, check_flag, is_int
 from .exact import hold_exact_kernels, is_exact
-from .memory import Footprint, activation_dtype, available_bytes
+from .memory import Footprint, available_bytes
 from .models.loading import Loaded, load_model
-from .models.packed import packed_bytes
+from .models.packed import activation_dtype, packed_bytes
 from .models.precision import parse as parse_precision
 from .models.vetting import check_has_weights, check_is_model, check_supported
 from .sampling_params import SAMPLING_KEYS, per_branch_sampling

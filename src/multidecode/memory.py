@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .errors import InvalidArgument, NotEnoughMemory
+from .models.packed import activation_dtype
 
 FORWARD_BYTES = 1 << 30
 """Scratch one forward may use (masks, scores, activations); wider forwards are cut."""
@@ -173,11 +174,6 @@ class Need:
         return (f"{gigabytes(self.total)} ({gigabytes(self.kv)} of KV cache for {self.slots:,} tokens, "
                 f"{gigabytes(self.rows)} of visibility rows, {gigabytes(self.logits + self.scratch)} of logits "
                 "and forward scratch)")
-
-
-def activation_dtype(model) -> torch.dtype:
-    """The dtype a model computes in (its first floating parameter's; packed weights keep codes)."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def gigabytes(count: int) -> str:

@@ -159,22 +159,39 @@ def gguf_copy(gguf: str | os.PathLike, *, convert: bool = True, described: bool 
     return _converted(name, lambda: gguf, convert=convert, write=_describe_gguf if described else _convert_gguf)
 
 
-def cache_copies(gguf: Path | None) -> list[Path]:
+@dataclass(frozen=True)
+class FoundCopy:
+    """A complete cache copy as a load found it: its folder and its completion mark's (inode, mtime),
+    so that a copy made again since by another process is told from the one found."""
+
+    folder: Path
+    mark: tuple[int, int]
+
+
+def cache_copies(gguf: Path | None) -> list[FoundCopy]:
     """The complete cache copies of the GGUF file `gguf` (None: the embedded model's) there now."""
+    found = []
     try:
-        copies = [embedded_copy(convert=False, described=d) if gguf is None else
-                  gguf_copy(gguf, convert=False, described=d) for d in (False, True)]
-    except (ModelNotFound, OSError):  # no file to have copies of
-        return []
-    return [c for c in copies if c is not None]
+        for described in (False, True):
+            folder = embedded_copy(convert=False, described=described) if gguf is None else \
+                gguf_copy(gguf, convert=False, described=described)
+            if folder is not None:
+                stat = (folder / _COMPLETE).stat()
+                found.append(FoundCopy(folder, (stat.st_ino, stat.st_mtime_ns)))
+    except (ModelNotFound, OSError):  # no file to have copies of, or a copy gone meanwhile
+        pass
+    return found
 
 
-def discard_copies(gguf: Path | None) -> None:
-    """Remove the cache copies of `gguf` (see `cache_copies`), each under its lock (a load that
-    failed on one makes it again)."""
-    for copy in cache_copies(gguf):
-        with locked_copy(copy.name):
-            shutil.rmtree(copy, ignore_errors=True)
+def discard_copies(copies: list[FoundCopy]) -> None:
+    """Remove the copies a load found (`cache_copies`), each under its lock and only while it is
+    the one found: another process may have made it again since (a load that failed on one makes
+    it again)."""
+    for copy in copies:
+        with locked_copy(copy.folder.name), contextlib.suppress(OSError):  # (gone: nothing to remove)
+            stat = (copy.folder / _COMPLETE).stat()
+            if (stat.st_ino, stat.st_mtime_ns) == copy.mark:
+                shutil.rmtree(copy.folder, ignore_errors=True)
 
 
 def _converted(name: str, source, *, convert: bool, write=None, current=None) -> Path | None:

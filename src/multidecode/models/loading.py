@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from ..attention import use_forest_sdpa
-from ..errors import InvalidArgument, ModelNotFound
+from ..errors import InvalidArgument, ModelNotFound, MultiDecodeError
 from ..exact import use_exact_kernels
 from . import precision
 from .converted import cache_copies, discard_copies, embedded_copy, embedded_gguf, gguf_copy
 from .packed import pack_model
-from .reading import from_pretrained, loading_errors, quiet_transformers
+from .reading import from_pretrained, in_one_line, loading_errors, quiet_transformers
 from .vetting import check_supported
 
 log = logging.getLogger("multidecode.models")
@@ -121,21 +121,26 @@ def _described(model) -> Path:
 def _load_gguf(model, precision_name, device: torch.device) -> Loaded:
     """A GGUF file (None: the embedded model's) at a packed precision, read straight from the
     file (at `auto` each tensor at its own width), or at a float one through its float32 copy.
-    Where the load fails with copies of the file in the cache (one cut short by a power cut, or
-    removed by a `cache clear` under way), they are made again and the load tried once more: a
-    copy is the cache's to mend, and what fails after that is the file's."""
+    Where reading its copies in the cache fails (one cut short by a power cut, or removed by a
+    `cache clear` under way), the copies this load found are made again and the load tried once
+    more: a copy is the cache's to mend, and what fails after that is the file's. A user's error
+    (an unknown precision, say) is raised as it is, and mends nothing."""
     from safetensors import SafetensorError
 
+    precision.check(precision.parse(precision_name), device)  # (a bad name: refused before any read)
     path = None if model is None else gguf_file(str(model))  # (one that is no GGUF file: refused here)
-    had_copies = bool(cache_copies(path))
+    found = cache_copies(path)  # each with its completion mark as this load found it
     try:
         return _load_gguf_once(model, precision_name, device)
     except (ModelNotFound, OSError, ValueError, SafetensorError) as err:
-        if not had_copies:  # it failed making them: the file's fault, said as it is
+        user_error = isinstance(err, MultiDecodeError) and not isinstance(err, ModelNotFound)
+        if user_error or not found:  # nothing of the cache's to mend, or it failed making them
             raise
-        discard_copies(path)
-        log.warning("a cache copy of %s did not load (%s): made again", model or "the embedded model", err)
-        return _load_gguf_once(model, precision_name, device)
+        reason = in_one_line(err)
+    # out of the except block: the first attempt's model is freed before the second loads
+    discard_copies(found)
+    log.warning("a cache copy of %s did not load (%s): made again", model or "the embedded model", reason)
+    return _load_gguf_once(model, precision_name, device)
 
 
 def _load_gguf_once(model, precision_name, device: torch.device) -> Loaded:

@@ -185,10 +185,11 @@ def weight_count(model: nn.Module) -> int:
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype the model computes in: its parameters', or, where it has none (every matrix packed,
-    and norms without weights, as OLMo's), its packed layers' activation dtype."""
+    """The dtype the model computes in: its first floating parameter's, or, where it has none
+    (every matrix packed, and norms without weights, as OLMo's), its packed layers' activation dtype."""
     for parameter in model.parameters():
-        return parameter.dtype
+        if parameter.is_floating_point():
+            return parameter.dtype
     for layer in packed_linears(model):
         return layer.dtype
     raise UnsupportedModel("the model holds no weights: no parameters and no packed layers", "load a model's weights")
