@@ -115,24 +115,68 @@ def test_a_finished_branch_takes_no_more_tokens():
         out.accept(ord("c"))
 
 
-@pytest.mark.parametrize("tokenizer", ["bytes", "byte-level BPE"])
+class ChunkTokenizer:
+    """Tokens of any bytes (as a byte-level BPE vocabulary holds: a space and a character's first
+    bytes, one character's end and the next one's start); with `fallback`, a run of bytes that
+    does not decode is one U+FFFD per token, as a SentencePiece byte-fallback decoder gives it."""
+
+    def __init__(self, text: str, cuts: list[int], *, fallback: bool = False) -> None:
+        data = text.encode("utf-8")
+        self.chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+        self.fallback = fallback
+
+    def batch_decode(self, rows, **how) -> list[str]:
+        return [self.decode(ids) for ids in rows]
+
+    def decode(self, ids) -> str:
+        if not self.fallback:
+            return b"".join(self.chunks[i] for i in ids).decode("utf-8", errors="replace")
+        text, run = "", []  # byte tokens (chunks no character of their own) decode by runs
+        for i in [*ids, None]:
+            if i is not None and not _whole(self.chunks[i]):
+                run.append(self.chunks[i])
+                continue
+            try:
+                text += b"".join(run).decode("utf-8")
+            except UnicodeDecodeError:
+                text += "\ufffd" * len(run)
+            run = []
+            text += "" if i is None else self.chunks[i].decode("utf-8")
+        return text
+
+
+def _whole(chunk: bytes) -> bool:
+    try:
+        chunk.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+TEXT = "Café 日本語 🎉, a 𝄞 b"
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "byte-level BPE", "chunks", "byte fallback"])
 def test_a_forest_nodes_texts_join_into_each_paths_text(tokenizer):
-    """Each node's text read from its few ancestors: along every path of a forest (two paths that
-    part inside a character, each with characters of 2 to 4 bytes) they join into the path's text, and
+    """Each node's text read from its few ancestors joins, along a path, into the path's text, and
     no node shows a piece of a character (U+FFFD), as the live page showed them when each token was
-    decoded alone."""
+    decoded alone: for one byte a token, for a trained BPE, for tokens that hold a space and a
+    character's first bytes or one character's end and the next one's start (whose whole part
+    was lost), and for a byte-fallback decoder (whose characters after another cut one were lost)."""
     if tokenizer == "bytes":
         tok, encode = ByteTokenizer(), lambda text: list(text.encode("utf-8"))
-    else:
+    elif tokenizer == "byte-level BPE":
         from local_models import tiny_tokenizer
 
         tok = tiny_tokenizer()
         encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
-    shared, parts = "Café 日", ("本語 🎉 done", "é ü 𝄞 ok")
-    for part in parts:
-        path = encode(shared + part)
+    else:
+        cuts = list(range(1, len(TEXT.encode("utf-8")))) if tokenizer == "byte fallback" else [3, 5, 7, 10, 13, 15, 19]
+        tok = ChunkTokenizer(TEXT, cuts, fallback=tokenizer == "byte fallback")
+        encode = lambda text: list(range(len(tok.chunks))) if text == TEXT else None
+    for text in (TEXT, "Café 日本語 🎉 done") if tokenizer in ("bytes", "byte-level BPE") else (TEXT,):
+        path = encode(text)
         windows = [path[max(0, i - CHARACTER_TOKENS):i + 1] for i in range(len(path))]
         texts = added_texts(tok, windows)
-        assert "".join(texts) == shared + part, texts
-        assert not any("\ufffd" in text for text in texts), texts
-    assert len(encode("日")) > 1  # the characters are split over tokens: the case being tested
+        assert "".join(texts) == text, texts
+        assert not any("\ufffd" in t for t in texts), texts

@@ -97,23 +97,28 @@ CHARACTER_TOKENS = 4
 
 def added_texts(tokenizer, windows: Sequence[Sequence[int]]) -> list[str]:
     """The text each window's last token adds to the tokens before it (`windows`: up to
-    `CHARACTER_TOKENS` ancestors, then the token): a character split over tokens comes whole with the
-    token that completes it, and a token that ends inside one adds nothing yet, so the texts of a
-    path's tokens join into its text, whatever the path (a forest's node knows only its ancestors,
-    not the linear stream `TextStream` reads). Special tokens are kept: this is for showing tokens."""
+    `CHARACTER_TOKENS` ancestors, then the token), such that the texts of a path's tokens join into
+    its text, whatever the path (a forest's node knows only its ancestors, not the linear stream
+    `TextStream` reads): a character split over tokens comes with the token that completes it, and
+    a token that ends inside one shows what it holds before it. Each window starts at its first
+    token whose text does not begin inside a character (a byte-fallback tokenizer turns a whole run
+    of bytes into U+FFFD when one is cut). Special tokens are kept: this is for showing tokens."""
     def decode(rows):
         return tokenizer.batch_decode(rows, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    befores, afters = decode([w[:-1] for w in windows]), decode([list(w) for w in windows])
+    tails = iter(decode([list(w[s:]) for w in windows for s in range(len(w))]))  # every suffix of each
+    trimmed = []
+    for window in windows:
+        starts = [next(tails) for _ in window]
+        first = next((s for s, text in enumerate(starts) if not text.startswith("\ufffd")), 0)
+        trimmed.append(list(window[first:]))
     texts = []
-    for before, after in zip(befores, afters):
-        if after.endswith("\ufffd"):  # ends inside a character: the token that completes it shows it
-            texts.append("")
-            continue
-        # what the tokens before it showed: the text both share (not a character they left open,
-        # whose U+FFFD the completed character replaces; pieces of one the window starts inside stay)
-        texts.append(after[len(os.path.commonprefix([before, after])):])
+    for before, after in zip(decode([w[:-1] for w in trimmed]), decode(trimmed)):
+        # past what the tokens before it showed (their text, less a character they left open, whose
+        # U+FFFD differs from the character completed), less one it leaves open itself
+        texts.append(after[len(os.path.commonprefix([before, after])):].rstrip("\ufffd"))
     return texts
+
 
 class BranchOutput:
     """The tokens and text of one branch as it grows, and why it stopped."""
