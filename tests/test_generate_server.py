@@ -339,3 +339,16 @@ def test_a_schema_file_that_is_not_json_is_refused_before_the_server_is_asked(tm
                                            "--json-schema", str(tmp_path / "bad.json")])
         assert result.exit_code == 2 and "Traceback" not in result.output, result.output
         assert "JSON schema" in result.output and "hint:" in result.output
+
+
+def test_ask_checks_its_seed_for_every_question_on_the_way_to_a_server(served, model_dir, tmp_path):
+    """The seed was checked for one branch: 2**64 - 1 with two questions reached the server."""
+    document = tmp_path / "doc.txt"
+    document.write_text("A short document.")
+    said = []
+    for where in (["--model", str(model_dir)], ["--server", served.url]):
+        result = CliRunner().invoke(main, ["ask", *where, "--document", str(document), "-q", "why?", "-q", "how?",
+                                           "--seed", str(2**64 - 1)])
+        assert result.exit_code == 2, result.output
+        said.append([line for line in result.output.splitlines() if line.startswith(("error:", "hint:"))])
+    assert said[0] == said[1] and "past 2**64 - 1" in said[0][0], said

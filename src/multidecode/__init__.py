@@ -36,7 +36,7 @@ _EXPORTS = {
     "PromptLookup": "proposers.lookup",
     "self_draft": "proposers.self_draft",
     "SuffixProposer": "proposers.suffix",
-    "SamplingParams": "sampling",
+    "SamplingParams": "sampling_params",
     "CompactionPolicy": "scheduler",
     "Speculation": "speculation", "SpeculationSettings": "speculation",
     "Answer": "strategies.ask",

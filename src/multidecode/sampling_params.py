@@ -15,7 +15,7 @@ from .errors import COUNT_LIMIT, InvalidArgument, InvalidInput, check_flag, is_i
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "logit_bias", "seed")
-"""Every setting `sampling.per_branch_sampling` takes."""
+"""Every setting `per_branch_sampling` takes."""
 SAMPLING_SWITCHES = ("temperature", "top_k", "top_p", "min_p", "seed")
 """Settings that turn sampling on where `do_sample` is not given; the rest (penalties, bias) change
 greedy branches' logits too and never turn sampling on by themselves."""

@@ -158,7 +158,8 @@ def ask(document, question, questions_file, max_new_tokens, stop, model_name, pr
     check_document(text)
     check_questions(questions)
     if server:
-        request = Request(max_new_tokens, stop, sampling_from(sampling), speculate, draft_budget, constraint)
+        request = Request(max_new_tokens, stop, sampling_from(sampling), speculate, draft_budget, constraint,
+                          branches=len(questions))
         return ask_on_server(server, text, questions, request, (model_name, precision, device), as_json=as_json,
                              show_stats=show_stats)
     from ..strategies import ask as ask_strategy

@@ -64,10 +64,11 @@ class Request:
     command refuses here is refused in the same words (not as the server's field), and sampling
     follows the library's rule (a sampling setting turns it on, else greedy; `sample`: on whatever
     is given, as `complete` does; temperature 0: greedy), with the seed chosen here when none is
-    given, so that it can be reported (choice i uses seed + i, as branch i does here)."""
+    given, so that it can be reported (choice i uses seed + i, as branch i does here). branches:
+    how many the request makes where that is not `n` (a question each)."""
 
     def __init__(self, max_new_tokens: int, stop, chosen: dict, speculate, draft_budget, constraint, *,
-                 sample: bool = False, n: int = 1) -> None:
+                 sample: bool = False, n: int = 1, branches: int | None = None) -> None:
         constraint.given()  # two at once, or --no-strict alone, refused as here
         drafting = {"--draft-budget": draft_budget, "--draft-model": speculate.draft_model,
                     "--draft-skip-layers": speculate.draft_skip_layers, "--lookahead": speculate.lookahead,
@@ -82,7 +83,7 @@ class Request:
         check_positive("max_new_tokens", max_new_tokens)
         # the library's checks and rule (greedy or sampled, the seed drawn where none is given), so
         # the server is sent only what this command would run here
-        params = per_branch_sampling(n, ({"do_sample": True} if sample else {}) | chosen)[0]
+        params = per_branch_sampling(branches or n, ({"do_sample": True} if sample else {}) | chosen)[0]
         self.body: dict = {"max_tokens": max_new_tokens, "return_token_ids": True, "n": n,
                            "speculate": speculate.mode or "off", **({"stop": list(stop)} if stop else {})}
         self.seed = params.seed if params.do_sample else None

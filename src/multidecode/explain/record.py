@@ -289,7 +289,7 @@ def summarize(view: StepView, stats: DecodeStats, *, model: str, speculate: Spec
             "rejected": len(lane.rejected),
             "side_nodes": len(lane.side),
             "accepted_text": "".join(n.text for n in lane.accepted),
-            "next_token": None if lane.next_token is None else {"token_id": lane.next_token, "text": lane.next_text},
+            "next_token": {"token_id": lane.next_token, "text": lane.next_text},  # null id: it ended on a draft
             "positions": [min(n.position for n in lane.nodes), max(n.position for n in lane.nodes)],
             "prompt_tail_tokens": len(lane.tail),
             "answer_tokens_before": len(lane.answer),

@@ -264,9 +264,10 @@ def _write_atomically(target: Path, gguf: Path, identity: GGUFIdentity, parts, *
         for part in parts:
             part.save_pretrained(tmp)
         _write_manifest(tmp / MANIFEST, gguf, identity, target.name, dtype=dtype)
-        for file in tmp.iterdir():  # on disk before the mark says the copy is whole
-            with open(file, "rb") as written:
-                os.fsync(written.fileno())
+        for file in tmp.rglob("*"):  # on disk before the mark says the copy is whole
+            if file.is_file():
+                with open(file, "rb") as written:
+                    os.fsync(written.fileno())
         (tmp / _COMPLETE).write_text(f"converted from {gguf}\n")
         if target.exists():  # an incomplete copy left by an older, interrupted layout
             shutil.rmtree(target)
@@ -515,10 +516,11 @@ def _busy(name: str) -> bool:
 
 def _held(lock: Path) -> bool:
     """Whether another process holds the lock file `lock` (one that is not there is not held)."""
-    if not lock.is_file():
+    try:
+        with _exclusive(lock, wait=False, create=False) as held:
+            return not held
+    except OSError:  # not there (any more), or not readable: not known to be held
         return False
-    with _exclusive(lock, wait=False, create=False) as held:
-        return not held
 
 
 def _model_state(name: str, manifest: dict | None, source: str | None) -> str:

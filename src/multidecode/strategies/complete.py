@@ -84,7 +84,7 @@ def prompt_ids(tokenizer, prompt: str | Sequence[int], *, chat: bool | None = No
 
 def sampled_settings(sampling: dict) -> dict:
     """Sampling on by default (a random base seed is drawn where none is given: see
-    `sampling.per_branch_sampling`)."""
+    `sampling_params.per_branch_sampling`)."""
     return {"do_sample": True, **sampling}
 
 
