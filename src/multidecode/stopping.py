@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .errors import InvalidArgument, is_int
+from .forest import ROOT
 
 STOP = "stop"  # an eos token or a stop string
 LENGTH = "length"  # max_new_tokens reached
@@ -104,7 +105,10 @@ def added_texts(tokenizer, windows: Sequence[Sequence[int]]) -> list[str]:
     token whose text does not begin inside a character (a byte-fallback tokenizer turns a whole run
     of bytes into U+FFFD when one is cut). Special tokens are kept: this is for showing tokens."""
     def decode(rows):
-        return tokenizer.batch_decode(rows, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        how = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
+        if hasattr(tokenizer, "batch_decode"):
+            return tokenizer.batch_decode(rows, **how)
+        return [tokenizer.decode(row, **how) for row in rows]
 
     tails = iter(decode([list(w[s:]) for w in windows for s in range(len(w))]))  # every suffix of each
     trimmed = []
@@ -118,6 +122,21 @@ def added_texts(tokenizer, windows: Sequence[Sequence[int]]) -> list[str]:
         # U+FFFD differs from the character completed), less one it leaves open itself
         texts.append(after[len(os.path.commonprefix([before, after])):].rstrip("\ufffd"))
     return texts
+
+
+def node_texts(tokenizer, forest, nodes: Sequence[int]) -> list[str]:
+    """The text each of a forest's `nodes` adds to its path (`added_texts`, each read from its
+    `CHARACTER_TOKENS` nearest ancestors); ids as text where there is no tokenizer."""
+    if tokenizer is None:
+        return [str(forest.tokens[n]) for n in nodes]
+    windows = []
+    for node in nodes:
+        window, n = [], node
+        while n != ROOT and len(window) <= CHARACTER_TOKENS:
+            window.append(forest.tokens[n])
+            n = forest.parents[n]
+        windows.append(window[::-1])
+    return added_texts(tokenizer, windows)
 
 
 class BranchOutput:

@@ -23,6 +23,7 @@ from ..prompts import check_document, check_questions
 from ..sampling_params import per_branch_sampling
 from ..scheduler import Scheduler, StepTrace, new_scheduler
 from ..speculation import Speculation, build_speculation
+from ..stopping import node_texts
 from ..strategies import ask as ask_strategy
 from .draw import draw
 from .step import FedNode, Lane, StepCounts, StepView
@@ -226,9 +227,9 @@ def _view(trace: StepTrace, group: BranchGroup, lanes: dict[int, list[int]], tok
             ordered.append((node, depth))
             kids = sorted(children.get(node, []), key=lambda n: order[status(n, depth + 1)])
             stack.extend((kid, depth + 1) for kid in reversed(kids))
-        fed = [FedNode(node, forest.tokens[node], token_text(tokenizer, [forest.tokens[node]]), forest.parents[node],
-                       forest.positions[node], forest.slot_of[node], depth, status(node, depth))
-               for node, depth in ordered]
+        texts = node_texts(tokenizer, forest, [node for node, _ in ordered])  # a split character shown whole
+        fed = [FedNode(node, forest.tokens[node], text, forest.parents[node], forest.positions[node],
+                       forest.slot_of[node], depth, status(node, depth)) for (node, depth), text in zip(ordered, texts)]
         tail = path[prefix_length:branch.prompt_length]
         answer = path[branch.prompt_length:-1]
         label = labels[index] if labels is not None and index < len(labels) else f"branch {index + 1}"

@@ -48,7 +48,7 @@ from ..memory import budget_bytes
 from ..prompts import share_prefix
 from ..scheduler import CompactionPolicy, Scheduler, StepTrace, new_scheduler
 from ..speculation import build_speculation
-from ..stopping import CHARACTER_TOKENS, added_texts, eos_ids_of
+from ..stopping import eos_ids_of, node_texts
 from ..strategies.beam import BeamWork, check_settings
 from .admission import Admission
 from .jobs import Counters, Job, Limits, Overloaded, Reservation, TooLarge, Usage
@@ -439,24 +439,10 @@ class ForestRuntime:
                 continue  # its prompt waited for others' pieces
             ids = [n for n in trace.nodes if n in mine]
             nodes = [[n, forest.parents[n], text, _kind(n, forest, rejected, work)]
-                     for n, text in zip(ids, self._token_texts(forest, ids))]
+                     for n, text in zip(ids, node_texts(self.tokenizer, forest, ids))]
             heads = [b.leaf for b in work.branches] if work.started else []
             self._send(job, ("trace", {"step": trace.step, "cached_tokens": job.cached_tokens, "heads": heads,
                                        "nodes": nodes}))
-
-    def _token_texts(self, forest, nodes: Sequence[int]) -> list[str]:
-        """The text each node adds to its path (`stopping.added_texts`), so the live page shows a
-        character split over tokens whole (each token decoded alone showed its pieces as U+FFFD)."""
-        if self.tokenizer is None:
-            return [str(forest.tokens[n]) for n in nodes]
-        windows = []
-        for node in nodes:
-            window, n = [], node
-            while n != ROOT and len(window) <= CHARACTER_TOKENS:
-                window.append(forest.tokens[n])
-                n = forest.parents[n]
-            windows.append(window[::-1])
-        return added_texts(self.tokenizer, windows)
 
 
 def _kind(node: int, forest, rejected: set[int], work) -> str:
