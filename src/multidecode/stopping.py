@@ -111,13 +111,14 @@ def added_texts(tokenizer, windows: Sequence[Sequence[int]]) -> list[str]:
         return [tokenizer.decode(row, **how) for row in rows]
 
     tails = iter(decode([list(w[s:]) for w in windows for s in range(len(w))]))  # every suffix of each
-    trimmed = []
+    trimmed, afters = [], []
     for window in windows:
         starts = [next(tails) for _ in window]
         first = next((s for s, text in enumerate(starts) if not text.startswith("\ufffd")), 0)
         trimmed.append(list(window[first:]))
+        afters.append(starts[first])  # the trimmed window's text: decoded already
     texts = []
-    for before, after in zip(decode([w[:-1] for w in trimmed]), decode(trimmed)):
+    for before, after in zip(decode([w[:-1] for w in trimmed]), afters):
         # past what the tokens before it showed (their text, less a character they left open, whose
         # U+FFFD differs from the character completed), less one it leaves open itself
         texts.append(after[len(os.path.commonprefix([before, after])):].rstrip("\ufffd"))

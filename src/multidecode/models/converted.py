@@ -25,6 +25,7 @@ partial conversions, the cost curves of `cost.py` in `costs/`), for `multidecode
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -96,11 +97,21 @@ class GGUFIdentity:
 
 
 def gguf_identity(gguf: Path) -> GGUFIdentity:
-    """The identity of the GGUF file at `gguf` (a stat and a read of at most `HEADER_BYTES`)."""
-    with open(gguf, "rb") as handle:
-        stat = os.fstat(handle.fileno())
-        header = handle.read(HEADER_BYTES)
-    return GGUFIdentity(stat.st_size, stat.st_mtime_ns, hashlib.sha256(header).hexdigest())
+    """The identity of the GGUF file at `gguf`: a stat, and a read of at most `HEADER_BYTES` the
+    first time this process sees the file as it is (a load asks several times: its copies, their
+    freshness, the precision `auto` picks). Any write changes the file's ctime, which no one can set
+    back, so a header rewritten under the same size and mtime is read again."""
+    stat = os.stat(gguf)
+    return GGUFIdentity(stat.st_size, stat.st_mtime_ns,
+                        _header_sha256(os.path.realpath(gguf), (stat.st_ino, stat.st_size, stat.st_ctime_ns)))
+
+
+@functools.lru_cache(maxsize=32)
+def _header_sha256(path: str, version: tuple[int, int, int]) -> str:
+    """The SHA-256 of a file's first `HEADER_BYTES` bytes, kept for the file as it was stat'ed
+    (`version`: its inode, size and ctime)."""
+    with open(path, "rb") as handle:
+        return hashlib.sha256(handle.read(HEADER_BYTES)).hexdigest()
 
 
 def gguf_copy_name(gguf: Path, identity: GGUFIdentity | None = None) -> str:
@@ -168,13 +179,12 @@ class FoundCopy:
     mark: tuple[int, int]
 
 
-def cache_copies(gguf: Path | None) -> list[FoundCopy]:
-    """The complete cache copies of the GGUF file `gguf` (None: the embedded model's) there now."""
+def cache_copies(gguf: Path) -> list[FoundCopy]:
+    """The complete cache copies of the GGUF file `gguf` there now."""
     found = []
     try:
         for described in (False, True):
-            folder = embedded_copy(convert=False, described=described) if gguf is None else \
-                gguf_copy(gguf, convert=False, described=described)
+            folder = gguf_copy(gguf, convert=False, described=described)
             if folder is not None:
                 stat = (folder / _COMPLETE).stat()
                 found.append(FoundCopy(folder, (stat.st_ino, stat.st_mtime_ns)))

@@ -20,7 +20,7 @@ from ..attention import use_forest_sdpa
 from ..errors import InvalidArgument, ModelNotFound, MultiDecodeError
 from ..exact import use_exact_kernels
 from . import precision
-from .converted import cache_copies, discard_copies, embedded_copy, embedded_gguf, gguf_copy
+from .converted import cache_copies, discard_copies, embedded_gguf, gguf_copy
 from .packed import pack_model
 from .reading import from_pretrained, in_one_line, loading_errors, quiet_transformers
 from .vetting import check_supported
@@ -113,9 +113,14 @@ def _is_gguf(model) -> bool:
     return model is None or str(model).lower().endswith(".gguf")
 
 
+def _gguf_path(model) -> Path:
+    """A GGUF model's file (None: the embedded one's), whose copies `gguf_copy` finds."""
+    return embedded_gguf() if model is None else gguf_file(str(model))
+
+
 def _described(model) -> Path:
     """The described copy (config, tokenizer, tensor directory) of a GGUF model (None: the embedded one)."""
-    return embedded_copy(described=True) if model is None else gguf_copy(gguf_file(str(model)), described=True)
+    return gguf_copy(_gguf_path(model), described=True)
 
 
 def _load_gguf(model, precision_name, device: torch.device) -> Loaded:
@@ -128,8 +133,7 @@ def _load_gguf(model, precision_name, device: torch.device) -> Loaded:
     from safetensors import SafetensorError
 
     precision.check(precision.parse(precision_name), device)  # (a bad name: refused before any read)
-    path = None if model is None else gguf_file(str(model))  # (one that is no GGUF file: refused here)
-    found = cache_copies(path)  # each with its completion mark as this load found it
+    found = cache_copies(_gguf_path(model))  # (one that is no GGUF file: refused here)  # each with its completion mark as this load found it
     try:
         return _load_gguf_once(model, precision_name, device)
     except (ModelNotFound, OSError, ValueError, SafetensorError) as err:
@@ -149,12 +153,11 @@ def _load_gguf_once(model, precision_name, device: torch.device) -> Loaded:
 
     chosen = resolve_precision(model, precision_name, device)
     keep_widths = precision.parse(precision_name) == "auto"  # each GGUF tensor at its own width
-    path = embedded_gguf() if model is None else gguf_file(str(model))
+    path = _gguf_path(model)
     source = "embedded" if model is None else str(path)
     if chosen.bits is None:
-        loaded = _float_folder(embedded_copy() if model is None else gguf_copy(path), {}, chosen, source)
-        described = embedded_copy(described=True, convert=False) if model is None else \
-            gguf_copy(path, described=True, convert=False)
+        loaded = _float_folder(gguf_copy(path), {}, chosen, source)
+        described = gguf_copy(path, described=True, convert=False)
     else:
         described = _described(model)
         with quiet_transformers(), loading_errors(model or path):
