@@ -450,8 +450,8 @@ def test_resume_after_a_cut_short_last_line(model_dir, tmp_path):
     full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
     assert run(source, "-o", full, "--model", model_dir, "--max-new-tokens", 5).exit_code == 0
     lines = full.read_bytes().splitlines(keepends=True)
-    for cut in (lines[2][:40], b'{"id": "doc-2", "li\n', b"\x00" * 30):
-        # what a crash mid-write can leave: part of a record, or zeros
+    for cut in (lines[2][:40], b'{"id": "doc-2", "li\n', b"\x00" * 30, b"{", b'{"', b'{"id'):
+        # what a crash mid-write can leave: part of a record (its first bytes only, on a full disk), or zeros
         out.write_bytes(b"".join(lines[:2]) + cut)
         result = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 5)
         assert result.exit_code == 0, result.output
@@ -885,7 +885,7 @@ def test_ctrl_c_finishes_the_current_document_exits_130_and_resumes(model_dir, t
     out = tmp_path / "out.jsonl"
     process, stderr = interrupt(source, out, model_dir, after_lines=2, sig=signal.SIGINT)
     assert process.returncode == 130, stderr
-    assert "stopping after the documents in progress" in stderr and "Traceback" not in stderr
+    assert "stopping after the documents in progress (press Ctrl-C again" in stderr and "Traceback" not in stderr
     assert "run the same command again to resume: multidecode batch" in stderr
     done = records(out)  # whole lines only: it stopped between documents
     assert 2 <= len(done) < 60 and f"{len(done)} of 60 lines" in stderr
@@ -893,6 +893,18 @@ def test_ctrl_c_finishes_the_current_document_exits_130_and_resumes(model_dir, t
     result = run(source, "--output", out, "--model", model_dir, "--max-new-tokens", 8)
     assert result.exit_code == 0, result.output
     assert results(records(out)) == reference
+
+
+@pytest.mark.parametrize("word", ["plain", "two words", "it's", "\n", "line\nbreak", "tab\tand 'quote' \\ é\n",
+                                  "\x01", "\U0001f600\n"])
+def test_the_resume_hint_gives_each_word_back_to_the_shell_on_one_line(word):
+    """`--stop $'\\n'` came back as '<newline>': a hint over two lines that a copy would cut."""
+    from multidecode.cli.batch import shell_word
+
+    quoted = shell_word(word)
+    assert quoted.isprintable()
+    echoed = subprocess.run(["bash", "-c", f"printf %s {quoted}"], capture_output=True, check=True).stdout
+    assert echoed.decode("utf-8") == word
 
 
 def test_the_example_input_is_valid():
@@ -1029,6 +1041,30 @@ def test_a_full_disk_is_an_error_with_a_hint_and_the_job_resumes(model_dir, tmp_
     monkeypatch.setattr(output.os, "write", write)
     assert run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 2).exit_code == 0
     assert sorted(r["id"] for r in records(out)) == [row["id"] for row in documents(3)]
+
+
+def test_a_full_disk_under_the_settings_file_or_a_retry_names_that_file(model_dir, tmp_path, monkeypatch):
+    """ENOSPC while writing OUT.meta.json (or rewriting OUT for --retry-failed) named no file, so the
+    command blamed standard output ("send standard output where there is room"); the output stays as it was."""
+    from multidecode.batch import output
+
+    source = write_lines(tmp_path / "in.jsonl", [*documents(2), {"id": "bad", "document": "x", "questions": [""]}])
+    out = tmp_path / "out.jsonl"
+
+    def no_space(path, chunks, **how):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(output, "replace_atomically", no_space)
+    fresh = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 2)
+    assert fresh.exit_code == 2 and f"cannot write {meta_path(out)}: No space left on device" in fresh.stderr
+    assert "standard output" not in fresh.output and "rerun the same command" in fresh.output
+    monkeypatch.undo()
+    assert run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 2).exit_code == 0
+    before = out.read_bytes()
+    monkeypatch.setattr(output, "replace_atomically", no_space)
+    retry = run(source, "-o", out, "--model", model_dir, "--max-new-tokens", 2, "--retry-failed")
+    assert retry.exit_code == 2 and f"cannot write {out}: No space left on device" in retry.stderr
+    assert "standard output" not in retry.output and out.read_bytes() == before
 
 
 def test_a_clash_with_an_unreadable_lines_number_names_the_unreadable_line(model_dir, tmp_path):

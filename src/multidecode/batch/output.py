@@ -126,18 +126,14 @@ class OutputFile:
         except UnicodeEncodeError:  # a lone surrogate from the input: escape everything instead
             data = (json.dumps(record, ensure_ascii=True) + "\n").encode("ascii")
         view = memoryview(data)
-        try:
+        with _writing(self.path):  # a line cut short here is repaired when the job resumes
             while view:  # one write in practice
                 view = view[os.write(self.fd, view):]
             os.fsync(self.fd)
-        except OSError as error:  # a line cut short here is repaired when the job resumes
-            raise OutputUnwritable(f"cannot write {self.path}: {error.strerror or error}",
-                                   "free some space (or mend the cause), then rerun the same command: it "
-                                   "resumes after the last whole record") from error
 
     def drop(self, keys: set[str]) -> None:
         """Replace the output, atomically, with a copy that lacks the records of `keys`."""
-        with open(self.path, "rb") as handle:
+        with open(self.path, "rb") as handle, _writing(self.path):
             replace_atomically(self.path, (raw for raw in handle
                                  if (record := _parse_record(raw)) is None or id_key(record["id"]) not in keys))
         os.close(self.fd)
@@ -204,7 +200,8 @@ class OutputFile:
         inputs = [str(path) for path in inputs] + ([] if known else [str(input_path.resolve())])
         data = {"format": FORMAT, "fingerprint": settings.fingerprint, "settings": settings.as_dict(),
                 "input": inputs[0], "inputs": inputs, "multidecode": __version__}
-        replace_atomically(meta_path(self.path), [(json.dumps(data, ensure_ascii=False, indent=2) + "\n").encode("utf-8")])
+        with _writing(meta_path(self.path)):
+            replace_atomically(meta_path(self.path), [(json.dumps(data, ensure_ascii=False, indent=2) + "\n").encode("utf-8")])
 
     def discard(self) -> None:
         """Remove the output and its settings file where this opening made the output and nothing was
@@ -242,14 +239,32 @@ def _parse_record(raw: bytes) -> dict | None:
     return record
 
 
+@contextlib.contextmanager
+def _writing(path: Path):
+    """Turn a failed write of the output or its settings file into `OutputUnwritable` naming the file:
+    what is written stays (a replaced file is whole or untouched), so the same command resumes."""
+    try:
+        yield
+    except OutputUnwritable:
+        raise
+    except OSError as error:
+        raise OutputUnwritable(f"cannot write {path}: {error.strerror or error}",
+                               "free some space (or mend the cause), then rerun the same command: it "
+                               "resumes after the last whole record") from error
+
+
+RECORD_START = b'{"id"'
+"""What every record's line starts with (`id` is written first)."""
+
+
 def _cut_short(raw: bytes) -> bool:
     """Whether an unreadable last line is what an interrupted write leaves: the start of a record
     that does not parse (or zeros, from a file system that lost the data), never another file's
     JSON (whole JSON that is not a record, with or without its newline, is someone's data)."""
     stripped = raw.strip(b"\x00 \t\r\n")
-    if not stripped:
+    if not stripped or RECORD_START.startswith(stripped):  # cut within a record's first bytes
         return True
-    if not stripped.startswith(b'{"id"'):
+    if not stripped.startswith(RECORD_START):
         return False
     try:
         json.loads(stripped.decode("utf-8"))

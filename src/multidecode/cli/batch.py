@@ -137,7 +137,8 @@ def graceful_stop(job: BatchJob, view: ProgressView):
         received.append(signum)
         job.stop()
         with contextlib.suppress(Exception):
-            view.note("[yellow]stopping after the documents in progress (press Ctrl-C again to stop now)[/yellow]")
+            again = "press Ctrl-C again" if signum == signal.SIGINT else "send SIGTERM again"
+            view.note(f"[yellow]stopping after the documents in progress ({again} to stop now)[/yellow]")
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -151,7 +152,16 @@ def resume_command() -> str | None:
     """The command line to run again, when this process was started as `multidecode ...`."""
     if Path(sys.argv[0]).name != "multidecode":
         return None
-    return shlex.join(["multidecode", *sys.argv[1:]])
+    return " ".join(map(shell_word, ["multidecode", *sys.argv[1:]]))
+
+
+def shell_word(word: str) -> str:
+    """`word` quoted for the shell, on one line: one holding a control character (`--stop $'\\n'`) in
+    $'...' quoting (bash, zsh), that character escaped; any other as `shlex.quote` does."""
+    if word.isprintable():
+        return shlex.quote(word)
+    named = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\", "'": "\\'"}
+    return "$'" + "".join(named.get(c) or (c if c.isprintable() else f"\\U{ord(c):08x}") for c in word) + "'"
 
 
 # ---------------------------------------------------------------------- reporting
