@@ -7,6 +7,7 @@ side raises a `MultiDecodeError` subclass that names the problem.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -233,6 +234,25 @@ def test_a_document_that_is_not_text(model_dir, tmp_path):
     binary = tmp_path / "image.png"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
     assert_clean_error(run("ask", "--model", model_dir, "--document", binary, "-q", "why?"), "not a text file")
+
+
+@pytest.mark.parametrize(("data", "said", "fix"), [
+    ("Qu'a dit le client ?".encode("utf-16"), "is UTF-16 (or UTF-32) text, not UTF-8", "iconv"),
+    ("Qu'a dit le client ?".encode("utf-16-le"), "is UTF-16 (or UTF-32) text, not UTF-8", "iconv"),
+    ("Qu'a dit le client ?".encode("utf-16-be"), "is UTF-16 (or UTF-32) text, not UTF-8", "iconv"),
+    (gzip.compress(b"some text"), "is not a text file (it is gzip-compressed)", "gunzip"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)), "is not a text file (it holds binary data)",
+     "plain UTF-8 text")], ids=["utf-16 with its mark", "utf-16-le", "utf-16-be", "gzip", "png"])
+def test_a_file_that_is_not_utf8_text_says_what_it_is(model_dir, tmp_path, data, said, fix):
+    """A UTF-16 file (Windows' "Unicode" text) was "binary data, gunzip it first" to batch and "bad
+    byte at offset 0" to ask: each says what the file is, and how to make it UTF-8."""
+    document, source = tmp_path / "document.txt", tmp_path / "in.jsonl"
+    document.write_bytes(data)
+    source.write_bytes(data)
+    assert_clean_error(run("ask", "--model", model_dir, "--document", document, "-q", "why?"), said, fix)
+    assert_clean_error(run("batch", source, "-o", tmp_path / "out.jsonl", "--model", model_dir, "-q", "why?"), said,
+                       fix)
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_a_file_that_cannot_be_read(model_dir, tmp_path, monkeypatch):

@@ -111,8 +111,15 @@ def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, mon
     assert human.exit_code == 0, human.output
     assert expected.text.strip() in human.stdout
     assert "tokens per forward" in human.stderr and "speculate=auto" in human.stderr
-    assert "Measuring what a forward costs" in human.stderr
+    assert "Measuring what a forward costs" in human.stderr and "kept, and refined by every run" in human.stderr
     assert list(tmp_path.glob("costs/*.json"))  # measured once, kept for the next run
+    (tmp_path / "a-file").write_text("")  # a folder that cannot be made: the curve is measured, and said not kept
+    monkeypatch.setenv("MULTIDECODE_COSTS", str(tmp_path / "a-file" / "costs"))
+    monkeypatch.setattr(multidecode.cost, "_CURVES", {})
+    unkept = runner.invoke(main, [*args, "--speculate", "auto"])
+    assert unkept.exit_code == 0 and unkept.stdout == human.stdout, unkept.output
+    assert f"not kept: {tmp_path / 'a-file' / 'costs'} cannot be written" in unkept.stderr.replace("\n", "")
+    assert "kept, and refined" not in unkept.stderr
     prompt_file = tmp_path / "prompt.txt"
     for ending in ("", "\n", "\r\n"):  # a file's last line break (echo's, an editor's) is not the prompt's
         prompt_file.write_bytes(f"hello, the router is old{ending}".encode())

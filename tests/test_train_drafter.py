@@ -130,6 +130,34 @@ def test_bad_prompts_a_model_without_an_lm_head_and_other_settings_are_refused(t
     assert result.exit_code != 0 and "line 2" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(("setting", "value"), [("epochs", float("nan")), ("epochs", float("inf")), ("epochs", 0),
+                                              ("learning_rate", float("nan")), ("heads", 0), ("batch", 2.5),
+                                              ("limit", 0), ("seed", -1)])
+def test_a_setting_no_run_could_use_is_refused_when_made(tmp_path, setting, value):
+    """--epochs nan (or inf) passed click's range and ended in a traceback after the answers were written."""
+    with pytest.raises(InvalidArgument, match=setting):
+        _settings(tmp_path, **{setting: value})
+
+
+def test_prompts_files_in_other_encodings_or_too_few_prompts_are_refused_before_loading(tmp_path):
+    """A Latin-1 prompts file was a UnicodeDecodeError traceback; one with a byte-order mark was "line 1
+    is not a prompt"; one prompt loaded the model and answered it before "too few prompts"."""
+    good = json.dumps({"prompt": "hi there"}) + "\n" + json.dumps({"prompt": "and again"}) + "\n"
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + good.encode())
+    assert read_prompts(str(marked)) == ["hi there", "and again"]
+    cases = {"latin1.jsonl": ('{"prompt": "caf\xe9"}\n'.encode("latin-1"), "not UTF-8 text (bad byte at offset 15)"),
+             "utf16.jsonl": (good.encode("utf-16"), "UTF-16"), "one.jsonl": (good.splitlines()[0].encode(), "got 1")}
+    for name, (data, said) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        result = CliRunner().invoke(main, ["train-drafter", "--prompts", str(tmp_path / name),
+                                           "--model", str(tmp_path / "no-such-model")])
+        assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
+    result = CliRunner().invoke(main, ["train-drafter", "--prompts", str(marked), "--epochs", "nan",
+                                       "--model", str(tmp_path / "no-such-model")])
+    assert result.exit_code == 2 and "epochs must be a positive finite number" in result.output, result.output
+
+
 def test_prompts_past_the_models_positions_are_left_out_and_named(tmp_path):
     """A prompt longer than the model's positions (the shipped set reaches about 1,100 tokens; a
     model may take 512) stopped the whole run with the document advice of `ask`. Those that do not
@@ -140,8 +168,8 @@ def test_prompts_past_the_models_positions_are_left_out_and_named(tmp_path):
     events = list(train_drafter(_decoder(), _settings(tmp_path, prompts=str(prompts), epochs=1)))
     assert events[-1].info["left_out"] == [4]
     assert json.loads((tmp_path / "heads" / "training.json").read_text())["left_out"] == [4]
-    prompts.write_text(json.dumps({"prompt": long_prompt}) + "\n")
-    with pytest.raises(InvalidArgument, match="none of the 1 prompts fits the model's 512 positions"):
+    prompts.write_text((json.dumps({"prompt": long_prompt}) + "\n") * 2)
+    with pytest.raises(InvalidArgument, match="none of the 2 prompts fits the model's 512 positions"):
         list(train_drafter(_decoder(), _settings(tmp_path / "again", prompts=str(prompts), epochs=1)))
 
 

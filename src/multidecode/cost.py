@@ -29,7 +29,6 @@ cost in the forward. Both sides are measured, never assumed:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import hashlib
 import itertools
 import json
@@ -277,6 +276,7 @@ class LearnedCurve:
     probed: dict[int, int] = field(default_factory=dict)
     path: Path | None = field(default=None, compare=False)
     probe_ran: bool = field(default=False, compare=False)  # a probe ran in this process
+    kept: bool = field(default=False, compare=False)  # the last `save` reached its file (False: none, or unwritable)
     pending: list[tuple[tuple[int, int], float]] = field(default_factory=list, compare=False, repr=False)
     fitted: CostCurve | None = field(default=None, compare=False, repr=False)
     unfitted: int = field(default=0, compare=False, repr=False)  # timings since `fitted` was fitted
@@ -335,7 +335,7 @@ class LearnedCurve:
                 for q, count in self.probed.items():
                     stored.probed[q] = max(count, stored.probed.get(q, 0))
                 self.cells, self.probed, self.fitted = stored.cells, stored.probed, None
-            write_atomically(self.path, self.as_dict())
+            self.kept = write_atomically(self.path, self.as_dict())
         self.pending.clear()
 
     def as_dict(self) -> dict:
@@ -546,12 +546,15 @@ def read_curve(path: Path, key: str) -> LearnedCurve | None:
     return curve
 
 
-def write_atomically(path: Path, data: dict) -> None:
+def write_atomically(path: Path, data: dict) -> bool:
     """Write `data` as JSON to `path` through a temporary file (a reader never sees half a file);
-    a folder that cannot be written loses only the saving."""
-    with contextlib.suppress(OSError):
+    a folder that cannot be written loses only the saving. Returns whether it was written."""
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
         replace_atomically(path, [json.dumps(data).encode("utf-8")], durable=False)  # saved while decoding
+    except OSError:
+        return False
+    return True
 
 
 def cost_curve(model, *, folder: Path | None = None, measure: bool = True,

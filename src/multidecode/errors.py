@@ -125,6 +125,31 @@ def check_known(names, known, what: str) -> None:
         raise InvalidArgument(f"unknown {what}: {', '.join(unknown)}", f"use {', '.join(known)}")
 
 
+def check_text(head: bytes, name: str, what: str) -> None:
+    """Refuse a file whose first bytes `head` are no UTF-8 text, saying what it is instead: compressed,
+    UTF-16 (or UTF-32: zeros in every other byte of ASCII text, or their byte-order mark), or binary."""
+    if head.startswith(b"\x1f\x8b"):
+        raise InvalidInput(f"{name} is not a text file (it is gzip-compressed)", f"decompress the {what} first (gunzip)")
+    wide = head.startswith((b"\xff\xfe", b"\xfe\xff")) or any(
+        head[start::2].count(0) == 0 and head[1 - start::2].count(0) > len(head) // 4 for start in (0, 1))
+    if wide:
+        raise InvalidInput(f"{name} is UTF-16 (or UTF-32) text, not UTF-8",
+                           f"save the {what} as UTF-8 (iconv -f UTF-16 -t UTF-8 FILE > NEW_FILE)")
+    if b"\x00" in head:
+        raise InvalidInput(f"{name} is not a text file (it holds binary data)", f"pass the {what} as plain UTF-8 text")
+
+
+def decode_text(data: bytes, name: str, what: str) -> str:
+    """A file's bytes as text: UTF-8, a leading byte-order mark dropped (Windows editors write one);
+    anything else refused naming the file (`check_text`), or the first byte that is not UTF-8."""
+    check_text(data, name, what)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise InvalidInput(f"{name} is not UTF-8 text (bad byte at offset {err.start})",
+                           f"convert the {what} to UTF-8 first") from None
+
+
 def changed_settings(stored: Mapping, current: Mapping) -> list[str]:
     """What differs between the settings a saved result was made with and these ("epochs was 2.0,
     now 3.0"), for the refusal to go on with it (a batch output, a drafter's checkpoint)."""

@@ -21,7 +21,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import InvalidArgument, InvalidInput, MultiDecodeError
+from ..errors import InvalidArgument, InvalidInput, MultiDecodeError, decode_text
 from ..sampling_params import TINIEST_TEMPERATURE, divides_logits
 from ..user_cache import unwritable
 
@@ -103,7 +103,8 @@ SAMPLING_OPTIONS = (
     ("--repetition-penalty", float, "Penalize tokens already in the sequence (1.0 = off); applies to greedy too."),
     ("--presence-penalty", float, "OpenAI's: -2 to 2, off each generated token's logit; applies to greedy too."),
     ("--frequency-penalty", float, "OpenAI's: -2 to 2, times each generated token's count; applies to greedy too."),
-    ("--seed", int, "Seed; branch i uses seed + i, so every branch is reproducible."),
+    ("--seed", int, ("Seed (turns sampling on, at temperature 1 unless given); branch i uses seed + i, so every "
+                     "branch is reproducible.")),
 )
 """The sampling options but --logit-bias: (option, type, help)."""
 
@@ -288,8 +289,10 @@ def prepare_speculation(decoder, settings: SpeculationSettings) -> SpeculationSe
     elif settings.mode == "auto" and decoder.cost is None and probe_due(decoder.model):
         with stderr.status("Measuring what a forward costs on this machine, for --speculate auto (under 2 s)..."):
             decoder.cost = cost_curve(decoder.model)
+        kept = ("kept, and refined by every run" if decoder.cost.kept else f"not kept: {escape(str(decoder.cost.path.parent))} "
+                "cannot be written, so each run measures again (set MULTIDECODE_COSTS to a folder you can write)")
         stderr.print(f"[dim]Measuring what a forward costs on this machine took {time.perf_counter() - start:.1f} s; "
-                     "kept, and refined by every run[/dim]")
+                     f"{kept}[/dim]")
     return settings
 
 
@@ -477,14 +480,7 @@ def read_text(path: str, what: str = "document") -> str:
             raise InvalidInput(f"cannot read the {what} file {path}: {err.strerror or err}",
                                "check that it exists and that you may read it") from None
         name = path
-    if b"\x00" in data:
-        raise InvalidInput(f"{name} is not a text file (it holds binary data)", f"pass the {what} as plain UTF-8 text")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise InvalidInput(
-            f"{name} is not UTF-8 text (bad byte at offset {err.start})", f"convert the {what} to UTF-8 first"
-        ) from err
+    return decode_text(data, name, what)
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:

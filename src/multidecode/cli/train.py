@@ -44,11 +44,11 @@ def train_drafter(model_name, precision, device, kind, prompts, heads, draft_voc
     position), and the heads learn to guess its tokens 2, 3, ... places ahead. Each phase keeps
     its files in the work folder as it goes: run the same command again to resume. Uses the GPU
     when one is present."""
-    from ..training.distill import DistillSettings, read_prompts, train_drafter
+    from ..training.distill import DistillSettings, train_drafter, training_prompts
 
     settings = DistillSettings(kind=kind, prompts=prompts, heads=heads, draft_vocab=draft_vocab,
                                max_new_tokens=max_new_tokens, epochs=epochs, limit=limit, output=output, work=work)
-    read_prompts(prompts)  # a bad file is refused before the model loads, and so are folders that
+    training_prompts(settings)  # a bad file is refused before the model loads, and so are folders that
     for option, folder in (("--output", output), ("--work", work)):  # could not take the run's results
         if folder is not None:
             check_writable_folder(folder, option)

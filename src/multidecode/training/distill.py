@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ import torch
 
 from .. import data
 from ..engine import Engine
-from ..errors import InvalidArgument, changed_settings
+from ..errors import InvalidArgument, changed_settings, check_positive, decode_text, is_int
 from ..forest import chain_parents
 from ..models.packed import weights_device
 from ..models.vetting import max_positions
@@ -52,6 +53,10 @@ from .trainees import EagleTrainee, MedusaTrainee
 RECIPE = 2
 """What the trainees learn (2: the EAGLE head reads whole sequences, prompt first): a checkpoint of
 another recipe is not resumed."""
+
+
+MIN_PROMPTS = 2
+"""The fewest prompts a run trains on: one answer in `features.HOLDOUT` (at least one) is held out."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,20 @@ class DistillSettings:
     limit: int | None = None
     work: str | None = None
     output: str | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse a setting no run could use before anything loads (--epochs nan passed click's range
+        and failed as a traceback once the answers were written)."""
+        for name in ("heads", "layers", "draft_vocab", "max_new_tokens", "batch", "batch_positions",
+                     "checkpoint_every", *(("limit",) if self.limit is not None else ())):
+            check_positive(name, getattr(self, name))
+        for name in ("epochs", "learning_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise InvalidArgument(f"{name} must be a positive finite number, got {value!r}",
+                                      f"for example {name}={getattr(DistillSettings, name)}")
+        if not is_int(self.seed) or self.seed < 0:
+            raise InvalidArgument(f"seed must be a non-negative integer, got {self.seed!r}", "for example seed=0")
 
     def training_settings(self) -> dict:
         """What decides the trained weights besides the data (not where they go, nor how often they
@@ -114,10 +133,11 @@ def read_prompts(path: str | None) -> list[str]:
         lines, name = data.text("distill_prompts.jsonl").splitlines(), "the shipped prompts"
     else:
         try:
-            lines, name = Path(path).read_text(encoding="utf-8").splitlines(), str(path)
+            raw = Path(path).read_bytes()
         except OSError as err:
             raise InvalidArgument(f"cannot read the prompts file {path}: {err.strerror}",
                                   "give a JSONL file with one {\"prompt\": ...} per line") from None
+        lines, name = decode_text(raw, str(path), "prompts file").splitlines(), str(path)
     prompts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -134,6 +154,16 @@ def read_prompts(path: str | None) -> list[str]:
         prompts.append(text)
     if not prompts:
         raise InvalidArgument(f"{name} holds no prompts", 'write one {"prompt": "..."} per line')
+    return prompts
+
+
+def training_prompts(settings: DistillSettings) -> list[str]:
+    """The prompts a run trains on (`read_prompts`, the first `limit`): at least `MIN_PROMPTS`, since
+    one answer is held out to measure acceptance (refused before the model loads, not after it answered)."""
+    prompts = read_prompts(settings.prompts)[: settings.limit]
+    if len(prompts) < MIN_PROMPTS:
+        raise InvalidArgument(f"a drafter is trained on {MIN_PROMPTS} prompts or more, got {len(prompts)}: one "
+                              "answer is held out to measure acceptance", "give more prompts (or a larger --limit)")
     return prompts
 
 
@@ -164,8 +194,7 @@ def train_drafter(decoder, settings: DistillSettings) -> Iterator[Progress]:
     the last one ("done") carries the head's folder and its measured acceptance."""
     model = decoder.model
     check_model(model, settings.kind)
-    prompts, left_out = fitting_prompts(decoder, read_prompts(settings.prompts)[: settings.limit],
-                                        settings.max_new_tokens)
+    prompts, left_out = fitting_prompts(decoder, training_prompts(settings), settings.max_new_tokens)
     output = Path(settings.output) if settings.output else head_dir(model, settings.kind)
     work = Path(settings.work) if settings.work else output.parent / "distill.work"
     _check_output(output, model, settings.kind)
