@@ -467,6 +467,12 @@ def test_the_embedded_copy_follows_the_installed_file(cache, tmp_path, monkeypat
     os.utime(installed, ns=(time.time_ns(), time.time_ns() + 10**9))  # reinstalled: a new mtime only
     converted.embedded_copy()
     assert conversions == [converted.EMBEDDED_COPY]
+    moved = tmp_path / "c" / "SmolLM2.gguf"  # the same file in another install (the first one since removed)
+    moved.parent.mkdir()
+    installed.rename(moved)
+    monkeypatch.setattr(converted, "embedded_gguf", lambda: moved)
+    (entry,) = [e for e in json.loads(cli("list", "--json").output)["entries"] if e["name"] == converted.EMBEDDED_COPY]
+    assert entry["state"] == "embedded" and entry["source"] == str(moved)  # not the path that is gone
     upgraded = write_tiny_gguf(tmp_path / "b" / "SmolLM2.gguf", seed=7)
     monkeypatch.setattr(converted, "embedded_gguf", lambda: upgraded)
     (entry,) = [e for e in json.loads(cli("list", "--json").output)["entries"] if e["name"] == converted.EMBEDDED_COPY]

@@ -484,8 +484,12 @@ def _entry(path: Path) -> CacheEntry:
     if path.is_dir() and (path / _COMPLETE).is_file():
         manifest = _read_manifest(path / MANIFEST)
         source = manifest.get("source") if manifest else _marker_source(path / _COMPLETE)
-        return CacheEntry(path.name, "model", path, size, (manifest or {}).get("created", created), source,
-                          _model_state(path.name, manifest, source), manifest, _weights_by_precision(path))
+        state = _model_state(path.name, manifest, source)
+        if state == "embedded":  # made from the same file, perhaps by another install (a path gone since)
+            with contextlib.suppress(ModelNotFound, OSError):
+                source = str(embedded_gguf())
+        return CacheEntry(path.name, "model", path, size, (manifest or {}).get("created", created), source, state,
+                          manifest, _weights_by_precision(path))
     if path.is_dir() and path.name.startswith(_PARTIAL):
         state = "converting" if _busy(_copy_name(path)) else "abandoned"
         return CacheEntry(path.name, "partial", path, size, created, None, state)
