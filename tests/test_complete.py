@@ -170,6 +170,14 @@ def test_min_p_draws_stay_in_transformers_allowed_set(id_decoder):
         ("Answer: -1,000.5", "-1000.5"),
         ("Answer: .5", "0.5"),  # a decimal from its point: not 5
         ("so it is -.25", "-0.25"),
+        # the typographic minus sign kept (it voted for 51); a range's en dash is no sign
+        ("Answer: \u221251", "-51"), ("The result is \u221212.", "-12"), ("pages 10\u201320", "20"),
+        ("Answer: 51 (since 17*3=51)", "51"), ("Answer: 3 * 17 = 51", "51"),  # a remark, the working: not the answer
+        ("Answer: f(x)", "f(x)"), ("Answer: y = 2x", "y = 2x"),
+        ("Answer: $\\boxed{51}$", "51"), ("\\boxed{51}", "51"), ("Answer: \\boxed{Paris}", "paris"),
+        ("Answer: -0", "0"), ("Answer: 007", "7"), ("Answer: 1,200.0", "1200"),  # one spelling per value
+        ("Answer: The answer is Paris", "paris"), ("Answer: $x = 5$", "x = 5"),
+        ("Let me think.\nAnswer:", None),  # a bare mark at the end: no answer, not the word "answer"
     ],
 )
 def test_the_default_extractor(trace, answer):

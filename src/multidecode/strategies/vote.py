@@ -31,8 +31,20 @@ _NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
 a decimal may start at its point (".5")."""
 _LETTERS_BEFORE = re.compile(r"[^\d-]*[A-Za-z]")
 """Words before an answer's only number ("x = 5", "about 3"): not a bare number, kept as text."""
-_DECORATION = " \t.,:;!?\"'*_`"
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+"""LaTeX's boxed answer (`$\\boxed{51}$`): its content is the answer."""
+_ANSWER_PHRASE = re.compile(r"^(?:so\s*,?\s*)?(?:the\s+)?(?:final\s+)?answer\s+is\s+", re.IGNORECASE)
+"""A phrase restating the mark before the answer ("Answer: The answer is Paris")."""
+_REMARK = re.compile(r"\s+\([^()]*\)\s*$")
+"""A remark in parentheses after the answer ("51 (since 17*3=51)")."""
+_WORKING = re.compile(r"^[\d\s.,+\-*/×÷^()]*=\s*(?=[^=]*$)")
+"""Arithmetic ending in "=" before the answer ("3 * 17 = 51"): no letters, so not "x = 5"."""
+_MINUS = str.maketrans({"\u2212": "-"})
+"""The minus sign of typography (U+2212) read as "-": "−51" is not 51 (an en dash is a range's, "10–20")."""
+_DECORATION = " \t.,:;!?\"'*_`$"
 _LEADING_DECORATION = re.compile(r"^(?:[ \t,:;!?\"'*_`]|\.(?!\d))+")
+_INLINE_MATH = re.compile(r"^\$+(.*?)\$+$")
+"""An answer wholly in LaTeX's inline math delimiters ("$x = 5$")."""
 """Decoration before an answer: the same marks, but not the point of a decimal (".5")."""
 
 
@@ -77,24 +89,35 @@ class Vote:
 
 
 def normalize(answer: str) -> str | None:
-    """Comparable form of an answer: numbers without separators or trailing zeros, else lowercase
-    text without surrounding punctuation or markdown emphasis."""
-    text = _LEADING_DECORATION.sub("", answer.strip().rstrip(_DECORATION))
+    """Comparable form of an answer: a LaTeX box's content, without a restating "the answer is", a
+    remark in parentheses after it or arithmetic before its "="; then one number in one spelling
+    (`_canonical_number`), else lowercase text without surrounding punctuation or markdown emphasis."""
+    text = answer.translate(_MINUS).strip()
+    if boxed := _BOXED.findall(text):
+        text = boxed[-1]
+    text = _INLINE_MATH.sub(r"\1", text)
+    text = _REMARK.sub("", _ANSWER_PHRASE.sub("", _LEADING_DECORATION.sub("", text.rstrip(_DECORATION))))
+    text = _WORKING.sub("", text).strip()
     numbers = _NUMBER.findall(text)
     if len(numbers) == 1 and not _LETTERS_BEFORE.match(text):  # "51", "$1,200", "51 apples"
-        value = numbers[0].replace(",", "")
-        if "." in value:
-            value = value.rstrip("0").rstrip(".")
-        if value.lstrip("-").startswith("."):  # ".5" is "0.5"
-            value = value.replace(".", "0.", 1)
-        return value or "0"
+        return _canonical_number(numbers[0])
     return text.lower() or None
+
+
+def _canonical_number(number: str) -> str:
+    """One spelling per value: no group commas, leading zeros or trailing decimal zeros, and
+    no sign on zero ("007" is "7", "-0.0" is "0", ".5" is "0.5")."""
+    sign, digits = ("-", number[1:]) if number.startswith("-") else ("", number)
+    whole, _, fraction = digits.replace(",", "").partition(".")
+    value = (whole.lstrip("0") or "0") + ("." + fraction.rstrip("0") if fraction.rstrip("0") else "")
+    return "0" if value == "0" else sign + value
 
 
 def extract_answer(trace: str, *, marked_only: bool = False) -> str | None:
     """The final answer of a trace: an 'Answer: ...' line, else its last number, else its last line.
     marked_only: the 'Answer:' line alone (for a trace cut short, whose last number is any number
     it was working with: "17 * 3" cut after its restatement of the question would vote 3)."""
+    trace = trace.translate(_MINUS)
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
     for i in reversed(range(len(lines))):
         marks = list(_ANSWER_MARK.finditer(lines[i]))
@@ -110,7 +133,9 @@ def extract_answer(trace: str, *, marked_only: bool = False) -> str | None:
     numbers = _NUMBER.findall(trace)
     if numbers:
         return normalize(numbers[-1])
-    return normalize(lines[-1]) if lines else None
+    if not lines or _ANSWER_MARK.fullmatch(lines[-1].rstrip(_DECORATION) + ":"):  # ended on a bare "Answer:"
+        return None
+    return normalize(lines[-1])
 
 
 def constrained_answer(completion: Completion) -> str | None:
