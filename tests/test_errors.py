@@ -681,7 +681,14 @@ def test_a_huge_n_is_checked_at_once(model_dir):
     """The early check reads the settings once, not once per completion: n = 10^8 whose last seed
     overflows is refused in a moment (it built 10^8 settings first, for minutes)."""
     assert_clean_error(run("complete", "--model", model_dir, "-p", "hi", "-n", 10**8, "--seed", 2**64 - 2),
-                       "--seed must be an integer from 0 to 2**64 - 1")
+                       f"seed {2**64 - 2} gives the last of 100000000 branches the seed", "2**64 - 100000000")
+
+
+def test_a_seed_in_range_whose_last_completion_is_not_is_named_as_given(model_dir):
+    """--seed 2**64 - 1 with -n 2 said "--seed must be ... got 18446744073709551616": a seed nobody typed."""
+    result = run("complete", "--model", model_dir, "-p", "hi", "-n", 2, "--seed", 2**64 - 1)
+    assert_clean_error(result, f"seed {2**64 - 1} gives the last of 2 branches the seed {2**64 - 1} + 1")
+    assert str(2**64) not in result.output
 
 
 @pytest.mark.parametrize(("args", "needle"), [

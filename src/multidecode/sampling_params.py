@@ -158,6 +158,16 @@ def check_vocabulary(params: Sequence[SamplingParams], vocab_size: int, *, whose
                                   f"vocabulary of {vocab_size}", "tokenize with this model's tokenizer")
 
 
+def check_branch_seeds(seed, n: int) -> None:
+    """Refuse one `seed` for `n` branches (branch i is seeded seed + i) where it is no integer, or
+    where the seed is in range but the last branch's is not (the seed's own range is `SamplingParams`')."""
+    if not is_int(seed):
+        raise InvalidArgument(f"seed must be an integer, got {seed!r}", "for example seed=0")
+    if 0 <= seed < SEED_LIMIT <= seed + n - 1:
+        raise InvalidArgument(f"seed {seed} gives the last of {n} branches the seed {seed} + {n - 1}, past "
+                              "2**64 - 1 (branch i is seeded seed + i)", f"use a seed of at most 2**64 - {n}")
+
+
 def drawn_seed() -> int:
     """A random base seed, for branches that sample without one (31 bits: easy to retype)."""
     return secrets.randbits(31)
@@ -207,11 +217,7 @@ def per_branch_sampling(n: int, sampling: dict) -> list[SamplingParams]:
                 raise InvalidInput(f"{key} has {len(value)} values for {n} branches", "give one value, or one per branch (a question, a completion or a prompt each)")
             columns[key] = list(value)
         elif key == "seed" and value is not None:
-            if not is_int(value):
-                raise InvalidArgument(f"seed must be an integer, got {value!r}", "for example seed=0")
-            if 0 <= value < SEED_LIMIT <= value + n - 1:  # the seed itself is fine; the last branch's is not
-                raise InvalidArgument(f"seed {value} gives the last of {n} branches the seed {value} + {n - 1}, past "
-                                      "2**64 - 1 (branch i is seeded seed + i)", f"use a seed of at most 2**64 - {n}")
+            check_branch_seeds(value, n)
             columns[key] = [value + i for i in range(n)]
         else:
             columns[key] = [value] * n

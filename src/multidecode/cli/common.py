@@ -412,16 +412,16 @@ def check_early(*, max_new_tokens: int | None = None, n: int = 1, sampling: dict
                 stop=()) -> None:
     """Check settings before the model loads (which can take minutes), so a typo fails at once."""
     from ..errors import check_positive, is_int
-    from ..sampling_params import per_branch_sampling
+    from ..sampling_params import check_branch_seeds, per_branch_sampling
     from ..stopping import stop_strings_of
 
     if max_new_tokens is not None:
         check_positive("max_new_tokens", max_new_tokens)
     check_positive("n", n)
     sampling = dict(sampling or {})
-    per_branch_sampling(1, sampling)  # the command line's settings are one value for every branch:
-    if is_int(sampling.get("seed")):  # the first branch and the last one's seed (seed + n - 1) say it all
-        per_branch_sampling(1, {**sampling, "seed": sampling["seed"] + n - 1})
+    per_branch_sampling(1, sampling)  # the command line's settings are one value for every branch: the
+    if is_int(sampling.get("seed")):  # first branch's, and the last one's seed (without making n settings)
+        check_branch_seeds(sampling["seed"], n)
     stop_strings_of(stop)
 
 
