@@ -389,3 +389,16 @@ def test_cli_vote_at_temperature_zero_says_every_trace_is_the_same(model_dir):
     assert len({t["text"] for t in json.loads(greedy.stdout)["traces"]}) == 1
     sampled = CliRunner().invoke(main, [*base, "--n", "2"])
     assert sampled.exit_code == 0 and "every trace" not in sampled.stderr
+
+
+def test_a_question_too_long_to_vote_on_names_the_question(text_decoder):
+    """Its hint was the document's ("shorten the document (or prompt), or split it into chunks: margins")."""
+    from multidecode.models.vetting import max_positions
+
+    limit = max_positions(text_decoder.model.config)
+    with pytest.raises(multidecode.PromptTooLong) as caught:
+        text_decoder.vote("Why? " * limit, n=2, max_new_tokens=4)
+    assert caught.value.hint.startswith("shorten the question") and "margins" not in caught.value.hint
+    with pytest.raises(multidecode.PromptTooLong) as caught:
+        text_decoder.vote("Why?", n=2, max_new_tokens=limit)
+    assert caught.value.hint.startswith(f"lower max_new_tokens to {caught.value.fits}, or shorten the question")

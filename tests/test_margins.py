@@ -280,6 +280,9 @@ def test_settings_the_window_cannot_hold_are_refused_before_any_margin_naming_th
         decoder.margins(["A short chunk.", "The router is old. " * 150], QUESTION, max_margin_tokens=2,
                         max_new_tokens=2, classify=classify)
     assert "chunk 2's margin prompt" in caught.value.message and "lower chunk_tokens" in caught.value.hint and "multidecode margins" not in caught.value.hint
+    with pytest.raises(multidecode.PromptTooLong) as caught:  # the question alone: no chunk size could help
+        decoder.margins(["A short chunk."], "Why? " * 600, max_margin_tokens=2, max_new_tokens=2, classify=classify)
+    assert "without its chunk" in caught.value.message and caught.value.hint == "shorten the question"
     with pytest.raises(multidecode.PromptTooLong) as caught:
         decoder.margins(DOCUMENT, QUESTION, chunk_tokens=30, max_margin_tokens=2, max_new_tokens=510, classify=classify)
     assert "the answer's prompt takes at least" in caught.value.message and "lower max_new_tokens" in caught.value.hint

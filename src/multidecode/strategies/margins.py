@@ -443,7 +443,7 @@ class MarginsRun:
         self.prompts = margin_prompts(tokenizer, chunks, question, template=margin_template)
         # Margin i is seeded seed + i and the answer seed + n: checked here, before any margin runs.
         *margins, self.answer_sampling = per_branch_sampling(len(chunks) + 1, self.sampling)
-        self._check_fits(max_margin_tokens)
+        self._check_fits(max_margin_tokens, margin_template)
         self.margin_run: BranchRun = start_prompts(
             scheduler, self.prompts, max_new_tokens=max_margin_tokens, sampling=margins, tokenizer=tokenizer, stop=stop)
         self.events: Iterator[TokenEvent] = self.margin_run.events
@@ -452,7 +452,7 @@ class MarginsRun:
         self.in_answer: list[int] = []  # the margins the answer is written from (`answer_notes`)
         self.stats: dict = {}
 
-    def _check_fits(self, max_margin_tokens: int) -> None:
+    def _check_fits(self, max_margin_tokens: int, margin_template: str) -> None:
         """Refuse, before any margin is written, a chunk's margin prompt that does not fit the
         model's positions with `max_margin_tokens`, and an answer that could not fit with
         `max_new_tokens` whatever the notes (its prompt with one empty note), each naming the
@@ -464,6 +464,11 @@ class MarginsRun:
         length = len(self.prompts[longest])
         if length + max_margin_tokens - 1 > limit:
             room = limit - length + 1
+            (bare,) = margin_prompts(self.tokenizer, [""], self.question, template=margin_template)
+            if room <= 0 and len(bare) >= limit:  # no chunk is short enough: the question is too long
+                raise PromptTooLong(f"a margin's prompt without its chunk (the question and the instructions) is "
+                                    f"{len(bare)} tokens, and the model takes at most {limit} positions",
+                                    "shorten the question")
             raise PromptTooLong(f"chunk {longest + 1}'s margin prompt is {length} tokens and max_margin_tokens is "
                                 f"{max_margin_tokens}: more than the model's {limit} positions",
                                 f"lower max_margin_tokens to {room}, or chunk_tokens" if room > 0 else

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidArgument, InvalidInput
+from ..errors import InvalidArgument, InvalidInput, PromptTooLong
 from ..scheduler import Scheduler
 from .complete import Completion, complete
 
@@ -206,5 +206,10 @@ def vote(scheduler: Scheduler, tokenizer, question: str, *, n: int = 8, max_new_
         raise InvalidArgument(f"extract must be a function from a trace's text to its answer, got {extract!r}",
                               "pass e.g. extract=lambda text: text.split()[-1], or none for the default")
     prompt = vote_prompt(question, instruction, constrained=settings.get("constraint") is not None)
-    done = complete(scheduler, tokenizer, prompt, n=n, max_new_tokens=max_new_tokens, **vote_settings(settings))
+    try:
+        done = complete(scheduler, tokenizer, prompt, n=n, max_new_tokens=max_new_tokens, **vote_settings(settings))
+    except PromptTooLong as err:  # said of the question (the forest's words are a document's: "use margins")
+        shorter = "shorten the question" + (" (or the instruction)" if instruction else "")
+        raise PromptTooLong(err.message, shorter if not err.fits else f"lower max_new_tokens to {err.fits}, or "
+                            f"{shorter}", fits=err.fits) from None
     return tally(question, done, extract)
