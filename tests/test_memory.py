@@ -356,3 +356,35 @@ def test_a_job_no_request_could_make_is_refused_when_made():
         Job(prompts=[PROMPT, PROMPT], max_new_tokens=3, sampling=[SamplingParams()])
     assert Job(prompts=[PROMPT, PROMPT], max_new_tokens=3).sampling == [SamplingParams()] * 2
 
+
+
+def test_beam_search_and_margins_say_the_fix_in_their_own_words(exact_decoder, model_dir, monkeypatch):
+    """Both said "any 2 of these branches fit at once: split the work", which neither can do, and
+    margins "lower max_new_tokens" for its notes, whose length is max_margin_tokens."""
+    import re
+
+    from multidecode.prompts import share_prefix
+    from multidecode.strategies.margins import margin_prompts
+
+    engine = exact_decoder.scheduler().engine
+    monkeypatch.setenv(memory.ENVIRONMENT, str(least_budget(
+        lambda: memory_need(engine, len(PROMPT), [0] * 2, 8, 0).total <= memory.budget_bytes(), monkeypatch)))
+    with pytest.raises(NotEnoughMemory) as caught:
+        exact_decoder.beam_search(PROMPT, num_beams=4, max_new_tokens=8)
+    fit = re.search(r": lower num_beams to (\d+)$", caught.value.hint.split(", or set")[0])
+    assert fit and 2 <= int(fit[1]) < 4 and "split the work" not in caught.value.hint, caught.value.hint
+
+    decoder = multidecode.load(str(model_dir), device="cpu")
+    chunks, question = [f"Line {i} of the minutes." for i in range(6)], "What was decided?"
+    shared = share_prefix(margin_prompts(decoder.tokenizer, chunks, question))
+    engine = decoder.scheduler().engine
+    monkeypatch.setenv(memory.ENVIRONMENT, str(least_budget(
+        lambda: memory_need(engine, len(shared.prefix_ids), [len(s) for s in shared.suffix_ids[:2]], 4, 0).total
+        <= memory.budget_bytes(), monkeypatch)))
+    with pytest.raises(NotEnoughMemory) as caught:
+        decoder.margins(chunks, question, max_margin_tokens=4, max_new_tokens=4)
+    assert "of these branches fit at once: give fewer chunks" in caught.value.hint, caught.value.hint
+    monkeypatch.setenv(memory.ENVIRONMENT, "10kB")
+    with pytest.raises(NotEnoughMemory) as caught:
+        decoder.margins(chunks, question, max_margin_tokens=4, max_new_tokens=4)
+    assert caught.value.hint.startswith("lower max_margin_tokens or shorten"), caught.value.hint

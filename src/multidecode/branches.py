@@ -225,10 +225,12 @@ def memory_need(engine: Engine, prefix_length: int, suffix_lengths: Sequence[int
 
 
 def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[int], max_new_tokens: int,
-                 draft: int, budget: int | None = None, *, asked: int | None = None) -> None:
+                 draft: int, budget: int | None = None, *, asked: int | None = None, fewer: str = "split the work",
+                 new_tokens: str = "max_new_tokens") -> None:
     """Refuse branches whose bytes the machine does not have (`budget`: None for what it has
     now, see `memory.budget_bytes`), saying how many would fit. asked: how many branches the
-    caller wanted, where it checks one to learn that not even one fits (waves)."""
+    caller wanted, where it checks one to learn that not even one fits (waves). fewer, new_tokens:
+    the fix in the caller's words, for fewer branches (`{fit}`: how many fit) and for shorter ones."""
     budget = budget_bytes(engine.device) if budget is None else budget
     need = memory_need(engine, prefix_length, suffix_lengths, max_new_tokens, draft)
     if need.total <= budget:
@@ -238,10 +240,10 @@ def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[in
                         <= budget, len(suffix_lengths))
     undrafted = not fit and draft and memory_need(engine, prefix_length, longest[:1], max_new_tokens, 0).total <= budget
     at_once = f"any {fit:,} of these branches fit at once" if fit > 1 else "one of these branches fits at a time"
-    hint = (f"{at_once}: split the work" if fit else
+    hint = (f"{at_once}: {fewer.format(fit=fit)}" if fit else
             f"lower the draft budget or turn speculation off (each branch holds {draft:,} draft tokens a step)"
             if undrafted else
-            "lower max_new_tokens or shorten the prompts")
+            f"lower {new_tokens} or shorten the prompts")
     count = len(suffix_lengths)
     branches = f"{count:,} branch" if count == 1 else f"{count:,} branches"
     if asked is not None and asked > count:

@@ -125,7 +125,7 @@ def check_known(names, known, what: str) -> None:
         raise InvalidArgument(f"unknown {what}: {', '.join(unknown)}", f"use {', '.join(known)}")
 
 
-def check_text(head: bytes, name: str, what: str) -> None:
+def check_text_bytes(head: bytes, name: str, what: str) -> None:
     """Refuse a file whose first bytes `head` are no UTF-8 text, saying what it is instead: compressed,
     UTF-16 (or UTF-32: zeros in every other byte of ASCII text, or their byte-order mark), or binary."""
     if head.startswith(b"\x1f\x8b"):
@@ -141,8 +141,8 @@ def check_text(head: bytes, name: str, what: str) -> None:
 
 def decode_text(data: bytes, name: str, what: str) -> str:
     """A file's bytes as text: UTF-8, a leading byte-order mark dropped (Windows editors write one);
-    anything else refused naming the file (`check_text`), or the first byte that is not UTF-8."""
-    check_text(data, name, what)
+    anything else refused naming the file (`check_text_bytes`), or the first byte that is not UTF-8."""
+    check_text_bytes(data, name, what)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:

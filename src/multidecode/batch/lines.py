@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ..constraints import BEST_EFFORT_HINT, Constraint
-from ..errors import InvalidArgument, InvalidInput, MultiDecodeError, check_text, is_int
+from ..errors import InvalidArgument, InvalidInput, MultiDecodeError, check_text_bytes, is_int
 from ..sampling_params import per_branch_sampling
 from ..strategies.ask import check_document
 
@@ -245,7 +245,7 @@ def check_input_file(path: Path) -> None:
                            "it reads the input again to resume; save it to a file first")
     with open(path, "rb") as handle:
         head = handle.read(8192)
-    check_text(head, str(path), "JSON Lines input")
+    check_text_bytes(head, str(path), "JSON Lines input")
 
 
 def scan_input(path: Path, job_questions: Sequence[str] = ()) -> list[tuple[int, str]]:

@@ -250,7 +250,8 @@ def run_beam_search(
     if not prompt:
         raise InvalidInput("the prompt has no tokens", "pass some token ids or text")
     check_fits(engine, [len(prompt)], max_new_tokens)
-    check_memory(engine, len(prompt), [0] * num_beams, max_new_tokens, 0)  # the beams as branches of the prompt
+    check_memory(engine, len(prompt), [0] * num_beams, max_new_tokens, 0,  # the beams as branches of the prompt
+                 fewer="lower num_beams to {fit}")
     eos = eos_ids_of(engine.model, eos_token_id)
     engine.reserve(engine.forest.num_slots + len(prompt) + num_beams * (max_new_tokens - 1))
     work = BeamWork(prompt, num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,

@@ -33,7 +33,7 @@ from numbers import Real
 
 import torch
 
-from ..branches import BranchRun, TokenEvent, check_fits, prompt_feed, start_prompts, token_ids
+from ..branches import BranchRun, TokenEvent, check_fits, check_memory, prompt_feed, start_prompts, token_ids
 from ..engine import FeedResult
 from ..errors import InvalidArgument, InvalidInput, PromptTooLong, as_list, check_positive
 from ..memory import most_branches
@@ -444,6 +444,10 @@ class MarginsRun:
         # Margin i is seeded seed + i and the answer seed + n: checked here, before any margin runs.
         *margins, self.answer_sampling = per_branch_sampling(len(chunks) + 1, self.sampling)
         self._check_fits(max_margin_tokens, margin_template)
+        shared = share_prefix(self.prompts)  # the forest's own memory check, said in margins' words
+        check_memory(scheduler.engine, len(shared.prefix_ids), [len(s) for s in shared.suffix_ids], max_margin_tokens,
+                     0, fewer="give fewer chunks (a shorter document, or a larger chunk_tokens)",
+                     new_tokens="max_margin_tokens")
         self.margin_run: BranchRun = start_prompts(
             scheduler, self.prompts, max_new_tokens=max_margin_tokens, sampling=margins, tokenizer=tokenizer, stop=stop)
         self.events: Iterator[TokenEvent] = self.margin_run.events
