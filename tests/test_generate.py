@@ -129,6 +129,20 @@ def test_cli_generate_json_stats_and_streaming(model_dir, decoder, tmp_path, mon
 
 
 @pytest.mark.xdist_group("cli")
+def test_echo_separates_a_chat_message_from_its_reply(model_dir):
+    """With the chat template the echo ran the message into the reply ("Say helloI'm glad"): the
+    model answers a message, it does not continue its text. Without the template, text continues."""
+    runner = CliRunner()
+    args = ["generate", "--model", str(model_dir), "-p", "Say hello", "--max-new-tokens", "6", "--echo"]
+    for chat, head in (([], "Say hello\n\n"), (["--no-chat"], "Say hello")):
+        plain = json.loads(runner.invoke(main, [*args[:-1], *chat, "--json"]).stdout.strip().splitlines()[-1])
+        echoed = json.loads(runner.invoke(main, [*args, *chat, "--json"]).stdout.strip().splitlines()[-1])
+        assert echoed["text"] == head + plain["text"] and echoed["token_ids"] == plain["token_ids"], chat
+        streamed = runner.invoke(main, [*args, *chat])
+        assert streamed.exit_code == 0 and streamed.stdout == head + plain["text"] + "\n", chat
+
+
+@pytest.mark.xdist_group("cli")
 @pytest.mark.parametrize("extra, message", [
     (["--speculate", "hydra"], "unknown speculation mode"),
     (["--speculate", "lookup", "--draft-budget", "0"], "positive integer"),

@@ -16,6 +16,7 @@ import time
 import click
 
 from ..constraints import parsed_field
+from ..prompts import has_chat_template
 from .common import (
     constraint_from,
     counted,
@@ -40,7 +41,8 @@ from .remote import Request, Server, server_option
 @stop_option("the text")
 @decoding_options("auto")
 @click.option("--echo", is_flag=True, help="Print the prompt before the completion (with --json, the text starts "
-                                           "with it), as the completions API's echo.")
+                                           "with it), as the completions API's echo; a chat message and its "
+                                           "reply with a blank line between them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion and its stats as JSON.")
 @server_option
 @report_errors
@@ -66,13 +68,14 @@ def generate(prompt, prompt_file, no_chat, max_new_tokens, stop, model_name, pre
     run = complete_strategy.start(decoder.scheduler(), decoder.tokenizer, text, n=1, max_new_tokens=max_new_tokens,
                                   stop=stop, chat=False if no_chat else None, sample=False, speculate=spec,
                                   constraint=constraint, **chosen)
+    head = echoed(text, echo, chat=not no_chat and has_chat_template(decoder.tokenizer))
     if as_json:
         done = complete_strategy.completions(run.finish())[0]
-        click.echo(json.dumps({"text": text * echo + done.text, "finish_reason": done.finish_reason,
+        click.echo(json.dumps({"text": head + done.text, "finish_reason": done.finish_reason,
                                "token_ids": done.token_ids, "prompt_tokens": len(done.prompt_ids), "seed": done.seed,
                                "stats": done.stats, **parsed_field(constraint, done)}, ensure_ascii=False))
     else:
-        write_stream(text * echo, ((event.text, event.finish_reason) for event in run.events))
+        write_stream(head, ((event.text, event.finish_reason) for event in run.events))
         note_cut_branches(run.branches)
     elapsed = time.perf_counter() - start
     tokens, seed = run.stats.tokens, run.branches[0].seed
@@ -88,19 +91,25 @@ def on_server(url: str, text: str, no_chat: bool, request: Request, asked: tuple
     server = Server(url, *asked)
     chat, fields = server.prompt(text, no_chat)
     body = {**request.body, **fields}
-    start = time.perf_counter()
+    start, head = time.perf_counter(), echoed(text, echo, chat=chat)
     if as_json:
         choice = server.whole(body, chat=chat)[0]
-        click.echo(json.dumps({"text": text * echo + choice["text"], "finish_reason": choice["finish_reason"],
+        click.echo(json.dumps({"text": head + choice["text"], "finish_reason": choice["finish_reason"],
                                "token_ids": choice["token_ids"], "prompt_tokens": len(choice["prompt_token_ids"]),
                                "seed": request.seed, "stats": server.stats, "server": url,
                                **request.parsed(choice["text"], choice["finish_reason"], server.ended_by_eos(choice))},
                               ensure_ascii=False))
     else:
-        written, ended = write_stream(text * echo, ((piece.text, piece.finish_reason)
+        written, ended = write_stream(head, ((piece.text, piece.finish_reason)
                                                     for piece in server.pieces(body, chat=chat)))
         note_if_cut(ended == "length" and request.schema is not None and request.parsed(written, ended)["parsed"] is None)
     server.summarize("", start, show_stats=show_stats, tail=f", seed {request.seed}" if request.seed is not None else "")
+
+
+def echoed(text: str, echo: bool, *, chat: bool) -> str:
+    """What --echo prints before the completion: the prompt, and where the chat template made it a
+    message that the model answers (not text it continues), a blank line between the two."""
+    return (text + "\n\n" * chat) if echo else ""
 
 
 def write_stream(head: str, pieces) -> tuple[str, str | None]:
