@@ -295,3 +295,20 @@ def test_the_live_board_wraps_long_answers_and_says_which_were_cut(monkeypatch):
     shown = screen.getvalue()
     assert all(word.strip() in shown for word in words), shown
     assert "cut at" in shown and " done" in shown
+
+
+@pytest.mark.xdist_group("cli")
+def test_temperature_0_says_the_sampling_settings_it_does_not_use(model_dir, tmp_path):
+    """--temperature 0 --seed 3 dropped the seed without a word, where --greedy --seed 3 is refused."""
+    args = ["generate", "--model", str(model_dir), "-p", "hi", "--max-new-tokens", "3", "--temperature", "0"]
+    greedy = CliRunner().invoke(main, args[:-2])
+    for extra, named in ((["--seed", "3"], "--seed is not used"), (["--seed", "3", "--top-p", "0.5"],
+                                                                    "--seed, --top-p are not used")):
+        result = CliRunner().invoke(main, [*args, *extra])
+        assert result.exit_code == 0 and result.stdout == greedy.stdout, result.output
+        assert f"--temperature 0 decodes greedily, so {named}" in result.stderr.replace("\n", " ")
+    assert "not used" not in CliRunner().invoke(main, args).stderr
+    (tmp_path / "note.txt").write_text("A note.")
+    asked = CliRunner().invoke(main, ["ask", "--model", str(model_dir), "-d", str(tmp_path / "note.txt"), "-q", "Why?",
+                                      "--max-new-tokens", "2", "--temperature", "0", "--seed", "3"])
+    assert asked.exit_code == 0 and asked.stderr.count("--seed is not used") == 1, asked.output  # once

@@ -142,6 +142,10 @@ def _parse_logit_bias(context, parameter, values: tuple[str, ...]) -> dict[int, 
     return bias or None
 
 
+_UNUSED_SAID = "multidecode.unused_sampling_said"
+"""The click context's mark that the sampling settings --temperature 0 leaves unused were named."""
+
+
 def sampling_from(options: dict) -> dict:
     """The sampling settings the user gave (a command's keyword arguments from `sampling_options`),
     as keyword arguments for the library (where --temperature 0 is greedy, as OpenAI's servers and
@@ -157,6 +161,13 @@ def sampling_from(options: dict) -> dict:
     if temperature > 0 and not divides_logits(temperature):  # logits / it: no distribution left
         raise InvalidArgument(f"--temperature {temperature:g} cannot divide float32 logits (from "
                               f"{TINIEST_TEMPERATURE:g} to a finite number)", "use --temperature 0 for greedy decoding")
+    unused = [f"--{key.replace('_', '-')}" for key in ("seed", "top_k", "top_p", "min_p") if key in chosen]
+    context = click.get_current_context(silent=True)
+    said = context.meta if context is not None else {}
+    if "temperature" in chosen and temperature == 0 and unused and not said.get(_UNUSED_SAID):  # said once, as
+        said[_UNUSED_SAID] = True  # --greedy with them is refused
+        stderr.print(f"[yellow]note:[/yellow] --temperature 0 decodes greedily, so {', '.join(unused)} "
+                     f"{'is' if len(unused) == 1 else 'are'} not used")
     return chosen
 
 
