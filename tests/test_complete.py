@@ -402,3 +402,15 @@ def test_a_question_too_long_to_vote_on_names_the_question(text_decoder):
     with pytest.raises(multidecode.PromptTooLong) as caught:
         text_decoder.vote("Why?", n=2, max_new_tokens=limit)
     assert caught.value.hint.startswith(f"lower max_new_tokens to {caught.value.fits}, or shorten the question")
+
+
+def test_one_trace_is_said_in_the_singular_and_a_greedy_trace_without_a_seed(model_dir):
+    """`vote -n 1` said "1 traces", and --show-traces of greedy traces "(seed None)"."""
+    from click.testing import CliRunner
+
+    from multidecode.cli import main
+
+    result = CliRunner().invoke(main, ["vote", "--model", str(model_dir), "-q", "What is 2 + 2?", "-n", "1",
+                                       "--max-new-tokens", "4", "--temperature", "0", "--show-traces"])
+    assert result.exit_code == 0, result.output
+    assert "1 trace\n" in result.stdout and "1 traces" not in result.stdout and "seed None" not in result.stdout

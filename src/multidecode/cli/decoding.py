@@ -342,7 +342,8 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
         return
     if show_traces:
         for i, trace in enumerate(result.traces):
-            stdout.print(f"[bold]trace {i + 1}[/bold] (seed {trace.seed}) -> {escape(repr(trace.answer))}")
+            seeded = f" (seed {trace.seed})" if trace.seed is not None else ""  # greedy traces have none
+            stdout.print(f"[bold]trace {i + 1}[/bold]{seeded} -> {escape(repr(trace.answer))}")
             stdout.print(trace.text.strip(), markup=False)
             stdout.print()
     note_cut_branches(run.branches)
@@ -351,7 +352,7 @@ def vote(question, n, max_new_tokens, model_name, precision, device, show_traces
 
 def show_vote(result, n: int) -> None:
     """The votes as a table, and the answer: a majority, the most common of a minority, or a tie."""
-    table = Table(title=f"{n} traces", title_justify="left")
+    table = Table(title=counted(n, "trace"), title_justify="left")
     table.add_column("answer")
     table.add_column("votes", justify="right")
     for answer, count in result.counts.items():
@@ -364,11 +365,12 @@ def show_vote(result, n: int) -> None:
         stdout.print("No trace gave an answer.")
     elif result.tied:
         stdout.print(f"No majority: a tie between {escape(', '.join(result.tied))} "
-                     f"({result.counts[result.answer]} of {len(result.traces)} traces each)")
+                     f"({result.counts[result.answer]} of {counted(len(result.traces), 'trace')} each)")
     else:
         count, total = result.counts[result.answer], len(result.traces)
         label = "Majority answer" if result.is_majority else "Most common answer (no majority)"
-        stdout.print(f"{label}: [bold]{escape(result.answer)}[/bold] ({count} of {total} traces, {count / total:.0%})")
+        stdout.print(f"{label}: [bold]{escape(result.answer)}[/bold] ({count} of {counted(total, 'trace')}, "
+                     f"{count / total:.0%})")
 
 
 def parse_early_stopping(value: str) -> bool | str:
@@ -484,7 +486,7 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
     run = margins_strategy.start(decoder.scheduler(), decoder.tokenizer, text, question, chunk_tokens=chunk_tokens,
                          max_margin_tokens=max_margin_tokens, max_new_tokens=max_new_tokens, threshold=threshold,
                          **sampling_from(sampling))
-    stderr.print(f"[dim]{counted(len(run.chunks), 'chunk')} of at most {chunk_tokens} tokens; "
+    stderr.print(f"[dim]{counted(len(run.chunks), 'chunk')} of at most {counted(chunk_tokens, 'token')}; "
                  "writing their margins in one pass[/dim]")
     if as_json:
         result = run.result()
