@@ -953,3 +953,15 @@ def test_only_a_leading_setting_of_the_command_is_written_as_its_option():
         assert in_option_terms("question 1 is empty") == "question 1 is empty"
         assert in_option_terms("top_k must be 0 (off)") == "top_k must be 0 (off)"
     assert in_option_terms("max_new_tokens must be a positive integer") == "max_new_tokens must be a positive integer"
+
+
+def test_a_schema_or_grammar_file_that_cannot_be_used_is_named(model_dir, tmp_path):
+    """"the JSON schema is not valid JSON: ..." named no file, among the command's several inputs."""
+    schema, grammar = tmp_path / "answer.schema.json", tmp_path / "answer.lark"
+    schema.write_text("{not json")
+    grammar.write_text("start: (((")
+    assert_clean_error(run("generate", "--model", model_dir, "-p", "hi", "--json-schema", schema),
+                       f"{schema}: the JSON schema is not valid JSON")
+    assert_clean_error(run("generate", "--model", model_dir, "-p", "hi", "--json-schema", "-", stdin="{not json"),
+                       "standard input: the JSON schema is not valid JSON")
+    assert_clean_error(run("generate", "--model", model_dir, "-p", "hi", "--grammar", grammar), f"{grammar}: ")

@@ -354,10 +354,14 @@ def constraint_from(options: ConstraintOptions | None):
 
     if options is None or not options.given():
         return None
-    if options.json_schema is not None:
-        return Constraint.json_schema(read_text(options.json_schema, "JSON schema"), strict=options.strict)
-    if options.grammar is not None:
-        return Constraint.grammar(read_text(options.grammar, "grammar"))
+    try:
+        if options.json_schema is not None:
+            return Constraint.json_schema(read_text(options.json_schema, "JSON schema"), strict=options.strict)
+        if options.grammar is not None:
+            return Constraint.grammar(read_text(options.grammar, "grammar"))
+    except InvalidArgument as err:  # the file's name with what is wrong in it
+        source = options.json_schema if options.json_schema is not None else options.grammar
+        raise InvalidArgument(f"{'standard input' if source == '-' else source}: {err.message}", err.hint) from None
     return Constraint.regex(options.regex)
 
 
