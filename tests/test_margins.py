@@ -416,3 +416,17 @@ def test_embedded_margins_equal_sequential_generation():
         assert m.token_ids == alone(decoder, m.prompt_ids, 12)
     assert out.answer_token_ids == alone(decoder, out.answer_prompt_ids, 12)
     assert out.stats["relevance"].get("forward_passes", 0) <= 2
+
+
+@pytest.mark.parametrize("threshold", ["1000", "-1000"])
+def test_an_answer_written_from_no_note_says_so(model_dir, threshold):
+    """With no note judged relevant the answer is written from none (the document unseen), and only
+    "(0 relevant)" said so: a note on stderr, and the JSON's count of the notes it was written from."""
+    args = ["--model", model_dir, "-d", "-", "-q", QUESTION, "--chunk-tokens", 30, "--max-margin-tokens", 3,
+            "--max-new-tokens", 2, "--threshold", threshold]
+    human, data = invoke(*args, stdin=DOCUMENT), invoke(*args, "--json", stdin=DOCUMENT)
+    assert human.exit_code == data.exit_code == 0, human.output
+    used = json.loads(data.stdout)["notes_in_answer"]
+    assert used == sum(m["in_answer"] for m in json.loads(data.stdout)["margins"])
+    assert (used == 0) == (threshold == "1000")
+    assert ("the answer was written from none" in human.stderr) == (used == 0), human.stderr

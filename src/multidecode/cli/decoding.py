@@ -431,6 +431,7 @@ def result_json(result: margins_strategy.Margins) -> dict:
         "answer": result.answer,
         "answer_finish_reason": result.answer_finish_reason,
         "answer_token_ids": result.answer_token_ids,
+        "notes_in_answer": sum(m.in_answer for m in result.margins),  # 0: written from no part of the document
         "margins": [
             {"chunk": m.chunk_index, "span": list(m.span), "margin": m.text,
              "relevant": m.relevant, "relevance_score": m.relevance_score, "in_answer": m.in_answer,
@@ -505,6 +506,9 @@ def margins(document, question, chunk_tokens, max_margin_tokens, max_new_tokens,
         f"[dim]{counted(len(result.margins), 'margin')} ({kept} relevant) and the answer in {elapsed:.1f} s, "
         f"{counted(passes, 'forward pass', 'forward passes')}[/dim]"
     )
+    if not any(m.in_answer for m in result.margins):
+        stderr.print("[yellow]note:[/yellow] no note was judged relevant, so the answer was written from none: "
+                     "nothing in it comes from the document (lower --threshold to keep more notes)")
     if result.left_out:
         stderr.print(f"[yellow]note:[/yellow] the answer was written from the {kept - len(result.left_out)} most "
                      f"relevant notes: {len(result.left_out)} more did not fit in the model's window (raise "
