@@ -388,3 +388,22 @@ def test_beam_search_and_margins_say_the_fix_in_their_own_words(exact_decoder, m
     with pytest.raises(NotEnoughMemory) as caught:
         decoder.margins(chunks, question, max_margin_tokens=4, max_new_tokens=4)
     assert caught.value.hint.startswith("lower max_margin_tokens or shorten"), caught.value.hint
+
+
+def test_the_budget_a_refusal_names_is_enough_and_no_less_is(exact_decoder, monkeypatch):
+    """It said "needs about 6.3 MB"; MULTIDECODE_MEMORY=6.3MB then needed 7.0 MB (a budget is 85% of
+    the setting, and a forward's scratch grows with it). The hint names a setting that fits."""
+    import re
+
+    prompts = [PROMPT + [1 + i, 2, 3] for i in range(8)]  # the shared PROMPT, then 3 ids of their own
+    engine = exact_decoder.scheduler().engine
+    least = memory_need(engine, len(PROMPT), [3] * 8, 8, 0).least_setting()
+    for setting in ("10kB", str(least // 2), str(least - 1)):
+        monkeypatch.setenv(memory.ENVIRONMENT, setting)
+        with pytest.raises(NotEnoughMemory) as caught:
+            exact_decoder.start(prompts, max_new_tokens=8)
+        named = re.search(r"set MULTIDECODE_MEMORY=(\S+) \(or more\) if that much memory is free", caught.value.hint)
+        assert named and least <= parse_bytes(named[1]) <= least * 1.02 + 1000, caught.value.hint
+    for setting in (str(least), named[1]):
+        monkeypatch.setenv(memory.ENVIRONMENT, setting)
+        exact_decoder.start(prompts, max_new_tokens=8)  # not refused

@@ -35,7 +35,7 @@ from .cost import AcceptanceTracker
 from .engine import Engine, FeedResult
 from .errors import InvalidArgument, InvalidInput, PromptTooLong, as_list, check_positive, is_int
 from .forest import ROOT, local_parent
-from .memory import ENVIRONMENT, Need, budget_bytes, check_budget, most_branches
+from .memory import ENVIRONMENT, Need, budget_bytes, check_budget, most_branches, setting_text
 from .models.vetting import positions_note
 from .prompts import share_prefix
 from .proposers import UNDER_LEAF, BranchContext, DraftTree
@@ -249,7 +249,8 @@ def check_memory(engine: Engine, prefix_length: int, suffix_lengths: Sequence[in
     if asked is not None and asked > count:
         branches = f"even {branches} of the {asked:,} asked for"
     check_budget(need, budget, what=f"decoding {branches} of up to {max_new_tokens} new tokens",
-                 hint=f"{hint}, or set {ENVIRONMENT} to a larger budget if more memory is free")
+                 hint=f"{hint}, or set {ENVIRONMENT}={setting_text(need.least_setting())} (or more) if that much "
+                      "memory is free")
 
 
 # ---------------------------------------------------------------------- the work

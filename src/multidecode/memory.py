@@ -26,6 +26,7 @@ what work may take besides the loaded weights, which are in memory already when 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -139,21 +140,28 @@ class Footprint:
             rows=branches * slots,
             logits=LOGITS_COPIES * branches * rows_per_branch * self.logits_row + branches * BRANCH_BYTES,
             scratch=self.scratch_bytes(slots, max(prompt_slots, branches * rows_per_branch)),
-            slots=new_slots,
+            slots=new_slots, scratch_row=self.scratch_row(slots),
+            scratch_rows=max(1, prompt_slots, branches * rows_per_branch),
         )
+
+    def scratch_row(self, slots: int) -> int:
+        """The scratch of one row of a forward over `slots` slots that returns its logits."""
+        return slots * self.per_row_slot + self.per_row + self.per_kept_row
 
     def scratch_bytes(self, slots: int, rows: int) -> int:
         """The scratch of the widest forward of a request: `rows` rows over `slots` slots (its
         prompt's, or a step's), cut to `forward_bytes()` (a piece holds one row at least)."""
-        row = slots * self.per_row_slot + self.per_row + self.per_kept_row
+        row = self.scratch_row(slots)
         return min(max(forward_bytes(), row), max(1, rows) * row)
 
 
-def forward_bytes() -> int:
+def forward_bytes(setting: int | None = None) -> int:
     """The scratch one forward may use: `FORWARD_BYTES`, or `SCRATCH_SHARE` of a budget the user
-    sets (`MULTIDECODE_MEMORY` caps the work's scratch too, not only its cache)."""
-    limit = os.environ.get(ENVIRONMENT)
-    return min(FORWARD_BYTES, int(parse_bytes(limit) * HEADROOM * SCRATCH_SHARE)) if limit else FORWARD_BYTES
+    sets (`MULTIDECODE_MEMORY` caps the work's scratch too, not only its cache; `setting`: that
+    variable's bytes, default what it says now)."""
+    if setting is None and os.environ.get(ENVIRONMENT):
+        setting = parse_bytes(os.environ[ENVIRONMENT])
+    return FORWARD_BYTES if setting is None else min(FORWARD_BYTES, int(setting * HEADROOM * SCRATCH_SHARE))
 
 
 @dataclass(frozen=True)
@@ -165,10 +173,23 @@ class Need:
     logits: int
     scratch: int
     slots: int
+    scratch_row: int = 0  # the scratch of one row of the widest forward (a piece holds one at least)
+    scratch_rows: int = 1  # that forward's rows, read in pieces under `forward_bytes`
 
     @property
     def total(self) -> int:
         return self.kv + self.rows + self.logits + self.scratch
+
+    def least_setting(self) -> int:
+        """The least `MULTIDECODE_MEMORY` (bytes) under which this request fits: a budget is `HEADROOM`
+        of it, and a forward's scratch grows with it (`forward_bytes`), so it is more than `total`."""
+        rest = self.total - self.scratch
+
+        def fits(setting: int) -> bool:
+            scratch = min(max(forward_bytes(setting), self.scratch_row), self.scratch_rows * self.scratch_row)
+            return rest + (scratch if self.scratch_row else self.scratch) <= int(setting * HEADROOM)
+
+        return most_branches(lambda setting: not fits(setting), 1 << 50) + 1  # the first setting that fits
 
     def describe(self) -> str:
         return (f"{gigabytes(self.total)} ({gigabytes(self.kv)} of KV cache for {self.slots:,} tokens, "
@@ -184,13 +205,21 @@ def gigabytes(count: int) -> str:
     return f"{count:,} bytes"
 
 
+def setting_text(count: int) -> str:
+    """A byte count as a `MULTIDECODE_MEMORY` value, rounded up so that it is not less ("7.1MB")."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{math.ceil(count / size * 10) / 10:g}{unit}"
+    return str(count)
+
+
 def parse_bytes(text: str) -> int:
     """'6GB', '512MiB', '1.5g' or a plain count of bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise InvalidArgument(f"{text!r} is not an amount of memory", "write it like 6GB, 512MiB or 1000000000")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return round(float(match.group(1)) * _UNITS[unit])  # "7.1MB" is 7,100,000, not 7,099,999
 
 
 def available_bytes(device: torch.device | str = "cpu") -> int:
