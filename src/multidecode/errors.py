@@ -130,8 +130,9 @@ def check_text_bytes(head: bytes, name: str, what: str) -> None:
     UTF-16 (or UTF-32: zeros in every other byte of ASCII text, or their byte-order mark), or binary."""
     if head.startswith(b"\x1f\x8b"):
         raise InvalidInput(f"{name} is not a text file (it is gzip-compressed)", f"decompress the {what} first (gunzip)")
-    wide = head.startswith((b"\xff\xfe", b"\xfe\xff")) or any(
-        head[start::2].count(0) == 0 and head[1 - start::2].count(0) > len(head) // 4 for start in (0, 1))
+    sample = head[:8192]  # (a whole document may be given: its start tells)
+    wide = sample.startswith((b"\xff\xfe", b"\xfe\xff")) or any(
+        sample[start::2].count(0) == 0 and sample[1 - start::2].count(0) > len(sample) // 4 for start in (0, 1))
     if wide:
         raise InvalidInput(f"{name} is UTF-16 (or UTF-32) text, not UTF-8",
                            f"save the {what} as UTF-8 (iconv -f UTF-16 -t UTF-8 FILE > NEW_FILE)")

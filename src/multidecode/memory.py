@@ -173,8 +173,8 @@ class Need:
     logits: int
     scratch: int
     slots: int
-    scratch_row: int = 0  # the scratch of one row of the widest forward (a piece holds one at least)
-    scratch_rows: int = 1  # that forward's rows, read in pieces under `forward_bytes`
+    scratch_row: int  # the scratch of one row of the widest forward (a piece holds one at least)
+    scratch_rows: int  # that forward's rows, read in pieces under `forward_bytes`
 
     @property
     def total(self) -> int:
@@ -187,7 +187,7 @@ class Need:
 
         def fits(setting: int) -> bool:
             scratch = min(max(forward_bytes(setting), self.scratch_row), self.scratch_rows * self.scratch_row)
-            return rest + (scratch if self.scratch_row else self.scratch) <= int(setting * HEADROOM)
+            return rest + scratch <= int(setting * HEADROOM)
 
         return most_branches(lambda setting: not fits(setting), 1 << 50) + 1  # the first setting that fits
 

@@ -245,8 +245,6 @@ def _writing(path: Path):
     what is written stays (a replaced file is whole or untouched), so the same command resumes."""
     try:
         yield
-    except OutputUnwritable:
-        raise
     except OSError as error:
         raise OutputUnwritable(f"cannot write {path}: {error.strerror or error}",
                                "free some space (or mend the cause), then rerun the same command: it "
