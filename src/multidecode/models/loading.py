@@ -133,7 +133,7 @@ def _load_gguf(model, precision_name, device: torch.device) -> Loaded:
     from safetensors import SafetensorError
 
     precision.check(precision.parse(precision_name), device)  # (a bad name: refused before any read)
-    found = cache_copies(_gguf_path(model))  # (one that is no GGUF file: refused here)  # each with its completion mark as this load found it
+    found = cache_copies(_gguf_path(model))  # each with its mark as found (one that is no GGUF file: refused here)
     try:
         return _load_gguf_once(model, precision_name, device)
     except (ModelNotFound, OSError, ValueError, SafetensorError) as err:
