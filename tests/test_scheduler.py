@@ -14,6 +14,7 @@ from hash_lm import HashLM, path_logits, reference
 from multidecode.branches import BranchGroup, start
 from multidecode.cost import CostCurve
 from multidecode.engine import Engine
+from multidecode.errors import InvalidArgument
 from multidecode.forest import EVERYONE, ROOT, Forest, unchanged_prefix
 from multidecode.proposers.lookup import PromptLookup
 from multidecode.sampling_params import SamplingParams
@@ -155,6 +156,47 @@ def test_compacting_one_owner_never_touches_another():
     scheduler.run()
     assert [b.output.token_ids for b in long.branches] == [reference([4, 4, 6, 8], 10), reference([4, 4, 6, 9, 9], 10)]
     assert [b.output.token_ids for b in short.branches] == [reference(PROMPT + [1], 3), reference(PROMPT + [2, 3], 3)]
+
+
+class _Refusing(BranchGroup):
+    """A group whose own input is refused in the middle of a step (as a grammar llguidance's parser
+    gives up on is): in its `phase` ("plan" or "settle") of its second step."""
+
+    def __init__(self, phase: str, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.phase, self.steps_seen = phase, 0
+
+    def plan(self):
+        if self.phase == "plan" and self.steps_seen == 1:
+            raise InvalidArgument("this work's own input is refused")
+        return super().plan()
+
+    def settle(self, fed, result):
+        self.steps_seen += 1
+        if self.phase == "settle" and self.steps_seen == 2:
+            raise InvalidArgument("this work's own input is refused")
+        return super().settle(fed, result)
+
+
+@pytest.mark.parametrize("phase", ["plan", "settle"])
+def test_a_work_refused_mid_decode_ends_alone_and_the_others_go_on(phase):
+    """A `MultiDecodeError` from one work's plan or settle raised out of the shared step, so every
+    work on the scheduler failed with it (another client's request, another batch line). That work
+    ends alone (its `failure`, done, its slots freed); the others finish exact, and `run` raises it."""
+    scheduler = Scheduler(Engine(HashLM()))
+    bad = scheduler.admit(_Refusing(phase, PROMPT, [[1]], rule=StopRule(8), sampling=[SamplingParams()]))
+    good = scheduler.admit(BranchGroup([4, 4, 6], [[8], [9, 9]], rule=StopRule(8), sampling=[SamplingParams()] * 2))
+    scheduler.step()
+    scheduler.step()
+    assert bad.done and isinstance(bad.failure, InvalidArgument) and bad not in scheduler.works
+    assert not good.done and good.failure is None
+    scheduler.run(good)
+    assert [b.output.token_ids for b in good.branches] == [reference([4, 4, 6, 8], 8), reference([4, 4, 6, 9, 9], 8)]
+    assert bad.owner not in scheduler.engine.forest.slot_owners()
+    again = Scheduler(Engine(HashLM()))
+    again.admit(_Refusing(phase, PROMPT, [[1]], rule=StopRule(8), sampling=[SamplingParams()]))
+    with pytest.raises(InvalidArgument, match="refused"):
+        again.run()
 
 
 class _Offer(Work):

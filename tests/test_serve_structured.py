@@ -10,9 +10,12 @@ import jsonschema
 import openai
 import pytest
 from constraint_cases import reference
-from serving import MODEL, chat_choices, chat_prompt_ids
+from serving import MODEL, chat_choices, chat_prompt_ids, tiny_loader, wait_until
 
 from multidecode.constraints import Constraint
+from multidecode.errors import InvalidArgument
+from multidecode.runtime import ForestRuntime, Job, Limits
+from multidecode.sampling_params import SamplingParams
 
 SCHEMA = {
     "type": "object",
@@ -83,6 +86,46 @@ def test_structured_output_beside_free_requests_in_one_forest(server):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         together = [f.result() for f in [pool.submit(constrained), pool.submit(free)]]
     assert tuple(together) == alone
+
+
+def test_a_grammar_the_parser_gives_up_on_mid_decode_fails_its_own_job_alone(model_dir):
+    """`root ::= [xy] tail` passes the check before decoding (nothing is forced before the choice),
+    and llguidance's parser gives up once x or y is chosen (the tail forces "aaa..." without end).
+    That raised in the shared step and failed every job in the forest: another client's free request
+    got a 400 about a grammar it never sent, and a batch job's other lines failed with it. The job
+    fails alone with the engine's reason, and the free job sharing its steps gets its tokens alone."""
+    model, tokenizer = tiny_loader(model_dir)()
+    prompt = tokenizer("Pick x or y.")["input_ids"]
+    bad = Constraint.grammar('root ::= [xy] tail\ntail ::= "a" tail\n')
+
+    def run(constraints: list) -> list[list]:
+        outputs: list[list] = [[] for _ in constraints]
+        forest = ForestRuntime(model, tokenizer, limits=Limits(gather=len(constraints), gather_s=60)).start()
+        try:
+            for constraint, out in zip(constraints, outputs):
+                forest.submit(Job(prompts=[prompt], max_new_tokens=8, sampling=[SamplingParams()],
+                                  constraint=constraint, sink=out.append))
+            assert wait_until(lambda: not forest.busy, 60)
+        finally:
+            forest.stop()
+        return outputs
+
+    (alone,) = run([None])
+    free, refused = run([None, bad])
+    assert free[-1][0] == "done" and [item for item in free if item[0] == "token"] == \
+        [item for item in alone if item[0] == "token"]
+    assert refused[-1][0] == "error" and isinstance(refused[-1][1], InvalidArgument)
+    assert "cannot be followed" in str(refused[-1][1])
+
+
+def test_the_boolean_schema_true_is_any_json_value_as_in_python(server):
+    """`Constraint.json_schema(True)` is any JSON value (docs/structured.md); the server refused it
+    ("schema is not an object")."""
+    reply = server.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "any", "schema": True}})
+    expected = reference(server.forest, chat_prompt_ids(server, MESSAGES), Constraint.json_schema(True), max_new_tokens=40)
+    assert reply.choices[0].message.content == server.forest.tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_a_bad_schema_is_a_400_in_openais_shape(server):

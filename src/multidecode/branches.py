@@ -695,12 +695,19 @@ class BranchRun:
             while group.events:
                 yield group.events.popleft()
             if group.done:
+                self._raise_failure()
                 return
             self.step()
 
     def step(self) -> None:
-        """One scheduler step (every work on the scheduler advances)."""
+        """One scheduler step (every work on the scheduler advances); raises the error this run's
+        branches ended with, where one did (a grammar its parser gave up on: `Work.failure`)."""
         self.scheduler.step()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self.group.failure is not None:
+            raise self.group.failure
 
     def finish(self) -> BranchRun:
         """Drain the events (when only the final outputs are wanted)."""

@@ -19,6 +19,12 @@ works admitted to it, and each `step`:
    before the next step that feeds anything (so the cache of a finished one-off run can still be
    inspected, and a long-lived scheduler does not keep dead work).
 
+A work whose own `plan` or `settle` raises a `MultiDecodeError` (what its input caused: a grammar
+its parser gave up on mid-decode, a proposer's malformed draft) ends alone: the error becomes its
+`failure`, it is done and retired, and the step goes on for the others. So one request's bad
+input never fails another that shares its forward; a bug (any other exception) or a failed
+forward still ends the step for all.
+
 Works may be admitted between any two steps, so new requests can join a running forest. The
 scheduler knows nothing about sampling, drafts or beams beyond what a `Feed` says, and the
 engine knows nothing about works.
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 
 from .cost import choose_draft_count, cost_curve
 from .engine import Engine, FeedResult
+from .errors import MultiDecodeError
 from .forest import ROOT, Forest, local_parent
 
 
@@ -102,6 +109,7 @@ class Work:
     done: bool = False
     owner: int = -1
     forward_passes: int = 0
+    failure: MultiDecodeError | None = None  # what ended it alone (see the module notes), else None
 
     def plan(self) -> Feed | None:
         """The nodes to feed this step (None or an empty feed: nothing this step)."""
@@ -206,13 +214,18 @@ class Scheduler:
         return work
 
     def run(self, work: Work | None = None) -> None:
-        """Step until `work` (or every work) is done."""
+        """Step until `work` (or every work) is done; raises the `failure` a work ended with."""
+        watched = [work] if work is not None else list(self.works)
         while (not work.done) if work is not None else self.works:
+            watched += [w for w in self.works if w not in watched]  # admitted meanwhile
             self.step()
+            for w in watched:
+                if w.failure is not None:
+                    raise w.failure
 
     def step(self) -> None:
         """One forward for every work that wants one, then settle, roll back, compact, retire."""
-        plans = [(w, w.plan()) for w in list(self.works) if not w.done]
+        plans = [(w, _alone(w, w.plan)) for w in list(self.works) if not w.done]
         plans = [(w, f) for w, f in plans if f is not None and len(f)]
         if plans:
             self.free_retired()
@@ -293,7 +306,7 @@ class Scheduler:
         shares = shares_of(result, [feed for _, feed in plans], spans, logits_for, states_at, layers)
         for (work, _), chosen, share in zip(plans, kept, shares):
             work.forward_passes += calls
-            settled = work.settle(chosen, share)
+            settled = _alone(work, work.settle, chosen, share) or Settled()
             rejected.extend(settled.rejected)
             self._steps[work.owner] = self._steps.get(work.owner, 0) + 1
             if settled.dead:
@@ -311,6 +324,16 @@ class Scheduler:
         if self.engine.compact_if_due(list(work.live()), lambda dead, total: self.compaction.due(step, dead, total),
                                       owner=work.owner):
             self._dirty.discard(work.owner)
+
+
+def _alone(work: Work, call: Callable, *args):
+    """`call(*args)` for `work`; a `MultiDecodeError` it raises ends that work alone (its
+    `failure`, done) and gives None, so the step goes on for the other works."""
+    try:
+        return call(*args)
+    except MultiDecodeError as error:
+        work.failure, work.done = error, True
+        return None
 
 
 def states_wanted(feed: Feed, span: tuple[int, int], logits_for: Sequence[int]) -> list[int]:

@@ -340,6 +340,9 @@ class ForestRuntime:
                 self._send(job, ("token", event))
         if not work.done:
             return False
+        if work.failure is not None:  # its own input ended it, alone (`scheduler.Work.failure`)
+            self._finish(job, ("error", work.failure))
+            return True
         if job.beams:
             beams = work.beams(self.engine, self.tokenizer, job.beams)
             self.counters.generated += sum(len(b.token_ids) for b in beams)
