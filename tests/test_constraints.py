@@ -86,6 +86,28 @@ def test_bad_constraints_are_refused_when_made(make, message):
     assert caught.value.hint is not None
 
 
+@pytest.mark.parametrize("make, reason, hint", [
+    (lambda: Constraint.json_schema({"type": "string", "pattern": "(a"}), "unclosed group", '"pattern"'),
+    (lambda: Constraint.json_schema({"type": "string", "pattern": "(?=a)a"}), "look-around", '"pattern"'),
+    (lambda: Constraint.json_schema({"type": "string", "maxLength": 10**12}), "decimal literal", '"maxLength"'),
+    (lambda: Constraint.json_schema({"enum": [f"v{i}" for i in range(100_000)]}), "too big", '"enum" values'),
+    (lambda: Constraint.json_schema({"type": "integer", "multipleOf": 0}), "multiple of", '"multipleOf"'),
+    (lambda: Constraint.json_schema({"type": "object", "properties": {}, "required": ["a"],
+                                     "additionalProperties": False}), "required property", '"properties"'),
+    (lambda: Constraint.json_schema({"allOf": [{"type": "integer"}, {"type": "string"}]}), "incompatible types",
+     '"allOf"'),
+    (lambda: Constraint.regex("(a"), "unclosed group", "Rust regex syntax"),
+], ids=["pattern", "look-around", "maxLength", "enum", "multipleOf", "required", "allOf", "regex"])
+def test_a_refusal_gets_the_fix_for_its_reason(make, reason, hint):
+    """Each of these got a hint for another problem: "give a JSON Schema object" to a JSON Schema
+    object, "loosen the bounds" to a required property the schema leaves out. A regex's message
+    showed llguidance's position in its own grammar (`at 1(8)`) and the regex as rewritten."""
+    with pytest.raises(InvalidArgument, match=re.escape(reason)) as caught:
+        make()
+    assert hint in caught.value.hint and "JSON Schema object" not in caught.value.hint
+    assert "at 1(" not in caught.value.message and "invalid regex" not in caught.value.message
+
+
 def nested(depth: int) -> dict:
     """A schema of `depth` objects, each the one property of the object above it."""
     schema = {"type": "string"}
@@ -234,6 +256,21 @@ def test_a_constraint_that_forces_text_without_end_is_refused_when_compiled(deco
     decoder.generate("hi", grammar='root ::= "a" root | "a"\n', max_new_tokens=4)
     optional = {**SELF_REQUIRING, "required": []}
     decoder.generate("hi", json_schema=optional, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("make, cause, hint", [
+    (lambda eos: Constraint.regex("(a{1000}){1000}"), "too large for its lexer", "make it smaller"),
+    (lambda eos: Constraint.regex("(x|y)" + re.escape(eos)), "special token's text", "special tokens' text"),
+    (lambda eos: Constraint.json_schema({"enum": ["x" + eos, "y" + eos]}), "special token's text", "special tokens"),
+], ids=["lexer", "special token regex", "special token enum"])
+def test_a_constraint_the_engine_gives_up_on_is_told_why(decoder, make, cause, hint):
+    """Every give-up was blamed on a recursion without end ("give the recursion a way to end"),
+    also a regex too large for llguidance's lexer and the text of a special token (`<|im_end|>`,
+    which the tokenizer reads as the one special token the grammar cannot take)."""
+    with pytest.raises(InvalidArgument, match="cannot be followed") as caught:
+        decoder.generate("hi", constraint=make(decoder.tokenizer.eos_token), max_new_tokens=6)
+    assert cause in caught.value.message and hint in caught.value.hint
+    assert "recursion" not in caught.value.hint
 
 
 @pytest.mark.parametrize("schema", [True, "true"])
@@ -540,6 +577,8 @@ def test_cli_generate_and_complete_with_a_json_schema(decoder, model_dir, tmp_pa
     (["--json-schema", "MISSING"], "does not exist"),
     (["--grammar", "GRAMMAR"], "grammar cannot be read"),
     (["--regex", "a", "--grammar", "GRAMMAR"], "--regex and --grammar were both given"),
+    (["--grammar", 'root ::= "yes"'], "write the grammar to a file"),  # its text given for its path
+    (["--json-schema", '{"type": "integer"}'], "write the JSON schema to a file"),
 ])
 def test_cli_bad_constraints_exit_2_before_loading(tmp_path, args, needle):
     (tmp_path / "schema.json").write_text('{"type": "nope"}')
@@ -595,14 +634,17 @@ def test_a_line_whose_schema_the_engine_cannot_read_fails_alone(model_dir, tmp_p
             {"id": "weird", **line, "json_schema": weird},
             {"id": "best effort", **line, "json_schema": weird, "json_schema_strict": False},
             {"id": "strict alone", **line, "json_schema_strict": False},
-            {"id": "strict text", **line, "json_schema": fine, "json_schema_strict": "no"}]
+            {"id": "strict text", **line, "json_schema": fine, "json_schema_strict": "no"},
+            {"id": "true", **line, "json_schema": True},  # any JSON value, as in Python (it was refused)
+            {"id": "false", **line, "json_schema": False}]
     source, out = write_lines(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     result = invoke("batch", source, "--output", out, "--model", model_dir, "--max-new-tokens", 40)
     assert result.exit_code == 0, result.output
     got = by_id(records(out))
     assert len(got) == len(rows)
     failed = {key: got[key]["error"] for key in got if got[key]["error"] is not None}
-    assert sorted(failed) == ["deep", "nan", "strict alone", "strict text", "surrogate", "weird"]
+    assert sorted(failed) == ["deep", "false", "nan", "strict alone", "strict text", "surrogate", "weird"]
+    assert "the JSON schema is false" in failed["false"]["message"]
     assert failed["deep"]["type"] == "InvalidArgument" and "recursion limit" in failed["deep"]["message"]
     assert "NaN or Infinity" in failed["nan"]["message"] and "lone surrogate" in failed["surrogate"]["message"]
     assert "Unknown format" in failed["weird"]["message"] and '"json_schema_strict": false' in failed["weird"]["hint"]

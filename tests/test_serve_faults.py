@@ -165,6 +165,10 @@ BAD_CHATS = {
     "strict schema": (dict(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "strict": True, "schema": {"type": "string", "format": "weird"}}}), "response_format"),
     "format type": (dict(response_format={"type": "xml"}), "response_format"),
+    "format without type": (dict(response_format={"json_schema": {"name": "x", "schema": {"type": "integer"}}}),
+                            "response_format"),  # was answered unconstrained, its schema ignored
+    "false schema": (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": False}}),
+                     "response_format"),
     "streamed schema": (dict(stream=True, response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "required": 5}}}), "response_format"),
     "beam search format": (dict(n=2, response_format={"type": "json_object"}, extra_body={"use_beam_search": True}),

@@ -177,6 +177,13 @@ _SURROGATE_HINT = r"remove the lone surrogate (\ud800 to \udfff without its pair
 _SCHEMA_HINTS = (
     (("Unimplemented keys", "Unknown format"), BEST_EFFORT_HINT),
     (("anyOf is empty",), 'give "enum" (or "anyOf", "oneOf") at least one choice'),
+    (("decimal literal invalid",), 'keep "minLength", "maxLength" and a pattern\'s repetition counts below 2**32'),
+    (("regex parse error", "look-around"), 'fix its "pattern": Rust regex syntax (no look-around or back-references)'),
+    (("too big",), 'make it smaller: fewer or shorter "enum" values, fewer properties or alternatives'),
+    (("multiple of",), 'give "multipleOf" a number above 0'),
+    (("required property",), ('check each required property: some value must satisfy its schema, and where '
+                             '"additionalProperties" is false it needs its own entry in "properties"')),
+    (("incompatible types",), 'give the parts of "allOf" (or a "type" list and "enum") types that overlap'),
     (("Unsatisfiable",), "loosen the bounds (minLength/maxLength, minItems/maxItems, minimum/maximum...)"),
     (("recursion limit",), _DEEP_HINT),
     (("number out of range",), "keep its numbers within a double's range (up to about 1.8e308)"),
@@ -185,9 +192,9 @@ _SCHEMA_HINTS = (
 """(words in llguidance's reason, the fix) for a JSON schema it refuses; the first that matches
 wins, and a reason none matches gets the general hint. A schema's problems have different fixes,
 and a hint that says "give a JSON Schema object" to one that is one helps nobody."""
-_ENGINE_POSITION = re.compile(r"\s+at line \d+ column \d+$")
-"""Where llguidance's JSON reader stopped, in the text we wrote from the schema (not the user's):
-no help to a user, so it is left out of the message."""
+_ENGINE_POSITION = re.compile(r"\s+at line \d+ column \d+$|^at \d+\(\d+\): invalid regex \".*\" \(in regex\): ")
+"""Where llguidance stopped, in the text we wrote (the JSON of a schema; a regex as a one-rule
+grammar, `\\d` rewritten as `[0-9]`), not the user's: no help to a user, so left out of the message."""
 
 
 def read_schema(schema: dict | bool | str) -> dict:
@@ -439,12 +446,30 @@ def _check_start(constraint: Constraint, matcher) -> None:
 
 
 def _gave_up(constraint: Constraint, matcher) -> InvalidArgument:
-    """The error for a matcher llguidance stopped following (its parser's limits), with its reason."""
-    return InvalidArgument(
-        f"the {constraint.description} cannot be followed: the engine gave up on it "
-        f"({_first_line([matcher.get_error() or 'no reason given'])}); a rule that always calls itself again at its "
-        "end (root ::= \"a\" root), or a schema that requires itself, forces text without end",
-        "give the recursion a way to end: an alternative without it, or an optional property")
+    """The error for a matcher llguidance stopped following (its parser's or lexer's limits), with
+    its reason, and the cause and fix that reason points to (`_GAVE_UP`)."""
+    reason = _first_line([matcher.get_error() or "no reason given"])
+    cause, hint = next(((cause, hint) for words, cause, hint in _GAVE_UP if any(w in reason for w in words)),
+                        (None, "simplify the part of it the reason names"))
+    return InvalidArgument(f"the {constraint.description} cannot be followed: the engine gave up on it ({reason})"
+                           + (f"; {cause}" if cause else ""), hint)
+
+
+_GAVE_UP = (
+    (("Too many items",),
+     ("a rule that always calls itself again at its end (root ::= \"a\" root), or a schema that requires itself, "
+      "forces text without end"),
+     "give the recursion a way to end: an alternative without it, or an optional property"),
+    (("too many expressions",),
+     "a regular expression (or a schema's pattern or length bounds) too large for its lexer",
+     "make it smaller: fewer or lower repetition counts ((a{1000}){1000} is a million)"),
+    (("forced bytes",),
+     ("it spells out a special token's text (such as <|im_end|>): the tokenizer reads that text as the one special "
+      "token, which the grammar cannot take"),
+     "leave special tokens' text out of the constraint (a branch ends with its eos token by itself)"),
+)
+"""(words in llguidance's reason, what causes it, the fix) for a constraint the engine gives up on;
+the first that matches wins, and a reason none matches is given with a general fix."""
 
 
 _NOTHING_HINTS = {

@@ -33,7 +33,7 @@ class LineModel(BaseModel):
     document: Annotated[StrictStr, AfterValidator(lambda text: check_document(text) or text)]
     questions: list[Annotated[StrictStr, AfterValidator(_not_blank)]] | None = None
     sampling: dict[StrictStr, Any] | None = None
-    json_schema: dict | None = None
+    json_schema: dict | StrictBool | None = None  # true: any JSON value (false is refused)
     json_schema_strict: StrictBool | None = None
 
 
@@ -92,7 +92,7 @@ def _explain(problem: dict, data: dict) -> MultiDecodeError:
         return InvalidInput(f'"json_schema_strict" must be true or false, got {_kind(value)}',
                             'use "json_schema_strict": false for best effort, or leave it out')
     if field == "json_schema":
-        return InvalidInput(f'"json_schema" must be a JSON object (a JSON schema), got {_kind(value)}',
+        return InvalidInput(f'"json_schema" must be a JSON object (a JSON schema) or true, got {_kind(value)}',
                             'use "json_schema": {"type": "object", "properties": {...}}')
     if not where:
         if isinstance(value, str):

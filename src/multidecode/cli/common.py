@@ -486,7 +486,9 @@ def read_text(path: str, what: str = "document") -> str:
     else:
         file = Path(path)
         if not file.exists():
-            raise InvalidInput(f"the {what} file {path} does not exist", "check the path")
+            written = any(mark in path for mark in ("\n", "::=", "{"))  # the text itself, not a file's path
+            raise InvalidInput(f"the {what} file {path} does not exist", f"write the {what} to a file and give its "
+                               "path" if written else "check the path")
         if file.is_dir():
             raise InvalidInput(f"the {what} file {path} is a folder", "pass a text file")
         try:

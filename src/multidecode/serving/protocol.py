@@ -612,6 +612,9 @@ def to_job(body: _Body, tokenizer, *, vocab_size: int, max_positions: int | None
 
 def _constraint(response_format: dict | None, tokenizer, *, vocab_size: int, eos_ids) -> Constraint | None:
     """OpenAI's `response_format` as a constraint (None for text), compiled for the tokenizer."""
+    if response_format is not None and "type" not in response_format:  # answered as text, its schema would be ignored
+        raise BadRequest('response_format.type is missing: give "text", "json_object" or "json_schema"',
+                         "response_format")
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
         return None
@@ -630,7 +633,7 @@ def _constraint(response_format: dict | None, tokenizer, *, vocab_size: int, eos
     return _compiled(made, tokenizer, "response_format", vocab_size=vocab_size, eos_ids=eos_ids)
 
 
-def _json_schema(spec) -> tuple[dict, bool]:
+def _json_schema(spec) -> tuple[dict | bool, bool]:
     """OpenAI's `response_format.json_schema`, checked as OpenAI checks it: its name and its schema
     must be there (a missing schema would otherwise let any JSON through), as (schema, strict)."""
     form = '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
@@ -639,7 +642,7 @@ def _json_schema(spec) -> tuple[dict, bool]:
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise BadRequest(f"response_format.json_schema.name is missing: name the schema, as in {form}",
                          "response_format", "invalid_json_schema")
-    if not isinstance(spec.get("schema"), dict):
+    if not isinstance(spec.get("schema"), dict | bool):  # JSON Schema's `true` is any value (`false` is refused)
         what = "missing" if spec.get("schema") is None else "not an object"
         raise BadRequest(f"response_format.json_schema.schema is {what}: give the JSON schema the reply must follow, "
                          f'as in {form}, or use {{"type": "json_object"}} for any JSON object',
