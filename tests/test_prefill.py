@@ -270,6 +270,12 @@ def test_the_prefix_cache_offers_a_prompt_only_as_far_as_it_is_fed(model):
 
 def test_serve_refuses_prefill_settings_that_cannot_pace():
     for args, message in ((["--prefill-chunk", "-1"], "--prefill-chunk must be at least 0"),
-                          (["--prefill-stretch", "0.5"], "--prefill-stretch must be over 1")):
+                          (["--prefill-stretch", "0.5"], "--prefill-stretch must be over 1"),
+                          # nan and inf passed the checks: the server started and every request was a 500
+                          (["--prefill-stretch", "nan"], "--prefill-stretch must be a finite number"),
+                          (["--prefill-stretch", "inf"], "--prefill-stretch must be a finite number"),
+                          (["--gather-s", "nan"], "--gather-s must be a finite number"),
+                          (["--drain-timeout", "nan"], "--drain-timeout must be a finite number"),
+                          (["--drain-timeout", "-1"], "--drain-timeout must be a finite number")):
         result = CliRunner().invoke(main, ["serve", *args])
         assert result.exit_code == 2 and message in result.output, (args, result.output)

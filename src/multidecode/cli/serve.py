@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import fields
 
 import click
@@ -82,7 +83,7 @@ def serve(model_name, precision, device, host, port, api_key, allowed_origins, s
     limits = Limits(max_live_tokens=max_live_tokens, max_branches=max_branches,
                     prefix_cache_tokens=prefix_cache_tokens, max_running=max_running, gather=gather, gather_s=gather_s,
                     prefill_chunk=prefill_chunk, prefill_stretch=prefill_stretch)
-    check_limits(limits, threads)
+    check_limits(limits, threads, drain_timeout)
     canonical = check_precision_and_device(precision, device)
     settings = speculation_from(speculate, draft_budget)
     if threads is not None:
@@ -123,10 +124,16 @@ def check_precision_and_device(precision: str | None, device: str | None) -> str
     return canonical
 
 
-def check_limits(limits: Limits, threads: int | None) -> None:
-    """Refuse limits that could never admit a request."""
+def check_limits(limits: Limits, threads: int | None, drain_timeout: float = 0.0) -> None:
+    """Refuse limits that could never admit a request, and times that are not numbers (nan and inf
+    passed every comparison below: the server started, and every request was a 500)."""
     from ..errors import InvalidArgument
 
+    for option, value, example in (("--gather-s", limits.gather_s, 0), ("--prefill-stretch", limits.prefill_stretch,
+                                   1.5), ("--drain-timeout", drain_timeout, 30)):
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"{option} must be a finite number, 0 or more, got {value}",
+                                  f"for example {option} {example}")
     for option, value, least in (("--max-live-tokens", limits.max_live_tokens, 1),
                                  ("--max-branches", limits.max_branches, 1),
                                  ("--prefix-cache-tokens", limits.prefix_cache_tokens, 0),
