@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -181,6 +182,48 @@ def test_small_byte_counts_are_written_in_their_own_unit():
 
 def test_a_folder_without_config(doc, tmp_path):
     assert_clean_error(run("ask", "--model", tmp_path, "--document", doc, "-q", "why?"), "no config.json")
+
+
+def _damaged_copy(model_dir, tmp_path, damage: str):
+    """A copy of the tiny model folder with one fault a published or downloaded folder can have."""
+    folder = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    config = json.loads((folder / "config.json").read_text())
+    if damage == "flash attention in its config":
+        config["_attn_implementation"] = "flash_attention_2"
+    elif damage == "a config value of the wrong type":
+        config["hidden_size"] = "big"
+    elif damage == "weights cut short":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "no tokenizer":
+        for name in multidecode.models.loading.TOKENIZER_FILES:
+            (folder / name).unlink(missing_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_folder_whose_config_asks_for_flash_attention_loads_with_ours(model_dir, doc, tmp_path):
+    """Many published folders carry "_attn_implementation": "flash_attention_2" in config.json:
+    transformers took it over the attention asked for and failed to import flash-attn (a traceback
+    on the command line, an ImportError from `load`). The weights are the same whatever reads them."""
+    folder = _damaged_copy(model_dir, tmp_path, "flash attention in its config")
+    loaded = multidecode.load(str(folder), exact=True)
+    plain = multidecode.load(str(model_dir), exact=True)
+    assert loaded.generate("hi", max_new_tokens=4).token_ids == plain.generate("hi", max_new_tokens=4).token_ids
+
+
+@pytest.mark.parametrize("damage, needles", [
+    ("a config value of the wrong type", ("expected int, got str", "config.json")),
+    ("weights cut short", ("deserializing header", "may be cut short or damaged")),
+    ("no tokenizer", ("has no tokenizer", "copy the tokenizer's files")),
+])
+def test_a_damaged_folder_is_a_clean_error(model_dir, doc, tmp_path, damage, needles):
+    """The first two were tracebacks (huggingface_hub's and safetensors' own errors); the third
+    sent the user to install sentencepiece or tiktoken."""
+    folder = _damaged_copy(model_dir, tmp_path, damage)
+    assert_clean_error(run("ask", "--model", folder, "--document", doc, "-q", "why?"), *needles)
+    with pytest.raises(multidecode.ModelNotFound):
+        multidecode.load(str(folder))
 
 
 def test_an_encoder_decoder_architecture(doc, tmp_path):

@@ -209,9 +209,18 @@ def _load_folder(model: str, chosen: precision.Precision) -> Loaded:
     return loaded
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+"""Files a Hugging Face folder's tokenizer is read from (one is enough); a folder with none got
+transformers' words about installing sentencepiece or tiktoken."""
+
+
 def _float_folder(folder, kwargs: dict, chosen: precision.Precision, source: str) -> Loaded:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if Path(folder).is_dir() and not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelNotFound(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})",
+                            "copy the tokenizer's files from the model's original folder beside its config.json")
     with quiet_transformers(), loading_errors(source):
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         lm = from_pretrained(AutoModelForCausalLM, folder, chosen.dtype, kwargs)

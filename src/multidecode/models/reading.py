@@ -53,15 +53,22 @@ def quiet_transformers(*, loading: bool = True):
 
 @contextlib.contextmanager
 def loading_errors(model):
-    """Turn what transformers raises for a model it cannot read into `ModelNotFound`."""
+    """Turn what transformers raises for a model it cannot read into `ModelNotFound`: a file cut
+    short or damaged (safetensors' own error, struct's), a config value of the wrong type
+    (huggingface_hub's validation error), a missing one."""
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+
     try:
         yield
     except MultiDecodeError:
         raise
-    except (OSError, ValueError, KeyError, struct.error, EOFError) as err:
+    except (OSError, ValueError, KeyError, struct.error, EOFError, SafetensorError, StrictDataclassError) as err:
         hint = "pass a local Hugging Face model folder, a .gguf file, or nothing for the embedded model"
-        if str(model).lower().endswith(".gguf"):  # a header or a tensor that ends early: most often a cut download
+        if str(model).lower().endswith(".gguf") or isinstance(err, SafetensorError):  # most often a cut download
             hint = f"{model} may be cut short or damaged (a download that did not finish?): fetch it again; or " + hint
+        elif isinstance(err, StrictDataclassError):
+            hint = f"fix that value in {model}'s config.json (or fetch the file again)"
         raise ModelNotFound(f"could not load a causal language model from {model}: {in_one_line(err)}", hint) from err
 
 
@@ -77,9 +84,16 @@ def sdpa_or_eager(build: Callable[[str], T]) -> T:
 
 
 def from_pretrained(auto_class, folder, dtype, kwargs):
+    """`auto_class.from_pretrained` with our attention (`sdpa_or_eager`), the folder's config read
+    first and passed whole: left to transformers, a config.json's own "_attn_implementation"
+    (flash_attention_2, in many published folders) won over the attention asked for, and loading
+    failed with flash-attn's ImportError. The weights are the same whatever attention reads them."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, **kwargs)
     try:
-        return sdpa_or_eager(lambda attention: auto_class.from_pretrained(folder, dtype=dtype,
-                                                                         attn_implementation=attention, **kwargs))
+        return sdpa_or_eager(lambda attention: auto_class.from_pretrained(
+            folder, config=config, dtype=dtype, attn_implementation=attention, **kwargs))
     except ValueError as err:
         if "Unrecognized configuration class" in str(err) or "does not recognize" in str(err):
             raise UnsupportedModel(
