@@ -456,6 +456,25 @@ def test_a_cache_this_user_cannot_write_is_listed(cache, monkeypatch):
     assert [e["state"] for e in json.loads(result.output)["entries"]] == ["1 build"]
 
 
+def test_another_users_copy_is_listed_as_not_readable(cache, tiny_gguf, monkeypatch):
+    """Copies are made mode 0700: another user's `cache list` (and `cache clear`) met a
+    PermissionError looking into one, a traceback."""
+    from pathlib import Path
+
+    converted.gguf_copy(tiny_gguf, described=True)
+    real = Path.is_file
+
+    def not_ours(path):
+        if path.name == converted._COMPLETE:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(Path, "is_file", not_ours)
+    result = cli("list", "--json")
+    assert result.exit_code == 0, result.output
+    assert [e["state"] for e in json.loads(result.output)["entries"]] == ["not readable here (Permission denied)"]
+
+
 def test_the_embedded_copy_follows_the_installed_file(cache, tmp_path, monkeypatch, conversions):
     """Its name is fixed, so a package upgrade with other weights kept the old copy: float32 ran the
     weights the package no longer had, and `cache list` said "embedded". A reinstall (a new mtime,

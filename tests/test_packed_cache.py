@@ -8,8 +8,10 @@ writes its own tiny GGUF (`gguf_files`) and cache folder (the `cache` fixture).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from click.testing import CliRunner
 from gguf_files import write_tiny_gguf
 
 from multidecode.cli import main
-from multidecode.errors import InvalidArgument
+from multidecode.errors import CacheUnwritable, InvalidArgument, ModelNotFound
 from multidecode.models import converted, gguf, loading, packed, packed_cache
 from multidecode.models.tensor_directory import TensorDirectory
 
@@ -249,6 +251,43 @@ def test_a_copy_cleared_while_it_loads_is_made_again(cache, tmp_path, monkeypatc
 
     monkeypatch.setattr(loading, "_float_folder", cleared_first)
     assert torch.equal(load(path, "float32")[1], expected) and cleared
+
+
+@pytest.mark.parametrize("refusal", [errno.EACCES, errno.ENOSPC])
+def test_a_cache_folder_that_refuses_a_write_mends_nothing_and_says_so(cache, tmp_path, monkeypatch, refusal):
+    """A write the folder refuses (another user's, read-only, full) was taken for a damaged copy:
+    the good copies were removed to be made again, where that fails the same way (as a user without
+    write access, a traceback from removing them). It is a CacheUnwritable, and the copies stay."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    load(path, None)
+    before = sorted(p.name for p in converted.cache_dir().iterdir())
+
+    def refused(*args):
+        raise ModelNotFound("could not load") from OSError(refusal, os.strerror(refusal))
+
+    monkeypatch.setattr(loading, "_load_gguf_once", refused)
+    with pytest.raises(CacheUnwritable, match=os.strerror(refusal)) as caught:
+        load(path, "int8")
+    assert "MULTIDECODE_CACHE" in caught.value.hint
+    assert sorted(p.name for p in converted.cache_dir().iterdir()) == before
+
+
+def test_a_lock_this_user_cannot_write_is_taken_read_only(cache, monkeypatch):
+    """A read-only cache whose lock files exist: the lock was opened for appending (`touch` had
+    passed: a file's owner may stamp it), a PermissionError out of every load at a new precision."""
+    lock = converted._lock_path("some-copy")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    real_open = open
+
+    def read_only(file, mode="r", *args, **kwargs):
+        if Path(file) == lock and mode != "r":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", read_only)
+    with converted.locked_copy("some-copy"):
+        assert converted._held(lock)
 
 
 def test_a_users_error_mends_nothing_in_the_cache(cache, tmp_path):

@@ -316,15 +316,18 @@ def locked_copy(name: str, *, or_unlocked: bool = False):
     it, adding a model's packed weights to it) holds it, and `clear_cache` removes no copy another
     process holds. or_unlocked: where no lock can be made (a read-only cache), go on without one
     (for work that survives its writes failing) instead of raising the OSError."""
-    lock = _lock_path(name)
+    lock, create = _lock_path(name), True
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
-        lock.touch()
+        with open(lock, "a"):  # made, and writable: `touch` passed on a read-only lock its owner may stamp
+            pass
     except OSError:
-        if not or_unlocked:
-            raise
-        lock = None
-    with _exclusive(lock) if lock is not None else contextlib.nullcontext():
+        create = False  # a lock this user cannot write is still taken through a read-only open
+        if not lock.is_file():
+            if not or_unlocked:
+                raise
+            lock = None
+    with _exclusive(lock, create=create) if lock is not None else contextlib.nullcontext():
         yield
 
 
@@ -480,6 +483,15 @@ def _clear_kernels(folder: Path) -> tuple[int, int]:
 
 
 def _entry(path: Path) -> CacheEntry:
+    """What `path` in the cache folder is; one this user may not look into (another user's copy:
+    copies are made mode 0700) is listed as such, not a traceback."""
+    try:
+        return _entry_of(path)
+    except PermissionError as err:
+        return CacheEntry(path.name, "other", path, 0, _stamp(path), None, f"not readable here ({err.strerror})")
+
+
+def _entry_of(path: Path) -> CacheEntry:
     size, created = _disk_bytes(path), _stamp(path)
     if path.is_dir() and (path / _COMPLETE).is_file():
         manifest = _read_manifest(path / MANIFEST)

@@ -9,6 +9,7 @@ the forest's sdpa kernel (`attention.use_forest_sdpa`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass, field
@@ -17,8 +18,9 @@ from pathlib import Path
 import torch
 
 from ..attention import use_forest_sdpa
-from ..errors import InvalidArgument, ModelNotFound, MultiDecodeError
+from ..errors import CacheUnwritable, InvalidArgument, ModelNotFound, MultiDecodeError
 from ..exact import use_exact_kernels
+from ..user_cache import cache_dir
 from . import precision
 from .converted import cache_copies, discard_copies, embedded_gguf, gguf_copy
 from .packed import pack_model
@@ -138,6 +140,9 @@ def _load_gguf(model, precision_name, device: torch.device) -> Loaded:
         return _load_gguf_once(model, precision_name, device)
     except (ModelNotFound, OSError, ValueError, SafetensorError) as err:
         user_error = isinstance(err, MultiDecodeError) and not isinstance(err, ModelNotFound)
+        if not user_error and (denied := _cache_refused(err)) is not None:  # the folder's fault: copies are kept
+            raise CacheUnwritable(f"cannot use the cache folder {cache_dir()}: {in_one_line(denied)}",
+                                  "set MULTIDECODE_CACHE to a folder of your own with room to write") from err
         if user_error or not found:  # nothing of the cache's to mend, or it failed making them
             raise
         reason = in_one_line(err)
@@ -145,6 +150,20 @@ def _load_gguf(model, precision_name, device: torch.device) -> Loaded:
     discard_copies(found)
     log.warning("a cache copy of %s did not load (%s): made again", model or "the embedded model", reason)
     return _load_gguf_once(model, precision_name, device)
+
+
+CACHE_REFUSALS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+"""Why an OSError says the cache folder cannot be used (permissions, a read-only or full disk),
+whatever state its copies are in: making them again would fail the same way, after removing them."""
+
+
+def _cache_refused(err: BaseException) -> OSError | None:
+    """The OSError behind `err` (itself, or what it was raised from) that the folder caused, if any."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in CACHE_REFUSALS:
+            return err
+        err = err.__cause__
+    return None
 
 
 def _load_gguf_once(model, precision_name, device: torch.device) -> Loaded:
