@@ -118,6 +118,16 @@ def test_a_negative_temperature_on_the_command_line_speaks_of_the_option(doc):
         assert "do_sample" not in result.output + result.stderr
 
 
+@pytest.mark.parametrize("columns", ["0", "-3"])
+def test_errors_show_where_columns_is_zero(tmp_path, columns):
+    """COLUMNS=0 (some CI runners, a pty sized 0x0) made rich write nothing at all: no `error:`
+    line, only the exit status."""
+    env = {**os.environ, "COLUMNS": columns}
+    result = subprocess.run([sys.executable, "-m", "multidecode", "generate", "--model", str(tmp_path / "nope"),
+                             "-p", "hi"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2 and "error: no model at" in result.stderr and "hint:" in result.stderr
+
+
 def test_missing_model_path(doc, tmp_path):
     assert_clean_error(run("ask", "--model", tmp_path / "nope", "--document", doc, "-q", "why?"), "does not exist")
 

@@ -55,8 +55,15 @@ class Diagnostics(Console):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
-stderr = Diagnostics(stderr=True, highlight=False, soft_wrap=True)
-stdout = Output(highlight=False, soft_wrap=True)
+def console_width() -> int | None:
+    """None (rich reads COLUMNS, else the terminal), but 80 where COLUMNS is 0 or less (some CI
+    runners, a pty sized 0x0): rich then wrote nothing at all, every `error:` line silenced."""
+    value = os.environ.get("COLUMNS", "").strip()
+    return 80 if value.lstrip("-").isdigit() and int(value) <= 0 else None
+
+
+stderr = Diagnostics(stderr=True, highlight=False, soft_wrap=True, width=console_width())
+stdout = Output(highlight=False, soft_wrap=True, width=console_width())
 
 UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 """Why a write to an open stream fails where the reader did not leave: the device is full or broken."""
