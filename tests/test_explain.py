@@ -230,6 +230,17 @@ def test_the_command_writes_a_png(tiny, tmp_path):
     assert image[..., :3].std() > 0.05  # something is drawn on the white
 
 
+@pytest.mark.parametrize("args, mode", [(["--draft-budget", 2], "lookup"), (["--lookahead", "2,2,2"], "lookahead")])
+def test_a_setting_of_the_default_mode_needs_no_mode(tiny, tmp_path, args, mode):
+    """explain speculates by default (lookup): --draft-budget alone, or --lookahead, was refused as
+    "needs speculation, and --speculate is off"."""
+    folder, document = tiny
+    result = run("--model", folder, "--document", document, "-q", "what?", "--max-new-tokens", 6, "--json",
+                 "--output", tmp_path / "step.png", *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["speculate"] == mode
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--speculate", "sideways"], "unknown speculation mode"),
     (["--speculate", "off"], "has no draft tokens to draw"),

@@ -93,10 +93,12 @@ def explain(document, question, max_new_tokens, speculate, draft_budget, step, o
     questions = list(question) or _explain.sample_questions()
     check_document(text)
     check_questions(questions)
-    if speculation_from(speculate, draft_budget).off:
-        if speculate.mode is not None:  # "off", said
-            raise InvalidArgument(f"--speculate {speculate.mode} has no draft tokens to draw", "use lookup or auto")
-        speculate = dataclasses.replace(speculate, mode="lookup")  # left out, and no detail implied a mode
+    if speculate.mode is None and not (speculate.draft_model or speculate.draft_skip_layers or speculate.draft_head):
+        # left out, and no draft named implies one: explain's default, before --draft-budget or --lookahead is
+        # checked (which, read without it, said "--speculate is off")
+        speculate = dataclasses.replace(speculate, mode="lookahead" if speculate.lookahead else "lookup")
+    if speculation_from(speculate, draft_budget).off:  # "off", said
+        raise InvalidArgument(f"--speculate {speculate.mode} has no draft tokens to draw", "use lookup or auto")
     if step is not None and step < 2:
         raise InvalidArgument(f"--step must be 2 or more, got {step}",
                               "step 1 feeds the prompts; leave --step unset to pick the step that shows most")
