@@ -805,6 +805,32 @@ def test_bench_redraw_draws_every_result_it_can_and_names_the_rest(tmp_path):
     assert "wrote" in result.stdout and (tmp_path / "a_good.md").is_file()
 
 
+def test_a_result_that_cannot_be_drawn_leaves_its_pair_as_it_was_and_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    """redraw wrote the PNG, then failed on the markdown (a result without `metadata.date`): the
+    new PNG beside the old .md; a full disk said "cannot write  (No space left on device)"."""
+    import json
+    import shutil
+
+    from multidecode.bench import results
+
+    shipped = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench_sample.json"
+    for suffix in (".json", ".png", ".md"):
+        shutil.copy(shipped.with_suffix(suffix), tmp_path / f"r{suffix}")
+    data = json.loads(shipped.read_text())
+    del data["metadata"]["date"]
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert_clean_error(run("bench", "redraw", tmp_path / "r.json"), "is not a multidecode benchmark result")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    shutil.copy(shipped, tmp_path / "r.json")
+
+    def full(path, chunks, **settings):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(results, "replace_atomically", full)
+    assert_clean_error(run("bench", "redraw", tmp_path / "r.json"), f"cannot write {tmp_path / 'r.png'} (No space")
+
+
 def test_a_finished_bench_run_whose_files_cannot_be_written_keeps_its_result(tmp_path, capsys):
     """Its files written at the end of a run that may take an hour: a path taken by a folder ended
     in a traceback; the JSON is kept (or printed) and the error says where."""

@@ -195,11 +195,20 @@ def markdown_table(table: TextTable) -> list[str]:
 
 
 def plot(result: dict, path: str | Path) -> Path:
-    """Draw the result's chart (matplotlib's Agg canvas: no window, no global state)."""
+    """Draw the result's chart into `path` (whole or not at all)."""
+    path = Path(path)
+    replace_atomically(path, [png(result)], durable=False)
+    return path
+
+
+def png(result: dict) -> bytes:
+    """The result's chart as PNG bytes (matplotlib's Agg canvas: no window, no global state)."""
+    import io
+
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    chart, path = CHARTS.get(result["benchmark"], layout_chart)(result), Path(path)
+    chart = CHARTS.get(result["benchmark"], layout_chart)(result)
     below = chart.legend == "figure"
     fig = Figure(figsize=(max(8.0, 4.6 * len(chart.panels)), 4.6 + below), dpi=120)
     FigureCanvasAgg(fig)
@@ -218,8 +227,9 @@ def plot(result: dict, path: str | Path) -> Path:
                    frameon=False)
     fig.suptitle(f"{chart.title or result['title']} - {machine_label(result)}", fontsize=TITLE_SIZE)
     fig.tight_layout(rect=(0, 0.12 if below else 0, 1, 1))
-    fig.savefig(path)
-    return path
+    drawn = io.BytesIO()
+    fig.savefig(drawn, format="png")
+    return drawn.getvalue()
 
 
 def _lines(ax, panel: Panel, chart: Chart) -> None:
@@ -276,8 +286,12 @@ def redraw(path: str | Path) -> list[Path]:
     path = Path(path)
     result = json.loads(path.read_text(encoding="utf-8"))
     drawn = [path.with_name(path.stem + ".png"), path.with_name(path.stem + ".md")]
-    plot(result, drawn[0])
-    drawn[1].write_text(markdown(result), encoding="utf-8")
+    contents = [png(result), markdown(result).encode("utf-8")]  # both drawn first: a result that cannot be
+    for target, content in zip(drawn, contents):                # drawn leaves the pair there as it was
+        try:
+            replace_atomically(target, [content], durable=False)
+        except OSError as err:  # named by the file it is for (a full disk's write names none)
+            raise OSError(err.errno, err.strerror, str(target)) from err
     return drawn
 
 
