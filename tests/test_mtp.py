@@ -146,6 +146,12 @@ def test_a_mixture_of_experts_is_refused_the_exact_kernels_and_said_so(tmp_path)
                                        "--precision", "bfloat16"])
     assert result.exit_code == 0 and "exact to the token, not" not in result.stderr
     assert "in bfloat16 a near-tie can break" in " ".join(result.stderr.split())
+    # speculation there is refused in the options' words (it said "the default of `load`" and speculate='auto')
+    result = CliRunner().invoke(main, ["generate", "--model", str(folder), "-p", "Here is", "--max-new-tokens", "3",
+                                       "--precision", "int8", "--speculate", "lookup"])
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "cannot be exact in bfloat16 (the dtype the model computes in)" in said, said
+    assert "--precision float32" in said and "--speculate auto" in said and "`load`" not in said
 
 
 def test_the_cli_drafts_with_the_checkpoints_mtp_layer(tmp_path):

@@ -298,13 +298,15 @@ def build_speculation(speculate, dtype: torch.dtype, *, budget: int | None = Non
     raise inexact(spec.name, dtype)
 
 
-def inexact(name: str, dtype: torch.dtype) -> InvalidArgument:
-    """The error for explicit speculation (`name`) in a dtype where it cannot be exact."""
+def inexact(name: str, dtype: torch.dtype, spelling: Spelling | None = None) -> InvalidArgument:
+    """The error for explicit speculation (`name`) in a dtype where it cannot be exact, its fix
+    worded as `spelling` says (Python's by default)."""
+    spelling = spelling or PYTHON
     return InvalidArgument(
-        f"speculation ({name}) cannot be exact in {str(dtype).removeprefix('torch.')}: masked forwards take "
-        "other kernels there, so near-ties may break differently than in plain decoding",
-        "load the model with exact attention (the default of `load`), in float32, or use speculate='auto' "
-    "(which then does not speculate)")
+        f"speculation ({name}) cannot be exact in {str(dtype).removeprefix('torch.')} (the dtype the model computes "
+        "in) on the model's own kernels: masked forwards take other kernels there, so near-ties may break differently "
+        "than in plain decoding", f"{spelling.exact_fix}, or use {spelling.setting('auto')} (which then does not "
+                                  "speculate)")
 
 
 def auto_proposer(store=None, heads: Sequence = ()) -> Mixture:
@@ -335,6 +337,7 @@ class Spelling:
     skip_layers: str = "skip_layers"
     head: str = "head"
     assign: str = "{}={!r}"
+    exact_fix: str = "load the model with exact attention (the default of `load`), or in float32"
 
     def example(self, name: str, value: str) -> str:
         """How to write the setting `name` (one of the fields) at `value`: lookahead='7,5,7', --lookahead 7,5,7."""
@@ -456,7 +459,7 @@ class SpeculationSettings:
                                   f"add {spelling.draft_model}, or {spelling.example(spelling.skip_layers, 'auto')} to "
                                   "draft with the model itself")
         if self.mode not in (None, "auto") and dtype is not None and dtype not in EXACT_DTYPES and not exact:
-            raise inexact(self.mode, dtype)
+            raise inexact(self.mode, dtype, spelling)
 
     def build(self, dtype: torch.dtype, *, draft=None, exact: bool = False) -> Speculation | None:
         """A `Speculation` with a fresh proposer (see `build_speculation`); draft: the draft model for

@@ -185,7 +185,9 @@ def spelling() -> Spelling:
 
     return Spelling(mode="--speculate {}", current="--speculate is {}", budget="--draft-budget",
                     lookahead="--lookahead", draft_model="--draft-model", skip_layers="--draft-skip-layers",
-                    head="--draft-head", assign="{} {}")
+                    head="--draft-head", assign="{} {}",
+                    exact_fix="use --precision float32 (a model the exact kernels cannot run computes in float32 "
+                              "exactly)")
 
 
 class LateHelp(click.Option):
@@ -410,8 +412,11 @@ def open_run(model_name: str | None, precision: str | None, device: str | None, 
     """Check a decoding command's settings before anything loads (a typo fails at once), then
     load the decoder with a status line; returns it and what one run passes as `speculate=`."""
     check_early(max_new_tokens=max_new_tokens, n=n, sampling=sampling, stop=stop)
+    from ..exact import is_exact
+
     settings = speculation_from(speculate, draft_budget)
     decoder = load_decoder(model_name, precision, device)
+    settings.check(decoder.model.dtype, exact=is_exact(decoder.model), spelling=spelling())  # in the options' words
     return decoder, decoder.speculation(prepare_speculation(decoder, settings))
 
 
