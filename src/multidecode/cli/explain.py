@@ -65,7 +65,9 @@ def _unwritable(output: str, err: OSError, folder: Path | None = None) -> Invali
     """The error for an --output that cannot be written (checked before the run, or met saving):
     the reason, and where it was met when that is not the file itself (the folder it goes in)."""
     where = folder or (err.filename if err.filename and str(err.filename) != output else None)
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT)
     return InvalidArgument(f"cannot write --output {output}: {err.strerror or err}" + (f" (in {where})" if where else ""),
+                           "free some space there, or name a PNG file on another disk" if full else
                            "name a PNG file in a folder you may write to, e.g. --output step.png")
 
 
