@@ -105,6 +105,9 @@ def test_a_folder_without_a_tokenizer_is_named_with_what_transformers_missed(tmp
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1,
                                                     "num_attention_heads": 2, "intermediate_size": 32,
                                                     "vocab_size": 64}))
+    # a tokenizer file that holds no tokenizer reaches transformers' words (a folder with no tokenizer
+    # file at all is said to have none: tests/test_errors.py)
+    (folder / "tokenizer_config.json").write_text("{}")
     with pytest.raises(multidecode.ModelNotFound) as caught:
         multidecode.load(str(folder))
     message = caught.value.message

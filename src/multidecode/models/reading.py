@@ -87,13 +87,15 @@ def from_pretrained(auto_class, folder, dtype, kwargs):
     """`auto_class.from_pretrained` with our attention (`sdpa_or_eager`), the folder's config read
     first and passed whole: left to transformers, a config.json's own "_attn_implementation"
     (flash_attention_2, in many published folders) won over the attention asked for, and loading
-    failed with flash-attn's ImportError. The weights are the same whatever attention reads them."""
+    failed with flash-attn's ImportError. The weights are the same whatever attention reads them.
+    (A GGUF file's config, read through `gguf_file`, names no attention: left to transformers.)"""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder, **kwargs)
+    if "gguf_file" not in kwargs:
+        kwargs = {**kwargs, "config": AutoConfig.from_pretrained(folder, **kwargs)}
     try:
-        return sdpa_or_eager(lambda attention: auto_class.from_pretrained(
-            folder, config=config, dtype=dtype, attn_implementation=attention, **kwargs))
+        return sdpa_or_eager(lambda attention: auto_class.from_pretrained(folder, dtype=dtype,
+                                                                         attn_implementation=attention, **kwargs))
     except ValueError as err:
         if "Unrecognized configuration class" in str(err) or "does not recognize" in str(err):
             raise UnsupportedModel(
