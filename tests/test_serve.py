@@ -197,6 +197,24 @@ def test_questions_extension_answers_each_question_as_a_choice(server):
         assert choice.text == alone.choices[0].text
 
 
+def test_questions_in_a_chat_keep_the_system_message_and_earlier_turns(server):
+    """The last user message is the document; the system message and the turns before it were
+    dropped without a word (a 200 answering as if they had never been sent)."""
+    from multidecode.prompts import question_message
+
+    client = server.client()
+    earlier = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hello."},
+               {"role": "assistant", "content": "Hi."}]
+    questions = ["Who calls?", "What breaks?"]
+    reply = client.chat.completions.create(model=MODEL, messages=[*earlier, {"role": "user", "content": DOCUMENT}],
+                                           max_tokens=8, temperature=0, extra_body={"questions": questions})
+    for question, choice in zip(questions, reply.choices):
+        alone = client.chat.completions.create(
+            model=MODEL, messages=[*earlier, {"role": "user", "content": question_message(DOCUMENT, question)}],
+            max_tokens=8, temperature=0)
+        assert choice.message.content == alone.choices[0].message.content
+
+
 def test_beam_search_extension_equals_transformers(server):
     client = server.client()
     reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=3,

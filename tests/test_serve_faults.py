@@ -158,6 +158,8 @@ BAD_CHATS = {
     "questions with n": (dict(n=2, extra_body={"questions": ["why?"]}), "n"),
     "empty question": (dict(extra_body={"questions": [""]}), "questions"),
     "beam search stream": (dict(n=2, stream=True, extra_body={"use_beam_search": True}), "use_beam_search"),
+    "beam search questions": (dict(extra_body={"use_beam_search": True, "questions": ["why?"]}),
+                              "use_beam_search"),
     "schema": (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
                "response_format"),
     "unsatisfiable schema": (dict(response_format={"type": "json_schema", "json_schema": {
@@ -174,6 +176,14 @@ BAD_CHATS = {
     "beam search format": (dict(n=2, response_format={"type": "json_object"}, extra_body={"use_beam_search": True}),
                            "response_format"),
 }
+
+
+def test_beam_search_with_questions_is_refused_for_its_questions(server):
+    """It was refused as "use_beam_search takes one prompt", though one prompt was sent."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a document"}],
+                                                max_tokens=3, extra_body={"use_beam_search": True, "questions": ["why?"]})
+    assert "does not take questions" in caught.value.response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("name", BAD_CHATS)
@@ -315,6 +325,17 @@ def test_an_empty_api_key_is_refused_before_anything_loads(key):
     result = CliRunner().invoke(main, ["serve", "--api-key", key, "--model", "no/such/model"])
     assert result.exit_code == 2 and "the API key is empty" in result.stderr, result.output
     assert "leave --api-key out" in result.stderr
+
+
+@pytest.mark.parametrize("key", ["kéy", "tab\tkey"])
+def test_an_api_key_no_client_can_send_is_refused_before_anything_loads(key):
+    """A non-ASCII key was served: curl's UTF-8 got a 401, the openai client a UnicodeEncodeError."""
+    from click.testing import CliRunner
+
+    from multidecode.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "--api-key", key, "--model", "no/such/model"])
+    assert result.exit_code == 2 and "cannot carry" in result.stderr and "printable ASCII" in result.stderr
 
 
 def test_the_api_key_guards_every_route_but_health(model_dir):

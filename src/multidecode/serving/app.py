@@ -75,6 +75,10 @@ class ServeState:
         if api_key is not None and not api_key.strip():  # every request would get a 401, whatever its key
             raise InvalidArgument("the API key is empty (was the variable it came from unset?)",
                                   "give the key clients will send, or leave --api-key out to serve without one")
+        if api_key is not None and not (api_key.isascii() and api_key.isprintable()):  # an HTTP header carries it
+            raise InvalidArgument("the API key holds a character an HTTP header cannot carry as sent (clients send "
+                                  "UTF-8, the header is read as Latin-1: every request would get a 401)",
+                                  "use printable ASCII letters, digits and punctuation")
         self.name, self.api_key = name, api_key
         self.allowed_origins = tuple(map(_checked_origin, allowed_origins))  # pages whose scripts may call it (CORS)
         self.source = dict(source or {})  # how the model was asked for: model, precision, device

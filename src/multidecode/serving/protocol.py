@@ -12,7 +12,8 @@ body (the openai client's `extra_body`):
 - `use_beam_search`: beam search with n beams, all n returned best first (with `return_token_ids`,
   each beam's ids); what beams would pass over is refused (`_beams`): penalties, bias, sampling
   settings, stop strings, speculation, streaming, logprobs;
-- `questions`: questions about the one prompt (the document; for chat, the last user message),
+- `questions`: questions about the one prompt (the document; for chat, the last user message,
+  after the messages before it, a system message and earlier turns, which every question keeps),
   each answered as its own branch of one forest and returned as one choice per question;
 - `trace`: the stream also carries the forest nodes the request fed each step (the live page);
 - `return_token_ids`: each choice (each streamed chunk's choice) also carries `token_ids`, the
@@ -541,13 +542,16 @@ def _nesting(value) -> int:
     return deepest
 
 
-def _question_prompts(tokenizer, document: str, questions: Sequence[str], *, chat: bool) -> list[list[int]]:
+def _question_prompts(tokenizer, document: str, questions: Sequence[str], *, chat: bool,
+                      before: Sequence[dict] = ()) -> list[list[int]]:
+    """A prompt per question about `document`; in a chat, after the messages `before` the document's
+    (a system message, earlier turns), which each question's prompt keeps."""
     if not document.strip():
         raise BadRequest("the document (prompt) is empty: questions need a document to be about", "prompt")
     if not questions or any(not isinstance(q, str) or not q.strip() for q in questions):
         raise BadRequest("questions must be a non-empty list of non-empty strings", "questions")
     if chat and has_chat_template(tokenizer):
-        return [_chat_prompt(tokenizer, [{"role": "user", "content": question_message(document, q)}])
+        return [_chat_prompt(tokenizer, [*before, {"role": "user", "content": question_message(document, q)}])
                 for q in questions]
     return [list(tokenizer(question_message(document, q), add_special_tokens=True)["input_ids"])
             for q in questions]
@@ -837,16 +841,18 @@ def _prompts(body: _Body, tokenizer, vocab_size: int, *, chat: bool, max_branche
     if body.questions is not None:
         if body.n != 1:
             raise BadRequest("n must be 1 with questions: each question is one choice", "n")
-        if chat:
-            users = [m for m in body.messages if m.role == "user"]
+        before: list[dict] = []
+        if chat:  # the last user message is the document; what comes before it (a system message) is kept
+            users = [at for at, m in enumerate(body.messages) if m.role == "user"]
             if not users:
                 raise BadRequest("messages must hold a user message (the document)", "messages")
-            document = _content(users[-1])
+            document = _content(body.messages[users[-1]])
+            before = _chat_messages(tokenizer, body.messages[: users[-1]])
         else:
             if not isinstance(body.prompt, str):
                 raise BadRequest("with questions, the prompt must be the document as text", "prompt")
             document = body.prompt
-        return _question_prompts(tokenizer, document, body.questions, chat=chat)
+        return _question_prompts(tokenizer, document, body.questions, chat=chat, before=before)
     if chat:
         if not body.messages:
             raise BadRequest("messages must not be empty", "messages")
@@ -920,7 +926,10 @@ def _beams(body: _Body, prompts: list[list[int]], logprobs: int | None) -> int:
     """The number of beams of a `use_beam_search` request (n), else 0."""
     if not body.use_beam_search:
         return 0
-    if body.questions is not None or len(prompts) != body.n:  # n copies of each prompt given: one prompt
+    if body.questions is not None:
+        raise BadRequest("use_beam_search does not take questions: a beam search is of one prompt (ask each "
+                         "question in a request of its own)", "use_beam_search")
+    if len(prompts) != body.n:  # n copies of each prompt given: one prompt
         raise BadRequest("use_beam_search takes one prompt (n is the number of beams)", "use_beam_search")
     if body.stream or logprobs is not None:
         raise BadRequest("use_beam_search returns finished beams: stream and logprobs are not supported with it",
