@@ -87,6 +87,13 @@ def test_a_server_that_cannot_give_the_asked_tokens_is_refused(served, args, mes
     assert message in result.output and "hint:" in result.output and "Traceback" not in result.output
 
 
+def test_a_url_with_no_multidecode_server_at_it_says_so(served):
+    """A path after the port (or another program) answered 404, told to "change what it names"."""
+    result = CliRunner().invoke(main, ["generate", "--server", served.url + "/foo", "-p", PROMPT])
+    assert result.exit_code == 2, result.output
+    assert "no multidecode server answers at" in result.output and "no path after them" in result.output
+
+
 def test_precisions_and_devices_are_compared_in_any_spelling(served):
     """A server reports its precision canonical (auto); --precision AUTO or --device CPU is that one,
     not a mismatch, and an unknown name is said to be unknown."""

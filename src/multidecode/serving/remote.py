@@ -162,6 +162,9 @@ def _refused(url: str, reply: dict, status: int | None = None, *, key_sent: bool
     elif status == 401:
         words = (f"the server at {url} wants an API key, and none was sent: {message}",
                  "set MULTIDECODE_API_KEY to the server's key")
+    elif status in (404, 405):  # a path it does not serve: another program, or a path after the port
+        words = (f"no multidecode server answers at {url} (HTTP {status}: {message})",
+                 "check the URL: its host and port as `multidecode serve` printed them, with no path after them")
     else:
         words = (f"the server at {url} refused the request: {message}",
                  "change what it names, or drop --server to run here")
