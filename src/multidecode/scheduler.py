@@ -215,13 +215,11 @@ class Scheduler:
 
     def run(self, work: Work | None = None) -> None:
         """Step until `work` (or every work) is done; raises the `failure` a work ended with."""
-        watched = [work] if work is not None else list(self.works)
         while (not work.done) if work is not None else self.works:
-            watched += [w for w in self.works if w not in watched]  # admitted meanwhile
+            stepped = [work] if work is not None else list(self.works)
             self.step()
-            for w in watched:
-                if w.failure is not None:
-                    raise w.failure
+            if (failure := next((w.failure for w in stepped if w.failure is not None), None)) is not None:
+                raise failure
 
     def step(self) -> None:
         """One forward for every work that wants one, then settle, roll back, compact, retire."""

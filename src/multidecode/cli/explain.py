@@ -21,6 +21,7 @@ from .. import explain as _explain
 from ..errors import InvalidArgument
 from ..prompts import check_document, check_questions
 from .common import (
+    UNWRITABLE,
     counted,
     model_options,
     open_run,
@@ -65,7 +66,7 @@ def _unwritable(output: str, err: OSError, folder: Path | None = None) -> Invali
     """The error for an --output that cannot be written (checked before the run, or met saving):
     the reason, and where it was met when that is not the file itself (the folder it goes in)."""
     where = folder or (err.filename if err.filename and str(err.filename) != output else None)
-    full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+    full = err.errno in UNWRITABLE  # a full (or failing) disk: the folder's permissions are not the fix
     return InvalidArgument(f"cannot write --output {output}: {err.strerror or err}" + (f" (in {where})" if where else ""),
                            "free some space there, or name a PNG file on another disk" if full else
                            "name a PNG file in a folder you may write to, e.g. --output step.png")

@@ -43,9 +43,9 @@ _MINUS = str.maketrans({"\u2212": "-"})
 """The minus sign of typography (U+2212) read as "-": "−51" is not 51 (an en dash is a range's, "10–20")."""
 _DECORATION = " \t.,:;!?\"'*_`$"
 _LEADING_DECORATION = re.compile(r"^(?:[ \t,:;!?\"'*_`]|\.(?!\d))+")
+"""Decoration before an answer: the same marks, but not the point of a decimal (".5")."""
 _INLINE_MATH = re.compile(r"^\$+(.*?)\$+$")
 """An answer wholly in LaTeX's inline math delimiters ("$x = 5$")."""
-"""Decoration before an answer: the same marks, but not the point of a decimal (".5")."""
 
 
 @dataclass(frozen=True)
